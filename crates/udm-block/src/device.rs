@@ -1,0 +1,197 @@
+//! The trait every layer implements, and the shared vocabulary of its requests.
+
+use std::sync::OnceLock;
+
+use crate::error::Result;
+
+/// Extent flag: the range is not allocated (reads as zero unless `EXTENT_ZERO` is clear).
+pub const EXTENT_HOLE: u32 = 1;
+/// Extent flag: the range reads as zeroes.
+pub const EXTENT_ZERO: u32 = 2;
+
+/// One run of a block-status answer. The flags use NBD's `base:allocation` bits, which are also
+/// what SEEK_HOLE/SEEK_DATA and a clone's bitmap can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub len: u64,
+    pub flags: u32,
+}
+
+impl Extent {
+    pub fn data(len: u64) -> Self {
+        Extent { len, flags: 0 }
+    }
+    pub fn hole(len: u64) -> Self {
+        Extent { len, flags: EXTENT_HOLE | EXTENT_ZERO }
+    }
+    pub fn zero(len: u64) -> Self {
+        Extent { len, flags: EXTENT_ZERO }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriteFlags {
+    /// Force unit access: the data is durable when the write completes.
+    pub fua: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ZeroFlags {
+    pub fua: bool,
+    /// The range may be deallocated as long as it reads back as zeroes.
+    pub may_unmap: bool,
+    /// Fail with `NotSupported` instead of falling back to writing zero buffers.
+    pub fast_only: bool,
+}
+
+/// What a device can do natively. Everything it cannot do is emulated by [`crate::Checked`]
+/// or by the target above it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    pub read_only: bool,
+    /// Writes with FUA are durable without a separate flush.
+    pub native_fua: bool,
+    /// Discards release space (a hint; a device that can't still accepts them).
+    pub discard: bool,
+    /// write_zeroes is cheap (no zero buffers are written).
+    pub fast_zero: bool,
+    pub rotational: bool,
+    /// A FLUSH through any handle makes every completed write durable, whoever issued it.
+    /// True for everything udm serves from one process; a target that breaks it says so.
+    pub flush_covers_all: bool,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Capabilities {
+            read_only: false,
+            native_fua: false,
+            discard: false,
+            fast_zero: false,
+            rotational: false,
+            flush_covers_all: true,
+        }
+    }
+}
+
+impl Capabilities {
+    /// What a device built on `children` can promise: the weakest of them.
+    pub fn weakest<'a>(children: impl IntoIterator<Item = &'a Capabilities>) -> Capabilities {
+        let mut caps = Capabilities {
+            native_fua: true,
+            discard: true,
+            fast_zero: true,
+            ..Capabilities::default()
+        };
+        for child in children {
+            caps.read_only |= child.read_only;
+            caps.native_fua &= child.native_fua;
+            caps.discard &= child.discard;
+            caps.fast_zero &= child.fast_zero;
+            caps.rotational |= child.rotational;
+            caps.flush_covers_all &= child.flush_covers_all;
+        }
+        caps
+    }
+}
+
+/// A virtual or real block device. Offsets and lengths are in bytes; callers above
+/// [`crate::Checked`] have already made them sector-aligned and in range, so implementations
+/// only map and forward.
+///
+/// All methods take `&self`: requests arrive concurrently from many threads, and an
+/// implementation keeps whatever state it needs behind short locks.
+pub trait BlockDevice: Send + Sync {
+    /// Size in bytes, a multiple of 512.
+    fn size(&self) -> u64;
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
+
+    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()>;
+
+    /// Makes every completed write durable.
+    fn flush(&self) -> Result<()>;
+
+    /// A hint that the range is no longer needed. Contents afterwards are unspecified.
+    fn discard(&self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        write_zeroes_by_writing(self, offset, len, flags)
+    }
+
+    /// Describes the allocation of `[offset, offset + len)`. The answer may stop short of `len`
+    /// but must describe at least one byte.
+    fn block_status(&self, _offset: u64, len: u64) -> Result<Vec<Extent>> {
+        Ok(vec![Extent::data(len)])
+    }
+
+    /// A hint that the range will be read soon (NBD_CMD_CACHE).
+    fn cache(&self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
+}
+
+const ZERO_CHUNK: usize = 1 << 20;
+
+fn zero_chunk() -> &'static [u8] {
+    static ZEROES: OnceLock<crate::AlignedBuf> = OnceLock::new();
+    ZEROES.get_or_init(|| crate::AlignedBuf::zeroed(ZERO_CHUNK))
+}
+
+/// Zeroes a range by writing zero buffers: the fallback for devices with no cheap way.
+pub fn write_zeroes_by_writing<D: BlockDevice + ?Sized>(
+    dev: &D,
+    offset: u64,
+    len: u64,
+    flags: ZeroFlags,
+) -> Result<()> {
+    if flags.fast_only {
+        return Err(crate::BlockError::NotSupported(
+            "this device cannot zero quickly".into(),
+        ));
+    }
+    let zeroes = zero_chunk();
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(ZERO_CHUNK as u64) as usize;
+        dev.write(offset + done, &zeroes[..n], WriteFlags { fua: flags.fua })?;
+        done += n as u64;
+    }
+    Ok(())
+}
+
+impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
+    fn size(&self) -> u64 {
+        (**self).size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        (**self).capabilities()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        (**self).read(offset, buf)
+    }
+    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
+        (**self).write(offset, buf, flags)
+    }
+    fn flush(&self) -> Result<()> {
+        (**self).flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        (**self).discard(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        (**self).write_zeroes(offset, len, flags)
+    }
+    fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        (**self).block_status(offset, len)
+    }
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        (**self).cache(offset, len)
+    }
+}

@@ -1,0 +1,79 @@
+//! One error type for the data path, and the one place that turns it into an errno.
+
+use thiserror::Error;
+
+/// What went wrong with a block request. Every variant maps to exactly one errno through
+/// [`BlockError::errno`]; exports translate that errno into their own wire codes.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum BlockError {
+    /// The operating system refused an operation on a backing file or device.
+    #[error("{context}: {}", std::io::Error::from_raw_os_error(*errno))]
+    Os { context: String, errno: i32 },
+    /// The request itself is malformed: out of range, misaligned, too large.
+    #[error("invalid request: {0}")]
+    InvalidArgument(String),
+    /// The device or target cannot do this kind of request at all (or not quickly, for a
+    /// fast-zero request).
+    #[error("not supported: {0}")]
+    NotSupported(String),
+    /// A write to something opened or exported read-only.
+    #[error("read-only: {0}")]
+    ReadOnly(String),
+    /// A target failed the request on purpose or after a failure below it (error, flakey,
+    /// dust, a failed copy, a metadata device in fail mode).
+    #[error("I/O error: {0}")]
+    Io(String),
+    /// No space left for the write (a full snapshot store, a full backing file).
+    #[error("no space: {0}")]
+    NoSpace(String),
+    /// The device is going away.
+    #[error("shutting down: {0}")]
+    Shutdown(String),
+}
+
+pub type Result<T, E = BlockError> = std::result::Result<T, E>;
+
+impl BlockError {
+    /// Wraps the last OS error with the operation and object it concerned.
+    pub fn last_os(context: impl Into<String>) -> Self {
+        Self::from_io(context, std::io::Error::last_os_error())
+    }
+
+    pub fn from_io(context: impl Into<String>, err: std::io::Error) -> Self {
+        BlockError::Os {
+            context: context.into(),
+            errno: err.raw_os_error().unwrap_or(libc::EIO),
+        }
+    }
+
+    /// The errno this error stands for; the single mapping used by every export.
+    pub fn errno(&self) -> i32 {
+        match self {
+            BlockError::Os { errno, .. } => *errno,
+            BlockError::InvalidArgument(_) => libc::EINVAL,
+            BlockError::NotSupported(_) => libc::EOPNOTSUPP,
+            BlockError::ReadOnly(_) => libc::EPERM,
+            BlockError::Io(_) => libc::EIO,
+            BlockError::NoSpace(_) => libc::ENOSPC,
+            BlockError::Shutdown(_) => libc::ESHUTDOWN,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_has_its_errno() {
+        let os = BlockError::from_io("pread /x", std::io::Error::from_raw_os_error(libc::ENOSPC));
+        assert_eq!(os.errno(), libc::ENOSPC);
+        assert!(os.to_string().starts_with("pread /x: "), "{os}");
+        assert_eq!(BlockError::InvalidArgument(String::new()).errno(), libc::EINVAL);
+        assert_eq!(BlockError::NotSupported(String::new()).errno(), libc::EOPNOTSUPP);
+        assert_eq!(BlockError::ReadOnly(String::new()).errno(), libc::EPERM);
+        assert_eq!(BlockError::Io(String::new()).errno(), libc::EIO);
+        assert_eq!(BlockError::NoSpace(String::new()).errno(), libc::ENOSPC);
+        assert_eq!(BlockError::Shutdown(String::new()).errno(), libc::ESHUTDOWN);
+    }
+}

@@ -1,0 +1,25 @@
+//! The block layer of udm.
+//!
+//! Every layer of udm talks to the one below through [`BlockDevice`]: targets, the tables that
+//! stack them, the backends at the bottom (files, block devices, memory) and the exports on top.
+//! The trait is synchronous and object safe; concurrency comes from many threads calling it at
+//! once (the model of nbdkit's thread pool), which keeps each target a plain piece of code with
+//! no runtime of its own and no second, asynchronous copy of it.
+
+mod buffer;
+mod checked;
+pub mod conformance;
+mod device;
+mod error;
+mod file;
+mod memory;
+
+pub use buffer::AlignedBuf;
+pub use checked::{check_request, Checked, SECTOR_SIZE};
+pub use device::{
+    write_zeroes_by_writing, BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags,
+    EXTENT_HOLE, EXTENT_ZERO,
+};
+pub use error::{BlockError, Result};
+pub use file::{FileDevice, OpenMode};
+pub use memory::MemoryDevice;
