@@ -1,0 +1,67 @@
+//! `error`: every request fails with EIO.
+
+use std::sync::Arc;
+
+use udm_block::{BlockDevice, BlockError, Extent, Result, WriteFlags, ZeroFlags};
+
+use crate::args::Args;
+use crate::target::{Target, TargetContext, TargetError};
+
+pub struct Error {
+    len: u64,
+}
+
+pub fn construct(_args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
+    Ok(Arc::new(Error { len: ctx.len }))
+}
+
+fn fail<T>() -> Result<T> {
+    Err(BlockError::Io("error target".into()))
+}
+
+impl BlockDevice for Error {
+    fn size(&self) -> u64 {
+        self.len
+    }
+    fn read(&self, _offset: u64, _buf: &mut [u8]) -> Result<()> {
+        fail()
+    }
+    fn write(&self, _offset: u64, _buf: &[u8], _flags: WriteFlags) -> Result<()> {
+        fail()
+    }
+    fn flush(&self) -> Result<()> {
+        fail()
+    }
+    fn discard(&self, _offset: u64, _len: u64) -> Result<()> {
+        fail()
+    }
+    fn write_zeroes(&self, _offset: u64, _len: u64, _flags: ZeroFlags) -> Result<()> {
+        fail()
+    }
+    fn block_status(&self, _offset: u64, _len: u64) -> Result<Vec<Extent>> {
+        fail()
+    }
+}
+
+impl Target for Error {
+    fn type_name(&self) -> &'static str {
+        "error"
+    }
+    fn args(&self) -> String {
+        String::new()
+    }
+    fn references(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::testing::{build, memory_resolver};
+
+    #[test]
+    fn passes_the_error_conformance_checks() {
+        let table = build(&memory_resolver(&[]), "0 2048 error").unwrap();
+        udm_block::conformance::fails_every_request(&table);
+    }
+}

@@ -1,0 +1,27 @@
+//! dm-style tables of targets.
+//!
+//! A table line `START LEN TYPE ARGS…` becomes a [`Target`] through [`construct`]; a
+//! [`Table`] is the contiguous list of them and is itself a [`udm_block::BlockDevice`]. Targets
+//! reach the devices their arguments name through a [`Resolver`] the daemon supplies, so a
+//! reference may be a file, a remote export or another udm device (stacking).
+
+mod args;
+mod filter;
+mod table;
+mod target;
+
+mod delay;
+mod dust;
+mod error;
+mod flakey;
+mod linear;
+mod striped;
+mod zero;
+
+pub use args::Args;
+pub use filter::{Filter, Filtered, Lower, OpKind};
+pub use table::{Segment, Table, TableLine};
+pub use target::{construct, Resolver, Target, TargetContext, TargetError, TARGET_TYPES};
+
+#[cfg(test)]
+pub(crate) mod testing;

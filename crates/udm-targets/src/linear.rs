@@ -1,0 +1,67 @@
+//! `linear <dev> <offset>`: the range maps onto `dev` from `offset` on.
+
+use std::sync::Arc;
+
+use udm_block::OpenMode;
+
+use crate::args::Args;
+use crate::filter::{Filter, Filtered, Lower};
+use crate::target::{Target, TargetContext, TargetError};
+
+/// The filter that changes nothing.
+pub struct Linear(Lower);
+
+impl Filter for Linear {
+    fn lower(&self) -> &Lower {
+        &self.0
+    }
+}
+
+pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
+    Ok(Arc::new(Filtered(Linear(Lower::parse(args, ctx, OpenMode::ReadWrite)?))))
+}
+
+impl Target for Filtered<Linear> {
+    fn type_name(&self) -> &'static str {
+        "linear"
+    }
+    fn args(&self) -> String {
+        self.0 .0.args()
+    }
+    fn references(&self) -> Vec<String> {
+        vec![self.0 .0.reference.clone()]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::testing::{build, memory_resolver};
+    use udm_block::{conformance, BlockDevice};
+
+    #[test]
+    fn passes_the_conformance_suite_at_an_offset() {
+        let resolver = memory_resolver(&[("a", 16 << 20)]);
+        let table = build(&resolver, "0 16384 linear a 8192").unwrap();
+        conformance::run_all(&table);
+        // The data landed 4 MiB into the lower device.
+        let lower = resolver.get("a");
+        let mut buf = vec![0u8; 512];
+        lower.read(4 << 20, &mut buf).unwrap();
+        assert_eq!(&buf[..], &conformance::pattern(512, 1)[..]);
+    }
+
+    #[test]
+    fn refuses_what_does_not_fit_and_names_the_token() {
+        let resolver = memory_resolver(&[("a", 1 << 20)]);
+        let err = build(&resolver, "0 2048 linear a 1").err().unwrap().to_string();
+        assert!(err.contains("has 2048 sectors"), "{err}");
+        let err = build(&resolver, "0 8 linear a x1").err().unwrap().to_string();
+        assert!(err.contains("invalid <offset> 'x1'"), "{err}");
+        let err = build(&resolver, "0 8 linear a").err().unwrap().to_string();
+        assert!(err.contains("missing argument <offset>"), "{err}");
+        let err = build(&resolver, "0 8 linear a 0 extra").err().unwrap().to_string();
+        assert!(err.contains("unexpected argument 'extra'"), "{err}");
+        let err = build(&resolver, "0 8 linear nosuch 0").err().unwrap().to_string();
+        assert!(err.contains("'nosuch'"), "{err}");
+    }
+}

@@ -1,0 +1,299 @@
+//! Tables: parsing and printing lines, and the device made of their segments.
+
+use std::sync::Arc;
+
+use udm_block::{
+    BlockDevice, Capabilities, Extent, Result, WriteFlags, ZeroFlags, SECTOR_SIZE,
+};
+
+use crate::target::{construct, EventSink, Resolver, Target, TargetContext, TargetError};
+
+/// One line of a table, as text: `START LEN TYPE ARGS…` (sectors).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableLine {
+    pub start: u64,
+    pub len: u64,
+    pub type_name: String,
+    pub args: Vec<String>,
+}
+
+impl TableLine {
+    /// Parses every non-empty line of `text` (`#` starts a comment line), each with its line
+    /// number for error messages.
+    pub fn parse_all(text: &str) -> Result<Vec<(usize, TableLine)>, TargetError> {
+        let lines: Vec<_> = text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+            .map(|(i, l)| {
+                TableLine::parse(l)
+                    .map(|line| (i + 1, line))
+                    .map_err(|e| TargetError::new(format!("line {}: {e}", i + 1)))
+            })
+            .collect::<Result<_, _>>()?;
+        if lines.is_empty() {
+            return Err(TargetError::new("the table is empty"));
+        }
+        Ok(lines)
+    }
+
+    pub fn parse(line: &str) -> Result<TableLine, TargetError> {
+        let mut tokens = line.split_whitespace();
+        let mut number = |what: &str| -> Result<u64, TargetError> {
+            let token =
+                tokens.next().ok_or_else(|| TargetError::new(format!("missing <{what}>")))?;
+            token.parse().map_err(|_| {
+                TargetError::new(format!("invalid <{what}> '{token}': expected a number of sectors"))
+            })
+        };
+        let start = number("start")?;
+        let len = number("length")?;
+        if len == 0 {
+            return Err(TargetError::new("<length> must not be zero"));
+        }
+        let type_name =
+            tokens.next().ok_or_else(|| TargetError::new("missing <target type>"))?.to_string();
+        let args = tokens.map(str::to_string).collect();
+        Ok(TableLine { start, len, type_name, args })
+    }
+}
+
+impl std::fmt::Display for TableLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} {}", self.start, self.len, self.type_name)?;
+        for arg in &self.args {
+            write!(f, " {arg}")?;
+        }
+        Ok(())
+    }
+}
+
+pub struct Segment {
+    /// Byte offset of the segment in the table.
+    pub start: u64,
+    pub len: u64,
+    pub target: Arc<dyn Target>,
+}
+
+/// A constructed table: contiguous segments from 0, each served by its target.
+pub struct Table {
+    segments: Vec<Segment>,
+    size: u64,
+    capabilities: Capabilities,
+}
+
+impl Table {
+    /// Builds every target of `text`; the first bad line fails the whole table.
+    pub fn build(
+        text: &str,
+        resolver: &dyn Resolver,
+        raise_event: EventSink,
+    ) -> Result<Table, TargetError> {
+        let lines = TableLine::parse_all(text)?;
+        let mut segments = Vec::with_capacity(lines.len());
+        let mut next = 0u64;
+        for (number, line) in &lines {
+            let at = |e: TargetError| TargetError::new(format!("line {number}: {e}"));
+            if line.start != next {
+                return Err(at(TargetError::new(format!(
+                    "segment starts at sector {} but the previous one ends at {next}: \
+                     segments must be contiguous from 0",
+                    line.start
+                ))));
+            }
+            let len = line
+                .len
+                .checked_mul(SECTOR_SIZE)
+                .ok_or_else(|| at(TargetError::new("<length> is too large")))?;
+            let ctx = TargetContext { resolver, len, raise_event: raise_event.clone() };
+            let target = construct(&line.type_name, &line.args, &ctx).map_err(at)?;
+            segments.push(Segment { start: next * SECTOR_SIZE, len, target });
+            next += line.len;
+        }
+        let capabilities = Capabilities::weakest(
+            segments.iter().map(|s| s.target.capabilities()).collect::<Vec<_>>().iter(),
+        );
+        Ok(Table { segments, size: next * SECTOR_SIZE, capabilities })
+    }
+
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    /// The table as `udm table` prints it; [`Table::build`] accepts it back unchanged.
+    pub fn lines(&self) -> Vec<String> {
+        self.segments.iter().map(|s| self.line(s, &s.target.args())).collect()
+    }
+
+    /// One status line per segment.
+    pub fn status_lines(&self) -> Vec<String> {
+        self.segments.iter().map(|s| self.line(s, &s.target.status())).collect()
+    }
+
+    fn line(&self, s: &Segment, rest: &str) -> String {
+        let head =
+            format!("{} {} {}", s.start / SECTOR_SIZE, s.len / SECTOR_SIZE, s.target.type_name());
+        if rest.is_empty() {
+            head
+        } else {
+            format!("{head} {rest}")
+        }
+    }
+
+    /// Every device reference of every segment, without repeats.
+    pub fn references(&self) -> Vec<String> {
+        let mut refs: Vec<String> = Vec::new();
+        for s in &self.segments {
+            for r in s.target.references() {
+                if !refs.contains(&r) {
+                    refs.push(r);
+                }
+            }
+        }
+        refs
+    }
+
+    /// The target that `udm message NAME SECTOR …` addresses.
+    pub fn target_at(&self, sector: u64) -> Option<&Arc<dyn Target>> {
+        let offset = sector.checked_mul(SECTOR_SIZE)?;
+        self.segment_index(offset).map(|i| &self.segments[i].target)
+    }
+
+    pub fn suspend(&self) {
+        self.segments.iter().for_each(|s| s.target.suspend());
+    }
+
+    pub fn resume(&self) {
+        self.segments.iter().for_each(|s| s.target.resume());
+    }
+
+    fn segment_index(&self, offset: u64) -> Option<usize> {
+        if offset >= self.size {
+            return None;
+        }
+        Some(self.segments.partition_point(|s| s.start + s.len <= offset))
+    }
+
+    /// Calls `f(target, offset in target, range of the request)` for each segment the request
+    /// touches, stopping at the first error.
+    fn each_piece(
+        &self,
+        offset: u64,
+        len: u64,
+        mut f: impl FnMut(&dyn Target, u64, std::ops::Range<usize>) -> Result<()>,
+    ) -> Result<()> {
+        let mut index = self.segment_index(offset).unwrap_or(self.segments.len());
+        let mut done = 0u64;
+        while done < len && index < self.segments.len() {
+            let segment = &self.segments[index];
+            let pos = offset + done;
+            let n = (segment.start + segment.len - pos).min(len - done);
+            f(&*segment.target, pos - segment.start, done as usize..(done + n) as usize)?;
+            done += n;
+            index += 1;
+        }
+        Ok(())
+    }
+}
+
+impl BlockDevice for Table {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.capabilities
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.each_piece(offset, buf.len() as u64, |t, at, range| t.read(at, &mut buf[range]))
+    }
+
+    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
+        self.each_piece(offset, buf.len() as u64, |t, at, range| t.write(at, &buf[range], flags))
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.segments.iter().try_for_each(|s| s.target.flush())
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.each_piece(offset, len, |t, at, range| t.discard(at, range.len() as u64))
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        self.each_piece(offset, len, |t, at, range| t.write_zeroes(at, range.len() as u64, flags))
+    }
+
+    fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        // Answer for the first segment only: the caller asks again for the rest, and a short
+        // answer keeps one slow segment from holding up the reply.
+        let mut extents = Vec::new();
+        self.each_piece(offset, len, |t, at, range| {
+            if extents.is_empty() {
+                extents = t.block_status(at, range.len() as u64)?;
+            }
+            Ok(())
+        })?;
+        Ok(extents)
+    }
+
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        self.each_piece(offset, len, |t, at, range| t.cache(at, range.len() as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{build, memory_resolver};
+    use udm_block::conformance;
+
+    #[test]
+    fn lines_print_back_exactly() {
+        let resolver = memory_resolver(&[("a", 8 << 20), ("b", 8 << 20)]);
+        let text = "0 2048 linear a 0\n2048 4096 striped 2 8 a 4096 b 0\n6144 2048 zero\n\
+                    8192 8 error\n8200 8 delay a 100 0\n8208 8 flakey a 0 1 0\n\
+                    8216 8 dust b 8 512";
+        let table = build(&resolver, text).unwrap();
+        assert_eq!(table.lines().join("\n"), text);
+        let again = build(&resolver, &table.lines().join("\n")).unwrap();
+        assert_eq!(again.lines(), table.lines());
+    }
+
+    #[test]
+    fn requests_spanning_segments_land_in_each() {
+        let resolver = memory_resolver(&[("a", 4 << 20), ("b", 4 << 20)]);
+        let table = build(&resolver, "0 4096 linear a 4096\n4096 8192 linear b 0").unwrap();
+        assert_eq!(table.size(), 6 << 20);
+        conformance::run_all(&table);
+    }
+
+    #[test]
+    fn bad_tables_say_which_line_and_why() {
+        let resolver = memory_resolver(&[("a", 4 << 20)]);
+        let cases = [
+            ("", "the table is empty"),
+            ("0 8 zero\n16 8 zero", "line 2: segment starts at sector 16"),
+            ("8 8 zero", "line 1: segment starts at sector 8"),
+            ("0 0 zero", "line 1: <length> must not be zero"),
+            ("0 x zero", "line 1: invalid <length> 'x'"),
+            ("0 8", "line 1: missing <target type>"),
+            ("0 8 frobnicate", "line 1: unknown target type 'frobnicate'"),
+            ("0 8 zero\n\n# c\n8 8 zero extra", "line 4: zero: unexpected argument 'extra'"),
+        ];
+        for (text, expected) in cases {
+            let err = build(&resolver, text).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.starts_with(expected), "table {text:?}: got {err:?}");
+        }
+    }
+
+    #[test]
+    fn message_goes_to_the_segment_at_the_sector() {
+        let resolver = memory_resolver(&[("a", 4 << 20)]);
+        let table = build(&resolver, "0 8 zero\n8 8 dust a 0 512").unwrap();
+        assert_eq!(table.target_at(8).unwrap().type_name(), "dust");
+        assert_eq!(table.target_at(7).unwrap().type_name(), "zero");
+        assert!(table.target_at(16).is_none());
+    }
+}

@@ -1,0 +1,100 @@
+//! What a target is, and the registry that builds one from a table line.
+
+use std::sync::Arc;
+
+use thiserror::Error;
+use udm_block::{BlockDevice, OpenMode};
+
+use crate::args::Args;
+
+/// A table line or message that cannot be accepted. The text names the offending token.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{0}")]
+pub struct TargetError(pub String);
+
+impl TargetError {
+    pub fn new(message: impl Into<String>) -> Self {
+        TargetError(message.into())
+    }
+}
+
+/// Opens the devices that table arguments name. The daemon implements it: paths become file
+/// backends, NBD URIs remote clients, other words udm devices.
+pub trait Resolver {
+    fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError>;
+}
+
+/// Raises a device event (hydration done, mode change, path failed…) for `udm wait`.
+pub type EventSink = Arc<dyn Fn() + Send + Sync>;
+
+/// Everything a constructor gets besides its arguments.
+pub struct TargetContext<'a> {
+    pub resolver: &'a dyn Resolver,
+    /// Length of the segment in bytes.
+    pub len: u64,
+    pub raise_event: EventSink,
+}
+
+/// A constructed target: a block device of its segment's length, plus the dm-style surface.
+pub trait Target: BlockDevice {
+    fn type_name(&self) -> &'static str;
+
+    /// The arguments as a table line prints them; parsing them back gives the same target.
+    fn args(&self) -> String;
+
+    /// The `status` line (dm's STATUSTYPE_INFO).
+    fn status(&self) -> String {
+        String::new()
+    }
+
+    /// Handles `udm message`; the answer (possibly empty) is printed by the client.
+    fn message(&self, words: &[&str]) -> Result<String, TargetError> {
+        Err(TargetError::new(format!(
+            "{}: unknown message '{}'",
+            self.type_name(),
+            words.join(" ")
+        )))
+    }
+
+    /// The device references this target uses (for `ls --tree` and cycle checks).
+    fn references(&self) -> Vec<String>;
+
+    /// Called when the device is suspended (I/O already drained) and resumed. Targets with
+    /// background work stop and restart it here.
+    fn suspend(&self) {}
+    fn resume(&self) {}
+}
+
+type Constructor = fn(&mut Args, &TargetContext) -> Result<Arc<dyn Target>, TargetError>;
+
+/// Every target type udm knows, as `dmsetup targets` lists them.
+pub const TARGET_TYPES: &[(&str, Constructor)] = &[
+    ("linear", crate::linear::construct),
+    ("striped", crate::striped::construct),
+    ("zero", crate::zero::construct),
+    ("error", crate::error::construct),
+    ("delay", crate::delay::construct),
+    ("flakey", crate::flakey::construct),
+    ("dust", crate::dust::construct),
+];
+
+/// Builds the target of one table line.
+pub fn construct(
+    type_name: &str,
+    args: &[String],
+    ctx: &TargetContext,
+) -> Result<Arc<dyn Target>, TargetError> {
+    let (_, constructor) = TARGET_TYPES.iter().find(|(name, _)| *name == type_name).ok_or_else(
+        || {
+            let known: Vec<_> = TARGET_TYPES.iter().map(|(name, _)| *name).collect();
+            TargetError::new(format!(
+                "unknown target type '{type_name}' (known: {})",
+                known.join(", ")
+            ))
+        },
+    )?;
+    let mut args = Args::new(type_name, args);
+    let target = constructor(&mut args, ctx)?;
+    args.finish()?;
+    Ok(target)
+}

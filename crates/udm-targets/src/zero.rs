@@ -1,0 +1,65 @@
+//! `zero`: reads return zeroes, writes are accepted and dropped. The null device that measures
+//! udm's own overhead (null_blk's role in the seeds).
+
+use std::sync::Arc;
+
+use udm_block::{BlockDevice, Capabilities, Extent, Result, WriteFlags, ZeroFlags};
+
+use crate::args::Args;
+use crate::target::{Target, TargetContext, TargetError};
+
+pub struct Zero {
+    len: u64,
+}
+
+pub fn construct(_args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
+    Ok(Arc::new(Zero { len: ctx.len }))
+}
+
+impl BlockDevice for Zero {
+    fn size(&self) -> u64 {
+        self.len
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { native_fua: true, discard: true, fast_zero: true, ..Capabilities::default() }
+    }
+    fn read(&self, _offset: u64, buf: &mut [u8]) -> Result<()> {
+        buf.fill(0);
+        Ok(())
+    }
+    fn write(&self, _offset: u64, _buf: &[u8], _flags: WriteFlags) -> Result<()> {
+        Ok(())
+    }
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+    fn write_zeroes(&self, _offset: u64, _len: u64, _flags: ZeroFlags) -> Result<()> {
+        Ok(())
+    }
+    fn block_status(&self, _offset: u64, len: u64) -> Result<Vec<Extent>> {
+        Ok(vec![Extent::hole(len)])
+    }
+}
+
+impl Target for Zero {
+    fn type_name(&self) -> &'static str {
+        "zero"
+    }
+    fn args(&self) -> String {
+        String::new()
+    }
+    fn references(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::testing::{build, memory_resolver};
+
+    #[test]
+    fn passes_the_zero_conformance_checks() {
+        let table = build(&memory_resolver(&[]), "0 2048 zero").unwrap();
+        udm_block::conformance::reads_zero_and_drops_writes(&table);
+    }
+}
