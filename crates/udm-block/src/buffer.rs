@@ -19,7 +19,11 @@ unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
     pub fn new() -> Self {
-        AlignedBuf { ptr: ALIGN as *mut u8, len: 0, capacity: 0 }
+        AlignedBuf {
+            ptr: ALIGN as *mut u8,
+            len: 0,
+            capacity: 0,
+        }
     }
 
     pub fn zeroed(len: usize) -> Self {

@@ -92,7 +92,14 @@ impl<D: BlockDevice> BlockDevice for Checked<D> {
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         self.check_write(offset, len)?;
         if flags.fua && !self.inner.capabilities().native_fua {
-            self.inner.write_zeroes(offset, len, ZeroFlags { fua: false, ..flags })?;
+            self.inner.write_zeroes(
+                offset,
+                len,
+                ZeroFlags {
+                    fua: false,
+                    ..flags
+                },
+            )?;
             return self.inner.flush();
         }
         self.inner.write_zeroes(offset, len, flags)
@@ -129,9 +136,18 @@ mod tests {
     fn rejects_what_no_target_should_see() {
         let dev = Checked::new(MemoryDevice::new(1 << 20), false);
         let mut buf = vec![0u8; 512];
-        assert!(matches!(dev.read(1 << 20, &mut buf), Err(BlockError::InvalidArgument(_))));
-        assert!(matches!(dev.read(100, &mut buf), Err(BlockError::InvalidArgument(_))));
-        assert!(matches!(dev.read(0, &mut []), Err(BlockError::InvalidArgument(_))));
+        assert!(matches!(
+            dev.read(1 << 20, &mut buf),
+            Err(BlockError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            dev.read(100, &mut buf),
+            Err(BlockError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            dev.read(0, &mut []),
+            Err(BlockError::InvalidArgument(_))
+        ));
         assert!(matches!(
             dev.discard(u64::MAX - 511, 512),
             Err(BlockError::InvalidArgument(_))
@@ -143,7 +159,10 @@ mod tests {
     fn read_only_refuses_every_kind_of_write() {
         let dev = Checked::new(MemoryDevice::new(1 << 20), true);
         let buf = vec![1u8; 512];
-        assert!(matches!(dev.write(0, &buf, WriteFlags::default()), Err(BlockError::ReadOnly(_))));
+        assert!(matches!(
+            dev.write(0, &buf, WriteFlags::default()),
+            Err(BlockError::ReadOnly(_))
+        ));
         assert!(matches!(dev.discard(0, 512), Err(BlockError::ReadOnly(_))));
         assert!(matches!(
             dev.write_zeroes(0, 512, ZeroFlags::default()),

@@ -28,7 +28,10 @@ fn read_back(dev: &dyn BlockDevice, offset: u64, len: usize) -> AlignedBuf {
 
 /// Runs every check for a device that stores what is written. Needs at least 4 MiB.
 pub fn run_all(dev: &dyn BlockDevice) {
-    assert!(dev.size() >= 4 << 20, "the conformance suite needs a device of at least 4 MiB");
+    assert!(
+        dev.size() >= 4 << 20,
+        "the conformance suite needs a device of at least 4 MiB"
+    );
     writes_read_back(dev);
     fua_and_flush_succeed(dev);
     write_zeroes_reads_zero(dev);
@@ -45,7 +48,10 @@ pub fn writes_read_back(dev: &dyn BlockDevice) {
     {
         let data = pattern(len, i as u64 + 1);
         dev.write(offset, &data, WriteFlags::default()).unwrap();
-        assert!(read_back(dev, offset, len)[..] == data[..], "data at {offset}+{len}");
+        assert!(
+            read_back(dev, offset, len)[..] == data[..],
+            "data at {offset}+{len}"
+        );
     }
 }
 
@@ -58,11 +64,23 @@ pub fn fua_and_flush_succeed(dev: &dyn BlockDevice) {
 
 pub fn write_zeroes_reads_zero(dev: &dyn BlockDevice) {
     let base = 2 << 20;
-    dev.write(base, &pattern(65536, 7), WriteFlags::default()).unwrap();
+    dev.write(base, &pattern(65536, 7), WriteFlags::default())
+        .unwrap();
     for (i, may_unmap) in [false, true].into_iter().enumerate() {
         let at = base + i as u64 * 32768;
-        dev.write_zeroes(at, 16384, ZeroFlags { may_unmap, ..ZeroFlags::default() }).unwrap();
-        assert!(read_back(dev, at, 16384).iter().all(|&b| b == 0), "zeroes at {at}");
+        dev.write_zeroes(
+            at,
+            16384,
+            ZeroFlags {
+                may_unmap,
+                ..ZeroFlags::default()
+            },
+        )
+        .unwrap();
+        assert!(
+            read_back(dev, at, 16384).iter().all(|&b| b == 0),
+            "zeroes at {at}"
+        );
     }
     // Bytes around the zeroed ranges are untouched.
     let after = read_back(dev, base, 65536);
@@ -89,7 +107,10 @@ pub fn block_status_covers_and_tells_truth(dev: &dyn BlockDevice) {
         assert!(e.len > 0 && e.len % 512 == 0, "extent {e:?}");
         if e.flags & EXTENT_ZERO != 0 {
             let data = read_back(dev, pos, e.len.min(1 << 20) as usize);
-            assert!(data.iter().all(|&b| b == 0), "extent at {pos} claims zero: {e:?}");
+            assert!(
+                data.iter().all(|&b| b == 0),
+                "extent at {pos} claims zero: {e:?}"
+            );
         }
         pos += e.len;
     }
@@ -103,7 +124,8 @@ pub fn concurrent_writers_do_not_mix(dev: &dyn BlockDevice) {
             s.spawn(move || {
                 for round in 0..16u64 {
                     let data = pattern(4096, t * 100 + round);
-                    dev.write(base + t * 4096, &data, WriteFlags::default()).unwrap();
+                    dev.write(base + t * 4096, &data, WriteFlags::default())
+                        .unwrap();
                 }
             });
         }
@@ -122,7 +144,8 @@ pub fn edges_of_the_device_work(dev: &dyn BlockDevice) {
 
 /// For the `zero` target: reads return zeroes, writes succeed and vanish.
 pub fn reads_zero_and_drops_writes(dev: &dyn BlockDevice) {
-    dev.write(0, &pattern(8192, 1), WriteFlags { fua: true }).unwrap();
+    dev.write(0, &pattern(8192, 1), WriteFlags { fua: true })
+        .unwrap();
     dev.flush().unwrap();
     dev.discard(0, 4096).unwrap();
     dev.write_zeroes(0, 4096, ZeroFlags::default()).unwrap();

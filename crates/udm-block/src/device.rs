@@ -22,10 +22,16 @@ impl Extent {
         Extent { len, flags: 0 }
     }
     pub fn hole(len: u64) -> Self {
-        Extent { len, flags: EXTENT_HOLE | EXTENT_ZERO }
+        Extent {
+            len,
+            flags: EXTENT_HOLE | EXTENT_ZERO,
+        }
     }
     pub fn zero(len: u64) -> Self {
-        Extent { len, flags: EXTENT_ZERO }
+        Extent {
+            len,
+            flags: EXTENT_ZERO,
+        }
     }
 }
 

@@ -69,8 +69,14 @@ mod tests {
         let os = BlockError::from_io("pread /x", std::io::Error::from_raw_os_error(libc::ENOSPC));
         assert_eq!(os.errno(), libc::ENOSPC);
         assert!(os.to_string().starts_with("pread /x: "), "{os}");
-        assert_eq!(BlockError::InvalidArgument(String::new()).errno(), libc::EINVAL);
-        assert_eq!(BlockError::NotSupported(String::new()).errno(), libc::EOPNOTSUPP);
+        assert_eq!(
+            BlockError::InvalidArgument(String::new()).errno(),
+            libc::EINVAL
+        );
+        assert_eq!(
+            BlockError::NotSupported(String::new()).errno(),
+            libc::EOPNOTSUPP
+        );
         assert_eq!(BlockError::ReadOnly(String::new()).errno(), libc::EPERM);
         assert_eq!(BlockError::Io(String::new()).errno(), libc::EIO);
         assert_eq!(BlockError::NoSpace(String::new()).errno(), libc::ENOSPC);

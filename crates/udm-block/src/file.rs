@@ -38,9 +38,13 @@ impl FileDevice {
         let context = |what: &str| format!("{what} {}", path.display());
         let mut options = OpenOptions::new();
         options.read(true).write(!read_only);
-        let buffered = options.open(path).map_err(|e| BlockError::from_io(context("open"), e))?;
+        let buffered = options
+            .open(path)
+            .map_err(|e| BlockError::from_io(context("open"), e))?;
         let direct = options.custom_flags(libc::O_DIRECT).open(path).ok();
-        let meta = buffered.metadata().map_err(|e| BlockError::from_io(context("stat"), e))?;
+        let meta = buffered
+            .metadata()
+            .map_err(|e| BlockError::from_io(context("stat"), e))?;
         let is_block_device = meta.file_type().is_block_device();
         let size = if is_block_device {
             let mut bytes: u64 = 0;
@@ -93,9 +97,8 @@ impl FileDevice {
 
     fn fallocate(&self, mode: i32, offset: u64, len: u64) -> std::io::Result<()> {
         // SAFETY: plain syscall on an fd we own.
-        let rc = unsafe {
-            libc::fallocate(self.buffered.as_raw_fd(), mode, offset as i64, len as i64)
-        };
+        let rc =
+            unsafe { libc::fallocate(self.buffered.as_raw_fd(), mode, offset as i64, len as i64) };
         if rc == 0 {
             Ok(())
         } else {
@@ -171,7 +174,10 @@ fn pwrite_full(fd: i32, buf: &[u8], offset: u64, fua: bool) -> std::io::Result<(
 }
 
 fn is_unsupported(err: &std::io::Error) -> bool {
-    matches!(err.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL))
+    matches!(
+        err.raw_os_error(),
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL)
+    )
 }
 
 impl BlockDevice for FileDevice {
@@ -203,17 +209,27 @@ impl BlockDevice for FileDevice {
     fn flush(&self) -> Result<()> {
         // SAFETY: fdatasync on an fd we own; it covers writes through either descriptor.
         if unsafe { libc::fdatasync(self.buffered.as_raw_fd()) } != 0 {
-            return Err(BlockError::last_os(format!("fdatasync {}", self.path.display())));
+            return Err(BlockError::last_os(format!(
+                "fdatasync {}",
+                self.path.display()
+            )));
         }
         Ok(())
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        match self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
+        match self.fallocate(
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset,
+            len,
+        ) {
             Ok(()) => Ok(()),
             // A discard is a hint: a filesystem that cannot punch holes just keeps the data.
             Err(e) if is_unsupported(&e) => Ok(()),
-            Err(e) => Err(BlockError::from_io(self.context("discard", offset, len as usize), e)),
+            Err(e) => Err(BlockError::from_io(
+                self.context("discard", offset, len as usize),
+                e,
+            )),
         }
     }
 
@@ -247,15 +263,26 @@ impl BlockDevice for FileDevice {
         let mut pos = offset;
         let err = |e| BlockError::from_io(self.context("seek", offset, len as usize), e);
         while pos < end && extents.len() < MAX_EXTENTS {
-            let data = self.seek(pos, libc::SEEK_DATA).map_err(err)?.unwrap_or(end).min(end);
+            let data = self
+                .seek(pos, libc::SEEK_DATA)
+                .map_err(err)?
+                .unwrap_or(end)
+                .min(end);
             if data > pos {
                 extents.push(Extent::hole(data - pos));
                 pos = data;
                 continue;
             }
-            let hole = self.seek(pos, libc::SEEK_HOLE).map_err(err)?.unwrap_or(end).min(end);
+            let hole = self
+                .seek(pos, libc::SEEK_HOLE)
+                .map_err(err)?
+                .unwrap_or(end)
+                .min(end);
             // Holes are reported at filesystem-block granularity; keep extents sector-aligned.
-            let hole = hole.next_multiple_of(SECTOR_SIZE).min(end).max(pos + SECTOR_SIZE);
+            let hole = hole
+                .next_multiple_of(SECTOR_SIZE)
+                .min(end)
+                .max(pos + SECTOR_SIZE);
             extents.push(Extent::data(hole - pos));
             pos = hole;
         }
@@ -304,7 +331,9 @@ mod tests {
         let (path, _file) = temp_file(1 << 20);
         let dev = FileDevice::open(&path, OpenMode::ReadOnly).unwrap();
         assert!(dev.capabilities().read_only);
-        let err = dev.write(0, &[0u8; 512], WriteFlags::default()).unwrap_err();
+        let err = dev
+            .write(0, &[0u8; 512], WriteFlags::default())
+            .unwrap_err();
         assert_eq!(err.errno(), libc::EBADF);
         std::fs::remove_file(&path).unwrap();
     }

@@ -17,8 +17,8 @@ mod memory;
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
 pub use device::{
-    write_zeroes_by_writing, BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags,
-    EXTENT_HOLE, EXTENT_ZERO,
+    write_zeroes_by_writing, BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags, EXTENT_HOLE,
+    EXTENT_ZERO,
 };
 pub use error::{BlockError, Result};
 pub use file::{FileDevice, OpenMode};

@@ -16,7 +16,10 @@ pub struct MemoryDevice {
 
 impl MemoryDevice {
     pub fn new(size: u64) -> Self {
-        MemoryDevice { size, pages: Mutex::new(HashMap::new()) }
+        MemoryDevice {
+            size,
+            pages: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Bytes of memory the written pages take.
@@ -25,7 +28,11 @@ impl MemoryDevice {
     }
 
     /// Calls `f(page, offset_in_page, range_in_buffer)` for each page piece of a request.
-    fn for_each_piece(offset: u64, len: usize, mut f: impl FnMut(u64, usize, std::ops::Range<usize>)) {
+    fn for_each_piece(
+        offset: u64,
+        len: usize,
+        mut f: impl FnMut(u64, usize, std::ops::Range<usize>),
+    ) {
         let mut done = 0usize;
         while done < len {
             let pos = offset + done as u64;
@@ -54,14 +61,21 @@ impl BlockDevice for MemoryDevice {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { native_fua: true, discard: true, fast_zero: true, ..Capabilities::default() }
+        Capabilities {
+            native_fua: true,
+            discard: true,
+            fast_zero: true,
+            ..Capabilities::default()
+        }
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let pages = self.pages.lock().unwrap();
-        Self::for_each_piece(offset, buf.len(), |page, at, range| match pages.get(&page) {
-            Some(p) => buf[range.clone()].copy_from_slice(&p[at..at + range.len()]),
-            None => buf[range].fill(0),
+        Self::for_each_piece(offset, buf.len(), |page, at, range| {
+            match pages.get(&page) {
+                Some(p) => buf[range.clone()].copy_from_slice(&p[at..at + range.len()]),
+                None => buf[range].fill(0),
+            }
         });
         Ok(())
     }
@@ -69,7 +83,9 @@ impl BlockDevice for MemoryDevice {
     fn write(&self, offset: u64, buf: &[u8], _flags: WriteFlags) -> Result<()> {
         let mut pages = self.pages.lock().unwrap();
         Self::for_each_piece(offset, buf.len(), |page, at, range| {
-            let p = pages.entry(page).or_insert_with(|| vec![0u8; PAGE as usize].into());
+            let p = pages
+                .entry(page)
+                .or_insert_with(|| vec![0u8; PAGE as usize].into());
             p[at..at + range.len()].copy_from_slice(&buf[range]);
         });
         Ok(())

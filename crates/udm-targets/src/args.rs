@@ -14,7 +14,11 @@ pub struct Args<'a> {
 
 impl<'a> Args<'a> {
     pub fn new(target: &'a str, tokens: &'a [String]) -> Self {
-        Args { target, tokens, next: 0 }
+        Args {
+            target,
+            tokens,
+            next: 0,
+        }
     }
 
     /// An error about this target's arguments.

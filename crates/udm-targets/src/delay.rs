@@ -44,9 +44,15 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     while args.remaining() > 0 {
         let lower = Lower::parse(args, ctx, OpenMode::ReadWrite)?;
         let ms: u32 = args.number("delay ms")?;
-        groups.push(Group { lower, delay: Duration::from_millis(ms.into()) });
+        groups.push(Group {
+            lower,
+            delay: Duration::from_millis(ms.into()),
+        });
     }
-    Ok(Arc::new(Delay { groups, delayed: Default::default() }))
+    Ok(Arc::new(Delay {
+        groups,
+        delayed: Default::default(),
+    }))
 }
 
 impl Delay {
@@ -68,7 +74,11 @@ impl BlockDevice for Delay {
         self.groups[0].lower.len
     }
     fn capabilities(&self) -> Capabilities {
-        let caps: Vec<_> = self.groups.iter().map(|g| g.lower.dev.capabilities()).collect();
+        let caps: Vec<_> = self
+            .groups
+            .iter()
+            .map(|g| g.lower.dev.capabilities())
+            .collect();
         Capabilities::weakest(caps.iter())
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
@@ -84,7 +94,9 @@ impl BlockDevice for Delay {
         self.run(Kind::Write, |l| l.dev.discard(l.offset + offset, len))
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.run(Kind::Write, |l| l.dev.write_zeroes(l.offset + offset, len, flags))
+        self.run(Kind::Write, |l| {
+            l.dev.write_zeroes(l.offset + offset, len, flags)
+        })
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         self.run(Kind::Read, |l| l.dev.block_status(l.offset + offset, len))
@@ -106,12 +118,17 @@ impl Target for Delay {
     fn status(&self) -> String {
         // As the kernel: reads and writes in flight, and flushes when they have a group.
         let shown = if self.groups.len() == 3 { 3 } else { 2 };
-        let counts: Vec<_> =
-            self.delayed[..shown].iter().map(|c| c.load(Ordering::Relaxed).to_string()).collect();
+        let counts: Vec<_> = self.delayed[..shown]
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed).to_string())
+            .collect();
         counts.join(" ")
     }
     fn references(&self) -> Vec<String> {
-        self.groups.iter().map(|g| g.lower.reference.clone()).collect()
+        self.groups
+            .iter()
+            .map(|g| g.lower.reference.clone())
+            .collect()
     }
 }
 
@@ -150,7 +167,10 @@ mod tests {
         let resolver = memory_resolver(&[("a", 1 << 20)]);
         let err = build(&resolver, "0 8 delay a 0").err().unwrap().to_string();
         assert!(err.contains("expected 3, 6 or 9 arguments"), "{err}");
-        let err = build(&resolver, "0 8 delay a 0 x").err().unwrap().to_string();
+        let err = build(&resolver, "0 8 delay a 0 x")
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("invalid <delay ms> 'x'"), "{err}");
     }
 }

@@ -69,7 +69,10 @@ impl Filter for Dust {
             return Ok(true);
         }
         let mut bad = self.bad_blocks.lock().unwrap();
-        let hit: Vec<u64> = bad.range(self.blocks(offset, len)).map(|(b, _)| *b).collect();
+        let hit: Vec<u64> = bad
+            .range(self.blocks(offset, len))
+            .map(|(b, _)| *b)
+            .collect();
         if hit.is_empty() {
             return Ok(true);
         }
@@ -80,7 +83,9 @@ impl Filter for Dust {
             let failures = bad.get_mut(&block).expect("present");
             if *failures > 0 {
                 *failures -= 1;
-                return Err(BlockError::Io(format!("dust: write to bad block {block} failed")));
+                return Err(BlockError::Io(format!(
+                    "dust: write to bad block {block} failed"
+                )));
             }
             bad.remove(&block);
         }
@@ -99,8 +104,16 @@ impl Target for Filtered<Dust> {
 
     fn status(&self) -> String {
         let d = &self.0;
-        let mode = if d.enabled.load(Ordering::Relaxed) { "fail_read_on_bad_block" } else { "bypass" };
-        let verbosity = if d.quiet.load(Ordering::Relaxed) { "quiet" } else { "verbose" };
+        let mode = if d.enabled.load(Ordering::Relaxed) {
+            "fail_read_on_bad_block"
+        } else {
+            "bypass"
+        };
+        let verbosity = if d.quiet.load(Ordering::Relaxed) {
+            "quiet"
+        } else {
+            "verbose"
+        };
         format!("{} {mode} {verbosity}", d.lower.reference)
     }
 
@@ -126,14 +139,18 @@ impl Target for Filtered<Dust> {
             ["clearbadblocks"] => {
                 let had = !bad.is_empty();
                 bad.clear();
-                Ok(if had { "dust_clear_badblocks: badblocks cleared" } else {
+                Ok(if had {
+                    "dust_clear_badblocks: badblocks cleared"
+                } else {
                     "dust_clear_badblocks: no badblocks found"
                 }
                 .into())
             }
-            ["listbadblocks"] => {
-                Ok(bad.keys().map(u64::to_string).collect::<Vec<_>>().join("\n"))
-            }
+            ["listbadblocks"] => Ok(bad
+                .keys()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join("\n")),
             ["addbadblock", block, rest @ ..] if rest.len() <= 1 => {
                 let block = d.block_number(block)?;
                 let failures = match rest.first() {
@@ -152,7 +169,9 @@ impl Target for Filtered<Dust> {
             ["removebadblock", block] => {
                 let block = d.block_number(block)?;
                 match bad.remove(&block) {
-                    Some(_) => Ok(format!("dust_remove_block: badblock removed at block {block}")),
+                    Some(_) => Ok(format!(
+                        "dust_remove_block: badblock removed at block {block}"
+                    )),
                     None => Err(TargetError::new(format!(
                         "dust_remove_block: block {block} not found in badblocklist"
                     ))),
@@ -160,8 +179,14 @@ impl Target for Filtered<Dust> {
             }
             ["queryblock", block] => {
                 let block = d.block_number(block)?;
-                let found = if bad.contains_key(&block) { "found" } else { "not found" };
-                Ok(format!("dust_query_block: block {block} {found} in badblocklist"))
+                let found = if bad.contains_key(&block) {
+                    "found"
+                } else {
+                    "not found"
+                };
+                Ok(format!(
+                    "dust_query_block: block {block} {found} in badblocklist"
+                ))
             }
             _ => Err(TargetError::new(format!(
                 "dust: unknown message or wrong argument count: '{}'",
@@ -193,9 +218,16 @@ mod tests {
         let resolver = memory_resolver(&[("a", 1 << 20)]);
         let table = build(&resolver, "0 2048 dust a 0 4096").unwrap();
         let dust = table.target_at(0).unwrap().clone();
-        assert_eq!(dust.message(&["addbadblock", "2"]).unwrap(), "dust_add_block: badblock added at block 2");
+        assert_eq!(
+            dust.message(&["addbadblock", "2"]).unwrap(),
+            "dust_add_block: badblock added at block 2"
+        );
         assert!(dust.message(&["addbadblock", "2"]).is_err());
-        assert!(dust.message(&["addbadblock", "256"]).unwrap_err().to_string().contains("out of range"));
+        assert!(dust
+            .message(&["addbadblock", "256"])
+            .unwrap_err()
+            .to_string()
+            .contains("out of range"));
         let mut buf = vec![0u8; 4096];
         // Bypass mode until enabled.
         table.read(8192, &mut buf).unwrap();
@@ -203,17 +235,26 @@ mod tests {
         assert_eq!(dust.status(), "a fail_read_on_bad_block verbose");
         assert_eq!(table.read(8192, &mut buf).unwrap_err().errno(), libc::EIO);
         table.read(4096, &mut buf).unwrap();
-        assert_eq!(dust.message(&["countbadblocks"]).unwrap(), "countbadblocks: 1 badblock(s) found");
+        assert_eq!(
+            dust.message(&["countbadblocks"]).unwrap(),
+            "countbadblocks: 1 badblock(s) found"
+        );
         table.write(8192, &buf, WriteFlags::default()).unwrap();
         table.read(8192, &mut buf).unwrap();
-        assert_eq!(dust.message(&["queryblock", "2"]).unwrap(), "dust_query_block: block 2 not found in badblocklist");
+        assert_eq!(
+            dust.message(&["queryblock", "2"]).unwrap(),
+            "dust_query_block: block 2 not found in badblocklist"
+        );
         assert!(dust.message(&["frob"]).is_err());
     }
 
     #[test]
     fn refuses_bad_block_sizes() {
         let resolver = memory_resolver(&[("a", 1 << 20)]);
-        let err = build(&resolver, "0 8 dust a 0 1000").err().unwrap().to_string();
+        let err = build(&resolver, "0 8 dust a 0 1000")
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("invalid <block size> 1000"), "{err}");
     }
 }

@@ -22,11 +22,23 @@ pub struct Lower {
 
 impl Lower {
     /// Parses `<dev> <offset>` and checks that the segment fits on the device.
-    pub fn parse(args: &mut Args, ctx: &TargetContext, mode: OpenMode) -> Result<Self, TargetError> {
+    pub fn parse(
+        args: &mut Args,
+        ctx: &TargetContext,
+        mode: OpenMode,
+    ) -> Result<Self, TargetError> {
         let (reference, dev) = args.device(ctx, "dev", mode)?;
         let offset = args.sectors("offset")?;
-        let lower = Lower { reference, dev, offset, len: ctx.len };
-        if offset.checked_add(ctx.len).is_none_or(|end| end > lower.dev.size()) {
+        let lower = Lower {
+            reference,
+            dev,
+            offset,
+            len: ctx.len,
+        };
+        if offset
+            .checked_add(ctx.len)
+            .is_none_or(|end| end > lower.dev.size())
+        {
             return Err(args.error(format!(
                 "device '{}' has {} sectors; offset {} + length {} does not fit",
                 lower.reference,

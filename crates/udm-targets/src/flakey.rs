@@ -89,8 +89,12 @@ fn parse_features(args: &Args, words: &[&str]) -> Result<Features, TargetError> 
     let mut f = Features::default();
     let mut i = 0;
     let number = |i: usize, what: &str| -> Result<u64, TargetError> {
-        let token = words.get(i).ok_or_else(|| args.error(format!("missing <{what}>")))?;
-        token.parse().map_err(|_| args.error(format!("invalid <{what}> '{token}'")))
+        let token = words
+            .get(i)
+            .ok_or_else(|| args.error(format!("missing <{what}>")))?;
+        token
+            .parse()
+            .map_err(|_| args.error(format!("invalid <{what}> '{token}'")))
     };
     while i < words.len() {
         match words[i].to_ascii_lowercase().as_str() {
@@ -163,7 +167,11 @@ impl Flakey {
                 changed = true;
             }
         }
-        let p = if writes { self.features.random_write_corrupt } else { self.features.random_read_corrupt };
+        let p = if writes {
+            self.features.random_write_corrupt
+        } else {
+            self.features.random_read_corrupt
+        };
         if p > 0 && !buf.is_empty() && self.next_random() % PROBABILITY_SCALE < p {
             let at = (self.next_random() % buf.len() as u64) as usize;
             buf[at] = buf[at].wrapping_add(1);
@@ -241,7 +249,13 @@ mod tests {
         let table = build(&resolver, "0 2048 flakey a 0 0 5").unwrap();
         let mut buf = vec![0u8; 512];
         assert_eq!(table.read(0, &mut buf).unwrap_err().errno(), libc::EIO);
-        assert_eq!(table.write(0, &buf, WriteFlags::default()).unwrap_err().errno(), libc::EIO);
+        assert_eq!(
+            table
+                .write(0, &buf, WriteFlags::default())
+                .unwrap_err()
+                .errno(),
+            libc::EIO
+        );
         table.flush().unwrap();
     }
 
@@ -259,9 +273,15 @@ mod tests {
     #[test]
     fn corrupt_bio_byte_changes_the_nth_byte_of_reads() {
         let resolver = memory_resolver(&[("a", 1 << 20)]);
-        resolver.get("a").write(0, &[7u8; 512], WriteFlags::default()).unwrap();
-        let table =
-            build(&resolver, "0 2048 flakey a 0 0 5 5 corrupt_bio_byte 32 r 1 0").unwrap();
+        resolver
+            .get("a")
+            .write(0, &[7u8; 512], WriteFlags::default())
+            .unwrap();
+        let table = build(
+            &resolver,
+            "0 2048 flakey a 0 0 5 5 corrupt_bio_byte 32 r 1 0",
+        )
+        .unwrap();
         let mut buf = vec![0u8; 512];
         table.read(0, &mut buf).unwrap();
         assert_eq!(buf[31], 1);
@@ -273,10 +293,22 @@ mod tests {
         let resolver = memory_resolver(&[("a", 1 << 20)]);
         for (text, expected) in [
             ("0 8 flakey a 0 0 0", "total (up + down) interval is zero"),
-            ("0 8 flakey a 0 1 1 2 drop_writes", "<#feature args> is 2 but 1 follow"),
-            ("0 8 flakey a 0 1 1 1 bogus", "unknown or repeated feature 'bogus'"),
-            ("0 8 flakey a 0 1 1 2 drop_writes error_writes", "mutually exclusive"),
-            ("0 8 flakey a 0 1 1 5 corrupt_bio_byte 1 x 0 0", "direction must be r or w"),
+            (
+                "0 8 flakey a 0 1 1 2 drop_writes",
+                "<#feature args> is 2 but 1 follow",
+            ),
+            (
+                "0 8 flakey a 0 1 1 1 bogus",
+                "unknown or repeated feature 'bogus'",
+            ),
+            (
+                "0 8 flakey a 0 1 1 2 drop_writes error_writes",
+                "mutually exclusive",
+            ),
+            (
+                "0 8 flakey a 0 1 1 5 corrupt_bio_byte 1 x 0 0",
+                "direction must be r or w",
+            ),
         ] {
             let err = build(&resolver, text).err().unwrap().to_string();
             assert!(err.contains(expected), "{text}: {err}");

@@ -18,7 +18,11 @@ impl Filter for Linear {
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
-    Ok(Arc::new(Filtered(Linear(Lower::parse(args, ctx, OpenMode::ReadWrite)?))))
+    Ok(Arc::new(Filtered(Linear(Lower::parse(
+        args,
+        ctx,
+        OpenMode::ReadWrite,
+    )?))))
 }
 
 impl Target for Filtered<Linear> {
@@ -53,15 +57,27 @@ mod tests {
     #[test]
     fn refuses_what_does_not_fit_and_names_the_token() {
         let resolver = memory_resolver(&[("a", 1 << 20)]);
-        let err = build(&resolver, "0 2048 linear a 1").err().unwrap().to_string();
+        let err = build(&resolver, "0 2048 linear a 1")
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("has 2048 sectors"), "{err}");
-        let err = build(&resolver, "0 8 linear a x1").err().unwrap().to_string();
+        let err = build(&resolver, "0 8 linear a x1")
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("invalid <offset> 'x1'"), "{err}");
         let err = build(&resolver, "0 8 linear a").err().unwrap().to_string();
         assert!(err.contains("missing argument <offset>"), "{err}");
-        let err = build(&resolver, "0 8 linear a 0 extra").err().unwrap().to_string();
+        let err = build(&resolver, "0 8 linear a 0 extra")
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("unexpected argument 'extra'"), "{err}");
-        let err = build(&resolver, "0 8 linear nosuch 0").err().unwrap().to_string();
+        let err = build(&resolver, "0 8 linear nosuch 0")
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("'nosuch'"), "{err}");
     }
 }

@@ -55,16 +55,28 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     for _ in 0..count {
         let (reference, dev) = args.device(ctx, "dev", OpenMode::ReadWrite)?;
         let offset = args.sectors("offset")?;
-        if offset.checked_add(per_stripe).is_none_or(|end| end > dev.size()) {
+        if offset
+            .checked_add(per_stripe)
+            .is_none_or(|end| end > dev.size())
+        {
             return Err(args.error(format!(
                 "stripe device '{reference}' is too small for offset {} + {} sectors",
                 offset / SECTOR_SIZE,
                 per_stripe / SECTOR_SIZE
             )));
         }
-        stripes.push(Stripe { reference, dev, offset, errors: AtomicU64::new(0) });
+        stripes.push(Stripe {
+            reference,
+            dev,
+            offset,
+            errors: AtomicU64::new(0),
+        });
     }
-    Ok(Arc::new(Striped { stripes, chunk, len: ctx.len }))
+    Ok(Arc::new(Striped {
+        stripes,
+        chunk,
+        len: ctx.len,
+    }))
 }
 
 impl Striped {
@@ -102,10 +114,14 @@ impl BlockDevice for Striped {
         Capabilities::weakest(caps.iter())
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.each_chunk(offset, buf.len() as u64, |s, at, r| s.dev.read(at, &mut buf[r]))
+        self.each_chunk(offset, buf.len() as u64, |s, at, r| {
+            s.dev.read(at, &mut buf[r])
+        })
     }
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
-        self.each_chunk(offset, buf.len() as u64, |s, at, r| s.dev.write(at, &buf[r], flags))
+        self.each_chunk(offset, buf.len() as u64, |s, at, r| {
+            s.dev.write(at, &buf[r], flags)
+        })
     }
     fn flush(&self) -> Result<()> {
         self.stripes.iter().try_for_each(|s| s.dev.flush())
@@ -114,7 +130,9 @@ impl BlockDevice for Striped {
         self.each_chunk(offset, len, |s, at, r| s.dev.discard(at, r.len() as u64))
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.each_chunk(offset, len, |s, at, r| s.dev.write_zeroes(at, r.len() as u64, flags))
+        self.each_chunk(offset, len, |s, at, r| {
+            s.dev.write_zeroes(at, r.len() as u64, flags)
+        })
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         // Within one chunk the stripe's own answer holds; the caller asks again after it.
@@ -144,7 +162,13 @@ impl Target for Striped {
         let health: String = self
             .stripes
             .iter()
-            .map(|s| if s.errors.load(Ordering::Relaxed) > 0 { 'D' } else { 'A' })
+            .map(|s| {
+                if s.errors.load(Ordering::Relaxed) > 0 {
+                    'D'
+                } else {
+                    'A'
+                }
+            })
             .collect();
         format!("{} {} 1 {health}", self.stripes.len(), names.join(" "))
     }
@@ -176,11 +200,20 @@ mod tests {
     fn refuses_bad_geometry() {
         let resolver = memory_resolver(&[("a", 8 << 20), ("b", 8 << 20)]);
         for (text, expected) in [
-            ("0 16384 striped 2 4 a 0 b 0", "below the minimum of 8 sectors"),
-            ("0 16376 striped 2 8 a 0 b 0", "not a multiple of chunk size 8 x 2"),
+            (
+                "0 16384 striped 2 4 a 0 b 0",
+                "below the minimum of 8 sectors",
+            ),
+            (
+                "0 16376 striped 2 8 a 0 b 0",
+                "not a multiple of chunk size 8 x 2",
+            ),
             ("0 16384 striped 2 8 a 0", "expected 2 <dev> <offset> pairs"),
             ("0 16384 striped 0 8", "<#stripes> must be at least 1"),
-            ("0 16384 striped 2 8 a 16384 b 0", "stripe device 'a' is too small"),
+            (
+                "0 16384 striped 2 8 a 16384 b 0",
+                "stripe device 'a' is too small",
+            ),
         ] {
             let err = build(&resolver, text).err().unwrap().to_string();
             assert!(err.contains(expected), "{text}: {err}");

@@ -2,9 +2,7 @@
 
 use std::sync::Arc;
 
-use udm_block::{
-    BlockDevice, Capabilities, Extent, Result, WriteFlags, ZeroFlags, SECTOR_SIZE,
-};
+use udm_block::{BlockDevice, Capabilities, Extent, Result, WriteFlags, ZeroFlags, SECTOR_SIZE};
 
 use crate::target::{construct, EventSink, Resolver, Target, TargetContext, TargetError};
 
@@ -40,10 +38,13 @@ impl TableLine {
     pub fn parse(line: &str) -> Result<TableLine, TargetError> {
         let mut tokens = line.split_whitespace();
         let mut number = |what: &str| -> Result<u64, TargetError> {
-            let token =
-                tokens.next().ok_or_else(|| TargetError::new(format!("missing <{what}>")))?;
+            let token = tokens
+                .next()
+                .ok_or_else(|| TargetError::new(format!("missing <{what}>")))?;
             token.parse().map_err(|_| {
-                TargetError::new(format!("invalid <{what}> '{token}': expected a number of sectors"))
+                TargetError::new(format!(
+                    "invalid <{what}> '{token}': expected a number of sectors"
+                ))
             })
         };
         let start = number("start")?;
@@ -51,10 +52,17 @@ impl TableLine {
         if len == 0 {
             return Err(TargetError::new("<length> must not be zero"));
         }
-        let type_name =
-            tokens.next().ok_or_else(|| TargetError::new("missing <target type>"))?.to_string();
+        let type_name = tokens
+            .next()
+            .ok_or_else(|| TargetError::new("missing <target type>"))?
+            .to_string();
         let args = tokens.map(str::to_string).collect();
-        Ok(TableLine { start, len, type_name, args })
+        Ok(TableLine {
+            start,
+            len,
+            type_name,
+            args,
+        })
     }
 }
 
@@ -105,15 +113,31 @@ impl Table {
                 .len
                 .checked_mul(SECTOR_SIZE)
                 .ok_or_else(|| at(TargetError::new("<length> is too large")))?;
-            let ctx = TargetContext { resolver, len, raise_event: raise_event.clone() };
+            let ctx = TargetContext {
+                resolver,
+                len,
+                raise_event: raise_event.clone(),
+            };
             let target = construct(&line.type_name, &line.args, &ctx).map_err(at)?;
-            segments.push(Segment { start: next * SECTOR_SIZE, len, target });
+            segments.push(Segment {
+                start: next * SECTOR_SIZE,
+                len,
+                target,
+            });
             next += line.len;
         }
         let capabilities = Capabilities::weakest(
-            segments.iter().map(|s| s.target.capabilities()).collect::<Vec<_>>().iter(),
+            segments
+                .iter()
+                .map(|s| s.target.capabilities())
+                .collect::<Vec<_>>()
+                .iter(),
         );
-        Ok(Table { segments, size: next * SECTOR_SIZE, capabilities })
+        Ok(Table {
+            segments,
+            size: next * SECTOR_SIZE,
+            capabilities,
+        })
     }
 
     pub fn segments(&self) -> &[Segment] {
@@ -122,17 +146,27 @@ impl Table {
 
     /// The table as `udm table` prints it; [`Table::build`] accepts it back unchanged.
     pub fn lines(&self) -> Vec<String> {
-        self.segments.iter().map(|s| self.line(s, &s.target.args())).collect()
+        self.segments
+            .iter()
+            .map(|s| self.line(s, &s.target.args()))
+            .collect()
     }
 
     /// One status line per segment.
     pub fn status_lines(&self) -> Vec<String> {
-        self.segments.iter().map(|s| self.line(s, &s.target.status())).collect()
+        self.segments
+            .iter()
+            .map(|s| self.line(s, &s.target.status()))
+            .collect()
     }
 
     fn line(&self, s: &Segment, rest: &str) -> String {
-        let head =
-            format!("{} {} {}", s.start / SECTOR_SIZE, s.len / SECTOR_SIZE, s.target.type_name());
+        let head = format!(
+            "{} {} {}",
+            s.start / SECTOR_SIZE,
+            s.len / SECTOR_SIZE,
+            s.target.type_name()
+        );
         if rest.is_empty() {
             head
         } else {
@@ -188,7 +222,11 @@ impl Table {
             let segment = &self.segments[index];
             let pos = offset + done;
             let n = (segment.start + segment.len - pos).min(len - done);
-            f(&*segment.target, pos - segment.start, done as usize..(done + n) as usize)?;
+            f(
+                &*segment.target,
+                pos - segment.start,
+                done as usize..(done + n) as usize,
+            )?;
             done += n;
             index += 1;
         }
@@ -206,11 +244,15 @@ impl BlockDevice for Table {
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.each_piece(offset, buf.len() as u64, |t, at, range| t.read(at, &mut buf[range]))
+        self.each_piece(offset, buf.len() as u64, |t, at, range| {
+            t.read(at, &mut buf[range])
+        })
     }
 
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
-        self.each_piece(offset, buf.len() as u64, |t, at, range| t.write(at, &buf[range], flags))
+        self.each_piece(offset, buf.len() as u64, |t, at, range| {
+            t.write(at, &buf[range], flags)
+        })
     }
 
     fn flush(&self) -> Result<()> {
@@ -218,11 +260,15 @@ impl BlockDevice for Table {
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.each_piece(offset, len, |t, at, range| t.discard(at, range.len() as u64))
+        self.each_piece(offset, len, |t, at, range| {
+            t.discard(at, range.len() as u64)
+        })
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.each_piece(offset, len, |t, at, range| t.write_zeroes(at, range.len() as u64, flags))
+        self.each_piece(offset, len, |t, at, range| {
+            t.write_zeroes(at, range.len() as u64, flags)
+        })
     }
 
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
@@ -280,10 +326,16 @@ mod tests {
             ("0 x zero", "line 1: invalid <length> 'x'"),
             ("0 8", "line 1: missing <target type>"),
             ("0 8 frobnicate", "line 1: unknown target type 'frobnicate'"),
-            ("0 8 zero\n\n# c\n8 8 zero extra", "line 4: zero: unexpected argument 'extra'"),
+            (
+                "0 8 zero\n\n# c\n8 8 zero extra",
+                "line 4: zero: unexpected argument 'extra'",
+            ),
         ];
         for (text, expected) in cases {
-            let err = build(&resolver, text).err().map(|e| e.to_string()).unwrap_or_default();
+            let err = build(&resolver, text)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
             assert!(err.starts_with(expected), "table {text:?}: got {err:?}");
         }
     }

@@ -84,15 +84,16 @@ pub fn construct(
     args: &[String],
     ctx: &TargetContext,
 ) -> Result<Arc<dyn Target>, TargetError> {
-    let (_, constructor) = TARGET_TYPES.iter().find(|(name, _)| *name == type_name).ok_or_else(
-        || {
+    let (_, constructor) = TARGET_TYPES
+        .iter()
+        .find(|(name, _)| *name == type_name)
+        .ok_or_else(|| {
             let known: Vec<_> = TARGET_TYPES.iter().map(|(name, _)| *name).collect();
             TargetError::new(format!(
                 "unknown target type '{type_name}' (known: {})",
                 known.join(", ")
             ))
-        },
-    )?;
+        })?;
     let mut args = Args::new(type_name, args);
     let target = constructor(&mut args, ctx)?;
     args.finish()?;

@@ -27,7 +27,10 @@ impl Resolver for MemoryResolver {
 
 pub fn memory_resolver(devices: &[(&str, u64)]) -> MemoryResolver {
     MemoryResolver(
-        devices.iter().map(|(n, size)| (n.to_string(), Arc::new(MemoryDevice::new(*size)))).collect(),
+        devices
+            .iter()
+            .map(|(n, size)| (n.to_string(), Arc::new(MemoryDevice::new(*size))))
+            .collect(),
     )
 }
 

@@ -84,7 +84,10 @@ struct Handshake<'a> {
     no_zeroes: bool,
 }
 
-pub fn negotiate(stream: &mut Stream, catalog: &dyn ExportCatalog) -> Result<Negotiated, HandshakeEnd> {
+pub fn negotiate(
+    stream: &mut Stream,
+    catalog: &dyn ExportCatalog,
+) -> Result<Negotiated, HandshakeEnd> {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
     greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -92,7 +95,9 @@ pub fn negotiate(stream: &mut Stream, catalog: &dyn ExportCatalog) -> Result<Neg
     stream.write_all(&greeting)?;
     let client_flags = read_u32(stream)?;
     if client_flags & !(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES) != 0 {
-        return Err(HandshakeEnd::Violation(format!("unknown client flags {client_flags:#x}")));
+        return Err(HandshakeEnd::Violation(format!(
+            "unknown client flags {client_flags:#x}"
+        )));
     }
     let mut h = Handshake {
         stream,
@@ -122,13 +127,17 @@ impl Handshake<'_> {
     fn option(&mut self) -> Result<Option<Negotiated>, HandshakeEnd> {
         let magic = read_u64(self.stream)?;
         if magic != IHAVEOPT {
-            return Err(HandshakeEnd::Violation(format!("bad option magic {magic:#x}")));
+            return Err(HandshakeEnd::Violation(format!(
+                "bad option magic {magic:#x}"
+            )));
         }
         let option = read_u32(self.stream)?;
         let len = read_u32(self.stream)?;
         if len > MAX_OPTION_LEN {
             if option == OPT_EXPORT_NAME {
-                return Err(HandshakeEnd::Violation(format!("export name of {len} bytes")));
+                return Err(HandshakeEnd::Violation(format!(
+                    "export name of {len} bytes"
+                )));
             }
             io::copy(&mut (&mut *self.stream).take(len.into()), &mut io::sink())?;
             self.error(option, REP_ERR_TOO_BIG, "option data too large")?;
@@ -159,7 +168,11 @@ impl Handshake<'_> {
             OPT_INFO | OPT_GO => self.info_or_go(option, &data),
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
-                    self.error(option, REP_ERR_INVALID, "NBD_OPT_STRUCTURED_REPLY takes no data")?;
+                    self.error(
+                        option,
+                        REP_ERR_INVALID,
+                        "NBD_OPT_STRUCTURED_REPLY takes no data",
+                    )?;
                 } else {
                     self.structured = true;
                     self.reply(option, REP_ACK, &[])?;
@@ -211,7 +224,11 @@ impl Handshake<'_> {
             }
         };
         let Some(export) = self.catalog.open(&name) else {
-            self.error(option, REP_ERR_UNKNOWN, &format!("no export named '{name}'"))?;
+            self.error(
+                option,
+                REP_ERR_UNKNOWN,
+                &format!("no export named '{name}'"),
+            )?;
             return Ok(None);
         };
         let mut info = INFO_EXPORT.to_be_bytes().to_vec();
@@ -245,16 +262,24 @@ impl Handshake<'_> {
             Err(e) => return self.error(option, REP_ERR_INVALID, &e.to_string()),
         };
         if option == OPT_SET_META_CONTEXT && !self.structured {
-            return self.error(option, REP_ERR_INVALID, "negotiate structured replies first");
+            return self.error(
+                option,
+                REP_ERR_INVALID,
+                "negotiate structured replies first",
+            );
         }
         if self.catalog.open(&name).is_none() {
-            return self.error(option, REP_ERR_UNKNOWN, &format!("no export named '{name}'"));
+            return self.error(
+                option,
+                REP_ERR_UNKNOWN,
+                &format!("no export named '{name}'"),
+            );
         }
         let listing_all = option == OPT_LIST_META_CONTEXT && queries.is_empty();
         let selected = listing_all
-            || queries.iter().any(|q| {
-                q == BASE_ALLOCATION || (option == OPT_LIST_META_CONTEXT && q == "base:")
-            });
+            || queries
+                .iter()
+                .any(|q| q == BASE_ALLOCATION || (option == OPT_LIST_META_CONTEXT && q == "base:"));
         if option == OPT_SET_META_CONTEXT {
             self.base_allocation = selected;
         }

@@ -225,7 +225,9 @@ pub fn parse_info_request(data: &[u8]) -> Result<(String, Vec<u16>), ProtocolErr
     let count = r.u16()?;
     let infos = (0..count).map(|_| r.u16()).collect::<Result<Vec<_>, _>>()?;
     if !r.is_empty() {
-        return Err(ProtocolError::Invalid("trailing bytes after the info requests".into()));
+        return Err(ProtocolError::Invalid(
+            "trailing bytes after the info requests".into(),
+        ));
     }
     Ok((name, infos))
 }
@@ -236,11 +238,17 @@ pub fn parse_meta_context_request(data: &[u8]) -> Result<(String, Vec<String>), 
     let name = r.string()?;
     let count = r.u32()?;
     if count as usize > data.len() / 4 {
-        return Err(ProtocolError::Invalid(format!("{count} queries cannot fit the data")));
+        return Err(ProtocolError::Invalid(format!(
+            "{count} queries cannot fit the data"
+        )));
     }
-    let queries = (0..count).map(|_| r.string()).collect::<Result<Vec<_>, _>>()?;
+    let queries = (0..count)
+        .map(|_| r.string())
+        .collect::<Result<Vec<_>, _>>()?;
     if !r.is_empty() {
-        return Err(ProtocolError::Invalid("trailing bytes after the queries".into()));
+        return Err(ProtocolError::Invalid(
+            "trailing bytes after the queries".into(),
+        ));
     }
     Ok((name, queries))
 }
@@ -251,11 +259,20 @@ mod tests {
 
     #[test]
     fn request_round_trips_and_bad_magic_is_caught() {
-        let r = Request { flags: 1, command: CMD_WRITE, cookie: 7, offset: 4096, length: 512 };
+        let r = Request {
+            flags: 1,
+            command: CMD_WRITE,
+            cookie: 7,
+            offset: 4096,
+            length: 512,
+        };
         assert_eq!(parse_request(&encode_request(&r)).unwrap(), r);
         let mut bad = encode_request(&r);
         bad[0] ^= 1;
-        assert!(matches!(parse_request(&bad), Err(ProtocolError::BadMagic(_))));
+        assert!(matches!(
+            parse_request(&bad),
+            Err(ProtocolError::BadMagic(_))
+        ));
     }
 
     #[test]
@@ -265,7 +282,10 @@ mod tests {
         data.extend_from_slice(b"vol");
         data.extend_from_slice(&1u16.to_be_bytes());
         data.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
-        assert_eq!(parse_info_request(&data).unwrap(), ("vol".into(), vec![INFO_BLOCK_SIZE]));
+        assert_eq!(
+            parse_info_request(&data).unwrap(),
+            ("vol".into(), vec![INFO_BLOCK_SIZE])
+        );
         for cut in 0..data.len() {
             assert!(parse_info_request(&data[..cut]).is_err(), "cut at {cut}");
         }

@@ -43,7 +43,11 @@ pub struct NbdServer {
 
 impl NbdServer {
     pub fn new(catalog: Arc<dyn ExportCatalog>, config: ServerConfig) -> Self {
-        NbdServer { catalog, config, connections: Arc::new(AtomicUsize::new(0)) }
+        NbdServer {
+            catalog,
+            config,
+            connections: Arc::new(AtomicUsize::new(0)),
+        }
     }
 
     /// Listens on a Unix socket (a stale socket file is replaced).
@@ -52,14 +56,16 @@ impl NbdServer {
         let listener = UnixListener::bind(path)?;
         info!("nbd: listening on unix:{}", path.display());
         let server = self.clone();
-        std::thread::Builder::new().name("nbd-accept-unix".into()).spawn(move || {
-            for stream in listener.incoming() {
-                match stream {
-                    Ok(s) => server.accept(Stream::Unix(s)),
-                    Err(e) => warn!("nbd: accept failed: {e}"),
+        std::thread::Builder::new()
+            .name("nbd-accept-unix".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    match stream {
+                        Ok(s) => server.accept(Stream::Unix(s)),
+                        Err(e) => warn!("nbd: accept failed: {e}"),
+                    }
                 }
-            }
-        })?;
+            })?;
         Ok(())
     }
 
@@ -69,17 +75,19 @@ impl NbdServer {
         let local = listener.local_addr()?;
         info!("nbd: listening on tcp:{local}");
         let server = self.clone();
-        std::thread::Builder::new().name("nbd-accept-tcp".into()).spawn(move || {
-            for stream in listener.incoming() {
-                match stream {
-                    Ok(s) => {
-                        let _ = s.set_nodelay(true);
-                        server.accept(Stream::Tcp(s))
+        std::thread::Builder::new()
+            .name("nbd-accept-tcp".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    match stream {
+                        Ok(s) => {
+                            let _ = s.set_nodelay(true);
+                            server.accept(Stream::Tcp(s))
+                        }
+                        Err(e) => warn!("nbd: accept failed: {e}"),
                     }
-                    Err(e) => warn!("nbd: accept failed: {e}"),
                 }
-            }
-        })?;
+            })?;
         Ok(local)
     }
 
@@ -87,14 +95,19 @@ impl NbdServer {
         let count = self.connections.fetch_add(1, Ordering::AcqRel) + 1;
         if count > self.config.max_connections {
             self.connections.fetch_sub(1, Ordering::AcqRel);
-            warn!("nbd: refusing a connection: {} already open", self.config.max_connections);
+            warn!(
+                "nbd: refusing a connection: {} already open",
+                self.config.max_connections
+            );
             return;
         }
         let server = self.clone();
-        let spawned = std::thread::Builder::new().name("nbd-conn".into()).spawn(move || {
-            server.connection(stream);
-            server.connections.fetch_sub(1, Ordering::AcqRel);
-        });
+        let spawned = std::thread::Builder::new()
+            .name("nbd-conn".into())
+            .spawn(move || {
+                server.connection(stream);
+                server.connections.fetch_sub(1, Ordering::AcqRel);
+            });
         if let Err(e) = spawned {
             self.connections.fetch_sub(1, Ordering::AcqRel);
             warn!("nbd: cannot start a connection thread: {e}");
@@ -112,7 +125,8 @@ impl NbdServer {
         let _ = stream.set_read_timeout(None);
         let name = negotiated.name.clone();
         debug!("nbd: client attached to '{name}'");
-        if let Err(e) = transmission::serve(stream, negotiated, self.config.workers_per_connection) {
+        if let Err(e) = transmission::serve(stream, negotiated, self.config.workers_per_connection)
+        {
             warn!("nbd: connection to '{name}' failed: {e}");
         }
         debug!("nbd: client detached from '{name}'");

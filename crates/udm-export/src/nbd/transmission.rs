@@ -26,7 +26,12 @@ struct Connection {
 
 /// Serves one negotiated connection with `workers` threads until the client disconnects.
 pub fn serve(stream: Stream, negotiated: Negotiated, workers: usize) -> io::Result<()> {
-    let Negotiated { name, export, structured, base_allocation } = negotiated;
+    let Negotiated {
+        name,
+        export,
+        structured,
+        base_allocation,
+    } = negotiated;
     let conn = Connection {
         name,
         writer: Mutex::new(stream.try_clone()?),
@@ -102,7 +107,10 @@ impl Connection {
             if request.length > MAX_PAYLOAD {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
-                    format!("write of {} bytes exceeds the {MAX_PAYLOAD}-byte limit", request.length),
+                    format!(
+                        "write of {} bytes exceeds the {MAX_PAYLOAD}-byte limit",
+                        request.length
+                    ),
                 ));
             }
             buf.resize(request.length as usize);
@@ -119,20 +127,32 @@ impl Connection {
         match (result, r.command) {
             (Ok(Some(extents)), _) => self.reply_block_status(&r, &extents),
             (Ok(None), CMD_READ) => self.reply_read(&r, &buf[..r.length as usize]),
-            (Ok(None), _) => self.writer.lock().unwrap().write_all_vectored(&mut [
-                IoSlice::new(&simple_reply(r.cookie, 0)),
-            ]),
+            (Ok(None), _) => self
+                .writer
+                .lock()
+                .unwrap()
+                .write_all_vectored(&mut [IoSlice::new(&simple_reply(r.cookie, 0))]),
             (Err(e), _) => {
-                debug!("nbd export '{}': command {} failed: {e}", self.name, r.command);
+                debug!(
+                    "nbd export '{}': command {} failed: {e}",
+                    self.name, r.command
+                );
                 self.reply_error(&r, &e)
             }
         }
     }
 
     /// Runs a request against the device; block status returns its extents.
-    fn execute(&self, r: &Request, buf: &mut AlignedBuf) -> Result<Option<Vec<Extent>>, BlockError> {
+    fn execute(
+        &self,
+        r: &Request,
+        buf: &mut AlignedBuf,
+    ) -> Result<Option<Vec<Extent>>, BlockError> {
         if r.flags & !KNOWN_FLAGS != 0 {
-            return Err(BlockError::InvalidArgument(format!("unknown flags {:#x}", r.flags)));
+            return Err(BlockError::InvalidArgument(format!(
+                "unknown flags {:#x}",
+                r.flags
+            )));
         }
         let fua = r.flags & CMD_FLAG_FUA != 0;
         let (offset, len) = (r.offset, u64::from(r.length));
@@ -146,7 +166,10 @@ impl Connection {
                 buf.resize(r.length as usize);
                 self.device.read(offset, buf)?;
             }
-            CMD_WRITE => self.device.write(offset, &buf[..r.length as usize], WriteFlags { fua })?,
+            CMD_WRITE => {
+                self.device
+                    .write(offset, &buf[..r.length as usize], WriteFlags { fua })?
+            }
             CMD_FLUSH => self.device.flush()?,
             CMD_TRIM => {
                 self.device.discard(offset, len)?;
@@ -177,7 +200,9 @@ impl Connection {
                 return Ok(Some(extents));
             }
             other => {
-                return Err(BlockError::InvalidArgument(format!("unknown command {other}")));
+                return Err(BlockError::InvalidArgument(format!(
+                    "unknown command {other}"
+                )));
             }
         }
         Ok(None)
@@ -200,8 +225,12 @@ impl Connection {
                 IoSlice::new(&size),
             ]);
         }
-        let header =
-            chunk_header(CHUNK_FLAG_DONE, CHUNK_OFFSET_DATA, r.cookie, 8 + data.len() as u32);
+        let header = chunk_header(
+            CHUNK_FLAG_DONE,
+            CHUNK_OFFSET_DATA,
+            r.cookie,
+            8 + data.len() as u32,
+        );
         writer.write_all_vectored(&mut [
             IoSlice::new(&header),
             IoSlice::new(&offset),
@@ -215,8 +244,12 @@ impl Connection {
             payload.extend_from_slice(&(e.len as u32).to_be_bytes());
             payload.extend_from_slice(&e.flags.to_be_bytes());
         }
-        let header =
-            chunk_header(CHUNK_FLAG_DONE, CHUNK_BLOCK_STATUS, r.cookie, payload.len() as u32);
+        let header = chunk_header(
+            CHUNK_FLAG_DONE,
+            CHUNK_BLOCK_STATUS,
+            r.cookie,
+            payload.len() as u32,
+        );
         self.writer
             .lock()
             .unwrap()
@@ -274,7 +307,11 @@ mod tests {
 
     #[test]
     fn merge_joins_equal_neighbours() {
-        let merged = merge(vec![Extent::data(512), Extent::data(512), Extent::hole(1024)]);
+        let merged = merge(vec![
+            Extent::data(512),
+            Extent::data(512),
+            Extent::hole(1024),
+        ]);
         assert_eq!(merged, vec![Extent::data(1024), Extent::hole(1024)]);
     }
 }

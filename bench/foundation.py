@@ -1,0 +1,953 @@
+#!/usr/bin/env python3
+"""Foundation benchmark for udm: the NBD transport and raw passthrough, side by side.
+
+Pairs (see docs/benchmarks.md in the shared docs):
+
+* udm ``zero`` target   vs  ``nbdkit null``            (the transport's ceiling)
+* udm ``linear`` target vs  ``qemu-nbd -f raw``        (raw passthrough over the same file)
+* fio straight on the file (io_uring, O_DIRECT)        (the physical floor)
+
+Every figure that matters is a ratio measured in this run: the pair members alternate per
+workload (udm, peer, udm, peer, ...), each workload is repeated ``--repeat`` times and the
+median is reported.
+
+Usage:  python3 bench/foundation.py [--runtime SECONDS] [--size 1G] [--repeat 2]
+                                    [--out bench/results/foundation] [--keep]
+
+Only the Python standard library is needed; matplotlib (Debian: python3-matplotlib) draws the
+charts.  If the running interpreter lacks matplotlib but /usr/bin/python3 has it, the script
+re-executes itself there; if no interpreter has it, the table is still printed and the charts
+are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Which Debian package installs each external tool.
+PACKAGES = {
+    "fio": "fio",
+    "nbdkit": "nbdkit",
+    "qemu-nbd": "qemu-utils",
+    "nbdinfo": "libnbd-bin",
+    "cargo": "cargo (or rustup)",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# matplotlib: optional, and possibly only in the system interpreter
+# --------------------------------------------------------------------------------------------
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def _maybe_reexec_for_matplotlib() -> None:
+    """Re-run under /usr/bin/python3 when this interpreter (e.g. a pyenv one) lacks matplotlib."""
+    if _have_matplotlib() or os.environ.get("UDM_BENCH_NO_REEXEC"):
+        return
+    if "--no-charts" in sys.argv or "-h" in sys.argv or "--help" in sys.argv:
+        return
+    for cand in ("/usr/bin/python3",):
+        try:
+            if not os.access(cand, os.X_OK):
+                continue
+            if os.path.realpath(cand) == os.path.realpath(sys.executable):
+                continue
+            probe = subprocess.run(
+                [cand, "-c", "import sys, matplotlib; assert sys.version_info >= (3, 9)"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if probe.returncode == 0:
+            os.environ["UDM_BENCH_NO_REEXEC"] = "1"
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execv(cand, [cand, os.path.abspath(__file__)] + sys.argv[1:])
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------------
+
+class BenchError(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[foundation] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = 1
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if t and t[-1] in units:
+        mult = units[t[-1]]
+        t = t[:-1]
+    try:
+        value = float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 256M, 1G)")
+    size = int(value * mult)
+    if size <= 0 or size % (1 << 20):
+        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 1 MiB")
+    return size
+
+
+def human_size(n: int) -> str:
+    for unit, mult in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+_libc = None
+
+
+def _pdeathsig() -> None:
+    """preexec_fn: the child gets SIGTERM if this script dies, even by SIGKILL."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def run(cmd, *, timeout: float, env=None, cwd=None, check=True, quiet=False):
+    """Run a command to completion with a timeout; return CompletedProcess (text)."""
+    try:
+        cp = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            timeout=timeout, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                            preexec_fn=_pdeathsig)
+    except subprocess.TimeoutExpired as e:
+        raise BenchError(f"timed out after {timeout:.0f}s: {' '.join(map(str, cmd))}") from e
+    if check and cp.returncode != 0:
+        raise BenchError(
+            f"command failed (exit {cp.returncode}): {' '.join(map(str, cmd))}\n"
+            f"  stdout: {cp.stdout.strip()[-2000:]}\n  stderr: {cp.stderr.strip()[-2000:]}")
+    if not quiet and cp.returncode != 0:
+        log(f"exit {cp.returncode}: {' '.join(map(str, cmd))}: {cp.stderr.strip()[-500:]}")
+    return cp
+
+
+@dataclass
+class Service:
+    """A long-running process we started (daemon or peer)."""
+    name: str
+    proc: subprocess.Popen
+    logfile: Path
+    _fh: object = None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                log(f"{self.name} did not exit on SIGTERM within {grace:.0f}s; SIGKILL")
+                try:
+                    self.proc.kill()
+                except ProcessLookupError:
+                    pass
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    log(f"{self.name} (pid {self.proc.pid}) still alive after SIGKILL")
+        if self._fh:
+            try:
+                self._fh.close()
+            except Exception:
+                pass
+            self._fh = None
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            lines = self.logfile.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+def start_service(name: str, cmd, logfile: Path, env=None, cwd=None) -> Service:
+    fh = open(logfile, "wb")
+    log(f"starting {name}: {' '.join(map(str, cmd))}")
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                            env=env, cwd=cwd, start_new_session=True, preexec_fn=_pdeathsig)
+    return Service(name=name, proc=proc, logfile=logfile, _fh=fh)
+
+
+def wait_for_socket(path: Path, svc: Service, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    last_err = None
+    while time.monotonic() < deadline:
+        if not svc.alive():
+            raise BenchError(f"{svc.name} exited (code {svc.proc.returncode}) before creating "
+                             f"{path}; log tail:\n{svc.log_tail()}")
+        if path.exists():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(2)
+            try:
+                s.connect(str(path))
+                return
+            except OSError as e:
+                last_err = e
+            finally:
+                s.close()
+        time.sleep(0.05)
+    raise BenchError(f"{svc.name}: socket {path} not ready after {timeout:.0f}s ({last_err}); "
+                     f"log tail:\n{svc.log_tail()}")
+
+
+# --------------------------------------------------------------------------------------------
+# workloads and systems
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Workload:
+    key: str       # file-name friendly
+    label: str     # table label
+    rw: str
+    bs: str
+    qd: int
+
+    @property
+    def direction(self) -> str:
+        return "read" if "read" in self.rw else "write"
+
+    @property
+    def metric(self) -> str:
+        return "iops" if self.bs == "4k" else "mbps"
+
+
+WORKLOADS = [
+    Workload("randread-4k-qd1", "randread 4k qd1", "randread", "4k", 1),
+    Workload("randwrite-4k-qd1", "randwrite 4k qd1", "randwrite", "4k", 1),
+    Workload("randread-4k-qd32", "randread 4k qd32", "randread", "4k", 32),
+    Workload("randwrite-4k-qd32", "randwrite 4k qd32", "randwrite", "4k", 32),
+    Workload("write-256k-qd32", "write 256k qd32", "write", "256k", 32),
+    Workload("read-256k-qd32", "read 256k qd32", "read", "256k", 32),
+]
+
+
+@dataclass
+class System:
+    key: str            # e.g. "udm-zero"
+    label: str          # e.g. "udm zero"
+    engine_args: list   # fio arguments selecting the target
+    service: Service | None = None   # process that must be alive for the run
+    available: bool = True
+    why_unavailable: str = ""
+
+
+@dataclass
+class Sample:
+    value: float        # IOPS or MB/s depending on workload.metric
+    iops: float
+    mbps: float
+    lat_mean_us: float
+    lat_p99_us: float
+    json_path: Path
+
+
+@dataclass
+class Cell:
+    samples: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+
+    def median(self, attr: str):
+        vals = [getattr(s, attr) for s in self.samples if getattr(s, attr) is not None]
+        vals = [v for v in vals if not (isinstance(v, float) and math.isnan(v))]
+        return statistics.median(vals) if vals else None
+
+
+def fio_cmd(wl: Workload, system: System, args, out_json: Path) -> list:
+    return [
+        "fio", f"--name={wl.key}", *system.engine_args,
+        f"--rw={wl.rw}", f"--bs={wl.bs}", f"--iodepth={wl.qd}", "--numjobs=1",
+        "--time_based", f"--runtime={args.runtime}", f"--size={args.size}",
+        "--randrepeat=1", "--group_reporting", "--output-format=json",
+        f"--output={out_json}",
+    ]
+
+
+def parse_fio_json(path: Path, wl: Workload) -> Sample:
+    text = path.read_text(errors="replace")
+    start = text.find("{")
+    if start < 0:
+        raise BenchError(f"no JSON in {path}")
+    data = json.loads(text[start:])
+    job = data["jobs"][0]
+    if job.get("error", 0):
+        raise BenchError(f"fio job error {job['error']} in {path}")
+    side = job[wl.direction]
+    if not side.get("total_ios", side.get("io_bytes", 0)):
+        raise BenchError(f"fio did no {wl.direction} I/O in {path}")
+    clat = side.get("clat_ns", {})
+    pct = clat.get("percentile", {}) or {}
+    p99 = pct.get("99.000000")
+    iops = float(side["iops"])
+    mbps = float(side["bw_bytes"]) / 1e6
+    return Sample(
+        value=iops if wl.metric == "iops" else mbps,
+        iops=iops, mbps=mbps,
+        lat_mean_us=float(clat.get("mean", float("nan"))) / 1000.0,
+        lat_p99_us=(float(p99) / 1000.0) if p99 is not None else float("nan"),
+        json_path=path,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# udm client verbs
+# --------------------------------------------------------------------------------------------
+
+class Udm:
+    def __init__(self, binary: Path, control: Path):
+        self.binary = binary
+        self.control = control
+        self.env = dict(os.environ, UDM_CONTROL=str(control))
+        self._style = None  # which way of naming the control socket worked
+
+    def _variants(self, verb_args):
+        b, c = str(self.binary), str(self.control)
+        styles = {
+            "env": [b, *verb_args],
+            "global": [b, "--control", c, *verb_args],
+            "verb": [b, verb_args[0], "--control", c, *verb_args[1:]],
+        }
+        order = [self._style] if self._style else ["env", "global", "verb"]
+        return [(s, styles[s]) for s in order]
+
+    def client(self, *verb_args, timeout: float = 30.0, check: bool = True):
+        failures = []
+        for style, cmd in self._variants(list(verb_args)):
+            cp = run(cmd, timeout=timeout, env=self.env, check=False, quiet=True)
+            if cp.returncode == 0:
+                self._style = style
+                return cp
+            failures.append(f"  $ {' '.join(cmd)}\n    exit {cp.returncode}; "
+                            f"stdout: {cp.stdout.strip()[-800:]!r}; "
+                            f"stderr: {cp.stderr.strip()[-800:]!r}")
+        msg = f"udm {' '.join(verb_args)} failed:\n" + "\n".join(failures)
+        if check:
+            raise BenchError(msg)
+        log(msg)
+        return None
+
+
+def find_udm(args) -> Path:
+    if args.udm:
+        p = Path(args.udm).resolve()
+        if not os.access(p, os.X_OK):
+            raise BenchError(f"--udm {p} is not an executable file")
+        return p
+    target_dir = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+    if not target_dir.is_absolute():
+        target_dir = REPO / target_dir
+    binary = target_dir / "release" / "udm"
+    if binary.is_file() and os.access(binary, os.X_OK):
+        return binary
+    if args.no_build:
+        raise BenchError(f"{binary} does not exist and --no-build was given")
+    if not shutil.which("cargo"):
+        raise BenchError(f"{binary} does not exist and cargo is not installed "
+                         f"(install {PACKAGES['cargo']})")
+    log(f"{binary} missing: running `cargo build --release -p udm` (this can take minutes)")
+    run(["cargo", "build", "--release", "-p", "udm"], cwd=REPO, timeout=3600)
+    if not binary.is_file():
+        raise BenchError(f"cargo build succeeded but {binary} does not exist")
+    return binary
+
+
+# --------------------------------------------------------------------------------------------
+# formatting
+# --------------------------------------------------------------------------------------------
+
+def fmt_value(v, metric: str) -> str:
+    if v is None:
+        return "—"
+    if metric == "iops":
+        return f"{v / 1000:.1f}k" if v >= 1000 else f"{v:.0f}"
+    return f"{v:.0f} MB/s"
+
+
+def is_below(r) -> bool:
+    """Below 1.0x as printed (0.996 prints as 1.00x and is not flagged)."""
+    return r is not None and round(r, 2) < 1.0
+
+
+def fmt_ratio(r) -> str:
+    if r is None:
+        return "—"
+    if is_below(r):
+        return f"**{r:.2f}× ▼**"
+    return f"{r:.2f}×"
+
+
+def fmt_lat(cell: Cell | None) -> str:
+    if cell is None:
+        return "—"
+    m, p = cell.median("lat_mean_us"), cell.median("lat_p99_us")
+    if m is None:
+        return "—"
+    return f"{m:.0f} / {p:.0f}" if p is not None else f"{m:.0f} / ?"
+
+
+def markdown_table(header, rows) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells):
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+PAIRS = [("udm-zero", "nbdkit-null"), ("udm-linear", "qemu-nbd")]
+
+
+def build_table(results, systems, meta) -> tuple[str, dict]:
+    def cell(wl, key):
+        return results.get((wl.key, key))
+
+    def med(wl, key):
+        c = cell(wl, key)
+        return c.median("value") if c else None
+
+    def ratio(wl, a, b):
+        va, vb = med(wl, a), med(wl, b)
+        if va is None or vb is None or vb == 0:
+            return None
+        return va / vb
+
+    header = ["workload", "udm zero", "nbdkit null", "ratio", "udm linear", "qemu-nbd", "ratio",
+              "fio on file",
+              "udm zero lat µs", "nbdkit null lat µs", "udm linear lat µs", "qemu-nbd lat µs",
+              "file lat µs"]
+    rows = []
+    below = []
+    ratios = {p: [] for p in PAIRS}
+    summary = {}
+    for wl in WORKLOADS:
+        r_zero = ratio(wl, "udm-zero", "nbdkit-null")
+        r_lin = ratio(wl, "udm-linear", "qemu-nbd")
+        label = wl.label + (" (IOPS)" if wl.metric == "iops" else " (MB/s)")
+        flagged = [n for n, r in (("zero", r_zero), ("linear", r_lin)) if is_below(r)]
+        if flagged:
+            below.append(f"{wl.label}: " + ", ".join(flagged))
+            label = "▼ " + label
+        for p, r in zip(PAIRS, (r_zero, r_lin)):
+            if r is not None:
+                ratios[p].append(r)
+        rows.append([
+            label,
+            fmt_value(med(wl, "udm-zero"), wl.metric),
+            fmt_value(med(wl, "nbdkit-null"), wl.metric),
+            fmt_ratio(r_zero),
+            fmt_value(med(wl, "udm-linear"), wl.metric),
+            fmt_value(med(wl, "qemu-nbd"), wl.metric),
+            fmt_ratio(r_lin),
+            fmt_value(med(wl, "file"), wl.metric),
+            fmt_lat(cell(wl, "udm-zero")), fmt_lat(cell(wl, "nbdkit-null")),
+            fmt_lat(cell(wl, "udm-linear")), fmt_lat(cell(wl, "qemu-nbd")),
+            fmt_lat(cell(wl, "file")),
+        ])
+        summary[wl.key] = {
+            "metric": wl.metric,
+            "systems": {
+                s.key: None if cell(wl, s.key) is None else {
+                    "median_value": cell(wl, s.key).median("value"),
+                    "median_iops": cell(wl, s.key).median("iops"),
+                    "median_mbps": cell(wl, s.key).median("mbps"),
+                    "median_lat_mean_us": cell(wl, s.key).median("lat_mean_us"),
+                    "median_lat_p99_us": cell(wl, s.key).median("lat_p99_us"),
+                    "samples": [{"value": x.value, "iops": x.iops, "mbps": x.mbps,
+                                 "lat_mean_us": x.lat_mean_us, "lat_p99_us": x.lat_p99_us,
+                                 "json": x.json_path.name} for x in cell(wl, s.key).samples],
+                    "errors": cell(wl, s.key).errors,
+                } for s in systems},
+            "ratio_zero_vs_nbdkit": r_zero,
+            "ratio_linear_vs_qemu": r_lin,
+        }
+
+    out = []
+    out.append(f"## udm foundation benchmark — {meta['timestamp']}")
+    out.append("")
+    out.append(f"Host: {meta['host']}, {meta['cpus']} CPUs, kernel {meta['kernel']}. "
+               f"udm {meta['udm_commit']}. fio {meta['fio_version']}, nbd engine, one job, "
+               f"unix socket. Runtime {meta['runtime']} s per run, export/file size "
+               f"{meta['size_human']}, median of {meta['repeat']} alternating run(s).")
+    out.append("")
+    out.append(markdown_table(header, rows))
+    out.append("")
+    out.append("4k rows in IOPS, 256k rows in MB/s (10^6 B/s). Ratio = udm / peer (higher is "
+               "better for udm); **▼** marks a ratio below 1.0×. Latency cells: completion "
+               "latency mean / p99 in µs (fio clat).")
+    gm = []
+    for (a, b), rs in ratios.items():
+        if rs:
+            g = math.exp(sum(math.log(r) for r in rs) / len(rs))
+            gm.append(f"{a} / {b}: geometric mean {g:.2f}× over {len(rs)} workloads")
+            summary.setdefault("_geomean", {})[f"{a}/{b}"] = g
+    if gm:
+        out.append("")
+        out.append("Summary: " + "; ".join(gm) + ".")
+    if below:
+        out.append("")
+        out.append("Below 1.0× (udm slower than its peer): " + "; ".join(below) + ".")
+    missing = [f"{s.label} ({s.why_unavailable})" for s in systems if not s.available]
+    failed = sorted({f"{s.label}" for s in systems for wl in WORKLOADS
+                     if cell(wl, s.key) and cell(wl, s.key).errors})
+    if missing:
+        out.append("")
+        out.append("Not measured: " + "; ".join(missing) + ".")
+    if failed:
+        out.append("")
+        out.append("Runs with errors (see results.json and the *.err files): "
+                   + ", ".join(failed) + ".")
+    return "\n".join(out) + "\n", summary
+
+
+# --------------------------------------------------------------------------------------------
+# charts
+# --------------------------------------------------------------------------------------------
+
+def draw_charts(results, systems, out_dir: Path, meta) -> list:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # pragma: no cover - depends on the machine
+        log(f"NOTE: matplotlib is not available ({e}); charts skipped. "
+            f"Install it with `apt-get install python3-matplotlib`.")
+        return []
+
+    by_key = {s.key: s for s in systems}
+    colors = {"udm-zero": "#1f77b4", "nbdkit-null": "#ff7f0e", "udm-linear": "#1f77b4",
+              "qemu-nbd": "#2ca02c", "file": "#9e9e9e"}
+    caption = (f"{meta['timestamp']} · {meta['cpus']} CPUs · fio nbd engine, 1 job, unix socket · "
+               f"{meta['runtime']} s × median of {meta['repeat']} · {meta['size_human']}")
+    files = []
+
+    def med(wl, key, attr="value"):
+        c = results.get((wl.key, key))
+        return c.median(attr) if c else None
+
+    charts = [
+        ("foundation-zero-vs-nbdkit.png", "Transport ceiling: udm zero vs nbdkit null",
+         ["udm-zero", "nbdkit-null", "file"], ("udm-zero", "nbdkit-null")),
+        ("foundation-linear-vs-qemu.png", "Raw passthrough: udm linear vs qemu-nbd raw",
+         ["udm-linear", "qemu-nbd", "file"], ("udm-linear", "qemu-nbd")),
+    ]
+    groups = [("iops", "IOPS (4 KiB random)", [w for w in WORKLOADS if w.metric == "iops"]),
+              ("mbps", "MB/s (256 KiB sequential)", [w for w in WORKLOADS if w.metric == "mbps"])]
+
+    for fname, title, keys, (ua, pb) in charts:
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5.2),
+                                 gridspec_kw={"width_ratios": [2, 1]})
+        for ax, (metric, ylabel, wls) in zip(axes, groups):
+            n = len(keys)
+            width = 0.8 / n
+            xs = list(range(len(wls)))
+            for i, key in enumerate(keys):
+                vals = [med(w, key) or 0 for w in wls]
+                label = by_key[key].label if key != "file" else "fio on file (floor)"
+                bars = ax.bar([x + (i - (n - 1) / 2) * width for x in xs], vals, width,
+                              label=label, color=colors[key],
+                              hatch="//" if key == "file" else None,
+                              edgecolor="white" if key != "file" else "#555555")
+                if key == ua:
+                    for w, b in zip(wls, bars):
+                        va, vb = med(w, ua), med(w, pb)
+                        if va and vb:
+                            r = va / vb
+                            ax.annotate(f"{r:.2f}×", (b.get_x() + b.get_width() / 2,
+                                                      b.get_height()),
+                                        ha="center", va="bottom", fontsize=8,
+                                        color="#c62828" if is_below(r) else "#1b5e20",
+                                        fontweight="bold")
+            ax.set_xticks(xs)
+            ax.set_xticklabels([w.label for w in wls], fontsize=9)
+            ax.set_ylabel(ylabel)
+            ax.grid(axis="y", alpha=0.3)
+            ax.set_axisbelow(True)
+        axes[0].legend(fontsize=9, loc="upper left")
+        fig.suptitle(title + "  (ratio = udm / peer above the udm bar)")
+        fig.text(0.5, 0.01, caption, ha="center", fontsize=8, color="#555555")
+        fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+        path = out_dir / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(path)
+
+    # Latency at queue depth 1: mean bars with the p99 as an error whisker.
+    wls = [w for w in WORKLOADS if w.qd == 1]
+    keys = ["udm-zero", "nbdkit-null", "udm-linear", "qemu-nbd", "file"]
+    lat_colors = {"udm-zero": "#1f77b4", "nbdkit-null": "#ff7f0e", "udm-linear": "#0d47a1",
+                  "qemu-nbd": "#2ca02c", "file": "#9e9e9e"}
+    fig, ax = plt.subplots(figsize=(10, 5))
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        means = [med(w, key, "lat_mean_us") or 0 for w in wls]
+        p99s = [med(w, key, "lat_p99_us") or 0 for w in wls]
+        xs = [x + (i - (len(keys) - 1) / 2) * width for x in range(len(wls))]
+        ax.bar(xs, means, width, label=by_key[key].label if key != "file" else "fio on file",
+               color=lat_colors[key], hatch="//" if key == "file" else None,
+               yerr=[[0] * len(wls), [max(p - m, 0) for p, m in zip(p99s, means)]],
+               capsize=3, error_kw={"elinewidth": 1, "ecolor": "#333333"})
+    ax.set_xticks(range(len(wls)))
+    ax.set_xticklabels([w.label for w in wls])
+    ax.set_ylabel("completion latency, µs (bar = mean, whisker = p99)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.legend(fontsize=9)
+    fig.suptitle("Latency at iodepth 1 (lower is better)")
+    fig.text(0.5, 0.01, caption, ha="center", fontsize=8, color="#555555")
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    path = out_dir / "foundation-latency-qd1.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    files.append(path)
+    return files
+
+
+# --------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------
+
+def tool_version(cmd) -> str:
+    try:
+        cp = run(cmd, timeout=20, check=False, quiet=True)
+        return (cp.stdout or cp.stderr).strip().splitlines()[0]
+    except Exception:
+        return "?"
+
+
+def git_describe() -> str:
+    try:
+        cp = run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], timeout=20,
+                 check=False, quiet=True)
+        return cp.stdout.strip() or "?"
+    except Exception:
+        return "?"
+
+
+def fill_backing_file(path: Path, size: int, timeout: float) -> None:
+    """Write every byte of the file (random data, O_DIRECT) so reads hit allocated blocks."""
+    log(f"writing {human_size(size)} of data to {path}")
+    run(["fio", "--name=fill", "--ioengine=io_uring", "--direct=1", "--rw=write", "--bs=1M",
+         "--iodepth=16", f"--size={size}", f"--filename={path}", "--refill_buffers",
+         "--randrepeat=1", "--end_fsync=1", "--output-format=terse"], timeout=timeout)
+    st = path.stat()
+    if st.st_size != size:
+        raise BenchError(f"{path} is {st.st_size} bytes, expected {size}")
+    if st.st_blocks * 512 < size:
+        raise BenchError(f"{path} is sparse ({st.st_blocks * 512} of {size} bytes allocated)")
+
+
+def check_export(uri: str, size: int, what: str) -> None:
+    """Sanity probe with nbdinfo (if installed): the export answers and has the right size."""
+    if not shutil.which("nbdinfo"):
+        return
+    cp = run(["nbdinfo", "--size", uri], timeout=30, check=False, quiet=True)
+    if cp.returncode != 0:
+        raise BenchError(f"nbdinfo --size {uri} ({what}) failed: exit {cp.returncode}: "
+                         f"{cp.stderr.strip()[-1000:]}")
+    try:
+        got = int(cp.stdout.strip())
+    except ValueError:
+        raise BenchError(f"nbdinfo --size {uri} printed {cp.stdout!r}")
+    if got != size:
+        raise BenchError(f"{what}: export size {got}, expected {size}")
+
+
+def main(argv=None) -> int:
+    global WORKLOADS
+    ap = argparse.ArgumentParser(
+        description="udm foundation benchmark: udm zero vs nbdkit null, udm linear vs "
+                    "qemu-nbd raw, and fio on the file, side by side.")
+    ap.add_argument("--runtime", type=int, default=10, help="seconds per fio run (default 10)")
+    ap.add_argument("--size", type=parse_size, default=parse_size("1G"),
+                    help="export and backing file size (default 1G)")
+    ap.add_argument("--repeat", type=int, default=2,
+                    help="alternating runs per system and workload; the median is kept "
+                         "(default 2)")
+    ap.add_argument("--out", default="bench/results/foundation",
+                    help="output directory for fio JSON, table.md and charts "
+                         "(default bench/results/foundation, relative to the current directory)")
+    ap.add_argument("--tmpdir", default=None,
+                    help="where to create the temp dir (must support O_DIRECT; default $TMPDIR "
+                         "or /tmp)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (disk image, logs)")
+    ap.add_argument("--udm", default=None, help="path of the udm binary "
+                                                "(default target/release/udm, built if missing)")
+    ap.add_argument("--no-build", action="store_true", help="never run cargo build")
+    ap.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    ap.add_argument("--workloads", default=None,
+                    help="comma-separated subset of: " + ",".join(w.key for w in WORKLOADS))
+    args = ap.parse_args(argv)
+    if args.runtime < 1 or args.repeat < 1:
+        ap.error("--runtime and --repeat must be at least 1")
+
+    if args.workloads:
+        wanted = [x.strip() for x in args.workloads.split(",") if x.strip()]
+        unknown = [w for w in wanted if w not in {x.key for x in WORKLOADS}]
+        if unknown:
+            ap.error(f"unknown workloads {unknown}")
+        WORKLOADS = [w for w in WORKLOADS if w.key in wanted]
+
+    # Convert SIGTERM/SIGHUP into an exception so that the cleanup in `finally` runs.
+    def _on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)
+
+    missing_required = [t for t in ("fio",) if not shutil.which(t)]
+    if missing_required:
+        for t in missing_required:
+            log(f"ERROR: `{t}` not found; install the Debian package `{PACKAGES[t]}`")
+        return 2
+    eng = run(["fio", "--enghelp=nbd"], timeout=20, check=False, quiet=True)
+    if eng.returncode != 0:
+        log("ERROR: this fio has no nbd engine (Debian's fio package has it; it needs libnbd0)")
+        return 2
+    for t in ("nbdkit", "qemu-nbd", "nbdinfo"):
+        if not shutil.which(t):
+            extra = " (only used for a sanity probe)" if t == "nbdinfo" else \
+                    " — its column will be empty"
+            log(f"WARNING: `{t}` not found; install the Debian package `{PACKAGES[t]}`{extra}")
+
+    out_dir = Path(args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Leave nothing from an earlier run that this run could be mistaken for.
+    for pattern in ("*.json", "*.err", "*.png", "*.log", "table.md"):
+        for old in out_dir.glob(pattern):
+            old.unlink()
+
+    try:
+        udm_bin = find_udm(args)
+    except BenchError as e:
+        log(f"ERROR: {e}")
+        return 2
+    log(f"udm binary: {udm_bin}")
+
+    base = args.tmpdir or os.environ.get("TMPDIR") or "/tmp"
+    tmp = Path(tempfile.mkdtemp(prefix="udm-foundation-", dir=base))
+    # Unix socket paths are limited to 107 bytes.
+    if len(str(tmp / "nbdkit.sock")) > 100:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"ERROR: temp dir path {tmp} too long for unix sockets; use --tmpdir /tmp")
+        return 2
+
+    size = args.size
+    sectors = size // 512
+    disk = tmp / "disk.img"
+    services: list[Service] = []
+    daemon: Service | None = None
+    udm: Udm | None = None
+    created: list[str] = []
+    results: dict = {}
+    rc = 1
+    meta = {
+        "timestamp": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
+        "udm_commit": git_describe(), "udm_binary": str(udm_bin),
+        "fio_version": tool_version(["fio", "--version"]),
+        "nbdkit_version": tool_version(["nbdkit", "--version"]) if shutil.which("nbdkit") else None,
+        "qemu_nbd_version": tool_version(["qemu-nbd", "--version"])
+        if shutil.which("qemu-nbd") else None,
+        "runtime": args.runtime, "size": size, "size_human": human_size(size),
+        "repeat": args.repeat, "tmpdir": str(tmp),
+    }
+    try:
+        fill_backing_file(disk, size, timeout=max(600, size / (20 << 20)))
+
+        # ---- udm daemon and its devices
+        ctl = tmp / "ctl.sock"
+        nbd_sock = tmp / "udm.sock"
+        (tmp / "state").mkdir()
+        daemon = start_service(
+            "udm daemon",
+            [str(udm_bin), "daemon", "--state-dir", str(tmp / "state"), "--control", str(ctl),
+             "--nbd", f"unix:{nbd_sock}"],
+            tmp / "udm-daemon.log", env=dict(os.environ, RUST_BACKTRACE="1"))
+        services.append(daemon)
+        wait_for_socket(ctl, daemon, timeout=30)
+        udm = Udm(udm_bin, ctl)
+        udm.client("create", "nullz", "--table", f"0 {sectors} zero")
+        created.append("nullz")
+        udm.client("create", "lin", "--table", f"0 {sectors} linear {disk} 0")
+        created.append("lin")
+        wait_for_socket(nbd_sock, daemon, timeout=30)
+        uri_zero = f"nbd+unix:///nullz?socket={nbd_sock}"
+        uri_lin = f"nbd+unix:///lin?socket={nbd_sock}"
+        check_export(uri_zero, size, "udm nullz (zero)")
+        check_export(uri_lin, size, "udm lin (linear)")
+
+        systems = [
+            System("udm-zero", "udm zero", ["--ioengine=nbd", f"--uri={uri_zero}"], daemon),
+            System("nbdkit-null", "nbdkit null", []),
+            System("udm-linear", "udm linear", ["--ioengine=nbd", f"--uri={uri_lin}"], daemon),
+            System("qemu-nbd", "qemu-nbd", []),
+            System("file", "fio on file",
+                   ["--ioengine=io_uring", "--direct=1", f"--filename={disk}"]),
+        ]
+        sysmap = {s.key: s for s in systems}
+
+        # ---- peers
+        if shutil.which("nbdkit"):
+            sock = tmp / "nbdkit.sock"
+            svc = start_service("nbdkit null",
+                                ["nbdkit", "-f", "-U", str(sock), "--exit-with-parent",
+                                 "null", str(size)], tmp / "nbdkit.log")
+            services.append(svc)
+            wait_for_socket(sock, svc)
+            uri = f"nbd+unix:///?socket={sock}"
+            check_export(uri, size, "nbdkit null")
+            sysmap["nbdkit-null"].engine_args = ["--ioengine=nbd", f"--uri={uri}"]
+            sysmap["nbdkit-null"].service = svc
+        else:
+            sysmap["nbdkit-null"].available = False
+            sysmap["nbdkit-null"].why_unavailable = "nbdkit missing: apt-get install nbdkit"
+        if shutil.which("qemu-nbd"):
+            sock = tmp / "qemu.sock"
+            svc = start_service("qemu-nbd",
+                                ["qemu-nbd", "-t", "-e", "8", "-k", str(sock), "-f", "raw",
+                                 "--cache=none", "--aio=io_uring", str(disk)], tmp / "qemu-nbd.log")
+            services.append(svc)
+            wait_for_socket(sock, svc)
+            uri = f"nbd+unix:///?socket={sock}"
+            check_export(uri, size, "qemu-nbd raw")
+            sysmap["qemu-nbd"].engine_args = ["--ioengine=nbd", f"--uri={uri}"]
+            sysmap["qemu-nbd"].service = svc
+        else:
+            sysmap["qemu-nbd"].available = False
+            sysmap["qemu-nbd"].why_unavailable = "qemu-nbd missing: apt-get install qemu-utils"
+
+        # ---- the matrix: per workload, per repeat, udm then its peer, side by side
+        order = ["udm-zero", "nbdkit-null", "udm-linear", "qemu-nbd", "file"]
+        total = len(WORKLOADS) * args.repeat * sum(1 for k in order if sysmap[k].available)
+        est = total * (args.runtime + 1)
+        log(f"{total} fio runs of {args.runtime} s (about {est // 60} min {est % 60} s)")
+        n = 0
+        fio_timeout = args.runtime + 60
+        for wl in WORKLOADS:
+            for rep in range(1, args.repeat + 1):
+                for key in order:
+                    s = sysmap[key]
+                    if not s.available:
+                        continue
+                    n += 1
+                    c = results.setdefault((wl.key, key), Cell())
+                    if s.service is not None and not s.service.alive():
+                        msg = (f"{s.service.name} is not running (exit code "
+                               f"{s.service.proc.returncode})")
+                        c.errors.append(msg)
+                        log(f"[{n}/{total}] {wl.key} {key} r{rep}: SKIPPED, {msg}")
+                        continue
+                    out_json = out_dir / f"{wl.key}.{key}.r{rep}.json"
+                    cmd = fio_cmd(wl, s, args, out_json)
+                    try:
+                        cp = run(cmd, timeout=fio_timeout, check=False, quiet=True, cwd=tmp)
+                        if cp.returncode != 0:
+                            raise BenchError(f"fio exit {cp.returncode}: "
+                                             f"{(cp.stderr or cp.stdout).strip()[-1500:]}")
+                        smp = parse_fio_json(out_json, wl)
+                    except (BenchError, json.JSONDecodeError, KeyError, OSError) as e:
+                        err = f"{e}"
+                        c.errors.append(err)
+                        (out_dir / f"{wl.key}.{key}.r{rep}.err").write_text(
+                            " ".join(cmd) + "\n\n" + err + "\n")
+                        log(f"[{n}/{total}] {wl.key} {key} r{rep}: FAILED: {err[:400]}")
+                        continue
+                    c.samples.append(smp)
+                    unit = "IOPS" if wl.metric == "iops" else "MB/s"
+                    log(f"[{n}/{total}] {wl.key:<18} {key:<11} r{rep}: "
+                        f"{smp.value:>10.0f} {unit}  clat mean {smp.lat_mean_us:.0f} µs "
+                        f"p99 {smp.lat_p99_us:.0f} µs")
+
+        table, summary = build_table(results, systems, meta)
+        print()
+        print(table)
+        (out_dir / "table.md").write_text(table)
+        (out_dir / "results.json").write_text(json.dumps(
+            {"meta": meta, "workloads": summary}, indent=2, default=str) + "\n")
+        if args.no_charts:
+            log("charts skipped (--no-charts)")
+        else:
+            for p in draw_charts(results, systems, out_dir, meta):
+                log(f"chart: {p}")
+        log(f"results in {out_dir}")
+        any_ok = any(c.samples for c in results.values())
+        any_err = any(c.errors for c in results.values())
+        rc = 0 if any_ok and not any_err else (3 if any_ok else 1)
+    except KeyboardInterrupt as e:
+        log(f"interrupted ({e}); cleaning up")
+        rc = 130
+    except BenchError as e:
+        log(f"ERROR: {e}")
+        rc = 1
+    finally:
+        # peers first, then the udm devices, then the daemon
+        for svc in reversed(services):
+            if svc is not daemon:
+                svc.stop(grace=5)
+        if daemon is not None and daemon.alive() and udm is not None:
+            for name in reversed(created):
+                try:
+                    udm.client("remove", name, timeout=30, check=False)
+                except BenchError as e:
+                    log(f"udm remove {name}: {e}")
+        if daemon is not None:
+            if not daemon.alive():
+                log(f"udm daemon had exited with code {daemon.proc.returncode}; log tail:\n"
+                    f"{daemon.log_tail()}")
+            daemon.stop(grace=15)
+            if daemon.proc.returncode not in (0, -signal.SIGTERM, None):
+                log(f"udm daemon exit code after SIGTERM: {daemon.proc.returncode}")
+        for svc in services:
+            try:
+                if svc.logfile.exists():
+                    shutil.copy(svc.logfile, out_dir / svc.logfile.name)
+            except OSError:
+                pass
+        if args.keep:
+            log(f"kept temp dir {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return rc
+
+
+if __name__ == "__main__":
+    _maybe_reexec_for_matplotlib()
+    sys.exit(main())

@@ -1,0 +1,95 @@
+//! The client side of the control socket, used by every verb but `daemon`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Component, Path, PathBuf};
+
+use anyhow::{bail, Context};
+
+use crate::control::{Envelope, Request, Response, PROTOCOL_VERSION};
+
+pub fn call(socket: &Path, request: Request) -> anyhow::Result<Response> {
+    let mut stream = UnixStream::connect(socket).with_context(|| {
+        format!(
+            "cannot reach the udm daemon at {} (is `udm daemon` running?)",
+            socket.display()
+        )
+    })?;
+    let mut line = serde_json::to_vec(&Envelope {
+        version: PROTOCOL_VERSION,
+        request,
+    })?;
+    line.push(b'\n');
+    stream.write_all(&line)?;
+    let mut answer = String::new();
+    BufReader::new(stream)
+        .read_line(&mut answer)
+        .context("reading the daemon's answer")?;
+    if answer.is_empty() {
+        bail!("the daemon closed the connection without answering");
+    }
+    let response: Response = serde_json::from_str(&answer).context("malformed answer")?;
+    match (&response.ok, &response.error) {
+        (true, _) => Ok(response),
+        (false, Some(error)) => bail!("{error}"),
+        (false, None) => bail!("the daemon refused the request"),
+    }
+}
+
+/// Rewrites relative paths (`./x`, `../x`) in table lines to absolute ones, so that the
+/// daemon, whose working directory is not the caller's, opens the file the caller meant.
+pub fn absolutize_table(text: &str) -> anyhow::Result<String> {
+    let cwd = std::env::current_dir().context("current directory")?;
+    let lines: Vec<String> = text
+        .lines()
+        .map(|line| {
+            line.split_whitespace()
+                .map(|token| {
+                    if token.starts_with("./") || token.starts_with("../") {
+                        normalize(&cwd.join(token)).display().to_string()
+                    } else {
+                        token.to_string()
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    Ok(lines.join("\n"))
+}
+
+fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for component in path.components() {
+        match component {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_paths_become_absolute_and_names_stay() {
+        let cwd = std::env::current_dir().unwrap();
+        let text = absolutize_table("0 8 linear ./a.img 0\n8 8 linear vol 0").unwrap();
+        assert_eq!(
+            text,
+            format!(
+                "0 8 linear {} 0\n8 8 linear vol 0",
+                cwd.join("a.img").display()
+            )
+        );
+        assert_eq!(
+            normalize(Path::new("/x/y/../z/./w")),
+            PathBuf::from("/x/z/w")
+        );
+    }
+}

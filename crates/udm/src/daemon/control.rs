@@ -1,0 +1,248 @@
+//! The daemon side of the control socket: decode a request, run the verb, answer.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use log::{debug, warn};
+use serde_json::json;
+use udm_block::{BlockDevice, SECTOR_SIZE};
+use udm_targets::TARGET_TYPES;
+
+use super::registry::Registry;
+use crate::control::{Envelope, Request, Response, PROTOCOL_VERSION};
+
+/// Longest request line accepted; a table of thousands of lines still fits.
+const MAX_REQUEST: u64 = 4 << 20;
+
+pub fn listen(path: &Path, registry: Arc<Registry>) -> std::io::Result<()> {
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path)?;
+    std::thread::Builder::new()
+        .name("control-accept".into())
+        .spawn(move || {
+            for stream in listener.incoming() {
+                match stream {
+                    Ok(s) => {
+                        let registry = registry.clone();
+                        let _ = std::thread::Builder::new()
+                            .name("control".into())
+                            .spawn(move || serve(s, &registry));
+                    }
+                    Err(e) => warn!("control: accept failed: {e}"),
+                }
+            }
+        })?;
+    Ok(())
+}
+
+fn serve(stream: UnixStream, registry: &Registry) {
+    let Ok(writer) = stream.try_clone() else {
+        return;
+    };
+    let mut writer = writer;
+    let mut reader = BufReader::new(std::io::Read::take(stream, MAX_REQUEST));
+    let mut line = String::new();
+    loop {
+        line.clear();
+        match reader.read_line(&mut line) {
+            Ok(0) => return,
+            Ok(_) if !line.ends_with('\n') => {
+                let _ = reply(
+                    &mut writer,
+                    &Response::error("request too long or not terminated"),
+                );
+                return;
+            }
+            Ok(_) => {}
+            Err(e) => return debug!("control: read failed: {e}"),
+        }
+        let response = match serde_json::from_str::<Envelope>(&line) {
+            Ok(envelope) if envelope.version != PROTOCOL_VERSION => Response::error(format!(
+                "control protocol version {} not supported (this daemon speaks {PROTOCOL_VERSION})",
+                envelope.version
+            )),
+            Ok(envelope) => execute(registry, envelope.request),
+            Err(e) => Response::error(format!("malformed request: {e}")),
+        };
+        if reply(&mut writer, &response).is_err() {
+            return;
+        }
+        reader.get_mut().set_limit(MAX_REQUEST);
+    }
+}
+
+fn reply(writer: &mut UnixStream, response: &Response) -> std::io::Result<()> {
+    let mut bytes = serde_json::to_vec(response).expect("serialisable");
+    bytes.push(b'\n');
+    writer.write_all(&bytes)
+}
+
+fn execute(registry: &Registry, request: Request) -> Response {
+    let result: Result<Response, Box<dyn std::error::Error>> = (|| {
+        Ok(match request {
+            Request::Create {
+                name,
+                table,
+                read_only,
+            } => {
+                registry.create(&name, &table, read_only)?;
+                Response::text("")
+            }
+            Request::Load { name, table } => {
+                registry.load(&name, &table)?;
+                Response::text("")
+            }
+            Request::Suspend { name } => {
+                registry.suspend(&name)?;
+                Response::text("")
+            }
+            Request::Resume { name } => {
+                registry.resume(&name)?;
+                Response::text("")
+            }
+            Request::Message {
+                name,
+                sector,
+                words,
+            } => {
+                let device = registry.get(&name)?;
+                let table = device.live();
+                let target = table
+                    .target_at(sector)
+                    .ok_or_else(|| format!("sector {sector} is beyond the end of '{name}'"))?;
+                let words: Vec<&str> = words.iter().map(String::as_str).collect();
+                if words.is_empty() {
+                    return Err("a message needs at least one word".into());
+                }
+                Response::text(target.message(&words)?)
+            }
+            Request::Status { name } => status(registry, &name)?,
+            Request::Table { name } => {
+                Response::text(registry.get(&name)?.live().lines().join("\n"))
+            }
+            Request::Info { name } => info(registry, &name)?,
+            Request::Ls { tree } => ls(registry, tree),
+            Request::Wait { name, event_nr } => {
+                let device = registry.get(&name)?;
+                let after = event_nr.unwrap_or_else(|| device.events().current());
+                loop {
+                    let now = device.events().wait(after, Duration::from_secs(1));
+                    if now > after {
+                        break Response::text(now.to_string());
+                    }
+                    registry.get(&name)?;
+                }
+            }
+            Request::Remove { name, force } => {
+                registry.remove(&name, force)?;
+                Response::text("")
+            }
+            Request::Targets => Response::text(
+                TARGET_TYPES
+                    .iter()
+                    .map(|(name, _)| format!("{name:<16}v1.0.0"))
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+            ),
+        })
+    })();
+    result.unwrap_or_else(Response::error)
+}
+
+fn status(registry: &Registry, name: &str) -> Result<Response, Box<dyn std::error::Error>> {
+    let device = registry.get(name)?;
+    let table = device.live();
+    let lines = table.status_lines();
+    let targets: Vec<_> = table
+        .segments()
+        .iter()
+        .map(|s| {
+            json!({
+                "start": s.start / SECTOR_SIZE,
+                "length": s.len / SECTOR_SIZE,
+                "type": s.target.type_name(),
+                "status": s.target.status(),
+            })
+        })
+        .collect();
+    Ok(Response {
+        data: Some(json!({ "name": name, "targets": targets })),
+        ..Response::text(lines.join("\n"))
+    })
+}
+
+fn info(registry: &Registry, name: &str) -> Result<Response, Box<dyn std::error::Error>> {
+    let device = registry.get(name)?;
+    let state = if device.is_suspended() {
+        "SUSPENDED"
+    } else {
+        "ACTIVE"
+    };
+    let tables = if device.inactive().is_some() {
+        "LIVE & INACTIVE"
+    } else {
+        "LIVE"
+    };
+    let opens = device.open_count() + registry.holders(name).len();
+    let access = if device.read_only() {
+        " (READ-ONLY)"
+    } else {
+        ""
+    };
+    let text = format!(
+        "Name:              {name}\nState:             {state}{access}\n\
+         Tables present:    {tables}\nOpen count:        {opens}\n\
+         Event number:      {}\nSize:              {} sectors",
+        device.events().current(),
+        device.size() / SECTOR_SIZE
+    );
+    Ok(Response {
+        data: Some(json!({
+            "name": name, "state": state, "read_only": device.read_only(),
+            "inactive_table": device.inactive().is_some(), "open_count": opens,
+            "event_nr": device.events().current(), "sectors": device.size() / SECTOR_SIZE,
+        })),
+        ..Response::text(text)
+    })
+}
+
+fn ls(registry: &Registry, tree: bool) -> Response {
+    let devices = registry.all();
+    if devices.is_empty() {
+        return Response::text("No devices found");
+    }
+    if !tree {
+        let lines: Vec<_> = devices
+            .iter()
+            .map(|d| format!("{}\t({} sectors)", d.name(), d.size() / SECTOR_SIZE))
+            .collect();
+        return Response::text(lines.join("\n"));
+    }
+    // Like `dmsetup ls --tree`: each device not used by another is a root, with what it is
+    // built on below it, devices and backing files alike.
+    let mut out = Vec::new();
+    for device in devices
+        .iter()
+        .filter(|d| registry.holders(d.name()).is_empty())
+    {
+        out.push(device.name().to_string());
+        tree_below(registry, device.name(), "", &mut out);
+    }
+    Response::text(out.join("\n"))
+}
+
+fn tree_below(registry: &Registry, name: &str, indent: &str, out: &mut Vec<String>) {
+    let Ok(device) = registry.get(name) else {
+        return;
+    };
+    let refs = device.live().references();
+    for (i, r) in refs.iter().enumerate() {
+        let last = i + 1 == refs.len();
+        out.push(format!("{indent}{}{r}", if last { " └─" } else { " ├─" }));
+        let deeper = format!("{indent}{}", if last { "   " } else { " │ " });
+        tree_below(registry, r, &deeper, out);
+    }
+}

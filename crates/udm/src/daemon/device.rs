@@ -1,0 +1,235 @@
+//! A udm device: a name, a live table and an inactive one, the suspend gate, events and the
+//! open count.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use udm_block::{BlockDevice, BlockError, Capabilities, Extent, Result, WriteFlags, ZeroFlags};
+use udm_targets::Table;
+
+struct Tables {
+    live: Arc<Table>,
+    inactive: Option<Arc<Table>>,
+    suspended: bool,
+    /// Requests that passed the gate and have not finished.
+    in_flight: usize,
+}
+
+pub struct Device {
+    name: String,
+    read_only: bool,
+    tables: Mutex<Tables>,
+    /// Signalled when the gate opens or the last in-flight request finishes.
+    gate: Condvar,
+    events: Arc<Events>,
+    /// Client connections using this device (other devices' tables are counted by the
+    /// registry, which knows every table).
+    opens: AtomicUsize,
+}
+
+/// Holds a request's place in the gate; the last one out wakes a waiting `suspend`.
+struct InFlight<'a>(&'a Device);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut t = self.0.tables.lock().unwrap();
+        t.in_flight -= 1;
+        if t.in_flight == 0 && t.suspended {
+            self.0.gate.notify_all();
+        }
+    }
+}
+
+impl Device {
+    /// `events` is the counter the table's targets were given to raise events on.
+    pub fn new(name: String, read_only: bool, live: Table, events: Arc<Events>) -> Self {
+        Device {
+            name,
+            read_only,
+            tables: Mutex::new(Tables {
+                live: Arc::new(live),
+                inactive: None,
+                suspended: false,
+                in_flight: 0,
+            }),
+            gate: Condvar::new(),
+            events,
+            opens: AtomicUsize::new(0),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Tables> {
+        self.tables.lock().unwrap()
+    }
+
+    pub fn live(&self) -> Arc<Table> {
+        self.lock().live.clone()
+    }
+
+    pub fn inactive(&self) -> Option<Arc<Table>> {
+        self.lock().inactive.clone()
+    }
+
+    pub fn is_suspended(&self) -> bool {
+        self.lock().suspended
+    }
+
+    pub fn open_count(&self) -> usize {
+        self.opens.load(Ordering::Acquire)
+    }
+
+    pub fn open(self: &Arc<Self>) -> OpenHandle {
+        self.opens.fetch_add(1, Ordering::AcqRel);
+        OpenHandle(self.clone())
+    }
+
+    /// Waits at the gate while the device is suspended, then enters it.
+    fn enter(&self) -> (Arc<Table>, InFlight<'_>) {
+        let mut t = self.lock();
+        while t.suspended {
+            t = self.gate.wait(t).unwrap();
+        }
+        t.in_flight += 1;
+        (t.live.clone(), InFlight(self))
+    }
+
+    /// Holds new I/O and waits for in-flight I/O to finish (dm's suspend).
+    pub fn suspend(&self) {
+        let mut t = self.lock();
+        if t.suspended {
+            return;
+        }
+        t.suspended = true;
+        while t.in_flight > 0 {
+            t = self.gate.wait(t).unwrap();
+        }
+        t.live.suspend();
+    }
+
+    /// Makes the inactive table live if there is one, and lets I/O flow again. Returns the
+    /// table that was replaced, if any.
+    pub fn resume(&self) -> Option<Arc<Table>> {
+        let mut t = self.lock();
+        let replaced = t
+            .inactive
+            .take()
+            .map(|new| std::mem::replace(&mut t.live, new));
+        if t.suspended || replaced.is_some() {
+            t.live.resume();
+        }
+        t.suspended = false;
+        self.gate.notify_all();
+        replaced
+    }
+
+    /// Fills the inactive slot (dm's load); the live table is untouched until resume.
+    pub fn load(&self, table: Table) {
+        self.lock().inactive = Some(Arc::new(table));
+    }
+
+    /// Replaces the live table at once: suspend, swap, resume.
+    pub fn replace_live(&self, table: Table) {
+        self.suspend();
+        self.load(table);
+        self.resume();
+    }
+
+    pub fn events(&self) -> &Arc<Events> {
+        &self.events
+    }
+}
+
+/// A device's event counter (dm's event_nr), raised by its targets and waited on by
+/// `udm wait`.
+#[derive(Default)]
+pub struct Events {
+    counter: Mutex<u64>,
+    raised: Condvar,
+}
+
+impl Events {
+    pub fn current(&self) -> u64 {
+        *self.counter.lock().unwrap()
+    }
+
+    pub fn raise(&self) {
+        *self.counter.lock().unwrap() += 1;
+        self.raised.notify_all();
+    }
+
+    /// Blocks until the counter passes `after`, or `timeout` elapses; returns it.
+    pub fn wait(&self, after: u64, timeout: Duration) -> u64 {
+        let counter = self.counter.lock().unwrap();
+        let (counter, _) = self
+            .raised
+            .wait_timeout_while(counter, timeout, |n| *n <= after)
+            .unwrap();
+        *counter
+    }
+}
+
+/// A client's hold on a device. The device counts them, and `remove` refuses while any is
+/// held (unless forced).
+pub struct OpenHandle(Arc<Device>);
+
+impl Drop for OpenHandle {
+    fn drop(&mut self) {
+        self.0.opens.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl BlockDevice for Device {
+    fn size(&self) -> u64 {
+        self.lock().live.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        let caps = self.lock().live.capabilities();
+        Capabilities {
+            read_only: caps.read_only || self.read_only,
+            ..caps
+        }
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let (table, _in) = self.enter();
+        table.read(offset, buf)
+    }
+    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
+        if self.read_only {
+            return Err(BlockError::ReadOnly(format!(
+                "device {} is read-only",
+                self.name
+            )));
+        }
+        let (table, _in) = self.enter();
+        table.write(offset, buf, flags)
+    }
+    fn flush(&self) -> Result<()> {
+        let (table, _in) = self.enter();
+        table.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        let (table, _in) = self.enter();
+        table.discard(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        let (table, _in) = self.enter();
+        table.write_zeroes(offset, len, flags)
+    }
+    fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        let (table, _in) = self.enter();
+        table.block_status(offset, len)
+    }
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        let (table, _in) = self.enter();
+        table.cache(offset, len)
+    }
+}

@@ -1,0 +1,206 @@
+//! `udm`: a device-mapper in user space. `udm daemon` holds and serves the devices; every
+//! other verb is a thin client of the daemon's control socket, with dmsetup's semantics.
+
+mod client;
+mod control;
+mod daemon;
+mod logger;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+
+use control::Request;
+
+const DEFAULT_CONTROL: &str = "/run/udm/control.sock";
+
+#[derive(Parser)]
+#[command(name = "udm", version, about = "A device-mapper in user space")]
+struct Cli {
+    /// The daemon's control socket.
+    #[arg(long, global = true, env = "UDM_CONTROL", default_value = DEFAULT_CONTROL)]
+    control: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args)]
+struct TableSource {
+    /// A table line `START LEN TARGET ARGS…` (repeat for more lines).
+    #[arg(long = "table", value_name = "LINE", conflicts_with = "table_file")]
+    lines: Vec<String>,
+    /// A file with the table, one line per segment (`-` for standard input).
+    #[arg(long, value_name = "FILE")]
+    table_file: Option<PathBuf>,
+}
+
+impl TableSource {
+    fn text(&self) -> anyhow::Result<String> {
+        let text = match &self.table_file {
+            Some(path) if path.as_os_str() == "-" => std::io::read_to_string(std::io::stdin())?,
+            Some(path) => std::fs::read_to_string(path)
+                .with_context(|| format!("reading table file {}", path.display()))?,
+            None if self.lines.is_empty() => bail!("give the table with --table or --table-file"),
+            None => self.lines.join("\n"),
+        };
+        client::absolutize_table(&text)
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon in the foreground (logs to stderr; UDM_LOG=debug for more).
+    Daemon {
+        /// Where device tables are kept across restarts.
+        #[arg(long)]
+        state_dir: PathBuf,
+        /// NBD listener: unix:PATH, tcp:PORT (binds 127.0.0.1), tcp:HOST:PORT. Repeatable.
+        #[arg(long, value_name = "LISTENER")]
+        nbd: Vec<daemon::Listener>,
+        /// Expose every device as a file under this FUSE mount point.
+        #[arg(long, value_name = "MOUNTPOINT")]
+        fuse: Option<PathBuf>,
+        /// Requests each NBD connection may have in progress at once.
+        #[arg(long, default_value_t = 16)]
+        nbd_threads: usize,
+    },
+    /// Create a device from a table and make it live.
+    Create {
+        name: String,
+        #[command(flatten)]
+        table: TableSource,
+        /// Refuse writes to the device.
+        #[arg(long)]
+        readonly: bool,
+    },
+    /// Load a table into the inactive slot (made live by `resume`).
+    Load {
+        name: String,
+        #[command(flatten)]
+        table: TableSource,
+    },
+    /// Hold new I/O and wait for I/O in flight.
+    Suspend { name: String },
+    /// Make the inactive table live (if loaded) and let I/O flow.
+    Resume { name: String },
+    /// Send a message to the target at SECTOR.
+    Message {
+        name: String,
+        sector: u64,
+        #[arg(required = true, num_args = 1.., allow_hyphen_values = true)]
+        words: Vec<String>,
+    },
+    /// Print the status line of each target.
+    Status {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the live table.
+    Table { name: String },
+    /// Print the state, tables present, open count and event number.
+    Info {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List devices.
+    Ls {
+        /// Show what each device is built on.
+        #[arg(long)]
+        tree: bool,
+    },
+    /// Wait until the device's event number passes EVENT_NR (default: the current one).
+    Wait { name: String, event_nr: Option<u64> },
+    /// Remove a device.
+    Remove {
+        name: String,
+        /// Remove even while clients have it open (their I/O then fails).
+        #[arg(long)]
+        force: bool,
+    },
+    /// List the target types.
+    Targets,
+}
+
+fn main() -> ExitCode {
+    logger::init();
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("udm: {}", format!("{e:#}").replace('\n', "; "));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let (request, json) = match cli.command {
+        Command::Daemon {
+            state_dir,
+            nbd,
+            fuse,
+            nbd_threads,
+        } => {
+            return daemon::run(daemon::DaemonOptions {
+                state_dir,
+                control: cli.control,
+                nbd,
+                fuse,
+                nbd_threads,
+            });
+        }
+        Command::Create {
+            name,
+            table,
+            readonly,
+        } => (
+            Request::Create {
+                name,
+                table: table.text()?,
+                read_only: readonly,
+            },
+            false,
+        ),
+        Command::Load { name, table } => (
+            Request::Load {
+                name,
+                table: table.text()?,
+            },
+            false,
+        ),
+        Command::Suspend { name } => (Request::Suspend { name }, false),
+        Command::Resume { name } => (Request::Resume { name }, false),
+        Command::Message {
+            name,
+            sector,
+            words,
+        } => (
+            Request::Message {
+                name,
+                sector,
+                words,
+            },
+            false,
+        ),
+        Command::Status { name, json } => (Request::Status { name }, json),
+        Command::Table { name } => (Request::Table { name }, false),
+        Command::Info { name, json } => (Request::Info { name }, json),
+        Command::Ls { tree } => (Request::Ls { tree }, false),
+        Command::Wait { name, event_nr } => (Request::Wait { name, event_nr }, false),
+        Command::Remove { name, force } => (Request::Remove { name, force }, false),
+        Command::Targets => (Request::Targets, false),
+    };
+    let response = client::call(&cli.control, request)?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&response.data.unwrap_or_default())?
+        );
+    } else if !response.output.is_empty() {
+        println!("{}", response.output);
+    }
+    Ok(())
+}
