@@ -1,0 +1,249 @@
+//! Shared harness for the end-to-end tests: a real `udm daemon` in a temporary directory, the
+//! real client tools, and a raw NBD socket for the cases no polite client produces.
+
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub const UDM: &str = env!("CARGO_BIN_EXE_udm");
+
+/// A scratch directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let base = std::env::var_os("UDM_TEST_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+        let dir = base.join(format!("udm-{tag}-{}-{}", std::process::id(), unique()));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A running daemon with one Unix NBD listener.
+pub struct Daemon {
+    pub dir: TempDir,
+    child: Option<Child>,
+}
+
+impl Daemon {
+    pub fn start(tag: &str) -> Daemon {
+        let mut daemon = Daemon { dir: TempDir::new(tag), child: None };
+        daemon.launch();
+        daemon
+    }
+
+    pub fn control(&self) -> PathBuf {
+        self.dir.path("control.sock")
+    }
+
+    pub fn nbd_socket(&self) -> PathBuf {
+        self.dir.path("nbd.sock")
+    }
+
+    /// `nbd+unix:///NAME?socket=…`
+    pub fn uri(&self, name: &str) -> String {
+        format!("nbd+unix:///{name}?socket={}", self.nbd_socket().display())
+    }
+
+    /// (Re)starts the daemon on the same state dir and sockets.
+    pub fn launch(&mut self) {
+        assert!(self.child.is_none(), "daemon already running");
+        let _ = std::fs::remove_file(self.control());
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path("daemon.log"))
+            .unwrap();
+        let child = Command::new(UDM)
+            .arg("daemon")
+            .arg("--state-dir")
+            .arg(self.dir.path("state"))
+            .arg("--control")
+            .arg(self.control())
+            .arg("--nbd")
+            .arg(format!("unix:{}", self.nbd_socket().display()))
+            .env("UDM_LOG", "debug")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start udm daemon");
+        self.child = Some(child);
+        wait_for(|| self.udm_ok(&["ls"]), "the daemon's control socket");
+    }
+
+    /// Stops the daemon with SIGTERM (clean) or SIGKILL (crash).
+    pub fn stop(&mut self, signal: i32) {
+        if let Some(mut child) = self.child.take() {
+            unsafe { libc::kill(child.id() as i32, signal) };
+            let status = child.wait().unwrap();
+            if signal == libc::SIGTERM {
+                assert!(status.success(), "daemon exited with {status}; log:\n{}", self.log());
+            }
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path("daemon.log")).unwrap_or_default()
+    }
+
+    pub fn run_udm(&self, args: &[&str]) -> Output {
+        Command::new(UDM).args(args).env("UDM_CONTROL", self.control()).output().unwrap()
+    }
+
+    fn udm_ok(&self, args: &[&str]) -> bool {
+        self.run_udm(args).status.success()
+    }
+
+    /// Runs a verb that must succeed; returns its standard output.
+    pub fn udm(&self, args: &[&str]) -> String {
+        let out = self.run_udm(args);
+        assert!(
+            out.status.success(),
+            "udm {args:?} failed: {}\ndaemon log:\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.log()
+        );
+        String::from_utf8(out.stdout).unwrap().trim_end().to_string()
+    }
+
+    /// Runs a verb that must fail; returns its one-line error.
+    pub fn udm_err(&self, args: &[&str]) -> String {
+        let out = self.run_udm(args);
+        assert!(!out.status.success(), "udm {args:?} unexpectedly succeeded");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(err.trim_end().lines().count(), 1, "error is not one line: {err:?}");
+        err.trim_end().to_string()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+pub fn wait_for(mut ready: impl FnMut() -> bool, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ready() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs a client tool that must succeed; returns its standard output.
+pub fn tool(program: &str, args: &[&str]) -> String {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {program} (install it; .ci/run does): {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?} failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A file of `len` bytes of deterministic pseudo-random data.
+pub fn random_file(path: &Path, len: usize, seed: u64) {
+    let mut x = seed | 1;
+    let mut data = vec![0u8; len];
+    for chunk in data.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+    }
+    std::fs::write(path, data).unwrap();
+}
+
+pub fn sparse_file(path: &Path, len: u64) {
+    std::fs::File::create(path).unwrap().set_len(len).unwrap();
+}
+
+/// A raw NBD connection that has negotiated an export, for hand-made requests.
+pub struct RawClient {
+    pub stream: UnixStream,
+    pub size: u64,
+}
+
+pub const NBD_CMD_READ: u16 = 0;
+pub const NBD_CMD_WRITE: u16 = 1;
+pub const NBD_CMD_DISC: u16 = 2;
+pub const NBD_CMD_FLUSH: u16 = 3;
+
+impl RawClient {
+    /// Connects and opens `name` with NBD_OPT_EXPORT_NAME (simple replies only).
+    pub fn connect(socket: &Path, name: &str) -> RawClient {
+        let mut stream = UnixStream::connect(socket).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut greeting = [0u8; 18];
+        stream.read_exact(&mut greeting).unwrap();
+        assert_eq!(&greeting[..8], b"NBDMAGIC");
+        stream.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
+        let mut opt = b"IHAVEOPT".to_vec();
+        opt.extend_from_slice(&1u32.to_be_bytes());
+        opt.extend_from_slice(&(name.len() as u32).to_be_bytes());
+        opt.extend_from_slice(name.as_bytes());
+        stream.write_all(&opt).unwrap();
+        let mut reply = [0u8; 10];
+        stream.read_exact(&mut reply).unwrap();
+        RawClient { stream, size: u64::from_be_bytes(reply[..8].try_into().unwrap()) }
+    }
+
+    pub fn send(&mut self, flags: u16, command: u16, cookie: u64, offset: u64, len: u32, data: &[u8]) {
+        let mut req = 0x2560_9513u32.to_be_bytes().to_vec();
+        req.extend_from_slice(&flags.to_be_bytes());
+        req.extend_from_slice(&command.to_be_bytes());
+        req.extend_from_slice(&cookie.to_be_bytes());
+        req.extend_from_slice(&offset.to_be_bytes());
+        req.extend_from_slice(&len.to_be_bytes());
+        req.extend_from_slice(data);
+        self.stream.write_all(&req).unwrap();
+    }
+
+    /// Reads a simple reply: (error, cookie).
+    pub fn reply(&mut self) -> std::io::Result<(u32, u64)> {
+        let mut reply = [0u8; 16];
+        self.stream.read_exact(&mut reply)?;
+        assert_eq!(u32::from_be_bytes(reply[..4].try_into().unwrap()), 0x6744_6698);
+        Ok((
+            u32::from_be_bytes(reply[4..8].try_into().unwrap()),
+            u64::from_be_bytes(reply[8..16].try_into().unwrap()),
+        ))
+    }
+
+    /// True once the server has closed the connection.
+    pub fn is_closed(&mut self) -> bool {
+        let mut byte = [0u8; 1];
+        matches!(self.stream.read(&mut byte), Ok(0) | Err(_))
+    }
+}
