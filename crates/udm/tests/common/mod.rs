@@ -241,9 +241,13 @@ impl RawClient {
         ))
     }
 
-    /// True once the server has closed the connection.
+    /// True once the server has closed the connection (false if it is still open when the
+    /// read timeout expires, or sends more data).
     pub fn is_closed(&mut self) -> bool {
         let mut byte = [0u8; 1];
-        matches!(self.stream.read(&mut byte), Ok(0) | Err(_))
+        match self.stream.read(&mut byte) {
+            Ok(n) => n == 0,
+            Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+        }
     }
 }

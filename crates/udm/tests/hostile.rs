@@ -1,0 +1,231 @@
+//! Hostile and broken NBD clients: each gets an error or a closed connection, and a
+//! well-behaved client connected all along keeps working.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use common::*;
+
+fn daemon_with_volume(tag: &str) -> Daemon {
+    let daemon = Daemon::start(tag);
+    let disk = daemon.dir.path("disk.img");
+    sparse_file(&disk, 8 << 20);
+    daemon.udm(&["create", "vol", "--table", &format!("0 16384 linear {} 0", disk.display())]);
+    daemon.udm(&["create", "slow", "--table", &format!("0 16384 delay {} 0 200", disk.display())]);
+    daemon
+}
+
+/// The bystander: writes, then reads back, on its own connection.
+fn check_bystander(client: &mut RawClient, round: u64) {
+    let data = vec![round as u8; 4096];
+    client.send(0, NBD_CMD_WRITE, round, round * 4096, 4096, &data);
+    assert_eq!(client.reply().unwrap(), (0, round));
+    client.send(0, NBD_CMD_READ, round + 1000, round * 4096, 4096, &[]);
+    assert_eq!(client.reply().unwrap(), (0, round + 1000));
+    let mut back = vec![0u8; 4096];
+    client.stream.read_exact(&mut back).unwrap();
+    assert_eq!(back, data);
+}
+
+fn connect_raw(daemon: &Daemon) -> UnixStream {
+    let mut s = UnixStream::connect(daemon.nbd_socket()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut greeting = [0u8; 18];
+    s.read_exact(&mut greeting).unwrap();
+    s
+}
+
+/// True when the server closes the connection (within the read timeout).
+fn closed(s: &mut UnixStream) -> bool {
+    let mut sink = Vec::new();
+    match s.read_to_end(&mut sink) {
+        Ok(_) => true,
+        Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+    }
+}
+
+fn option(code: u32, data: &[u8]) -> Vec<u8> {
+    let mut o = b"IHAVEOPT".to_vec();
+    o.extend_from_slice(&code.to_be_bytes());
+    o.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    o.extend_from_slice(data);
+    o
+}
+
+/// Reads one option reply: (option, reply type, data).
+fn option_reply(s: &mut UnixStream) -> (u32, u32, Vec<u8>) {
+    let mut head = [0u8; 20];
+    s.read_exact(&mut head).unwrap();
+    let len = u32::from_be_bytes(head[16..20].try_into().unwrap());
+    let mut data = vec![0u8; len as usize];
+    s.read_exact(&mut data).unwrap();
+    (
+        u32::from_be_bytes(head[8..12].try_into().unwrap()),
+        u32::from_be_bytes(head[12..16].try_into().unwrap()),
+        data,
+    )
+}
+
+#[test]
+fn broken_handshakes_are_closed_and_others_carry_on() {
+    let daemon = daemon_with_volume("hostile-handshake");
+    let mut bystander = RawClient::connect(&daemon.nbd_socket(), "vol");
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("http request instead of flags", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),
+        ("unknown client flags", 0xffff_ffffu32.to_be_bytes().to_vec()),
+        ("bad option magic", [3u32.to_be_bytes().to_vec(), b"IHAVEOPX".to_vec(), vec![0; 8]].concat()),
+        ("truncated option header", [3u32.to_be_bytes().to_vec(), b"IHAVE".to_vec()].concat()),
+        ("garbage after a malformed GO", [3u32.to_be_bytes().to_vec(), option(7, &[0; 4])[..16].to_vec(), 100u32.to_be_bytes().to_vec(), vec![1; 10]].concat()),
+        ("export name of an unknown export", [3u32.to_be_bytes().to_vec(), option(1, b"ghost")].concat()),
+    ];
+    for (round, (what, bytes)) in cases.into_iter().enumerate() {
+        let mut s = connect_raw(&daemon);
+        s.write_all(&bytes).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        assert!(closed(&mut s), "{what}");
+        check_bystander(&mut bystander, round as u64);
+    }
+}
+
+#[test]
+fn malformed_options_get_error_replies_and_negotiation_continues() {
+    let daemon = daemon_with_volume("hostile-options");
+    let mut s = connect_raw(&daemon);
+    s.write_all(&3u32.to_be_bytes()).unwrap();
+    let err_unsup = (1 << 31) + 1;
+    let err_invalid = (1 << 31) + 3;
+    let err_unknown = (1 << 31) + 6;
+    // Extended headers (recent libnbd asks) and an invented option: unsupported.
+    for code in [11u32, 4242] {
+        s.write_all(&option(code, &[])).unwrap();
+        assert_eq!(option_reply(&mut s).1, err_unsup, "option {code}");
+    }
+    // INFO with a name length past the data.
+    s.write_all(&option(6, &[0, 0, 1, 0, b'v'])).unwrap();
+    assert_eq!(option_reply(&mut s).1, err_invalid);
+    // LIST with data, structured reply with data.
+    s.write_all(&option(3, b"x")).unwrap();
+    assert_eq!(option_reply(&mut s).1, err_invalid);
+    s.write_all(&option(8, b"x")).unwrap();
+    assert_eq!(option_reply(&mut s).1, err_invalid);
+    // SET_META_CONTEXT before structured replies.
+    let mut meta = 3u32.to_be_bytes().to_vec();
+    meta.extend_from_slice(b"vol");
+    meta.extend_from_slice(&1u32.to_be_bytes());
+    meta.extend_from_slice(&15u32.to_be_bytes());
+    meta.extend_from_slice(b"base:allocation");
+    s.write_all(&option(10, &meta)).unwrap();
+    assert_eq!(option_reply(&mut s).1, err_invalid);
+    // GO for an export that does not exist.
+    let mut go = 5u32.to_be_bytes().to_vec();
+    go.extend_from_slice(b"ghost");
+    go.extend_from_slice(&0u16.to_be_bytes());
+    s.write_all(&option(7, &go)).unwrap();
+    let (_, reply, message) = option_reply(&mut s);
+    assert_eq!(reply, err_unknown);
+    assert!(String::from_utf8_lossy(&message).contains("ghost"));
+    // After all that, GO for the real export works on the same connection.
+    let mut go = 3u32.to_be_bytes().to_vec();
+    go.extend_from_slice(b"vol");
+    go.extend_from_slice(&0u16.to_be_bytes());
+    s.write_all(&option(7, &go)).unwrap();
+    loop {
+        let (_, reply, _) = option_reply(&mut s);
+        if reply == 1 {
+            break;
+        }
+        assert_eq!(reply, 3, "expected INFO replies before ACK");
+    }
+}
+
+#[test]
+fn bad_requests_get_errors_and_the_connection_survives() {
+    let daemon = daemon_with_volume("hostile-requests");
+    let mut c = RawClient::connect(&daemon.nbd_socket(), "vol");
+    let size = c.size;
+    let einval = 22;
+    let cases: &[(&str, u16, u16, u64, u32)] = &[
+        ("read past the end", 0, NBD_CMD_READ, size - 512, 1024),
+        ("read at a huge offset", 0, NBD_CMD_READ, u64::MAX - 511, 512),
+        ("read larger than the maximum", 0, NBD_CMD_READ, 0, 64 << 20),
+        ("misaligned read", 0, NBD_CMD_READ, 100, 512),
+        ("unknown command", 0, 99, 0, 512),
+        ("unknown flags", 1 << 12, NBD_CMD_READ, 0, 512),
+        ("block status without a meta context", 0, 7, 0, 512),
+        ("trim past the end", 0, 4, size, 512),
+    ];
+    for (i, (what, flags, command, offset, len)) in cases.iter().enumerate() {
+        c.send(*flags, *command, i as u64, *offset, *len, &[]);
+        assert_eq!(c.reply().unwrap(), (einval, i as u64), "{what}");
+    }
+    // A write past the end: its payload is consumed, the error comes back, the stream stays in sync.
+    c.send(0, NBD_CMD_WRITE, 77, size, 4096, &[0u8; 4096]);
+    assert_eq!(c.reply().unwrap().1, 77);
+    check_bystander(&mut c, 3);
+}
+
+#[test]
+fn protocol_breaking_requests_close_only_their_connection() {
+    let daemon = daemon_with_volume("hostile-close");
+    let mut bystander = RawClient::connect(&daemon.nbd_socket(), "vol");
+    // Bad request magic.
+    let mut c = RawClient::connect(&daemon.nbd_socket(), "vol");
+    c.stream.write_all(&[0xde; 28]).unwrap();
+    assert!(c.is_closed());
+    check_bystander(&mut bystander, 1);
+    // A write whose payload exceeds what the server accepts.
+    let mut c = RawClient::connect(&daemon.nbd_socket(), "vol");
+    c.send(0, NBD_CMD_WRITE, 1, 0, 1 << 30, &[]);
+    assert!(c.is_closed());
+    check_bystander(&mut bystander, 2);
+    // Truncated request header, then gone.
+    let mut c = RawClient::connect(&daemon.nbd_socket(), "vol");
+    c.stream.write_all(&[0x25, 0x60, 0x95, 0x13, 0, 0]).unwrap();
+    drop(c);
+    check_bystander(&mut bystander, 3);
+    // Vanishes in the middle of a write's payload.
+    let mut c = RawClient::connect(&daemon.nbd_socket(), "vol");
+    c.send(0, NBD_CMD_WRITE, 1, 0, 1 << 20, &vec![9u8; 100_000]);
+    drop(c);
+    check_bystander(&mut bystander, 4);
+    // Vanishes while its requests are still being served (the reply has nowhere to go).
+    let mut c = RawClient::connect(&daemon.nbd_socket(), "slow");
+    for cookie in 0..8 {
+        c.send(0, NBD_CMD_READ, cookie, cookie * 4096, 4096, &[]);
+    }
+    drop(c);
+    std::thread::sleep(Duration::from_millis(300));
+    check_bystander(&mut bystander, 5);
+    // Sends DISC with requests in flight: they are answered, then the connection closes.
+    let mut c = RawClient::connect(&daemon.nbd_socket(), "slow");
+    c.send(0, NBD_CMD_READ, 1, 0, 512, &[]);
+    c.send(0, NBD_CMD_DISC, 2, 0, 0, &[]);
+    assert_eq!(c.reply().unwrap(), (0, 1));
+    let mut data = [0u8; 512];
+    c.stream.read_exact(&mut data).unwrap();
+    assert!(c.is_closed());
+    check_bystander(&mut bystander, 6);
+}
+
+#[test]
+fn a_flood_of_connections_does_not_take_the_daemon_down() {
+    let mut daemon = daemon_with_volume("hostile-flood");
+    let mut bystander = RawClient::connect(&daemon.nbd_socket(), "vol");
+    let mut flood = Vec::new();
+    for _ in 0..400 {
+        if let Ok(s) = UnixStream::connect(daemon.nbd_socket()) {
+            flood.push(s);
+        }
+    }
+    check_bystander(&mut bystander, 1);
+    drop(flood);
+    std::thread::sleep(Duration::from_millis(300));
+    // Capacity comes back once the flood is gone.
+    let mut fresh = RawClient::connect(&daemon.nbd_socket(), "vol");
+    check_bystander(&mut fresh, 2);
+    check_bystander(&mut bystander, 3);
+    assert!(daemon.is_running());
+}
