@@ -162,6 +162,28 @@ class Service:
     proc: subprocess.Popen
     logfile: Path
     _fh: object = None
+    cmd: list = field(default_factory=list)
+    env: dict | None = None
+    cwd: Path | None = None
+    socket: Path | None = None
+    restarts: int = 0
+
+    def restart(self) -> None:
+        """Start the same command again (used for peers that went away between runs)."""
+        self.stop(grace=5)
+        if self.socket is not None:
+            try:
+                self.socket.unlink()
+            except FileNotFoundError:
+                pass
+        self._fh = open(self.logfile, "ab")
+        log(f"restarting {self.name}: {' '.join(map(str, self.cmd))}")
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=self._fh,
+                                     stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
+                                     start_new_session=True, preexec_fn=_pdeathsig)
+        self.restarts += 1
+        if self.socket is not None:
+            wait_for_socket(self.socket, self)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -204,7 +226,8 @@ def start_service(name: str, cmd, logfile: Path, env=None, cwd=None) -> Service:
     log(f"starting {name}: {' '.join(map(str, cmd))}")
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
                             env=env, cwd=cwd, start_new_session=True, preexec_fn=_pdeathsig)
-    return Service(name=name, proc=proc, logfile=logfile, _fh=fh)
+    return Service(name=name, proc=proc, logfile=logfile, _fh=fh, cmd=list(cmd), env=env,
+                   cwd=cwd)
 
 
 def wait_for_socket(path: Path, svc: Service, timeout: float = 20.0) -> None:
@@ -332,33 +355,20 @@ def parse_fio_json(path: Path, wl: Workload) -> Sample:
 # --------------------------------------------------------------------------------------------
 
 class Udm:
+    """The udm client verbs, talking to our daemon's control socket."""
+
     def __init__(self, binary: Path, control: Path):
         self.binary = binary
         self.control = control
         self.env = dict(os.environ, UDM_CONTROL=str(control))
-        self._style = None  # which way of naming the control socket worked
-
-    def _variants(self, verb_args):
-        b, c = str(self.binary), str(self.control)
-        styles = {
-            "env": [b, *verb_args],
-            "global": [b, "--control", c, *verb_args],
-            "verb": [b, verb_args[0], "--control", c, *verb_args[1:]],
-        }
-        order = [self._style] if self._style else ["env", "global", "verb"]
-        return [(s, styles[s]) for s in order]
 
     def client(self, *verb_args, timeout: float = 30.0, check: bool = True):
-        failures = []
-        for style, cmd in self._variants(list(verb_args)):
-            cp = run(cmd, timeout=timeout, env=self.env, check=False, quiet=True)
-            if cp.returncode == 0:
-                self._style = style
-                return cp
-            failures.append(f"  $ {' '.join(cmd)}\n    exit {cp.returncode}; "
-                            f"stdout: {cp.stdout.strip()[-800:]!r}; "
-                            f"stderr: {cp.stderr.strip()[-800:]!r}")
-        msg = f"udm {' '.join(verb_args)} failed:\n" + "\n".join(failures)
+        cmd = [str(self.binary), "--control", str(self.control), *verb_args]
+        cp = run(cmd, timeout=timeout, env=self.env, check=False, quiet=True)
+        if cp.returncode == 0:
+            return cp
+        msg = (f"`{' '.join(cmd)}` failed with exit {cp.returncode}\n"
+               f"  stdout: {cp.stdout.strip()[-1500:]}\n  stderr: {cp.stderr.strip()[-1500:]}")
         if check:
             raise BenchError(msg)
         log(msg)
@@ -531,6 +541,9 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
     if missing:
         out.append("")
         out.append("Not measured: " + "; ".join(missing) + ".")
+    if meta.get("notes"):
+        out.append("")
+        out.append("Notes: " + "; ".join(meta["notes"]) + ".")
     if failed:
         out.append("")
         out.append("Runs with errors (see results.json and the *.err files): "
@@ -777,6 +790,7 @@ def main(argv=None) -> int:
     udm: Udm | None = None
     created: list[str] = []
     results: dict = {}
+    notes: list = []
     rc = 1
     meta = {
         "timestamp": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
@@ -831,6 +845,7 @@ def main(argv=None) -> int:
                                 ["nbdkit", "-f", "-U", str(sock), "--exit-with-parent",
                                  "null", str(size)], tmp / "nbdkit.log")
             services.append(svc)
+            svc.socket = sock
             wait_for_socket(sock, svc)
             uri = f"nbd+unix:///?socket={sock}"
             check_export(uri, size, "nbdkit null")
@@ -845,6 +860,7 @@ def main(argv=None) -> int:
                                 ["qemu-nbd", "-t", "-e", "8", "-k", str(sock), "-f", "raw",
                                  "--cache=none", "--aio=io_uring", str(disk)], tmp / "qemu-nbd.log")
             services.append(svc)
+            svc.socket = sock
             wait_for_socket(sock, svc)
             uri = f"nbd+unix:///?socket={sock}"
             check_export(uri, size, "qemu-nbd raw")
@@ -872,9 +888,18 @@ def main(argv=None) -> int:
                     if s.service is not None and not s.service.alive():
                         msg = (f"{s.service.name} is not running (exit code "
                                f"{s.service.proc.returncode})")
-                        c.errors.append(msg)
-                        log(f"[{n}/{total}] {wl.key} {key} r{rep}: SKIPPED, {msg}")
-                        continue
+                        if s.service is not daemon and s.service.restarts < 3:
+                            # A peer is not what is measured here: note it and start it again.
+                            log(f"WARNING: {msg}; log tail:\n{s.service.log_tail(5)}")
+                            notes.append(f"{msg} before {wl.key} {key} r{rep}; restarted")
+                            try:
+                                s.service.restart()
+                            except BenchError as e:
+                                log(f"restart failed: {e}")
+                        if not s.service.alive():
+                            c.errors.append(msg)
+                            log(f"[{n}/{total}] {wl.key} {key} r{rep}: SKIPPED, {msg}")
+                            continue
                     out_json = out_dir / f"{wl.key}.{key}.r{rep}.json"
                     cmd = fio_cmd(wl, s, args, out_json)
                     try:
@@ -896,6 +921,7 @@ def main(argv=None) -> int:
                         f"{smp.value:>10.0f} {unit}  clat mean {smp.lat_mean_us:.0f} µs "
                         f"p99 {smp.lat_p99_us:.0f} µs")
 
+        meta["notes"] = notes
         table, summary = build_table(results, systems, meta)
         print()
         print(table)
