@@ -25,7 +25,15 @@ fn nbdinfo_sees_size_flags_block_sizes_list_and_map() {
     let export = &json["exports"][0];
     assert_eq!(export["export-size"], 64 * MIB);
     assert_eq!(export["is_read_only"], false);
-    for flag in ["can_flush", "can_fua", "can_trim", "can_zero", "can_fast_zero", "can_multi_conn", "can_cache"] {
+    for flag in [
+        "can_flush",
+        "can_fua",
+        "can_trim",
+        "can_zero",
+        "can_fast_zero",
+        "can_multi_conn",
+        "can_cache",
+    ] {
         assert_eq!(export[flag], true, "{flag} in {info}");
     }
     assert_eq!(export["block_size_minimum"], 512);
@@ -38,17 +46,33 @@ fn nbdinfo_sees_size_flags_block_sizes_list_and_map() {
 
     let list = tool("nbdinfo", &["--list", "--json", &daemon.uri("")]);
     let list: serde_json::Value = serde_json::from_str(&list).unwrap();
-    let mut names: Vec<_> =
-        list["exports"].as_array().unwrap().iter().map(|e| e["export-name"].as_str().unwrap().to_string()).collect();
+    let mut names: Vec<_> = list["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["export-name"].as_str().unwrap().to_string())
+        .collect();
     names.sort();
     assert_eq!(names, ["ro", "vol"]);
 
     // Write 1 MiB at 8 MiB; the map shows it as data and the rest as holes.
-    tool("qemu-io", &["-f", "raw", "-c", "write -P 0x5a 8M 1M", &daemon.uri("vol")]);
+    tool(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x5a 8M 1M", &daemon.uri("vol")],
+    );
     let map = tool("nbdinfo", &["--map", &daemon.uri("vol")]);
-    let rows: Vec<Vec<&str>> = map.lines().map(|l| l.split_whitespace().collect()).collect();
-    assert!(rows.contains(&vec!["8388608", "1048576", "0", "data"]), "{map}");
-    assert!(rows.iter().any(|r| r[0] == "0" && r[3] == "hole,zero"), "{map}");
+    let rows: Vec<Vec<&str>> = map
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert!(
+        rows.contains(&vec!["8388608", "1048576", "0", "data"]),
+        "{map}"
+    );
+    assert!(
+        rows.iter().any(|r| r[0] == "0" && r[3] == "hole,zero"),
+        "{map}"
+    );
 
     assert!(tool("nbdinfo", &["--map", &daemon.uri("ro")]).contains("hole,zero"));
 }
@@ -56,7 +80,10 @@ fn nbdinfo_sees_size_flags_block_sizes_list_and_map() {
 #[test]
 fn unknown_export_is_refused_cleanly() {
     let (daemon, _) = linear_over_file("unknown", 4 * MIB);
-    let out = std::process::Command::new("nbdinfo").arg(daemon.uri("nosuch")).output().unwrap();
+    let out = std::process::Command::new("nbdinfo")
+        .arg(daemon.uri("nosuch"))
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("nosuch"), "{err}");
@@ -68,22 +95,94 @@ fn qemu_img_convert_in_and_out_and_compare() {
     let source = daemon.dir.path("source.raw");
     random_file(&source, 32 * MIB as usize, 11);
     let src = source.to_str().unwrap();
-    tool("qemu-img", &["convert", "-n", "-f", "raw", "-O", "raw", src, &daemon.uri("vol")]);
-    tool("qemu-img", &["compare", "-f", "raw", "-F", "raw", src, &daemon.uri("vol")]);
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-n",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            src,
+            &daemon.uri("vol"),
+        ],
+    );
+    tool(
+        "qemu-img",
+        &["compare", "-f", "raw", "-F", "raw", src, &daemon.uri("vol")],
+    );
     let back = daemon.dir.path("back.qcow2");
-    tool("qemu-img", &["convert", "-f", "raw", "-O", "qcow2", &daemon.uri("vol"), back.to_str().unwrap()]);
-    tool("qemu-img", &["compare", "-f", "raw", "-F", "qcow2", src, back.to_str().unwrap()]);
-    let info = tool("qemu-img", &["info", "--output=json", "-f", "raw", &daemon.uri("vol")]);
-    assert!(info.contains(&format!("\"virtual-size\": {}", 32 * MIB)), "{info}");
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "qcow2",
+            &daemon.uri("vol"),
+            back.to_str().unwrap(),
+        ],
+    );
+    tool(
+        "qemu-img",
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "qcow2",
+            src,
+            back.to_str().unwrap(),
+        ],
+    );
+    let info = tool(
+        "qemu-img",
+        &["info", "--output=json", "-f", "raw", &daemon.uri("vol")],
+    );
+    assert!(
+        info.contains(&format!("\"virtual-size\": {}", 32 * MIB)),
+        "{info}"
+    );
 }
 
 #[test]
 fn qemu_io_write_zeroes_discard_fua_and_flush() {
     let (daemon, disk) = linear_over_file("qemu-io", 16 * MIB);
     let uri = daemon.uri("vol");
-    tool("qemu-io", &["-f", "raw", "-c", "write -P 0x11 0 4M", "-c", "flush", &uri]);
-    tool("qemu-io", &["-f", "raw", "-c", "write -z 1M 1M", "-c", "discard 2M 1M", "-c", "write -f -P 0x22 3M 64k", &uri]);
-    let out = tool("qemu-io", &["-f", "raw", "-c", "read -P 0x11 0 1M", "-c", "read -P 0 1M 1M", "-c", "read -P 0x22 3M 64k", &uri]);
+    tool(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x11 0 4M", "-c", "flush", &uri],
+    );
+    tool(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -z 1M 1M",
+            "-c",
+            "discard 2M 1M",
+            "-c",
+            "write -f -P 0x22 3M 64k",
+            &uri,
+        ],
+    );
+    let out = tool(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "read -P 0x11 0 1M",
+            "-c",
+            "read -P 0 1M 1M",
+            "-c",
+            "read -P 0x22 3M 64k",
+            &uri,
+        ],
+    );
     assert!(!out.contains("Pattern verification failed"), "{out}");
     // Zeroing and discard reached the file as holes.
     let data = std::fs::read(&disk).unwrap();
@@ -96,10 +195,29 @@ fn nbdcopy_in_and_out_with_multi_conn() {
     let (daemon, _) = linear_over_file("nbdcopy", 64 * MIB);
     let source = daemon.dir.path("source.raw");
     random_file(&source, 48 * MIB as usize, 3);
-    std::fs::OpenOptions::new().write(true).open(&source).unwrap().set_len(64 * MIB).unwrap();
-    tool("nbdcopy", &["--connections=4", source.to_str().unwrap(), &daemon.uri("vol")]);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&source)
+        .unwrap()
+        .set_len(64 * MIB)
+        .unwrap();
+    tool(
+        "nbdcopy",
+        &[
+            "--connections=4",
+            source.to_str().unwrap(),
+            &daemon.uri("vol"),
+        ],
+    );
     let back = daemon.dir.path("back.raw");
-    tool("nbdcopy", &["--connections=4", &daemon.uri("vol"), back.to_str().unwrap()]);
+    tool(
+        "nbdcopy",
+        &[
+            "--connections=4",
+            &daemon.uri("vol"),
+            back.to_str().unwrap(),
+        ],
+    );
     assert!(std::fs::read(&source).unwrap() == std::fs::read(&back).unwrap());
 }
 
@@ -110,9 +228,19 @@ fn fio_verify_with_several_jobs_and_deep_queues() {
     let out = tool(
         "fio",
         &[
-            "--name=verify", "--ioengine=nbd", &uri, "--rw=randwrite", "--bs=4k",
-            "--iodepth=32", "--numjobs=4", "--size=16M", "--offset_increment=16M",
-            "--verify=crc32c", "--verify_fatal=1", "--group_reporting", "--output-format=json",
+            "--name=verify",
+            "--ioengine=nbd",
+            &uri,
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=32",
+            "--numjobs=4",
+            "--size=16M",
+            "--offset_increment=16M",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--group_reporting",
+            "--output-format=json",
         ],
     );
     let json: serde_json::Value = serde_json::from_str(&out[out.find('{').unwrap()..]).unwrap();
@@ -123,8 +251,15 @@ fn fio_verify_with_several_jobs_and_deep_queues() {
     tool(
         "fio",
         &[
-            "--name=mixed", "--ioengine=nbd", &uri, "--rw=randrw", "--bsrange=4k-1m",
-            "--iodepth=16", "--size=64M", "--verify=crc32c", "--verify_fatal=1",
+            "--name=mixed",
+            "--ioengine=nbd",
+            &uri,
+            "--rw=randrw",
+            "--bsrange=4k-1m",
+            "--iodepth=16",
+            "--size=64M",
+            "--verify=crc32c",
+            "--verify_fatal=1",
         ],
     );
 }
@@ -137,14 +272,37 @@ fn a_stack_of_targets_serves_data_where_the_table_says() {
     sparse_file(&a, 8 * MIB);
     sparse_file(&b, 8 * MIB);
     let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
-    daemon.udm(&["create", "stripes", "--table", &format!("0 16384 striped 2 128 {a} 0 {b} 0")]);
-    daemon.udm(&["create", "top", "--table", "0 8192 linear stripes 8192\n8192 8192 zero"]);
-    tool("qemu-io", &["-f", "raw", "-c", "write -P 0x33 0 128k", &daemon.uri("top")]);
+    daemon.udm(&[
+        "create",
+        "stripes",
+        "--table",
+        &format!("0 16384 striped 2 128 {a} 0 {b} 0"),
+    ]);
+    daemon.udm(&[
+        "create",
+        "top",
+        "--table",
+        "0 8192 linear stripes 8192\n8192 8192 zero",
+    ]);
+    tool(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x33 0 128k",
+            &daemon.uri("top"),
+        ],
+    );
     // top's first 64 KiB chunk lands on stripe device a at 2 MiB (chunk 64 of the stripe set).
     let a_data = std::fs::read(a).unwrap();
-    assert!(a_data[2 * MIB as usize..2 * MIB as usize + 65536].iter().all(|&x| x == 0x33));
+    assert!(a_data[2 * MIB as usize..2 * MIB as usize + 65536]
+        .iter()
+        .all(|&x| x == 0x33));
     let b_data = std::fs::read(b).unwrap();
-    assert!(b_data[2 * MIB as usize..2 * MIB as usize + 65536].iter().all(|&x| x == 0x33));
+    assert!(b_data[2 * MIB as usize..2 * MIB as usize + 65536]
+        .iter()
+        .all(|&x| x == 0x33));
     let tree = daemon.udm(&["ls", "--tree"]);
     assert!(tree.starts_with("top\n └─stripes\n"), "{tree}");
     assert!(tree.contains(a), "{tree}");

@@ -13,8 +13,18 @@ fn daemon_with_volume(tag: &str) -> Daemon {
     let daemon = Daemon::start(tag);
     let disk = daemon.dir.path("disk.img");
     sparse_file(&disk, 8 << 20);
-    daemon.udm(&["create", "vol", "--table", &format!("0 16384 linear {} 0", disk.display())]);
-    daemon.udm(&["create", "slow", "--table", &format!("0 16384 delay {} 0 200", disk.display())]);
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--table",
+        &format!("0 16384 linear {} 0", disk.display()),
+    ]);
+    daemon.udm(&[
+        "create",
+        "slow",
+        "--table",
+        &format!("0 16384 delay {} 0 200", disk.display()),
+    ]);
     daemon
 }
 
@@ -43,7 +53,10 @@ fn closed(s: &mut UnixStream) -> bool {
     let mut sink = Vec::new();
     match s.read_to_end(&mut sink) {
         Ok(_) => true,
-        Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
     }
 }
 
@@ -74,12 +87,41 @@ fn broken_handshakes_are_closed_and_others_carry_on() {
     let daemon = daemon_with_volume("hostile-handshake");
     let mut bystander = RawClient::connect(&daemon.nbd_socket(), "vol");
     let cases: Vec<(&str, Vec<u8>)> = vec![
-        ("http request instead of flags", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),
-        ("unknown client flags", 0xffff_ffffu32.to_be_bytes().to_vec()),
-        ("bad option magic", [3u32.to_be_bytes().to_vec(), b"IHAVEOPX".to_vec(), vec![0; 8]].concat()),
-        ("truncated option header", [3u32.to_be_bytes().to_vec(), b"IHAVE".to_vec()].concat()),
-        ("garbage after a malformed GO", [3u32.to_be_bytes().to_vec(), option(7, &[0; 4])[..16].to_vec(), 100u32.to_be_bytes().to_vec(), vec![1; 10]].concat()),
-        ("export name of an unknown export", [3u32.to_be_bytes().to_vec(), option(1, b"ghost")].concat()),
+        (
+            "http request instead of flags",
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+        ),
+        (
+            "unknown client flags",
+            0xffff_ffffu32.to_be_bytes().to_vec(),
+        ),
+        (
+            "bad option magic",
+            [
+                3u32.to_be_bytes().to_vec(),
+                b"IHAVEOPX".to_vec(),
+                vec![0; 8],
+            ]
+            .concat(),
+        ),
+        (
+            "truncated option header",
+            [3u32.to_be_bytes().to_vec(), b"IHAVE".to_vec()].concat(),
+        ),
+        (
+            "garbage after a malformed GO",
+            [
+                3u32.to_be_bytes().to_vec(),
+                option(7, &[0; 4])[..16].to_vec(),
+                100u32.to_be_bytes().to_vec(),
+                vec![1; 10],
+            ]
+            .concat(),
+        ),
+        (
+            "export name of an unknown export",
+            [3u32.to_be_bytes().to_vec(), option(1, b"ghost")].concat(),
+        ),
     ];
     for (round, (what, bytes)) in cases.into_iter().enumerate() {
         let mut s = connect_raw(&daemon);
@@ -149,7 +191,13 @@ fn bad_requests_get_errors_and_the_connection_survives() {
     let einval = 22;
     let cases: &[(&str, u16, u16, u64, u32)] = &[
         ("read past the end", 0, NBD_CMD_READ, size - 512, 1024),
-        ("read at a huge offset", 0, NBD_CMD_READ, u64::MAX - 511, 512),
+        (
+            "read at a huge offset",
+            0,
+            NBD_CMD_READ,
+            u64::MAX - 511,
+            512,
+        ),
         ("read larger than the maximum", 0, NBD_CMD_READ, 0, 64 << 20),
         ("misaligned read", 0, NBD_CMD_READ, 100, 512),
         ("unknown command", 0, 99, 0, 512),

@@ -24,7 +24,8 @@ fn verbs_report_state_tables_and_status() {
         daemon.udm(&["status", "vol"]),
         format!("0 4096 linear\n4096 4096 dust {d} bypass verbose")
     );
-    let json: serde_json::Value = serde_json::from_str(&daemon.udm(&["status", "vol", "--json"])).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&daemon.udm(&["status", "vol", "--json"])).unwrap();
     assert_eq!(json["targets"][1]["type"], "dust");
     let info = daemon.udm(&["info", "vol"]);
     assert!(info.contains("State:             ACTIVE"), "{info}");
@@ -37,23 +38,44 @@ fn verbs_report_state_tables_and_status() {
     );
     daemon.udm(&["message", "vol", "4096", "enable"]);
     let err = daemon.udm_err(&["message", "vol", "0", "frobnicate"]);
-    assert!(err.contains("linear: unknown message 'frobnicate'"), "{err}");
+    assert!(
+        err.contains("linear: unknown message 'frobnicate'"),
+        "{err}"
+    );
     let err = daemon.udm_err(&["message", "vol", "99999", "enable"]);
     assert!(err.contains("beyond the end"), "{err}");
 
     // The bad block fails exactly the reads that touch it.
     let uri = daemon.uri("vol");
     let bad = format!("read {} 512", 2 * MIB + 3 * 512);
-    let out = std::process::Command::new("qemu-io").args(["-f", "raw", "-c", &bad, &uri]).output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stdout).contains("Input/output error")
-        || String::from_utf8_lossy(&out.stderr).contains("Input/output error"), "{out:?}");
-    tool("qemu-io", &["-f", "raw", "-c", &format!("read {} 512", 2 * MIB + 4 * 512), &uri]);
+    let out = std::process::Command::new("qemu-io")
+        .args(["-f", "raw", "-c", &bad, &uri])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("Input/output error")
+            || String::from_utf8_lossy(&out.stderr).contains("Input/output error"),
+        "{out:?}"
+    );
+    tool(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            &format!("read {} 512", 2 * MIB + 4 * 512),
+            &uri,
+        ],
+    );
 
     // Suspend and load show in info; resume makes the new table live.
     daemon.udm(&["suspend", "vol"]);
     daemon.udm(&["load", "vol", "--table", "0 8192 zero"]);
     let info = daemon.udm(&["info", "vol"]);
-    assert!(info.contains("SUSPENDED") && info.contains("LIVE & INACTIVE"), "{info}");
+    assert!(
+        info.contains("SUSPENDED") && info.contains("LIVE & INACTIVE"),
+        "{info}"
+    );
     daemon.udm(&["resume", "vol"]);
     assert_eq!(daemon.udm(&["table", "vol"]), "0 8192 zero");
     assert!(daemon.udm(&["targets"]).contains("striped"));
@@ -63,13 +85,34 @@ fn verbs_report_state_tables_and_status() {
 fn bad_input_gets_one_line_errors_that_name_the_problem() {
     let daemon = Daemon::start("errors");
     let cases: &[(&[&str], &str)] = &[
-        (&["create", "a", "--table", "0 8 linear"], "line 1: linear: missing argument <dev>"),
-        (&["create", "a", "--table", "0 8 nosuch"], "unknown target type 'nosuch'"),
-        (&["create", "a", "--table", "0 8 zero\n9 8 zero"], "line 2: segment starts at sector 9"),
-        (&["create", "a", "--table", "0 8 linear /nonexistent/x 0"], "/nonexistent/x"),
-        (&["create", "a", "--table", "0 8 linear ghost 0"], "no device named 'ghost'"),
-        (&["create", "a", "--table", "0 8 linear nbd://host/x 0"], "remote NBD references are not supported yet"),
-        (&["create", "a/b", "--table", "0 8 zero"], "invalid device name 'a/b'"),
+        (
+            &["create", "a", "--table", "0 8 linear"],
+            "line 1: linear: missing argument <dev>",
+        ),
+        (
+            &["create", "a", "--table", "0 8 nosuch"],
+            "unknown target type 'nosuch'",
+        ),
+        (
+            &["create", "a", "--table", "0 8 zero\n9 8 zero"],
+            "line 2: segment starts at sector 9",
+        ),
+        (
+            &["create", "a", "--table", "0 8 linear /nonexistent/x 0"],
+            "/nonexistent/x",
+        ),
+        (
+            &["create", "a", "--table", "0 8 linear ghost 0"],
+            "no device named 'ghost'",
+        ),
+        (
+            &["create", "a", "--table", "0 8 linear nbd://host/x 0"],
+            "remote NBD references are not supported yet",
+        ),
+        (
+            &["create", "a/b", "--table", "0 8 zero"],
+            "invalid device name 'a/b'",
+        ),
         (&["status", "ghost"], "device 'ghost' does not exist"),
         (&["remove", "ghost"], "device 'ghost' does not exist"),
     ];
@@ -78,7 +121,9 @@ fn bad_input_gets_one_line_errors_that_name_the_problem() {
         assert!(err.contains(expected), "udm {args:?}: {err}");
     }
     daemon.udm(&["create", "a", "--table", "0 8 zero"]);
-    assert!(daemon.udm_err(&["create", "a", "--table", "0 8 zero"]).contains("already exists"));
+    assert!(daemon
+        .udm_err(&["create", "a", "--table", "0 8 zero"])
+        .contains("already exists"));
     // A device cannot come to depend on itself.
     daemon.udm(&["create", "b", "--table", "0 8 linear a 0"]);
     let err = daemon.udm_err(&["load", "a", "--table", "0 8 linear b 0"]);
@@ -99,7 +144,12 @@ fn bad_input_gets_one_line_errors_that_name_the_problem() {
 fn malformed_control_requests_leave_the_daemon_serving() {
     use std::io::{BufRead, BufReader, Write};
     let daemon = Daemon::start("control");
-    for junk in ["not json\n", "{\"version\":1,\"command\":\"explode\"}\n", "{\"version\":9,\"command\":\"targets\"}\n", "{}\n"] {
+    for junk in [
+        "not json\n",
+        "{\"version\":1,\"command\":\"explode\"}\n",
+        "{\"version\":9,\"command\":\"targets\"}\n",
+        "{}\n",
+    ] {
         let mut s = std::os::unix::net::UnixStream::connect(daemon.control()).unwrap();
         s.write_all(junk.as_bytes()).unwrap();
         let mut answer = String::new();
@@ -116,7 +166,9 @@ fn remove_refuses_open_devices_unless_forced() {
     let daemon = Daemon::start("remove");
     daemon.udm(&["create", "vol", "--table", "0 2048 zero"]);
     let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
-    assert!(daemon.udm(&["info", "vol"]).contains("Open count:        1"));
+    assert!(daemon
+        .udm(&["info", "vol"])
+        .contains("Open count:        1"));
     let err = daemon.udm_err(&["remove", "vol"]);
     assert!(err.contains("open by 1 client"), "{err}");
     daemon.udm(&["remove", "vol", "--force"]);
@@ -139,9 +191,20 @@ fn table_swaps_under_load_give_clients_no_error() {
     let uri = format!("--uri={}", daemon.uri("vol"));
     let fio = std::process::Command::new("fio")
         .args([
-            "--name=swap", "--ioengine=nbd", &uri, "--rw=randrw", "--bs=4k", "--iodepth=32",
-            "--numjobs=2", "--size=32M", "--offset_increment=32M", "--verify=crc32c",
-            "--verify_fatal=1", "--time_based", "--runtime=6", "--verify_backlog=1024",
+            "--name=swap",
+            "--ioengine=nbd",
+            &uri,
+            "--rw=randrw",
+            "--bs=4k",
+            "--iodepth=32",
+            "--numjobs=2",
+            "--size=32M",
+            "--offset_increment=32M",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--time_based",
+            "--runtime=6",
+            "--verify_backlog=1024",
             "--output-format=json",
         ])
         .stdout(std::process::Stdio::piped())
@@ -151,15 +214,24 @@ fn table_swaps_under_load_give_clients_no_error() {
     let mut swaps = 0;
     for i in 0..40 {
         daemon.udm(&["suspend", "vol"]);
-        daemon.udm(&["load", "vol", "--table", if i % 2 == 0 { &two } else { &one }]);
+        daemon.udm(&[
+            "load",
+            "vol",
+            "--table",
+            if i % 2 == 0 { &two } else { &one },
+        ]);
         daemon.udm(&["resume", "vol"]);
         swaps += 1;
         std::thread::sleep(Duration::from_millis(50));
     }
     let out = fio.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "fio failed during {swaps} swaps: {stdout}");
-    let json: serde_json::Value = serde_json::from_str(&stdout[stdout.find('{').unwrap()..]).unwrap();
+    assert!(
+        out.status.success(),
+        "fio failed during {swaps} swaps: {stdout}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout[stdout.find('{').unwrap()..]).unwrap();
     for job in json["jobs"].as_array().unwrap() {
         assert_eq!(job["error"], 0, "{stdout}");
     }
@@ -172,16 +244,30 @@ fn a_restarted_daemon_brings_every_device_back() {
     let disk = daemon.dir.path("disk.img");
     sparse_file(&disk, 16 * MIB);
     let d = disk.to_str().unwrap();
-    daemon.udm(&["create", "base", "--table", &format!("0 32768 linear {d} 0")]);
+    daemon.udm(&[
+        "create",
+        "base",
+        "--table",
+        &format!("0 32768 linear {d} 0"),
+    ]);
     daemon.udm(&["create", "top", "--table", "0 16384 linear base 16384"]);
     daemon.udm(&["create", "ro", "--readonly", "--table", "0 8 zero"]);
-    tool("qemu-io", &["-f", "raw", "-c", "write -P 0x77 0 1M", &daemon.uri("top")]);
+    tool(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x77 0 1M", &daemon.uri("top")],
+    );
     for signal in [libc::SIGTERM, libc::SIGKILL] {
         daemon.stop(signal);
         daemon.launch();
-        assert_eq!(daemon.udm(&["ls"]), "base\t(32768 sectors)\nro\t(8 sectors)\ntop\t(16384 sectors)");
+        assert_eq!(
+            daemon.udm(&["ls"]),
+            "base\t(32768 sectors)\nro\t(8 sectors)\ntop\t(16384 sectors)"
+        );
         assert_eq!(daemon.udm(&["table", "top"]), "0 16384 linear base 16384");
         assert!(daemon.udm(&["info", "ro"]).contains("READ-ONLY"));
-        tool("qemu-io", &["-f", "raw", "-c", "read -P 0x77 0 1M", &daemon.uri("top")]);
+        tool(
+            "qemu-io",
+            &["-f", "raw", "-c", "read -P 0x77 0 1M", &daemon.uri("top")],
+        );
     }
 }

@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use log::{info, warn};
-use udm_export::nbd::{NbdServer, ServerConfig};
-use udm_export::{Export, ExportCatalog};
+use udm_nbd::{Export, ExportCatalog};
+use udm_nbd::{NbdServer, ServerConfig};
 
 pub use registry::Registry;
 

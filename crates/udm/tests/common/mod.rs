@@ -16,7 +16,9 @@ pub struct TempDir(pub PathBuf);
 
 impl TempDir {
     pub fn new(tag: &str) -> Self {
-        let base = std::env::var_os("UDM_TEST_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+        let base = std::env::var_os("UDM_TEST_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
         let dir = base.join(format!("udm-{tag}-{}-{}", std::process::id(), unique()));
         std::fs::create_dir_all(&dir).unwrap();
         TempDir(dir)
@@ -46,7 +48,10 @@ pub struct Daemon {
 
 impl Daemon {
     pub fn start(tag: &str) -> Daemon {
-        let mut daemon = Daemon { dir: TempDir::new(tag), child: None };
+        let mut daemon = Daemon {
+            dir: TempDir::new(tag),
+            child: None,
+        };
         daemon.launch();
         daemon
     }
@@ -96,7 +101,11 @@ impl Daemon {
             unsafe { libc::kill(child.id() as i32, signal) };
             let status = child.wait().unwrap();
             if signal == libc::SIGTERM {
-                assert!(status.success(), "daemon exited with {status}; log:\n{}", self.log());
+                assert!(
+                    status.success(),
+                    "daemon exited with {status}; log:\n{}",
+                    self.log()
+                );
             }
         }
     }
@@ -110,7 +119,11 @@ impl Daemon {
     }
 
     pub fn run_udm(&self, args: &[&str]) -> Output {
-        Command::new(UDM).args(args).env("UDM_CONTROL", self.control()).output().unwrap()
+        Command::new(UDM)
+            .args(args)
+            .env("UDM_CONTROL", self.control())
+            .output()
+            .unwrap()
     }
 
     fn udm_ok(&self, args: &[&str]) -> bool {
@@ -126,7 +139,10 @@ impl Daemon {
             String::from_utf8_lossy(&out.stderr),
             self.log()
         );
-        String::from_utf8(out.stdout).unwrap().trim_end().to_string()
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .trim_end()
+            .to_string()
     }
 
     /// Runs a verb that must fail; returns its one-line error.
@@ -134,7 +150,11 @@ impl Daemon {
         let out = self.run_udm(args);
         assert!(!out.status.success(), "udm {args:?} unexpectedly succeeded");
         let err = String::from_utf8(out.stderr).unwrap();
-        assert_eq!(err.trim_end().lines().count(), 1, "error is not one line: {err:?}");
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "error is not one line: {err:?}"
+        );
         err.trim_end().to_string()
     }
 }
@@ -204,7 +224,9 @@ impl RawClient {
     /// Connects and opens `name` with NBD_OPT_EXPORT_NAME (simple replies only).
     pub fn connect(socket: &Path, name: &str) -> RawClient {
         let mut stream = UnixStream::connect(socket).unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
         let mut greeting = [0u8; 18];
         stream.read_exact(&mut greeting).unwrap();
         assert_eq!(&greeting[..8], b"NBDMAGIC");
@@ -216,10 +238,21 @@ impl RawClient {
         stream.write_all(&opt).unwrap();
         let mut reply = [0u8; 10];
         stream.read_exact(&mut reply).unwrap();
-        RawClient { stream, size: u64::from_be_bytes(reply[..8].try_into().unwrap()) }
+        RawClient {
+            stream,
+            size: u64::from_be_bytes(reply[..8].try_into().unwrap()),
+        }
     }
 
-    pub fn send(&mut self, flags: u16, command: u16, cookie: u64, offset: u64, len: u32, data: &[u8]) {
+    pub fn send(
+        &mut self,
+        flags: u16,
+        command: u16,
+        cookie: u64,
+        offset: u64,
+        len: u32,
+        data: &[u8],
+    ) {
         let mut req = 0x2560_9513u32.to_be_bytes().to_vec();
         req.extend_from_slice(&flags.to_be_bytes());
         req.extend_from_slice(&command.to_be_bytes());
@@ -234,7 +267,10 @@ impl RawClient {
     pub fn reply(&mut self) -> std::io::Result<(u32, u64)> {
         let mut reply = [0u8; 16];
         self.stream.read_exact(&mut reply)?;
-        assert_eq!(u32::from_be_bytes(reply[..4].try_into().unwrap()), 0x6744_6698);
+        assert_eq!(
+            u32::from_be_bytes(reply[..4].try_into().unwrap()),
+            0x6744_6698
+        );
         Ok((
             u32::from_be_bytes(reply[4..8].try_into().unwrap()),
             u64::from_be_bytes(reply[8..16].try_into().unwrap()),
@@ -247,7 +283,10 @@ impl RawClient {
         let mut byte = [0u8; 1];
         match self.stream.read(&mut byte) {
             Ok(n) => n == 0,
-            Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+            Err(e) => !matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
         }
     }
 }

@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use log::{debug, info, warn};
 
-use super::handshake::{negotiate, HandshakeEnd};
-use super::stream::Stream;
-use super::transmission;
+use crate::handshake::{negotiate, HandshakeEnd};
+use crate::stream::Stream;
+use crate::transmission;
 use crate::ExportCatalog;
 
 #[derive(Debug, Clone)]

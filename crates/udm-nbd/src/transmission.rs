@@ -7,9 +7,9 @@ use std::sync::{Arc, Mutex};
 use log::{debug, warn};
 use udm_block::{AlignedBuf, BlockDevice, BlockError, Checked, Extent, WriteFlags, ZeroFlags};
 
-use super::handshake::{Negotiated, MAX_PAYLOAD};
-use super::protocol::*;
-use super::stream::Stream;
+use crate::handshake::{Negotiated, MAX_PAYLOAD};
+use crate::protocol::*;
+use crate::stream::Stream;
 
 const KNOWN_FLAGS: u16 =
     CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_DF | CMD_FLAG_REQ_ONE | CMD_FLAG_FAST_ZERO;

@@ -5,8 +5,8 @@ use std::io::{self, Read, Write};
 
 use log::debug;
 
-use super::protocol::*;
-use super::stream::Stream;
+use crate::protocol::*;
+use crate::stream::Stream;
 use crate::{Export, ExportCatalog};
 
 /// Options larger than this are refused with ERR_TOO_BIG (names are at most 4 KiB; a meta
