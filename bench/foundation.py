@@ -688,6 +688,38 @@ def fill_backing_file(path: Path, size: int, timeout: float) -> None:
         raise BenchError(f"{path} is sparse ({st.st_blocks * 512} of {size} bytes allocated)")
 
 
+def open_flags(pid: int, path: Path) -> list:
+    """The open(2) flags of every descriptor process `pid` holds on `path` (Linux /proc)."""
+    flags = []
+    fd_dir = Path(f"/proc/{pid}/fd")
+    try:
+        fds = list(fd_dir.iterdir())
+    except OSError:
+        return flags
+    for fd in fds:
+        try:
+            if os.readlink(fd) != str(path):
+                continue
+            for line in Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text().splitlines():
+                if line.startswith("flags:"):
+                    flags.append(int(line.split()[1], 8))
+        except (OSError, ValueError):
+            continue
+    return flags
+
+
+def direct_io_note(name: str, pid: int, path: Path) -> str | None:
+    """A note when `name` reads `path` through the page cache (the comparison assumes O_DIRECT)."""
+    o_direct = getattr(os, "O_DIRECT", 0o40000)
+    flags = open_flags(pid, path)
+    if not flags:
+        return f"could not see {name} holding {path.name} open (no O_DIRECT check)"
+    if not all(f & o_direct for f in flags):
+        return (f"{name} has {path.name} open without O_DIRECT "
+                f"(flags {', '.join(oct(f) for f in flags)}): its figures include the page cache")
+    return None
+
+
 def check_export(uri: str, size: int, what: str) -> None:
     """Sanity probe with nbdinfo (if installed): the export answers and has the right size."""
     if not shutil.which("nbdinfo"):
@@ -827,6 +859,11 @@ def main(argv=None) -> int:
         uri_lin = f"nbd+unix:///lin?socket={nbd_sock}"
         check_export(uri_zero, size, "udm nullz (zero)")
         check_export(uri_lin, size, "udm lin (linear)")
+        note = direct_io_note("udm daemon", daemon.proc.pid, disk)
+        meta["udm_o_direct"] = note is None
+        if note:
+            log(f"WARNING: {note}")
+            notes.append(note)
 
         systems = [
             System("udm-zero", "udm zero", ["--ioengine=nbd", f"--uri={uri_zero}"], daemon),
@@ -864,6 +901,10 @@ def main(argv=None) -> int:
             wait_for_socket(sock, svc)
             uri = f"nbd+unix:///?socket={sock}"
             check_export(uri, size, "qemu-nbd raw")
+            note = direct_io_note("qemu-nbd", svc.proc.pid, disk)
+            if note:
+                log(f"WARNING: {note}")
+                notes.append(note)
             sysmap["qemu-nbd"].engine_args = ["--ioengine=nbd", f"--uri={uri}"]
             sysmap["qemu-nbd"].service = svc
         else:
