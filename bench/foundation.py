@@ -714,10 +714,22 @@ def direct_io_note(name: str, pid: int, path: Path) -> str | None:
     flags = open_flags(pid, path)
     if not flags:
         return f"could not see {name} holding {path.name} open (no O_DIRECT check)"
-    if not all(f & o_direct for f in flags):
+    if not any(f & o_direct for f in flags):
         return (f"{name} has {path.name} open without O_DIRECT "
                 f"(flags {', '.join(oct(f) for f in flags)}): its figures include the page cache")
     return None
+
+
+def resident_bytes(path: Path):
+    """Bytes of `path` in the page cache (fincore, util-linux), or None if unknown."""
+    if not shutil.which("fincore"):
+        return None
+    try:
+        cp = run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", str(path)],
+                 timeout=30, check=False, quiet=True)
+        return int(cp.stdout.split()[0]) if cp.returncode == 0 else None
+    except (BenchError, ValueError, IndexError):
+        return None
 
 
 def check_export(uri: str, size: int, what: str) -> None:
@@ -864,6 +876,9 @@ def main(argv=None) -> int:
         if note:
             log(f"WARNING: {note}")
             notes.append(note)
+        # Every system here bypasses the page cache, so whatever of disk.img is cached after the
+        # matrix was read or written by a buffered path.
+        cached_before = resident_bytes(disk)
 
         systems = [
             System("udm-zero", "udm zero", ["--ioengine=nbd", f"--uri={uri_zero}"], daemon),
@@ -962,6 +977,15 @@ def main(argv=None) -> int:
                         f"{smp.value:>10.0f} {unit}  clat mean {smp.lat_mean_us:.0f} µs "
                         f"p99 {smp.lat_p99_us:.0f} µs")
 
+        cached_after = resident_bytes(disk)
+        meta["page_cache_bytes"] = {"before": cached_before, "after": cached_after}
+        if cached_before is not None and cached_after is not None and \
+                cached_after - cached_before > max(size // 100, 1 << 20):
+            note = (f"{(cached_after - cached_before) >> 20} MiB of {disk.name} entered the page "
+                    f"cache during the runs although every system is meant to bypass it "
+                    f"(udm's buffered fallback, or qemu-nbd not honouring --cache=none)")
+            log(f"WARNING: {note}")
+            notes.append(note)
         meta["notes"] = notes
         table, summary = build_table(results, systems, meta)
         print()

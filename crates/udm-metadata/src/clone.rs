@@ -1,0 +1,588 @@
+//! The clone target's metadata: which regions are hydrated, committed crash-safely.
+//!
+//! Layout of the metadata device (4 KiB blocks; `docs/clone-metadata.md` has every byte):
+//!
+//! | block | contents |
+//! |---|---|
+//! | 0, 1 | superblock slots A and B |
+//! | 2 … 2+B-1 | bitmap area A (B blocks) |
+//! | 2+B … 2+2B-1 | bitmap area B |
+//!
+//! The slot with the highest valid transaction id is current and names its area. A commit
+//! writes the other area (the blocks changed since that area was last written), flushes,
+//! writes the other slot's superblock with the next transaction id, and flushes again. A crash
+//! at any point leaves the current slot and its area untouched, so the last durable commit is
+//! always readable; a torn superblock fails its checksum and the older slot wins.
+
+use std::collections::BTreeSet;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use udm_block::{AlignedBuf, BlockDevice, BlockError, WriteFlags, SECTOR_SIZE};
+
+use crate::block::{
+    read_u64, seal, verify, write_u64, BlockType, MetadataError, BLOCK_SIZE, HEADER_SIZE,
+};
+
+const MAGIC: &[u8; 8] = b"udmclone";
+const VERSION: u32 = 1;
+/// 64-bit words of bitmap in one block after its header.
+const WORDS_PER_BLOCK: u64 = ((BLOCK_SIZE - HEADER_SIZE) / 8) as u64;
+const SUPERBLOCKS: u64 = 2;
+
+/// The table's view of the volume, which the metadata must match.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CloneGeometry {
+    pub region_sectors: u64,
+    pub target_sectors: u64,
+}
+
+impl CloneGeometry {
+    pub fn regions(&self) -> u64 {
+        self.target_sectors.div_ceil(self.region_sectors)
+    }
+    fn words(&self) -> u64 {
+        self.regions().div_ceil(64)
+    }
+    pub fn bitmap_blocks(&self) -> u64 {
+        self.words().div_ceil(WORDS_PER_BLOCK).max(1)
+    }
+    /// Blocks the format needs: two superblocks and two bitmap areas.
+    pub fn required_blocks(&self) -> u64 {
+        SUPERBLOCKS + 2 * self.bitmap_blocks()
+    }
+    fn area_start(&self, slot: u64) -> u64 {
+        SUPERBLOCKS + slot * self.bitmap_blocks()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitOutcome {
+    Committed,
+    /// Nothing changed since the last commit; nothing was written (the caller still owes its
+    /// data device a flush).
+    NothingToCommit,
+}
+
+struct CommitState {
+    /// Bitmap blocks changed since the last commit.
+    dirty: BTreeSet<u64>,
+    /// Blocks the last commit wrote: the other area lacks them, so the next commit (which
+    /// writes that area) must write them too.
+    previous: BTreeSet<u64>,
+    transaction: u64,
+    slot: u64,
+}
+
+pub struct CloneMetadata {
+    dev: Arc<dyn BlockDevice>,
+    geometry: CloneGeometry,
+    /// One bit per region, read lock-free on every I/O.
+    bits: Vec<AtomicU64>,
+    hydrated: AtomicU64,
+    state: Mutex<CommitState>,
+    /// One commit at a time; I/O never takes it.
+    commit_lock: Mutex<()>,
+}
+
+struct Superblock {
+    transaction: u64,
+    geometry: CloneGeometry,
+}
+
+fn read_blocks(dev: &dyn BlockDevice, first: u64, count: u64) -> Result<AlignedBuf, MetadataError> {
+    let mut buf = AlignedBuf::zeroed((count as usize) * BLOCK_SIZE);
+    dev.read(first * BLOCK_SIZE as u64, &mut buf)?;
+    Ok(buf)
+}
+
+fn parse_superblock(number: u64, block: &[u8]) -> Result<Superblock, MetadataError> {
+    verify(BlockType::CloneSuperblock, number, block)?;
+    if &block[16..24] != MAGIC {
+        return Err(MetadataError::Corrupt {
+            block: number,
+            what: "bad magic".into(),
+        });
+    }
+    let version = u32::from_le_bytes(block[24..28].try_into().unwrap());
+    if version != VERSION {
+        return Err(MetadataError::Corrupt {
+            block: number,
+            what: format!("format version {version}, this udm reads {VERSION}"),
+        });
+    }
+    Ok(Superblock {
+        transaction: read_u64(block, 32),
+        geometry: CloneGeometry {
+            region_sectors: read_u64(block, 40),
+            target_sectors: read_u64(block, 48),
+        },
+    })
+}
+
+impl CloneMetadata {
+    /// Opens the metadata on `dev`, formatting it if it is blank (both superblock slots all
+    /// zero). Refuses a device that is too small, holds metadata for another geometry, or is
+    /// neither blank nor valid.
+    pub fn open(dev: Arc<dyn BlockDevice>, geometry: CloneGeometry) -> Result<Self, MetadataError> {
+        let need = geometry.required_blocks() * BLOCK_SIZE as u64;
+        if dev.size() < need {
+            return Err(MetadataError::Mismatch(format!(
+                "metadata device too small: {} regions need {} sectors ({} blocks of 4 KiB), \
+                 the device has {} sectors",
+                geometry.regions(),
+                need / SECTOR_SIZE,
+                geometry.required_blocks(),
+                dev.size() / SECTOR_SIZE
+            )));
+        }
+        let words = geometry.words() as usize;
+        let meta = CloneMetadata {
+            dev,
+            geometry,
+            bits: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            hydrated: AtomicU64::new(0),
+            state: Mutex::new(CommitState {
+                dirty: BTreeSet::new(),
+                previous: BTreeSet::new(),
+                transaction: 0,
+                slot: 0,
+            }),
+            commit_lock: Mutex::new(()),
+        };
+        let supers = read_blocks(&*meta.dev, 0, SUPERBLOCKS)?;
+        if supers.iter().all(|&b| b == 0) {
+            meta.format()?;
+        } else {
+            meta.load()?;
+        }
+        Ok(meta)
+    }
+
+    pub fn geometry(&self) -> CloneGeometry {
+        self.geometry
+    }
+
+    pub fn regions(&self) -> u64 {
+        self.geometry.regions()
+    }
+
+    /// Blocks the format uses and blocks the device has (the status line's used/total).
+    pub fn blocks_used_and_total(&self) -> (u64, u64) {
+        (
+            self.geometry.required_blocks(),
+            self.dev.size() / BLOCK_SIZE as u64,
+        )
+    }
+
+    pub fn is_hydrated(&self, region: u64) -> bool {
+        self.bits[(region / 64) as usize].load(Ordering::Acquire) & (1 << (region % 64)) != 0
+    }
+
+    pub fn hydrated_count(&self) -> u64 {
+        self.hydrated.load(Ordering::Acquire)
+    }
+
+    pub fn transaction(&self) -> u64 {
+        self.state.lock().unwrap().transaction
+    }
+
+    /// Marks regions hydrated (their data must already be on the destination). Returns how
+    /// many were not hydrated before.
+    pub fn set_hydrated(&self, regions: Range<u64>) -> u64 {
+        let mut newly = 0;
+        let mut touched_blocks = BTreeSet::new();
+        for region in regions {
+            let word = region / 64;
+            let bit = 1u64 << (region % 64);
+            if self.bits[word as usize].fetch_or(bit, Ordering::AcqRel) & bit == 0 {
+                newly += 1;
+                touched_blocks.insert(word / WORDS_PER_BLOCK);
+            }
+        }
+        if newly > 0 {
+            self.hydrated.fetch_add(newly, Ordering::AcqRel);
+            self.state.lock().unwrap().dirty.extend(touched_blocks);
+        }
+        newly
+    }
+
+    pub fn is_dirty(&self) -> bool {
+        !self.state.lock().unwrap().dirty.is_empty()
+    }
+
+    /// The first unhydrated region at or after `from`, wrapping around once.
+    pub fn next_unhydrated(&self, from: u64) -> Option<u64> {
+        let regions = self.regions();
+        if regions == 0 || self.hydrated_count() >= regions {
+            return None;
+        }
+        let from = from % regions;
+        let scan = |range: Range<u64>| -> Option<u64> {
+            let mut region = range.start;
+            while region < range.end {
+                let word = self.bits[(region / 64) as usize].load(Ordering::Acquire);
+                let free = !word & (!0u64 << (region % 64));
+                if free != 0 {
+                    let found = (region & !63) + free.trailing_zeros() as u64;
+                    return (found < range.end).then_some(found);
+                }
+                region = (region & !63) + 64;
+            }
+            None
+        };
+        scan(from..regions).or_else(|| scan(0..from))
+    }
+
+    /// Makes every bit set so far durable: snapshots the changed bitmap blocks, calls
+    /// `flush_data` (the destination: data must be durable before the bits that describe
+    /// it), writes the blocks to the other area, flushes, writes that slot's superblock and
+    /// flushes again. On failure the changes stay pending and the last commit stays current.
+    pub fn commit(
+        &self,
+        flush_data: &dyn Fn() -> Result<(), BlockError>,
+    ) -> Result<CommitOutcome, MetadataError> {
+        let _one_at_a_time = self.commit_lock.lock().unwrap();
+        let (committing, blocks, transaction, slot) = {
+            let mut st = self.state.lock().unwrap();
+            if st.dirty.is_empty() {
+                return Ok(CommitOutcome::NothingToCommit);
+            }
+            let committing = std::mem::take(&mut st.dirty);
+            let blocks: BTreeSet<u64> = committing.union(&st.previous).copied().collect();
+            (committing, blocks, st.transaction + 1, 1 - st.slot)
+        };
+        let result = self.write_commit(&blocks, transaction, slot, flush_data);
+        let mut st = self.state.lock().unwrap();
+        match result {
+            Ok(()) => {
+                st.previous = committing;
+                st.transaction = transaction;
+                st.slot = slot;
+                Ok(CommitOutcome::Committed)
+            }
+            Err(e) => {
+                st.dirty.extend(committing);
+                Err(e)
+            }
+        }
+    }
+
+    fn write_commit(
+        &self,
+        blocks: &BTreeSet<u64>,
+        transaction: u64,
+        slot: u64,
+        flush_data: &dyn Fn() -> Result<(), BlockError>,
+    ) -> Result<(), MetadataError> {
+        let area = self.geometry.area_start(slot);
+        // Encode first, then flush the data: every bit encoded was set after its data was
+        // written, so the flush below makes that data durable before the bit is.
+        let encoded: Vec<(u64, AlignedBuf)> = blocks
+            .iter()
+            .map(|&b| (b, self.encode_bitmap_block(area + b, b)))
+            .collect();
+        let hydrated = self.hydrated_count();
+        flush_data()?;
+        for run in contiguous_runs(&encoded) {
+            let mut buf = AlignedBuf::zeroed(run.len() * BLOCK_SIZE);
+            for (i, (_, block)) in run.iter().enumerate() {
+                buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE].copy_from_slice(block);
+            }
+            self.dev.write(
+                (area + run[0].0) * BLOCK_SIZE as u64,
+                &buf,
+                WriteFlags::default(),
+            )?;
+        }
+        self.dev.flush()?;
+        let sb = self.encode_superblock(slot, transaction, hydrated);
+        self.dev
+            .write(slot * BLOCK_SIZE as u64, &sb, WriteFlags::default())?;
+        self.dev.flush()?;
+        Ok(())
+    }
+
+    fn encode_bitmap_block(&self, number: u64, index: u64) -> AlignedBuf {
+        let mut block = AlignedBuf::zeroed(BLOCK_SIZE);
+        let first = index * WORDS_PER_BLOCK;
+        for i in 0..WORDS_PER_BLOCK {
+            let Some(word) = self.bits.get((first + i) as usize) else {
+                break;
+            };
+            write_u64(
+                &mut block,
+                HEADER_SIZE + i as usize * 8,
+                word.load(Ordering::Acquire),
+            );
+        }
+        seal(BlockType::CloneBitmap, number, &mut block);
+        block
+    }
+
+    fn encode_superblock(&self, slot: u64, transaction: u64, hydrated: u64) -> AlignedBuf {
+        let g = self.geometry;
+        let mut block = AlignedBuf::zeroed(BLOCK_SIZE);
+        block[16..24].copy_from_slice(MAGIC);
+        block[24..28].copy_from_slice(&VERSION.to_le_bytes());
+        write_u64(&mut block, 32, transaction);
+        write_u64(&mut block, 40, g.region_sectors);
+        write_u64(&mut block, 48, g.target_sectors);
+        write_u64(&mut block, 56, g.regions());
+        write_u64(&mut block, 64, g.bitmap_blocks());
+        write_u64(&mut block, 72, g.area_start(slot));
+        write_u64(&mut block, 80, hydrated);
+        seal(BlockType::CloneSuperblock, slot, &mut block);
+        block
+    }
+
+    /// Writes an empty bitmap to area A and superblock A (transaction 1).
+    fn format(&self) -> Result<(), MetadataError> {
+        let blocks = self.geometry.bitmap_blocks();
+        let mut area = AlignedBuf::zeroed(blocks as usize * BLOCK_SIZE);
+        for b in 0..blocks {
+            let block = self.encode_bitmap_block(self.geometry.area_start(0) + b, b);
+            area[(b as usize) * BLOCK_SIZE..(b as usize + 1) * BLOCK_SIZE].copy_from_slice(&block);
+        }
+        self.dev.write(
+            self.geometry.area_start(0) * BLOCK_SIZE as u64,
+            &area,
+            WriteFlags::default(),
+        )?;
+        self.dev.flush()?;
+        let sb = self.encode_superblock(0, 1, 0);
+        self.dev.write(0, &sb, WriteFlags::default())?;
+        self.dev.flush()?;
+        let mut st = self.state.lock().unwrap();
+        st.transaction = 1;
+        st.slot = 0;
+        // Area B has never been written: the first commit must write all of it.
+        st.previous = (0..blocks).collect();
+        st.dirty.clear();
+        Ok(())
+    }
+
+    /// Reads the last durable commit into memory (at open, and to abort after a failed
+    /// commit). Changes since that commit are dropped.
+    pub fn load(&self) -> Result<(), MetadataError> {
+        let supers = read_blocks(&*self.dev, 0, SUPERBLOCKS)?;
+        let parsed: Vec<_> = (0..SUPERBLOCKS)
+            .map(|slot| {
+                parse_superblock(
+                    slot,
+                    &supers[slot as usize * BLOCK_SIZE..(slot as usize + 1) * BLOCK_SIZE],
+                )
+            })
+            .collect();
+        let (slot, current) = match (&parsed[0], &parsed[1]) {
+            (Ok(a), Ok(b)) if b.transaction > a.transaction => (1, b),
+            (Ok(a), _) => (0, a),
+            (Err(_), Ok(b)) => (1, b),
+            (Err(e), Err(_)) => {
+                return Err(MetadataError::Corrupt {
+                    block: 0,
+                    what: format!(
+                        "no valid clone superblock and the device is not blank ({e}); \
+                         refusing to format it"
+                    ),
+                })
+            }
+        };
+        if current.geometry != self.geometry {
+            return Err(MetadataError::Mismatch(format!(
+                "metadata was made for region size {} and length {} sectors, but the table \
+                 says region size {} and length {}",
+                current.geometry.region_sectors,
+                current.geometry.target_sectors,
+                self.geometry.region_sectors,
+                self.geometry.target_sectors
+            )));
+        }
+        let blocks = self.geometry.bitmap_blocks();
+        let area = read_blocks(&*self.dev, self.geometry.area_start(slot), blocks)?;
+        let other_valid = parsed[(1 - slot) as usize].is_ok();
+        let other = read_blocks(&*self.dev, self.geometry.area_start(1 - slot), blocks)?;
+        let mut previous = BTreeSet::new();
+        let mut hydrated = 0;
+        let regions = self.regions();
+        for b in 0..blocks {
+            let range = (b as usize) * BLOCK_SIZE..(b as usize + 1) * BLOCK_SIZE;
+            let block = &area[range.clone()];
+            verify(
+                BlockType::CloneBitmap,
+                self.geometry.area_start(slot) + b,
+                block,
+            )?;
+            if !other_valid || other[range.start + HEADER_SIZE..range.end] != block[HEADER_SIZE..] {
+                previous.insert(b);
+            }
+            for i in 0..WORDS_PER_BLOCK {
+                let index = b * WORDS_PER_BLOCK + i;
+                let Some(word) = self.bits.get(index as usize) else {
+                    break;
+                };
+                let mut value = read_u64(block, HEADER_SIZE + i as usize * 8);
+                // Bits past the last region carry no meaning; keep them clear.
+                let first_region = index * 64;
+                if first_region + 64 > regions {
+                    value &= (1u64 << (regions - first_region)) - 1;
+                }
+                hydrated += value.count_ones() as u64;
+                word.store(value, Ordering::Release);
+            }
+        }
+        self.hydrated.store(hydrated, Ordering::Release);
+        let mut st = self.state.lock().unwrap();
+        st.transaction = current.transaction;
+        st.slot = slot;
+        st.previous = previous;
+        st.dirty.clear();
+        Ok(())
+    }
+}
+
+fn contiguous_runs(blocks: &[(u64, AlignedBuf)]) -> Vec<&[(u64, AlignedBuf)]> {
+    let mut runs = Vec::new();
+    let mut start = 0;
+    for i in 1..=blocks.len() {
+        if i == blocks.len() || blocks[i].0 != blocks[i - 1].0 + 1 {
+            runs.push(&blocks[start..i]);
+            start = i;
+        }
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use udm_block::MemoryDevice;
+
+    fn geometry(regions: u64) -> CloneGeometry {
+        CloneGeometry {
+            region_sectors: 8,
+            target_sectors: regions * 8 - 3,
+        }
+    }
+
+    fn no_data() -> Result<(), BlockError> {
+        Ok(())
+    }
+
+    #[test]
+    fn formats_a_blank_device_and_reopens_committed_bits() {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(4 << 20));
+        let g = geometry(100_000);
+        let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+        assert_eq!(meta.hydrated_count(), 0);
+        assert_eq!(meta.set_hydrated(5..10), 5);
+        assert_eq!(meta.set_hydrated(8..12), 2);
+        meta.set_hydrated(99_999..100_000);
+        assert_eq!(meta.commit(&no_data).unwrap(), CommitOutcome::Committed);
+        assert_eq!(
+            meta.commit(&no_data).unwrap(),
+            CommitOutcome::NothingToCommit
+        );
+        meta.set_hydrated(50_000..50_001);
+        // Not committed: lost on reopen.
+        let again = CloneMetadata::open(dev, g).unwrap();
+        assert_eq!(again.hydrated_count(), 8);
+        assert!(again.is_hydrated(5) && again.is_hydrated(11) && again.is_hydrated(99_999));
+        assert!(!again.is_hydrated(4) && !again.is_hydrated(12) && !again.is_hydrated(50_000));
+    }
+
+    #[test]
+    fn alternating_commits_keep_both_areas_consistent() {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(4 << 20));
+        let g = geometry(200_000);
+        let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+        // Each commit touches a different bitmap block; reopening after each must see all.
+        for round in 0..6u64 {
+            meta.set_hydrated(round * 33_000..round * 33_000 + 3);
+            meta.commit(&no_data).unwrap();
+            let reopened = CloneMetadata::open(dev.clone(), g).unwrap();
+            assert_eq!(reopened.hydrated_count(), (round + 1) * 3, "round {round}");
+            assert_eq!(reopened.transaction(), round + 2);
+        }
+    }
+
+    #[test]
+    fn refuses_mismatched_small_and_garbage_devices() {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(4 << 20));
+        CloneMetadata::open(dev.clone(), geometry(1000)).unwrap();
+        let err = CloneMetadata::open(
+            dev.clone(),
+            CloneGeometry {
+                region_sectors: 16,
+                target_sectors: 8000 - 3,
+            },
+        )
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("made for region size 8"), "{err}");
+        let tiny: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(8192));
+        let err = CloneMetadata::open(tiny, geometry(1000)).err().unwrap();
+        assert!(
+            err.to_string().contains("metadata device too small"),
+            "{err}"
+        );
+        let garbage = MemoryDevice::new(1 << 20);
+        garbage
+            .write(0, &[0xab; 512], WriteFlags::default())
+            .unwrap();
+        let err = CloneMetadata::open(Arc::new(garbage), geometry(1000))
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("refusing to format"), "{err}");
+    }
+
+    #[test]
+    fn a_torn_superblock_falls_back_to_the_previous_commit() {
+        let dev = Arc::new(MemoryDevice::new(4 << 20));
+        let g = geometry(1000);
+        let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+        meta.set_hydrated(0..10);
+        meta.commit(&no_data).unwrap(); // transaction 2 in slot B
+        meta.set_hydrated(10..20);
+        meta.commit(&no_data).unwrap(); // transaction 3 in slot A
+        dev.write(100, &[0xff; 512], WriteFlags::default()).unwrap(); // tear slot A
+        let reopened = CloneMetadata::open(dev, g).unwrap();
+        assert_eq!(reopened.transaction(), 2);
+        assert_eq!(reopened.hydrated_count(), 10);
+    }
+
+    #[test]
+    fn a_failed_data_flush_commits_nothing_and_keeps_changes_pending() {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(4 << 20));
+        let g = geometry(1000);
+        let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+        meta.set_hydrated(0..4);
+        let failing = || Err(BlockError::Io("destination flush failed".into()));
+        assert!(meta.commit(&failing).is_err());
+        assert!(meta.is_dirty());
+        assert_eq!(
+            CloneMetadata::open(dev.clone(), g)
+                .unwrap()
+                .hydrated_count(),
+            0
+        );
+        meta.commit(&no_data).unwrap();
+        assert_eq!(CloneMetadata::open(dev, g).unwrap().hydrated_count(), 4);
+    }
+
+    #[test]
+    fn next_unhydrated_wraps_and_skips_hydrated_words() {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(1 << 20));
+        let meta = CloneMetadata::open(dev, geometry(300)).unwrap();
+        meta.set_hydrated(0..200);
+        assert_eq!(meta.next_unhydrated(0), Some(200));
+        assert_eq!(meta.next_unhydrated(250), Some(250));
+        meta.set_hydrated(200..300);
+        assert_eq!(meta.next_unhydrated(0), None);
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(1 << 20));
+        let meta = CloneMetadata::open(dev, geometry(300)).unwrap();
+        meta.set_hydrated(10..300);
+        assert_eq!(meta.next_unhydrated(100), Some(0));
+    }
+}
