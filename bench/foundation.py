@@ -33,6 +33,7 @@ import shutil
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -732,6 +733,57 @@ def resident_bytes(path: Path):
         return None
 
 
+def read_reply_kind(sock_path: Path, export: str, length: int = 256 << 10) -> str | None:
+    """How a server answers one READ with structured replies on: "hole" (OFFSET_HOLE chunks,
+    no payload), "data" (OFFSET_DATA) or "mixed"; None if the probe failed.  A server that
+    answers zero reads with holes moves no payload, which matters when comparing read rows."""
+    def recvn(sk, n):
+        buf = b""
+        while len(buf) < n:
+            chunk = sk.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("server closed the connection")
+            buf += chunk
+        return buf
+
+    ihaveopt = 0x49484156454F5054
+    kinds = set()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sk:
+            sk.settimeout(10)
+            sk.connect(str(sock_path))
+            recvn(sk, 18)                                   # NBDMAGIC, IHAVEOPT, flags
+            sk.sendall((3).to_bytes(4, "big"))              # FIXED_NEWSTYLE | NO_ZEROES
+            sk.sendall(ihaveopt.to_bytes(8, "big") + (8).to_bytes(4, "big") + bytes(4))
+            _m, _o, rtype, rlen = struct.unpack(">QIII", recvn(sk, 20))
+            recvn(sk, rlen)
+            if rtype != 1:                                  # no structured replies
+                return "data"
+            name = export.encode()
+            data = len(name).to_bytes(4, "big") + name + bytes(2)
+            sk.sendall(ihaveopt.to_bytes(8, "big") + (7).to_bytes(4, "big")
+                       + len(data).to_bytes(4, "big") + data)
+            while True:
+                _m, _o, rtype, rlen = struct.unpack(">QIII", recvn(sk, 20))
+                recvn(sk, rlen)
+                if rtype == 1:
+                    break
+                if rtype & 0x80000000:
+                    return None
+            sk.sendall(struct.pack(">IHHQQI", 0x25609513, 0, 0, 1, 0, length))
+            while True:
+                _m, flags, ctype, _c, clen = struct.unpack(">IHHQI", recvn(sk, 20))
+                recvn(sk, clen)
+                kinds.add({1: "data", 2: "hole"}.get(ctype, "other"))
+                if flags & 1:
+                    break
+            sk.sendall(struct.pack(">IHHQQI", 0x25609513, 0, 2, 2, 0, 0))  # NBD_CMD_DISC
+    except (OSError, ConnectionError, struct.error):
+        return None
+    kinds.discard("other")
+    return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else None)
+
+
 def check_export(uri: str, size: int, what: str) -> None:
     """Sanity probe with nbdinfo (if installed): the export answers and has the right size."""
     if not shutil.which("nbdinfo"):
@@ -925,6 +977,16 @@ def main(argv=None) -> int:
         else:
             sysmap["qemu-nbd"].available = False
             sysmap["qemu-nbd"].why_unavailable = "qemu-nbd missing: apt-get install qemu-utils"
+
+        # ---- how zero reads are answered (a hole chunk moves no payload)
+        if sysmap["nbdkit-null"].available:
+            k_udm = read_reply_kind(nbd_sock, "nullz")
+            k_nbdkit = read_reply_kind(tmp / "nbdkit.sock", "")
+            meta["zero_read_reply"] = {"udm zero": k_udm, "nbdkit null": k_nbdkit}
+            if k_udm and k_nbdkit and k_udm != k_nbdkit:
+                notes.append(f"udm zero answers a 256 KiB read with {k_udm} chunks, nbdkit null "
+                             f"with {k_nbdkit}: the zero pair's read rows do not move the same "
+                             f"payload")
 
         # ---- the matrix: per workload, per repeat, udm then its peer, side by side
         order = ["udm-zero", "nbdkit-null", "udm-linear", "qemu-nbd", "file"]
