@@ -26,6 +26,11 @@ impl<'a> Args<'a> {
         TargetError::new(format!("{}: {message}", self.target))
     }
 
+    /// Every token of the line's arguments, as given.
+    pub fn tokens(&self) -> &'a [String] {
+        self.tokens
+    }
+
     pub fn remaining(&self) -> usize {
         self.tokens.len() - self.next
     }

@@ -10,6 +10,7 @@ mod filter;
 mod table;
 mod target;
 
+mod clone;
 mod delay;
 mod dust;
 mod error;

@@ -47,6 +47,11 @@ pub trait Target: BlockDevice {
         String::new()
     }
 
+    /// Machine-readable details beyond the status line (for `udm status --json`).
+    fn status_details(&self) -> Option<serde_json::Value> {
+        None
+    }
+
     /// Handles `udm message`; the answer (possibly empty) is printed by the client.
     fn message(&self, words: &[&str]) -> Result<String, TargetError> {
         Err(TargetError::new(format!(
@@ -76,6 +81,7 @@ pub const TARGET_TYPES: &[(&str, Constructor)] = &[
     ("delay", crate::delay::construct),
     ("flakey", crate::flakey::construct),
     ("dust", crate::dust::construct),
+    ("clone", crate::clone::construct),
 ];
 
 /// Builds the target of one table line.

@@ -165,6 +165,7 @@ fn status(registry: &Registry, name: &str) -> Result<Response, Box<dyn std::erro
                 "length": s.len / SECTOR_SIZE,
                 "type": s.target.type_name(),
                 "status": s.target.status(),
+                "details": s.target.status_details(),
             })
         })
         .collect();

@@ -1,0 +1,684 @@
+//! `clone <metadata dev> <destination dev> <source dev> <region size> [<#features>
+//! [no_hydration] [no_discard_passdown] [hydrate_on_read]] [<#core args>
+//! [hydration_threshold <n>] [hydration_batch_size <n>] [max_hydration_rate <KiB/s>]]`
+//!
+//! Copies ("hydrates") a slow or remote source onto a fast destination while the device is in
+//! use, as the kernel's dm-clone. Reads of regions not yet copied come from the source; writes
+//! go to the destination (copying the region first unless the write covers all of it); a
+//! bitmap on the metadata device, committed on FLUSH/FUA and every second, says which regions
+//! are on the destination. Background workers copy the rest, skipping what the source reports
+//! as zero and yielding to user I/O.
+//!
+//! udm adds: `hydrate_on_read` (a read of an unhydrated region copies it first, the kernel's
+//! known gap), `max_hydration_rate` (a bandwidth cap for the background copy; also a message),
+//! NBD_CMD_CACHE hydrating the range, and zero-aware copying.
+
+mod hydration;
+mod regions;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use log::{error, warn};
+use udm_block::{
+    AlignedBuf, BlockDevice, BlockError, Capabilities, Extent, OpenMode, Result, WriteFlags,
+    ZeroFlags, EXTENT_ZERO, SECTOR_SIZE,
+};
+use udm_metadata::{CloneGeometry, CloneMetadata, CommitOutcome};
+
+use crate::args::Args;
+use crate::target::{EventSink, Target, TargetContext, TargetError};
+use regions::RegionClaims;
+
+const MIN_REGION_SECTORS: u64 = 8;
+const MAX_REGION_SECTORS: u64 = 2_097_152;
+/// Largest piece copied with one read and one write.
+const COPY_CHUNK: u64 = 1 << 20;
+
+/// Metadata modes, as the kernel's: a failed commit drops to read-only (after reloading the
+/// last committed bitmap), a failure to do even that to fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Mode {
+    Write = 0,
+    ReadOnly = 1,
+    Fail = 2,
+}
+
+/// What the user can steer with messages.
+struct Settings {
+    hydration_enabled: bool,
+    threshold: u64,
+    batch_size: u64,
+    /// KiB per second for background copying; 0 = unlimited.
+    max_rate_kib: u64,
+    /// Regions the background workers are copying.
+    in_flight: u64,
+    /// Where the next background batch starts looking.
+    cursor: u64,
+    /// The rate limiter's next free moment.
+    next_copy_at: Instant,
+    paused: bool,
+    shutdown: bool,
+}
+
+struct Inner {
+    meta: CloneMetadata,
+    source: Arc<dyn BlockDevice>,
+    dest: Arc<dyn BlockDevice>,
+    region: u64,
+    len: u64,
+    claims: RegionClaims,
+    mode: AtomicU8,
+    settings: Mutex<Settings>,
+    /// Wakes background workers when settings change or work is released.
+    wake: Condvar,
+    discard_passdown: bool,
+    hydrate_on_read: bool,
+    user_in_flight: AtomicUsize,
+    /// Nanoseconds since `started` of the last user request, for yielding.
+    last_user_io: AtomicU64,
+    started: Instant,
+    raise_event: EventSink,
+    completion_announced: AtomicBool,
+    /// (time, hydrated regions) once a second, for the copy rate.
+    progress: Mutex<std::collections::VecDeque<(Instant, u64)>>,
+}
+
+pub struct Clone {
+    inner: Arc<Inner>,
+    args: Vec<String>,
+    references: Vec<String>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+struct UserIo<'a>(&'a Inner);
+
+impl Drop for UserIo<'_> {
+    fn drop(&mut self) {
+        self.0.user_in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.0.last_user_io.store(self.0.started.elapsed().as_nanos() as u64, Ordering::Release);
+    }
+}
+
+fn positive(args: &Args, key: &str, word: &str, min: u64) -> Result<u64, TargetError> {
+    word.parse::<u64>()
+        .ok()
+        .filter(|v| *v >= min)
+        .ok_or_else(|| args.error(format!("invalid value '{word}' for {key}")))
+}
+
+pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
+    let original: Vec<String> = args.tokens().to_vec();
+    if args.remaining() < 4 {
+        return Err(args.error(format!(
+            "expected at least 4 arguments (<metadata dev> <destination dev> <source dev> \
+             <region size>), got {}",
+            args.remaining()
+        )));
+    }
+    let (meta_ref, meta_dev) = args.device(ctx, "metadata dev", OpenMode::ReadWrite)?;
+    let (dest_ref, dest) = args.device(ctx, "destination dev", OpenMode::ReadWrite)?;
+    let (source_ref, source) = args.device(ctx, "source dev", OpenMode::ReadOnly)?;
+    let region_sectors: u64 = args.number("region size")?;
+    if !region_sectors.is_power_of_two()
+        || !(MIN_REGION_SECTORS..=MAX_REGION_SECTORS).contains(&region_sectors)
+    {
+        return Err(args.error(format!(
+            "invalid region size {region_sectors}: must be a power of two from \
+             {MIN_REGION_SECTORS} to {MAX_REGION_SECTORS} sectors"
+        )));
+    }
+    for (what, dev) in [("destination", &dest), ("source", &source)] {
+        if ctx.len > dev.size() {
+            return Err(args.error(format!(
+                "target length {} sectors is larger than the {what} device ({} sectors)",
+                ctx.len / SECTOR_SIZE,
+                dev.size() / SECTOR_SIZE
+            )));
+        }
+    }
+    let mut hydration_enabled = true;
+    let mut discard_passdown = true;
+    let mut hydrate_on_read = false;
+    if args.remaining() > 0 {
+        let count: usize = args.number("#features")?;
+        if count > 3 || count > args.remaining() {
+            return Err(args.error(format!("invalid number of feature arguments {count}")));
+        }
+        for _ in 0..count {
+            match args.word("feature")?.to_ascii_lowercase().as_str() {
+                "no_hydration" => hydration_enabled = false,
+                "no_discard_passdown" => discard_passdown = false,
+                "hydrate_on_read" => hydrate_on_read = true,
+                other => return Err(args.error(format!("unsupported feature argument '{other}'"))),
+            }
+        }
+    }
+    let (mut threshold, mut batch_size, mut max_rate_kib) = (1, 1, 0);
+    if args.remaining() > 0 {
+        let count: usize = args.number("#core args")?;
+        if count % 2 != 0 || count > 6 || count != args.remaining() {
+            return Err(args.error(format!(
+                "invalid number of core arguments {count}: key/value pairs, at most 3"
+            )));
+        }
+        for _ in 0..count / 2 {
+            let key = args.word("core arg")?.to_ascii_lowercase();
+            let value = args.word("core arg value")?;
+            match key.as_str() {
+                "hydration_threshold" => threshold = positive(args, &key, value, 0)?,
+                "hydration_batch_size" => batch_size = positive(args, &key, value, 1)?,
+                "max_hydration_rate" => max_rate_kib = positive(args, &key, value, 0)?,
+                other => return Err(args.error(format!("invalid core argument '{other}'"))),
+            }
+        }
+    }
+    let geometry = CloneGeometry { region_sectors, target_sectors: ctx.len / SECTOR_SIZE };
+    let meta = CloneMetadata::open(meta_dev, geometry)
+        .map_err(|e| args.error(format!("metadata device '{meta_ref}': {e}")))?;
+    let inner = Arc::new(Inner {
+        meta,
+        source,
+        dest,
+        region: region_sectors * SECTOR_SIZE,
+        len: ctx.len,
+        claims: RegionClaims::default(),
+        mode: AtomicU8::new(Mode::Write as u8),
+        settings: Mutex::new(Settings {
+            hydration_enabled,
+            threshold,
+            batch_size,
+            max_rate_kib,
+            in_flight: 0,
+            cursor: 0,
+            next_copy_at: Instant::now(),
+            paused: false,
+            shutdown: false,
+        }),
+        wake: Condvar::new(),
+        discard_passdown,
+        hydrate_on_read,
+        user_in_flight: AtomicUsize::new(0),
+        last_user_io: AtomicU64::new(0),
+        started: Instant::now(),
+        raise_event: ctx.raise_event.clone(),
+        completion_announced: AtomicBool::new(false),
+        progress: Mutex::new(Default::default()),
+    });
+    let workers = hydration::start(&inner);
+    Ok(Arc::new(Clone {
+        inner,
+        args: original,
+        references: vec![meta_ref, dest_ref, source_ref],
+        workers: Mutex::new(workers),
+    }))
+}
+
+impl Inner {
+    fn mode(&self) -> Mode {
+        match self.mode.load(Ordering::Acquire) {
+            0 => Mode::Write,
+            1 => Mode::ReadOnly,
+            _ => Mode::Fail,
+        }
+    }
+
+    fn user_io(&self) -> UserIo<'_> {
+        self.user_in_flight.fetch_add(1, Ordering::AcqRel);
+        UserIo(self)
+    }
+
+    fn check_not_failed(&self) -> Result<()> {
+        if self.mode() == Mode::Fail {
+            return Err(BlockError::Io("clone: metadata failed; the device is in fail mode".into()));
+        }
+        Ok(())
+    }
+
+    fn regions_of(&self, offset: u64, len: u64) -> std::ops::Range<u64> {
+        offset / self.region..(offset + len).div_ceil(self.region)
+    }
+
+    /// Byte range of a region (the last one may be short).
+    fn bounds(&self, region: u64) -> (u64, u64) {
+        (region * self.region, ((region + 1) * self.region).min(self.len))
+    }
+
+    /// Copies `regions` from the source to the destination and marks them hydrated. Ranges
+    /// the source reports as zero are zeroed on the destination instead of read and written.
+    /// The caller holds the regions' claims.
+    fn copy_regions(&self, regions: std::ops::Range<u64>) -> Result<()> {
+        let start = self.bounds(regions.start).0;
+        let end = self.bounds(regions.end - 1).1;
+        let mut buf = AlignedBuf::new();
+        let mut pos = start;
+        while pos < end {
+            let extent = self
+                .source
+                .block_status(pos, end - pos)?
+                .first()
+                .copied()
+                .unwrap_or(Extent::data(end - pos));
+            let run = extent.len.clamp(SECTOR_SIZE, end - pos);
+            if extent.flags & EXTENT_ZERO != 0 {
+                self.dest.write_zeroes(pos, run, ZeroFlags { may_unmap: true, ..Default::default() })?;
+            } else {
+                let mut done = 0;
+                while done < run {
+                    let n = (run - done).min(COPY_CHUNK);
+                    buf.resize(n as usize);
+                    self.source.read(pos + done, &mut buf)?;
+                    self.dest.write(pos + done, &buf, WriteFlags::default())?;
+                    done += n;
+                }
+            }
+            pos += run;
+        }
+        self.meta.set_hydrated(regions);
+        self.announce_if_complete();
+        Ok(())
+    }
+
+    /// Makes sure `region` is on the destination, copying it or waiting for whoever is.
+    fn ensure_hydrated(&self, region: u64) -> Result<()> {
+        if self.meta.is_hydrated(region) {
+            return Ok(());
+        }
+        if self.mode() != Mode::Write {
+            return Err(BlockError::Io(format!(
+                "clone: metadata is read-only; cannot hydrate region {region}"
+            )));
+        }
+        let _claim = self.claims.claim(region);
+        if self.meta.is_hydrated(region) {
+            return Ok(());
+        }
+        self.copy_regions(region..region + 1)
+    }
+
+    /// Writes and write-zeroes: regions the request covers entirely go straight to the
+    /// destination (no copy) and are marked hydrated after; partly covered ones are copied
+    /// first.
+    fn write_through(&self, offset: u64, len: u64, fua: bool, op: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.check_not_failed()?;
+        let mut covered = Vec::new();
+        for region in self.regions_of(offset, len) {
+            if self.meta.is_hydrated(region) {
+                continue;
+            }
+            let (start, end) = self.bounds(region);
+            if offset > start || offset + len < end {
+                self.ensure_hydrated(region)?;
+                continue;
+            }
+            if self.mode() != Mode::Write {
+                return Err(BlockError::Io("clone: metadata is read-only; cannot hydrate".into()));
+            }
+            let claim = self.claims.claim(region);
+            if !self.meta.is_hydrated(region) {
+                covered.push(claim);
+            }
+        }
+        op()?;
+        for claim in &covered {
+            self.meta.set_hydrated(claim.region..claim.region + 1);
+        }
+        if !covered.is_empty() {
+            self.announce_if_complete();
+        }
+        drop(covered);
+        if fua {
+            self.commit()?;
+        }
+        Ok(())
+    }
+
+    /// Commits the bitmap if it changed (flushing the destination first), otherwise just
+    /// flushes the destination. A metadata failure changes the mode.
+    fn commit(&self) -> Result<()> {
+        match self.mode() {
+            Mode::Fail => return self.check_not_failed(),
+            Mode::ReadOnly if self.meta.is_dirty() => {
+                return Err(BlockError::Io("clone: metadata is read-only; cannot commit".into()))
+            }
+            Mode::ReadOnly => return self.dest.flush(),
+            Mode::Write => {}
+        }
+        let data_error = Mutex::new(None);
+        let flush_data = || {
+            self.dest.flush().inspect_err(|e| *data_error.lock().unwrap() = Some(e.clone()))
+        };
+        match self.meta.commit(&flush_data) {
+            Ok(CommitOutcome::Committed) => Ok(()),
+            Ok(CommitOutcome::NothingToCommit) => self.dest.flush(),
+            Err(e) => {
+                if let Some(data) = data_error.into_inner().unwrap() {
+                    // The destination failed to flush: nothing was written to the metadata,
+                    // which stays consistent; only this flush fails.
+                    return Err(data);
+                }
+                self.metadata_failed(&e.to_string());
+                Err(BlockError::Io(format!("clone: metadata commit failed: {e}")))
+            }
+        }
+    }
+
+    /// write → read-only (reloading the last committed bitmap) → fail, each with an event.
+    fn metadata_failed(&self, why: &str) {
+        let next = match self.mode() {
+            Mode::Write => match self.meta.load() {
+                Ok(()) => Mode::ReadOnly,
+                Err(e) => {
+                    error!("clone: reloading metadata failed too: {e}");
+                    Mode::Fail
+                }
+            },
+            _ => Mode::Fail,
+        };
+        error!("clone: metadata operation failed ({why}); switching to {next:?} mode");
+        self.mode.store(next as u8, Ordering::Release);
+        self.wake.notify_all();
+        (self.raise_event)();
+    }
+
+    fn is_complete(&self) -> bool {
+        self.meta.hydrated_count() >= self.meta.regions()
+    }
+
+    /// Raises the hydration-complete event once (after committing, so the event means the
+    /// clone can be switched to `linear <destination>` safely).
+    fn announce_if_complete(&self) {
+        if self.is_complete() && !self.completion_announced.load(Ordering::Acquire) {
+            if let Err(e) = self.commit() {
+                warn!("clone: final commit after hydration failed: {e}");
+                return;
+            }
+            if !self.completion_announced.swap(true, Ordering::AcqRel) {
+                (self.raise_event)();
+            }
+        }
+    }
+
+    /// Calls `f(hydrated, offset, len, range in request)` for each run of regions with the
+    /// same state.
+    fn each_run(
+        &self,
+        offset: u64,
+        len: u64,
+        mut f: impl FnMut(bool, u64, u64, std::ops::Range<usize>) -> Result<()>,
+    ) -> Result<()> {
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let region = pos / self.region;
+            let hydrated = self.meta.is_hydrated(region);
+            let mut run_end = self.bounds(region).1.min(end);
+            while run_end < end && self.meta.is_hydrated(run_end / self.region) == hydrated {
+                run_end = self.bounds(run_end / self.region).1.min(end);
+            }
+            f(hydrated, pos, run_end - pos, (pos - offset) as usize..(run_end - offset) as usize)?;
+            pos = run_end;
+        }
+        Ok(())
+    }
+}
+
+impl BlockDevice for Clone {
+    fn size(&self) -> u64 {
+        self.inner.len
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let dest = self.inner.dest.capabilities();
+        Capabilities {
+            read_only: false,
+            native_fua: true,
+            discard: true,
+            fast_zero: dest.fast_zero,
+            rotational: dest.rotational,
+            flush_covers_all: true,
+        }
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let s = &self.inner;
+        let _io = s.user_io();
+        s.check_not_failed()?;
+        s.each_run(offset, buf.len() as u64, |hydrated, at, len, range| {
+            if hydrated {
+                return s.dest.read(at, &mut buf[range]);
+            }
+            if s.hydrate_on_read && s.mode() == Mode::Write {
+                for region in s.regions_of(at, len) {
+                    s.ensure_hydrated(region)?;
+                }
+                return s.dest.read(at, &mut buf[range]);
+            }
+            s.source.read(at, &mut buf[range])
+        })
+    }
+
+    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
+        let s = &self.inner;
+        let _io = s.user_io();
+        s.write_through(offset, buf.len() as u64, flags.fua, || {
+            s.dest.write(offset, buf, WriteFlags { fua: false })
+        })
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        let s = &self.inner;
+        let _io = s.user_io();
+        s.write_through(offset, len, flags.fua, || {
+            s.dest.write_zeroes(offset, len, ZeroFlags { fua: false, ..flags })
+        })
+    }
+
+    fn flush(&self) -> Result<()> {
+        let _io = self.inner.user_io();
+        self.inner.commit()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        let s = &self.inner;
+        let _io = s.user_io();
+        s.check_not_failed()?;
+        if s.mode() != Mode::Write {
+            return Ok(());
+        }
+        // Only regions the discard covers entirely count; they need no copy any more.
+        let end = offset + len;
+        let first = offset.div_ceil(s.region);
+        let last = if end == s.len { end.div_ceil(s.region) } else { end / s.region };
+        for region in first..last.max(first) {
+            if !s.meta.is_hydrated(region) {
+                let _claim = s.claims.claim(region);
+                s.meta.set_hydrated(region..region + 1);
+            }
+        }
+        if last > first {
+            s.announce_if_complete();
+            if s.discard_passdown && s.dest.capabilities().discard {
+                let start = first * s.region;
+                let stop = (last * s.region).min(s.len);
+                s.dest.discard(start, stop - start)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        let s = &self.inner;
+        s.check_not_failed()?;
+        // Describe the first run of same-state regions from the device that serves it.
+        let mut answer = Vec::new();
+        s.each_run(offset, len, |hydrated, at, run, _| {
+            if answer.is_empty() {
+                let dev = if hydrated { &s.dest } else { &s.source };
+                answer = dev.block_status(at, run)?;
+            }
+            Ok(())
+        })?;
+        Ok(answer)
+    }
+
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        let s = &self.inner;
+        s.check_not_failed()?;
+        if s.mode() != Mode::Write {
+            return Ok(());
+        }
+        for region in s.regions_of(offset, len) {
+            s.ensure_hydrated(region)?;
+        }
+        Ok(())
+    }
+}
+
+impl Target for Clone {
+    fn type_name(&self) -> &'static str {
+        "clone"
+    }
+
+    fn args(&self) -> String {
+        self.args.join(" ")
+    }
+
+    fn status(&self) -> String {
+        let s = &self.inner;
+        if s.mode() == Mode::Fail {
+            return "Fail".into();
+        }
+        let (used, total) = s.meta.blocks_used_and_total();
+        let settings = s.settings.lock().unwrap();
+        let mut features = Vec::new();
+        if !settings.hydration_enabled {
+            features.push("no_hydration");
+        }
+        if !s.discard_passdown {
+            features.push("no_discard_passdown");
+        }
+        if s.hydrate_on_read {
+            features.push("hydrate_on_read");
+        }
+        let mut core = format!(
+            "hydration_threshold {} hydration_batch_size {}",
+            settings.threshold, settings.batch_size
+        );
+        let mut core_count = 4;
+        if settings.max_rate_kib > 0 {
+            core += &format!(" max_hydration_rate {}", settings.max_rate_kib);
+            core_count = 6;
+        }
+        let features = std::iter::once(features.len().to_string())
+            .chain(features.iter().map(|f| f.to_string()))
+            .collect::<Vec<_>>()
+            .join(" ");
+        format!(
+            "8 {used}/{total} {} {}/{} {} {features} {core_count} {core} {}",
+            s.region / SECTOR_SIZE,
+            s.meta.hydrated_count(),
+            s.meta.regions(),
+            s.claims.count(),
+            if s.mode() == Mode::Write { "rw" } else { "ro" }
+        )
+    }
+
+    fn status_details(&self) -> Option<serde_json::Value> {
+        let s = &self.inner;
+        let hydrated = s.meta.hydrated_count();
+        let regions = s.meta.regions();
+        let hydrated_bytes = (hydrated * s.region).min(s.len);
+        let rate = hydration::rate_bytes_per_second(s);
+        let remaining = s.len - hydrated_bytes;
+        let eta = match rate {
+            _ if remaining == 0 => Some(0.0),
+            Some(r) if r > 0.0 => Some((remaining as f64 / r).round()),
+            _ => None,
+        };
+        Some(serde_json::json!({
+            "mode": format!("{:?}", s.mode()).to_lowercase(),
+            "regions": regions,
+            "hydrated_regions": hydrated,
+            "region_bytes": s.region,
+            "total_bytes": s.len,
+            "hydrated_bytes": hydrated_bytes,
+            "hydrating_regions": s.claims.count(),
+            "hydration_enabled": s.settings.lock().unwrap().hydration_enabled,
+            "copy_rate_bytes_per_second": rate.map(f64::round),
+            "eta_seconds": eta,
+            "complete": hydrated >= regions,
+            "metadata_transaction": s.meta.transaction(),
+        }))
+    }
+
+    fn message(&self, words: &[&str]) -> Result<String, TargetError> {
+        let s = &self.inner;
+        let lowered: Vec<String> = words.iter().map(|w| w.to_ascii_lowercase()).collect();
+        let lowered: Vec<&str> = lowered.iter().map(String::as_str).collect();
+        let number = |word: &str, min: u64| {
+            word.parse::<u64>().ok().filter(|v| *v >= min).ok_or_else(|| {
+                TargetError::new(format!("clone: invalid value '{word}' for {}", words[0]))
+            })
+        };
+        let mut settings = s.settings.lock().unwrap();
+        match lowered.as_slice() {
+            ["enable_hydration"] => settings.hydration_enabled = true,
+            ["disable_hydration"] => settings.hydration_enabled = false,
+            ["hydration_threshold", n] => settings.threshold = number(n, 0)?,
+            ["hydration_batch_size", n] => settings.batch_size = number(n, 1)?,
+            ["max_hydration_rate", n] => settings.max_rate_kib = number(n, 0)?,
+            [
+                "enable_hydration" | "disable_hydration" | "hydration_threshold"
+                | "hydration_batch_size" | "max_hydration_rate",
+                ..,
+            ] => {
+                return Err(TargetError::new(format!(
+                    "clone: wrong number of arguments for '{}'",
+                    words[0]
+                )))
+            }
+            _ => {
+                return Err(TargetError::new(format!(
+                    "clone: unsupported message '{}'",
+                    words.join(" ")
+                )))
+            }
+        }
+        drop(settings);
+        s.wake.notify_all();
+        Ok(String::new())
+    }
+
+    fn references(&self) -> Vec<String> {
+        self.references.clone()
+    }
+
+    fn suspend(&self) {
+        hydration::pause(&self.inner, true);
+        if let Err(e) = self.inner.commit() {
+            warn!("clone: commit at suspend failed: {e}");
+        }
+    }
+
+    fn resume(&self) {
+        hydration::pause(&self.inner, false);
+    }
+}
+
+impl Drop for Clone {
+    fn drop(&mut self) {
+        hydration::stop(&self.inner);
+        for worker in self.workers.lock().unwrap().drain(..) {
+            let _ = worker.join();
+        }
+        if self.inner.mode() == Mode::Write {
+            if let Err(e) = self.inner.commit() {
+                warn!("clone: final commit failed: {e}");
+            }
+        }
+    }
+}
