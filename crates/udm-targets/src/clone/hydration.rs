@@ -87,13 +87,21 @@ fn worker(inner: &Inner) {
             return;
         }
         if !may_copy(inner, &settings) {
-            settings = inner.wake.wait_timeout(settings, Duration::from_millis(100)).unwrap().0;
+            settings = inner
+                .wake
+                .wait_timeout(settings, Duration::from_millis(100))
+                .unwrap()
+                .0;
             continue;
         }
         let claims = claim_batch(inner, &mut settings);
         if claims.is_empty() {
             // Everything left is being copied by someone else right now.
-            settings = inner.wake.wait_timeout(settings, Duration::from_millis(20)).unwrap().0;
+            settings = inner
+                .wake
+                .wait_timeout(settings, Duration::from_millis(20))
+                .unwrap()
+                .0;
             continue;
         }
         let count = claims.len() as u64;
@@ -109,7 +117,10 @@ fn worker(inner: &Inner) {
         let result = inner.copy_regions(first..first + count);
         drop(claims);
         if let Err(e) = &result {
-            warn!("clone: hydrating regions {first}..{}: {e}; will retry", first + count);
+            warn!(
+                "clone: hydrating regions {first}..{}: {e}; will retry",
+                first + count
+            );
             std::thread::sleep(ERROR_BACKOFF);
         } else if user_busy(inner) {
             std::thread::sleep(YIELD_PAUSE);
@@ -122,8 +133,13 @@ fn worker(inner: &Inner) {
 }
 
 /// Claims up to a batch of contiguous unhydrated regions from the cursor on.
-fn claim_batch<'a>(inner: &'a Inner, settings: &mut MutexGuard<'_, Settings>) -> Vec<super::regions::Claim<'a>> {
-    let allowed = settings.batch_size.min(settings.threshold - settings.in_flight);
+fn claim_batch<'a>(
+    inner: &'a Inner,
+    settings: &mut MutexGuard<'_, Settings>,
+) -> Vec<super::regions::Claim<'a>> {
+    let allowed = settings
+        .batch_size
+        .min(settings.threshold - settings.in_flight);
     let Some(first) = inner.meta.next_unhydrated(settings.cursor) else {
         return Vec::new();
     };
@@ -164,7 +180,9 @@ fn committer(inner: &Inner) {
                 if settings.shutdown {
                     return;
                 }
-                let Some(left) = next_tick.checked_duration_since(Instant::now()) else { break };
+                let Some(left) = next_tick.checked_duration_since(Instant::now()) else {
+                    break;
+                };
                 settings = inner.wake.wait_timeout(settings, left).unwrap().0;
             }
         }

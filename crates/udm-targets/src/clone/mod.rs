@@ -99,7 +99,10 @@ struct UserIo<'a>(&'a Inner);
 impl Drop for UserIo<'_> {
     fn drop(&mut self) {
         self.0.user_in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.0.last_user_io.store(self.0.started.elapsed().as_nanos() as u64, Ordering::Release);
+        self.0.last_user_io.store(
+            self.0.started.elapsed().as_nanos() as u64,
+            Ordering::Release,
+        );
     }
 }
 
@@ -176,7 +179,10 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             }
         }
     }
-    let geometry = CloneGeometry { region_sectors, target_sectors: ctx.len / SECTOR_SIZE };
+    let geometry = CloneGeometry {
+        region_sectors,
+        target_sectors: ctx.len / SECTOR_SIZE,
+    };
     let meta = CloneMetadata::open(meta_dev, geometry)
         .map_err(|e| args.error(format!("metadata device '{meta_ref}': {e}")))?;
     let inner = Arc::new(Inner {
@@ -233,7 +239,9 @@ impl Inner {
 
     fn check_not_failed(&self) -> Result<()> {
         if self.mode() == Mode::Fail {
-            return Err(BlockError::Io("clone: metadata failed; the device is in fail mode".into()));
+            return Err(BlockError::Io(
+                "clone: metadata failed; the device is in fail mode".into(),
+            ));
         }
         Ok(())
     }
@@ -244,7 +252,10 @@ impl Inner {
 
     /// Byte range of a region (the last one may be short).
     fn bounds(&self, region: u64) -> (u64, u64) {
-        (region * self.region, ((region + 1) * self.region).min(self.len))
+        (
+            region * self.region,
+            ((region + 1) * self.region).min(self.len),
+        )
     }
 
     /// Copies `regions` from the source to the destination and marks them hydrated. Ranges
@@ -264,7 +275,14 @@ impl Inner {
                 .unwrap_or(Extent::data(end - pos));
             let run = extent.len.clamp(SECTOR_SIZE, end - pos);
             if extent.flags & EXTENT_ZERO != 0 {
-                self.dest.write_zeroes(pos, run, ZeroFlags { may_unmap: true, ..Default::default() })?;
+                self.dest.write_zeroes(
+                    pos,
+                    run,
+                    ZeroFlags {
+                        may_unmap: true,
+                        ..Default::default()
+                    },
+                )?;
             } else {
                 let mut done = 0;
                 while done < run {
@@ -302,7 +320,13 @@ impl Inner {
     /// Writes and write-zeroes: regions the request covers entirely go straight to the
     /// destination (no copy) and are marked hydrated after; partly covered ones are copied
     /// first.
-    fn write_through(&self, offset: u64, len: u64, fua: bool, op: impl FnOnce() -> Result<()>) -> Result<()> {
+    fn write_through(
+        &self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        op: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         self.check_not_failed()?;
         let mut covered = Vec::new();
         for region in self.regions_of(offset, len) {
@@ -315,7 +339,9 @@ impl Inner {
                 continue;
             }
             if self.mode() != Mode::Write {
-                return Err(BlockError::Io("clone: metadata is read-only; cannot hydrate".into()));
+                return Err(BlockError::Io(
+                    "clone: metadata is read-only; cannot hydrate".into(),
+                ));
             }
             let claim = self.claims.claim(region);
             if !self.meta.is_hydrated(region) {
@@ -342,14 +368,18 @@ impl Inner {
         match self.mode() {
             Mode::Fail => return self.check_not_failed(),
             Mode::ReadOnly if self.meta.is_dirty() => {
-                return Err(BlockError::Io("clone: metadata is read-only; cannot commit".into()))
+                return Err(BlockError::Io(
+                    "clone: metadata is read-only; cannot commit".into(),
+                ))
             }
             Mode::ReadOnly => return self.dest.flush(),
             Mode::Write => {}
         }
         let data_error = Mutex::new(None);
         let flush_data = || {
-            self.dest.flush().inspect_err(|e| *data_error.lock().unwrap() = Some(e.clone()))
+            self.dest
+                .flush()
+                .inspect_err(|e| *data_error.lock().unwrap() = Some(e.clone()))
         };
         match self.meta.commit(&flush_data) {
             Ok(CommitOutcome::Committed) => Ok(()),
@@ -361,7 +391,9 @@ impl Inner {
                     return Err(data);
                 }
                 self.metadata_failed(&e.to_string());
-                Err(BlockError::Io(format!("clone: metadata commit failed: {e}")))
+                Err(BlockError::Io(format!(
+                    "clone: metadata commit failed: {e}"
+                )))
             }
         }
     }
@@ -419,7 +451,12 @@ impl Inner {
             while run_end < end && self.meta.is_hydrated(run_end / self.region) == hydrated {
                 run_end = self.bounds(run_end / self.region).1.min(end);
             }
-            f(hydrated, pos, run_end - pos, (pos - offset) as usize..(run_end - offset) as usize)?;
+            f(
+                hydrated,
+                pos,
+                run_end - pos,
+                (pos - offset) as usize..(run_end - offset) as usize,
+            )?;
             pos = run_end;
         }
         Ok(())
@@ -473,7 +510,14 @@ impl BlockDevice for Clone {
         let s = &self.inner;
         let _io = s.user_io();
         s.write_through(offset, len, flags.fua, || {
-            s.dest.write_zeroes(offset, len, ZeroFlags { fua: false, ..flags })
+            s.dest.write_zeroes(
+                offset,
+                len,
+                ZeroFlags {
+                    fua: false,
+                    ..flags
+                },
+            )
         })
     }
 
@@ -492,7 +536,11 @@ impl BlockDevice for Clone {
         // Only regions the discard covers entirely count; they need no copy any more.
         let end = offset + len;
         let first = offset.div_ceil(s.region);
-        let last = if end == s.len { end.div_ceil(s.region) } else { end / s.region };
+        let last = if end == s.len {
+            end.div_ceil(s.region)
+        } else {
+            end / s.region
+        };
         for region in first..last.max(first) {
             if !s.meta.is_hydrated(region) {
                 let _claim = s.claims.claim(region);
@@ -620,9 +668,12 @@ impl Target for Clone {
         let lowered: Vec<String> = words.iter().map(|w| w.to_ascii_lowercase()).collect();
         let lowered: Vec<&str> = lowered.iter().map(String::as_str).collect();
         let number = |word: &str, min: u64| {
-            word.parse::<u64>().ok().filter(|v| *v >= min).ok_or_else(|| {
-                TargetError::new(format!("clone: invalid value '{word}' for {}", words[0]))
-            })
+            word.parse::<u64>()
+                .ok()
+                .filter(|v| *v >= min)
+                .ok_or_else(|| {
+                    TargetError::new(format!("clone: invalid value '{word}' for {}", words[0]))
+                })
         };
         let mut settings = s.settings.lock().unwrap();
         match lowered.as_slice() {
@@ -631,11 +682,11 @@ impl Target for Clone {
             ["hydration_threshold", n] => settings.threshold = number(n, 0)?,
             ["hydration_batch_size", n] => settings.batch_size = number(n, 1)?,
             ["max_hydration_rate", n] => settings.max_rate_kib = number(n, 0)?,
-            [
-                "enable_hydration" | "disable_hydration" | "hydration_threshold"
-                | "hydration_batch_size" | "max_hydration_rate",
-                ..,
-            ] => {
+            ["enable_hydration"
+            | "disable_hydration"
+            | "hydration_threshold"
+            | "hydration_batch_size"
+            | "max_hydration_rate", ..] => {
                 return Err(TargetError::new(format!(
                     "clone: wrong number of arguments for '{}'",
                     words[0]
@@ -682,3 +733,6 @@ impl Drop for Clone {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

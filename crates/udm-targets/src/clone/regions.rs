@@ -54,7 +54,11 @@ impl RegionClaims {
     fn insert(&self, busy: &mut HashMap<u64, Arc<Released>>, region: u64) -> Claim<'_> {
         let released = Arc::new(Released::default());
         busy.insert(region, released.clone());
-        Claim { claims: self, region, released }
+        Claim {
+            claims: self,
+            region,
+            released,
+        }
     }
 }
 
