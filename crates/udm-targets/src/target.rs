@@ -52,6 +52,13 @@ pub trait Target: BlockDevice {
         None
     }
 
+    /// The target line (type and arguments) that can take this target's place once its job
+    /// is done, for `udm finalize`: a fully hydrated clone becomes `linear <destination> 0`.
+    /// `None` for targets that have no such end; an error says why it cannot happen yet.
+    fn replacement(&self) -> Option<Result<String, TargetError>> {
+        None
+    }
+
     /// Handles `udm message`; the answer (possibly empty) is printed by the client.
     fn message(&self, words: &[&str]) -> Result<String, TargetError> {
         Err(TargetError::new(format!(

@@ -51,6 +51,9 @@ pub enum Request {
         #[serde(default)]
         force: bool,
     },
+    Finalize {
+        name: String,
+    },
     Targets,
 }
 

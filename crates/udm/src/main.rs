@@ -5,6 +5,7 @@ mod client;
 mod control;
 mod daemon;
 mod logger;
+mod progress;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -113,7 +114,16 @@ enum Command {
         tree: bool,
     },
     /// Wait until the device's event number passes EVENT_NR (default: the current one).
-    Wait { name: String, event_nr: Option<u64> },
+    Wait {
+        name: String,
+        event_nr: Option<u64>,
+        /// Instead, show hydration progress (rate, ETA) until every clone target is done.
+        #[arg(long, conflicts_with = "event_nr")]
+        progress: bool,
+    },
+    /// Swap finished targets for their end state, live (a hydrated clone becomes
+    /// `linear <destination> 0`).
+    Finalize { name: String },
     /// Remove a device.
     Remove {
         name: String,
@@ -189,7 +199,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Table { name } => (Request::Table { name }, false),
         Command::Info { name, json } => (Request::Info { name }, json),
         Command::Ls { tree } => (Request::Ls { tree }, false),
-        Command::Wait { name, event_nr } => (Request::Wait { name, event_nr }, false),
+        Command::Wait {
+            name,
+            progress: true,
+            ..
+        } => return progress::show(&cli.control, &name),
+        Command::Wait { name, event_nr, .. } => (Request::Wait { name, event_nr }, false),
+        Command::Finalize { name } => (Request::Finalize { name }, false),
         Command::Remove { name, force } => (Request::Remove { name, force }, false),
         Command::Targets => (Request::Targets, false),
     };

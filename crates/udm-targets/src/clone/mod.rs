@@ -708,6 +708,19 @@ impl Target for Clone {
         self.references.clone()
     }
 
+    fn replacement(&self) -> Option<Result<String, TargetError>> {
+        let s = &self.inner;
+        Some(if s.is_complete() && !s.meta.is_dirty() {
+            Ok(format!("linear {} 0", self.references[1]))
+        } else {
+            Err(TargetError::new(format!(
+                "clone: hydration is not complete ({} of {} regions)",
+                s.meta.hydrated_count(),
+                s.meta.regions()
+            )))
+        })
+    }
+
     fn suspend(&self) {
         hydration::pause(&self.inner, true);
         if let Err(e) = self.inner.commit() {

@@ -140,6 +140,7 @@ fn execute(registry: &Registry, request: Request) -> Response {
                 registry.remove(&name, force)?;
                 Response::text("")
             }
+            Request::Finalize { name } => Response::text(registry.finalize(&name)?),
             Request::Targets => Response::text(
                 TARGET_TYPES
                     .iter()

@@ -195,6 +195,37 @@ impl Registry {
         Ok(())
     }
 
+    /// Swaps every target that has finished its job for its replacement (a hydrated clone
+    /// for `linear <destination> 0`) with suspend, load and resume: clients stay connected.
+    pub fn finalize(&self, name: &str) -> Result<String> {
+        let _changes = self.changes.lock().unwrap();
+        let device = self.get(name)?;
+        let live = device.live();
+        let mut lines = Vec::new();
+        let mut replaced = 0;
+        for (segment, line) in live.segments().iter().zip(live.lines()) {
+            match segment.target.replacement() {
+                Some(replacement) => {
+                    let (start, len) = (segment.start / SECTOR_SIZE, segment.len / SECTOR_SIZE);
+                    lines.push(format!("{start} {len} {}", replacement?));
+                    replaced += 1;
+                }
+                None => lines.push(line),
+            }
+        }
+        if replaced == 0 {
+            return Err(RegistryError::Table(TargetError::new(format!(
+                "device '{name}' has no target to finalize (e.g. a clone)"
+            ))));
+        }
+        let text = lines.join("\n");
+        let table = self.build(name, &text, device.events())?;
+        device.replace_live(table);
+        self.save(&device)?;
+        info!("device '{name}': finalized to\n{text}");
+        Ok(text)
+    }
+
     /// Removes a device. A device another device's table uses is never removed; one a client
     /// has open only with `force`, which first swaps in an all-error table so the client's
     /// I/O fails instead of reaching the old targets.
