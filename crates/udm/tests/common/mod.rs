@@ -110,6 +110,17 @@ impl Daemon {
         }
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("daemon running").id()
+    }
+
+    /// Collects a daemon that was killed from outside.
+    pub fn reap(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.wait();
+        }
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
     }
@@ -253,6 +264,19 @@ impl RawClient {
         len: u32,
         data: &[u8],
     ) {
+        self.try_send(flags, command, cookie, offset, len, data)
+            .unwrap();
+    }
+
+    pub fn try_send(
+        &mut self,
+        flags: u16,
+        command: u16,
+        cookie: u64,
+        offset: u64,
+        len: u32,
+        data: &[u8],
+    ) -> std::io::Result<()> {
         let mut req = 0x2560_9513u32.to_be_bytes().to_vec();
         req.extend_from_slice(&flags.to_be_bytes());
         req.extend_from_slice(&command.to_be_bytes());
@@ -260,7 +284,7 @@ impl RawClient {
         req.extend_from_slice(&offset.to_be_bytes());
         req.extend_from_slice(&len.to_be_bytes());
         req.extend_from_slice(data);
-        self.stream.write_all(&req).unwrap();
+        self.stream.write_all(&req)
     }
 
     /// Reads a simple reply: (error, cookie).
