@@ -988,6 +988,26 @@ def main(argv=None) -> int:
                              f"with {k_nbdkit}: the zero pair's read rows do not move the same "
                              f"payload")
 
+        def restart_daemon():
+            """Start the daemon again on the same state dir; its devices should come back."""
+            daemon.socket = None
+            for p in (ctl, nbd_sock):
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+            daemon.restart()
+            wait_for_socket(ctl, daemon, timeout=30)
+            for name, table, uri in (("nullz", f"0 {sectors} zero", uri_zero),
+                                     ("lin", f"0 {sectors} linear {disk} 0", uri_lin)):
+                try:
+                    wait_for_socket(nbd_sock, daemon, timeout=10)
+                    check_export(uri, size, f"udm {name} after restart")
+                except BenchError:
+                    log(f"{name} did not come back from the state dir; creating it again")
+                    udm.client("create", name, "--table", table)
+                    wait_for_socket(nbd_sock, daemon, timeout=30)
+
         # ---- the matrix: per workload, per repeat, udm then its peer, side by side
         order = ["udm-zero", "nbdkit-null", "udm-linear", "qemu-nbd", "file"]
         total = len(WORKLOADS) * args.repeat * sum(1 for k in order if sysmap[k].available)
@@ -1014,6 +1034,19 @@ def main(argv=None) -> int:
                                 s.service.restart()
                             except BenchError as e:
                                 log(f"restart failed: {e}")
+                        elif s.service is daemon and daemon.restarts < 2 and \
+                                daemon.proc.returncode == 0 and \
+                                "signal" in daemon.log_tail(3):
+                            # Stopped cleanly by a signal that was not ours (a shared machine:
+                            # someone's cleanup).  A crash is never restarted.
+                            log(f"WARNING: {msg} after a signal this script did not send; "
+                                f"log tail:\n{daemon.log_tail(5)}")
+                            notes.append(f"{msg} (stopped by an outside signal) before "
+                                         f"{wl.key} {key} r{rep}; restarted")
+                            try:
+                                restart_daemon()
+                            except BenchError as e:
+                                log(f"daemon restart failed: {e}")
                         if not s.service.alive():
                             c.errors.append(msg)
                             log(f"[{n}/{total}] {wl.key} {key} r{rep}: SKIPPED, {msg}")

@@ -8,7 +8,9 @@
 //! [`udm_block::Checked`], so requests are validated in one place.
 
 pub mod protocol;
+pub mod uri;
 
+mod client;
 mod handshake;
 mod server;
 mod stream;
@@ -19,9 +21,11 @@ use std::sync::Arc;
 
 use udm_block::BlockDevice;
 
+pub use client::{ClientError, ClientOptions, NbdClient};
 pub use protocol::nbd_error;
 pub use server::{NbdServer, ServerConfig};
 pub use stream::Stream;
+pub use uri::{NbdAddress, NbdUri, UriError};
 
 /// A device opened for a client. `open_guard` is held for as long as the client uses it, so
 /// the registry can count opens and refuse to remove a device in use.

@@ -7,7 +7,7 @@ use thiserror::Error;
 pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
 pub const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
 /// What an oldstyle server sends where a newstyle one sends `IHAVEOPT`.
-pub const OLDSTYLE_MAGIC: u64 = 0x0042_0281_8612_53;
+pub const OLDSTYLE_MAGIC: u64 = 0x0000_4202_8186_1253;
 pub const OPTION_REPLY_MAGIC: u64 = 0x3_e889_0455_65a9;
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
@@ -444,7 +444,7 @@ pub fn parse_block_status(payload: &[u8]) -> Result<(u32, Vec<(u32, u32)>), Prot
     let mut r = Reader::new(payload, "block status chunk");
     let context = r.u32()?;
     let body = r.rest();
-    if body.is_empty() || body.len() % 8 != 0 {
+    if body.is_empty() || !body.len().is_multiple_of(8) {
         return Err(ProtocolError::Invalid(format!(
             "block status chunk with {} bytes of descriptors",
             body.len()

@@ -18,8 +18,13 @@ const MAX_EXPORT_NAME: usize = 4096;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NbdAddress {
     /// `host` is a name, an IPv4 address or an IPv6 address (without brackets).
-    Tcp { host: String, port: u16 },
-    Unix { path: PathBuf },
+    Tcp {
+        host: String,
+        port: u16,
+    },
+    Unix {
+        path: PathBuf,
+    },
 }
 
 impl fmt::Display for NbdAddress {
@@ -79,7 +84,9 @@ impl FromStr for NbdUri {
             }
         };
         if rest.contains('#') {
-            return Err(malformed("fragments ('#…') have no meaning in an NBD URI".into()));
+            return Err(malformed(
+                "fragments ('#…') have no meaning in an NBD URI".into(),
+            ));
         }
         let (before_query, query) = match rest.split_once('?') {
             Some((before, query)) => (before, Some(query)),
@@ -159,11 +166,17 @@ fn parse_authority(authority: &str) -> Result<(String, u16), String> {
             .map_err(|_| format!("'{inside}' is not an IPv6 address"))?;
         let port = match after {
             "" => None,
-            _ => Some(after.strip_prefix(':').ok_or_else(|| {
-                format!("unexpected '{after}' after the IPv6 address")
-            })?),
+            _ => Some(
+                after
+                    .strip_prefix(':')
+                    .ok_or_else(|| format!("unexpected '{after}' after the IPv6 address"))?,
+            ),
         };
         (inside, port)
+    } else if authority.matches(':').count() > 1 {
+        return Err(format!(
+            "IPv6 addresses need brackets: nbd://[{authority}]/EXPORT"
+        ));
     } else {
         match authority.split_once(':') {
             Some((host, port)) => (host, Some(port)),
@@ -172,11 +185,6 @@ fn parse_authority(authority: &str) -> Result<(String, u16), String> {
     };
     if host.is_empty() {
         return Err("missing host: write nbd://HOST[:PORT]/EXPORT".into());
-    }
-    if host.contains(':') && !authority.starts_with('[') {
-        return Err(format!(
-            "IPv6 addresses need brackets: nbd://[{host}]/EXPORT"
-        ));
     }
     if let Some(bad) = host
         .chars()
@@ -248,7 +256,10 @@ mod tests {
             parse("nbd://10.0.0.2:10900/a/b").unwrap(),
             tcp("10.0.0.2", 10900, "a/b")
         );
-        assert_eq!(parse("nbd://[::1]/vol").unwrap(), tcp("::1", DEFAULT_PORT, "vol"));
+        assert_eq!(
+            parse("nbd://[::1]/vol").unwrap(),
+            tcp("::1", DEFAULT_PORT, "vol")
+        );
         assert_eq!(
             parse("nbd://[fe80::2]:7000/").unwrap(),
             tcp("fe80::2", 7000, "")
