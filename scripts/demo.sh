@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# udm's main job on an embedded default, from nothing: build udm, make a source image, start
-# the daemon, build a stack of targets over it, and reach it with real clients.
-# Everything lives in a scratch directory ($UDM_DEMO_DIR, default /tmp/udm-demo) that is
-# removed at the end unless KEEP=1.
+# udm's main job on an embedded default, from nothing: clone a slow source volume onto fast
+# local storage while it is already in use, watch it hydrate, and finish it live.
+#
+# Builds udm, makes a 256 MiB ext4 image of this repository's files as the source, slows it
+# down to 1 ms per read with a `delay` device, clones it with the `clone` target, uses the
+# clone at once (reads and verified writes over NBD), waits for hydration with a progress
+# bar, then swaps the clone for `linear <destination>` without disconnecting anyone.
+# Everything lives in $UDM_DEMO_DIR (default /tmp/udm-demo), removed at the end unless KEEP=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -12,50 +16,49 @@ DIR=${UDM_DEMO_DIR:-/tmp/udm-demo}
 rm -rf "$DIR"; mkdir -p "$DIR"
 export UDM_CONTROL=$DIR/control.sock
 SOCK=$DIR/nbd.sock
+URI="nbd+unix:///vol?socket=$SOCK"
 cleanup() {
   [ -n "${DAEMON:-}" ] && kill "$DAEMON" 2>/dev/null && wait "$DAEMON" 2>/dev/null
   [ "${KEEP:-0}" = 1 ] || rm -rf "$DIR"
 }
 trap cleanup EXIT
-
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
-step "A 256 MiB source image with an ext4 filesystem of the repository's files"
-mkdir -p "$DIR/tree" && cp -r crates docs "$DIR/tree/" 2>/dev/null || true
+step "The source: a 256 MiB ext4 image holding this repository's files"
+mkdir -p "$DIR/tree" && cp -r crates docs scripts README.md "$DIR/tree/"
 truncate -s 256M "$DIR/source.img"
 mkfs.ext4 -q -F -d "$DIR/tree" "$DIR/source.img"
-truncate -s 256M "$DIR/fast.img"
+truncate -s 256M "$DIR/fast.img"          # the destination: fresh, sparse
+truncate -s 4M "$DIR/meta.img"            # all zero: the clone formats it
 
 step "Start the daemon"
 "$UDM" daemon --state-dir "$DIR/state" --nbd "unix:$SOCK" 2>"$DIR/daemon.log" &
 DAEMON=$!
 for _ in $(seq 100); do "$UDM" ls >/dev/null 2>&1 && break; sleep 0.05; done
 
-step "Build a stack: a slow source (1 ms reads), and a volume on fast.img"
-"$UDM" create slow-source --table "0 524288 delay $DIR/source.img 0 1"
-"$UDM" create vol --table "0 524288 linear $DIR/fast.img 0"
+step "Make the source slow (1 ms per read) and clone it onto fast.img (64 KiB regions)"
+"$UDM" create slow-source --table "0 524288 delay $DIR/source.img 0 1 $DIR/source.img 0 0"
+"$UDM" create vol --table "0 524288 clone $DIR/meta.img $DIR/fast.img slow-source 128 \
+0 6 hydration_threshold 256 hydration_batch_size 16 max_hydration_rate 40960"
 "$UDM" ls --tree
-
-step "Copy the slow source onto the volume with qemu-img, over NBD"
-time qemu-img convert -p -n -f raw -O raw "nbd+unix:///slow-source?socket=$SOCK" "nbd+unix:///vol?socket=$SOCK"
-qemu-img compare -f raw -F raw "$DIR/source.img" "nbd+unix:///vol?socket=$SOCK"
-
-step "What the clients see"
-nbdinfo "nbd+unix:///vol?socket=$SOCK" | sed -n '1,12p'
-nbdinfo --map "nbd+unix:///slow-source?socket=$SOCK" | head -5
-
-step "Swap the volume's table live for an equivalent one in two segments, while fio verifies it"
-fio --name=demo --ioengine=nbd --uri="nbd+unix:///vol?socket=$SOCK" --rw=randrw --bs=4k \
-    --iodepth=16 --size=64M --offset=192M --verify=crc32c --time_based --runtime=3 \
-    --output-format=terse --terse-version=3 >"$DIR/fio.terse" &
-FIO=$!
-sleep 1
-"$UDM" suspend vol
-"$UDM" load vol --table "0 262144 linear $DIR/fast.img 0
-262144 262144 linear $DIR/fast.img 262144"
-"$UDM" info vol
-"$UDM" resume vol
-if wait $FIO; then echo "fio: no errors across the swap"; else echo "fio reported errors" >&2; exit 1; fi
-"$UDM" table vol
 "$UDM" status vol
-step "Done (logs in $DIR/daemon.log; KEEP=1 keeps the directory)"
+
+step "Use it at once: the whole volume reads back identical to the source while it hydrates"
+qemu-img compare -f raw -F raw "$DIR/source.img" "$URI"
+echo "and fio writes (and verifies) 16 MiB at the end of the volume, which the ext4 image leaves unused"
+fio --name=demo --ioengine=nbd --uri="$URI" --rw=randwrite --bs=4k --iodepth=16 \
+    --offset=240M --size=16M --verify=crc32c --verify_fatal=1 --output-format=terse >/dev/null
+"$UDM" status vol
+
+step "Watch it hydrate (the background copy is capped at 40 MiB/s so there is something to see)"
+"$UDM" wait vol --progress
+"$UDM" status vol --json | sed -n '1,20p'
+
+step "Finish: swap the clone for linear on the destination, live"
+"$UDM" finalize vol
+"$UDM" ls --tree
+echo "the destination now holds the filesystem (and fio's data, still verifying):"
+fio --name=demo --ioengine=nbd --uri="$URI" --rw=randwrite --bs=4k --iodepth=16 \
+    --offset=240M --size=16M --verify=crc32c --verify_fatal=1 --verify_only --output-format=terse >/dev/null && echo "fio verify: ok"
+e2fsck -fn "$DIR/fast.img"
+step "Done (daemon log: $DIR/daemon.log; KEEP=1 keeps the directory)"
