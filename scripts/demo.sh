@@ -47,7 +47,7 @@ step "Use it at once: the whole volume reads back identical to the source while 
 qemu-img compare -f raw -F raw "$DIR/source.img" "$URI"
 echo "and fio writes (and verifies) 16 MiB at the end of the volume, which the ext4 image leaves unused"
 fio --name=demo --ioengine=nbd --uri="$URI" --rw=randwrite --bs=4k --iodepth=16 \
-    --offset=240M --size=16M --verify=crc32c --verify_fatal=1 --output-format=terse >/dev/null
+    --offset=240M --size=16M --verify=crc32c --verify_state_save=0 --verify_fatal=1 --output-format=terse >/dev/null
 "$UDM" status vol
 
 step "Watch it hydrate (the background copy is capped at 40 MiB/s so there is something to see)"
@@ -59,6 +59,6 @@ step "Finish: swap the clone for linear on the destination, live"
 "$UDM" ls --tree
 echo "the destination now holds the filesystem (and fio's data, still verifying):"
 fio --name=demo --ioengine=nbd --uri="$URI" --rw=randwrite --bs=4k --iodepth=16 \
-    --offset=240M --size=16M --verify=crc32c --verify_fatal=1 --verify_only --output-format=terse >/dev/null && echo "fio verify: ok"
+    --offset=240M --size=16M --verify=crc32c --verify_state_save=0 --verify_fatal=1 --verify_only --output-format=terse >/dev/null && echo "fio verify: ok"
 e2fsck -fn "$DIR/fast.img"
 step "Done (daemon log: $DIR/daemon.log; KEEP=1 keeps the directory)"

@@ -11,6 +11,7 @@ mod checked;
 pub mod conformance;
 mod device;
 mod error;
+mod export;
 mod file;
 mod memory;
 
@@ -21,5 +22,6 @@ pub use device::{
     EXTENT_ZERO,
 };
 pub use error::{BlockError, Result};
+pub use export::{Export, ExportCatalog};
 pub use file::{FileDevice, OpenMode};
 pub use memory::MemoryDevice;

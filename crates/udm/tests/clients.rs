@@ -237,7 +237,7 @@ fn fio_verify_with_several_jobs_and_deep_queues() {
             "--numjobs=4",
             "--size=16M",
             "--offset_increment=16M",
-            "--verify=crc32c",
+            "--verify=crc32c --verify_state_save=0",
             "--verify_fatal=1",
             "--group_reporting",
             "--output-format=json",
@@ -258,7 +258,7 @@ fn fio_verify_with_several_jobs_and_deep_queues() {
             "--bsrange=4k-1m",
             "--iodepth=16",
             "--size=64M",
-            "--verify=crc32c",
+            "--verify=crc32c --verify_state_save=0",
             "--verify_fatal=1",
         ],
     );

@@ -200,7 +200,7 @@ fn table_swaps_under_load_give_clients_no_error() {
             "--numjobs=2",
             "--size=32M",
             "--offset_increment=32M",
-            "--verify=crc32c",
+            "--verify=crc32c --verify_state_save=0",
             "--verify_fatal=1",
             "--time_based",
             "--runtime=6",

@@ -1,0 +1,24 @@
+//! The interface between the device registry and the exports (NBD, FUSE): look a device up by
+//! name, hold it open while a client uses it.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use crate::BlockDevice;
+
+/// A device opened for a client. `open_guard` is held for as long as the client uses it, so
+/// the registry can count opens and refuse to remove a device in use.
+pub struct Export {
+    pub device: Arc<dyn BlockDevice>,
+    pub read_only: bool,
+    pub description: String,
+    pub open_guard: Box<dyn Any + Send + Sync>,
+}
+
+/// Where exports look devices up: the daemon's device registry.
+pub trait ExportCatalog: Send + Sync {
+    /// Opens the active device `name`, or `None` if there is none.
+    fn open(&self, name: &str) -> Option<Export>;
+    /// Names and descriptions of the devices a client may open.
+    fn list(&self) -> Vec<(String, String)>;
+}
