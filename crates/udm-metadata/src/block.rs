@@ -19,6 +19,8 @@ pub const HEADER_SIZE: usize = 16;
 pub enum BlockType {
     CloneSuperblock = 0x434c_5350,
     CloneBitmap = 0x434c_424d,
+    LogSuperblock = 0x4c47_5350,
+    LogEntry = 0x4c47_454e,
 }
 
 #[derive(Debug, Clone, Error, PartialEq, Eq)]

@@ -7,6 +7,7 @@
 
 pub mod block;
 mod clone;
+pub mod log;
 
 pub use block::{BlockType, MetadataError, BLOCK_SIZE};
 pub use clone::{CloneGeometry, CloneMetadata, CommitOutcome};

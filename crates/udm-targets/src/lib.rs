@@ -16,6 +16,7 @@ mod dust;
 mod error;
 mod flakey;
 mod linear;
+mod log_writes;
 mod striped;
 mod zero;
 

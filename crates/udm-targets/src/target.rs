@@ -89,6 +89,7 @@ pub const TARGET_TYPES: &[(&str, Constructor)] = &[
     ("flakey", crate::flakey::construct),
     ("dust", crate::dust::construct),
     ("clone", crate::clone::construct),
+    ("log-writes", crate::log_writes::construct),
 ];
 
 /// Builds the target of one table line.

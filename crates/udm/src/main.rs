@@ -6,6 +6,7 @@ mod control;
 mod daemon;
 mod logger;
 mod progress;
+mod replay;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -133,6 +134,8 @@ enum Command {
     },
     /// List the target types.
     Targets,
+    /// Replay a log-writes log onto a device, checking it at flush points (no daemon needed).
+    ReplayLog(replay::ReplayOptions),
 }
 
 fn main() -> ExitCode {
@@ -208,6 +211,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Finalize { name } => (Request::Finalize { name }, false),
         Command::Remove { name, force } => (Request::Remove { name, force }, false),
         Command::Targets => (Request::Targets, false),
+        Command::ReplayLog(options) => return replay::run(options),
     };
     let response = client::call(&cli.control, request)?;
     if json {
