@@ -948,6 +948,9 @@ fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
         complete(conn, &slot, reply.cookie);
         return Ok(());
     }
+    if magic != STRUCTURED_REPLY_MAGIC {
+        return Err(ProtocolError::BadMagic(magic.into()).into());
+    }
     r.read_exact(&mut header[SIMPLE_REPLY_LEN..])?;
     let chunk = parse_chunk_header(&header)?;
     let slot = in_flight(conn, chunk.cookie)?;

@@ -2,11 +2,12 @@
 //! a temporary directory. Every server process is killed when its guard is dropped.
 
 use std::io::{Read, Write};
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use udm_block::conformance::{self, pattern};
@@ -637,57 +638,96 @@ fn connect_reports_what_went_wrong() {
 }
 
 /// The least a fixed-newstyle server can be: every option but NBD_OPT_EXPORT_NAME is refused
-/// as unsupported, replies are simple, and the 124 zero bytes are always sent.
-fn minimal_server(listener: UnixListener, disk: Arc<Mutex<Vec<u8>>>, saw_disc: Arc<AtomicBool>) {
-    let (mut s, _) = listener.accept().unwrap();
-    let mut greeting = NBDMAGIC.to_be_bytes().to_vec();
-    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    greeting.extend_from_slice(&FLAG_FIXED_NEWSTYLE.to_be_bytes());
-    s.write_all(&greeting).unwrap();
-    let mut word = [0u8; 4];
-    s.read_exact(&mut word).unwrap();
-    assert_eq!(u32::from_be_bytes(word), CLIENT_FIXED_NEWSTYLE);
-    loop {
-        let mut header = [0u8; 16];
-        s.read_exact(&mut header).unwrap();
-        let option = u32::from_be_bytes(header[8..12].try_into().unwrap());
-        let len = u32::from_be_bytes(header[12..16].try_into().unwrap());
-        let mut data = vec![0u8; len as usize];
-        s.read_exact(&mut data).unwrap();
-        if option == OPT_EXPORT_NAME {
-            let size = disk.lock().unwrap().len() as u64;
-            let mut reply = size.to_be_bytes().to_vec();
-            reply.extend_from_slice(&(TF_HAS_FLAGS | TF_SEND_FLUSH).to_be_bytes());
-            reply.extend_from_slice(&[0u8; 124]);
-            s.write_all(&reply).unwrap();
-            break;
-        }
-        s.write_all(&option_reply(option, REP_ERR_UNSUP, &[]))
-            .unwrap();
+/// as unsupported, replies are simple, and the 124 zero bytes are always sent. It serves one
+/// connection after another until a client says goodbye with NBD_CMD_DISC.
+struct MinimalServer {
+    disk: Mutex<Vec<u8>>,
+    /// Answer the first request of the first connection with garbage.
+    garbage_first: bool,
+    connections: AtomicUsize,
+    saw_disc: AtomicBool,
+}
+
+impl MinimalServer {
+    fn start(dir: &TempDir, garbage_first: bool) -> (Arc<MinimalServer>, JoinHandle<()>) {
+        let listener = UnixListener::bind(dir.socket()).unwrap();
+        let server = Arc::new(MinimalServer {
+            disk: Mutex::new(vec![0u8; 4 * MIB as usize]),
+            garbage_first,
+            connections: AtomicUsize::new(0),
+            saw_disc: AtomicBool::new(false),
+        });
+        let thread = std::thread::spawn({
+            let server = server.clone();
+            move || {
+                for stream in listener.incoming() {
+                    let first = server.connections.fetch_add(1, Ordering::AcqRel) == 0;
+                    if server.serve(stream.unwrap(), first && server.garbage_first) {
+                        return;
+                    }
+                }
+            }
+        });
+        (server, thread)
     }
-    loop {
-        let mut header = [0u8; REQUEST_HEADER_LEN];
-        if s.read_exact(&mut header).is_err() {
-            return;
-        }
-        let r = parse_request(&header).unwrap();
-        let range = r.offset as usize..(r.offset + u64::from(r.length)) as usize;
-        match r.command {
-            CMD_READ => {
-                let mut reply = simple_reply(r.cookie, 0).to_vec();
-                reply.extend_from_slice(&disk.lock().unwrap()[range]);
+
+    /// Serves one connection; true when it ended with NBD_CMD_DISC.
+    fn serve(&self, mut s: UnixStream, garbage: bool) -> bool {
+        let mut greeting = NBDMAGIC.to_be_bytes().to_vec();
+        greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        greeting.extend_from_slice(&FLAG_FIXED_NEWSTYLE.to_be_bytes());
+        s.write_all(&greeting).unwrap();
+        let mut word = [0u8; 4];
+        s.read_exact(&mut word).unwrap();
+        assert_eq!(u32::from_be_bytes(word), CLIENT_FIXED_NEWSTYLE);
+        loop {
+            let mut header = [0u8; 16];
+            s.read_exact(&mut header).unwrap();
+            let option = u32::from_be_bytes(header[8..12].try_into().unwrap());
+            let len = u32::from_be_bytes(header[12..16].try_into().unwrap());
+            let mut data = vec![0u8; len as usize];
+            s.read_exact(&mut data).unwrap();
+            if option == OPT_EXPORT_NAME {
+                let size = self.disk.lock().unwrap().len() as u64;
+                let mut reply = size.to_be_bytes().to_vec();
+                reply.extend_from_slice(&(TF_HAS_FLAGS | TF_SEND_FLUSH).to_be_bytes());
+                reply.extend_from_slice(&[0u8; 124]);
                 s.write_all(&reply).unwrap();
+                break;
             }
-            CMD_WRITE => {
-                s.read_exact(&mut disk.lock().unwrap()[range]).unwrap();
-                s.write_all(&simple_reply(r.cookie, 0)).unwrap();
+            s.write_all(&option_reply(option, REP_ERR_UNSUP, &[]))
+                .unwrap();
+        }
+        loop {
+            let mut header = [0u8; REQUEST_HEADER_LEN];
+            if s.read_exact(&mut header).is_err() {
+                return false;
             }
-            CMD_FLUSH => s.write_all(&simple_reply(r.cookie, 0)).unwrap(),
-            CMD_DISC => {
-                saw_disc.store(true, Ordering::Release);
-                return;
+            let r = parse_request(&header).unwrap();
+            if garbage {
+                // Then wait for the client to hang up, as it must.
+                s.write_all(&[0xde; 16]).unwrap();
+                let _ = s.read_to_end(&mut Vec::new());
+                return false;
             }
-            _ => s.write_all(&simple_reply(r.cookie, NBD_EINVAL)).unwrap(),
+            let range = r.offset as usize..(r.offset + u64::from(r.length)) as usize;
+            match r.command {
+                CMD_READ => {
+                    let mut reply = simple_reply(r.cookie, 0).to_vec();
+                    reply.extend_from_slice(&self.disk.lock().unwrap()[range]);
+                    s.write_all(&reply).unwrap();
+                }
+                CMD_WRITE => {
+                    s.read_exact(&mut self.disk.lock().unwrap()[range]).unwrap();
+                    s.write_all(&simple_reply(r.cookie, 0)).unwrap();
+                }
+                CMD_FLUSH => s.write_all(&simple_reply(r.cookie, 0)).unwrap(),
+                CMD_DISC => {
+                    self.saw_disc.store(true, Ordering::Release);
+                    return true;
+                }
+                _ => s.write_all(&simple_reply(r.cookie, NBD_EINVAL)).unwrap(),
+            }
         }
     }
 }
@@ -695,20 +735,14 @@ fn minimal_server(listener: UnixListener, disk: Arc<Mutex<Vec<u8>>>, saw_disc: A
 #[test]
 fn a_server_without_options_is_reached_through_export_name() {
     let dir = TempDir::new("minimal");
-    let listener = UnixListener::bind(dir.socket()).unwrap();
-    let disk = Arc::new(Mutex::new(vec![0u8; 4 * MIB as usize]));
-    let saw_disc = Arc::new(AtomicBool::new(false));
-    let server = std::thread::spawn({
-        let (disk, saw_disc) = (disk.clone(), saw_disc.clone());
-        move || minimal_server(listener, disk, saw_disc)
-    });
+    let (server, thread) = MinimalServer::start(&dir, false);
     let client = NbdClient::connect(&dir.uri(), ClientOptions::default()).unwrap();
     let caps = client.capabilities();
     assert!(!caps.native_fua && !caps.discard && !caps.fast_zero);
     let data = pattern(65536, 8);
     client.write(8192, &data, WriteFlags { fua: true }).unwrap();
     assert!(read(&client, 8192, 65536)[..] == data[..]);
-    assert!(disk.lock().unwrap()[8192..8192 + 65536] == data[..]);
+    assert!(server.disk.lock().unwrap()[8192..8192 + 65536] == data[..]);
     // No WRITE_ZEROES, TRIM, CACHE or block status: emulated or answered locally.
     client
         .write_zeroes(8192, 4096, ZeroFlags::default())
@@ -721,6 +755,21 @@ fn a_server_without_options_is_reached_through_export_name() {
         vec![Extent::data(MIB)]
     );
     drop(client);
-    server.join().unwrap();
-    assert!(saw_disc.load(Ordering::Acquire), "no NBD_CMD_DISC on drop");
+    thread.join().unwrap();
+    assert!(
+        server.saw_disc.load(Ordering::Acquire),
+        "no NBD_CMD_DISC on drop"
+    );
+}
+
+#[test]
+fn a_protocol_error_from_the_server_means_reconnect_and_resend() {
+    let dir = TempDir::new("garbage");
+    let (server, thread) = MinimalServer::start(&dir, true);
+    server.disk.lock().unwrap()[..4096].copy_from_slice(&pattern(4096, 4));
+    let client = NbdClient::connect(&dir.uri(), options(Duration::from_secs(5))).unwrap();
+    assert!(read(&client, 0, 4096)[..] == pattern(4096, 4)[..]);
+    assert_eq!(server.connections.load(Ordering::Acquire), 2);
+    drop(client);
+    thread.join().unwrap();
 }
