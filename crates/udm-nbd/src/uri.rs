@@ -100,6 +100,9 @@ impl FromStr for NbdUri {
             .map_err(|e| malformed(format!("export name: {e}")))?;
         let export = String::from_utf8(export)
             .map_err(|_| malformed("export name is not valid UTF-8".into()))?;
+        if export.contains('\0') {
+            return Err(malformed("export name contains a NUL byte".into()));
+        }
         if export.len() > MAX_EXPORT_NAME {
             return Err(malformed(format!(
                 "export name of {} bytes exceeds the protocol's {MAX_EXPORT_NAME}",
@@ -314,6 +317,7 @@ mod tests {
         assert!(what("nbd://host/vol#x").contains("fragments"));
         assert!(what("nbd://host/v%zz").contains("percent-escape"));
         assert!(what("nbd://host/v%ff").contains("not valid UTF-8"));
+        assert!(what("nbd://host/v%00").contains("NUL"));
         assert!(what("nbd+unix:///vol").contains("needs the socket path"));
         assert!(what("nbd+unix://host/vol?socket=/s").contains("take no host"));
         assert!(what("nbd+unix:///vol?socket=").contains("empty socket path"));
