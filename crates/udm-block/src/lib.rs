@@ -9,6 +9,7 @@
 mod buffer;
 mod checked;
 pub mod conformance;
+mod crash;
 mod device;
 mod error;
 mod export;
@@ -17,6 +18,7 @@ mod memory;
 
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
+pub use crash::CrashDevice;
 pub use device::{
     write_zeroes_by_writing, BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags, EXTENT_HOLE,
     EXTENT_ZERO,

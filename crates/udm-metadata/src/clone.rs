@@ -152,7 +152,18 @@ impl CloneMetadata {
             commit_lock: Mutex::new(()),
         };
         let supers = read_blocks(&*meta.dev, 0, SUPERBLOCKS)?;
-        if supers.iter().all(|&b| b == 0) {
+        let slots: Vec<&[u8]> = supers.chunks(BLOCK_SIZE).collect();
+        let any_valid = slots
+            .iter()
+            .enumerate()
+            .any(|(n, b)| parse_superblock(n as u64, b).is_ok());
+        // A blank device is formatted. So is one whose only content is a superblock of ours
+        // torn by a crash during formatting (it still carries our magic in its first
+        // sector); anything else without a valid superblock is not ours to overwrite.
+        let interrupted_format = slots
+            .iter()
+            .all(|b| b.iter().all(|&x| x == 0) || &b[16..24] == MAGIC);
+        if !any_valid && interrupted_format {
             meta.format()?;
         } else {
             meta.load()?;

@@ -1,0 +1,205 @@
+//! A device for crash tests: what was flushed is durable, what was written since is volatile,
+//! and the power can be cut at any write. After the cut, [`CrashDevice::after_power_cut`]
+//! gives the image a restart would see: the durable data plus an arbitrary subset of the
+//! volatile sectors (writes not yet flushed may be torn and reordered, as on real disks).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use crate::device::{BlockDevice, Capabilities, WriteFlags, ZeroFlags};
+use crate::error::{BlockError, Result};
+use crate::memory::MemoryDevice;
+use crate::SECTOR_SIZE;
+
+pub struct CrashDevice {
+    durable: MemoryDevice,
+    /// Writes since the last flush, in order: (offset, data).
+    volatile: Mutex<Vec<(u64, Vec<u8>)>>,
+    /// Writes left before the power goes; 0 = never.
+    writes_left: AtomicU64,
+    cut: std::sync::atomic::AtomicBool,
+    /// Seed for which volatile sectors survive.
+    seed: u64,
+}
+
+impl CrashDevice {
+    /// A device whose power is cut at write number `cut_at` (1 = the first write; 0 = never).
+    pub fn new(size: u64, cut_at: u64, seed: u64) -> Self {
+        Self::from_image(MemoryDevice::new(size), cut_at, seed)
+    }
+
+    fn from_image(durable: MemoryDevice, cut_at: u64, seed: u64) -> Self {
+        CrashDevice {
+            durable,
+            volatile: Mutex::new(Vec::new()),
+            writes_left: AtomicU64::new(cut_at),
+            cut: std::sync::atomic::AtomicBool::new(false),
+            seed: seed | 1,
+        }
+    }
+
+    pub fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::SeqCst)
+    }
+
+    fn check_power(&self) -> Result<()> {
+        if self.is_cut() {
+            return Err(BlockError::Io("power cut".into()));
+        }
+        Ok(())
+    }
+
+    /// Counts a write; true if the power goes during it.
+    fn power_goes_now(&self) -> bool {
+        let left = self.writes_left.load(Ordering::SeqCst);
+        if left == 0 {
+            return false;
+        }
+        self.writes_left.store(left - 1, Ordering::SeqCst);
+        if left == 1 {
+            self.cut.store(true, Ordering::SeqCst);
+            return true;
+        }
+        false
+    }
+
+    /// The image after the power cut (or now): durable data plus, sector by sector, a
+    /// pseudo-random half of what was written and not flushed. The result has no cut pending.
+    pub fn after_power_cut(&self) -> CrashDevice {
+        let image = MemoryDevice::new(self.durable.size());
+        let mut buf = vec![0u8; 1 << 20];
+        let mut pos = 0;
+        while pos < image.size() {
+            let n = (image.size() - pos).min(buf.len() as u64) as usize;
+            self.durable.read(pos, &mut buf[..n]).expect("memory read");
+            if buf[..n].iter().any(|&b| b != 0) {
+                image
+                    .write(pos, &buf[..n], WriteFlags::default())
+                    .expect("memory write");
+            }
+            pos += n as u64;
+        }
+        let mut x = self.seed;
+        for (offset, data) in self.volatile.lock().unwrap().iter() {
+            for (i, sector) in data.chunks(SECTOR_SIZE as usize).enumerate() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                if x & 1 == 1 {
+                    let at = offset + i as u64 * SECTOR_SIZE;
+                    image
+                        .write(at, sector, WriteFlags::default())
+                        .expect("memory write");
+                }
+            }
+        }
+        CrashDevice::from_image(image, 0, self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    }
+}
+
+impl BlockDevice for CrashDevice {
+    fn size(&self) -> u64 {
+        self.durable.size()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            native_fua: true,
+            ..Capabilities::default()
+        }
+    }
+
+    /// Reads see the newest data, durable or not, as a running system does.
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_power()?;
+        self.durable.read(offset, buf)?;
+        let end = offset + buf.len() as u64;
+        for (at, data) in self.volatile.lock().unwrap().iter() {
+            let (w_start, w_end) = (*at, at + data.len() as u64);
+            let (start, stop) = (w_start.max(offset), w_end.min(end));
+            if start < stop {
+                buf[(start - offset) as usize..(stop - offset) as usize]
+                    .copy_from_slice(&data[(start - w_start) as usize..(stop - w_start) as usize]);
+            }
+        }
+        Ok(())
+    }
+
+    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
+        self.check_power()?;
+        if self.power_goes_now() {
+            // The write was in flight: part of it may have reached the media.
+            self.volatile.lock().unwrap().push((offset, buf.to_vec()));
+            return Err(BlockError::Io("power cut".into()));
+        }
+        if flags.fua {
+            self.durable.write(offset, buf, flags)
+        } else {
+            self.volatile.lock().unwrap().push((offset, buf.to_vec()));
+            Ok(())
+        }
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.check_power()?;
+        for (offset, data) in self.volatile.lock().unwrap().drain(..) {
+            self.durable.write(offset, &data, WriteFlags::default())?;
+        }
+        Ok(())
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        crate::write_zeroes_by_writing(
+            self,
+            offset,
+            len,
+            ZeroFlags {
+                fast_only: false,
+                ..flags
+            },
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flushed_data_survives_and_unflushed_data_may_not() {
+        let dev = CrashDevice::new(1 << 20, 3, 42);
+        dev.write(0, &[1u8; 4096], WriteFlags::default()).unwrap();
+        dev.flush().unwrap();
+        dev.write(4096, &[2u8; 65536], WriteFlags::default())
+            .unwrap();
+        let mut buf = vec![0u8; 4096];
+        dev.read(4096, &mut buf).unwrap();
+        assert!(
+            buf.iter().all(|&b| b == 2),
+            "a running system reads its own writes"
+        );
+        assert!(
+            dev.write(8192, &[3u8; 512], WriteFlags::default()).is_err(),
+            "third write: power cut"
+        );
+        assert!(dev.read(0, &mut buf).is_err());
+        let after = dev.after_power_cut();
+        after.read(0, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 1));
+        let mut big = vec![0u8; 65536];
+        after.read(4096, &mut big).unwrap();
+        let kept = big
+            .chunks(512)
+            .filter(|s| s.iter().all(|&b| b == 2))
+            .count();
+        let lost = big
+            .chunks(512)
+            .filter(|s| s.iter().all(|&b| b == 0))
+            .count();
+        assert_eq!(kept + lost, 128);
+        assert!(
+            kept > 0 && lost > 0,
+            "a torn write keeps some sectors: kept {kept}"
+        );
+    }
+}
