@@ -15,7 +15,7 @@ pub fn check_request(size: u64, offset: u64, len: u64) -> Result<()> {
     if len == 0 {
         return Err(BlockError::InvalidArgument("zero-length request".into()));
     }
-    if offset % SECTOR_SIZE != 0 || len % SECTOR_SIZE != 0 {
+    if !offset.is_multiple_of(SECTOR_SIZE) || !len.is_multiple_of(SECTOR_SIZE) {
         return Err(BlockError::InvalidArgument(format!(
             "offset {offset} length {len} not aligned to {SECTOR_SIZE} bytes"
         )));

@@ -284,7 +284,13 @@ impl Handshake<'_> {
             self.base_allocation = selected;
         }
         if selected {
-            let mut reply = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+            // Ids mean something only for SET; LIST answers 0, as the protocol asks.
+            let id = if option == OPT_SET_META_CONTEXT {
+                BASE_ALLOCATION_ID
+            } else {
+                0
+            };
+            let mut reply = id.to_be_bytes().to_vec();
             reply.extend_from_slice(BASE_ALLOCATION.as_bytes());
             self.reply(option, REP_META_CONTEXT, &reply)?;
         }

@@ -50,9 +50,9 @@ impl NbdServer {
         }
     }
 
-    /// Listens on a Unix socket (a stale socket file is replaced).
+    /// Listens on a Unix socket (a stale socket is replaced; any other file is not).
     pub fn listen_unix(&self, path: &Path) -> std::io::Result<()> {
-        let _ = std::fs::remove_file(path);
+        remove_stale_socket(path)?;
         let listener = UnixListener::bind(path)?;
         info!("nbd: listening on unix:{}", path.display());
         let server = self.clone();
@@ -116,6 +116,8 @@ impl NbdServer {
 
     fn connection(&self, mut stream: Stream) {
         let _ = stream.set_read_timeout(Some(self.config.handshake_timeout));
+        // A client that stops reading its replies must not hold workers forever.
+        let _ = stream.set_write_timeout(Some(self.config.handshake_timeout));
         let negotiated = match negotiate(&mut stream, &*self.catalog) {
             Ok(n) => n,
             Err(HandshakeEnd::Closed) => return,
@@ -130,5 +132,20 @@ impl NbdServer {
             warn!("nbd: connection to '{name}' failed: {e}");
         }
         debug!("nbd: client detached from '{name}'");
+    }
+}
+
+/// Removes a leftover Unix socket at `path` so it can be bound again, refusing to delete
+/// anything that is not a socket.
+pub fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path),
+        Ok(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!("{} exists and is not a socket", path.display()),
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
     }
 }

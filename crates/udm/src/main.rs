@@ -67,6 +67,10 @@ enum Command {
         /// Requests each NBD connection may have in progress at once.
         #[arg(long, default_value_t = 16)]
         nbd_threads: usize,
+        /// Seconds a request to a remote (nbd://) backend waits for an unreachable server
+        /// before failing with EIO; meanwhile the client reconnects with backoff.
+        #[arg(long, default_value_t = 30)]
+        remote_timeout: u64,
     },
     /// Create a device from a table and make it live.
     Create {
@@ -156,6 +160,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             nbd,
             fuse,
             nbd_threads,
+            remote_timeout,
         } => {
             return daemon::run(daemon::DaemonOptions {
                 state_dir,
@@ -163,6 +168,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 nbd,
                 fuse,
                 nbd_threads,
+                remote_timeout: std::time::Duration::from_secs(remote_timeout),
             });
         }
         Command::Create {

@@ -422,3 +422,88 @@ fn kill_9_during_writes_and_hydration_loses_no_flushed_write() {
     assert!(flushed_writes > 0, "the workload never got a flush through");
     eprintln!("{rounds} crashes survived, {flushed_writes} flushed writes checked");
 }
+
+#[test]
+fn a_remote_source_goes_away_and_comes_back_while_the_clone_hydrates() {
+    let daemon = Daemon::start_with("clone-remote", &["--remote-timeout", "2"]);
+    let source = daemon.dir.path("source.img");
+    random_file(&source, 32 * MIB as usize, 44);
+    let socket = daemon.dir.path("nbdkit.sock");
+    let serve = || {
+        Peer::start(
+            "nbdkit",
+            &[
+                "-f",
+                "-U",
+                socket.to_str().unwrap(),
+                "--filter=delay",
+                "file",
+                source.to_str().unwrap(),
+                "rdelay=1ms",
+            ],
+            &socket,
+        )
+    };
+    let peer = serve();
+    let remote = format!("nbd+unix:///?socket={}", socket.display());
+    let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
+    sparse_file(&dest, 32 * MIB);
+    sparse_file(&meta, MIB);
+    daemon.udm(&["create", "vol", "--table", &format!(
+        "0 65536 clone {} {} {remote} 128 1 no_hydration 4 hydration_threshold 64 hydration_batch_size 8",
+        meta.display(), dest.display()
+    )]);
+    assert!(daemon.udm(&["ls", "--tree"]).contains(&remote));
+    tool(
+        "qemu-img",
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            source.to_str().unwrap(),
+            &daemon.uri("vol"),
+        ],
+    );
+
+    // The source goes away: a read that needs it fails with EIO after the timeout, and a
+    // region already on the destination still reads.
+    tool(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x5 0 64k", &daemon.uri("vol")],
+    );
+    drop(peer);
+    let started = Instant::now();
+    let out = std::process::Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read 16M 4k", &daemon.uri("vol")])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("Input/output error"), "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        started.elapsed()
+    );
+    tool(
+        "qemu-io",
+        &["-f", "raw", "-c", "read -P 0x5 0 64k", &daemon.uri("vol")],
+    );
+
+    // Hydration starts while the source is away, and finishes once it is back.
+    daemon.udm(&["message", "vol", "0", "enable_hydration"]);
+    std::thread::sleep(Duration::from_millis(500));
+    let _peer = serve();
+    wait_hydrated(&daemon, "vol");
+    let (got, want) = (
+        std::fs::read(&dest).unwrap(),
+        std::fs::read(&source).unwrap(),
+    );
+    assert!(got[..65536].iter().all(|&b| b == 5));
+    assert!(got[65536..] == want[65536..]);
+}

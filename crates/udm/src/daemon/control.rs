@@ -18,7 +18,7 @@ use crate::control::{Envelope, Request, Response, PROTOCOL_VERSION};
 const MAX_REQUEST: u64 = 4 << 20;
 
 pub fn listen(path: &Path, registry: Arc<Registry>) -> std::io::Result<()> {
-    let _ = std::fs::remove_file(path);
+    udm_nbd::remove_stale_socket(path)?;
     let listener = UnixListener::bind(path)?;
     std::thread::Builder::new()
         .name("control-accept".into())

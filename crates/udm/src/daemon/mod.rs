@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use log::{info, warn};
-use udm_nbd::{Export, ExportCatalog};
+use udm_block::{Export, ExportCatalog};
 use udm_nbd::{NbdServer, ServerConfig};
 
 pub use registry::Registry;
@@ -52,6 +52,7 @@ pub struct DaemonOptions {
     pub nbd: Vec<Listener>,
     pub fuse: Option<PathBuf>,
     pub nbd_threads: usize,
+    pub remote_timeout: std::time::Duration,
 }
 
 /// Every device, served by name.
@@ -101,7 +102,7 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
     }
     let signals = block_shutdown_signals();
     let registry = Arc::new(
-        Registry::new(&options.state_dir)
+        Registry::new(&options.state_dir, options.remote_timeout)
             .with_context(|| format!("state dir {}", options.state_dir.display()))?,
     );
     let restored = registry.restore().context("reading the state dir")?;

@@ -3,11 +3,13 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use log::{info, warn};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use udm_block::{BlockDevice, FileDevice, OpenMode, SECTOR_SIZE};
+use udm_nbd::{ClientOptions, NbdClient};
 use udm_targets::{Resolver, Table, TargetError};
 
 use super::device::{Device, Events};
@@ -44,6 +46,8 @@ pub struct Registry {
     /// cannot race with each other. I/O never takes it.
     changes: Mutex<()>,
     state_dir: PathBuf,
+    /// How long a request to a remote (NBD) backend may wait for it before failing with EIO.
+    remote_timeout: Duration,
 }
 
 /// Is `reference` a path (as opposed to a URI or a device name)?
@@ -73,12 +77,13 @@ fn check_name(name: &str) -> Result<()> {
 }
 
 impl Registry {
-    pub fn new(state_dir: &Path) -> std::io::Result<Self> {
+    pub fn new(state_dir: &Path, remote_timeout: Duration) -> std::io::Result<Self> {
         std::fs::create_dir_all(state_dir.join("devices"))?;
         Ok(Registry {
             devices: Mutex::new(BTreeMap::new()),
             changes: Mutex::new(()),
             state_dir: state_dir.to_path_buf(),
+            remote_timeout,
         })
     }
 
@@ -353,10 +358,14 @@ impl Resolver for TableResolver<'_> {
             return Ok(Arc::new(dev));
         }
         if is_uri(reference) {
-            return Err(TargetError::new(
-                "remote NBD references are not supported yet (the NBD client comes with the \
-                 clone target)",
-            ));
+            let options = ClientOptions {
+                read_only: mode == OpenMode::ReadOnly,
+                io_timeout: self.registry.remote_timeout,
+                ..ClientOptions::default()
+            };
+            let client = NbdClient::connect(reference, options)
+                .map_err(|e| TargetError::new(e.to_string()))?;
+            return Ok(Arc::new(client));
         }
         if reference == self.owner || self.registry.depends_on(reference, self.owner) {
             return Err(TargetError::new(format!(

@@ -44,13 +44,20 @@ fn unique() -> u64 {
 pub struct Daemon {
     pub dir: TempDir,
     child: Option<Child>,
+    extra_args: Vec<String>,
 }
 
 impl Daemon {
     pub fn start(tag: &str) -> Daemon {
+        Self::start_with(tag, &[])
+    }
+
+    /// Starts a daemon with extra `udm daemon` options.
+    pub fn start_with(tag: &str, extra_args: &[&str]) -> Daemon {
         let mut daemon = Daemon {
             dir: TempDir::new(tag),
             child: None,
+            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
         };
         daemon.launch();
         daemon
@@ -86,6 +93,7 @@ impl Daemon {
             .arg(self.control())
             .arg("--nbd")
             .arg(format!("unix:{}", self.nbd_socket().display()))
+            .args(&self.extra_args)
             .env("UDM_LOG", "debug")
             .stdout(Stdio::null())
             .stderr(log)
@@ -312,5 +320,31 @@ impl RawClient {
                 std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
             ),
         }
+    }
+}
+
+/// A peer server (nbdkit, qemu-nbd) run as a child and killed on drop.
+pub struct Peer(pub Child);
+
+impl Peer {
+    /// Starts `program args…` and waits until `socket` accepts connections.
+    pub fn start(program: &str, args: &[&str], socket: &Path) -> Peer {
+        let _ = std::fs::remove_file(socket);
+        let child = Command::new(program)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {program} (install it; .ci/run does): {e}"));
+        let peer = Peer(child);
+        wait_for(|| UnixStream::connect(socket).is_ok(), program);
+        peer
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
