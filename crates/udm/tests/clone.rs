@@ -71,7 +71,8 @@ fn fio_stomps_the_clone_while_it_hydrates_and_everything_verifies() {
             "--iodepth=16",
             "--offset=8M",
             "--size=16M",
-            "--verify=crc32c --verify_state_save=0",
+            "--verify=crc32c",
+            "--verify_state_save=0",
             "--verify_fatal=1",
             "--randseed=7",
         ];

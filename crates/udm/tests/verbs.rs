@@ -106,8 +106,13 @@ fn bad_input_gets_one_line_errors_that_name_the_problem() {
             "no device named 'ghost'",
         ),
         (
-            &["create", "a", "--table", "0 8 linear nbd://host/x 0"],
-            "remote NBD references are not supported yet",
+            &[
+                "create",
+                "a",
+                "--table",
+                "0 8 linear nbd+unix:///x?socket=/nonexistent/nbd.sock 0",
+            ],
+            "cannot connect to nbd server",
         ),
         (
             &["create", "a/b", "--table", "0 8 zero"],
@@ -200,7 +205,8 @@ fn table_swaps_under_load_give_clients_no_error() {
             "--numjobs=2",
             "--size=32M",
             "--offset_increment=32M",
-            "--verify=crc32c --verify_state_save=0",
+            "--verify=crc32c",
+            "--verify_state_save=0",
             "--verify_fatal=1",
             "--time_based",
             "--runtime=6",

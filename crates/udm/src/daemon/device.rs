@@ -1,8 +1,8 @@
 //! A udm device: a name, a live table and an inactive one, the suspend gate, events and the
 //! open count.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::Duration;
 
 use udm_block::{BlockDevice, BlockError, Capabilities, Extent, Result, WriteFlags, ZeroFlags};
@@ -11,17 +11,28 @@ use udm_targets::Table;
 struct Tables {
     live: Arc<Table>,
     inactive: Option<Arc<Table>>,
-    suspended: bool,
-    /// Requests that passed the gate and have not finished.
-    in_flight: usize,
+}
+
+/// The suspend gate. The I/O path touches only atomics: a request counts itself in, then
+/// checks `suspended`; `suspend` sets `suspended`, then waits for the count to drain. With
+/// sequentially consistent order one of them always sees the other. The mutex and condvar
+/// are only for sleeping: a held request waiting for resume, a suspend waiting for the last
+/// request out.
+#[derive(Default)]
+struct Gate {
+    in_flight: AtomicUsize,
+    suspended: AtomicBool,
+    sleep: Mutex<()>,
+    wake: Condvar,
 }
 
 pub struct Device {
     name: String,
     read_only: bool,
-    tables: Mutex<Tables>,
-    /// Signalled when the gate opens or the last in-flight request finishes.
-    gate: Condvar,
+    tables: RwLock<Tables>,
+    /// The live table's size, read on every request.
+    size: AtomicU64,
+    gate: Gate,
     events: Arc<Events>,
     /// Client connections using this device (other devices' tables are counted by the
     /// registry, which knows every table).
@@ -29,14 +40,16 @@ pub struct Device {
 }
 
 /// Holds a request's place in the gate; the last one out wakes a waiting `suspend`.
-struct InFlight<'a>(&'a Device);
+struct InFlight<'a>(&'a Gate);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        let mut t = self.0.tables.lock().unwrap();
-        t.in_flight -= 1;
-        if t.in_flight == 0 && t.suspended {
-            self.0.gate.notify_all();
+        let gate = self.0;
+        if gate.in_flight.fetch_sub(1, Ordering::SeqCst) == 1
+            && gate.suspended.load(Ordering::SeqCst)
+        {
+            let _sleep = gate.sleep.lock().unwrap();
+            gate.wake.notify_all();
         }
     }
 }
@@ -47,13 +60,12 @@ impl Device {
         Device {
             name,
             read_only,
-            tables: Mutex::new(Tables {
+            size: AtomicU64::new(live.size()),
+            tables: RwLock::new(Tables {
                 live: Arc::new(live),
                 inactive: None,
-                suspended: false,
-                in_flight: 0,
             }),
-            gate: Condvar::new(),
+            gate: Gate::default(),
             events,
             opens: AtomicUsize::new(0),
         }
@@ -67,20 +79,16 @@ impl Device {
         self.read_only
     }
 
-    fn lock(&self) -> MutexGuard<'_, Tables> {
-        self.tables.lock().unwrap()
-    }
-
     pub fn live(&self) -> Arc<Table> {
-        self.lock().live.clone()
+        self.tables.read().unwrap().live.clone()
     }
 
     pub fn inactive(&self) -> Option<Arc<Table>> {
-        self.lock().inactive.clone()
+        self.tables.read().unwrap().inactive.clone()
     }
 
     pub fn is_suspended(&self) -> bool {
-        self.lock().suspended
+        self.gate.suspended.load(Ordering::SeqCst)
     }
 
     pub fn open_count(&self) -> usize {
@@ -94,46 +102,59 @@ impl Device {
 
     /// Waits at the gate while the device is suspended, then enters it.
     fn enter(&self) -> (Arc<Table>, InFlight<'_>) {
-        let mut t = self.lock();
-        while t.suspended {
-            t = self.gate.wait(t).unwrap();
+        let gate = &self.gate;
+        loop {
+            gate.in_flight.fetch_add(1, Ordering::SeqCst);
+            if !gate.suspended.load(Ordering::SeqCst) {
+                return (self.live(), InFlight(gate));
+            }
+            // Suspended: step back out (waking the suspender if we were last) and sleep.
+            drop(InFlight(gate));
+            let mut sleep = gate.sleep.lock().unwrap();
+            while gate.suspended.load(Ordering::SeqCst) {
+                sleep = gate.wake.wait(sleep).unwrap();
+            }
         }
-        t.in_flight += 1;
-        (t.live.clone(), InFlight(self))
     }
 
     /// Holds new I/O and waits for in-flight I/O to finish (dm's suspend).
     pub fn suspend(&self) {
-        let mut t = self.lock();
-        if t.suspended {
+        let gate = &self.gate;
+        if gate.suspended.swap(true, Ordering::SeqCst) {
             return;
         }
-        t.suspended = true;
-        while t.in_flight > 0 {
-            t = self.gate.wait(t).unwrap();
+        let mut sleep = gate.sleep.lock().unwrap();
+        while gate.in_flight.load(Ordering::SeqCst) > 0 {
+            sleep = gate.wake.wait(sleep).unwrap();
         }
-        t.live.suspend();
+        drop(sleep);
+        self.live().suspend();
     }
 
     /// Makes the inactive table live if there is one, and lets I/O flow again. Returns the
     /// table that was replaced, if any.
     pub fn resume(&self) -> Option<Arc<Table>> {
-        let mut t = self.lock();
-        let replaced = t
-            .inactive
-            .take()
-            .map(|new| std::mem::replace(&mut t.live, new));
-        if t.suspended || replaced.is_some() {
-            t.live.resume();
+        let (replaced, live) = {
+            let mut t = self.tables.write().unwrap();
+            let replaced = t
+                .inactive
+                .take()
+                .map(|new| std::mem::replace(&mut t.live, new));
+            self.size.store(t.live.size(), Ordering::SeqCst);
+            (replaced, t.live.clone())
+        };
+        if self.is_suspended() || replaced.is_some() {
+            live.resume();
         }
-        t.suspended = false;
-        self.gate.notify_all();
+        let _sleep = self.gate.sleep.lock().unwrap();
+        self.gate.suspended.store(false, Ordering::SeqCst);
+        self.gate.wake.notify_all();
         replaced
     }
 
     /// Fills the inactive slot (dm's load); the live table is untouched until resume.
     pub fn load(&self, table: Table) {
-        self.lock().inactive = Some(Arc::new(table));
+        self.tables.write().unwrap().inactive = Some(Arc::new(table));
     }
 
     /// Replaces the live table at once: suspend, swap, resume.
@@ -189,10 +210,10 @@ impl Drop for OpenHandle {
 
 impl BlockDevice for Device {
     fn size(&self) -> u64 {
-        self.lock().live.size()
+        self.size.load(Ordering::Acquire)
     }
     fn capabilities(&self) -> Capabilities {
-        let caps = self.lock().live.capabilities();
+        let caps = self.live().capabilities();
         Capabilities {
             read_only: caps.read_only || self.read_only,
             ..caps
