@@ -71,8 +71,9 @@ pub trait Target: BlockDevice {
     /// The device references this target uses (for `ls --tree` and cycle checks).
     fn references(&self) -> Vec<String>;
 
-    /// Called when the device is suspended (I/O already drained) and resumed. Targets with
-    /// background work stop and restart it here.
+    /// Called when the device is suspended (I/O already drained) and when the table is
+    /// resumed, which includes first becoming live. Targets with background work start it at
+    /// the first resume, never while they sit in an inactive table.
     fn suspend(&self) {}
     fn resume(&self) {}
 }

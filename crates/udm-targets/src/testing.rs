@@ -35,8 +35,11 @@ pub fn memory_resolver(devices: &[(&str, u64)]) -> MemoryResolver {
     )
 }
 
+/// Builds a table and makes it live, as the daemon does.
 pub fn build(resolver: &dyn Resolver, text: &str) -> Result<Table, TargetError> {
-    Table::build(text, resolver, Arc::new(|| {}))
+    let table = Table::build(text, resolver, Arc::new(|| {}))?;
+    table.resume();
+    Ok(table)
 }
 
 /// Builds a table whose events are counted.
@@ -53,6 +56,7 @@ pub fn build_counting_events(
             counter.fetch_add(1, Ordering::SeqCst);
         }),
     )?;
+    table.resume();
     Ok((table, events))
 }
 

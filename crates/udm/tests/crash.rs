@@ -20,7 +20,10 @@ const SIZE: u64 = 16 * MIB;
 const FUA: u16 = 1;
 
 fn rounds() -> u64 {
-    std::env::var("UDM_CRASH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(100)
+    std::env::var("UDM_CRASH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100)
 }
 
 /// A deterministic block for (block, version).
@@ -55,11 +58,18 @@ struct Model {
 
 impl Model {
     fn new() -> Self {
-        Model { allowed: (0..SIZE / BLOCK).map(|b| (b, vec![0])).collect(), version: 0, durable_writes: 0 }
+        Model {
+            allowed: (0..SIZE / BLOCK).map(|b| (b, vec![0])).collect(),
+            version: 0,
+            durable_writes: 0,
+        }
     }
 
     fn made_durable(&mut self, block: u64, version: u64) {
-        self.allowed.get_mut(&block).unwrap().retain(|&v| v >= version);
+        self.allowed
+            .get_mut(&block)
+            .unwrap()
+            .retain(|&v| v >= version);
         self.durable_writes += 1;
     }
 
@@ -69,10 +79,17 @@ impl Model {
             let range = (block * BLOCK) as usize..((block + 1) * BLOCK) as usize;
             let got = &data[range.clone()];
             let found = self.allowed[&block].iter().copied().find(|&v| {
-                if v == 0 { got == &original[range.clone()] } else { got == block_data(block, v).as_slice() }
+                if v == 0 {
+                    got == &original[range.clone()]
+                } else {
+                    got == block_data(block, v).as_slice()
+                }
             });
             let Some(version) = found else {
-                panic!("{what}: block {block} holds none of the allowed versions {:?}", self.allowed[&block]);
+                panic!(
+                    "{what}: block {block} holds none of the allowed versions {:?}",
+                    self.allowed[&block]
+                );
             };
             self.allowed.insert(block, vec![version]);
         }
@@ -80,7 +97,11 @@ impl Model {
 }
 
 /// Runs the workload until the daemon dies under it.
-fn workload_until_killed(client: &mut RawClient, model: &mut Model, random: &mut impl FnMut() -> u64) {
+fn workload_until_killed(
+    client: &mut RawClient,
+    model: &mut Model,
+    random: &mut impl FnMut() -> u64,
+) {
     let start = Instant::now();
     let mut unflushed: Vec<(u64, u64)> = Vec::new();
     while start.elapsed() < Duration::from_secs(10) {
@@ -92,14 +113,24 @@ fn workload_until_killed(client: &mut RawClient, model: &mut Model, random: &mut
             // A write may land even if its reply never comes.
             model.allowed.get_mut(&block).unwrap().push(version);
             let flags = if fua { FUA } else { 0 };
-            let sent = client.try_send(flags, NBD_CMD_WRITE, version, block * BLOCK, BLOCK as u32, &block_data(block, version));
+            let sent = client.try_send(
+                flags,
+                NBD_CMD_WRITE,
+                version,
+                block * BLOCK,
+                BLOCK as u32,
+                &block_data(block, version),
+            );
             match sent.and_then(|()| client.reply()) {
                 Ok((0, _)) if fua => model.made_durable(block, version),
                 Ok((0, _)) => unflushed.push((block, version)),
                 _ => return,
             }
         }
-        match client.try_send(0, NBD_CMD_FLUSH, 0, 0, 0, &[]).and_then(|()| client.reply()) {
+        match client
+            .try_send(0, NBD_CMD_FLUSH, 0, 0, 0, &[])
+            .and_then(|()| client.reply())
+        {
             Ok((0, _)) => {
                 for (block, version) in unflushed.drain(..) {
                     model.made_durable(block, version);
@@ -140,10 +171,21 @@ fn crash_rounds(tag: &str, table: impl Fn(&Daemon, &str) -> String) {
         daemon.reap();
         daemon.launch();
         let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
-        model.check(&read_all(&mut client), &original, &format!("{tag} round {round}"));
+        model.check(
+            &read_all(&mut client),
+            &original,
+            &format!("{tag} round {round}"),
+        );
     }
-    assert!(model.durable_writes > rounds, "too few writes became durable: {}", model.durable_writes);
-    eprintln!("{tag}: {rounds} kills survived, {} durable writes checked", model.durable_writes);
+    assert!(
+        model.durable_writes > rounds,
+        "too few writes became durable: {}",
+        model.durable_writes
+    );
+    eprintln!(
+        "{tag}: {rounds} kills survived, {} durable writes checked",
+        model.durable_writes
+    );
 }
 
 #[test]

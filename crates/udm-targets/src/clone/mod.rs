@@ -89,6 +89,7 @@ struct Inner {
 
 pub struct Clone {
     inner: Arc<Inner>,
+    activated: AtomicBool,
     args: Vec<String>,
     references: Vec<String>,
     workers: Mutex<Vec<JoinHandle<()>>>,
@@ -201,7 +202,9 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             in_flight: 0,
             cursor: 0,
             next_copy_at: Instant::now(),
-            paused: false,
+            // Nothing runs until the table is resumed (made live): an inactive table must
+            // not touch what the live one is using.
+            paused: true,
             shutdown: false,
         }),
         wake: Condvar::new(),
@@ -217,6 +220,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     let workers = hydration::start(&inner);
     Ok(Arc::new(Clone {
         inner,
+        activated: AtomicBool::new(false),
         args: original,
         references: vec![meta_ref, dest_ref, source_ref],
         workers: Mutex::new(workers),
@@ -729,6 +733,14 @@ impl Target for Clone {
     }
 
     fn resume(&self) {
+        if !self.activated.swap(true, Ordering::AcqRel) {
+            // A table loaded while another clone on the same metadata was live: reread what
+            // that one committed at its suspend.
+            if let Err(e) = self.inner.meta.load() {
+                self.inner
+                    .metadata_failed(&format!("rereading metadata on activation: {e}"));
+            }
+        }
         hydration::pause(&self.inner, false);
     }
 }

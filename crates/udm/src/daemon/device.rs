@@ -57,6 +57,7 @@ impl Drop for InFlight<'_> {
 impl Device {
     /// `events` is the counter the table's targets were given to raise events on.
     pub fn new(name: String, read_only: bool, live: Table, events: Arc<Events>) -> Self {
+        live.resume();
         Device {
             name,
             read_only,
