@@ -6,7 +6,6 @@ use std::io::{self, Read, Write};
 use log::debug;
 
 use crate::protocol::*;
-use crate::stream::Stream;
 use crate::{Export, ExportCatalog};
 
 /// Options larger than this are refused with ERR_TOO_BIG (names are at most 4 KiB; a meta
@@ -45,13 +44,13 @@ impl From<io::Error> for HandshakeEnd {
     }
 }
 
-fn read_u32(s: &mut Stream) -> io::Result<u32> {
+fn read_u32(s: &mut impl Read) -> io::Result<u32> {
     let mut b = [0u8; 4];
     s.read_exact(&mut b)?;
     Ok(u32::from_be_bytes(b))
 }
 
-fn read_u64(s: &mut Stream) -> io::Result<u64> {
+fn read_u64(s: &mut impl Read) -> io::Result<u64> {
     let mut b = [0u8; 8];
     s.read_exact(&mut b)?;
     Ok(u64::from_be_bytes(b))
@@ -76,16 +75,17 @@ pub fn transmission_flags(export: &Export) -> u16 {
     flags
 }
 
-struct Handshake<'a> {
-    stream: &'a mut Stream,
+struct Handshake<'a, S> {
+    stream: &'a mut S,
     catalog: &'a dyn ExportCatalog,
     structured: bool,
     base_allocation: bool,
     no_zeroes: bool,
 }
 
-pub fn negotiate(
-    stream: &mut Stream,
+/// Runs the handshake on any byte stream (a socket, or a fuzzer's buffer).
+pub fn negotiate<S: Read + Write>(
+    stream: &mut S,
     catalog: &dyn ExportCatalog,
 ) -> Result<Negotiated, HandshakeEnd> {
     let mut greeting = Vec::with_capacity(18);
@@ -99,7 +99,7 @@ pub fn negotiate(
             "unknown client flags {client_flags:#x}"
         )));
     }
-    let mut h = Handshake {
+    let mut h: Handshake<'_, S> = Handshake {
         stream,
         catalog,
         structured: false,
@@ -113,7 +113,7 @@ pub fn negotiate(
     }
 }
 
-impl Handshake<'_> {
+impl<S: Read + Write> Handshake<'_, S> {
     fn reply(&mut self, option: u32, reply: u32, data: &[u8]) -> io::Result<()> {
         self.stream.write_all(&option_reply(option, reply, data))
     }

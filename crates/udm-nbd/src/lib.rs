@@ -11,7 +11,7 @@ pub mod protocol;
 pub mod uri;
 
 mod client;
-mod handshake;
+pub mod handshake;
 mod server;
 mod stream;
 mod transmission;

@@ -6,7 +6,7 @@ use std::path::{Component, Path, PathBuf};
 
 use anyhow::{bail, Context};
 
-use crate::control::{Envelope, Request, Response, PROTOCOL_VERSION};
+use udm::control::{Envelope, Request, Response, PROTOCOL_VERSION};
 
 pub fn call(socket: &Path, request: Request) -> anyhow::Result<Response> {
     let mut stream = UnixStream::connect(socket).with_context(|| {

@@ -2,7 +2,7 @@
 //! other verb is a thin client of the daemon's control socket, with dmsetup's semantics.
 
 mod client;
-mod control;
+
 mod daemon;
 mod logger;
 mod progress;
@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 
-use control::Request;
+use udm::control::Request;
 
 const DEFAULT_CONTROL: &str = "/run/udm/control.sock";
 

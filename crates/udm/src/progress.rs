@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::bail;
 
 use crate::client;
-use crate::control::Request;
+use udm::control::Request;
 
 struct Progress {
     hydrated: u64,
