@@ -26,9 +26,8 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_STACKED: usize = 16;
 
 fn cpath(path: &Path) -> Result<CString, FuseError> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| {
-        FuseError::Config(format!("{} contains a NUL byte", path.display()))
-    })
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| FuseError::Config(format!("{} contains a NUL byte", path.display())))
 }
 
 pub(crate) fn open_fuse_device() -> Result<OwnedFd, FuseError> {
@@ -152,15 +151,16 @@ fn mount_fusectl() -> Result<(), FuseError> {
             std::ptr::null(),
         )
     };
-    if rc != 0 {
-        let err = std::io::Error::last_os_error();
-        // Mounted meanwhile by someone else: fine.
-        if err.raw_os_error() != Some(libc::EBUSY) {
-            return Err(FuseError::io(format!("mount fusectl on {FUSECTL}"), err));
-        }
+    if rc == 0 {
+        info!("fuse: mounted the FUSE control filesystem on {FUSECTL}");
+        return Ok(());
     }
-    info!("fuse: mounted the FUSE control filesystem on {FUSECTL}");
-    Ok(())
+    let err = std::io::Error::last_os_error();
+    // Mounted meanwhile by someone else: fine.
+    if err.raw_os_error() == Some(libc::EBUSY) {
+        return Ok(());
+    }
+    Err(FuseError::io(format!("mount fusectl on {FUSECTL}"), err))
 }
 
 /// What is at a mountpoint, as far as a new mount there is concerned.
@@ -292,10 +292,7 @@ pub fn recover_stale_mount(mountpoint: &Path) -> Result<bool, FuseError> {
         // device whose I/O now fails); they keep it until they let go, but the path is free.
         let flags = libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW;
         if unsafe { libc::umount2(target.as_ptr(), flags) } != 0 {
-            return Err(FuseError::last_os(format!(
-                "umount -l {}",
-                path.display()
-            )));
+            return Err(FuseError::last_os(format!("umount -l {}", path.display())));
         }
         warn!(
             "fuse: removed a dead FUSE mount on {} (its server is gone)",
