@@ -308,7 +308,8 @@ pub fn recover_stale_mount(mountpoint: &Path) -> Result<bool, FuseError> {
 /// backs (a filesystem on a loop device on a FUSE file) and would deadlock.
 ///
 /// The flag belongs to the calling thread and is inherited by threads it creates afterwards:
-/// call it early, before the device registry and the FUSE export start their threads.
+/// call it early, before the device registry and the FUSE export start their threads. It needs
+/// CAP_SYS_RESOURCE (containers often drop it even for root); without it this only warns.
 pub fn set_io_flusher() {
     // Not in the libc crate for Linux yet; value from <linux/prctl.h>.
     const PR_SET_IO_FLUSHER: libc::c_int = 57;

@@ -119,7 +119,7 @@ impl Ctx<'_> {
             opcode::ACCESS => self.access(&h, a),
             opcode::STATFS => {
                 let out = abi::statfs_out(self.fs.device_count());
-                self.send(h.unique, 0, &[&out]);
+                self.send(h.unique, 0, &out);
                 Ok(())
             }
             opcode::OPEN => self.open(&h, a),
@@ -138,19 +138,14 @@ impl Ctx<'_> {
         }
     }
 
-    /// Writes one reply: the header and up to three parts, in one writev (the kernel takes a
-    /// reply only whole).
-    fn send(&self, unique: u64, errno: Errno, parts: &[&[u8]]) {
-        let len = OUT_HEADER_LEN + parts.iter().map(|p| p.len()).sum::<usize>();
-        let header = abi::out_header(len, -errno, unique);
-        let mut iov = [IoSlice::new(&[]); 4];
-        iov[0] = IoSlice::new(&header);
-        for (slot, part) in iov[1..].iter_mut().zip(parts) {
-            *slot = IoSlice::new(part);
-        }
-        let count = 1 + parts.len().min(3);
+    /// Writes one reply, header and payload in one writev (the kernel takes a reply only
+    /// whole).
+    fn send(&self, unique: u64, errno: Errno, payload: &[u8]) {
+        let header = abi::out_header(OUT_HEADER_LEN + payload.len(), -errno, unique);
+        let iov = [IoSlice::new(&header), IoSlice::new(payload)];
+        let count = if payload.is_empty() { 1 } else { 2 };
         // SAFETY: IoSlice is ABI-compatible with iovec; `count` slices are initialised.
-        let n = unsafe { libc::writev(self.fd, iov.as_ptr().cast(), count as libc::c_int) };
+        let n = unsafe { libc::writev(self.fd, iov.as_ptr().cast(), count) };
         if n < 0 {
             // ENOENT: the request was aborted meanwhile (unmount); nobody waits for the reply.
             debug!(
@@ -192,14 +187,14 @@ impl Ctx<'_> {
             abi::KERNEL_MINOR_VERSION,
             out.flags
         );
-        self.send(h.unique, 0, &[&abi::init_out(&out)]);
+        self.send(h.unique, 0, &abi::init_out(&out));
         Ok(())
     }
 
     fn lookup(&mut self, h: &InHeader, mut a: Args) -> Result<(), Errno> {
         let name = a.name().ok_or(libc::EINVAL)?;
         let attr = self.fs.lookup(h.nodeid, name)?;
-        self.send(h.unique, 0, &[&abi::entry_out(&attr)]);
+        self.send(h.unique, 0, &abi::entry_out(&attr));
         Ok(())
     }
 
@@ -209,7 +204,7 @@ impl Ctx<'_> {
         let fh = a.u64().ok_or(libc::EINVAL)?;
         let fh = (flags & abi::GETATTR_FH != 0).then_some(fh);
         let attr = self.fs.getattr(h.nodeid, fh)?;
-        self.send(h.unique, 0, &[&abi::attr_out(&attr)]);
+        self.send(h.unique, 0, &abi::attr_out(&attr));
         Ok(())
     }
 
@@ -225,7 +220,7 @@ impl Ctx<'_> {
         if valid & abi::FATTR_SIZE != 0 && size != attr.size {
             return Err(libc::EINVAL);
         }
-        self.send(h.unique, 0, &[&abi::attr_out(&attr)]);
+        self.send(h.unique, 0, &abi::attr_out(&attr));
         Ok(())
     }
 
@@ -248,7 +243,7 @@ impl Ctx<'_> {
         // owner; a loop device on top has its own). PARALLEL_DIRECT_WRITES: the kernel does not
         // serialise writes to the file on its inode lock.
         let flags = abi::FOPEN_DIRECT_IO | abi::FOPEN_PARALLEL_DIRECT_WRITES;
-        self.send(h.unique, 0, &[&abi::open_out(fh, flags)]);
+        self.send(h.unique, 0, &abi::open_out(fh, flags));
         Ok(())
     }
 
@@ -265,7 +260,7 @@ impl Ctx<'_> {
 
     fn opendir(&mut self, h: &InHeader) -> Result<(), Errno> {
         let fh = self.fs.opendir(h.nodeid)?;
-        self.send(h.unique, 0, &[&abi::open_out(fh, 0)]);
+        self.send(h.unique, 0, &abi::open_out(fh, 0));
         Ok(())
     }
 
@@ -291,7 +286,7 @@ impl Ctx<'_> {
                 None => break,
             }
         }
-        self.send(h.unique, 0, &[&self.data[..end]]);
+        self.send(h.unique, 0, &self.data[..end]);
         Ok(())
     }
 
@@ -324,7 +319,7 @@ impl Ctx<'_> {
         let buf = self.data.get_mut(..span).ok_or(libc::EINVAL)?;
         device.read(start, buf).map_err(|e| errno("read", e))?;
         let at = (offset - start) as usize;
-        self.send(h.unique, 0, &[&self.data[at..at + len as usize]]);
+        self.send(h.unique, 0, &self.data[at..at + len as usize]);
         Ok(())
     }
 
@@ -340,7 +335,7 @@ impl Ctx<'_> {
         // A file opened O_DSYNC (or O_SYNC) wants each write durable when it returns.
         let fua = open_flags as i32 & libc::O_DSYNC != 0;
         let written = self.write_at(&open.device, offset, payload, WriteFlags { fua })?;
-        self.send(h.unique, 0, &[&abi::write_out(written as u32)]);
+        self.send(h.unique, 0, &abi::write_out(written as u32));
         Ok(())
     }
 

@@ -753,3 +753,35 @@ fn bad_configurations_are_refused() {
         assert!(matches!(result, Err(FuseError::Config(_))));
     }
 }
+
+#[test]
+fn io_flusher_is_set_when_the_process_may() {
+    if !can_run() {
+        return;
+    }
+    // From <linux/prctl.h>; the libc crate does not have it for Linux.
+    const PR_GET_IO_FLUSHER: libc::c_int = 58;
+    const CAP_SYS_RESOURCE: u32 = 24;
+    // A thread of its own: the flag would otherwise stay on a test harness thread.
+    let flag = std::thread::spawn(|| {
+        udm_fuse::set_io_flusher();
+        // SAFETY: prctl with no pointer arguments.
+        unsafe { libc::prctl(PR_GET_IO_FLUSHER, 0, 0, 0, 0) }
+    })
+    .join()
+    .unwrap();
+    // Both prctls need CAP_SYS_RESOURCE, which containers often drop even for root; without
+    // it set_io_flusher only warns.
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let effective = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|hex| u64::from_str_radix(hex.trim(), 16).unwrap())
+        .unwrap();
+    if effective & (1 << CAP_SYS_RESOURCE) != 0 {
+        assert_eq!(flag, 1);
+    } else {
+        eprintln!("no CAP_SYS_RESOURCE: PR_SET_IO_FLUSHER is refused here");
+        assert_eq!(flag, -1);
+    }
+}
