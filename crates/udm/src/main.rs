@@ -126,6 +126,10 @@ enum Command {
         #[arg(long, conflicts_with = "event_nr")]
         progress: bool,
     },
+    /// Attach the device's FUSE file to a loop device (direct I/O) and print its path.
+    Attach { name: String },
+    /// Detach a loop device made by `attach`.
+    Detach { loop_device: PathBuf },
     /// Swap finished targets for their end state, live (a hydrated clone becomes
     /// `linear <destination> 0`).
     Finalize { name: String },
@@ -214,6 +218,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             ..
         } => return progress::show(&cli.control, &name),
         Command::Wait { name, event_nr, .. } => (Request::Wait { name, event_nr }, false),
+        Command::Attach { name } => return attach(&cli.control, &name),
+        Command::Detach { loop_device } => return detach(&loop_device),
         Command::Finalize { name } => (Request::Finalize { name }, false),
         Command::Remove { name, force } => (Request::Remove { name, force }, false),
         Command::Targets => (Request::Targets, false),
@@ -227,6 +233,54 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         );
     } else if !response.output.is_empty() {
         println!("{}", response.output);
+    }
+    Ok(())
+}
+
+/// `losetup --direct-io=on -f --show` on the device's file in the daemon's FUSE mount.
+fn attach(control: &std::path::Path, name: &str) -> anyhow::Result<()> {
+    let response = client::call(
+        control,
+        Request::Info {
+            name: name.to_string(),
+        },
+    )?;
+    let data = response.data.unwrap_or_default();
+    let Some(file) = data["fuse_file"].as_str() else {
+        bail!("the daemon has no FUSE mount: start it with --fuse MOUNTPOINT");
+    };
+    let mut args = vec!["--direct-io=on", "-f", "--show"];
+    if data["read_only"].as_bool() == Some(true) {
+        args.push("--read-only");
+    }
+    args.push(file);
+    let out = std::process::Command::new("losetup")
+        .args(&args)
+        .output()
+        .context("running losetup")?;
+    if !out.status.success() {
+        bail!(
+            "losetup {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    Ok(())
+}
+
+fn detach(loop_device: &std::path::Path) -> anyhow::Result<()> {
+    let out = std::process::Command::new("losetup")
+        .arg("-d")
+        .arg(loop_device)
+        .output()
+        .context("running losetup")?;
+    if !out.status.success() {
+        bail!(
+            "losetup -d {}: {}",
+            loop_device.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(())
 }

@@ -41,6 +41,10 @@ pub struct ReplayOptions {
     /// The check command (run with sh -c; exit status 0 means consistent).
     #[arg(long)]
     fsck: Option<String>,
+    /// Check only after the mark with this text (e.g. one set once mkfs finished: before
+    /// that there is no filesystem to check).
+    #[arg(long, requires = "check")]
+    check_after_mark: Option<String>,
     /// Print every entry.
     #[arg(long)]
     verbose: bool,
@@ -59,6 +63,7 @@ pub fn run(o: ReplayOptions) -> anyhow::Result<()> {
         .with_context(|| format!("replay target {}", o.replay.display()))?;
     let mut reader = LogReader::open(log).context("reading the log")?;
     let (mut replayed, mut checked) = (0u64, 0u64);
+    let mut checking = o.check_after_mark.is_none();
     while let Some((entry, data)) = reader.next_entry().context("reading the log")? {
         if o.limit.is_some_and(|limit| replayed >= limit) {
             break;
@@ -99,7 +104,12 @@ pub fn run(o: ReplayOptions) -> anyhow::Result<()> {
             EntryKind::Flush | EntryKind::Mark => {}
         }
         replayed += 1;
-        if let (Some(point), Some(fsck)) = (o.check, &o.fsck) {
+        if entry.kind == EntryKind::Mark
+            && o.check_after_mark.as_deref() == Some(entry.mark.as_str())
+        {
+            checking = true;
+        }
+        if let (true, Some(point), Some(fsck)) = (checking, o.check, &o.fsck) {
             if is_point(point, entry.kind, entry.fua) {
                 target.flush()?;
                 let status = Command::new("sh")

@@ -2,7 +2,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +17,13 @@ use udm::control::{Envelope, Request, Response, PROTOCOL_VERSION};
 /// Longest request line accepted; a table of thousands of lines still fits.
 const MAX_REQUEST: u64 = 4 << 20;
 
-pub fn listen(path: &Path, registry: Arc<Registry>) -> std::io::Result<()> {
+/// `fuse_dir` is the FUSE mount point, if devices are also served as files there.
+pub fn listen(
+    path: &Path,
+    registry: Arc<Registry>,
+    fuse_dir: Option<PathBuf>,
+) -> std::io::Result<()> {
+    let fuse_dir = Arc::new(fuse_dir);
     udm_nbd::remove_stale_socket(path)?;
     let listener = UnixListener::bind(path)?;
     std::thread::Builder::new()
@@ -27,9 +33,10 @@ pub fn listen(path: &Path, registry: Arc<Registry>) -> std::io::Result<()> {
                 match stream {
                     Ok(s) => {
                         let registry = registry.clone();
+                        let fuse_dir = fuse_dir.clone();
                         let _ = std::thread::Builder::new()
                             .name("control".into())
-                            .spawn(move || serve(s, &registry));
+                            .spawn(move || serve(s, &registry, fuse_dir.as_deref()));
                     }
                     Err(e) => warn!("control: accept failed: {e}"),
                 }
@@ -38,7 +45,7 @@ pub fn listen(path: &Path, registry: Arc<Registry>) -> std::io::Result<()> {
     Ok(())
 }
 
-fn serve(stream: UnixStream, registry: &Registry) {
+fn serve(stream: UnixStream, registry: &Registry, fuse_dir: Option<&Path>) {
     let Ok(writer) = stream.try_clone() else {
         return;
     };
@@ -64,7 +71,7 @@ fn serve(stream: UnixStream, registry: &Registry) {
                 "control protocol version {} not supported (this daemon speaks {PROTOCOL_VERSION})",
                 envelope.version
             )),
-            Ok(envelope) => execute(registry, envelope.request),
+            Ok(envelope) => execute(registry, envelope.request, fuse_dir),
             Err(e) => Response::error(format!("malformed request: {e}")),
         };
         if reply(&mut writer, &response).is_err() {
@@ -80,7 +87,7 @@ fn reply(writer: &mut UnixStream, response: &Response) -> std::io::Result<()> {
     writer.write_all(&bytes)
 }
 
-fn execute(registry: &Registry, request: Request) -> Response {
+fn execute(registry: &Registry, request: Request, fuse_dir: Option<&Path>) -> Response {
     let result: Result<Response, Box<dyn std::error::Error>> = (|| {
         Ok(match request {
             Request::Create {
@@ -123,7 +130,7 @@ fn execute(registry: &Registry, request: Request) -> Response {
             Request::Table { name } => {
                 Response::text(registry.get(&name)?.live().lines().join("\n"))
             }
-            Request::Info { name } => info(registry, &name)?,
+            Request::Info { name } => info(registry, &name, fuse_dir)?,
             Request::Ls { tree } => ls(registry, tree),
             Request::Wait { name, event_nr } => {
                 let device = registry.get(&name)?;
@@ -176,7 +183,11 @@ fn status(registry: &Registry, name: &str) -> Result<Response, Box<dyn std::erro
     })
 }
 
-fn info(registry: &Registry, name: &str) -> Result<Response, Box<dyn std::error::Error>> {
+fn info(
+    registry: &Registry,
+    name: &str,
+    fuse_dir: Option<&Path>,
+) -> Result<Response, Box<dyn std::error::Error>> {
     let device = registry.get(name)?;
     let state = if device.is_suspended() {
         "SUSPENDED"
@@ -194,18 +205,23 @@ fn info(registry: &Registry, name: &str) -> Result<Response, Box<dyn std::error:
     } else {
         ""
     };
-    let text = format!(
+    let fuse_file = fuse_dir.map(|dir| dir.join(name));
+    let mut text = format!(
         "Name:              {name}\nState:             {state}{access}\n\
          Tables present:    {tables}\nOpen count:        {opens}\n\
          Event number:      {}\nSize:              {} sectors",
         device.events().current(),
         device.size() / SECTOR_SIZE
     );
+    if let Some(file) = &fuse_file {
+        text += &format!("\nFUSE file:         {}", file.display());
+    }
     Ok(Response {
         data: Some(json!({
             "name": name, "state": state, "read_only": device.read_only(),
             "inactive_table": device.inactive().is_some(), "open_count": opens,
             "event_nr": device.events().current(), "sectors": device.size() / SECTOR_SIZE,
+            "fuse_file": fuse_file,
         })),
         ..Response::text(text)
     })

@@ -7,9 +7,10 @@ mod registry;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use log::{info, warn};
 use udm_block::{Export, ExportCatalog};
+use udm_fuse::{FuseConfig, FuseExport};
 use udm_nbd::{NbdServer, ServerConfig};
 
 pub use registry::Registry;
@@ -93,12 +94,10 @@ fn block_shutdown_signals() -> libc::sigset_t {
 }
 
 pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
-    if let Some(mountpoint) = &options.fuse {
-        bail!(
-            "--fuse {}: the FUSE export is not available in this version yet; serve devices \
-             with --nbd and reach them with nbdfuse meanwhile",
-            mountpoint.display()
-        );
+    if options.fuse.is_some() {
+        // Serving a mounted filesystem's backing store: memory reclaim must not wait on us
+        // (set before any thread starts, since threads inherit it).
+        udm_fuse::set_io_flusher();
     }
     let signals = block_shutdown_signals();
     let registry = Arc::new(
@@ -111,8 +110,21 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
         options.state_dir.display()
     );
 
+    let catalog: Arc<dyn ExportCatalog> = Arc::new(Catalog(registry.clone()));
+    let fuse = match &options.fuse {
+        Some(mountpoint) => {
+            let export = FuseExport::mount(mountpoint, catalog.clone(), FuseConfig::default())
+                .with_context(|| format!("FUSE mount at {}", mountpoint.display()))?;
+            info!(
+                "fuse: every device is the file {}/NAME",
+                mountpoint.display()
+            );
+            Some(export)
+        }
+        None => None,
+    };
     let server = NbdServer::new(
-        Arc::new(Catalog(registry.clone())),
+        catalog,
         ServerConfig {
             workers_per_connection: options.nbd_threads,
             ..ServerConfig::default()
@@ -130,7 +142,7 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
             }
         }
     }
-    control::listen(&options.control, registry.clone())
+    control::listen(&options.control, registry.clone(), options.fuse.clone())
         .with_context(|| format!("control socket {}", options.control.display()))?;
     info!("control socket {}", options.control.display());
 
@@ -138,6 +150,9 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
     // SAFETY: waits for one of the blocked signals.
     unsafe { libc::sigwait(&signals, &mut signal) };
     info!("signal {signal}: flushing devices and stopping");
+    if let Some(fuse) = fuse {
+        fuse.unmount();
+    }
     registry.flush_all();
     remove_socket(&options.control);
     for listener in &options.nbd {

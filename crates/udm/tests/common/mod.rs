@@ -52,12 +52,18 @@ impl Daemon {
         Self::start_with(tag, &[])
     }
 
-    /// Starts a daemon with extra `udm daemon` options.
+    /// Starts a daemon with extra `udm daemon` options; `{dir}` in them stands for the
+    /// daemon's scratch directory.
     pub fn start_with(tag: &str, extra_args: &[&str]) -> Daemon {
+        let dir = TempDir::new(tag);
+        let extra_args = extra_args
+            .iter()
+            .map(|a| a.replace("{dir}", &dir.0.display().to_string()))
+            .collect();
         let mut daemon = Daemon {
-            dir: TempDir::new(tag),
+            dir,
             child: None,
-            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+            extra_args,
         };
         daemon.launch();
         daemon

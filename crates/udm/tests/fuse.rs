@@ -1,0 +1,541 @@
+//! End to end through the FUSE export and a loop device: real filesystems (ext4, xfs) made,
+//! filled from a real tarball, checked file by file and with fsck, on linear and on a clone
+//! while it hydrates; fstrim reaching the clone; fio on a file in the filesystem; live table
+//! swaps under a mounted filesystem; a killed daemon's mount recovered by the next one; and an
+//! ext4 under log-writes replayed to every FUA point with `fsck -n`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+
+fn fuse_daemon(tag: &str) -> Daemon {
+    Daemon::start_with(tag, &["--fuse", "{dir}/fuse"])
+}
+
+/// A loop device attached with `udm attach`, detached on drop.
+struct Loop(String);
+
+impl Loop {
+    fn attach(daemon: &Daemon, name: &str) -> Loop {
+        let dev = daemon.udm(&["attach", name]);
+        assert!(dev.starts_with("/dev/loop"), "{dev}");
+        Loop(dev)
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).status();
+    }
+}
+
+/// A mounted filesystem, unmounted on drop.
+struct Mounted(PathBuf);
+
+impl Mounted {
+    fn new(dev: &str, dir: &Path) -> Mounted {
+        std::fs::create_dir_all(dir).unwrap();
+        tool("mount", &[dev, dir.to_str().unwrap()]);
+        Mounted(dir.to_path_buf())
+    }
+    fn unmount(self) {
+        tool("umount", &[self.0.to_str().unwrap()]);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// A tarball of real files: C and C++ headers of this machine (a few thousand files).
+fn real_tarball(dir: &Path) -> PathBuf {
+    let tarball = dir.join("headers.tar");
+    tool(
+        "tar",
+        &[
+            "-C",
+            "/usr/include",
+            "-cf",
+            tarball.to_str().unwrap(),
+            "linux",
+            "x86_64-linux-gnu",
+            "c++",
+        ],
+    );
+    tarball
+}
+
+fn mkfs(fs: &str, dev: &str) {
+    match fs {
+        "ext4" => tool("mkfs.ext4", &["-q", "-F", dev]),
+        "xfs" => tool("mkfs.xfs", &["-q", "-f", dev]),
+        other => panic!("{other}"),
+    };
+}
+
+fn fsck(fs: &str, dev: &str) {
+    match fs {
+        "ext4" => tool("e2fsck", &["-fn", dev]),
+        "xfs" => tool("xfs_repair", &["-n", dev]),
+        other => panic!("{other}"),
+    };
+}
+
+/// Extracts the tarball into the filesystem, syncs, unmounts, checks, remounts and compares
+/// every file with the archive.
+fn fill_and_check(fs: &str, dev: &str, mnt: &Path, tarball: &Path) {
+    let mounted = Mounted::new(dev, mnt);
+    tool(
+        "tar",
+        &[
+            "-C",
+            mnt.to_str().unwrap(),
+            "-xf",
+            tarball.to_str().unwrap(),
+        ],
+    );
+    tool("sync", &[]);
+    tool(
+        "tar",
+        &[
+            "-C",
+            mnt.to_str().unwrap(),
+            "-df",
+            tarball.to_str().unwrap(),
+        ],
+    );
+    mounted.unmount();
+    fsck(fs, dev);
+    let mounted = Mounted::new(dev, mnt);
+    tool(
+        "tar",
+        &[
+            "-C",
+            mnt.to_str().unwrap(),
+            "-df",
+            tarball.to_str().unwrap(),
+        ],
+    );
+    mounted.unmount();
+}
+
+#[test]
+fn ext4_and_xfs_on_linear_through_fuse_and_a_loop_device() {
+    let daemon = fuse_daemon("fuse-linear");
+    let tarball = real_tarball(&daemon.dir.0);
+    for fs in ["ext4", "xfs"] {
+        let disk = daemon.dir.path(&format!("{fs}.img"));
+        sparse_file(&disk, 512 * MIB);
+        daemon.udm(&[
+            "create",
+            fs,
+            "--table",
+            &format!("0 {} linear {} 0", 512 * MIB / 512, disk.display()),
+        ]);
+        let info = daemon.udm(&["info", fs]);
+        assert!(
+            info.contains(&format!(
+                "FUSE file:         {}/fuse/{fs}",
+                daemon.dir.0.display()
+            )),
+            "{info}"
+        );
+        let dev = Loop::attach(&daemon, fs);
+        mkfs(fs, &dev.0);
+        fill_and_check(fs, &dev.0, &daemon.dir.path(&format!("mnt-{fs}")), &tarball);
+    }
+}
+
+#[test]
+fn ext4_on_a_clone_while_it_hydrates_and_fstrim_skips_unused_space() {
+    let daemon = fuse_daemon("fuse-clone");
+    let tarball = real_tarball(&daemon.dir.0);
+    // The source: an ext4 image holding the tarball's files (made without mounting).
+    let tree = daemon.dir.path("tree");
+    std::fs::create_dir_all(&tree).unwrap();
+    tool(
+        "tar",
+        &[
+            "-C",
+            tree.to_str().unwrap(),
+            "-xf",
+            tarball.to_str().unwrap(),
+        ],
+    );
+    let source = daemon.dir.path("source.img");
+    sparse_file(&source, 256 * MIB);
+    tool(
+        "mkfs.ext4",
+        &[
+            "-q",
+            "-F",
+            "-d",
+            tree.to_str().unwrap(),
+            source.to_str().unwrap(),
+        ],
+    );
+    let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
+    sparse_file(&dest, 256 * MIB);
+    sparse_file(&meta, 4 * MIB);
+    daemon.udm(&[
+        "create",
+        "slow",
+        "--table",
+        &format!(
+            "0 524288 delay {} 0 1 {} 0 0",
+            source.display(),
+            source.display()
+        ),
+    ]);
+    daemon.udm(&["create", "vol", "--table", &format!(
+        "0 524288 clone {} {} slow 8 1 no_hydration 4 hydration_threshold 256 hydration_batch_size 64",
+        meta.display(), dest.display()
+    )]);
+    let dev = Loop::attach(&daemon, "vol");
+    let mnt = daemon.dir.path("mnt");
+    let mounted = Mounted::new(&dev.0, &mnt);
+    tool(
+        "tar",
+        &[
+            "-C",
+            mnt.to_str().unwrap(),
+            "-df",
+            tarball.to_str().unwrap(),
+        ],
+    );
+    let hydrated = |d: &Daemon| -> u64 {
+        let json: serde_json::Value =
+            serde_json::from_str(&d.udm(&["status", "vol", "--json"])).unwrap();
+        json["targets"][0]["details"]["hydrated_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let before = hydrated(&daemon);
+    // fstrim: the free space reaches the clone as zeroing of whole regions, which marks
+    // them hydrated without reading the source.
+    tool("fstrim", &[mnt.to_str().unwrap()]);
+    let after_trim = hydrated(&daemon);
+    assert!(
+        after_trim > before + 100 * MIB,
+        "fstrim hydrated only {} bytes",
+        after_trim - before
+    );
+    // Write while it hydrates, then let it finish.
+    tool(
+        "cp",
+        &[
+            "-r",
+            tree.join("linux").to_str().unwrap(),
+            mnt.join("copy").to_str().unwrap(),
+        ],
+    );
+    daemon.udm(&["message", "vol", "0", "enable_hydration"]);
+    tool("sync", &[]);
+    let out = daemon.udm(&["wait", "vol", "--progress"]);
+    assert!(out.ends_with("hydration complete"));
+    tool(
+        "diff",
+        &[
+            "-r",
+            tree.join("linux").to_str().unwrap(),
+            mnt.join("copy").to_str().unwrap(),
+        ],
+    );
+    tool(
+        "tar",
+        &[
+            "-C",
+            mnt.to_str().unwrap(),
+            "-df",
+            tarball.to_str().unwrap(),
+        ],
+    );
+    mounted.unmount();
+    fsck("ext4", &dev.0);
+    // Finalize under the attached loop device; the destination alone is now the filesystem.
+    daemon.udm(&["finalize", "vol"]);
+    drop(dev);
+    fsck("ext4", dest.to_str().unwrap());
+}
+
+#[test]
+fn fio_verifies_a_file_in_the_filesystem_across_live_table_swaps() {
+    let daemon = fuse_daemon("fuse-fio");
+    let disk = daemon.dir.path("disk.img");
+    sparse_file(&disk, 256 * MIB);
+    let one = format!("0 524288 linear {} 0", disk.display());
+    let two = format!(
+        "0 262144 linear {} 0\n262144 262144 linear {} 262144",
+        disk.display(),
+        disk.display()
+    );
+    daemon.udm(&["create", "vol", "--table", &one]);
+    let dev = Loop::attach(&daemon, "vol");
+    mkfs("ext4", &dev.0);
+    let mnt = daemon.dir.path("mnt");
+    let mounted = Mounted::new(&dev.0, &mnt);
+    let fio = Command::new("fio")
+        .args([
+            "--name=fs",
+            "--directory",
+            mnt.to_str().unwrap(),
+            "--rw=randrw",
+            "--bs=4k",
+            "--size=64M",
+            "--ioengine=psync",
+            "--direct=1",
+            "--numjobs=2",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--fsync=32",
+            "--time_based",
+            "--runtime=5",
+            "--verify_backlog=256",
+        ])
+        .output_async();
+    std::thread::sleep(Duration::from_millis(800));
+    for i in 0..10 {
+        daemon.udm(&["suspend", "vol"]);
+        daemon.udm(&[
+            "load",
+            "vol",
+            "--table",
+            if i % 2 == 0 { &two } else { &one },
+        ]);
+        daemon.udm(&["resume", "vol"]);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = fio.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "fio: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("err= 0"));
+    mounted.unmount();
+    fsck("ext4", &dev.0);
+}
+
+trait OutputAsync {
+    fn output_async(&mut self) -> std::process::Child;
+}
+
+impl OutputAsync for Command {
+    fn output_async(&mut self) -> std::process::Child {
+        self.stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn")
+    }
+}
+
+#[test]
+fn a_killed_daemon_leaves_a_dead_mount_that_the_next_daemon_recovers() {
+    let mut daemon = fuse_daemon("fuse-kill");
+    let disk = daemon.dir.path("disk.img");
+    sparse_file(&disk, 16 * MIB);
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--table",
+        &format!("0 32768 linear {} 0", disk.display()),
+    ]);
+    let file = daemon.dir.path("fuse/vol");
+    std::fs::write(&file, vec![0x42u8; 4096]).unwrap();
+    daemon.stop(libc::SIGKILL);
+    let err = std::fs::metadata(&file).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "{err}");
+    daemon.launch();
+    let data = std::fs::read(&file).unwrap();
+    assert_eq!(data.len(), 16 * MIB as usize);
+    assert!(data[..4096].iter().all(|&b| b == 0x42));
+    // A clean stop unmounts.
+    daemon.stop(libc::SIGTERM);
+    assert!(!file.exists());
+}
+
+#[test]
+fn ext4_under_log_writes_is_clean_at_every_fua_point() {
+    let daemon = fuse_daemon("fuse-log-writes");
+    let (disk, log) = (daemon.dir.path("disk.img"), daemon.dir.path("log.img"));
+    sparse_file(&disk, 64 * MIB);
+    sparse_file(&log, 512 * MIB);
+    daemon.udm(&[
+        "create",
+        "lw",
+        "--table",
+        &format!("0 131072 log-writes {} {}", disk.display(), log.display()),
+    ]);
+    let dev = Loop::attach(&daemon, "lw");
+    tool("mkfs.ext4", &["-q", "-F", "-E", "nodiscard", &dev.0]);
+    daemon.udm(&["message", "lw", "0", "mark", "mkfs"]);
+    let mnt = daemon.dir.path("mnt");
+    let mounted = Mounted::new(&dev.0, &mnt);
+    tool(
+        "cp",
+        &[
+            "-r",
+            "/usr/include/linux",
+            mnt.join("linux").to_str().unwrap(),
+        ],
+    );
+    tool("sync", &[]);
+    tool(
+        "rm",
+        &["-rf", mnt.join("linux/netfilter").to_str().unwrap()],
+    );
+    tool(
+        "cp",
+        &[
+            "-r",
+            "/usr/include/x86_64-linux-gnu",
+            mnt.join("arch").to_str().unwrap(),
+        ],
+    );
+    mounted.unmount();
+    drop(dev);
+    daemon.udm(&["remove", "lw"]);
+    let replay = daemon.dir.path("replay.img");
+    sparse_file(&replay, 64 * MIB);
+    // Check from the end of mkfs on: before it finishes there is no filesystem to check.
+    let out = daemon.run_udm(&[
+        "replay-log",
+        "--log",
+        log.to_str().unwrap(),
+        "--replay",
+        replay.to_str().unwrap(),
+        "--check",
+        "fua",
+        "--check-after-mark",
+        "mkfs",
+        "--fsck",
+        &format!("e2fsck -fn {} >/dev/null 2>&1", replay.display()),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let points: u64 = stdout
+        .rsplit("entries; ")
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(points >= 5, "{stdout}");
+    eprintln!("log-writes: {stdout}");
+    // The end of the log is the device itself.
+    assert!(std::fs::read(&replay).unwrap() == std::fs::read(&disk).unwrap());
+}
+
+#[test]
+fn ext4_on_a_hydrating_clone_is_clean_at_every_fua_point_of_its_log() {
+    let daemon = fuse_daemon("fuse-clone-log");
+    let tree = daemon.dir.path("tree");
+    std::fs::create_dir_all(&tree).unwrap();
+    tool(
+        "cp",
+        &[
+            "-r",
+            "/usr/include/linux",
+            tree.join("linux").to_str().unwrap(),
+        ],
+    );
+    let source = daemon.dir.path("source.img");
+    sparse_file(&source, 64 * MIB);
+    tool(
+        "mkfs.ext4",
+        &[
+            "-q",
+            "-F",
+            "-d",
+            tree.to_str().unwrap(),
+            source.to_str().unwrap(),
+        ],
+    );
+    let (dest, meta, log) = (
+        daemon.dir.path("dest.img"),
+        daemon.dir.path("meta.img"),
+        daemon.dir.path("log.img"),
+    );
+    sparse_file(&dest, 64 * MIB);
+    sparse_file(&meta, MIB);
+    sparse_file(&log, 512 * MIB);
+    // The clone hydrates slowly underneath while the filesystem is used through log-writes.
+    daemon.udm(&["create", "vol", "--table", &format!(
+        "0 131072 clone {} {} {} 16 0 6 hydration_threshold 64 hydration_batch_size 4 max_hydration_rate 8192",
+        meta.display(), dest.display(), source.display()
+    )]);
+    daemon.udm(&[
+        "create",
+        "lw",
+        "--table",
+        &format!("0 131072 log-writes vol {}", log.display()),
+    ]);
+    let dev = Loop::attach(&daemon, "lw");
+    let mnt = daemon.dir.path("mnt");
+    let mounted = Mounted::new(&dev.0, &mnt);
+    tool(
+        "cp",
+        &[
+            "-r",
+            "/usr/include/x86_64-linux-gnu",
+            mnt.join("arch").to_str().unwrap(),
+        ],
+    );
+    tool("sync", &[]);
+    tool(
+        "rm",
+        &["-rf", mnt.join("linux/netfilter").to_str().unwrap()],
+    );
+    tool(
+        "cp",
+        &[
+            "-r",
+            "/usr/include/linux/netfilter",
+            mnt.join("again").to_str().unwrap(),
+        ],
+    );
+    mounted.unmount();
+    drop(dev);
+    daemon.udm(&["remove", "lw"]);
+    // The clone read as the source when the log began: replay onto a copy of it.
+    let replay = daemon.dir.path("replay.img");
+    std::fs::copy(&source, &replay).unwrap();
+    let out = daemon.run_udm(&[
+        "replay-log",
+        "--log",
+        log.to_str().unwrap(),
+        "--replay",
+        replay.to_str().unwrap(),
+        "--check",
+        "fua",
+        "--fsck",
+        &format!("e2fsck -fn {} >/dev/null 2>&1", replay.display()),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("clone under log-writes: {stdout}");
+    let copy = daemon.dir.path("clone-now.img");
+    tool("nbdcopy", &[&daemon.uri("vol"), copy.to_str().unwrap()]);
+    assert!(std::fs::read(&replay).unwrap() == std::fs::read(&copy).unwrap());
+}
