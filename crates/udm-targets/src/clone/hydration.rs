@@ -12,11 +12,15 @@ use log::warn;
 
 use super::{Inner, Mode, Settings};
 
-const WORKERS: usize = 4;
+/// Copy threads; `hydration_threshold` and `hydration_batch_size` decide how many of them
+/// copy at once (threshold / batch size, at least one).
+const WORKERS: usize = 8;
 /// User I/O this recent counts as "the user is busy".
 const USER_QUIET: Duration = Duration::from_millis(5);
-/// Pause between batches while the user is busy, so the user's requests go first.
-const YIELD_PAUSE: Duration = Duration::from_millis(1);
+/// While the user is busy, each batch is followed by a pause this many times as long as the
+/// batch took, so copying gets at most 1/(1+N) of the devices' time and the user the rest.
+const YIELD_FACTOR: u32 = 4;
+const MAX_YIELD: Duration = Duration::from_millis(50);
 const ERROR_BACKOFF: Duration = Duration::from_millis(500);
 const RATE_WINDOW: usize = 10;
 
@@ -114,6 +118,7 @@ fn worker(inner: &Inner) {
             std::thread::sleep(wait);
         }
         let first = claims[0].region;
+        let started = Instant::now();
         let result = inner.copy_regions(first..first + count);
         drop(claims);
         if let Err(e) = &result {
@@ -123,7 +128,7 @@ fn worker(inner: &Inner) {
             );
             std::thread::sleep(ERROR_BACKOFF);
         } else if user_busy(inner) {
-            std::thread::sleep(YIELD_PAUSE);
+            std::thread::sleep((started.elapsed() * YIELD_FACTOR).min(MAX_YIELD));
         }
 
         settings = inner.settings.lock().unwrap();
