@@ -56,6 +56,50 @@ impl Drop for Mounted {
     }
 }
 
+/// Changes a mounted filesystem: copies trees of real files, syncs, deletes, copies again.
+fn churn(mnt: &Path) {
+    tool(
+        "cp",
+        &[
+            "-r",
+            "/usr/include/x86_64-linux-gnu",
+            mnt.join("arch").to_str().unwrap(),
+        ],
+    );
+    tool("sync", &[]);
+    tool("rm", &["-rf", mnt.join("arch/bits").to_str().unwrap()]);
+    tool(
+        "cp",
+        &[
+            "-r",
+            "/usr/include/linux/netfilter",
+            mnt.join("again").to_str().unwrap(),
+        ],
+    );
+}
+
+/// Replays `log` onto `replay`, running `e2fsck -fn` at every FUA point; returns the report.
+fn replay_checking_ext4(daemon: &Daemon, log: &Path, replay: &Path, extra: &[&str]) -> String {
+    let fsck = format!("e2fsck -fn {} >/dev/null 2>&1", replay.display());
+    let mut args = vec![
+        "replay-log",
+        "--log",
+        log.to_str().unwrap(),
+        "--replay",
+        replay.to_str().unwrap(),
+    ];
+    args.extend(["--check", "fua", "--fsck", &fsck]);
+    args.extend_from_slice(extra);
+    let out = daemon.run_udm(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 /// A tarball of real files: C and C++ headers of this machine (a few thousand files).
 fn real_tarball(dir: &Path) -> PathBuf {
     let tarball = dir.join("headers.tar");
@@ -382,52 +426,14 @@ fn ext4_under_log_writes_is_clean_at_every_fua_point() {
     daemon.udm(&["message", "lw", "0", "mark", "mkfs"]);
     let mnt = daemon.dir.path("mnt");
     let mounted = Mounted::new(&dev.0, &mnt);
-    tool(
-        "cp",
-        &[
-            "-r",
-            "/usr/include/linux",
-            mnt.join("linux").to_str().unwrap(),
-        ],
-    );
-    tool("sync", &[]);
-    tool(
-        "rm",
-        &["-rf", mnt.join("linux/netfilter").to_str().unwrap()],
-    );
-    tool(
-        "cp",
-        &[
-            "-r",
-            "/usr/include/x86_64-linux-gnu",
-            mnt.join("arch").to_str().unwrap(),
-        ],
-    );
+    churn(&mnt);
     mounted.unmount();
     drop(dev);
     daemon.udm(&["remove", "lw"]);
     let replay = daemon.dir.path("replay.img");
     sparse_file(&replay, 64 * MIB);
     // Check from the end of mkfs on: before it finishes there is no filesystem to check.
-    let out = daemon.run_udm(&[
-        "replay-log",
-        "--log",
-        log.to_str().unwrap(),
-        "--replay",
-        replay.to_str().unwrap(),
-        "--check",
-        "fua",
-        "--check-after-mark",
-        "mkfs",
-        "--fsck",
-        &format!("e2fsck -fn {} >/dev/null 2>&1", replay.display()),
-    ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = replay_checking_ext4(&daemon, &log, &replay, &["--check-after-mark", "mkfs"]);
     let points: u64 = stdout
         .rsplit("entries; ")
         .next()
@@ -490,50 +496,14 @@ fn ext4_on_a_hydrating_clone_is_clean_at_every_fua_point_of_its_log() {
     let dev = Loop::attach(&daemon, "lw");
     let mnt = daemon.dir.path("mnt");
     let mounted = Mounted::new(&dev.0, &mnt);
-    tool(
-        "cp",
-        &[
-            "-r",
-            "/usr/include/x86_64-linux-gnu",
-            mnt.join("arch").to_str().unwrap(),
-        ],
-    );
-    tool("sync", &[]);
-    tool(
-        "rm",
-        &["-rf", mnt.join("linux/netfilter").to_str().unwrap()],
-    );
-    tool(
-        "cp",
-        &[
-            "-r",
-            "/usr/include/linux/netfilter",
-            mnt.join("again").to_str().unwrap(),
-        ],
-    );
+    churn(&mnt);
     mounted.unmount();
     drop(dev);
     daemon.udm(&["remove", "lw"]);
     // The clone read as the source when the log began: replay onto a copy of it.
     let replay = daemon.dir.path("replay.img");
     std::fs::copy(&source, &replay).unwrap();
-    let out = daemon.run_udm(&[
-        "replay-log",
-        "--log",
-        log.to_str().unwrap(),
-        "--replay",
-        replay.to_str().unwrap(),
-        "--check",
-        "fua",
-        "--fsck",
-        &format!("e2fsck -fn {} >/dev/null 2>&1", replay.display()),
-    ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = replay_checking_ext4(&daemon, &log, &replay, &[]);
     eprintln!("clone under log-writes: {stdout}");
     let copy = daemon.dir.path("clone-now.img");
     tool("nbdcopy", &[&daemon.uri("vol"), copy.to_str().unwrap()]);

@@ -217,6 +217,11 @@ pub fn tool(program: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// `qemu-img compare` of two raw images (files or NBD URIs); fails the test if they differ.
+pub fn same_content(a: &str, b: &str) {
+    tool("qemu-img", &["compare", "-f", "raw", "-F", "raw", a, b]);
+}
+
 /// A file of `len` bytes of deterministic pseudo-random data.
 pub fn random_file(path: &Path, len: usize, seed: u64) {
     let mut x = seed | 1;
