@@ -113,17 +113,7 @@ fn an_ext4_source_reads_file_by_file_through_the_clone_before_and_after_hydratio
         files.push(path);
     }
     let source = daemon.dir.path("source.img");
-    sparse_file(&source, 64 * MIB);
-    tool(
-        "mkfs.ext4",
-        &[
-            "-q",
-            "-F",
-            "-d",
-            tree.to_str().unwrap(),
-            source.to_str().unwrap(),
-        ],
-    );
+    ext4_image_of(&tree, &source, 64 * MIB);
     clone_of(&daemon, &source, 8, "1 no_hydration");
 
     let check_through_clone = |label: &str| {

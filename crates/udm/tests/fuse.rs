@@ -100,6 +100,19 @@ fn replay_checking_ext4(daemon: &Daemon, log: &Path, replay: &Path, extra: &[&st
     stdout
 }
 
+/// Every file of the tarball is in the filesystem at `mnt`, byte for byte (`tar -d`).
+fn tar_matches(mnt: &Path, tarball: &Path) {
+    tool(
+        "tar",
+        &[
+            "-C",
+            mnt.to_str().unwrap(),
+            "-df",
+            tarball.to_str().unwrap(),
+        ],
+    );
+}
+
 /// A tarball of real files: C and C++ headers of this machine (a few thousand files).
 fn real_tarball(dir: &Path) -> PathBuf {
     let tarball = dir.join("headers.tar");
@@ -148,27 +161,11 @@ fn fill_and_check(fs: &str, dev: &str, mnt: &Path, tarball: &Path) {
         ],
     );
     tool("sync", &[]);
-    tool(
-        "tar",
-        &[
-            "-C",
-            mnt.to_str().unwrap(),
-            "-df",
-            tarball.to_str().unwrap(),
-        ],
-    );
+    tar_matches(mnt, tarball);
     mounted.unmount();
     fsck(fs, dev);
     let mounted = Mounted::new(dev, mnt);
-    tool(
-        "tar",
-        &[
-            "-C",
-            mnt.to_str().unwrap(),
-            "-df",
-            tarball.to_str().unwrap(),
-        ],
-    );
+    tar_matches(mnt, tarball);
     mounted.unmount();
 }
 
@@ -216,17 +213,7 @@ fn ext4_on_a_clone_while_it_hydrates_and_fstrim_skips_unused_space() {
         ],
     );
     let source = daemon.dir.path("source.img");
-    sparse_file(&source, 256 * MIB);
-    tool(
-        "mkfs.ext4",
-        &[
-            "-q",
-            "-F",
-            "-d",
-            tree.to_str().unwrap(),
-            source.to_str().unwrap(),
-        ],
-    );
+    ext4_image_of(&tree, &source, 256 * MIB);
     let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
     sparse_file(&dest, 256 * MIB);
     sparse_file(&meta, 4 * MIB);
@@ -247,15 +234,7 @@ fn ext4_on_a_clone_while_it_hydrates_and_fstrim_skips_unused_space() {
     let dev = Loop::attach(&daemon, "vol");
     let mnt = daemon.dir.path("mnt");
     let mounted = Mounted::new(&dev.0, &mnt);
-    tool(
-        "tar",
-        &[
-            "-C",
-            mnt.to_str().unwrap(),
-            "-df",
-            tarball.to_str().unwrap(),
-        ],
-    );
+    tar_matches(&mnt, &tarball);
     let hydrated = |d: &Daemon| -> u64 {
         let json: serde_json::Value =
             serde_json::from_str(&d.udm(&["status", "vol", "--json"])).unwrap();
@@ -294,15 +273,7 @@ fn ext4_on_a_clone_while_it_hydrates_and_fstrim_skips_unused_space() {
             mnt.join("copy").to_str().unwrap(),
         ],
     );
-    tool(
-        "tar",
-        &[
-            "-C",
-            mnt.to_str().unwrap(),
-            "-df",
-            tarball.to_str().unwrap(),
-        ],
-    );
+    tar_matches(&mnt, &tarball);
     mounted.unmount();
     fsck("ext4", &dev.0);
     // Finalize under the attached loop device; the destination alone is now the filesystem.
@@ -463,17 +434,7 @@ fn ext4_on_a_hydrating_clone_is_clean_at_every_fua_point_of_its_log() {
         ],
     );
     let source = daemon.dir.path("source.img");
-    sparse_file(&source, 64 * MIB);
-    tool(
-        "mkfs.ext4",
-        &[
-            "-q",
-            "-F",
-            "-d",
-            tree.to_str().unwrap(),
-            source.to_str().unwrap(),
-        ],
-    );
+    ext4_image_of(&tree, &source, 64 * MIB);
     let (dest, meta, log) = (
         daemon.dir.path("dest.img"),
         daemon.dir.path("meta.img"),

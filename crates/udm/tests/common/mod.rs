@@ -217,6 +217,21 @@ pub fn tool(program: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// An ext4 image of `size` bytes at `image` holding the files of `tree` (made without mounting).
+pub fn ext4_image_of(tree: &Path, image: &Path, size: u64) {
+    sparse_file(image, size);
+    tool(
+        "mkfs.ext4",
+        &[
+            "-q",
+            "-F",
+            "-d",
+            tree.to_str().unwrap(),
+            image.to_str().unwrap(),
+        ],
+    );
+}
+
 /// `qemu-img compare` of two raw images (files or NBD URIs); fails the test if they differ.
 pub fn same_content(a: &str, b: &str) {
     tool("qemu-img", &["compare", "-f", "raw", "-F", "raw", a, b]);
