@@ -1,0 +1,875 @@
+#!/usr/bin/env python3
+"""FUSE benchmark for udm: a kernel block device (loop) on udm's FUSE file, side by side.
+
+Three ways to get a /dev/loopN for the same bytes (a fully written ``disk.img``), all with
+``losetup --direct-io=on``, measured with fio (io_uring, O_DIRECT) alternating in one run:
+
+* ``udm FUSE``    -- ``udm attach vol``: a loop device on ``FUSEDIR/vol``, the file udm's own
+                     FUSE export serves for a ``linear`` device over disk.img;
+* ``nbdfuse``     -- the peer: ``nbdfuse MOUNTDIR nbd+unix:///vol?socket=NBDSOCK`` (libnbd's
+                     FUSE file over the SAME udm device, through udm's NBD export), then
+                     ``losetup --direct-io=on -f --show MOUNTDIR/nbd``;
+* ``direct loop`` -- the floor: ``losetup --direct-io=on -f --show disk.img``.
+
+The ratio that matters is udm FUSE / nbdfuse (the bar: >= 1.0x on every row); udm FUSE /
+direct loop says what the FUSE round trip costs against no user space at all.
+
+Usage:  python3 bench/fuse.py [--runtime 10] [--size 1G] [--repeat 2] [--out bench/results/fuse]
+
+The generic helpers (processes, fio JSON, sizes, udm verbs) come from foundation.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import foundation as fnd  # noqa: E402
+from foundation import (  # noqa: E402
+    BenchError, Cell, Service, Udm, Workload, check_export, direct_io_note, fill_backing_file,
+    find_udm, fmt_lat, fmt_ratio, fmt_value, git_describe, human_size, is_below, markdown_table,
+    parse_fio_json, parse_size, resident_bytes, run, start_service, tool_version,
+    wait_for_socket,
+)
+
+REPO = fnd.REPO
+
+
+def log(msg: str) -> None:
+    print(f"[fuse] {msg}", file=sys.stderr, flush=True)
+
+
+# foundation's helpers (run, Service, fill_backing_file ...) log through its module-level `log`;
+# make them speak with this script's prefix.
+fnd.log = log
+
+PACKAGES = dict(fnd.PACKAGES, nbdfuse="libnbd-bin",
+                fusermount3="fuse3", losetup="mount", blockdev="util-linux")
+
+
+def _maybe_reexec_for_matplotlib() -> None:
+    """Re-run under /usr/bin/python3 when this interpreter (e.g. a pyenv one) lacks matplotlib."""
+    if fnd._have_matplotlib() or os.environ.get("UDM_BENCH_NO_REEXEC"):
+        return
+    if "--no-charts" in sys.argv or "-h" in sys.argv or "--help" in sys.argv:
+        return
+    cand = "/usr/bin/python3"
+    try:
+        if not os.access(cand, os.X_OK) or \
+                os.path.realpath(cand) == os.path.realpath(sys.executable):
+            return
+        probe = subprocess.run(
+            [cand, "-c", "import sys, matplotlib; assert sys.version_info >= (3, 9)"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    if probe.returncode == 0:
+        os.environ["UDM_BENCH_NO_REEXEC"] = "1"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(cand, [cand, os.path.abspath(__file__)] + sys.argv[1:])
+
+
+# --------------------------------------------------------------------------------------------
+# workloads and systems
+# --------------------------------------------------------------------------------------------
+
+WORKLOADS = list(fnd.WORKLOADS)   # randread/randwrite 4k qd1, qd32, write/read 256k qd32
+
+SYSTEMS = ["udm-fuse", "nbdfuse", "direct"]
+LABELS = {"udm-fuse": "udm FUSE", "nbdfuse": "nbdfuse", "direct": "direct loop"}
+COLORS = {"udm-fuse": "#1f77b4", "nbdfuse": "#ff7f0e", "direct": "#9e9e9e"}
+
+
+@dataclass
+class LoopDev:
+    system: str
+    device: str          # /dev/loopN
+    backing: Path        # the file it was made on
+
+
+# --------------------------------------------------------------------------------------------
+# bounded subprocesses (a process stuck on a dead FUSE mount must not hang the script)
+# --------------------------------------------------------------------------------------------
+
+def run_group(cmd, *, timeout: float, cwd=None, env=None, text: bool = True):
+    """Run `cmd` in its own process group with a hard time limit.
+
+    fio forks its job processes, and a process blocked on a FUSE file may not die at once:
+    on timeout (or Ctrl-C) the whole group gets SIGTERM, then SIGKILL, and we wait at most a
+    few seconds more before giving up on it (it is reported, never waited for forever)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text,
+                            stdin=subprocess.DEVNULL, cwd=cwd, env=env,
+                            start_new_session=True, preexec_fn=fnd._pdeathsig)
+
+    def kill_group():
+        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.communicate(timeout=wait)
+                return True
+            except subprocess.TimeoutExpired:
+                continue
+        log(f"WARNING: process group {proc.pid} ({cmd[0]}) did not exit after SIGKILL "
+            f"(stuck in the kernel?); leaving it")
+        return False
+
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group()
+        raise BenchError(f"timed out after {timeout:.0f}s: {' '.join(map(str, cmd))}")
+    except BaseException:
+        kill_group()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+# --------------------------------------------------------------------------------------------
+# loop devices and mounts
+# --------------------------------------------------------------------------------------------
+
+def loops_under(prefix: Path) -> list:
+    """Loop devices whose backing file lies under `prefix` (ours: everything is in the temp dir),
+    as (device, back-file) pairs."""
+    cp = run(["losetup", "--list", "--json", "--output", "NAME,BACK-FILE"], timeout=30,
+             check=False, quiet=True)
+    if cp.returncode != 0 or not cp.stdout.strip():
+        return []
+    try:
+        rows = json.loads(cp.stdout).get("loopdevices", [])
+    except json.JSONDecodeError:
+        return []
+    want = str(prefix).rstrip("/") + "/"
+    return [(r["name"], r.get("back-file") or "") for r in rows
+            if (r.get("back-file") or "").startswith(want)]
+
+
+def mounts_under(prefix: Path) -> list:
+    """Mount points at or under `prefix`, deepest first (from /proc/self/mountinfo)."""
+    want = str(prefix).rstrip("/")
+    found = []
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 5:
+            continue
+        mp = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n") \
+                      .replace("\\134", "\\")
+        if mp == want or mp.startswith(want + "/"):
+            found.append(mp)
+    return sorted(set(found), key=len, reverse=True)
+
+
+def is_mounted(path: Path) -> bool:
+    return str(path) in mounts_under(path)
+
+
+def loop_dio(device: str) -> bool | None:
+    """Whether the loop driver really does direct I/O on its backing file (/sys .../loop/dio):
+    `losetup --direct-io=on` only warns when the kernel refuses it."""
+    try:
+        return Path(f"/sys/block/{Path(device).name}/loop/dio").read_text().strip() == "1"
+    except OSError:
+        return None
+
+
+def losetup_attach(backing: Path) -> str:
+    cp = run(["losetup", "--direct-io=on", "-f", "--show", str(backing)], timeout=60,
+             check=False, quiet=True)
+    dev = cp.stdout.strip()
+    if cp.returncode != 0 or not dev.startswith("/dev/"):
+        raise BenchError(f"losetup --direct-io=on -f --show {backing} failed "
+                         f"(exit {cp.returncode}): {cp.stderr.strip()[-800:]}")
+    if cp.stderr.strip():
+        log(f"losetup {backing.name}: {cp.stderr.strip()}")
+    return dev
+
+
+def detach_loop(device: str, *, udm: Udm | None = None) -> bool:
+    """Detach one loop device (with `udm detach` when given the udm client), retrying briefly:
+    the device may still be held for a moment by the process that used it."""
+    for attempt in range(20):
+        if udm is not None and attempt == 0:
+            cp = run([str(udm.binary), "--control", str(udm.control), "detach", device],
+                     timeout=30, env=udm.env, check=False, quiet=True)
+        else:
+            cp = run(["losetup", "-d", device], timeout=30, check=False, quiet=True)
+        if cp.returncode == 0:
+            return True
+        if "No such device" in cp.stderr or "not a loop" in cp.stderr.lower():
+            return True
+        time.sleep(0.25)
+    log(f"WARNING: could not detach {device}: {cp.stderr.strip()[-300:]}")
+    return False
+
+
+def unmount_fuse(mountpoint: Path, *, lazy_fallback: bool = True) -> bool:
+    """`fusermount3 -u`, retried while busy (a loop device lets go of its file asynchronously),
+    then a lazy unmount as the last resort."""
+    if not is_mounted(mountpoint):
+        return True
+    err = ""
+    for _ in range(40):
+        cp = run(["fusermount3", "-u", str(mountpoint)], timeout=30, check=False, quiet=True)
+        if cp.returncode == 0 or not is_mounted(mountpoint):
+            return True
+        err = cp.stderr.strip()
+        time.sleep(0.25)
+    if lazy_fallback:
+        log(f"WARNING: fusermount3 -u {mountpoint} kept failing ({err[-200:]}); lazy unmount")
+        cp = run(["fusermount3", "-u", "-z", str(mountpoint)], timeout=30, check=False,
+                 quiet=True)
+        if cp.returncode != 0 and is_mounted(mountpoint):
+            run(["umount", "-l", str(mountpoint)], timeout=30, check=False, quiet=True)
+    return not is_mounted(mountpoint)
+
+
+def wait_for_file(path: Path, svc: Service | None, timeout: float, size: int | None = None):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if svc is not None and not svc.alive():
+            raise BenchError(f"{svc.name} exited (code {svc.proc.returncode}) before {path} "
+                             f"appeared; log tail:\n{svc.log_tail()}")
+        try:
+            st = path.stat()
+            if size is None or st.st_size == size:
+                return
+            last = f"size {st.st_size}, expected {size}"
+        except OSError as e:
+            last = str(e)
+        time.sleep(0.1)
+    raise BenchError(f"{path} not ready after {timeout:.0f}s ({last})")
+
+
+def device_size(device: str) -> int:
+    cp = run(["blockdev", "--getsize64", device], timeout=30)
+    return int(cp.stdout.strip())
+
+
+def read_digest(path: str, offset: int, length: int = 1 << 20) -> str:
+    """SHA-256 of `length` bytes at `offset`, read with O_DIRECT (dd iflag=direct)."""
+    # dd's output is binary: read it without text decoding (foundation's run() is text).
+    proc = run_group(["dd", f"if={path}", "bs=1M", f"count={length >> 20}",
+                      f"skip={offset >> 20}", "iflag=direct", "status=none"],
+                     timeout=60, text=False)
+    if proc.returncode != 0 or len(proc.stdout) != length:
+        raise BenchError(f"dd of {path} at {offset}: exit {proc.returncode}, "
+                         f"{len(proc.stdout)} bytes: {proc.stderr.decode(errors='replace')[-300:]}")
+    return hashlib.sha256(proc.stdout).hexdigest()
+
+
+def same_bytes(loops: list, disk: Path, size: int) -> str | None:
+    """Read the same 1 MiB at a few offsets through every loop device (and disk.img): all
+    must agree.  None when they do, else a note."""
+    offsets = sorted({0, (size // 3) & ~((1 << 20) - 1), size - (1 << 20)})
+    bad = []
+    for off in offsets:
+        digests = {"disk.img": read_digest(str(disk), off)}
+        for lp in loops:
+            digests[LABELS[lp.system]] = read_digest(lp.device, off)
+        if len(set(digests.values())) != 1:
+            bad.append(f"offset {off}: " + ", ".join(f"{k} {v[:12]}" for k, v in
+                                                      digests.items()))
+    return None if not bad else "the loop devices disagree about the data: " + "; ".join(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# table and chart
+# --------------------------------------------------------------------------------------------
+
+def build_table(results, meta) -> tuple[str, dict]:
+    def cell(wl, key) -> Cell | None:
+        return results.get((wl.key, key))
+
+    def med(wl, key, attr="value"):
+        c = cell(wl, key)
+        return c.median(attr) if c else None
+
+    def ratio(wl, a, b):
+        va, vb = med(wl, a), med(wl, b)
+        if va is None or vb is None or vb == 0:
+            return None
+        return va / vb
+
+    header = ["workload", "udm FUSE", "nbdfuse", "udm / nbdfuse", "direct loop",
+              "udm / direct", "udm FUSE lat µs", "nbdfuse lat µs", "direct loop lat µs"]
+    rows, below, r_peer_all, r_floor_all, summary = [], [], [], [], {}
+    missing_ratio = []
+    for wl in WORKLOADS:
+        r_peer = ratio(wl, "udm-fuse", "nbdfuse")
+        r_floor = ratio(wl, "udm-fuse", "direct")
+        label = wl.label + (" (IOPS)" if wl.metric == "iops" else " (MB/s)")
+        if is_below(r_peer):
+            below.append(f"{wl.label} {r_peer:.2f}×")
+            label = "▼ " + label
+        if r_peer is None:
+            missing_ratio.append(wl.label)
+        else:
+            r_peer_all.append(r_peer)
+        if r_floor is not None:
+            r_floor_all.append(r_floor)
+        rows.append([
+            label,
+            fmt_value(med(wl, "udm-fuse"), wl.metric),
+            fmt_value(med(wl, "nbdfuse"), wl.metric),
+            fmt_ratio(r_peer),
+            fmt_value(med(wl, "direct"), wl.metric),
+            "—" if r_floor is None else f"{r_floor:.2f}×",
+            fmt_lat(cell(wl, "udm-fuse")), fmt_lat(cell(wl, "nbdfuse")),
+            fmt_lat(cell(wl, "direct")),
+        ])
+        summary[wl.key] = {
+            "metric": wl.metric,
+            "systems": {
+                k: None if cell(wl, k) is None else {
+                    "median_value": med(wl, k),
+                    "median_iops": med(wl, k, "iops"),
+                    "median_mbps": med(wl, k, "mbps"),
+                    "median_lat_mean_us": med(wl, k, "lat_mean_us"),
+                    "median_lat_p99_us": med(wl, k, "lat_p99_us"),
+                    "samples": [{"value": x.value, "iops": x.iops, "mbps": x.mbps,
+                                 "lat_mean_us": x.lat_mean_us, "lat_p99_us": x.lat_p99_us,
+                                 "json": x.json_path.name} for x in cell(wl, k).samples],
+                    "errors": cell(wl, k).errors,
+                } for k in SYSTEMS},
+            "ratio_udm_vs_nbdfuse": r_peer,
+            "ratio_udm_vs_direct": r_floor,
+        }
+
+    out = [f"## udm FUSE benchmark — {meta['timestamp']}", ""]
+    out.append(f"Host: {meta['host']}, {meta['cpus']} CPUs, kernel {meta['kernel']}. "
+               f"udm {meta['udm_commit']}. {meta['fio_version']} on /dev/loopN "
+               f"(`losetup --direct-io=on`), io_uring, O_DIRECT, one job. {meta['nbdfuse_version']}"
+               f" ({meta.get('nbdfuse_connections', '?')} connection(s) to udm's NBD socket). "
+               f"Runtime {meta['runtime']} s per run, device size {meta['size_human']}, median of "
+               f"{meta['repeat']} alternating run(s).")
+    out.append("")
+    out.append(markdown_table(header, rows))
+    out.append("")
+    out.append("udm FUSE: loop on udm's own FUSE file (`udm attach`). nbdfuse: loop on nbdfuse's "
+               "file over the same udm device's NBD export. direct loop: loop straight on "
+               "disk.img (the floor, no user space). 4k rows in IOPS, 256k rows in MB/s "
+               "(10^6 B/s). Ratios on IOPS or MB/s; **▼** marks udm / nbdfuse below 1.0×. "
+               "Latency cells: completion latency mean / p99 in µs (fio clat).")
+    out.append("")
+    if r_peer_all:
+        g = math.exp(sum(math.log(r) for r in r_peer_all) / len(r_peer_all))
+        summary["_geomean_udm_vs_nbdfuse"] = g
+        line = f"Summary: udm FUSE / nbdfuse geometric mean {g:.2f}× over {len(r_peer_all)} rows"
+        if r_floor_all:
+            gf = math.exp(sum(math.log(r) for r in r_floor_all) / len(r_floor_all))
+            summary["_geomean_udm_vs_direct"] = gf
+            line += f"; udm FUSE / direct loop {gf:.2f}×"
+        out.append(line + ".")
+        out.append("")
+    met = not below and not missing_ratio
+    summary["_bar_met"] = met
+    if met:
+        out.append("Bar (udm FUSE ≥ 1.0× nbdfuse on every row): **met**.")
+    else:
+        parts = []
+        if below:
+            parts.append("below 1.0× on " + "; ".join(below))
+        if missing_ratio:
+            parts.append("no ratio for " + ", ".join(missing_ratio))
+        out.append("Bar (udm FUSE ≥ 1.0× nbdfuse on every row): **not met** — "
+                   + "; ".join(parts) + ".")
+    failed = sorted({LABELS[k] for k in SYSTEMS for wl in WORKLOADS
+                     if cell(wl, k) and cell(wl, k).errors})
+    if meta.get("notes"):
+        out.append("")
+        out.append("Notes: " + "; ".join(meta["notes"]) + ".")
+    if failed:
+        out.append("")
+        out.append("Runs with errors (see results.json and the *.err files): "
+                   + ", ".join(failed) + ".")
+    return "\n".join(out) + "\n", summary
+
+
+def draw_chart(results, out_dir: Path, meta) -> list:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # pragma: no cover - depends on the machine
+        log(f"NOTE: matplotlib is not available ({e}); chart skipped. "
+            f"Install it with `apt-get install python3-matplotlib`.")
+        return []
+
+    def med(wl, key, attr="value"):
+        c = results.get((wl.key, key))
+        return c.median(attr) if c else None
+
+    caption = (f"{meta['timestamp']} · {meta['cpus']} CPUs · fio io_uring O_DIRECT on "
+               f"/dev/loopN (losetup --direct-io=on) · {meta['runtime']} s × median of "
+               f"{meta['repeat']} · {meta['size_human']}")
+    groups = [("IOPS (4 KiB random)", [w for w in WORKLOADS if w.metric == "iops"], "value"),
+              ("MB/s (256 KiB sequential)", [w for w in WORKLOADS if w.metric == "mbps"],
+               "value"),
+              ("mean latency at iodepth 1, µs (whisker: p99)",
+               [w for w in WORKLOADS if w.qd == 1], "lat")]
+    groups = [g for g in groups if g[1]]
+    if not groups:
+        return []
+    widths = [max(len(g[1]), 1) for g in groups]
+    fig, axes = plt.subplots(1, len(groups), figsize=(15, 5.4),
+                             gridspec_kw={"width_ratios": widths})
+    if len(groups) == 1:
+        axes = [axes]
+    n = len(SYSTEMS)
+    width = 0.8 / n
+    for ax, (ylabel, wls, kind) in zip(axes, groups):
+        xs = list(range(len(wls)))
+        for i, key in enumerate(SYSTEMS):
+            pos = [x + (i - (n - 1) / 2) * width for x in xs]
+            style = dict(color=COLORS[key], hatch="//" if key == "direct" else None,
+                         edgecolor="#555555" if key == "direct" else "white",
+                         label=LABELS[key] + (" (floor)" if key == "direct" else ""))
+            if kind == "lat":
+                means = [med(w, key, "lat_mean_us") or 0 for w in wls]
+                p99s = [med(w, key, "lat_p99_us") or 0 for w in wls]
+                ax.bar(pos, means, width, yerr=[[0] * len(wls),
+                                                [max(p - m, 0) for p, m in zip(p99s, means)]],
+                       capsize=3, error_kw={"elinewidth": 1, "ecolor": "#333333"}, **style)
+                continue
+            bars = ax.bar(pos, [med(w, key) or 0 for w in wls], width, **style)
+            if key == "udm-fuse":
+                for w, b in zip(wls, bars):
+                    va, vb = med(w, "udm-fuse"), med(w, "nbdfuse")
+                    if va and vb:
+                        r = va / vb
+                        ax.annotate(f"{r:.2f}×", (b.get_x() + b.get_width() / 2, b.get_height()),
+                                    ha="center", va="bottom", fontsize=8, fontweight="bold",
+                                    color="#c62828" if is_below(r) else "#1b5e20")
+        ax.set_xticks(xs)
+        ax.set_xticklabels([w.label for w in wls], fontsize=9)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    axes[0].legend(fontsize=9, loc="upper left")
+    fig.suptitle("Block device on a FUSE file: udm's FUSE export vs nbdfuse over udm's NBD "
+                 "export  (ratio = udm / nbdfuse above the udm bar)")
+    fig.text(0.5, 0.01, caption, ha="center", fontsize=8, color="#555555")
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    path = out_dir / "fuse.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+# --------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------
+
+def fio_cmd(wl: Workload, device: str, args, out_json: Path) -> list:
+    return [
+        "fio", f"--name={wl.key}", "--ioengine=io_uring", "--direct=1", f"--filename={device}",
+        f"--rw={wl.rw}", f"--bs={wl.bs}", f"--iodepth={wl.qd}", "--numjobs=1",
+        "--time_based", f"--runtime={args.runtime}", f"--size={args.size}",
+        "--randrepeat=1", "--group_reporting", "--output-format=json",
+        f"--output={out_json}",
+    ]
+
+
+def main(argv=None) -> int:
+    global WORKLOADS
+    ap = argparse.ArgumentParser(
+        description="udm FUSE benchmark: fio on a loop device over udm's FUSE file, over "
+                    "nbdfuse on udm's NBD export, and straight on the file, side by side.")
+    ap.add_argument("--runtime", type=int, default=10, help="seconds per fio run (default 10)")
+    ap.add_argument("--size", type=parse_size, default=parse_size("1G"),
+                    help="device and backing file size (default 1G)")
+    ap.add_argument("--repeat", type=int, default=2,
+                    help="alternating runs per system and workload; the median is kept "
+                         "(default 2)")
+    ap.add_argument("--out", default="bench/results/fuse",
+                    help="output directory (default bench/results/fuse, relative to the "
+                         "current directory)")
+    ap.add_argument("--tmpdir", default=None,
+                    help="where to create the temp dir (must support O_DIRECT, not tmpfs; "
+                         "default $TMPDIR or /tmp)")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the temp dir (disk image, logs); mounts and loops still go")
+    ap.add_argument("--udm", default=None, help="path of the udm binary "
+                                                "(default target/release/udm, built if missing)")
+    ap.add_argument("--no-build", action="store_true", help="never run cargo build")
+    ap.add_argument("--no-charts", action="store_true", help="skip the PNG chart")
+    ap.add_argument("--connections", type=int, default=None,
+                    help="nbdfuse -C N (default: nbdfuse's own default, multi-conn when the "
+                         "server offers it)")
+    ap.add_argument("--workloads", default=None,
+                    help="comma-separated subset of: " + ",".join(w.key for w in WORKLOADS))
+    args = ap.parse_args(argv)
+    if args.runtime < 1 or args.repeat < 1:
+        ap.error("--runtime and --repeat must be at least 1")
+    if args.workloads:
+        wanted = [x.strip() for x in args.workloads.split(",") if x.strip()]
+        unknown = [w for w in wanted if w not in {x.key for x in WORKLOADS}]
+        if unknown:
+            ap.error(f"unknown workloads {unknown}")
+        WORKLOADS = [w for w in WORKLOADS if w.key in wanted]
+
+    # SIGTERM/SIGHUP become KeyboardInterrupt so that the cleanup in `finally` runs.
+    def _on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)
+
+    if os.geteuid() != 0:
+        log("ERROR: loop devices need root (losetup)")
+        return 2
+    missing = [t for t in ("fio", "nbdfuse", "fusermount3", "losetup", "blockdev", "dd")
+               if not shutil.which(t)]
+    if missing:
+        for t in missing:
+            log(f"ERROR: `{t}` not found; install the Debian package "
+                f"`{PACKAGES.get(t, 'coreutils')}`")
+        return 2
+    if not Path("/dev/fuse").exists():
+        log("ERROR: /dev/fuse is missing (modprobe fuse)")
+        return 2
+
+    out_dir = Path(args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for pattern in ("*.json", "*.err", "*.png", "*.log", "table.md"):
+        for old in out_dir.glob(pattern):
+            old.unlink()
+
+    try:
+        udm_bin = find_udm(args)
+    except BenchError as e:
+        log(f"ERROR: {e}")
+        return 2
+    log(f"udm binary: {udm_bin}")
+
+    base = args.tmpdir or os.environ.get("TMPDIR") or "/tmp"
+    stale = [(d, b) for d, b in loops_under(Path(base).resolve())
+             if Path(b.split(" (deleted)")[0]).relative_to(Path(base).resolve())
+             .parts[0].startswith("udm-fusebench-")]
+    if stale:
+        # Only a killed (SIGKILL) run leaves these; they may also belong to a run in progress,
+        # so they are reported, not removed.
+        log("WARNING: loop devices on files of an earlier (killed?) fuse.py run: "
+            + ", ".join(f"{d} ({b})" for d, b in stale)
+            + "; if no other run is in progress: losetup -d DEV, then fusermount3 -u -z on its "
+              "mount")
+    tmp = Path(tempfile.mkdtemp(prefix="udm-fusebench-", dir=base)).resolve()
+    if len(str(tmp / "ctl.sock")) > 100:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"ERROR: temp dir path {tmp} too long for unix sockets; use --tmpdir /tmp")
+        return 2
+
+    size = args.size
+    sectors = size // 512
+    disk = tmp / "disk.img"
+    fuse_dir = tmp / "udmfuse"          # udm's FUSE mount: fuse_dir/vol
+    nbd_mnt = tmp / "nbdfuse"           # nbdfuse's mount: nbd_mnt/nbd
+    ctl = tmp / "ctl.sock"
+    nbd_sock = tmp / "udm.sock"
+    uri = f"nbd+unix:///vol?socket={nbd_sock}"
+    daemon: Service | None = None
+    nbdfuse: Service | None = None
+    udm: Udm | None = None
+    created: list = []
+    loops: list = []
+    results: dict = {}
+    notes: list = []
+    rc = 1
+    meta = {
+        "timestamp": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
+        "udm_commit": git_describe(), "udm_binary": str(udm_bin),
+        "fio_version": tool_version(["fio", "--version"]),
+        "nbdfuse_version": tool_version(["nbdfuse", "--version"]),
+        "losetup_version": tool_version(["losetup", "--version"]),
+        "fuse_enable_uring": (Path("/sys/module/fuse/parameters/enable_uring").read_text().strip()
+                              if Path("/sys/module/fuse/parameters/enable_uring").exists()
+                              else None),
+        "runtime": args.runtime, "size": size, "size_human": human_size(size),
+        "repeat": args.repeat, "tmpdir": str(tmp), "workloads": [w.key for w in WORKLOADS],
+    }
+    try:
+        fill_backing_file(disk, size, timeout=max(600, size / (20 << 20)))
+
+        # ---- udm daemon (NBD + FUSE) and the linear device over disk.img
+        (tmp / "state").mkdir()
+        fuse_dir.mkdir()
+        nbd_mnt.mkdir()
+        daemon = start_service(
+            "udm daemon",
+            [str(udm_bin), "daemon", "--state-dir", str(tmp / "state"), "--control", str(ctl),
+             "--nbd", f"unix:{nbd_sock}", "--fuse", str(fuse_dir)],
+            tmp / "udm-daemon.log", env=dict(os.environ, RUST_BACKTRACE="1"))
+        wait_for_socket(ctl, daemon, timeout=30)
+        udm = Udm(udm_bin, ctl)
+        udm.client("create", "vol", "--table", f"0 {sectors} linear {disk} 0")
+        created.append("vol")
+        wait_for_socket(nbd_sock, daemon, timeout=30)
+        check_export(uri, size, "udm vol (linear)")
+        if not is_mounted(fuse_dir):
+            raise BenchError(f"udm's FUSE mount {fuse_dir} is not in /proc/self/mountinfo; "
+                             f"log tail:\n{daemon.log_tail()}")
+        wait_for_file(fuse_dir / "vol", daemon, timeout=30, size=size)
+        note = direct_io_note("udm daemon", daemon.proc.pid, disk)
+        meta["udm_o_direct"] = note is None
+        if note:
+            log(f"WARNING: {note}")
+            notes.append(note)
+        cp = run(["nbdinfo", "--json", uri], timeout=30, check=False, quiet=True) \
+            if shutil.which("nbdinfo") else None
+        if cp is not None and cp.returncode == 0:
+            try:
+                info = json.loads(cp.stdout)
+                exp = (info.get("exports") or [{}])[0]
+                meta["udm_export_can_multi_conn"] = exp.get("can_multi_conn")
+            except (json.JSONDecodeError, IndexError, AttributeError):
+                pass
+
+        # ---- nbdfuse over the same export
+        nbd_cmd = ["nbdfuse", "-P", str(tmp / "nbdfuse.pid")]
+        if args.connections:
+            nbd_cmd += ["-C", str(args.connections)]
+        nbd_cmd += [str(nbd_mnt), uri]
+        nbdfuse = start_service("nbdfuse", nbd_cmd, tmp / "nbdfuse.log")
+        wait_for_file(tmp / "nbdfuse.pid", nbdfuse, timeout=30)
+        wait_for_file(nbd_mnt / "nbd", nbdfuse, timeout=30, size=size)
+        if args.connections:
+            meta["nbdfuse_connections"] = args.connections
+        else:
+            meta["nbdfuse_connections"] = (4 if meta.get("udm_export_can_multi_conn")
+                                           else 1)
+        try:
+            meta["nbdfuse_sockets"] = sum(
+                1 for fd in Path(f"/proc/{nbdfuse.proc.pid}/fd").iterdir()
+                if os.readlink(fd).startswith("socket:"))
+        except OSError:
+            pass
+
+        # ---- the three loop devices
+        for system, backing in (("udm-fuse", fuse_dir / "vol"), ("nbdfuse", nbd_mnt / "nbd"),
+                                ("direct", disk)):
+            if system == "udm-fuse":
+                cp = udm.client("attach", "vol", timeout=60)
+                dev = cp.stdout.strip()
+                if not dev.startswith("/dev/loop"):
+                    raise BenchError(f"udm attach vol printed {cp.stdout!r}")
+            else:
+                dev = losetup_attach(backing)
+            loops.append(LoopDev(system, dev, backing))
+            got = device_size(dev)
+            if got != size:
+                raise BenchError(f"{dev} ({LABELS[system]}) is {got} bytes, expected {size}")
+            dio = loop_dio(dev)
+            meta.setdefault("loop_devices", {})[system] = {"device": dev, "backing": str(backing),
+                                                          "dio": dio}
+            log(f"{LABELS[system]}: {dev} on {backing} (direct I/O: {dio})")
+            if dio is False:
+                note = (f"{LABELS[system]}'s loop device {dev} runs WITHOUT direct I/O (the "
+                        f"kernel refused it on {backing.name}): its figures include the page "
+                        f"cache")
+                log(f"WARNING: {note}")
+                notes.append(note)
+        bymap = {lp.system: lp for lp in loops}
+
+        note = same_bytes(loops, disk, size)
+        if note:
+            raise BenchError(note + " (before any run)")
+        cached_before = resident_bytes(disk)
+
+        # ---- the matrix: per workload and repeat, udm and nbdfuse alternate which goes first,
+        # the direct loop last.
+        total = len(WORKLOADS) * args.repeat * len(SYSTEMS)
+        est = total * (args.runtime + 1)
+        log(f"{total} fio runs of {args.runtime} s (about {est // 60} min {est % 60} s)")
+        n = 0
+        fio_timeout = args.runtime + 90
+        for wl in WORKLOADS:
+            for rep in range(1, args.repeat + 1):
+                order = ["udm-fuse", "nbdfuse", "direct"] if rep % 2 else \
+                        ["nbdfuse", "udm-fuse", "direct"]
+                for key in order:
+                    n += 1
+                    c = results.setdefault((wl.key, key), Cell())
+                    dead = None
+                    if key in ("udm-fuse", "nbdfuse") and not daemon.alive():
+                        dead = f"udm daemon is not running (exit code {daemon.proc.returncode})"
+                    elif key == "nbdfuse" and not nbdfuse.alive():
+                        dead = f"nbdfuse is not running (exit code {nbdfuse.proc.returncode})"
+                    if dead:
+                        c.errors.append(dead)
+                        if dead not in notes:
+                            notes.append(dead + f" from {wl.key} r{rep} on")
+                        log(f"[{n}/{total}] {wl.key} {key} r{rep}: SKIPPED, {dead}")
+                        continue
+                    out_json = out_dir / f"{wl.key}.{key}.r{rep}.json"
+                    cmd = fio_cmd(wl, bymap[key].device, args, out_json)
+                    try:
+                        cp = run_group(cmd, timeout=fio_timeout, cwd=tmp)
+                        if cp.returncode != 0:
+                            raise BenchError(f"fio exit {cp.returncode}: "
+                                             f"{(cp.stderr or cp.stdout).strip()[-1500:]}")
+                        smp = parse_fio_json(out_json, wl)
+                    except (BenchError, json.JSONDecodeError, KeyError, OSError) as e:
+                        err = f"{e}"
+                        c.errors.append(err)
+                        (out_dir / f"{wl.key}.{key}.r{rep}.err").write_text(
+                            " ".join(cmd) + "\n\n" + err + "\n")
+                        log(f"[{n}/{total}] {wl.key} {key} r{rep}: FAILED: {err[:400]}")
+                        continue
+                    c.samples.append(smp)
+                    unit = "IOPS" if wl.metric == "iops" else "MB/s"
+                    log(f"[{n}/{total}] {wl.key:<18} {key:<9} r{rep}: {smp.value:>10.0f} {unit}"
+                        f"  clat mean {smp.lat_mean_us:.0f} µs p99 {smp.lat_p99_us:.0f} µs")
+
+        cached_after = resident_bytes(disk)
+        meta["page_cache_bytes"] = {"before": cached_before, "after": cached_after}
+        if cached_before is not None and cached_after is not None and \
+                cached_after - cached_before > max(size // 100, 1 << 20):
+            note = (f"{(cached_after - cached_before) >> 20} MiB of {disk.name} entered the page "
+                    f"cache during the runs although every path is meant to bypass it")
+            log(f"WARNING: {note}")
+            notes.append(note)
+        if daemon.alive() and nbdfuse.alive():
+            try:
+                note = same_bytes(loops, disk, size)
+            except BenchError as e:
+                note = f"reading back after the runs failed: {e}"
+            if note:
+                log(f"WARNING: {note} (after the runs)")
+                notes.append(note + " (after the runs: a stale cache on some path)")
+        for lp in loops:
+            dio = loop_dio(lp.device)
+            if dio is not None and dio != meta["loop_devices"][lp.system]["dio"]:
+                notes.append(f"{LABELS[lp.system]}'s loop device changed direct I/O to {dio} "
+                             f"during the run")
+        meta["notes"] = notes
+        table, summary = build_table(results, meta)
+        print()
+        print(table)
+        (out_dir / "table.md").write_text(table)
+        (out_dir / "results.json").write_text(json.dumps(
+            {"meta": meta, "workloads": summary}, indent=2, default=str) + "\n")
+        if args.no_charts:
+            log("chart skipped (--no-charts)")
+        else:
+            for p in draw_chart(results, out_dir, meta):
+                log(f"chart: {p}")
+        log(f"results in {out_dir}")
+        any_ok = any(c.samples for c in results.values())
+        any_err = any(c.errors for c in results.values())
+        rc = 0 if any_ok and not any_err else (3 if any_ok else 1)
+    except KeyboardInterrupt as e:
+        log(f"interrupted ({e or 'Ctrl-C'}); cleaning up")
+        rc = 130
+    except BenchError as e:
+        log(f"ERROR: {e}")
+        rc = 1
+    finally:
+        # Cleanup must finish: a second Ctrl-C or SIGTERM is ignored (every step has a timeout).
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        clean = cleanup(tmp, loops, udm, daemon, nbdfuse, created, fuse_dir, nbd_mnt)
+        for svc in (daemon, nbdfuse):
+            if svc is not None:
+                try:
+                    if svc.logfile.exists():
+                        shutil.copy(svc.logfile, out_dir / svc.logfile.name)
+                except OSError:
+                    pass
+        if not clean:
+            log(f"WARNING: cleanup incomplete; {tmp} left in place (see messages above)")
+        elif args.keep:
+            log(f"cleaned up (loops detached, mounts gone); kept temp dir {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log("cleaned up (loops detached, mounts gone, temp dir removed)")
+        if not clean and rc == 0:
+            rc = 3
+    return rc
+
+
+def cleanup(tmp: Path, loops: list, udm: Udm | None, daemon: Service | None,
+            nbdfuse: Service | None, created: list, fuse_dir: Path, nbd_mnt: Path) -> bool:
+    """Loops first (ours, and any other loop on a file in our temp dir), then nbdfuse, then the
+    udm device and daemon (which unmounts its FUSE dir), then whatever is still mounted under the
+    temp dir.  True when nothing of ours is left."""
+    ok = True
+    try:
+        for lp in reversed(loops):
+            use_udm = udm if (lp.system == "udm-fuse" and daemon is not None
+                              and daemon.alive()) else None
+            detach_loop(lp.device, udm=use_udm)
+        # A loop whose losetup was interrupted before we read its name.
+        for dev, back in loops_under(tmp):
+            log(f"detaching leftover {dev} ({back})")
+            detach_loop(dev)
+    except BenchError as e:
+        log(f"loop cleanup: {e}")
+    if nbdfuse is not None:
+        try:
+            if not unmount_fuse(nbd_mnt):
+                ok = False
+        except BenchError as e:
+            log(f"unmounting nbdfuse: {e}")
+        try:
+            nbdfuse.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        nbdfuse.stop(grace=5)
+    if daemon is not None and daemon.alive() and udm is not None:
+        for name in reversed(created):
+            try:
+                udm.client("remove", name, timeout=30, check=False)
+            except BenchError as e:
+                log(f"udm remove {name}: {e}")
+    if daemon is not None:
+        if not daemon.alive():
+            log(f"udm daemon had exited with code {daemon.proc.returncode}; log tail:\n"
+                f"{daemon.log_tail()}")
+        daemon.stop(grace=20)
+        if daemon.proc.returncode not in (0, -signal.SIGTERM, None):
+            log(f"udm daemon exit code after SIGTERM: {daemon.proc.returncode}")
+    try:
+        for mp in mounts_under(tmp):
+            log(f"{mp} still mounted after its server stopped; unmounting")
+            unmount_fuse(Path(mp))
+        left_loops = loops_under(tmp)
+        left_mounts = mounts_under(tmp)
+    except BenchError as e:
+        log(f"final check: {e}")
+        return False
+    if left_loops:
+        log(f"WARNING: loop devices still on files in {tmp}: {left_loops}")
+        ok = False
+    if left_mounts:
+        log(f"WARNING: still mounted under {tmp}: {left_mounts}")
+        ok = False
+    return ok
+
+
+if __name__ == "__main__":
+    _maybe_reexec_for_matplotlib()
+    sys.exit(main())
