@@ -65,8 +65,11 @@ enum Command {
         #[arg(long, value_name = "MOUNTPOINT")]
         fuse: Option<PathBuf>,
         /// Requests each NBD connection may have in progress at once.
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = 32)]
         nbd_threads: usize,
+        /// Requests the FUSE export serves at once (worker threads).
+        #[arg(long, default_value_t = 16)]
+        fuse_threads: usize,
         /// Seconds a request to a remote (nbd://) backend waits for an unreachable server
         /// before failing with EIO; meanwhile the client reconnects with backoff.
         #[arg(long, default_value_t = 30)]
@@ -164,6 +167,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             nbd,
             fuse,
             nbd_threads,
+            fuse_threads,
             remote_timeout,
         } => {
             return daemon::run(daemon::DaemonOptions {
@@ -172,6 +176,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 nbd,
                 fuse,
                 nbd_threads,
+                fuse_threads,
                 remote_timeout: std::time::Duration::from_secs(remote_timeout),
             });
         }

@@ -53,6 +53,7 @@ pub struct DaemonOptions {
     pub nbd: Vec<Listener>,
     pub fuse: Option<PathBuf>,
     pub nbd_threads: usize,
+    pub fuse_threads: usize,
     pub remote_timeout: std::time::Duration,
 }
 
@@ -113,8 +114,15 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
     let catalog: Arc<dyn ExportCatalog> = Arc::new(Catalog(registry.clone()));
     let fuse = match &options.fuse {
         Some(mountpoint) => {
-            let export = FuseExport::mount(mountpoint, catalog.clone(), FuseConfig::default())
-                .with_context(|| format!("FUSE mount at {}", mountpoint.display()))?;
+            let export = FuseExport::mount(
+                mountpoint,
+                catalog.clone(),
+                FuseConfig {
+                    workers: options.fuse_threads,
+                    ..FuseConfig::default()
+                },
+            )
+            .with_context(|| format!("FUSE mount at {}", mountpoint.display()))?;
             info!(
                 "fuse: every device is the file {}/NAME",
                 mountpoint.display()
