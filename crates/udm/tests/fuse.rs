@@ -470,3 +470,29 @@ fn ext4_on_a_hydrating_clone_is_clean_at_every_fua_point_of_its_log() {
     tool("nbdcopy", &[&daemon.uri("vol"), copy.to_str().unwrap()]);
     assert!(std::fs::read(&replay).unwrap() == std::fs::read(&copy).unwrap());
 }
+
+#[test]
+fn xfs_made_on_a_clone_while_it_hydrates() {
+    let daemon = fuse_daemon("fuse-clone-xfs");
+    let tarball = real_tarball(&daemon.dir.0);
+    // An old, unrelated volume as the source: the new filesystem overwrites it while the
+    // clone copies it underneath.
+    let source = daemon.dir.path("source.img");
+    random_file(&source, 512 * MIB as usize, 8);
+    let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
+    sparse_file(&dest, 512 * MIB);
+    sparse_file(&meta, 4 * MIB);
+    daemon.udm(&["create", "vol", "--table", &format!(
+        "0 1048576 clone {} {} {} 16 0 6 hydration_threshold 64 hydration_batch_size 16 max_hydration_rate 65536",
+        meta.display(), dest.display(), source.display()
+    )]);
+    let dev = Loop::attach(&daemon, "vol");
+    mkfs("xfs", &dev.0);
+    fill_and_check("xfs", &dev.0, &daemon.dir.path("mnt"), &tarball);
+    let out = daemon.udm(&["wait", "vol", "--progress"]);
+    assert!(out.ends_with("hydration complete"));
+    fsck("xfs", &dev.0);
+    drop(dev);
+    // Hydrated: the destination alone holds the filesystem.
+    fsck("xfs", dest.to_str().unwrap());
+}

@@ -119,7 +119,7 @@ fn worker(inner: &Inner) {
         }
         let first = claims[0].region;
         let started = Instant::now();
-        let result = inner.copy_regions(first..first + count);
+        let result = inner.copy_regions(first..first + count, true);
         drop(claims);
         if let Err(e) = &result {
             warn!(

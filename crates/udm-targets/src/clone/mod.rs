@@ -34,6 +34,9 @@ use regions::RegionClaims;
 
 const MIN_REGION_SECTORS: u64 = 8;
 const MAX_REGION_SECTORS: u64 = 2_097_152;
+/// On-demand copies (a user's write waiting) ask the source for zeroes only for regions at
+/// least this large.
+const ON_DEMAND_PROBE_MIN: u64 = 1 << 20;
 /// Largest piece copied with one read and one write.
 const COPY_CHUNK: u64 = 1 << 20;
 
@@ -262,21 +265,23 @@ impl Inner {
         )
     }
 
-    /// Copies `regions` from the source to the destination and marks them hydrated. Ranges
-    /// the source reports as zero are zeroed on the destination instead of read and written.
+    /// Copies `regions` from the source to the destination and marks them hydrated. With
+    /// `probe_zeroes`, ranges the source reports as zero are zeroed on the destination instead
+    /// of read and written; the probe costs a round trip to the source, worth it for the
+    /// background copy, not while a user's write waits for a small region.
     /// The caller holds the regions' claims.
-    fn copy_regions(&self, regions: std::ops::Range<u64>) -> Result<()> {
+    fn copy_regions(&self, regions: std::ops::Range<u64>, probe_zeroes: bool) -> Result<()> {
         let start = self.bounds(regions.start).0;
         let end = self.bounds(regions.end - 1).1;
         let mut buf = AlignedBuf::new();
         let mut pos = start;
         while pos < end {
-            let extent = self
-                .source
-                .block_status(pos, end - pos)?
-                .first()
-                .copied()
-                .unwrap_or(Extent::data(end - pos));
+            let extent = if probe_zeroes {
+                self.source.block_status(pos, end - pos)?.first().copied()
+            } else {
+                None
+            }
+            .unwrap_or(Extent::data(end - pos));
             let run = extent.len.clamp(SECTOR_SIZE, end - pos);
             if extent.flags & EXTENT_ZERO != 0 {
                 self.dest.write_zeroes(
@@ -318,7 +323,7 @@ impl Inner {
         if self.meta.is_hydrated(region) {
             return Ok(());
         }
-        self.copy_regions(region..region + 1)
+        self.copy_regions(region..region + 1, self.region >= ON_DEMAND_PROBE_MIN)
     }
 
     /// Writes and write-zeroes: regions the request covers entirely go straight to the

@@ -1,72 +1,69 @@
 //! Per-region claims: whoever copies or overwrites an unhydrated region holds its claim, and
 //! everyone else who needs that region waits for that one claim, never for a global lock.
+//!
+//! Claiming and releasing take one short mutex and allocate nothing; the condition variable
+//! is signalled only when somebody is actually waiting, so the common, uncontended case
+//! costs no system call.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex};
+use std::collections::HashSet;
+use std::sync::{Condvar, Mutex};
 
 #[derive(Default)]
-struct Released {
-    done: Mutex<bool>,
-    cond: Condvar,
+struct Busy {
+    regions: HashSet<u64>,
+    waiters: usize,
 }
 
 #[derive(Default)]
 pub struct RegionClaims {
-    busy: Mutex<HashMap<u64, Arc<Released>>>,
+    busy: Mutex<Busy>,
+    released: Condvar,
 }
 
 /// Holds a region until dropped.
 pub struct Claim<'a> {
     claims: &'a RegionClaims,
     pub region: u64,
-    released: Arc<Released>,
 }
 
 impl RegionClaims {
     /// Claims `region`, waiting while someone else holds it.
     pub fn claim(&self, region: u64) -> Claim<'_> {
-        loop {
-            let holder = {
-                let mut busy = self.busy.lock().unwrap();
-                match busy.get(&region) {
-                    Some(holder) => holder.clone(),
-                    None => return self.insert(&mut busy, region),
-                }
-            };
-            let mut done = holder.done.lock().unwrap();
-            while !*done {
-                done = holder.cond.wait(done).unwrap();
-            }
+        let mut busy = self.busy.lock().unwrap();
+        while busy.regions.contains(&region) {
+            busy.waiters += 1;
+            busy = self.released.wait(busy).unwrap();
+            busy.waiters -= 1;
+        }
+        busy.regions.insert(region);
+        Claim {
+            claims: self,
+            region,
         }
     }
 
     /// Claims `region` if nobody holds it.
     pub fn try_claim(&self, region: u64) -> Option<Claim<'_>> {
         let mut busy = self.busy.lock().unwrap();
-        (!busy.contains_key(&region)).then(|| self.insert(&mut busy, region))
+        busy.regions.insert(region).then(|| Claim {
+            claims: self,
+            region,
+        })
     }
 
     /// Regions claimed right now (the status line's "hydrating").
     pub fn count(&self) -> usize {
-        self.busy.lock().unwrap().len()
-    }
-
-    fn insert(&self, busy: &mut HashMap<u64, Arc<Released>>, region: u64) -> Claim<'_> {
-        let released = Arc::new(Released::default());
-        busy.insert(region, released.clone());
-        Claim {
-            claims: self,
-            region,
-            released,
-        }
+        self.busy.lock().unwrap().regions.len()
     }
 }
 
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
-        self.claims.busy.lock().unwrap().remove(&self.region);
-        *self.released.done.lock().unwrap() = true;
-        self.released.cond.notify_all();
+        let mut busy = self.claims.busy.lock().unwrap();
+        busy.regions.remove(&self.region);
+        if busy.waiters > 0 {
+            self.claims.released.notify_all();
+        }
     }
 }
 
