@@ -44,11 +44,16 @@ from pathlib import Path
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import foundation as fnd  # noqa: E402
+from common import (  # noqa: E402
+    BenchError, copy_logs, git_describe, locate_udm, make_tmpdir, markdown_table,
+    prepare_out_dir, remove_tmp, run, select_workloads, stop_daemon, tmp_base, tool_version,
+    trap_signals, write_results,
+)
 from foundation import (  # noqa: E402
-    BenchError, Service, Udm, Workload, check_export, fill_backing_file, find_udm, git_describe,
-    human_size, markdown_table, parse_fio_json, parse_size, run, start_service, tool_version,
-    wait_for_socket,
+    Service, Udm, Workload, check_export, fill_backing_file, find_udm, human_size,
+    parse_fio_json, parse_size, start_service, wait_for_socket,
 )
 
 REPO = fnd.REPO
@@ -61,32 +66,14 @@ def log(msg: str) -> None:
     print(f"[clone] {msg}", file=sys.stderr, flush=True)
 
 
-# foundation's helpers (run, Service, fill_backing_file ...) log through its module-level `log`;
-# make them speak with this script's prefix.
-fnd.log = log
+# common's and foundation's helpers (run, Service, fill_backing_file ...) log through their
+# module-level `log`; make them speak with this script's prefix.
+common.log = fnd.log = log
 
 
 def _maybe_reexec_for_matplotlib() -> None:
     """Re-run under /usr/bin/python3 when this interpreter (e.g. a pyenv one) lacks matplotlib."""
-    if fnd._have_matplotlib() or os.environ.get("UDM_BENCH_NO_REEXEC"):
-        return
-    if "--no-charts" in sys.argv or "-h" in sys.argv or "--help" in sys.argv:
-        return
-    cand = "/usr/bin/python3"
-    try:
-        if not os.access(cand, os.X_OK) or \
-                os.path.realpath(cand) == os.path.realpath(sys.executable):
-            return
-        probe = subprocess.run(
-            [cand, "-c", "import sys, matplotlib; assert sys.version_info >= (3, 9)"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return
-    if probe.returncode == 0:
-        os.environ["UDM_BENCH_NO_REEXEC"] = "1"
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(cand, [cand, os.path.abspath(__file__)] + sys.argv[1:])
+    common.maybe_reexec_for_matplotlib(__file__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -601,22 +588,17 @@ class Bench:
                 except BenchError as e:
                     self.results[(wl.key, "clone", kib)] = Res(error=str(e))
                     log(f"[{n}/{total}] clone {kib} KiB setup FAILED: {e}")
-                if self.qcow2_available:
+                for key, peer, available in (("qcow2", self.qcow2, self.qcow2_available),
+                                             ("cow", self.cow, self.cow_available)):
+                    if not available:
+                        continue
                     n += 1
                     try:
-                        with self.qcow2(rb) as uri:
-                            self.measure(wl, "qcow2", kib, uri, f"[{n}/{total}]")
+                        with peer(rb) as uri:
+                            self.measure(wl, key, kib, uri, f"[{n}/{total}]")
                     except BenchError as e:
-                        self.results[(wl.key, "qcow2", kib)] = Res(error=str(e))
-                        log(f"[{n}/{total}] qcow2 {kib} KiB setup FAILED: {e}")
-                if self.cow_available:
-                    n += 1
-                    try:
-                        with self.cow(rb) as uri:
-                            self.measure(wl, "cow", kib, uri, f"[{n}/{total}]")
-                    except BenchError as e:
-                        self.results[(wl.key, "cow", kib)] = Res(error=str(e))
-                        log(f"[{n}/{total}] cow {kib} KiB setup FAILED: {e}")
+                        self.results[(wl.key, key, kib)] = Res(error=str(e))
+                        log(f"[{n}/{total}] {key} {kib} KiB setup FAILED: {e}")
 
     # ---- extra measurements --------------------------------------------------------------
 
@@ -1198,9 +1180,8 @@ def main(argv=None) -> int:
         description="udm clone benchmark: the dm-clone seed's table (udm clone vs udm linear, "
                     "qemu qcow2 overlay and nbdkit cow over a slow source), plus hydration "
                     "throughput, interference and metadata size.")
-    ap.add_argument("--runtime", type=int, default=5, help="seconds per fio run (default 5)")
-    ap.add_argument("--size", type=parse_size, default=parse_size("1G"),
-                    help="volume size for the matrix (default 1G)")
+    common.add_sizing_args(ap, runtime=5, size_help="volume size for the matrix (default 1G)",
+                           repeat=False)
     ap.add_argument("--regions", type=parse_regions, default=parse_regions("4,8,16,32,64,128"),
                     help="region sizes in KiB (default 4,8,16,32,64,128)")
     ap.add_argument("--hydration-size", type=parse_size, default=parse_size("4G"),
@@ -1210,16 +1191,13 @@ def main(argv=None) -> int:
                     help="largest hydration volume to grow to (default 16G)")
     ap.add_argument("--hydration-timeout", type=float, default=300,
                     help="seconds to wait for a background hydration to complete (default 300)")
-    ap.add_argument("--out", default="bench/results/clone",
-                    help="output directory (default bench/results/clone)")
-    ap.add_argument("--tmpdir", default=None,
-                    help="where to create the temp dir (must support O_DIRECT; default $TMPDIR "
-                         "or /tmp)")
-    ap.add_argument("--keep", action="store_true", help="keep the temp dir")
-    ap.add_argument("--udm", default=None, help="udm binary (default target/release/udm, built "
-                                                "if missing)")
-    ap.add_argument("--no-build", action="store_true", help="never run cargo build")
-    ap.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    common.add_run_args(
+        ap, out="bench/results/clone", out_help="output directory (default bench/results/clone)",
+        tmpdir_help="where to create the temp dir (must support O_DIRECT; default $TMPDIR "
+                    "or /tmp)",
+        keep_help="keep the temp dir",
+        udm_help="udm binary (default target/release/udm, built if missing)",
+        charts_help="skip the PNG charts")
     ap.add_argument("--nbd-threads", type=int, default=None,
                     help="pass --nbd-threads to the udm daemon (default: the daemon's default)")
     ap.add_argument("--workloads", default=None,
@@ -1229,17 +1207,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.runtime < 1:
         ap.error("--runtime must be at least 1")
-    if args.workloads:
-        wanted = [x.strip() for x in args.workloads.split(",") if x.strip()]
-        unknown = [w for w in wanted if w not in {x.key for x in WORKLOADS}]
-        if unknown:
-            ap.error(f"unknown workloads {unknown}")
-        WORKLOADS = [w for w in WORKLOADS if w.key in wanted]
-
-    def _on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGHUP, _on_signal)
+    WORKLOADS = select_workloads(ap, args.workloads, WORKLOADS)
+    trap_signals()
 
     if not shutil.which("fio"):
         log("ERROR: `fio` not found; install the Debian package `fio`")
@@ -1255,32 +1224,17 @@ def main(argv=None) -> int:
             log(f"WARNING: `{t}` not found; install the Debian package `{pkg}` — its column "
                 f"will be empty")
 
-    out_dir = Path(args.out).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for pattern in ("*.json", "*.err", "*.png", "*.log", "table.md"):
-        for old in out_dir.glob(pattern):
-            old.unlink()
-
-    try:
-        udm_bin = find_udm(args)
-    except BenchError as e:
-        log(f"ERROR: {e}")
+    out_dir = prepare_out_dir(args.out)
+    udm_bin = locate_udm(args, find_udm)
+    if udm_bin is None:
         return 2
-    log(f"udm binary: {udm_bin}")
-
-    base = args.tmpdir or os.environ.get("TMPDIR") or "/tmp"
-    tmp = Path(tempfile.mkdtemp(prefix="udm-clone-", dir=base))
-    if len(str(tmp / "nbdkit-delay.sock")) > 100:
-        shutil.rmtree(tmp, ignore_errors=True)
-        log(f"ERROR: temp dir path {tmp} too long for unix sockets; use --tmpdir /tmp")
+    tmp = make_tmpdir(tmp_base(args), "udm-clone-", "nbdkit-delay.sock")
+    if tmp is None:
         return 2
 
     b = Bench(args, udm_bin, tmp, out_dir)
     meta = {
-        "timestamp": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
-        "udm_commit": git_describe(), "udm_binary": str(udm_bin),
-        "fio_version": tool_version(["fio", "--version"]),
+        **common.base_meta(udm_bin),
         "nbdkit_version": tool_version(["nbdkit", "--version"]) if shutil.which("nbdkit") else None,
         "qemu_version": tool_version(["qemu-img", "--version"]),
         "runtime": args.runtime, "size": args.size, "regions_kib": args.regions,
@@ -1312,10 +1266,7 @@ def main(argv=None) -> int:
 
         meta["notes"] = b.notes
         table, bars = b.build_report(meta)
-        print()
-        print(table)
-        (out_dir / "table.md").write_text(table)
-        (out_dir / "results.json").write_text(json.dumps({
+        write_results(out_dir, table, {
             "meta": meta,
             "matrix": [{"workload": wl, "system": sk, "region_kib": kib,
                         "iops": r.sample.iops if r.sample else None,
@@ -1328,7 +1279,7 @@ def main(argv=None) -> int:
             "metadata_used_blocks": {str(k): v for k, v in b.meta_used.items()},
             "extras": b.extras,
             "bars": [{"text": t, "ok": ok} for t, ok in bars],
-        }, indent=2, default=str) + "\n")
+        })
         if not args.no_charts:
             for p in b.draw_charts(meta):
                 log(f"chart: {p}")
@@ -1350,20 +1301,9 @@ def main(argv=None) -> int:
             for name in list(reversed(b.created)):
                 b.udm_remove(name)
         if b.daemon is not None:
-            if not b.daemon.alive():
-                log(f"udm daemon had exited with code {b.daemon.proc.returncode}; log tail:\n"
-                    f"{b.daemon.log_tail()}")
-            b.daemon.stop(grace=15)
-        for svc in b.services:
-            try:
-                if svc.logfile.exists():
-                    shutil.copy(svc.logfile, out_dir / svc.logfile.name)
-            except OSError:
-                pass
-        if args.keep:
-            log(f"kept temp dir {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+            stop_daemon(b.daemon, grace=15, report_exit=False)
+        copy_logs(b.services, out_dir)
+        remove_tmp(tmp, args.keep)
     return rc
 
 

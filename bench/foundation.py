@@ -41,7 +41,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.dont_write_bytecode = True
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import (  # noqa: E402
+    REPO, BenchError, _pdeathsig, copy_logs, exit_code, fio_cell, git_describe, import_pyplot,
+    locate_udm, make_tmpdir, markdown_table, page_cache_note, prepare_out_dir, remove_tmp, run,
+    select_workloads, stop_daemon, table_footer, tmp_base, tool_version, trap_signals,
+    write_results,
+)
+from common import have_matplotlib as _have_matplotlib  # noqa: E402,F401
 
 # Which Debian package installs each external tool.
 PACKAGES = {
@@ -57,48 +66,22 @@ PACKAGES = {
 # matplotlib: optional, and possibly only in the system interpreter
 # --------------------------------------------------------------------------------------------
 
-def _have_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
 def _maybe_reexec_for_matplotlib() -> None:
     """Re-run under /usr/bin/python3 when this interpreter (e.g. a pyenv one) lacks matplotlib."""
-    if _have_matplotlib() or os.environ.get("UDM_BENCH_NO_REEXEC"):
-        return
-    if "--no-charts" in sys.argv or "-h" in sys.argv or "--help" in sys.argv:
-        return
-    for cand in ("/usr/bin/python3",):
-        try:
-            if not os.access(cand, os.X_OK):
-                continue
-            if os.path.realpath(cand) == os.path.realpath(sys.executable):
-                continue
-            probe = subprocess.run(
-                [cand, "-c", "import sys, matplotlib; assert sys.version_info >= (3, 9)"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if probe.returncode == 0:
-            os.environ["UDM_BENCH_NO_REEXEC"] = "1"
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.execv(cand, [cand, os.path.abspath(__file__)] + sys.argv[1:])
+    common.maybe_reexec_for_matplotlib(__file__)
 
 
 # --------------------------------------------------------------------------------------------
 # small helpers
 # --------------------------------------------------------------------------------------------
 
-class BenchError(RuntimeError):
-    pass
-
-
 def log(msg: str) -> None:
     print(f"[foundation] {msg}", file=sys.stderr, flush=True)
+
+
+# common's helpers (run, ...) log through its module-level `log`; make them speak with this
+# script's prefix (clone.py and fuse.py point both at their own).
+common.log = log
 
 
 def parse_size(text: str) -> int:
@@ -123,37 +106,6 @@ def human_size(n: int) -> str:
         if n % mult == 0:
             return f"{n // mult}{unit}"
     return str(n)
-
-
-_libc = None
-
-
-def _pdeathsig() -> None:
-    """preexec_fn: the child gets SIGTERM if this script dies, even by SIGKILL."""
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def run(cmd, *, timeout: float, env=None, cwd=None, check=True, quiet=False):
-    """Run a command to completion with a timeout; return CompletedProcess (text)."""
-    try:
-        cp = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            timeout=timeout, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                            preexec_fn=_pdeathsig)
-    except subprocess.TimeoutExpired as e:
-        raise BenchError(f"timed out after {timeout:.0f}s: {' '.join(map(str, cmd))}") from e
-    if check and cp.returncode != 0:
-        raise BenchError(
-            f"command failed (exit {cp.returncode}): {' '.join(map(str, cmd))}\n"
-            f"  stdout: {cp.stdout.strip()[-2000:]}\n  stderr: {cp.stderr.strip()[-2000:]}")
-    if not quiet and cp.returncode != 0:
-        log(f"exit {cp.returncode}: {' '.join(map(str, cmd))}: {cp.stderr.strip()[-500:]}")
-    return cp
 
 
 @dataclass
@@ -434,16 +386,6 @@ def fmt_lat(cell: Cell | None) -> str:
     return f"{m:.0f} / {p:.0f}" if p is not None else f"{m:.0f} / ?"
 
 
-def markdown_table(header, rows) -> str:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), sep, *(line(r) for r in rows)])
-
-
 PAIRS = [("udm-zero", "nbdkit-null"), ("udm-linear", "qemu-nbd")]
 
 
@@ -542,13 +484,7 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
     if missing:
         out.append("")
         out.append("Not measured: " + "; ".join(missing) + ".")
-    if meta.get("notes"):
-        out.append("")
-        out.append("Notes: " + "; ".join(meta["notes"]) + ".")
-    if failed:
-        out.append("")
-        out.append("Runs with errors (see results.json and the *.err files): "
-                   + ", ".join(failed) + ".")
+    table_footer(out, meta, failed)
     return "\n".join(out) + "\n", summary
 
 
@@ -557,13 +493,8 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
 # --------------------------------------------------------------------------------------------
 
 def draw_charts(results, systems, out_dir: Path, meta) -> list:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # pragma: no cover - depends on the machine
-        log(f"NOTE: matplotlib is not available ({e}); charts skipped. "
-            f"Install it with `apt-get install python3-matplotlib`.")
+    plt = import_pyplot("charts")
+    if plt is None:
         return []
 
     by_key = {s.key: s for s in systems}
@@ -658,23 +589,6 @@ def draw_charts(results, systems, out_dir: Path, meta) -> list:
 # --------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------
-
-def tool_version(cmd) -> str:
-    try:
-        cp = run(cmd, timeout=20, check=False, quiet=True)
-        return (cp.stdout or cp.stderr).strip().splitlines()[0]
-    except Exception:
-        return "?"
-
-
-def git_describe() -> str:
-    try:
-        cp = run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], timeout=20,
-                 check=False, quiet=True)
-        return cp.stdout.strip() or "?"
-    except Exception:
-        return "?"
-
 
 def fill_backing_file(path: Path, size: int, timeout: float) -> None:
     """Write every byte of the file (random data, O_DIRECT) so reads hit allocated blocks."""
@@ -805,41 +719,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description="udm foundation benchmark: udm zero vs nbdkit null, udm linear vs "
                     "qemu-nbd raw, and fio on the file, side by side.")
-    ap.add_argument("--runtime", type=int, default=10, help="seconds per fio run (default 10)")
-    ap.add_argument("--size", type=parse_size, default=parse_size("1G"),
-                    help="export and backing file size (default 1G)")
-    ap.add_argument("--repeat", type=int, default=2,
-                    help="alternating runs per system and workload; the median is kept "
-                         "(default 2)")
-    ap.add_argument("--out", default="bench/results/foundation",
-                    help="output directory for fio JSON, table.md and charts "
-                         "(default bench/results/foundation, relative to the current directory)")
-    ap.add_argument("--tmpdir", default=None,
-                    help="where to create the temp dir (must support O_DIRECT; default $TMPDIR "
-                         "or /tmp)")
-    ap.add_argument("--keep", action="store_true", help="keep the temp dir (disk image, logs)")
-    ap.add_argument("--udm", default=None, help="path of the udm binary "
-                                                "(default target/release/udm, built if missing)")
-    ap.add_argument("--no-build", action="store_true", help="never run cargo build")
-    ap.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    common.add_sizing_args(ap, runtime=10, size_help="export and backing file size (default 1G)",
+                           repeat=True)
+    common.add_run_args(
+        ap, out="bench/results/foundation",
+        out_help="output directory for fio JSON, table.md and charts "
+                 "(default bench/results/foundation, relative to the current directory)",
+        tmpdir_help="where to create the temp dir (must support O_DIRECT; default $TMPDIR "
+                    "or /tmp)",
+        keep_help="keep the temp dir (disk image, logs)",
+        udm_help="path of the udm binary (default target/release/udm, built if missing)",
+        charts_help="skip the PNG charts")
     ap.add_argument("--workloads", default=None,
                     help="comma-separated subset of: " + ",".join(w.key for w in WORKLOADS))
     args = ap.parse_args(argv)
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
 
-    if args.workloads:
-        wanted = [x.strip() for x in args.workloads.split(",") if x.strip()]
-        unknown = [w for w in wanted if w not in {x.key for x in WORKLOADS}]
-        if unknown:
-            ap.error(f"unknown workloads {unknown}")
-        WORKLOADS = [w for w in WORKLOADS if w.key in wanted]
-
-    # Convert SIGTERM/SIGHUP into an exception so that the cleanup in `finally` runs.
-    def _on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGHUP, _on_signal)
+    WORKLOADS = select_workloads(ap, args.workloads, WORKLOADS)
+    trap_signals()
 
     missing_required = [t for t in ("fio",) if not shutil.which(t)]
     if missing_required:
@@ -856,26 +754,12 @@ def main(argv=None) -> int:
                     " — its column will be empty"
             log(f"WARNING: `{t}` not found; install the Debian package `{PACKAGES[t]}`{extra}")
 
-    out_dir = Path(args.out).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Leave nothing from an earlier run that this run could be mistaken for.
-    for pattern in ("*.json", "*.err", "*.png", "*.log", "table.md"):
-        for old in out_dir.glob(pattern):
-            old.unlink()
-
-    try:
-        udm_bin = find_udm(args)
-    except BenchError as e:
-        log(f"ERROR: {e}")
+    out_dir = prepare_out_dir(args.out)
+    udm_bin = locate_udm(args, find_udm)
+    if udm_bin is None:
         return 2
-    log(f"udm binary: {udm_bin}")
-
-    base = args.tmpdir or os.environ.get("TMPDIR") or "/tmp"
-    tmp = Path(tempfile.mkdtemp(prefix="udm-foundation-", dir=base))
-    # Unix socket paths are limited to 107 bytes.
-    if len(str(tmp / "nbdkit.sock")) > 100:
-        shutil.rmtree(tmp, ignore_errors=True)
-        log(f"ERROR: temp dir path {tmp} too long for unix sockets; use --tmpdir /tmp")
+    tmp = make_tmpdir(tmp_base(args), "udm-foundation-", "nbdkit.sock")
+    if tmp is None:
         return 2
 
     size = args.size
@@ -889,10 +773,7 @@ def main(argv=None) -> int:
     notes: list = []
     rc = 1
     meta = {
-        "timestamp": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
-        "udm_commit": git_describe(), "udm_binary": str(udm_bin),
-        "fio_version": tool_version(["fio", "--version"]),
+        **common.base_meta(udm_bin),
         "nbdkit_version": tool_version(["nbdkit", "--version"]) if shutil.which("nbdkit") else None,
         "qemu_nbd_version": tool_version(["qemu-nbd", "--version"])
         if shutil.which("qemu-nbd") else None,
@@ -1051,20 +932,13 @@ def main(argv=None) -> int:
                             c.errors.append(msg)
                             log(f"[{n}/{total}] {wl.key} {key} r{rep}: SKIPPED, {msg}")
                             continue
-                    out_json = out_dir / f"{wl.key}.{key}.r{rep}.json"
-                    cmd = fio_cmd(wl, s, args, out_json)
-                    try:
-                        cp = run(cmd, timeout=fio_timeout, check=False, quiet=True, cwd=tmp)
-                        if cp.returncode != 0:
-                            raise BenchError(f"fio exit {cp.returncode}: "
-                                             f"{(cp.stderr or cp.stdout).strip()[-1500:]}")
-                        smp = parse_fio_json(out_json, wl)
-                    except (BenchError, json.JSONDecodeError, KeyError, OSError) as e:
-                        err = f"{e}"
-                        c.errors.append(err)
-                        (out_dir / f"{wl.key}.{key}.r{rep}.err").write_text(
-                            " ".join(cmd) + "\n\n" + err + "\n")
-                        log(f"[{n}/{total}] {wl.key} {key} r{rep}: FAILED: {err[:400]}")
+                    stem = f"{wl.key}.{key}.r{rep}"
+                    cmd = fio_cmd(wl, s, args, out_dir / f"{stem}.json")
+                    smp = fio_cell(cmd, lambda cmd: run(cmd, timeout=fio_timeout, check=False,
+                                                        quiet=True, cwd=tmp),
+                                   parse_fio_json, wl, c, out_dir, stem,
+                                   f"[{n}/{total}] {wl.key} {key} r{rep}")
+                    if smp is None:
                         continue
                     c.samples.append(smp)
                     unit = "IOPS" if wl.metric == "iops" else "MB/s"
@@ -1074,29 +948,22 @@ def main(argv=None) -> int:
 
         cached_after = resident_bytes(disk)
         meta["page_cache_bytes"] = {"before": cached_before, "after": cached_after}
-        if cached_before is not None and cached_after is not None and \
-                cached_after - cached_before > max(size // 100, 1 << 20):
-            note = (f"{(cached_after - cached_before) >> 20} MiB of {disk.name} entered the page "
-                    f"cache during the runs although every system is meant to bypass it "
-                    f"(udm's buffered fallback, or qemu-nbd not honouring --cache=none)")
+        note = page_cache_note(disk.name, size, cached_before, cached_after,
+                               "system is meant to bypass it (udm's buffered fallback, or "
+                               "qemu-nbd not honouring --cache=none)")
+        if note:
             log(f"WARNING: {note}")
             notes.append(note)
         meta["notes"] = notes
         table, summary = build_table(results, systems, meta)
-        print()
-        print(table)
-        (out_dir / "table.md").write_text(table)
-        (out_dir / "results.json").write_text(json.dumps(
-            {"meta": meta, "workloads": summary}, indent=2, default=str) + "\n")
+        write_results(out_dir, table, {"meta": meta, "workloads": summary})
         if args.no_charts:
             log("charts skipped (--no-charts)")
         else:
             for p in draw_charts(results, systems, out_dir, meta):
                 log(f"chart: {p}")
         log(f"results in {out_dir}")
-        any_ok = any(c.samples for c in results.values())
-        any_err = any(c.errors for c in results.values())
-        rc = 0 if any_ok and not any_err else (3 if any_ok else 1)
+        rc = exit_code(results)
     except KeyboardInterrupt as e:
         log(f"interrupted ({e}); cleaning up")
         rc = 130
@@ -1115,22 +982,9 @@ def main(argv=None) -> int:
                 except BenchError as e:
                     log(f"udm remove {name}: {e}")
         if daemon is not None:
-            if not daemon.alive():
-                log(f"udm daemon had exited with code {daemon.proc.returncode}; log tail:\n"
-                    f"{daemon.log_tail()}")
-            daemon.stop(grace=15)
-            if daemon.proc.returncode not in (0, -signal.SIGTERM, None):
-                log(f"udm daemon exit code after SIGTERM: {daemon.proc.returncode}")
-        for svc in services:
-            try:
-                if svc.logfile.exists():
-                    shutil.copy(svc.logfile, out_dir / svc.logfile.name)
-            except OSError:
-                pass
-        if args.keep:
-            log(f"kept temp dir {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+            stop_daemon(daemon, grace=15)
+        copy_logs(services, out_dir)
+        remove_tmp(tmp, args.keep)
     return rc
 
 

@@ -39,12 +39,17 @@ from pathlib import Path
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import foundation as fnd  # noqa: E402
+from common import (  # noqa: E402
+    BenchError, _pdeathsig, copy_logs, exit_code, fio_cell, git_describe, import_pyplot,
+    locate_udm, markdown_table, page_cache_note, prepare_out_dir, run, select_workloads,
+    stop_daemon, table_footer, tmp_base, tool_version, trap_signals, write_results,
+)
 from foundation import (  # noqa: E402
-    BenchError, Cell, Service, Udm, Workload, check_export, direct_io_note, fill_backing_file,
-    find_udm, fmt_lat, fmt_ratio, fmt_value, git_describe, human_size, is_below, markdown_table,
-    parse_fio_json, parse_size, resident_bytes, run, start_service, tool_version,
-    wait_for_socket,
+    Cell, Service, Udm, Workload, check_export, direct_io_note, fill_backing_file, find_udm,
+    fmt_lat, fmt_ratio, fmt_value, human_size, is_below, parse_fio_json, parse_size,
+    resident_bytes, start_service, wait_for_socket,
 )
 
 REPO = fnd.REPO
@@ -54,9 +59,9 @@ def log(msg: str) -> None:
     print(f"[fuse] {msg}", file=sys.stderr, flush=True)
 
 
-# foundation's helpers (run, Service, fill_backing_file ...) log through its module-level `log`;
-# make them speak with this script's prefix.
-fnd.log = log
+# common's and foundation's helpers (run, Service, fill_backing_file ...) log through their
+# module-level `log`; make them speak with this script's prefix.
+common.log = fnd.log = log
 
 PACKAGES = dict(fnd.PACKAGES, nbdfuse="libnbd-bin",
                 fusermount3="fuse3", losetup="mount", blockdev="util-linux")
@@ -64,25 +69,7 @@ PACKAGES = dict(fnd.PACKAGES, nbdfuse="libnbd-bin",
 
 def _maybe_reexec_for_matplotlib() -> None:
     """Re-run under /usr/bin/python3 when this interpreter (e.g. a pyenv one) lacks matplotlib."""
-    if fnd._have_matplotlib() or os.environ.get("UDM_BENCH_NO_REEXEC"):
-        return
-    if "--no-charts" in sys.argv or "-h" in sys.argv or "--help" in sys.argv:
-        return
-    cand = "/usr/bin/python3"
-    try:
-        if not os.access(cand, os.X_OK) or \
-                os.path.realpath(cand) == os.path.realpath(sys.executable):
-            return
-        probe = subprocess.run(
-            [cand, "-c", "import sys, matplotlib; assert sys.version_info >= (3, 9)"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return
-    if probe.returncode == 0:
-        os.environ["UDM_BENCH_NO_REEXEC"] = "1"
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(cand, [cand, os.path.abspath(__file__)] + sys.argv[1:])
+    common.maybe_reexec_for_matplotlib(__file__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,7 +102,7 @@ def run_group(cmd, *, timeout: float, cwd=None, env=None, text: bool = True):
     few seconds more before giving up on it (it is reported, never waited for forever)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text,
                             stdin=subprocess.DEVNULL, cwd=cwd, env=env,
-                            start_new_session=True, preexec_fn=fnd._pdeathsig)
+                            start_new_session=True, preexec_fn=_pdeathsig)
 
     def kill_group():
         for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
@@ -399,24 +386,13 @@ def build_table(results, meta) -> tuple[str, dict]:
                    + "; ".join(parts) + ".")
     failed = sorted({LABELS[k] for k in SYSTEMS for wl in WORKLOADS
                      if cell(wl, k) and cell(wl, k).errors})
-    if meta.get("notes"):
-        out.append("")
-        out.append("Notes: " + "; ".join(meta["notes"]) + ".")
-    if failed:
-        out.append("")
-        out.append("Runs with errors (see results.json and the *.err files): "
-                   + ", ".join(failed) + ".")
+    table_footer(out, meta, failed)
     return "\n".join(out) + "\n", summary
 
 
 def draw_chart(results, out_dir: Path, meta) -> list:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # pragma: no cover - depends on the machine
-        log(f"NOTE: matplotlib is not available ({e}); chart skipped. "
-            f"Install it with `apt-get install python3-matplotlib`.")
+    plt = import_pyplot("chart")
+    if plt is None:
         return []
 
     def med(wl, key, attr="value"):
@@ -499,24 +475,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description="udm FUSE benchmark: fio on a loop device over udm's FUSE file, over "
                     "nbdfuse on udm's NBD export, and straight on the file, side by side.")
-    ap.add_argument("--runtime", type=int, default=10, help="seconds per fio run (default 10)")
-    ap.add_argument("--size", type=parse_size, default=parse_size("1G"),
-                    help="device and backing file size (default 1G)")
-    ap.add_argument("--repeat", type=int, default=2,
-                    help="alternating runs per system and workload; the median is kept "
-                         "(default 2)")
-    ap.add_argument("--out", default="bench/results/fuse",
-                    help="output directory (default bench/results/fuse, relative to the "
-                         "current directory)")
-    ap.add_argument("--tmpdir", default=None,
-                    help="where to create the temp dir (must support O_DIRECT, not tmpfs; "
-                         "default $TMPDIR or /tmp)")
-    ap.add_argument("--keep", action="store_true",
-                    help="keep the temp dir (disk image, logs); mounts and loops still go")
-    ap.add_argument("--udm", default=None, help="path of the udm binary "
-                                                "(default target/release/udm, built if missing)")
-    ap.add_argument("--no-build", action="store_true", help="never run cargo build")
-    ap.add_argument("--no-charts", action="store_true", help="skip the PNG chart")
+    common.add_sizing_args(ap, runtime=10, size_help="device and backing file size (default 1G)",
+                           repeat=True)
+    common.add_run_args(
+        ap, out="bench/results/fuse",
+        out_help="output directory (default bench/results/fuse, relative to the current "
+                 "directory)",
+        tmpdir_help="where to create the temp dir (must support O_DIRECT, not tmpfs; "
+                    "default $TMPDIR or /tmp)",
+        keep_help="keep the temp dir (disk image, logs); mounts and loops still go",
+        udm_help="path of the udm binary (default target/release/udm, built if missing)",
+        charts_help="skip the PNG chart")
     ap.add_argument("--connections", type=int, default=None,
                     help="nbdfuse -C N (default: nbdfuse's own default, multi-conn when the "
                          "server offers it)")
@@ -525,18 +494,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
-    if args.workloads:
-        wanted = [x.strip() for x in args.workloads.split(",") if x.strip()]
-        unknown = [w for w in wanted if w not in {x.key for x in WORKLOADS}]
-        if unknown:
-            ap.error(f"unknown workloads {unknown}")
-        WORKLOADS = [w for w in WORKLOADS if w.key in wanted]
-
-    # SIGTERM/SIGHUP become KeyboardInterrupt so that the cleanup in `finally` runs.
-    def _on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGHUP, _on_signal)
+    WORKLOADS = select_workloads(ap, args.workloads, WORKLOADS)
+    trap_signals()
 
     if os.geteuid() != 0:
         log("ERROR: loop devices need root (losetup)")
@@ -552,20 +511,12 @@ def main(argv=None) -> int:
         log("ERROR: /dev/fuse is missing (modprobe fuse)")
         return 2
 
-    out_dir = Path(args.out).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for pattern in ("*.json", "*.err", "*.png", "*.log", "table.md"):
-        for old in out_dir.glob(pattern):
-            old.unlink()
-
-    try:
-        udm_bin = find_udm(args)
-    except BenchError as e:
-        log(f"ERROR: {e}")
+    out_dir = prepare_out_dir(args.out)
+    udm_bin = locate_udm(args, find_udm)
+    if udm_bin is None:
         return 2
-    log(f"udm binary: {udm_bin}")
 
-    base = args.tmpdir or os.environ.get("TMPDIR") or "/tmp"
+    base = tmp_base(args)
     stale = [(d, b) for d, b in loops_under(Path(base).resolve())
              if Path(b.split(" (deleted)")[0]).relative_to(Path(base).resolve())
              .parts[0].startswith("udm-fusebench-")]
@@ -576,10 +527,8 @@ def main(argv=None) -> int:
             + ", ".join(f"{d} ({b})" for d, b in stale)
             + "; if no other run is in progress: losetup -d DEV, then fusermount3 -u -z on its "
               "mount")
-    tmp = Path(tempfile.mkdtemp(prefix="udm-fusebench-", dir=base)).resolve()
-    if len(str(tmp / "ctl.sock")) > 100:
-        shutil.rmtree(tmp, ignore_errors=True)
-        log(f"ERROR: temp dir path {tmp} too long for unix sockets; use --tmpdir /tmp")
+    tmp = common.make_tmpdir(base, "udm-fusebench-", "ctl.sock", resolve=True)
+    if tmp is None:
         return 2
 
     size = args.size
@@ -599,10 +548,7 @@ def main(argv=None) -> int:
     notes: list = []
     rc = 1
     meta = {
-        "timestamp": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
-        "udm_commit": git_describe(), "udm_binary": str(udm_bin),
-        "fio_version": tool_version(["fio", "--version"]),
+        **common.base_meta(udm_bin),
         "nbdfuse_version": tool_version(["nbdfuse", "--version"]),
         "losetup_version": tool_version(["losetup", "--version"]),
         "fuse_enable_uring": (Path("/sys/module/fuse/parameters/enable_uring").read_text().strip()
@@ -724,20 +670,12 @@ def main(argv=None) -> int:
                             notes.append(dead + f" from {wl.key} r{rep} on")
                         log(f"[{n}/{total}] {wl.key} {key} r{rep}: SKIPPED, {dead}")
                         continue
-                    out_json = out_dir / f"{wl.key}.{key}.r{rep}.json"
-                    cmd = fio_cmd(wl, bymap[key].device, args, out_json)
-                    try:
-                        cp = run_group(cmd, timeout=fio_timeout, cwd=tmp)
-                        if cp.returncode != 0:
-                            raise BenchError(f"fio exit {cp.returncode}: "
-                                             f"{(cp.stderr or cp.stdout).strip()[-1500:]}")
-                        smp = parse_fio_json(out_json, wl)
-                    except (BenchError, json.JSONDecodeError, KeyError, OSError) as e:
-                        err = f"{e}"
-                        c.errors.append(err)
-                        (out_dir / f"{wl.key}.{key}.r{rep}.err").write_text(
-                            " ".join(cmd) + "\n\n" + err + "\n")
-                        log(f"[{n}/{total}] {wl.key} {key} r{rep}: FAILED: {err[:400]}")
+                    stem = f"{wl.key}.{key}.r{rep}"
+                    cmd = fio_cmd(wl, bymap[key].device, args, out_dir / f"{stem}.json")
+                    smp = fio_cell(cmd, lambda cmd: run_group(cmd, timeout=fio_timeout, cwd=tmp),
+                                   parse_fio_json, wl, c, out_dir, stem,
+                                   f"[{n}/{total}] {wl.key} {key} r{rep}")
+                    if smp is None:
                         continue
                     c.samples.append(smp)
                     unit = "IOPS" if wl.metric == "iops" else "MB/s"
@@ -746,10 +684,9 @@ def main(argv=None) -> int:
 
         cached_after = resident_bytes(disk)
         meta["page_cache_bytes"] = {"before": cached_before, "after": cached_after}
-        if cached_before is not None and cached_after is not None and \
-                cached_after - cached_before > max(size // 100, 1 << 20):
-            note = (f"{(cached_after - cached_before) >> 20} MiB of {disk.name} entered the page "
-                    f"cache during the runs although every path is meant to bypass it")
+        note = page_cache_note(disk.name, size, cached_before, cached_after,
+                               "path is meant to bypass it")
+        if note:
             log(f"WARNING: {note}")
             notes.append(note)
         if daemon.alive() and nbdfuse.alive():
@@ -767,20 +704,14 @@ def main(argv=None) -> int:
                              f"during the run")
         meta["notes"] = notes
         table, summary = build_table(results, meta)
-        print()
-        print(table)
-        (out_dir / "table.md").write_text(table)
-        (out_dir / "results.json").write_text(json.dumps(
-            {"meta": meta, "workloads": summary}, indent=2, default=str) + "\n")
+        write_results(out_dir, table, {"meta": meta, "workloads": summary})
         if args.no_charts:
             log("chart skipped (--no-charts)")
         else:
             for p in draw_chart(results, out_dir, meta):
                 log(f"chart: {p}")
         log(f"results in {out_dir}")
-        any_ok = any(c.samples for c in results.values())
-        any_err = any(c.errors for c in results.values())
-        rc = 0 if any_ok and not any_err else (3 if any_ok else 1)
+        rc = exit_code(results)
     except KeyboardInterrupt as e:
         log(f"interrupted ({e or 'Ctrl-C'}); cleaning up")
         rc = 130
@@ -792,13 +723,7 @@ def main(argv=None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
         clean = cleanup(tmp, loops, udm, daemon, nbdfuse, created, fuse_dir, nbd_mnt)
-        for svc in (daemon, nbdfuse):
-            if svc is not None:
-                try:
-                    if svc.logfile.exists():
-                        shutil.copy(svc.logfile, out_dir / svc.logfile.name)
-                except OSError:
-                    pass
+        copy_logs((daemon, nbdfuse), out_dir)
         if not clean:
             log(f"WARNING: cleanup incomplete; {tmp} left in place (see messages above)")
         elif args.keep:
@@ -846,12 +771,7 @@ def cleanup(tmp: Path, loops: list, udm: Udm | None, daemon: Service | None,
             except BenchError as e:
                 log(f"udm remove {name}: {e}")
     if daemon is not None:
-        if not daemon.alive():
-            log(f"udm daemon had exited with code {daemon.proc.returncode}; log tail:\n"
-                f"{daemon.log_tail()}")
-        daemon.stop(grace=20)
-        if daemon.proc.returncode not in (0, -signal.SIGTERM, None):
-            log(f"udm daemon exit code after SIGTERM: {daemon.proc.returncode}")
+        stop_daemon(daemon, grace=20)
     try:
         for mp in mounts_under(tmp):
             log(f"{mp} still mounted after its server stopped; unmounting")

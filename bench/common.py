@@ -1,0 +1,323 @@
+"""Helpers shared by the udm benchmark scripts (foundation.py, clone.py, fuse.py).
+
+Processes (bounded runs, parent-death signal), the matplotlib re-exec, the argument and
+output-directory plumbing every script's main() does the same way, the fio run of one cell,
+and the tail of a table.  Messages go through the module-level `log`, which each script
+points at its own (so they carry that script's prefix).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# matplotlib: optional, and possibly only in the system interpreter
+# --------------------------------------------------------------------------------------------
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def maybe_reexec_for_matplotlib(script: str) -> None:
+    """Re-run `script` under /usr/bin/python3 when this interpreter (e.g. a pyenv one) lacks
+    matplotlib."""
+    if have_matplotlib() or os.environ.get("UDM_BENCH_NO_REEXEC"):
+        return
+    if "--no-charts" in sys.argv or "-h" in sys.argv or "--help" in sys.argv:
+        return
+    cand = "/usr/bin/python3"
+    try:
+        if not os.access(cand, os.X_OK) or \
+                os.path.realpath(cand) == os.path.realpath(sys.executable):
+            return
+        probe = subprocess.run(
+            [cand, "-c", "import sys, matplotlib; assert sys.version_info >= (3, 9)"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    if probe.returncode == 0:
+        os.environ["UDM_BENCH_NO_REEXEC"] = "1"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(cand, [cand, os.path.abspath(script)] + sys.argv[1:])
+
+
+def import_pyplot(what: str):
+    """matplotlib.pyplot with the Agg backend, or None (logged) when it is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # pragma: no cover - depends on the machine
+        log(f"NOTE: matplotlib is not available ({e}); {what} skipped. "
+            f"Install it with `apt-get install python3-matplotlib`.")
+        return None
+    return plt
+
+
+# --------------------------------------------------------------------------------------------
+# processes
+# --------------------------------------------------------------------------------------------
+
+_libc = None
+
+
+def _pdeathsig() -> None:
+    """preexec_fn: the child gets SIGTERM if this script dies, even by SIGKILL."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def run(cmd, *, timeout: float, env=None, cwd=None, check=True, quiet=False):
+    """Run a command to completion with a timeout; return CompletedProcess (text)."""
+    try:
+        cp = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            timeout=timeout, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                            preexec_fn=_pdeathsig)
+    except subprocess.TimeoutExpired as e:
+        raise BenchError(f"timed out after {timeout:.0f}s: {' '.join(map(str, cmd))}") from e
+    if check and cp.returncode != 0:
+        raise BenchError(
+            f"command failed (exit {cp.returncode}): {' '.join(map(str, cmd))}\n"
+            f"  stdout: {cp.stdout.strip()[-2000:]}\n  stderr: {cp.stderr.strip()[-2000:]}")
+    if not quiet and cp.returncode != 0:
+        log(f"exit {cp.returncode}: {' '.join(map(str, cmd))}: {cp.stderr.strip()[-500:]}")
+    return cp
+
+
+def tool_version(cmd) -> str:
+    try:
+        cp = run(cmd, timeout=20, check=False, quiet=True)
+        return (cp.stdout or cp.stderr).strip().splitlines()[0]
+    except Exception:
+        return "?"
+
+
+def git_describe() -> str:
+    try:
+        cp = run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], timeout=20,
+                 check=False, quiet=True)
+        return cp.stdout.strip() or "?"
+    except Exception:
+        return "?"
+
+
+def trap_signals() -> None:
+    """SIGTERM/SIGHUP become KeyboardInterrupt so that the cleanup in `finally` runs."""
+    def _on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)
+
+
+def stop_daemon(daemon, grace: float, report_exit: bool = True) -> None:
+    """Stop the udm daemon (saying so first when it had already died)."""
+    if not daemon.alive():
+        log(f"udm daemon had exited with code {daemon.proc.returncode}; log tail:\n"
+            f"{daemon.log_tail()}")
+    daemon.stop(grace=grace)
+    if report_exit and daemon.proc.returncode not in (0, -signal.SIGTERM, None):
+        log(f"udm daemon exit code after SIGTERM: {daemon.proc.returncode}")
+
+
+def copy_logs(services, out_dir: Path) -> None:
+    for svc in services:
+        if svc is None:
+            continue
+        try:
+            if svc.logfile.exists():
+                shutil.copy(svc.logfile, out_dir / svc.logfile.name)
+        except OSError:
+            pass
+
+
+def remove_tmp(tmp: Path, keep: bool) -> None:
+    if keep:
+        log(f"kept temp dir {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# main() plumbing: workloads, output and temp directories, metadata
+# --------------------------------------------------------------------------------------------
+
+def select_workloads(ap, text, workloads: list) -> list:
+    """The --workloads subset (comma-separated keys) of `workloads`; ap.error on unknown ones."""
+    if not text:
+        return workloads
+    wanted = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [w for w in wanted if w not in {x.key for x in workloads}]
+    if unknown:
+        ap.error(f"unknown workloads {unknown}")
+    return [w for w in workloads if w.key in wanted]
+
+
+def prepare_out_dir(out: str) -> Path:
+    """Create the output directory and leave nothing from an earlier run that this run could
+    be mistaken for."""
+    out_dir = Path(out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for pattern in ("*.json", "*.err", "*.png", "*.log", "table.md"):
+        for old in out_dir.glob(pattern):
+            old.unlink()
+    return out_dir
+
+
+def locate_udm(args, find_udm):
+    """find_udm(args), logged; None (after an ERROR line) when there is no binary."""
+    try:
+        udm_bin = find_udm(args)
+    except BenchError as e:
+        log(f"ERROR: {e}")
+        return None
+    log(f"udm binary: {udm_bin}")
+    return udm_bin
+
+
+def tmp_base(args) -> str:
+    return args.tmpdir or os.environ.get("TMPDIR") or "/tmp"
+
+
+def make_tmpdir(base: str, prefix: str, longest_socket: str, resolve: bool = False):
+    """A fresh temp dir under `base`; None (after an ERROR line) when a unix socket path in it
+    would be too long (they are limited to 107 bytes)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    if resolve:
+        tmp = tmp.resolve()
+    if len(str(tmp / longest_socket)) > 100:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"ERROR: temp dir path {tmp} too long for unix sockets; use --tmpdir /tmp")
+        return None
+    return tmp
+
+
+def base_meta(udm_bin) -> dict:
+    """The first entries of every results.json `meta`: when, where, which udm and fio."""
+    return {
+        "timestamp": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
+        "udm_commit": git_describe(), "udm_binary": str(udm_bin),
+        "fio_version": tool_version(["fio", "--version"]),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# fio and results
+# --------------------------------------------------------------------------------------------
+
+def fio_cell(cmd, runner, parse, wl, cell, out_dir: Path, stem: str, tag: str):
+    """Run one fio command (`runner(cmd)` -> CompletedProcess) and parse its JSON with
+    `parse(path, wl)`; on failure record the error in `cell.errors`, write `stem.err` and
+    return None.  `tag` prefixes the FAILED line."""
+    out_json = out_dir / f"{stem}.json"
+    try:
+        cp = runner(cmd)
+        if cp.returncode != 0:
+            raise BenchError(f"fio exit {cp.returncode}: "
+                             f"{(cp.stderr or cp.stdout).strip()[-1500:]}")
+        return parse(out_json, wl)
+    except (BenchError, json.JSONDecodeError, KeyError, OSError) as e:
+        err = f"{e}"
+        cell.errors.append(err)
+        (out_dir / f"{stem}.err").write_text(" ".join(cmd) + "\n\n" + err + "\n")
+        log(f"{tag}: FAILED: {err[:400]}")
+        return None
+
+
+def page_cache_note(name: str, size: int, before, after, why: str):
+    """A note when more than 1% (at least 1 MiB) of a file entered the page cache."""
+    if before is not None and after is not None and \
+            after - before > max(size // 100, 1 << 20):
+        return (f"{(after - before) >> 20} MiB of {name} entered the page "
+                f"cache during the runs although every {why}")
+    return None
+
+
+def write_results(out_dir: Path, table: str, payload: dict) -> None:
+    """Print the table and write table.md and results.json."""
+    print()
+    print(table)
+    (out_dir / "table.md").write_text(table)
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def exit_code(results: dict) -> int:
+    """0 when every cell has samples and no errors, 3 when some failed, 1 when none ran."""
+    any_ok = any(c.samples for c in results.values())
+    any_err = any(c.errors for c in results.values())
+    return 0 if any_ok and not any_err else (3 if any_ok else 1)
+
+
+def table_footer(out: list, meta: dict, failed) -> None:
+    """Append the notes and the systems with failed runs to a table's lines."""
+    if meta.get("notes"):
+        out.append("")
+        out.append("Notes: " + "; ".join(meta["notes"]) + ".")
+    if failed:
+        out.append("")
+        out.append("Runs with errors (see results.json and the *.err files): "
+                   + ", ".join(failed) + ".")
+
+
+def markdown_table(header, rows) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells):
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def add_sizing_args(ap, *, runtime: int, size_help: str, repeat: bool) -> None:
+    """--runtime, --size (default 1G) and, with `repeat`, --repeat (default 2)."""
+    from foundation import parse_size  # here: foundation imports this module
+    ap.add_argument("--runtime", type=int, default=runtime,
+                    help=f"seconds per fio run (default {runtime})")
+    ap.add_argument("--size", type=parse_size, default=parse_size("1G"), help=size_help)
+    if repeat:
+        ap.add_argument("--repeat", type=int, default=2,
+                        help="alternating runs per system and workload; the median is kept "
+                             "(default 2)")
+
+
+def add_run_args(ap, *, out: str, out_help: str, tmpdir_help: str, keep_help: str,
+                 udm_help: str, charts_help: str) -> None:
+    """--out, --tmpdir, --keep, --udm, --no-build and --no-charts."""
+    ap.add_argument("--out", default=out, help=out_help)
+    ap.add_argument("--tmpdir", default=None, help=tmpdir_help)
+    ap.add_argument("--keep", action="store_true", help=keep_help)
+    ap.add_argument("--udm", default=None, help=udm_help)
+    ap.add_argument("--no-build", action="store_true", help="never run cargo build")
+    ap.add_argument("--no-charts", action="store_true", help=charts_help)
