@@ -185,11 +185,25 @@ impl Daemon {
 }
 
 impl Drop for Daemon {
+    /// Stops the daemon cleanly (so a FUSE mount is unmounted), killing it if it hangs, and
+    /// detaches whatever mount a killed daemon left in the scratch directory.
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             let _ = child.kill();
             let _ = child.wait();
         }
+        // Harmless when nothing is mounted there.
+        let fuse = self.dir.path("fuse");
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(&fuse)
+            .stderr(Stdio::null())
+            .status();
     }
 }
 
