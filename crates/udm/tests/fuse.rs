@@ -100,17 +100,17 @@ fn replay_checking_ext4(daemon: &Daemon, log: &Path, replay: &Path, extra: &[&st
     stdout
 }
 
-/// Every file of the tarball is in the filesystem at `mnt`, byte for byte (`tar -d`).
-fn tar_matches(mnt: &Path, tarball: &Path) {
+/// Runs `tar -C mnt <op> tarball`: `-xf` extracts, `-df` compares every file byte for byte.
+fn tar_in(mnt: &Path, op: &str, tarball: &Path) {
     tool(
         "tar",
-        &[
-            "-C",
-            mnt.to_str().unwrap(),
-            "-df",
-            tarball.to_str().unwrap(),
-        ],
+        &["-C", mnt.to_str().unwrap(), op, tarball.to_str().unwrap()],
     );
+}
+
+/// Every file of the tarball is in the filesystem at `mnt`, byte for byte.
+fn tar_matches(mnt: &Path, tarball: &Path) {
+    tar_in(mnt, "-df", tarball);
 }
 
 /// A tarball of real files: C and C++ headers of this machine (a few thousand files).
@@ -151,15 +151,7 @@ fn fsck(fs: &str, dev: &str) {
 /// every file with the archive.
 fn fill_and_check(fs: &str, dev: &str, mnt: &Path, tarball: &Path) {
     let mounted = Mounted::new(dev, mnt);
-    tool(
-        "tar",
-        &[
-            "-C",
-            mnt.to_str().unwrap(),
-            "-xf",
-            tarball.to_str().unwrap(),
-        ],
-    );
+    tar_in(mnt, "-xf", tarball);
     tool("sync", &[]);
     tar_matches(mnt, tarball);
     mounted.unmount();
