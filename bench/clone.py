@@ -299,17 +299,25 @@ class Bench:
         with open(path, "wb") as f:
             f.truncate(size)
 
+    def dest_file(self, path: Path, volume: int) -> None:
+        """A fresh destination file: preallocated (the seed's destination is a whole logical
+        volume on the SSD) or sparse, per --dest."""
+        with open(path, "wb") as f:
+            if self.args.dest == "falloc":
+                os.posix_fallocate(f.fileno(), 0, volume)
+            else:
+                f.truncate(volume)
+
     @contextlib.contextmanager
     def clone(self, region_bytes: int, source: str, volume: int, features=("no_hydration",),
               core=("hydration_threshold", "256", "hydration_batch_size", "64")):
-        """A fresh clone device (new all-zero metadata, new sparse destination)."""
+        """A fresh clone device (new all-zero metadata, new destination file)."""
         n = self.next_id()
         name = f"cl{n}"
         meta = self.tmp / f"meta{n}.img"
         dest = self.tmp / f"dest{n}.img"
         self.meta_file(meta, volume, region_bytes)
-        with open(dest, "wb") as f:
-            f.truncate(volume)
+        self.dest_file(dest, volume)
         feat = f"{len(features)} {' '.join(features)}".strip() if features else "0"
         table = (f"0 {volume // SECTOR} clone {meta} {dest} {source} {region_bytes // SECTOR} "
                  f"{feat} {len(core)} {' '.join(core)}")
@@ -327,12 +335,11 @@ class Bench:
 
     @contextlib.contextmanager
     def linear_fresh(self):
-        """udm linear over a fresh sparse destination-like file (for the write workloads)."""
+        """udm linear over a fresh destination-like file (for the write workloads)."""
         n = self.next_id()
         name = f"lin{n}"
         dest = self.tmp / f"lin{n}.img"
-        with open(dest, "wb") as f:
-            f.truncate(self.size)
+        self.dest_file(dest, self.size)
         try:
             self.udm_create(name, f"0 {self.sectors} linear {dest} 0")
             yield name
@@ -1202,6 +1209,10 @@ def main(argv=None) -> int:
                     help="pass --nbd-threads to the udm daemon (default: the daemon's default)")
     ap.add_argument("--workloads", default=None,
                     help="comma-separated subset of: " + ",".join(w.key for w in WORKLOADS))
+    ap.add_argument("--dest", choices=("falloc", "sparse"), default="falloc",
+                    help="destination files of clone and linear: preallocated with fallocate, "
+                         "standing in for the seed's destination logical volume (default), or "
+                         "sparse")
     ap.add_argument("--skip-matrix", action="store_true", help="only the extra measurements")
     ap.add_argument("--skip-extras", action="store_true", help="only the matrix")
     args = ap.parse_args(argv)

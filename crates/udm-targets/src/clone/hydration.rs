@@ -14,7 +14,7 @@ use super::{Inner, Mode, Settings};
 
 /// Copy threads; `hydration_threshold` and `hydration_batch_size` decide how many of them
 /// copy at once (threshold / batch size, at least one).
-const WORKERS: usize = 8;
+const WORKERS: usize = 16;
 /// User I/O this recent counts as "the user is busy".
 const USER_QUIET: Duration = Duration::from_millis(5);
 /// While the user is busy, each batch is followed by a pause this many times as long as the
