@@ -302,14 +302,7 @@ impl Inner {
             .unwrap_or(Extent::data(end - pos));
             let run = extent.len.clamp(SECTOR_SIZE, end - pos);
             if extent.flags & EXTENT_ZERO != 0 {
-                self.dest.write_zeroes(
-                    pos,
-                    run,
-                    ZeroFlags {
-                        may_unmap: true,
-                        ..Default::default()
-                    },
-                )?;
+                self.zero_destination(pos, run)?;
             } else {
                 let mut done = 0;
                 while done < run {
@@ -323,6 +316,26 @@ impl Inner {
             pos += run;
         }
         Ok(())
+    }
+
+    /// Makes a destination range read as zeroes for a range the source reports as zero. What
+    /// already reads as zero (a fresh sparse or preallocated destination) is left alone; the
+    /// rest is zeroed without unmapping, so a preallocated destination keeps its space.
+    fn zero_destination(&self, offset: u64, len: u64) -> Result<()> {
+        let end = offset + len;
+        let mut pos = offset;
+        for extent in self.dest.block_status(offset, len)? {
+            let run = extent.len.min(end - pos);
+            if extent.flags & EXTENT_ZERO == 0 {
+                self.dest.write_zeroes(pos, run, ZeroFlags::default())?;
+            }
+            pos += run;
+            if pos == end {
+                return Ok(());
+            }
+        }
+        // The destination described only part of the range: zero the rest.
+        self.dest.write_zeroes(pos, end - pos, ZeroFlags::default())
     }
 
     /// Makes sure `region` is on the destination, copying it or waiting for whoever is.

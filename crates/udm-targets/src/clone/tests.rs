@@ -250,6 +250,32 @@ fn background_hydration_copies_everything_and_skips_zeroes() {
 }
 
 #[test]
+fn stale_destination_data_under_a_source_hole_is_zeroed() {
+    // The destination held something before (an old volume): its bytes under the source's
+    // hole must not survive hydration, while the rest of the hole stays unallocated.
+    let stale = 6 * MIB;
+    let r = rig_with(
+        8 * MIB,
+        "8 0 4 hydration_threshold 256 hydration_batch_size 64",
+        |pre| {
+            let junk = conformance::pattern(64 << 10, 7);
+            pre.dest
+                .inner
+                .write(stale, &junk, WriteFlags::default())
+                .unwrap();
+        },
+    );
+    r.wait_complete();
+    assert!(read(&r.table, 0, 8 * MIB as usize)[..] == read(&*r.source, 0, 8 * MIB as usize)[..]);
+    assert!(read(&*r.dest, stale, 64 << 10).iter().all(|&b| b == 0));
+    assert!(
+        r.dest.inner.allocated() <= 4 * MIB + (64 << 10),
+        "allocated {}",
+        r.dest.inner.allocated()
+    );
+}
+
+#[test]
 fn messages_steer_hydration() {
     let r = rig(4 * MIB, "8 1 no_hydration");
     std::thread::sleep(Duration::from_millis(100));
