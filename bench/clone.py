@@ -1515,7 +1515,7 @@ def main(argv=None) -> int:
         check_export(b.uri("slowsrc"), args.size, "udm slowsrc")
         b.probe_peers()
         b.notes.append("a udm NBD connection serves at most --nbd-threads requests at once "
-                       f"({args.nbd_threads or 'the daemon default, 16'}), and a delayed read "
+                       f"({args.nbd_threads or 'the daemon default, 32'}), and a delayed read "
                        "holds its thread for the 1 ms, so the slow source (and anything read "
                        "through it at iodepth 32) tops out near threads / 1 ms; nbdkit (16 "
                        "threads) and qemu's nbd client are bound alike")

@@ -19,7 +19,7 @@ const WORKERS: usize = 16;
 const USER_QUIET: Duration = Duration::from_millis(5);
 /// While the user is busy, each batch is followed by a pause this many times as long as the
 /// batch took, so copying gets at most 1/(1+N) of the devices' time and the user the rest.
-const YIELD_FACTOR: u32 = 4;
+const YIELD_FACTOR: u32 = 8;
 const MAX_YIELD: Duration = Duration::from_millis(50);
 const ERROR_BACKOFF: Duration = Duration::from_millis(500);
 const RATE_WINDOW: usize = 10;
