@@ -400,6 +400,42 @@ impl Inner {
         Ok(())
     }
 
+    /// A write inside one unhydrated region that it does not cover: the region is read from
+    /// the source, the write laid over it, and the result written to the destination once —
+    /// copying first would write the region and then the user's data again. Returns false,
+    /// having done nothing, for writes this does not fit (they take `write_through`).
+    fn write_merged(&self, offset: u64, data: &[u8], fua: bool) -> Result<bool> {
+        let region = offset / self.region;
+        let (start, end) = self.bounds(region);
+        let len = data.len() as u64;
+        let partial = offset + len <= end && (offset > start || offset + len < end);
+        if !partial
+            || end - start > COPY_CHUNK
+            || self.mode() != Mode::Write
+            || self.meta.is_hydrated(region)
+        {
+            return Ok(false);
+        }
+        let claim = self.claims.claim(region);
+        if self.meta.is_hydrated(region) {
+            // Copied while we waited for the claim: now a plain write.
+            return Ok(false);
+        }
+        COPY_BUFFER.with_borrow_mut(|buf| {
+            buf.resize((end - start) as usize);
+            self.source.read(start, buf)?;
+            buf[(offset - start) as usize..][..data.len()].copy_from_slice(data);
+            self.dest.write(start, buf, WriteFlags { fua: false })
+        })?;
+        self.meta.set_hydrated(region..region + 1);
+        drop(claim);
+        self.announce_if_complete();
+        if fua {
+            self.commit()?;
+        }
+        Ok(true)
+    }
+
     /// Commits the bitmap if it changed (flushing the destination first), otherwise just
     /// flushes the destination. A metadata failure changes the mode.
     fn commit(&self) -> Result<()> {
@@ -539,6 +575,9 @@ impl BlockDevice for Clone {
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
         let s = &self.inner;
         let _io = s.user_io();
+        if s.write_merged(offset, buf, flags.fua)? {
+            return Ok(());
+        }
         s.write_through(offset, buf.len() as u64, flags.fua, || {
             s.dest.write(offset, buf, WriteFlags { fua: false })
         })

@@ -132,10 +132,13 @@ fn full_region_writes_skip_the_copy_and_partial_writes_copy_once() {
     assert_eq!(source_reads(), 0);
     assert!(r.status().contains(" 2/512 "), "{}", r.status());
     // A 512-byte write into region 5 copies it first; its other bytes keep the source data.
+    // The copy and the write reach the destination as one write of the region.
+    let dest_writes = r.dest.writes.load(Ordering::SeqCst);
     r.table
         .write(5 * 8192 + 512, &[0xee; 512], WriteFlags::default())
         .unwrap();
     assert_eq!(source_reads(), 1);
+    assert_eq!(r.dest.writes.load(Ordering::SeqCst), dest_writes + 1);
     let region = read(&r.table, 5 * 8192, 8192);
     let expected = conformance::pattern(2 * MIB as usize, 1);
     assert!(region[..512] == expected[5 * 8192..5 * 8192 + 512]);
