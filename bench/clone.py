@@ -658,14 +658,15 @@ class Bench:
 
     # ---- extra measurements --------------------------------------------------------------
 
-    def source_bandwidth(self, device: str, tag: str, size: int) -> float | None:
-        """fio 1 MiB sequential reads, iodepth 8, on a udm export: MB/s."""
+    def read_bandwidth(self, tag: str, uri: str, fio_args: list,
+                       timeout: float | None = None) -> float | None:
+        """fio 1 MiB sequential reads at iodepth 8 from `uri`: MB/s (None, and a note, if the
+        run fails)."""
         out_json = self.out_dir / f"srcbw.{tag}.json"
         wl = Workload("srcbw", "seq read 1M qd8", "read", "1m", 8)
         try:
-            self.fio("srcbw", ["--ioengine=nbd", f"--uri={self.uri(device)}", "--rw=read",
-                               "--bs=1m", "--iodepth=8", "--time_based",
-                               f"--runtime={self.args.runtime}", f"--size={size}"], out_json)
+            self.fio("srcbw", ["--ioengine=nbd", f"--uri={uri}", "--rw=read", "--bs=1m",
+                               "--iodepth=8", *fio_args], out_json, timeout=timeout)
             mbps = parse_fio_json(out_json, wl).mbps
             log(f"source bandwidth {tag}: {mbps:.0f} MB/s")
             return mbps
@@ -673,6 +674,12 @@ class Bench:
             log(f"source bandwidth {tag}: FAILED: {e}")
             self.notes.append(f"source bandwidth {tag} failed: {str(e)[:300]}")
             return None
+
+    def source_bandwidth(self, device: str, tag: str, size: int) -> float | None:
+        """Sequential reads for --runtime seconds on a udm export: MB/s."""
+        return self.read_bandwidth(tag, self.uri(device),
+                                   ["--time_based", f"--runtime={self.args.runtime}",
+                                    f"--size={size}"])
 
     def wait_hydrated(self, name: str, t0: float, limit: float, samples: list,
                       stop: threading.Event | None = None) -> float | None:
@@ -714,10 +721,7 @@ class Bench:
             log(f"reference copy failed: {e}")
             return None
         finally:
-            try:
-                dst.unlink()
-            except FileNotFoundError:
-                pass
+            dst.unlink(missing_ok=True)
 
     REMOTE_RATE = "2G"     # nbdkit rate filter: bits per second (2·2^30 bit/s ≈ 268 MB/s)
 
@@ -747,17 +751,11 @@ class Bench:
         """The remote source's bandwidth: fio reads the WHOLE volume once (1 MiB, iodepth 8, not
         time based) from a fresh nbdkit — the same bytes and the same initial burst that the
         hydration gets; MB/s."""
-        out_json = self.out_dir / "srcbw.remote.json"
-        wl = Workload("srcbw", "seq read 1M qd8", "read", "1m", 8)
         try:
             with self.remote_source(hsrc, "source bandwidth") as uri:
-                self.fio("srcbw", ["--ioengine=nbd", f"--uri={uri}", "--rw=read", "--bs=1m",
-                                   "--iodepth=8", f"--size={hsize}"], out_json,
-                         timeout=max(self.fio_timeout, hsize / (20 << 20) + 60))
-            mbps = parse_fio_json(out_json, wl).mbps
-            log(f"source bandwidth remote (whole {human_size(hsize)} volume): {mbps:.0f} MB/s")
-            return mbps
-        except (BenchError, json.JSONDecodeError, KeyError, OSError) as e:
+                return self.read_bandwidth("remote", uri, [f"--size={hsize}"],
+                                           timeout=max(self.fio_timeout, hsize / (20 << 20) + 60))
+        except BenchError as e:
             log(f"source bandwidth remote: FAILED: {e}")
             self.notes.append(f"source bandwidth remote failed: {str(e)[:300]}")
             return None
@@ -795,10 +793,7 @@ class Bench:
             self.notes.append(f"same-disk copy ceiling failed: {str(e)[:300]}")
             return None
         finally:
-            try:
-                dst.unlink()
-            except FileNotFoundError:
-                pass
+            dst.unlink(missing_ok=True)
 
     def hydrate_once(self, kind: str, source: str, hsize: int, entry: dict) -> None:
         """One background hydration (no user I/O) of a fresh clone of `source`; fills `entry`."""
