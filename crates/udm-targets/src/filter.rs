@@ -29,24 +29,14 @@ impl Lower {
     ) -> Result<Self, TargetError> {
         let (reference, dev) = args.device(ctx, "dev", mode)?;
         let offset = args.sectors("offset")?;
+        ctx.require(&reference, &*dev, offset, ctx.len)
+            .map_err(|e| args.error(e))?;
         let lower = Lower {
             reference,
             dev,
             offset,
             len: ctx.len,
         };
-        if offset
-            .checked_add(ctx.len)
-            .is_none_or(|end| end > lower.dev.size())
-        {
-            return Err(args.error(format!(
-                "device '{}' has {} sectors; offset {} + length {} does not fit",
-                lower.reference,
-                lower.dev.size() / SECTOR_SIZE,
-                offset / SECTOR_SIZE,
-                ctx.len / SECTOR_SIZE
-            )));
-        }
         Ok(lower)
     }
 

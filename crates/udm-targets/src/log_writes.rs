@@ -29,13 +29,8 @@ pub struct LogWrites {
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
     let (dev_ref, dev) = args.device(ctx, "dev", OpenMode::ReadWrite)?;
     let (log_ref, log_dev) = args.device(ctx, "log dev", OpenMode::ReadWrite)?;
-    if dev.size() < ctx.len {
-        return Err(args.error(format!(
-            "device '{dev_ref}' has {} sectors, the target needs {}",
-            dev.size() / SECTOR_SIZE,
-            ctx.len / SECTOR_SIZE
-        )));
-    }
+    ctx.require(&dev_ref, &*dev, 0, ctx.len)
+        .map_err(|e| args.error(e))?;
     let log = LogWriter::create(log_dev)
         .map_err(|e| args.error(format!("log device '{log_ref}': {e}")))?;
     Ok(Arc::new(LogWrites {

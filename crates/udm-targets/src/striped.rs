@@ -55,16 +55,8 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     for _ in 0..count {
         let (reference, dev) = args.device(ctx, "dev", OpenMode::ReadWrite)?;
         let offset = args.sectors("offset")?;
-        if offset
-            .checked_add(per_stripe)
-            .is_none_or(|end| end > dev.size())
-        {
-            return Err(args.error(format!(
-                "stripe device '{reference}' is too small for offset {} + {} sectors",
-                offset / SECTOR_SIZE,
-                per_stripe / SECTOR_SIZE
-            )));
-        }
+        ctx.require(&reference, &*dev, offset, per_stripe)
+            .map_err(|e| args.error(e))?;
         stripes.push(Stripe {
             reference,
             dev,
@@ -210,10 +202,7 @@ mod tests {
             ),
             ("0 16384 striped 2 8 a 0", "expected 2 <dev> <offset> pairs"),
             ("0 16384 striped 0 8", "<#stripes> must be at least 1"),
-            (
-                "0 16384 striped 2 8 a 16384 b 0",
-                "stripe device 'a' is too small",
-            ),
+            ("0 16384 striped 2 8 a 16384 b 0", "device 'a' has"),
         ] {
             let err = build(&resolver, text).err().unwrap().to_string();
             assert!(err.contains(expected), "{text}: {err}");

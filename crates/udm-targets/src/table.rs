@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use udm_block::{BlockDevice, Capabilities, Extent, Result, WriteFlags, ZeroFlags, SECTOR_SIZE};
+use udm_block::{
+    BlockDevice, BlockError, Capabilities, Extent, Result, WriteFlags, ZeroFlags, SECTOR_SIZE,
+};
 
 use crate::target::{construct, EventSink, Resolver, Target, TargetContext, TargetError};
 
@@ -81,6 +83,8 @@ pub struct Segment {
     pub start: u64,
     pub len: u64,
     pub target: Arc<dyn Target>,
+    /// (reference, bytes from its start) for every lower device the target reaches into.
+    needs: Vec<(String, u64)>,
 }
 
 /// A constructed table: contiguous segments from 0, each served by its target.
@@ -117,12 +121,14 @@ impl Table {
                 resolver,
                 len,
                 raise_event: raise_event.clone(),
+                needs: Default::default(),
             };
             let target = construct(&line.type_name, &line.args, &ctx).map_err(at)?;
             segments.push(Segment {
                 start: next * SECTOR_SIZE,
                 len,
                 target,
+                needs: ctx.needs.into_inner(),
             });
             next += line.len;
         }
@@ -187,6 +193,18 @@ impl Table {
         refs
     }
 
+    /// How many bytes of the device `reference` this table's targets reach into (0 if it
+    /// does not use it): a table that shrinks `reference` below this would strand them.
+    pub fn needs_of(&self, reference: &str) -> u64 {
+        self.segments
+            .iter()
+            .flat_map(|s| &s.needs)
+            .filter(|(r, _)| r == reference)
+            .map(|(_, end)| *end)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The target that `udm message NAME SECTOR …` addresses.
     pub fn target_at(&self, sector: u64) -> Option<&Arc<dyn Target>> {
         let offset = sector.checked_mul(SECTOR_SIZE)?;
@@ -210,12 +228,23 @@ impl Table {
 
     /// Calls `f(target, offset in target, range of the request)` for each segment the request
     /// touches, stopping at the first error.
+    ///
+    /// The range is checked against this table, the one serving the request: a request
+    /// checked against an older, larger table (it waited at a suspended device while a smaller
+    /// table was loaded) fails whole with EIO, as the kernel fails bytes no target maps,
+    /// instead of doing the part that fits.
     fn each_piece(
         &self,
         offset: u64,
         len: u64,
         mut f: impl FnMut(&dyn Target, u64, std::ops::Range<usize>) -> Result<()>,
     ) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > self.size) {
+            return Err(BlockError::Io(format!(
+                "offset {offset} length {len} is beyond the end of the table ({} bytes)",
+                self.size
+            )));
+        }
         let mut index = self.segment_index(offset).unwrap_or(self.segments.len());
         let mut done = 0u64;
         while done < len && index < self.segments.len() {
@@ -338,6 +367,36 @@ mod tests {
                 .unwrap_or_default();
             assert!(err.starts_with(expected), "table {text:?}: got {err:?}");
         }
+    }
+
+    #[test]
+    fn a_request_past_the_table_fails_whole_and_touches_nothing() {
+        let resolver = memory_resolver(&[("a", 4 << 20)]);
+        let table = build(&resolver, "0 4096 linear a 0").unwrap();
+        let across = vec![7u8; 4096];
+        let err = table
+            .write((2 << 20) - 2048, &across, WriteFlags::default())
+            .unwrap_err();
+        assert!(matches!(err, BlockError::Io(_)), "{err:?}");
+        let mut buf = vec![9u8; 2048];
+        resolver.get("a").read((2 << 20) - 2048, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0), "the part that fit was written");
+        let mut read = vec![9u8; 512];
+        assert!(table.read(3 << 20, &mut read).is_err());
+        assert!(table.discard(2 << 20, 512).is_err());
+    }
+
+    #[test]
+    fn needs_record_how_far_each_lower_device_is_used() {
+        let resolver = memory_resolver(&[("a", 8 << 20), ("b", 8 << 20)]);
+        let table = build(
+            &resolver,
+            "0 2048 linear a 4096\n2048 4096 striped 2 8 a 0 b 2048",
+        )
+        .unwrap();
+        assert_eq!(table.needs_of("a"), 3 << 20);
+        assert_eq!(table.needs_of("b"), 2 << 20);
+        assert_eq!(table.needs_of("c"), 0);
     }
 
     #[test]

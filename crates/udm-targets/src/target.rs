@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use thiserror::Error;
-use udm_block::{BlockDevice, OpenMode};
+use udm_block::{BlockDevice, OpenMode, SECTOR_SIZE};
 
 use crate::args::Args;
 
@@ -33,6 +33,33 @@ pub struct TargetContext<'a> {
     /// Length of the segment in bytes.
     pub len: u64,
     pub raise_event: EventSink,
+    /// How far into each lower device the target reaches, recorded by [`TargetContext::require`]
+    /// so that shrinking a device under its users can be refused.
+    pub(crate) needs: std::cell::RefCell<Vec<(String, u64)>>,
+}
+
+impl TargetContext<'_> {
+    /// Checks that `[offset, offset + len)` lies on `dev` (opened as `reference`) and records
+    /// that this target uses it up to there.
+    pub fn require(
+        &self,
+        reference: &str,
+        dev: &dyn BlockDevice,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), TargetError> {
+        let end = offset.checked_add(len).filter(|end| *end <= dev.size());
+        let Some(end) = end else {
+            return Err(TargetError::new(format!(
+                "device '{reference}' has {} sectors; offset {} + length {} does not fit",
+                dev.size() / SECTOR_SIZE,
+                offset / SECTOR_SIZE,
+                len / SECTOR_SIZE
+            )));
+        };
+        self.needs.borrow_mut().push((reference.to_string(), end));
+        Ok(())
+    }
 }
 
 /// A constructed target: a block device of its segment's length, plus the dm-style surface.

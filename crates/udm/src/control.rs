@@ -17,6 +17,11 @@ pub enum Request {
     Load {
         name: String,
         table: String,
+        #[serde(default)]
+        force: bool,
+    },
+    Clear {
+        name: String,
     },
     Suspend {
         name: String,

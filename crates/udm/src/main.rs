@@ -89,7 +89,13 @@ enum Command {
         name: String,
         #[command(flatten)]
         table: TableSource,
+        /// Load a smaller table even though devices built on this one reach past its end
+        /// (their I/O there then fails with EIO).
+        #[arg(long)]
+        force: bool,
     },
+    /// Drop the inactive table (dmsetup clear).
+    Clear { name: String },
     /// Hold new I/O and wait for I/O in flight.
     Suspend { name: String },
     /// Make the inactive table live (if loaded) and let I/O flow.
@@ -192,13 +198,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             },
             false,
         ),
-        Command::Load { name, table } => (
+        Command::Load { name, table, force } => (
             Request::Load {
                 name,
                 table: table.text()?,
+                force,
             },
             false,
         ),
+        Command::Clear { name } => (Request::Clear { name }, false),
         Command::Suspend { name } => (Request::Suspend { name }, false),
         Command::Resume { name } => (Request::Resume { name }, false),
         Command::Message {

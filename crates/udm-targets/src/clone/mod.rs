@@ -144,14 +144,9 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
              {MIN_REGION_SECTORS} to {MAX_REGION_SECTORS} sectors"
         )));
     }
-    for (what, dev) in [("destination", &dest), ("source", &source)] {
-        if ctx.len > dev.size() {
-            return Err(args.error(format!(
-                "target length {} sectors is larger than the {what} device ({} sectors)",
-                ctx.len / SECTOR_SIZE,
-                dev.size() / SECTOR_SIZE
-            )));
-        }
+    for (reference, dev) in [(&dest_ref, &dest), (&source_ref, &source)] {
+        ctx.require(reference, &**dev, 0, ctx.len)
+            .map_err(|e| args.error(e))?;
     }
     let mut hydration_enabled = true;
     let mut discard_passdown = true;
@@ -193,8 +188,11 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         region_sectors,
         target_sectors: ctx.len / SECTOR_SIZE,
     };
-    let meta = CloneMetadata::open(meta_dev, geometry)
+    let meta = CloneMetadata::open(meta_dev.clone(), geometry)
         .map_err(|e| args.error(format!("metadata device '{meta_ref}': {e}")))?;
+    let meta_bytes = geometry.required_blocks() * udm_metadata::BLOCK_SIZE as u64;
+    ctx.require(&meta_ref, &*meta_dev, 0, meta_bytes)
+        .map_err(|e| args.error(e))?;
     let inner = Arc::new(Inner {
         meta,
         source,

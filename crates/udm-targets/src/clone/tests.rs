@@ -470,8 +470,8 @@ fn constructor_checks_name_the_problem() {
         ("meta dest source 12", "invalid region size 12"),
         ("meta dest source 4", "invalid region size 4"),
         ("meta dest source 4194304", "invalid region size 4194304"),
-        ("meta small source 8", "larger than the destination device"),
-        ("meta dest small 8", "larger than the source device"),
+        ("meta small source 8", "device 'small' has"),
+        ("meta dest small 8", "device 'small' has"),
         ("tiny dest source 8", "metadata device too small"),
         (
             "meta dest source 8 1 bogus",

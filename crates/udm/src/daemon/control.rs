@@ -98,8 +98,12 @@ fn execute(registry: &Registry, request: Request, fuse_dir: Option<&Path>) -> Re
                 registry.create(&name, &table, read_only)?;
                 Response::text("")
             }
-            Request::Load { name, table } => {
-                registry.load(&name, &table)?;
+            Request::Load { name, table, force } => {
+                registry.load(&name, &table, force)?;
+                Response::text("")
+            }
+            Request::Clear { name } => {
+                registry.clear(&name)?;
                 Response::text("")
             }
             Request::Suspend { name } => {

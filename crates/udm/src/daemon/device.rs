@@ -134,7 +134,15 @@ impl Device {
 
     /// Makes the inactive table live if there is one, and lets I/O flow again. Returns the
     /// table that was replaced, if any.
+    ///
+    /// A swap always happens on a suspended device: resuming with an inactive table but
+    /// without a prior `suspend` (dmsetup's reload + resume habit) suspends first, so the old
+    /// table's I/O drains and its targets commit before the new table reads their state, as
+    /// the kernel's do_resume does.
     pub fn resume(&self) -> Option<Arc<Table>> {
+        if self.inactive().is_some() {
+            self.suspend();
+        }
         let (replaced, live) = {
             let mut t = self.tables.write().unwrap();
             let replaced = t
@@ -156,6 +164,11 @@ impl Device {
     /// Fills the inactive slot (dm's load); the live table is untouched until resume.
     pub fn load(&self, table: Table) {
         self.tables.write().unwrap().inactive = Some(Arc::new(table));
+    }
+
+    /// Drops the inactive table, if any.
+    pub fn clear_inactive(&self) {
+        self.tables.write().unwrap().inactive = None;
     }
 
     /// Replaces the live table at once: suspend, swap, resume.

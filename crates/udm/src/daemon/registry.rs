@@ -177,12 +177,49 @@ impl Registry {
         Ok(device)
     }
 
-    pub fn load(&self, name: &str, text: &str) -> Result<()> {
+    /// Fills the inactive slot. A table smaller than what a device built on this one reaches
+    /// into is refused, naming that device, unless `force`d.
+    pub fn load(&self, name: &str, text: &str, force: bool) -> Result<()> {
         let _changes = self.changes.lock().unwrap();
         let device = self.get(name)?;
         let table = self.build(name, text, device.events())?;
+        if !force {
+            self.check_holders_fit(name, table.size())?;
+        }
         device.load(table);
+        self.save(&device)?;
         Ok(())
+    }
+
+    /// Fails if a table of a device using `name` reaches past `size` bytes of it.
+    fn check_holders_fit(&self, name: &str, size: u64) -> Result<()> {
+        for holder in self.holders(name) {
+            let Ok(device) = self.get(&holder) else {
+                continue;
+            };
+            let tables = std::iter::once(device.live()).chain(device.inactive());
+            if let Some(need) = tables.map(|t| t.needs_of(name)).max().filter(|n| *n > size) {
+                return Err(RegistryError::Busy(
+                    name.into(),
+                    format!(
+                        "device '{holder}' uses {} sectors of it and the new table has {}; \
+                         change '{holder}' first, or load with --force (its I/O past the \
+                         end then fails)",
+                        need / SECTOR_SIZE,
+                        size / SECTOR_SIZE
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops the inactive table (dmsetup clear).
+    pub fn clear(&self, name: &str) -> Result<()> {
+        let _changes = self.changes.lock().unwrap();
+        let device = self.get(name)?;
+        device.clear_inactive();
+        self.save(&device)
     }
 
     pub fn suspend(&self, name: &str) -> Result<()> {
@@ -205,6 +242,22 @@ impl Registry {
     pub fn finalize(&self, name: &str) -> Result<String> {
         let _changes = self.changes.lock().unwrap();
         let device = self.get(name)?;
+        // Finalizing swaps tables itself; it must not resume a device the user suspended, nor
+        // replace a table the user loaded.
+        if device.is_suspended() {
+            return Err(RegistryError::Busy(
+                name.into(),
+                "it is suspended and finalizing would resume it; resume it first".into(),
+            ));
+        }
+        if device.inactive().is_some() {
+            return Err(RegistryError::Busy(
+                name.into(),
+                "it has an inactive table that finalizing would replace; resume or clear it \
+                 first"
+                    .into(),
+            ));
+        }
         let live = device.live();
         let mut lines = Vec::new();
         let mut replaced = 0;

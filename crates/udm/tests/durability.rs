@@ -1,0 +1,216 @@
+//! End to end: what a dmsetup user does that must never lose or leak data — shrinking a device
+//! under queued I/O or under another device, reloading a clone without suspending it first,
+//! finalizing a device the user suspended.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+const EIO: u32 = 5;
+
+fn read_file_at(path: &std::path::Path, offset: u64, len: usize) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; len];
+    std::fs::File::open(path)
+        .unwrap()
+        .read_exact_at(&mut buf, offset)
+        .unwrap();
+    buf
+}
+
+#[test]
+fn requests_queued_across_a_shrink_fail_whole() {
+    let daemon = Daemon::start("shrink-queued");
+    let disk = daemon.dir.path("disk.img");
+    random_file(&disk, 64 * MIB as usize, 7);
+    let d = disk.to_str().unwrap();
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--table",
+        &format!("0 131072 linear {d} 0"),
+    ]);
+    let before_48 = read_file_at(&disk, 48 * MIB, 4096);
+    let before_32 = read_file_at(&disk, 32 * MIB - 2048, 4096);
+
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
+    // Prime a worker's buffer with data, so a read that returned it unread would show.
+    client.send(0, NBD_CMD_READ, 1, 0, 4096, &[]);
+    assert_eq!(client.reply().unwrap(), (0, 1));
+    let mut primed = vec![0u8; 4096];
+    std::io::Read::read_exact(&mut client.stream, &mut primed).unwrap();
+
+    daemon.udm(&["suspend", "vol"]);
+    let pattern = vec![0x5au8; 4096];
+    client.send(0, NBD_CMD_WRITE, 2, 48 * MIB, 4096, &pattern);
+    client.send(0, NBD_CMD_WRITE, 3, 32 * MIB - 2048, 4096, &pattern);
+    client.send(0, NBD_CMD_READ, 4, 40 * MIB, 4096, &[]);
+    std::thread::sleep(Duration::from_millis(300));
+    daemon.udm(&["load", "vol", "--table", &format!("0 65536 linear {d} 0")]);
+    daemon.udm(&["resume", "vol"]);
+
+    let mut errors = std::collections::BTreeMap::new();
+    for _ in 0..3 {
+        let (error, cookie) = client.reply().unwrap();
+        errors.insert(cookie, error);
+    }
+    // Each was checked against the table that served it: the whole request fails, nothing of
+    // it is done, and the read sends no bytes (a reply with data would break the framing of
+    // the next reply read here).
+    assert_eq!(
+        errors,
+        [(2, EIO), (3, EIO), (4, EIO)].into(),
+        "daemon log:\n{}",
+        daemon.log()
+    );
+    assert_eq!(read_file_at(&disk, 48 * MIB, 4096), before_48);
+    assert_eq!(read_file_at(&disk, 32 * MIB - 2048, 4096), before_32);
+    // The connection is still in step: a read inside the new size works.
+    client.send(0, NBD_CMD_READ, 5, 0, 4096, &[]);
+    assert_eq!(client.reply().unwrap(), (0, 5));
+}
+
+#[test]
+fn shrinking_a_device_under_another_is_refused_or_fails_its_io() {
+    let mut daemon = Daemon::start("shrink-holder");
+    let disk = daemon.dir.path("disk.img");
+    sparse_file(&disk, 64 * MIB);
+    let d = disk.to_str().unwrap();
+    daemon.udm(&[
+        "create",
+        "base",
+        "--table",
+        &format!("0 131072 linear {d} 0"),
+    ]);
+    daemon.udm(&["create", "top", "--table", "0 131072 linear base 0"]);
+    let small = format!("0 65536 linear {d} 0");
+
+    let err = daemon.udm_err(&["load", "base", "--table", &small]);
+    assert!(
+        err.contains("device 'top' uses 131072 sectors of it and the new table has 65536"),
+        "{err}"
+    );
+    assert!(daemon
+        .udm(&["info", "base"])
+        .contains("Tables present:    LIVE\n"));
+
+    // Forced: top's I/O past base's new end fails instead of vanishing.
+    daemon.udm(&["load", "base", "--force", "--table", &small]);
+    daemon.udm(&["resume", "base"]);
+    let out = std::process::Command::new("qemu-io")
+        .args([
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x11 40M 64k",
+            &daemon.uri("top"),
+        ])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("Input/output error"), "{text}");
+    tool(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x22 1M 64k",
+            &daemon.uri("top"),
+        ],
+    );
+
+    // top cannot come back on a base too small for it: the restart says so in the log.
+    daemon.stop(libc::SIGTERM);
+    daemon.launch();
+    assert!(daemon.log().contains("cannot restore device 'top'"));
+}
+
+/// dmsetup's habit: `reload` then `resume`, with no `suspend` in between.
+#[test]
+fn reload_and_resume_without_suspend_keeps_a_clones_writes() {
+    let mut daemon = Daemon::start("clone-reload");
+    let (meta, dest, source) = (
+        daemon.dir.path("meta"),
+        daemon.dir.path("dest"),
+        daemon.dir.path("source"),
+    );
+    sparse_file(&meta, 4 * MIB);
+    sparse_file(&dest, 64 * MIB);
+    random_file(&source, 64 * MIB as usize, 3);
+    let table = format!(
+        "0 131072 clone {} {} {} 128 1 no_hydration",
+        meta.display(),
+        dest.display(),
+        source.display()
+    );
+    daemon.udm(&["create", "vol", "--table", &table]);
+
+    // A whole-region write: it goes to the destination and sets a bit, committed at the next
+    // FLUSH or second; no flush is sent here.
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
+    let pattern = vec![0xa5u8; 64 * 1024];
+    client.send(0, NBD_CMD_WRITE, 1, 8 * MIB, 64 * 1024, &pattern);
+    assert_eq!(client.reply().unwrap(), (0, 1));
+
+    daemon.udm(&["load", "vol", "--table", &table]);
+    daemon.udm(&["resume", "vol"]);
+    client.send(0, NBD_CMD_READ, 2, 8 * MIB, 64 * 1024, &[]);
+    assert_eq!(client.reply().unwrap(), (0, 2));
+    let mut back = vec![0u8; 64 * 1024];
+    std::io::Read::read_exact(&mut client.stream, &mut back).unwrap();
+    assert!(back == pattern, "the write reads back as source data");
+
+    // And it survives a restart followed by hydration of everything.
+    client.send(0, NBD_CMD_FLUSH, 3, 0, 0, &[]);
+    assert_eq!(client.reply().unwrap(), (0, 3));
+    drop(client);
+    daemon.stop(libc::SIGTERM);
+    daemon.launch();
+    daemon.udm(&["message", "vol", "0", "enable_hydration"]);
+    daemon.udm(&["wait", "vol", "--progress"]);
+    assert!(read_file_at(&dest, 8 * MIB, 64 * 1024) == pattern);
+}
+
+#[test]
+fn finalize_leaves_a_suspended_device_and_an_inactive_table_alone() {
+    let daemon = Daemon::start("finalize-respect");
+    let (meta, dest, source) = (
+        daemon.dir.path("meta"),
+        daemon.dir.path("dest"),
+        daemon.dir.path("source"),
+    );
+    sparse_file(&meta, 4 * MIB);
+    sparse_file(&dest, 8 * MIB);
+    random_file(&source, 8 * MIB as usize, 5);
+    let table = format!(
+        "0 16384 clone {} {} {} 128",
+        meta.display(),
+        dest.display(),
+        source.display()
+    );
+    daemon.udm(&["create", "vol", "--table", &table]);
+    daemon.udm(&["wait", "vol", "--progress"]);
+
+    daemon.udm(&["suspend", "vol"]);
+    let err = daemon.udm_err(&["finalize", "vol"]);
+    assert!(err.contains("suspended"), "{err}");
+    assert!(daemon.udm(&["info", "vol"]).contains("SUSPENDED"));
+    daemon.udm(&["resume", "vol"]);
+
+    daemon.udm(&["load", "vol", "--table", "0 16384 zero"]);
+    let err = daemon.udm_err(&["finalize", "vol"]);
+    assert!(err.contains("inactive table"), "{err}");
+    assert!(daemon
+        .udm(&["info", "vol"])
+        .contains("Tables present:    LIVE & INACTIVE"));
+    daemon.udm(&["clear", "vol"]);
+    assert!(daemon.udm(&["finalize", "vol"]).contains("linear"));
+}
