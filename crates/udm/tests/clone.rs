@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
