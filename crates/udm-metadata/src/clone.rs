@@ -84,6 +84,7 @@ pub struct CloneMetadata {
     state: Mutex<CommitState>,
     /// One commit at a time; I/O never takes it.
     commit_lock: Mutex<()>,
+    fallback: Mutex<Option<SuperblockFallback>>,
 }
 
 struct Superblock {
@@ -150,6 +151,7 @@ impl CloneMetadata {
                 slot: 0,
             }),
             commit_lock: Mutex::new(()),
+            fallback: Mutex::new(None),
         };
         let supers = read_blocks(&*meta.dev, 0, SUPERBLOCKS)?;
         let slots: Vec<&[u8]> = supers.chunks(BLOCK_SIZE).collect();
@@ -157,16 +159,22 @@ impl CloneMetadata {
             .iter()
             .enumerate()
             .any(|(n, b)| parse_superblock(n as u64, b).is_ok());
-        // A blank device is formatted. So is one whose only content is a superblock of ours
-        // torn by a crash during formatting (it still carries our magic in its first
-        // sector); anything else without a valid superblock is not ours to overwrite.
-        let interrupted_format = slots
-            .iter()
-            .all(|b| b.iter().all(|&x| x == 0) || &b[16..24] == MAGIC);
-        if !any_valid && interrupted_format {
-            meta.format()?;
-        } else {
-            meta.load()?;
+        // Formatting writes slot 0 only; the first commit is the first write of slot 1. So
+        // while slot 1 is all zero no commit ever completed, no bit was ever durable, and a
+        // slot 0 that is blank or a torn superblock of ours (our magic in its first sector)
+        // is an interrupted format, safe to redo. Once slot 1 was written, a device without a
+        // valid superblock has lost committed state and is refused, never reformatted.
+        let never_committed = slots[1].iter().all(|&x| x == 0);
+        let slot0_blank_or_ours = slots[0].iter().all(|&x| x == 0) || &slots[0][16..24] == MAGIC;
+        match (any_valid, never_committed, slot0_blank_or_ours) {
+            (false, true, true) => meta.format()?,
+            (false, true, false) => {
+                return Err(MetadataError::Corrupt {
+                    block: 0,
+                    what: "neither blank nor clone metadata; refusing to format it".into(),
+                })
+            }
+            _ => meta.load()?,
         }
         Ok(meta)
     }
@@ -377,6 +385,7 @@ impl CloneMetadata {
     /// Reads the last durable commit into memory (at open, and to abort after a failed
     /// commit). Changes since that commit are dropped.
     pub fn load(&self) -> Result<(), MetadataError> {
+        *self.fallback.lock().unwrap() = None;
         let supers = read_blocks(&*self.dev, 0, SUPERBLOCKS)?;
         let parsed: Vec<_> = (0..SUPERBLOCKS)
             .map(|slot| {
@@ -388,14 +397,15 @@ impl CloneMetadata {
             .collect();
         let (slot, current) = match (&parsed[0], &parsed[1]) {
             (Ok(a), Ok(b)) if b.transaction > a.transaction => (1, b),
-            (Ok(a), _) => (0, a),
-            (Err(_), Ok(b)) => (1, b),
-            (Err(e), Err(_)) => {
+            (Ok(a), Ok(_)) => (0, a),
+            (Ok(a), Err(e)) => (0, self.fall_back(0, a, 1, e, &supers)),
+            (Err(e), Ok(b)) => (1, self.fall_back(1, b, 0, e, &supers)),
+            (Err(a), Err(b)) => {
                 return Err(MetadataError::Corrupt {
                     block: 0,
                     what: format!(
-                        "no valid clone superblock and the device is not blank ({e}); \
-                         refusing to format it"
+                        "no valid clone superblock (slot 0: {a}; slot 1: {b}) on a device \
+                         that has been committed to; refusing to use or reformat it"
                     ),
                 })
             }
@@ -450,6 +460,73 @@ impl CloneMetadata {
         st.previous = previous;
         st.dirty.clear();
         Ok(())
+    }
+}
+
+impl CloneMetadata {
+    /// Uses the valid slot when the other is not valid, and says so unless the other was
+    /// simply never written (slot 1 before the first commit). A torn superblock from a crash
+    /// mid-commit lands here too, and then nothing acknowledged was lost; a newer slot
+    /// damaged after its commit completed means the changes of that commit are gone. Which
+    /// of the two it was cannot be told from the disk, so the fallback is always reported.
+    fn fall_back<'s>(
+        &self,
+        used: u64,
+        current: &'s Superblock,
+        bad: u64,
+        why: &MetadataError,
+        supers: &[u8],
+    ) -> &'s Superblock {
+        let block = &supers[bad as usize * BLOCK_SIZE..(bad as usize + 1) * BLOCK_SIZE];
+        if block.iter().all(|&x| x == 0) {
+            return current;
+        }
+        // Unverified, but the best hint of how much was lost.
+        let claimed = (&block[16..24] == MAGIC).then(|| read_u64(block, 32));
+        let fallback = SuperblockFallback {
+            used_slot: used,
+            used_transaction: current.transaction,
+            bad_slot: bad,
+            bad_slot_claims_transaction: claimed,
+            reason: why.to_string(),
+        };
+        log::warn!("clone metadata: {fallback}");
+        *self.fallback.lock().unwrap() = Some(fallback);
+        current
+    }
+
+    /// Set when the last open or reload had to use the older superblock slot.
+    pub fn fallback(&self) -> Option<SuperblockFallback> {
+        self.fallback.lock().unwrap().clone()
+    }
+}
+
+/// What `udm status --json` and the log say when the newest superblock was unusable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SuperblockFallback {
+    pub used_slot: u64,
+    pub used_transaction: u64,
+    pub bad_slot: u64,
+    /// The transaction id the bad slot's (unverified) bytes carry, if it still has our magic.
+    pub bad_slot_claims_transaction: Option<u64>,
+    pub reason: String,
+}
+
+impl std::fmt::Display for SuperblockFallback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "superblock slot {} is invalid ({}",
+            self.bad_slot, self.reason
+        )?;
+        if let Some(t) = self.bad_slot_claims_transaction {
+            write!(f, "; it claims transaction {t}")?;
+        }
+        write!(
+            f,
+            "); using slot {} at transaction {}: a commit after it, if one completed, is lost",
+            self.used_slot, self.used_transaction
+        )
     }
 }
 
@@ -561,6 +638,76 @@ mod tests {
         let reopened = CloneMetadata::open(dev, g).unwrap();
         assert_eq!(reopened.transaction(), 2);
         assert_eq!(reopened.hydrated_count(), 10);
+        let fallback = reopened.fallback().expect("the fallback is reported");
+        assert_eq!(
+            (
+                fallback.used_slot,
+                fallback.used_transaction,
+                fallback.bad_slot
+            ),
+            (1, 2, 0)
+        );
+        assert_eq!(fallback.bad_slot_claims_transaction, Some(3));
+        assert!(
+            fallback.to_string().contains("claims transaction 3"),
+            "{fallback}"
+        );
+    }
+
+    /// Flips a byte inside a block's checksummed part, keeping the magic.
+    fn corrupt(dev: &MemoryDevice, block: u64) {
+        let mut buf = AlignedBuf::zeroed(BLOCK_SIZE);
+        dev.read(block * BLOCK_SIZE as u64, &mut buf).unwrap();
+        buf[200] ^= 0xff;
+        dev.write(block * BLOCK_SIZE as u64, &buf, WriteFlags::default())
+            .unwrap();
+    }
+
+    #[test]
+    fn both_superblocks_corrupt_after_a_commit_are_refused_not_reformatted() {
+        let dev = Arc::new(MemoryDevice::new(4 << 20));
+        let g = geometry(1000);
+        let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+        meta.set_hydrated(0..10);
+        meta.commit(&no_data).unwrap();
+        corrupt(&dev, 0);
+        corrupt(&dev, 1);
+        let err = CloneMetadata::open(dev.clone(), g).err().unwrap();
+        assert!(
+            err.to_string().contains("refusing to use or reformat"),
+            "{err}"
+        );
+        // Nothing was written: the bitmap committed in slot 1's area is still there.
+        let mut area = AlignedBuf::zeroed(BLOCK_SIZE);
+        dev.read(g.area_start(1) * BLOCK_SIZE as u64, &mut area)
+            .unwrap();
+        assert_eq!(read_u64(&area, HEADER_SIZE), (1 << 10) - 1);
+    }
+
+    #[test]
+    fn an_intact_older_slot_is_not_a_fallback() {
+        let dev = Arc::new(MemoryDevice::new(4 << 20));
+        let g = geometry(1000);
+        CloneMetadata::open(dev.clone(), g).unwrap();
+        // Formatted, never committed: slot 1 is blank, which is no loss.
+        assert!(CloneMetadata::open(dev.clone(), g)
+            .unwrap()
+            .fallback()
+            .is_none());
+        let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+        meta.set_hydrated(0..1);
+        meta.commit(&no_data).unwrap();
+        assert!(CloneMetadata::open(dev, g).unwrap().fallback().is_none());
+    }
+
+    #[test]
+    fn a_format_torn_before_any_commit_is_redone() {
+        let dev = Arc::new(MemoryDevice::new(4 << 20));
+        let g = geometry(1000);
+        CloneMetadata::open(dev.clone(), g).unwrap();
+        corrupt(&dev, 0);
+        let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+        assert_eq!((meta.transaction(), meta.hydrated_count()), (1, 0));
     }
 
     #[test]

@@ -10,4 +10,4 @@ mod clone;
 pub mod log;
 
 pub use block::{BlockType, MetadataError, BLOCK_SIZE};
-pub use clone::{CloneGeometry, CloneMetadata, CommitOutcome};
+pub use clone::{CloneGeometry, CloneMetadata, CommitOutcome, SuperblockFallback};

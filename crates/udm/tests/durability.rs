@@ -214,3 +214,90 @@ fn finalize_leaves_a_suspended_device_and_an_inactive_table_alone() {
     daemon.udm(&["clear", "vol"]);
     assert!(daemon.udm(&["finalize", "vol"]).contains("linear"));
 }
+
+fn flip_byte(path: &std::path::Path, offset: u64) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut byte = [0u8; 1];
+    file.read_exact_at(&mut byte, offset).unwrap();
+    byte[0] ^= 0xff;
+    file.write_all_at(&byte, offset).unwrap();
+    file.sync_all().unwrap();
+}
+
+#[test]
+fn corrupt_clone_superblocks_are_refused_or_reported_never_reformatted() {
+    let mut daemon = Daemon::start("clone-corrupt");
+    let (meta, dest, source) = (
+        daemon.dir.path("meta"),
+        daemon.dir.path("dest"),
+        daemon.dir.path("source"),
+    );
+    sparse_file(&meta, 4 * MIB);
+    sparse_file(&dest, 16 * MIB);
+    random_file(&source, 16 * MIB as usize, 9);
+    let table = format!(
+        "0 32768 clone {} {} {} 128 1 no_hydration",
+        meta.display(),
+        dest.display(),
+        source.display()
+    );
+    daemon.udm(&["create", "vol", "--table", &table]);
+    // Two flushed writes: two commits, so both superblock slots hold one.
+    for (at, byte) in [("1M", "0x11"), ("2M", "0x22")] {
+        tool(
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                &format!("write -P {byte} {at} 64k"),
+                "-c",
+                "flush",
+                &daemon.uri("vol"),
+            ],
+        );
+    }
+    let status: serde_json::Value =
+        serde_json::from_str(&daemon.udm(&["status", "vol", "--json"])).unwrap();
+    let transaction = status["targets"][0]["details"]["metadata_transaction"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{status}"));
+    daemon.stop(libc::SIGTERM);
+
+    // The newest slot damaged: the older commit is used, and everyone is told.
+    let newest = (transaction - 1) % 2; // transaction 1 is in slot 0, 2 in slot 1, 3 in 0…
+    flip_byte(&meta, newest * 4096 + 200);
+    daemon.launch();
+    let status: serde_json::Value =
+        serde_json::from_str(&daemon.udm(&["status", "vol", "--json"])).unwrap();
+    let fallback = &status["targets"][0]["details"]["metadata_fallback"];
+    assert_eq!(fallback["bad_slot"], newest, "{status}");
+    assert_eq!(fallback["bad_slot_claims_transaction"], transaction);
+    assert_eq!(fallback["used_transaction"], transaction - 1);
+    assert!(daemon
+        .log()
+        .contains(&format!("claims transaction {transaction}")));
+    daemon.stop(libc::SIGTERM);
+
+    // Both slots damaged: the device is not brought back, and nothing is reformatted.
+    flip_byte(&meta, (1 - newest) * 4096 + 200);
+    let meta_before = std::fs::read(&meta).unwrap();
+    daemon.launch();
+    assert!(
+        daemon.log().contains("refusing to use or reformat it"),
+        "{}",
+        daemon.log()
+    );
+    assert!(!daemon.udm(&["ls"]).contains("vol"));
+    let err = daemon.udm_err(&["create", "vol2", "--table", &table]);
+    assert!(err.contains("refusing to use or reformat it"), "{err}");
+    assert!(
+        std::fs::read(&meta).unwrap() == meta_before,
+        "the metadata was rewritten"
+    );
+}

@@ -735,6 +735,13 @@ impl Target for Clone {
             "eta_seconds": eta,
             "complete": hydrated >= regions,
             "metadata_transaction": s.meta.transaction(),
+            "metadata_fallback": s.meta.fallback().map(|f| serde_json::json!({
+                "used_slot": f.used_slot,
+                "used_transaction": f.used_transaction,
+                "bad_slot": f.bad_slot,
+                "bad_slot_claims_transaction": f.bad_slot_claims_transaction,
+                "reason": f.reason,
+            })),
         }))
     }
 
