@@ -136,11 +136,19 @@ impl NbdServer {
 }
 
 /// Removes a leftover Unix socket at `path` so it can be bound again, refusing to delete
-/// anything that is not a socket.
+/// anything that is not a socket, or a socket some process still answers on.
 pub fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::FileTypeExt;
     match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path),
+        Ok(meta) if meta.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!("{} is in use by a running server", path.display()),
+                ));
+            }
+            std::fs::remove_file(path)
+        }
         Ok(_) => Err(std::io::Error::new(
             std::io::ErrorKind::AlreadyExists,
             format!("{} exists and is not a socket", path.display()),

@@ -301,3 +301,73 @@ fn corrupt_clone_superblocks_are_refused_or_reported_never_reformatted() {
         "the metadata was rewritten"
     );
 }
+
+#[test]
+fn a_second_daemon_on_the_same_state_dir_or_sockets_is_refused() {
+    let daemon = Daemon::start("two-daemons");
+    let disk = daemon.dir.path("disk.img");
+    sparse_file(&disk, 4 * MIB);
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--table",
+        &format!("0 8192 linear {} 0", disk.display()),
+    ]);
+    let second = |state: &str, control: &str, nbd: &str| {
+        std::process::Command::new(UDM)
+            .args([
+                "daemon",
+                "--state-dir",
+                state,
+                "--control",
+                control,
+                "--nbd",
+            ])
+            .arg(format!("unix:{nbd}"))
+            .output()
+            .unwrap()
+    };
+    let path = |name: &str| daemon.dir.path(name).display().to_string();
+
+    let out = second(
+        &path("state"),
+        &path("other-control.sock"),
+        &path("other-nbd.sock"),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "udm daemon already running (pid {})",
+            daemon.pid()
+        )),
+        "{err}"
+    );
+
+    let out = second(
+        &path("other-state"),
+        &path("control.sock"),
+        &path("other-nbd.sock"),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("control.sock is in use by a running server"),
+        "{err}"
+    );
+    let out = second(
+        &path("other-state2"),
+        &path("other-control.sock"),
+        &path("nbd.sock"),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("nbd.sock is in use by a running server"),
+        "{err}"
+    );
+
+    // The first daemon still answers on both sockets.
+    daemon.udm(&["ls"]);
+    tool("nbdinfo", &["--size", &daemon.uri("vol")]);
+}

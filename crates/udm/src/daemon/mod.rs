@@ -101,6 +101,7 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
         udm_fuse::set_io_flusher();
     }
     let signals = block_shutdown_signals();
+    let _state_lock = lock_state_dir(&options.state_dir)?;
     let registry = Arc::new(
         Registry::new(&options.state_dir, options.remote_timeout)
             .with_context(|| format!("state dir {}", options.state_dir.display()))?,
@@ -169,6 +170,38 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Takes the state dir for this daemon alone: two daemons on one state dir would open the same
+/// clone metadata and lose each other's commits. The lock (flock on `state-dir/lock`) is held
+/// until the process exits, however it exits; the file names the holder's pid for the message.
+fn lock_state_dir(state_dir: &Path) -> anyhow::Result<std::fs::File> {
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::AsRawFd;
+    std::fs::create_dir_all(state_dir)
+        .with_context(|| format!("state dir {}", state_dir.display()))?;
+    let path = state_dir.join("lock");
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("lock file {}", path.display()))?;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let mut holder = String::new();
+        let _ = file.read_to_string(&mut holder);
+        anyhow::bail!(
+            "state dir {} is in use: udm daemon already running (pid {})",
+            state_dir.display(),
+            holder.trim()
+        );
+    }
+    file.set_len(0)?;
+    file.rewind()?;
+    writeln!(file, "{}", std::process::id())?;
+    Ok(file)
 }
 
 fn remove_socket(path: &Path) {
