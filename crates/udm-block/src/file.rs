@@ -13,6 +13,10 @@ use crate::SECTOR_SIZE;
 pub enum OpenMode {
     ReadOnly,
     ReadWrite,
+    /// Read-write, for a user that keeps state on the device (a clone's metadata and
+    /// destination, a log-writes log): nobody else may write it meanwhile. Whoever resolves
+    /// references enforces that; the file itself opens as read-write.
+    Exclusive,
 }
 
 /// A regular file or a block device.

@@ -28,7 +28,7 @@ pub struct LogWrites {
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
     let (dev_ref, dev) = args.device(ctx, "dev", OpenMode::ReadWrite)?;
-    let (log_ref, log_dev) = args.device(ctx, "log dev", OpenMode::ReadWrite)?;
+    let (log_ref, log_dev) = args.device(ctx, "log dev", OpenMode::Exclusive)?;
     ctx.require(&dev_ref, &*dev, 0, ctx.len)
         .map_err(|e| args.error(e))?;
     let log = LogWriter::create(log_dev)

@@ -371,3 +371,49 @@ fn a_second_daemon_on_the_same_state_dir_or_sockets_is_refused() {
     daemon.udm(&["ls"]);
     tool("nbdinfo", &["--size", &daemon.uri("vol")]);
 }
+
+#[test]
+fn state_a_target_keeps_on_a_file_is_claimed_against_other_tables_and_processes() {
+    let daemon = Daemon::start("claims");
+    let (meta, dest, source) = (
+        daemon.dir.path("meta"),
+        daemon.dir.path("dest"),
+        daemon.dir.path("source"),
+    );
+    sparse_file(&meta, 4 * MIB);
+    sparse_file(&dest, 16 * MIB);
+    random_file(&source, 16 * MIB as usize, 4);
+    let clone_of = |meta: &std::path::Path, dest: &std::path::Path| {
+        format!(
+            "0 32768 clone {} {} {} 128",
+            meta.display(),
+            dest.display(),
+            source.display()
+        )
+    };
+    daemon.udm(&["create", "vol", "--table", &clone_of(&meta, &dest)]);
+
+    let err = daemon.udm_err(&["create", "twin", "--table", &clone_of(&meta, &dest)]);
+    assert!(err.contains("in use by device 'vol'"), "{err}");
+    let err = daemon.udm_err(&[
+        "create",
+        "peek",
+        "--table",
+        &format!("0 32768 linear {} 0", dest.display()),
+    ]);
+    assert!(err.contains("in use by device 'vol'"), "{err}");
+    // Sharing the read-only source is fine.
+    let (meta2, dest2) = (daemon.dir.path("meta2"), daemon.dir.path("dest2"));
+    sparse_file(&meta2, 4 * MIB);
+    sparse_file(&dest2, 16 * MIB);
+    daemon.udm(&["create", "vol2", "--table", &clone_of(&meta2, &dest2)]);
+
+    // Another udm process on the same files is refused too.
+    let other = Daemon::start("claims-other");
+    let err = other.udm_err(&["create", "twin", "--table", &clone_of(&meta, &dest)]);
+    assert!(err.contains("in use by another process"), "{err}");
+
+    // Removing the holder releases its claims.
+    daemon.udm(&["remove", "vol"]);
+    daemon.udm(&["create", "again", "--table", &clone_of(&meta, &dest)]);
+}

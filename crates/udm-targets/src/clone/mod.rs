@@ -132,8 +132,8 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             args.remaining()
         )));
     }
-    let (meta_ref, meta_dev) = args.device(ctx, "metadata dev", OpenMode::ReadWrite)?;
-    let (dest_ref, dest) = args.device(ctx, "destination dev", OpenMode::ReadWrite)?;
+    let (meta_ref, meta_dev) = args.device(ctx, "metadata dev", OpenMode::Exclusive)?;
+    let (dest_ref, dest) = args.device(ctx, "destination dev", OpenMode::Exclusive)?;
     let (source_ref, source) = args.device(ctx, "source dev", OpenMode::ReadOnly)?;
     let region_sectors: u64 = args.number("region size")?;
     if !region_sectors.is_power_of_two()

@@ -1,5 +1,6 @@
 //! `udm daemon`: holds the devices, serves them, answers the control socket.
 
+mod claims;
 mod control;
 mod device;
 mod registry;

@@ -12,6 +12,7 @@ use udm_block::{BlockDevice, FileDevice, OpenMode, SECTOR_SIZE};
 use udm_nbd::{ClientOptions, NbdClient};
 use udm_targets::{Resolver, Table, TargetError};
 
+use super::claims::{Claimed, Claims};
 use super::device::{Device, Events};
 
 #[derive(Debug, Error)]
@@ -48,6 +49,7 @@ pub struct Registry {
     state_dir: PathBuf,
     /// How long a request to a remote (NBD) backend may wait for it before failing with EIO.
     remote_timeout: Duration,
+    claims: Arc<Claims>,
 }
 
 /// Is `reference` a path (as opposed to a URI or a device name)?
@@ -84,6 +86,7 @@ impl Registry {
             changes: Mutex::new(()),
             state_dir: state_dir.to_path_buf(),
             remote_timeout,
+            claims: Arc::default(),
         })
     }
 
@@ -405,10 +408,25 @@ struct TableResolver<'a> {
 
 impl Resolver for TableResolver<'_> {
     fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        let claims = &self.registry.claims;
+        let exclusive = mode == OpenMode::Exclusive;
         if is_path(reference) {
-            let dev = FileDevice::open(Path::new(reference), mode)
-                .map_err(|e| TargetError::new(e.to_string()))?;
-            return Ok(Arc::new(dev));
+            let claim = match mode {
+                OpenMode::ReadOnly => None,
+                _ => Some(
+                    claims
+                        .claim_file(Path::new(reference), self.owner, exclusive)
+                        .map_err(TargetError::new)?,
+                ),
+            };
+            let dev: Arc<dyn BlockDevice> = Arc::new(
+                FileDevice::open(Path::new(reference), mode)
+                    .map_err(|e| TargetError::new(e.to_string()))?,
+            );
+            return Ok(match claim {
+                Some(claim) => Arc::new(Claimed::new(dev, claim)),
+                None => dev,
+            });
         }
         if is_uri(reference) {
             let options = ClientOptions {
@@ -432,6 +450,12 @@ impl Resolver for TableResolver<'_> {
                  with nbd:// or nbd+unix://)"
             ))
         })?;
-        Ok(device)
+        if mode == OpenMode::ReadOnly {
+            return Ok(device);
+        }
+        let claim = claims
+            .claim_device(reference, self.owner, exclusive)
+            .map_err(TargetError::new)?;
+        Ok(Arc::new(Claimed::new(device, claim)))
     }
 }

@@ -1,0 +1,312 @@
+//! Who may write what: a target that keeps state on a device (a clone's metadata and
+//! destination, a log-writes log) claims it exclusively, so that no other device's table and
+//! no other udm process writes under it. Plain remapping targets (linear, striped…) share
+//! what they open read-write, as dm allows, but never with an exclusive holder; read-only
+//! opens (a clone's source) are not claims at all.
+//!
+//! Within the daemon a claim is held by a device name: the live and the inactive table of one
+//! device share its claims, which is what a reload needs. Across processes, files are locked
+//! with open-file-description (OFD) locks — a write lock for an exclusive claim, a read lock
+//! for a shared one — on one byte far past any data ([`LOCK_BYTE`]), so udm processes exclude
+//! each other without conflicting with the byte-range locks qemu takes on the same images.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use udm_block::{BlockDevice, Capabilities, Extent, Result as IoResult, WriteFlags, ZeroFlags};
+
+/// The byte udm locks in files it opens read-write: 2^63 − 2^16, beyond any real file's end.
+pub const LOCK_BYTE: i64 = i64::MAX - 0xffff;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Key {
+    /// A file or block device, by (st_dev, st_ino).
+    File(u64, u64),
+    /// Another udm device, by name.
+    Device(String),
+}
+
+struct Holder {
+    owner: String,
+    exclusive: bool,
+}
+
+struct Entry {
+    holders: Vec<Holder>,
+    /// The descriptor carrying the OFD lock of a file key.
+    lock: Option<File>,
+    lock_exclusive: bool,
+}
+
+#[derive(Default)]
+pub struct Claims {
+    entries: Mutex<HashMap<Key, Entry>>,
+}
+
+/// Keeps a claim until dropped (with the device handle it was taken for).
+pub struct ClaimGuard {
+    claims: Arc<Claims>,
+    key: Key,
+    owner: String,
+    exclusive: bool,
+}
+
+impl Claims {
+    /// Claims the file at `path` for device `owner`; `exclusive` when the owner keeps state on
+    /// it. Refuses, in one line, when another device or another process holds it in a way
+    /// that conflicts.
+    pub fn claim_file(
+        self: &Arc<Self>,
+        path: &Path,
+        owner: &str,
+        exclusive: bool,
+    ) -> Result<ClaimGuard, String> {
+        let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        self.claim(
+            Key::File(meta.dev(), meta.ino()),
+            owner,
+            exclusive,
+            Some(path),
+        )
+    }
+
+    /// Claims the udm device `name` for device `owner`.
+    pub fn claim_device(
+        self: &Arc<Self>,
+        name: &str,
+        owner: &str,
+        exclusive: bool,
+    ) -> Result<ClaimGuard, String> {
+        self.claim(Key::Device(name.into()), owner, exclusive, None)
+    }
+
+    fn claim(
+        self: &Arc<Self>,
+        key: Key,
+        owner: &str,
+        exclusive: bool,
+        path: Option<&Path>,
+    ) -> Result<ClaimGuard, String> {
+        let mut entries = self.entries.lock().unwrap();
+        let entry = entries.entry(key.clone()).or_insert_with(|| Entry {
+            holders: Vec::new(),
+            lock: None,
+            lock_exclusive: false,
+        });
+        let conflict = entry
+            .holders
+            .iter()
+            .find(|h| h.owner != owner && (exclusive || h.exclusive));
+        let result = match conflict {
+            Some(h) if h.exclusive => Err(format!(
+                "in use by device '{}', which keeps its state there",
+                h.owner
+            )),
+            Some(h) => Err(format!(
+                "in use by device '{}'; a target that keeps its state on a device needs it \
+                 for itself",
+                h.owner
+            )),
+            None => match path {
+                Some(path) => lock_file(entry, path, exclusive),
+                None => Ok(()),
+            },
+        };
+        match result {
+            Ok(()) => entry.holders.push(Holder {
+                owner: owner.into(),
+                exclusive,
+            }),
+            Err(e) => {
+                if entry.holders.is_empty() {
+                    entries.remove(&key);
+                }
+                return Err(e);
+            }
+        }
+        Ok(ClaimGuard {
+            claims: self.clone(),
+            key,
+            owner: owner.into(),
+            exclusive,
+        })
+    }
+}
+
+/// Takes (or strengthens) the entry's OFD lock on `path`.
+fn lock_file(entry: &mut Entry, path: &Path, exclusive: bool) -> Result<(), String> {
+    if entry.lock.is_some() && (entry.lock_exclusive || !exclusive) {
+        return Ok(());
+    }
+    if entry.lock.is_none() {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        entry.lock = Some(file);
+    }
+    let file = entry.lock.as_ref().expect("opened above");
+    set_lock(
+        file,
+        if exclusive {
+            libc::F_WRLCK
+        } else {
+            libc::F_RDLCK
+        },
+    )
+    .map_err(|e| {
+        if e.raw_os_error() == Some(libc::EAGAIN) || e.raw_os_error() == Some(libc::EACCES) {
+            format!(
+                "{} is in use by another process (another udm daemon holds it{})",
+                path.display(),
+                if exclusive { "" } else { " exclusively" }
+            )
+        } else {
+            format!("locking {}: {e}", path.display())
+        }
+    })?;
+    entry.lock_exclusive = exclusive;
+    Ok(())
+}
+
+fn set_lock(file: &File, kind: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: a zeroed flock is a valid argument; every field we rely on is set below.
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock.l_start = LOCK_BYTE;
+    lock.l_len = 1;
+    // SAFETY: fcntl with a valid descriptor and a pointer to a live flock.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+impl Drop for ClaimGuard {
+    fn drop(&mut self) {
+        let mut entries = self.claims.entries.lock().unwrap();
+        let Some(entry) = entries.get_mut(&self.key) else {
+            return;
+        };
+        if let Some(i) = entry
+            .holders
+            .iter()
+            .position(|h| h.owner == self.owner && h.exclusive == self.exclusive)
+        {
+            entry.holders.remove(i);
+        }
+        if entry.holders.is_empty() {
+            // Closing the descriptor drops the lock.
+            entries.remove(&self.key);
+        } else if entry.lock_exclusive && !entry.holders.iter().any(|h| h.exclusive) {
+            if let Some(file) = &entry.lock {
+                if set_lock(file, libc::F_RDLCK).is_ok() {
+                    entry.lock_exclusive = false;
+                }
+            }
+        }
+    }
+}
+
+/// A device handle that carries the claim it was opened under.
+pub struct Claimed {
+    device: Arc<dyn BlockDevice>,
+    _claim: ClaimGuard,
+}
+
+impl Claimed {
+    pub fn new(device: Arc<dyn BlockDevice>, claim: ClaimGuard) -> Self {
+        Claimed {
+            device,
+            _claim: claim,
+        }
+    }
+}
+
+impl BlockDevice for Claimed {
+    fn size(&self) -> u64 {
+        self.device.size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.device.capabilities()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> IoResult<()> {
+        self.device.read(offset, buf)
+    }
+    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> IoResult<()> {
+        self.device.write(offset, buf, flags)
+    }
+    fn flush(&self) -> IoResult<()> {
+        self.device.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> IoResult<()> {
+        self.device.discard(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> IoResult<()> {
+        self.device.write_zeroes(offset, len, flags)
+    }
+    fn block_status(&self, offset: u64, len: u64) -> IoResult<Vec<Extent>> {
+        self.device.block_status(offset, len)
+    }
+    fn cache(&self, offset: u64, len: u64) -> IoResult<()> {
+        self.device.cache(offset, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_file(tag: &str) -> std::path::PathBuf {
+        let path = std::env::temp_dir().join(format!("udm-claims-{tag}-{}", std::process::id()));
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        path
+    }
+
+    #[test]
+    fn exclusive_claims_exclude_other_devices_but_not_the_owner() {
+        let claims = Arc::new(Claims::default());
+        let path = temp_file("excl");
+        let live = claims.claim_file(&path, "vol", true).unwrap();
+        // The same device's next table (a reload) shares it.
+        let reload = claims.claim_file(&path, "vol", true).unwrap();
+        let err = claims.claim_file(&path, "other", true).err().unwrap();
+        assert!(err.contains("in use by device 'vol'"), "{err}");
+        let err = claims.claim_file(&path, "other", false).err().unwrap();
+        assert!(err.contains("in use by device 'vol'"), "{err}");
+        drop(live);
+        drop(reload);
+        claims.claim_file(&path, "other", true).unwrap();
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn shared_claims_coexist_and_block_an_exclusive_one() {
+        let claims = Arc::new(Claims::default());
+        let a = claims.claim_device("base", "a", false).unwrap();
+        let _b = claims.claim_device("base", "b", false).unwrap();
+        let err = claims.claim_device("base", "c", true).err().unwrap();
+        assert!(err.contains("needs it for itself"), "{err}");
+        drop(a);
+        assert!(claims.claim_device("base", "c", true).is_err());
+    }
+
+    #[test]
+    fn another_process_sees_the_lock() {
+        let claims = Arc::new(Claims::default());
+        let path = temp_file("ofd");
+        let _held = claims.claim_file(&path, "vol", true).unwrap();
+        // Another open file description stands for another process: OFD locks conflict
+        // between descriptions, whoever owns them.
+        let other = File::options().read(true).write(true).open(&path).unwrap();
+        let err = set_lock(&other, libc::F_RDLCK).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EAGAIN));
+        std::fs::remove_file(path).unwrap();
+    }
+}
