@@ -98,6 +98,13 @@ fn worker(inner: &Inner) {
                 .0;
             continue;
         }
+        // Wait out the bandwidth cap before claiming anything: a claimed region holds up the
+        // user's I/O to it and a suspend, so claims are only ever held while copying. A rate
+        // change or a pause wakes the wait.
+        if let Some(wait) = rate_wait(&settings) {
+            settings = inner.wake.wait_timeout(settings, wait).unwrap().0;
+            continue;
+        }
         let claims = claim_batch(inner, &mut settings);
         if claims.is_empty() {
             // Everything left is being copied by someone else right now.
@@ -109,31 +116,36 @@ fn worker(inner: &Inner) {
             continue;
         }
         let count = claims.len() as u64;
-        let bytes = count * inner.region;
         settings.in_flight += count;
-        let start_at = throttle(&mut settings, bytes);
+        reserve_bandwidth(&mut settings, count * inner.region);
         drop(settings);
 
-        if let Some(wait) = start_at.checked_duration_since(Instant::now()) {
-            std::thread::sleep(wait);
-        }
         let first = claims[0].region;
         let started = Instant::now();
-        let result = inner.copy_regions(first..first + count, true);
-        drop(claims);
-        if let Err(e) = &result {
-            warn!(
-                "clone: hydrating regions {first}..{}: {e}; will retry",
-                first + count
-            );
-            std::thread::sleep(ERROR_BACKOFF);
-        } else if user_busy(inner) {
-            std::thread::sleep((started.elapsed() * YIELD_FACTOR).min(MAX_YIELD));
-        }
+        let result = inner.copy_claimed(claims);
 
         settings = inner.settings.lock().unwrap();
         settings.in_flight -= count;
         inner.wake.notify_all();
+        let pause = match &result {
+            Err(e) => {
+                warn!(
+                    "clone: hydrating regions {first}..{}: {e}; will retry",
+                    first + count
+                );
+                ERROR_BACKOFF
+            }
+            Ok(()) if user_busy(inner) => (started.elapsed() * YIELD_FACTOR).min(MAX_YIELD),
+            Ok(()) => Duration::ZERO,
+        };
+        if !pause.is_zero() {
+            // Sleep holding nothing, and only until a pause or stop asks for attention.
+            settings = inner
+                .wake
+                .wait_timeout_while(settings, pause, |s| !s.paused && !s.shutdown)
+                .unwrap()
+                .0;
+        }
     }
 }
 
@@ -154,26 +166,58 @@ fn claim_batch<'a>(
         && region < inner.meta.regions()
         && !inner.meta.is_hydrated(region)
     {
-        match inner.claims.try_claim(region) {
-            Some(claim) => claims.push(claim),
-            None => break,
+        #[cfg(test)]
+        tests_hook::between_check_and_claim(inner, region);
+        let Some(claim) = inner.claims.try_claim(region) else {
+            break;
+        };
+        // A user's whole-region write may have finished between the check above and the
+        // claim (it marks the region before it lets go of its claim): copying the source now
+        // would overwrite that write. Under the claim the bit is final.
+        if inner.meta.is_hydrated(region) {
+            break;
         }
+        claims.push(claim);
         region += 1;
     }
     settings.cursor = if claims.is_empty() { first + 1 } else { region };
     claims
 }
 
-/// The moment a copy of `bytes` may start under the bandwidth cap.
-fn throttle(settings: &mut Settings, bytes: u64) -> Instant {
-    let now = Instant::now();
+/// How long the bandwidth cap wants the next copy to wait, if at all.
+fn rate_wait(settings: &Settings) -> Option<Duration> {
     if settings.max_rate_kib == 0 {
-        return now;
+        return None;
     }
-    let at = settings.next_copy_at.max(now);
+    settings
+        .next_copy_at
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+}
+
+/// Books `bytes` of the bandwidth cap: the next copy may start once they would have taken.
+fn reserve_bandwidth(settings: &mut Settings, bytes: u64) {
+    if settings.max_rate_kib == 0 {
+        return;
+    }
+    let at = settings.next_copy_at.max(Instant::now());
     settings.next_copy_at =
         at + Duration::from_secs_f64(bytes as f64 / (settings.max_rate_kib as f64 * 1024.0));
-    at
+}
+
+/// A test's way into the gap between checking a region and claiming it.
+#[cfg(test)]
+pub(super) mod tests_hook {
+    use std::sync::Mutex;
+
+    type Hook = Box<dyn Fn(&super::Inner, u64) + Send>;
+    pub static HOOK: Mutex<Option<Hook>> = Mutex::new(None);
+
+    pub fn between_check_and_claim(inner: &super::Inner, region: u64) {
+        if let Some(hook) = &*HOOK.lock().unwrap() {
+            hook(inner, region);
+        }
+    }
 }
 
 fn committer(inner: &Inner) {

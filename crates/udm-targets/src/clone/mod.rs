@@ -283,6 +283,19 @@ impl Inner {
         Ok(())
     }
 
+    /// Copies a background batch of contiguous claimed regions, at most a copy chunk (or one
+    /// region) at a time, letting go of each piece's claims as soon as it is on the
+    /// destination: a user's I/O to a claimed region waits for one piece, not the batch.
+    fn copy_claimed(&self, claims: Vec<regions::Claim<'_>>) -> Result<()> {
+        let per_piece = (COPY_CHUNK / self.region).max(1) as usize;
+        let mut claims = claims.into_iter().peekable();
+        while let Some(first) = claims.peek().map(|c| c.region) {
+            let piece: Vec<_> = claims.by_ref().take(per_piece).collect();
+            self.copy_regions(first..first + piece.len() as u64, true)?;
+        }
+        Ok(())
+    }
+
     fn copy_range(
         &self,
         start: u64,
@@ -763,7 +776,11 @@ impl Target for Clone {
             ["disable_hydration"] => settings.hydration_enabled = false,
             ["hydration_threshold", n] => settings.threshold = number(n, 0)?,
             ["hydration_batch_size", n] => settings.batch_size = number(n, 1)?,
-            ["max_hydration_rate", n] => settings.max_rate_kib = number(n, 0)?,
+            ["max_hydration_rate", n] => {
+                settings.max_rate_kib = number(n, 0)?;
+                // The new rate applies from now, not after what the old one had booked.
+                settings.next_copy_at = Instant::now();
+            }
             ["enable_hydration"
             | "disable_hydration"
             | "hydration_threshold"

@@ -544,3 +544,74 @@ fn cache_requests_hydrate_the_range() {
     r.table.cache(MIB, 65536).unwrap();
     assert!(r.status().contains(" 16/1024 "), "{}", r.status());
 }
+
+#[test]
+fn a_rate_capped_copier_holds_no_claims_while_it_waits() {
+    // 16 KiB/s with batches of 16 x 64 KiB: the first batch copies at once, the next may
+    // start only 64 s later. Nothing the user does may wait for that.
+    let r = rig(
+        16 * MIB,
+        "128 0 6 hydration_threshold 16 hydration_batch_size 16 max_hydration_rate 16",
+    );
+    let hydrated = || r.clone_target().status_details().unwrap()["hydrated_regions"].as_u64();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while hydrated() < Some(16) {
+        assert!(Instant::now() < deadline, "{}", r.status());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    r.table
+        .write(20 * 65536 + 4096, &[0x77; 4096], WriteFlags::default())
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "a 4 KiB write waited {:?} for the rate-limited copier",
+        started.elapsed()
+    );
+    let started = Instant::now();
+    r.table.suspend();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "suspend waited {:?}",
+        started.elapsed()
+    );
+    r.table.resume();
+    // Lifting the cap takes effect at once, not after the 64 s the old one had booked.
+    r.message("max_hydration_rate 0");
+    r.wait_complete();
+}
+
+#[test]
+fn a_whole_region_write_in_the_copiers_check_to_claim_gap_is_not_overwritten() {
+    use super::hydration::tests_hook::HOOK;
+    let r = rig(4 * MIB, "128 1 no_hydration");
+    let (hit, gap) = std::sync::mpsc::channel::<u64>();
+    let (done, resume) = std::sync::mpsc::channel::<()>();
+    let source = Arc::as_ptr(&r.source) as *const () as usize;
+    let once = std::sync::atomic::AtomicBool::new(false);
+    let resume = std::sync::Mutex::new(resume);
+    let hit = std::sync::Mutex::new(hit);
+    *HOOK.lock().unwrap() = Some(Box::new(move |inner, region| {
+        // Only this test's clone, and only once: stop in the gap until the user has written.
+        if Arc::as_ptr(&inner.source) as *const () as usize == source
+            && !once.swap(true, Ordering::SeqCst)
+        {
+            hit.lock().unwrap().send(region).unwrap();
+            let _ = resume.lock().unwrap().recv_timeout(Duration::from_secs(10));
+        }
+    }));
+    r.message("enable_hydration");
+    let region = gap.recv_timeout(Duration::from_secs(10)).unwrap();
+    let data = vec![0x3cu8; 65536];
+    r.table
+        .write(region * 65536, &data, WriteFlags::default())
+        .unwrap();
+    done.send(()).unwrap();
+    r.wait_complete();
+    *HOOK.lock().unwrap() = None;
+    assert!(
+        read(&r.table, region * 65536, 65536)[..] == data[..],
+        "the copier overwrote region {region} with source data"
+    );
+}
