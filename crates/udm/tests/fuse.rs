@@ -488,3 +488,85 @@ fn xfs_made_on_a_clone_while_it_hydrates() {
     // Hydrated: the destination alone holds the filesystem.
     fsck("xfs", dest.to_str().unwrap());
 }
+
+/// Sends `signal` and reports whether the daemon exits within `within`.
+fn signal_and_wait(daemon: &mut Daemon, signal: i32, within: Duration) -> bool {
+    unsafe { libc::kill(daemon.pid() as i32, signal) };
+    let deadline = std::time::Instant::now() + within;
+    while std::time::Instant::now() < deadline {
+        if !daemon.is_running() {
+            daemon.reap();
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+#[test]
+fn a_stop_waits_for_a_mounted_filesystem_and_a_second_signal_forces_it() {
+    let mut daemon = fuse_daemon("fuse-stop");
+    let disk = daemon.dir.path("disk.img");
+    sparse_file(&disk, 64 * MIB);
+    let table = format!("0 131072 linear {} 0", disk.display());
+    daemon.udm(&["create", "vol", "--table", &table]);
+    let dev = Loop::attach(&daemon, "vol");
+    mkfs("ext4", &dev.0);
+    let mnt = daemon.dir.path("mnt");
+    let mounted = Mounted::new(&dev.0, &mnt);
+
+    assert!(!signal_and_wait(
+        &mut daemon,
+        libc::SIGTERM,
+        Duration::from_secs(2)
+    ));
+    assert!(
+        daemon.log().contains("not stopping while these files"),
+        "{}",
+        daemon.log()
+    );
+    // Still serving: the filesystem takes writes and stays clean.
+    std::fs::write(mnt.join("after-sigterm"), vec![7u8; 1 << 20]).unwrap();
+    tool("sync", &[]);
+    mounted.unmount();
+    fsck("ext4", &dev.0);
+    drop(dev);
+    assert!(
+        signal_and_wait(&mut daemon, 0, Duration::from_secs(5)),
+        "the daemon did not stop once its files were released:\n{}",
+        daemon.log()
+    );
+
+    // A second signal stops it with a loop device still attached.
+    daemon.launch();
+    let _dev = Loop::attach(&daemon, "vol");
+    assert!(!signal_and_wait(
+        &mut daemon,
+        libc::SIGTERM,
+        Duration::from_secs(1)
+    ));
+    assert!(signal_and_wait(
+        &mut daemon,
+        libc::SIGTERM,
+        Duration::from_secs(20)
+    ));
+}
+
+#[test]
+fn a_suspended_device_does_not_hold_up_a_stop() {
+    let mut daemon = Daemon::start("stop-suspended");
+    let disk = daemon.dir.path("disk.img");
+    sparse_file(&disk, 16 * MIB);
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--table",
+        &format!("0 32768 linear {} 0", disk.display()),
+    ]);
+    daemon.udm(&["suspend", "vol"]);
+    assert!(
+        signal_and_wait(&mut daemon, libc::SIGTERM, Duration::from_secs(5)),
+        "SIGTERM with a suspended device hangs:\n{}",
+        daemon.log()
+    );
+}

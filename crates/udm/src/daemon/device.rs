@@ -37,6 +37,9 @@ pub struct Device {
     /// Client connections using this device (other devices' tables are counted by the
     /// registry, which knows every table).
     opens: AtomicUsize,
+    /// Of those, opens of its file in the FUSE mount: a loop device or a mounted filesystem
+    /// that must not lose the device under it when the daemon is asked to stop.
+    file_opens: AtomicUsize,
 }
 
 /// Holds a request's place in the gate; the last one out wakes a waiting `suspend`.
@@ -69,6 +72,7 @@ impl Device {
             gate: Gate::default(),
             events,
             opens: AtomicUsize::new(0),
+            file_opens: AtomicUsize::new(0),
         }
     }
 
@@ -96,9 +100,21 @@ impl Device {
         self.opens.load(Ordering::Acquire)
     }
 
-    pub fn open(self: &Arc<Self>) -> OpenHandle {
+    /// Opens of the device's file in the FUSE mount.
+    pub fn file_open_count(&self) -> usize {
+        self.file_opens.load(Ordering::Acquire)
+    }
+
+    /// Counts a client's open; `as_file` for the FUSE mount's file.
+    pub fn open(self: &Arc<Self>, as_file: bool) -> OpenHandle {
         self.opens.fetch_add(1, Ordering::AcqRel);
-        OpenHandle(self.clone())
+        if as_file {
+            self.file_opens.fetch_add(1, Ordering::AcqRel);
+        }
+        OpenHandle {
+            device: self.clone(),
+            as_file,
+        }
     }
 
     /// Waits at the gate while the device is suspended, then enters it.
@@ -214,11 +230,17 @@ impl Events {
 
 /// A client's hold on a device. The device counts them, and `remove` refuses while any is
 /// held (unless forced).
-pub struct OpenHandle(Arc<Device>);
+pub struct OpenHandle {
+    device: Arc<Device>,
+    as_file: bool,
+}
 
 impl Drop for OpenHandle {
     fn drop(&mut self) {
-        self.0.opens.fetch_sub(1, Ordering::AcqRel);
+        self.device.opens.fetch_sub(1, Ordering::AcqRel);
+        if self.as_file {
+            self.device.file_opens.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 

@@ -7,6 +7,7 @@ mod registry;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use log::{info, warn};
@@ -58,22 +59,25 @@ pub struct DaemonOptions {
     pub remote_timeout: std::time::Duration,
 }
 
-/// Every device, served by name.
-struct Catalog(Arc<Registry>);
+/// Every device, served by name, to NBD clients or (`as_files`) through the FUSE mount.
+struct Catalog {
+    registry: Arc<Registry>,
+    as_files: bool,
+}
 
 impl ExportCatalog for Catalog {
     fn open(&self, name: &str) -> Option<Export> {
-        let device = self.0.get(name).ok()?;
+        let device = self.registry.get(name).ok()?;
         Some(Export {
             read_only: device.read_only(),
             description: format!("udm device {name}"),
-            open_guard: Box::new(device.open()),
+            open_guard: Box::new(device.open(self.as_files)),
             device,
         })
     }
 
     fn list(&self) -> Vec<(String, String)> {
-        self.0
+        self.registry
             .all()
             .iter()
             .map(|d| (d.name().to_string(), format!("udm device {}", d.name())))
@@ -113,12 +117,15 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
         options.state_dir.display()
     );
 
-    let catalog: Arc<dyn ExportCatalog> = Arc::new(Catalog(registry.clone()));
     let fuse = match &options.fuse {
         Some(mountpoint) => {
+            let catalog = Arc::new(Catalog {
+                registry: registry.clone(),
+                as_files: true,
+            });
             let export = FuseExport::mount(
                 mountpoint,
-                catalog.clone(),
+                catalog,
                 FuseConfig {
                     workers: options.fuse_threads,
                     ..FuseConfig::default()
@@ -134,7 +141,10 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
         None => None,
     };
     let server = NbdServer::new(
-        catalog,
+        Arc::new(Catalog {
+            registry: registry.clone(),
+            as_files: false,
+        }),
         ServerConfig {
             workers_per_connection: options.nbd_threads,
             ..ServerConfig::default()
@@ -156,10 +166,10 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
         .with_context(|| format!("control socket {}", options.control.display()))?;
     info!("control socket {}", options.control.display());
 
-    let mut signal = 0;
-    // SAFETY: waits for one of the blocked signals.
-    unsafe { libc::sigwait(&signals, &mut signal) };
-    info!("signal {signal}: flushing devices and stopping");
+    let signal = wait_for_signal(&signals, None).expect("no timeout");
+    info!("signal {signal}: stopping");
+    wait_for_file_users(&registry, &signals, options.fuse.as_deref());
+    info!("flushing devices and stopping");
     if let Some(fuse) = fuse {
         fuse.unmount();
     }
@@ -171,6 +181,64 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Waits for one of the blocked signals, or `timeout`; returns the signal.
+fn wait_for_signal(signals: &libc::sigset_t, timeout: Option<Duration>) -> Option<i32> {
+    let signal = match timeout {
+        // SAFETY: waits for one of the blocked signals.
+        None => unsafe {
+            let mut signal = 0;
+            libc::sigwait(signals, &mut signal);
+            signal
+        },
+        Some(timeout) => {
+            let timeout = libc::timespec {
+                tv_sec: timeout.as_secs() as libc::time_t,
+                tv_nsec: timeout.subsec_nanos() as libc::c_long,
+            };
+            // SAFETY: as above, with a timeout; -1 (EAGAIN) when it expires.
+            unsafe { libc::sigtimedwait(signals, std::ptr::null_mut(), &timeout) }
+        }
+    };
+    (signal > 0).then_some(signal)
+}
+
+/// A stop does not pull a device from under a loop device or a mounted filesystem: while
+/// files of the FUSE mount are open, the daemon keeps serving, says which devices hold it, and
+/// stops when they are released — or at a second signal, which forces the stop (devices are
+/// still flushed first). NBD clients do not hold it up: their requests in flight complete and
+/// the flush makes them durable; a client that wants to outlive a restart reconnects.
+fn wait_for_file_users(registry: &Registry, signals: &libc::sigset_t, mount: Option<&Path>) {
+    let Some(mount) = mount else {
+        return;
+    };
+    let mut reported = Vec::new();
+    loop {
+        let busy: Vec<String> = registry
+            .all()
+            .iter()
+            .filter(|d| d.file_open_count() > 0)
+            .map(|d| d.name().to_string())
+            .collect();
+        if busy.is_empty() {
+            return;
+        }
+        if busy != reported {
+            warn!(
+                "not stopping while these files of {} are open (loop devices, mounted \
+                 filesystems?): {}; release them (umount, losetup -d) or send the signal again \
+                 to stop anyway",
+                mount.display(),
+                busy.join(", ")
+            );
+            reported = busy;
+        }
+        if let Some(signal) = wait_for_signal(signals, Some(Duration::from_millis(500))) {
+            warn!("signal {signal} again: stopping with files still open; their users get errors");
+            return;
+        }
+    }
 }
 
 /// Takes the state dir for this daemon alone: two daemons on one state dir would open the same

@@ -390,9 +390,15 @@ impl Registry {
             .map(|_| ())
     }
 
-    /// Flushes every device (at shutdown).
+    /// Flushes every device (at shutdown). A suspended device is left alone: its I/O was
+    /// drained and its targets committed when it was suspended, a flush would wait at its
+    /// gate forever, and it comes back suspended after the restart.
     pub fn flush_all(&self) {
         for device in self.all() {
+            if device.is_suspended() {
+                info!("'{}' is suspended: nothing to flush", device.name());
+                continue;
+            }
             if let Err(e) = device.flush() {
                 warn!("flushing '{}' at shutdown: {e}", device.name());
             }
