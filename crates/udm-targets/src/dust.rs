@@ -117,6 +117,23 @@ impl Target for Filtered<Dust> {
         format!("{} {mode} {verbosity}", d.lower.reference)
     }
 
+    fn settings_messages(&self) -> Vec<String> {
+        let d = &self.0;
+        let mut messages = vec![if d.enabled.load(Ordering::Relaxed) {
+            "enable"
+        } else {
+            "disable"
+        }
+        .to_string()];
+        if d.quiet.load(Ordering::Relaxed) {
+            messages.push("quiet".into());
+        }
+        for (block, failures) in d.bad_blocks.lock().unwrap().iter() {
+            messages.push(format!("addbadblock {block} {failures}"));
+        }
+        messages
+    }
+
     fn message(&self, words: &[&str]) -> Result<String, TargetError> {
         let d = &self.0;
         let mut bad = d.bad_blocks.lock().unwrap();

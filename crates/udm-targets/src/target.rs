@@ -95,6 +95,13 @@ pub trait Target: BlockDevice {
         )))
     }
 
+    /// Messages that bring a fresh target, built from the same table line, to this one's
+    /// current settings (what `udm message` changed). The daemon saves them with the table and
+    /// replays them when it brings the device back after a restart.
+    fn settings_messages(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// The device references this target uses (for `ls --tree` and cycle checks).
     fn references(&self) -> Vec<String>;
 

@@ -417,3 +417,63 @@ fn state_a_target_keeps_on_a_file_is_claimed_against_other_tables_and_processes(
     daemon.udm(&["remove", "vol"]);
     daemon.udm(&["create", "again", "--table", &clone_of(&meta, &dest)]);
 }
+
+#[test]
+fn settings_suspension_and_inactive_tables_survive_a_crash() {
+    let mut daemon = Daemon::start("persist-settings");
+    let (meta, dest, source) = (
+        daemon.dir.path("meta"),
+        daemon.dir.path("dest"),
+        daemon.dir.path("source"),
+    );
+    sparse_file(&meta, 4 * MIB);
+    sparse_file(&dest, 16 * MIB);
+    random_file(&source, 16 * MIB as usize, 8);
+    let table = format!(
+        "0 32768 clone {} {} {} 8",
+        meta.display(),
+        dest.display(),
+        source.display()
+    );
+    daemon.udm(&["create", "vol", "--table", &table]);
+    for message in [
+        "disable_hydration",
+        "hydration_threshold 7",
+        "max_hydration_rate 1234",
+    ] {
+        let mut args = vec!["message", "vol", "0"];
+        args.extend(message.split(' '));
+        daemon.udm(&args);
+    }
+    let other = daemon.dir.path("other.img");
+    sparse_file(&other, 4 * MIB);
+    daemon.udm(&[
+        "create",
+        "other",
+        "--table",
+        &format!("0 8192 linear {} 0", other.display()),
+    ]);
+    daemon.udm(&["load", "other", "--table", "0 8192 zero"]);
+    daemon.udm(&["suspend", "other"]);
+
+    daemon.stop(libc::SIGKILL);
+    daemon.launch();
+    let status = daemon.udm(&["status", "vol"]);
+    assert!(status.contains(" 1 no_hydration "), "{status}");
+    assert!(
+        status.contains("hydration_threshold 7 hydration_batch_size 1 max_hydration_rate 1234"),
+        "{status}"
+    );
+    let hydrated = |s: &str| s.split(' ').nth(6).unwrap().to_string();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        hydrated(&daemon.udm(&["status", "vol"])),
+        hydrated(&status),
+        "hydration ran"
+    );
+    let info = daemon.udm(&["info", "other"]);
+    assert!(info.contains("SUSPENDED"), "{info}");
+    assert!(info.contains("LIVE & INACTIVE"), "{info}");
+    daemon.udm(&["resume", "other"]);
+    assert_eq!(daemon.udm(&["table", "other"]), "0 8192 zero");
+}

@@ -803,6 +803,21 @@ impl Target for Clone {
         Ok(String::new())
     }
 
+    fn settings_messages(&self) -> Vec<String> {
+        let settings = self.inner.settings.lock().unwrap();
+        vec![
+            if settings.hydration_enabled {
+                "enable_hydration"
+            } else {
+                "disable_hydration"
+            }
+            .to_string(),
+            format!("hydration_threshold {}", settings.threshold),
+            format!("hydration_batch_size {}", settings.batch_size),
+            format!("max_hydration_rate {}", settings.max_rate_kib),
+        ]
+    }
+
     fn references(&self) -> Vec<String> {
         self.references.clone()
     }

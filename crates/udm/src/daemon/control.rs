@@ -119,16 +119,8 @@ fn execute(registry: &Registry, request: Request, fuse_dir: Option<&Path>) -> Re
                 sector,
                 words,
             } => {
-                let device = registry.get(&name)?;
-                let table = device.live();
-                let target = table
-                    .target_at(sector)
-                    .ok_or_else(|| format!("sector {sector} is beyond the end of '{name}'"))?;
                 let words: Vec<&str> = words.iter().map(String::as_str).collect();
-                if words.is_empty() {
-                    return Err("a message needs at least one word".into());
-                }
-                Response::text(target.message(&words)?)
+                Response::text(registry.message(&name, sector, &words)?)
             }
             Request::Status { name } => status(registry, &name)?,
             Request::Table { name } => {

@@ -33,12 +33,27 @@ pub enum RegistryError {
 
 type Result<T, E = RegistryError> = std::result::Result<T, E>;
 
-/// What the state dir keeps per device: enough to bring it back after a restart.
+/// What the state dir keeps per device: enough to bring it back after a restart as it was —
+/// its tables, whether it was suspended, and what messages changed.
 #[derive(Serialize, Deserialize)]
 struct SavedDevice {
     name: String,
     read_only: bool,
     table: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    inactive: Option<Vec<String>>,
+    #[serde(default)]
+    suspended: bool,
+    /// Per segment of the live table (by start sector), the messages that restore its
+    /// targets' settings.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    settings: Vec<SavedSettings>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SavedSettings {
+    sector: u64,
+    messages: Vec<String>,
 }
 
 pub struct Registry {
@@ -165,12 +180,7 @@ impl Registry {
     pub fn create(&self, name: &str, text: &str, read_only: bool) -> Result<Arc<Device>> {
         check_name(name)?;
         let _changes = self.changes.lock().unwrap();
-        if self.map().contains_key(name) {
-            return Err(RegistryError::Exists(name.into()));
-        }
-        let events = Arc::new(Events::default());
-        let table = self.build(name, text, &events)?;
-        let device = Arc::new(Device::new(name.to_string(), read_only, table, events));
+        let device = self.build_device(name, text, read_only, |_| {})?;
         self.save(&device)?;
         self.map().insert(name.to_string(), device.clone());
         info!(
@@ -178,6 +188,29 @@ impl Registry {
             device.size() / SECTOR_SIZE
         );
         Ok(device)
+    }
+
+    /// Builds a device; `before_live` sees its table before it becomes live (and its
+    /// targets start any background work).
+    fn build_device(
+        &self,
+        name: &str,
+        text: &str,
+        read_only: bool,
+        before_live: impl FnOnce(&Table),
+    ) -> Result<Arc<Device>> {
+        if self.map().contains_key(name) {
+            return Err(RegistryError::Exists(name.into()));
+        }
+        let events = Arc::new(Events::default());
+        let table = self.build(name, text, &events)?;
+        before_live(&table);
+        Ok(Arc::new(Device::new(
+            name.to_string(),
+            read_only,
+            table,
+            events,
+        )))
     }
 
     /// Fills the inactive slot. A table smaller than what a device built on this one reaches
@@ -226,18 +259,42 @@ impl Registry {
     }
 
     pub fn suspend(&self, name: &str) -> Result<()> {
-        self.get(name)?.suspend();
-        Ok(())
+        let device = self.get(name)?;
+        device.suspend();
+        let _changes = self.changes.lock().unwrap();
+        self.save(&device)
     }
 
     pub fn resume(&self, name: &str) -> Result<()> {
         let _changes = self.changes.lock().unwrap();
         let device = self.get(name)?;
         if device.resume().is_some() {
-            self.save(&device)?;
             info!("device '{name}': new table is live");
         }
-        Ok(())
+        self.save(&device)
+    }
+
+    /// Sends a message to the target at `sector` of the live table; what it changed is saved
+    /// so that it survives a restart.
+    pub fn message(&self, name: &str, sector: u64, words: &[&str]) -> Result<String> {
+        let device = self.get(name)?;
+        let table = device.live();
+        let target = table.target_at(sector).ok_or_else(|| {
+            RegistryError::Table(TargetError::new(format!(
+                "sector {sector} is beyond the end of '{name}'"
+            )))
+        })?;
+        if words.is_empty() {
+            return Err(RegistryError::Table(TargetError::new(
+                "a message needs at least one word",
+            )));
+        }
+        let answer = target.message(words)?;
+        if !target.settings_messages().is_empty() {
+            let _changes = self.changes.lock().unwrap();
+            self.save(&device)?;
+        }
+        Ok(answer)
     }
 
     /// Swaps every target that has finished its job for its replacement (a hydrated clone
@@ -329,10 +386,23 @@ impl Registry {
     /// Writes the device's live table to the state dir: temp file, fsync, rename, fsync dir,
     /// so a crash leaves either the old or the new record.
     fn save(&self, device: &Device) -> Result<()> {
+        let live = device.live();
+        let settings = live
+            .segments()
+            .iter()
+            .map(|segment| SavedSettings {
+                sector: segment.start / SECTOR_SIZE,
+                messages: segment.target.settings_messages(),
+            })
+            .filter(|saved| !saved.messages.is_empty())
+            .collect();
         let saved = SavedDevice {
             name: device.name().to_string(),
             read_only: device.read_only(),
-            table: device.live().lines(),
+            table: live.lines(),
+            inactive: device.inactive().map(|t| t.lines()),
+            suspended: device.is_suspended(),
+            settings,
         };
         let path = self.state_path(device.name());
         let persist = |e| RegistryError::Persist(device.name().into(), e);
@@ -348,8 +418,10 @@ impl Registry {
         Ok(())
     }
 
-    /// Brings back the devices of the state dir. Devices built on other devices wait until
-    /// those exist; what cannot be built is logged and left in the state dir.
+    /// Brings back the devices of the state dir, each as it was: live table and its targets'
+    /// settings, inactive table, suspended or not. Devices built on other devices wait until
+    /// those exist; what cannot be built is logged and left in the state dir. Suspending comes
+    /// last, so that devices built on a suspended one are constructed first.
     pub fn restore(&self) -> std::io::Result<usize> {
         let mut pending: Vec<SavedDevice> = Vec::new();
         for entry in std::fs::read_dir(self.state_dir.join("devices"))? {
@@ -362,13 +434,13 @@ impl Registry {
                 }
             }
         }
-        let mut restored = 0;
+        let mut restored = Vec::new();
         loop {
             let before = pending.len();
             let mut failures = Vec::new();
-            pending.retain(|saved| match self.create_restored(saved) {
-                Ok(()) => {
-                    restored += 1;
+            pending.retain(|saved| match self.restore_one(saved) {
+                Ok(device) => {
+                    restored.push((device, saved.suspended));
                     false
                 }
                 Err(e) => {
@@ -380,14 +452,50 @@ impl Registry {
                 for failure in failures {
                     warn!("cannot restore device {failure}");
                 }
-                return Ok(restored);
+                break;
             }
         }
+        for (device, _) in restored.iter().filter(|(_, suspended)| *suspended) {
+            device.suspend();
+            info!("device '{}' restored suspended, as it was", device.name());
+        }
+        Ok(restored.len())
     }
 
-    fn create_restored(&self, saved: &SavedDevice) -> Result<()> {
-        self.create(&saved.name, &saved.table.join("\n"), saved.read_only)
-            .map(|_| ())
+    fn restore_one(&self, saved: &SavedDevice) -> Result<Arc<Device>> {
+        let _changes = self.changes.lock().unwrap();
+        let name = &saved.name;
+        let restore_settings = |table: &Table| {
+            for settings in &saved.settings {
+                let Some(target) = table.target_at(settings.sector) else {
+                    warn!(
+                        "'{name}': no segment at sector {} for saved settings",
+                        settings.sector
+                    );
+                    continue;
+                };
+                for message in &settings.messages {
+                    let words: Vec<&str> = message.split_whitespace().collect();
+                    if let Err(e) = target.message(&words) {
+                        warn!("'{name}': restoring setting '{message}': {e}");
+                    }
+                }
+            }
+        };
+        let device = self.build_device(
+            name,
+            &saved.table.join("\n"),
+            saved.read_only,
+            restore_settings,
+        )?;
+        if let Some(inactive) = &saved.inactive {
+            match self.build(name, &inactive.join("\n"), device.events()) {
+                Ok(table) => device.load(table),
+                Err(e) => warn!("'{name}': its inactive table cannot be restored: {e}"),
+            }
+        }
+        self.map().insert(name.clone(), device.clone());
+        Ok(device)
     }
 
     /// Flushes every device (at shutdown). A suspended device is left alone: its I/O was
