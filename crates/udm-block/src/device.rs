@@ -35,6 +35,24 @@ impl Extent {
     }
 }
 
+/// Appends `extent` to an answer, joining it to the last run when the flags are the same, so
+/// that layers which ask below piece by piece still answer with whole runs.
+pub fn push_extent(extents: &mut Vec<Extent>, extent: Extent) {
+    match extents.last_mut() {
+        Some(last) if last.flags == extent.flags => last.len += extent.len,
+        _ => extents.push(extent),
+    }
+}
+
+/// The same answer with neighbours of equal flags joined.
+pub fn merge_extents(extents: Vec<Extent>) -> Vec<Extent> {
+    let mut out = Vec::with_capacity(extents.len());
+    for e in extents {
+        push_extent(&mut out, e);
+    }
+    out
+}
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WriteFlags {
     /// Force unit access: the data is durable when the write completes.
@@ -199,5 +217,20 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn cache(&self, offset: u64, len: u64) -> Result<()> {
         (**self).cache(offset, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_joins_equal_neighbours() {
+        let merged = merge_extents(vec![
+            Extent::data(512),
+            Extent::data(512),
+            Extent::hole(1024),
+        ]);
+        assert_eq!(merged, vec![Extent::data(1024), Extent::hole(1024)]);
     }
 }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use crate::device::{BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags};
+use crate::device::{push_extent, BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags};
 use crate::error::Result;
 
 const PAGE: u64 = 4096;
@@ -114,10 +114,7 @@ impl BlockDevice for MemoryDevice {
             } else {
                 Extent::hole(range.len() as u64)
             };
-            match extents.last_mut() {
-                Some(last) if last.flags == extent.flags => last.len += extent.len,
-                _ => extents.push(extent),
-            }
+            push_extent(&mut extents, extent);
         });
         Ok(extents)
     }

@@ -17,4 +17,4 @@ mod worker;
 
 pub use error::FuseError;
 pub use export::{FuseConfig, FuseExport};
-pub use mount::{recover_stale_mount, set_io_flusher};
+pub use mount::{is_udm_mount, recover_stale_mount, set_io_flusher};

@@ -2,7 +2,7 @@
 //! connection, finding and clearing mounts whose server died, and the process flag a daemon
 //! backing filesystems needs.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -17,6 +17,10 @@ use crate::error::FuseError;
 /// Where the kernel's FUSE control filesystem lives (systemd mounts it at boot; not every
 /// container does).
 const FUSECTL: &str = "/sys/fs/fuse/connections";
+
+/// The filesystem type udm's mounts show in /proc/self/mountinfo, which tells them apart from
+/// other FUSE filesystems.
+const FS_TYPE: &CStr = c"fuse.udm";
 
 /// How long a probe of a mountpoint may take before its server counts as hung.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -69,7 +73,7 @@ pub(crate) fn mount_fuse(mountpoint: &Path, fd: &OwnedFd) -> Result<(), FuseErro
         libc::mount(
             c"udm".as_ptr(),
             target.as_ptr(),
-            c"fuse.udm".as_ptr(),
+            FS_TYPE.as_ptr(),
             libc::MS_NOSUID | libc::MS_NODEV,
             options.as_ptr().cast(),
         )
@@ -231,13 +235,24 @@ fn statfs_within(
 
 /// Whether the top-most mount at `path` in /proc/self/mountinfo is a FUSE filesystem.
 fn fuse_listed_at(path: &Path) -> Result<bool, FuseError> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo")
-        .map_err(|e| FuseError::io("read /proc/self/mountinfo", e))?;
-    Ok(top_mount_is_fuse(&text, path.as_os_str().as_bytes()))
+    Ok(mount_type_at(path)?.is_some_and(|t| t == "fuse" || t.starts_with("fuse.")))
 }
 
-fn top_mount_is_fuse(mountinfo: &str, path: &[u8]) -> bool {
-    let mut fuse = false;
+/// Whether `path` is where a udm daemon mounted (or had mounted, if it died) its FUSE export:
+/// files there are udm devices.
+pub fn is_udm_mount(path: &Path) -> Result<bool, FuseError> {
+    Ok(mount_type_at(path)?.is_some_and(|t| t.as_bytes() == FS_TYPE.to_bytes()))
+}
+
+/// The filesystem type of the top-most mount at `path`, if `path` is a mountpoint.
+fn mount_type_at(path: &Path) -> Result<Option<String>, FuseError> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| FuseError::io("read /proc/self/mountinfo", e))?;
+    Ok(top_mount_type(&text, path.as_os_str().as_bytes()).map(str::to_string))
+}
+
+fn top_mount_type<'a>(mountinfo: &'a str, path: &[u8]) -> Option<&'a str> {
+    let mut top = None;
     for line in mountinfo.lines() {
         // "ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL…] - FSTYPE SOURCE SUPEROPTS"
         let Some((mount, fs)) = line.split_once(" - ") else {
@@ -247,10 +262,9 @@ fn top_mount_is_fuse(mountinfo: &str, path: &[u8]) -> bool {
             continue;
         }
         // Later lines are mounted later: the last match is on top.
-        let fstype = fs.split(' ').next().unwrap_or("");
-        fuse = fstype == "fuse" || fstype.starts_with("fuse.");
+        top = fs.split(' ').next();
     }
-    fuse
+    top
 }
 
 /// mountinfo writes space, tab, newline and backslash as `\NNN` octal escapes.
@@ -346,12 +360,13 @@ mod tests {
 
     #[test]
     fn mountinfo_paths_are_unescaped_and_the_top_mount_counts() {
-        assert!(top_mount_is_fuse(MOUNTINFO, b"/tmp/my dir"));
-        assert!(!top_mount_is_fuse(MOUNTINFO, b"/tmp/my\\040dir"));
-        assert!(!top_mount_is_fuse(MOUNTINFO, b"/tmp/stacked"));
-        assert!(top_mount_is_fuse(MOUNTINFO, b"/tmp/plain"));
-        assert!(!top_mount_is_fuse(MOUNTINFO, b"/sys"));
-        assert!(!top_mount_is_fuse(MOUNTINFO, b"/tmp"));
+        let at = |path: &[u8]| top_mount_type(MOUNTINFO, path);
+        assert_eq!(at(b"/tmp/my dir"), Some("fuse.udm"));
+        assert_eq!(at(b"/tmp/my\\040dir"), None);
+        assert_eq!(at(b"/tmp/stacked"), Some("tmpfs"));
+        assert_eq!(at(b"/tmp/plain"), Some("fuse"));
+        assert_eq!(at(b"/sys"), Some("sysfs"));
+        assert_eq!(at(b"/tmp"), None);
     }
 
     #[test]

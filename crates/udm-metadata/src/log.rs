@@ -15,6 +15,9 @@ use crate::block::{read_u64, seal, verify, write_u64, BlockType, MetadataError, 
 const MAGIC: &[u8; 8] = b"udmlogwr";
 const VERSION: u32 = 1;
 pub const MAX_MARK: usize = 256;
+/// Superblock flag: the log device filled up, and what happened after the last entry was not
+/// logged.
+const FLAG_CUT_OFF: u32 = 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
@@ -50,12 +53,21 @@ pub struct LogEntry {
     pub mark: String,
 }
 
+/// What became of an appended entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Appended {
+    Logged,
+    /// The log device is full: neither this entry nor any later one is logged.
+    CutOff,
+}
+
 /// Appends entries; one writer per log, callers serialise.
 pub struct LogWriter {
     dev: Arc<dyn BlockDevice>,
     id: u64,
     next_block: u64,
     next_seq: u64,
+    cut_off: bool,
 }
 
 fn blocks_for(len: u64) -> u64 {
@@ -76,6 +88,7 @@ impl LogWriter {
             id,
             next_block: 1,
             next_seq: 0,
+            cut_off: false,
         };
         writer.write_superblock()?;
         writer.dev.flush()?;
@@ -91,10 +104,17 @@ impl LogWriter {
         self.next_block
     }
 
+    /// Whether the log device filled up, so that logging has stopped.
+    pub fn is_cut_off(&self) -> bool {
+        self.cut_off
+    }
+
     fn write_superblock(&mut self) -> Result<(), MetadataError> {
         let mut block = AlignedBuf::zeroed(BLOCK_SIZE);
         block[16..24].copy_from_slice(MAGIC);
         block[24..28].copy_from_slice(&VERSION.to_le_bytes());
+        let flags = if self.cut_off { FLAG_CUT_OFF } else { 0 };
+        block[28..32].copy_from_slice(&flags.to_le_bytes());
         write_u64(&mut block, 32, self.id);
         write_u64(&mut block, 40, self.next_seq);
         write_u64(&mut block, 48, self.dev.size());
@@ -105,7 +125,9 @@ impl LogWriter {
 
     /// Appends an entry (with `data` for writes). FLUSH entries and marks also update the
     /// superblock's entry count and flush the log device, so the log survives a crash up to
-    /// there. Fails with NoSpace when the log device is full.
+    /// there. The first entry that does not fit cuts the log off for good (even if a smaller
+    /// one would still fit, a log with a gap would replay to a state that never was): the
+    /// superblock records it and the log device is flushed, so a reader knows.
     pub fn append(
         &mut self,
         kind: EntryKind,
@@ -114,13 +136,17 @@ impl LogWriter {
         len: u64,
         data: Option<&[u8]>,
         mark: &str,
-    ) -> Result<(), MetadataError> {
+    ) -> Result<Appended, MetadataError> {
+        if self.cut_off {
+            return Ok(Appended::CutOff);
+        }
         let data_len = data.map_or(0, |d| d.len() as u64);
         let needed = 1 + blocks_for(data_len);
         if (self.next_block + needed) * BLOCK_SIZE as u64 > self.dev.size() {
-            return Err(MetadataError::Io(udm_block::BlockError::NoSpace(
-                "log-writes: the log device is full".into(),
-            )));
+            self.cut_off = true;
+            self.write_superblock()?;
+            self.dev.flush()?;
+            return Ok(Appended::CutOff);
         }
         let mut buf = AlignedBuf::zeroed((needed as usize) * BLOCK_SIZE);
         let mark = &mark.as_bytes()[..mark.len().min(MAX_MARK)];
@@ -150,7 +176,7 @@ impl LogWriter {
             self.write_superblock()?;
             self.dev.flush()?;
         }
-        Ok(())
+        Ok(Appended::Logged)
     }
 }
 
@@ -173,6 +199,7 @@ pub struct LogReader {
     id: u64,
     next_block: u64,
     next_seq: u64,
+    cut_off: bool,
 }
 
 impl LogReader {
@@ -193,12 +220,20 @@ impl LogReader {
                 what: format!("log format version {version}"),
             });
         }
+        let flags = u32::from_le_bytes(block[28..32].try_into().unwrap());
         Ok(LogReader {
             id: read_u64(&block, 32),
             dev,
             next_block: 1,
             next_seq: 0,
+            cut_off: flags & FLAG_CUT_OFF != 0,
         })
+    }
+
+    /// Whether the writer ran out of space: the device was written to after the log's last
+    /// entry, and those operations were not logged.
+    pub fn is_cut_off(&self) -> bool {
+        self.cut_off
     }
 
     /// The next entry and its data, or `None` at the end of the log (the first block that is
@@ -302,14 +337,26 @@ mod tests {
     }
 
     #[test]
-    fn a_full_log_says_so() {
+    fn a_full_log_is_cut_off_for_good_and_says_so() {
         let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(4 * 4096));
-        let mut log = LogWriter::create(dev).unwrap();
-        log.append(EntryKind::Write, false, 0, 4096, Some(&[1u8; 4096]), "")
-            .unwrap();
-        let err = log
-            .append(EntryKind::Write, false, 0, 4096, Some(&[1u8; 4096]), "")
-            .unwrap_err();
-        assert!(err.to_string().contains("log device is full"), "{err}");
+        let mut log = LogWriter::create(dev.clone()).unwrap();
+        let write = |log: &mut LogWriter| {
+            log.append(EntryKind::Write, false, 0, 4096, Some(&[1u8; 4096]), "")
+                .unwrap()
+        };
+        assert_eq!(write(&mut log), Appended::Logged);
+        assert!(!LogReader::open(dev.clone()).unwrap().is_cut_off());
+        assert_eq!(write(&mut log), Appended::CutOff);
+        // A FLUSH entry would fit in the last block, but the log has a gap now: no more.
+        let flush = log.append(EntryKind::Flush, false, 0, 0, None, "").unwrap();
+        assert_eq!(flush, Appended::CutOff);
+        assert!(log.is_cut_off());
+        let mut reader = LogReader::open(dev).unwrap();
+        assert!(reader.is_cut_off());
+        assert_eq!(
+            reader.next_entry().unwrap().unwrap().0.kind,
+            EntryKind::Write
+        );
+        assert!(reader.next_entry().unwrap().is_none());
     }
 }

@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use log::{debug, warn};
-use udm_block::{AlignedBuf, BlockDevice, BlockError, Checked, Extent, WriteFlags, ZeroFlags};
+use udm_block::{
+    merge_extents, AlignedBuf, BlockDevice, BlockError, Checked, Extent, WriteFlags, ZeroFlags,
+};
 
 use crate::handshake::{Negotiated, MAX_PAYLOAD};
 use crate::protocol::*;
@@ -197,7 +199,9 @@ impl Connection {
                         "block status without a negotiated meta context".into(),
                     ));
                 }
-                let mut extents = merge(self.device.block_status(offset, len)?);
+                // Checked keeps the total within the request, whose length is a u32, so every
+                // merged extent fits the wire format.
+                let mut extents = merge_extents(self.device.block_status(offset, len)?);
                 if r.flags & CMD_FLAG_REQ_ONE != 0 {
                     extents.truncate(1);
                 }
@@ -284,19 +288,6 @@ impl Connection {
     }
 }
 
-/// Joins neighbouring extents with equal flags. (Checked keeps the total within the request,
-/// whose length is a u32, so every extent fits the wire format.)
-fn merge(extents: Vec<Extent>) -> Vec<Extent> {
-    let mut out: Vec<Extent> = Vec::with_capacity(extents.len());
-    for e in extents {
-        match out.last_mut() {
-            Some(last) if last.flags == e.flags => last.len += e.len,
-            _ => out.push(e),
-        }
-    }
-    out
-}
-
 fn is_zero(data: &[u8]) -> bool {
     let (head, words, tail) = unsafe { data.align_to::<u128>() };
     head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
@@ -315,15 +306,5 @@ mod tests {
             assert!(!is_zero(&data), "byte {at}");
             data[at] = 0;
         }
-    }
-
-    #[test]
-    fn merge_joins_equal_neighbours() {
-        let merged = merge(vec![
-            Extent::data(512),
-            Extent::data(512),
-            Extent::hole(1024),
-        ]);
-        assert_eq!(merged, vec![Extent::data(1024), Extent::hole(1024)]);
     }
 }

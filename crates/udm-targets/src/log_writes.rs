@@ -2,18 +2,25 @@
 //! zeroing, FLUSH and FUA in order, with its data, on `log dev`, so that `udm replay-log` can
 //! rebuild the device as it was at any flush point (the kernel's dm-log-writes). Message:
 //! `mark <text>`. Each construction starts a new log.
+//!
+//! When the log device fills up, logging stops for good and I/O goes on to `dev` unlogged, as
+//! in the kernel: a full log must not fail the writes of the filesystem above. A warning is
+//! logged, an event raised, the status line says `log full` and the log itself records that it
+//! was cut off, so `udm replay-log` says so.
 
 use std::sync::{Arc, Mutex, RwLock};
+
+use log::warn;
 
 use udm_block::{
     BlockDevice, BlockError, Capabilities, Extent, OpenMode, Result, WriteFlags, ZeroFlags,
     SECTOR_SIZE,
 };
-use udm_metadata::log::{EntryKind, LogWriter};
+use udm_metadata::log::{Appended, EntryKind, LogWriter};
 use udm_metadata::MetadataError;
 
 use crate::args::Args;
-use crate::target::{Target, TargetContext, TargetError};
+use crate::target::{EventSink, Target, TargetContext, TargetError};
 
 pub struct LogWrites {
     dev_ref: String,
@@ -24,6 +31,7 @@ pub struct LogWrites {
     /// Writes hold it shared while they complete and are logged; a flush holds it alone, so
     /// every write logged before a FLUSH entry completed before the flush began.
     order: RwLock<()>,
+    raise_event: EventSink,
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
@@ -40,6 +48,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         len: ctx.len,
         log: Mutex::new(log),
         order: RwLock::new(()),
+        raise_event: ctx.raise_event.clone(),
     }))
 }
 
@@ -59,12 +68,36 @@ impl LogWrites {
         len: u64,
         data: Option<&[u8]>,
         mark: &str,
-    ) -> Result<()> {
-        self.log
-            .lock()
-            .unwrap()
+    ) -> Result<Appended> {
+        let mut log = self.log.lock().unwrap();
+        let was_cut_off = log.is_cut_off();
+        let appended = log
             .append(kind, fua, offset, len, data, mark)
-            .map_err(logged)
+            .map_err(logged)?;
+        if !was_cut_off && log.is_cut_off() {
+            warn!(
+                "log-writes: ran out of space on the log device '{}' after {} entries: \
+                 logging stopped, I/O goes on to '{}' unlogged",
+                self.log_ref,
+                log.entries(),
+                self.dev_ref
+            );
+            (self.raise_event)();
+        }
+        Ok(appended)
+    }
+
+    /// Logs an operation that completed on `dev`. Once the log is full it goes unlogged, and
+    /// still succeeds: the device did what was asked.
+    fn log_io(
+        &self,
+        kind: EntryKind,
+        fua: bool,
+        offset: u64,
+        len: u64,
+        data: Option<&[u8]>,
+    ) -> Result<()> {
+        self.append(kind, fua, offset, len, data, "").map(|_| ())
     }
 }
 
@@ -81,29 +114,28 @@ impl BlockDevice for LogWrites {
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
         let _shared = self.order.read().unwrap();
         self.dev.write(offset, buf, flags)?;
-        self.append(
+        self.log_io(
             EntryKind::Write,
             flags.fua,
             offset,
             buf.len() as u64,
             Some(buf),
-            "",
         )
     }
     fn flush(&self) -> Result<()> {
         let _alone = self.order.write().unwrap();
         self.dev.flush()?;
-        self.append(EntryKind::Flush, false, 0, 0, None, "")
+        self.log_io(EntryKind::Flush, false, 0, 0, None)
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         let _shared = self.order.read().unwrap();
         self.dev.discard(offset, len)?;
-        self.append(EntryKind::Discard, false, offset, len, None, "")
+        self.log_io(EntryKind::Discard, false, offset, len, None)
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         let _shared = self.order.read().unwrap();
         self.dev.write_zeroes(offset, len, flags)?;
-        self.append(EntryKind::WriteZeroes, flags.fua, offset, len, None, "")
+        self.log_io(EntryKind::WriteZeroes, flags.fua, offset, len, None)
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         self.dev.block_status(offset, len)
@@ -118,21 +150,28 @@ impl Target for LogWrites {
         format!("{} {}", self.dev_ref, self.log_ref)
     }
     fn status(&self) -> String {
-        // As the kernel: entries logged, and the last log sector used.
+        // As the kernel: entries logged, and the last log sector used; then whether the log
+        // filled up.
         let log = self.log.lock().unwrap();
         format!(
-            "{} {}",
+            "{} {}{}",
             log.entries(),
-            log.blocks_used() * (4096 / SECTOR_SIZE) - 1
+            log.blocks_used() * (4096 / SECTOR_SIZE) - 1,
+            if log.is_cut_off() { " log full" } else { "" }
         )
     }
     fn message(&self, words: &[&str]) -> Result<String, TargetError> {
         match words {
             [mark, text] if mark.eq_ignore_ascii_case("mark") => {
                 let _alone = self.order.write().unwrap();
-                self.append(EntryKind::Mark, false, 0, 0, None, text)
-                    .map_err(|e| TargetError::new(format!("log-writes: {e}")))?;
-                Ok(String::new())
+                match self.append(EntryKind::Mark, false, 0, 0, None, text) {
+                    Ok(Appended::Logged) => Ok(String::new()),
+                    Ok(Appended::CutOff) => Err(TargetError::new(format!(
+                        "log-writes: mark '{text}' not logged: the log device '{}' is full",
+                        self.log_ref
+                    ))),
+                    Err(e) => Err(TargetError::new(format!("log-writes: {e}"))),
+                }
             }
             _ => Err(TargetError::new(format!(
                 "log-writes: unknown message '{}' (expected: mark <text>)",
@@ -152,7 +191,7 @@ mod tests {
     use udm_block::{conformance, BlockDevice, WriteFlags};
     use udm_metadata::log::{EntryKind, LogReader};
 
-    use crate::testing::{build, memory_resolver};
+    use crate::testing::{build, build_counting_events, memory_resolver};
 
     #[test]
     fn passes_the_conformance_suite_and_logs_in_order() {
@@ -178,5 +217,51 @@ mod tests {
         assert_eq!((last.kind, last.mark.as_str()), (EntryKind::Mark, "done"));
         assert!(writes > 10);
         assert!(table.target_at(0).unwrap().message(&["bogus"]).is_err());
+    }
+
+    #[test]
+    fn a_full_log_stops_logging_and_writes_go_on() {
+        // 16 blocks: the superblock and seven 4 KiB writes (header + data) fill the log.
+        let resolver = memory_resolver(&[("dev", 8 << 20), ("log", 16 * 4096)]);
+        let (table, events) =
+            build_counting_events(&resolver, "0 16384 log-writes dev log").unwrap();
+        for i in 0..20u8 {
+            table
+                .write(u64::from(i) * 4096, &[i + 1; 4096], WriteFlags::default())
+                .unwrap();
+        }
+        table.flush().unwrap();
+        table.discard(1 << 20, 4096).unwrap();
+        let mut data = vec![0u8; 20 * 4096];
+        resolver.get("dev").read(0, &mut data).unwrap();
+        assert!(data
+            .chunks(4096)
+            .enumerate()
+            .all(|(i, block)| block.iter().all(|&b| b == i as u8 + 1)));
+        assert_eq!(table.status_lines()[0], "0 16384 log-writes 7 119 log full");
+        assert_eq!(events.load(std::sync::atomic::Ordering::SeqCst), 1);
+        let err = table
+            .target_at(0)
+            .unwrap()
+            .message(&["mark", "late"])
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("the log device 'log' is full"),
+            "{err}"
+        );
+        // The log holds the seven writes (the FLUSH after them would have fit, but logging
+        // stopped for good) and says it was cut off.
+        let mut reader = LogReader::open(resolver.get("log") as Arc<dyn BlockDevice>).unwrap();
+        assert!(reader.is_cut_off());
+        let mut entries = 0;
+        while let Some((entry, data)) = reader.next_entry().unwrap() {
+            assert_eq!(
+                (entry.kind, entry.offset),
+                (EntryKind::Write, entries * 4096)
+            );
+            assert!(data.iter().all(|&b| b == entries as u8 + 1));
+            entries += 1;
+        }
+        assert_eq!(entries, 7);
     }
 }

@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use udm_block::{
-    BlockDevice, BlockError, Capabilities, Extent, Result, WriteFlags, ZeroFlags, SECTOR_SIZE,
+    merge_extents, BlockDevice, BlockError, Capabilities, Extent, Result, WriteFlags, ZeroFlags,
+    SECTOR_SIZE,
 };
 
 use crate::target::{construct, EventSink, Resolver, Target, TargetContext, TargetError};
@@ -306,7 +307,7 @@ impl BlockDevice for Table {
         let mut extents = Vec::new();
         self.each_piece(offset, len, |t, at, range| {
             if extents.is_empty() {
-                extents = t.block_status(at, range.len() as u64)?;
+                extents = merge_extents(t.block_status(at, range.len() as u64)?);
             }
             Ok(())
         })?;

@@ -8,7 +8,8 @@ mod logger;
 mod progress;
 mod replay;
 
-use std::path::PathBuf;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
@@ -137,7 +138,8 @@ enum Command {
     },
     /// Attach the device's FUSE file to a loop device (direct I/O) and print its path.
     Attach { name: String },
-    /// Detach a loop device made by `attach`.
+    /// Detach a loop device made by `attach` (one whose file is in a udm FUSE mount; any
+    /// other loop device is refused).
     Detach { loop_device: PathBuf },
     /// Swap finished targets for their end state, live (a hydrated clone becomes
     /// `linear <destination> 0`).
@@ -251,7 +253,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// `losetup --direct-io=on -f --show` on the device's file in the daemon's FUSE mount.
-fn attach(control: &std::path::Path, name: &str) -> anyhow::Result<()> {
+fn attach(control: &Path, name: &str) -> anyhow::Result<()> {
     let response = client::call(
         control,
         Request::Info {
@@ -282,7 +284,22 @@ fn attach(control: &std::path::Path, name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn detach(loop_device: &std::path::Path) -> anyhow::Result<()> {
+/// `losetup -d`, but only for a loop device of udm's: one whose backing file is in a udm FUSE
+/// mount. Any other loop device is someone else's disk, and detaching it would pull it from
+/// under them.
+fn detach(loop_device: &Path) -> anyhow::Result<()> {
+    let backing = loop_backing_file(loop_device)?;
+    let in_udm_mount = match backing.parent() {
+        Some(dir) => udm_fuse::is_udm_mount(dir)?,
+        None => false,
+    };
+    if !in_udm_mount {
+        bail!(
+            "{} is not udm's: its backing file {} is not in a udm FUSE mount (use losetup -d)",
+            loop_device.display(),
+            backing.display()
+        );
+    }
     let out = std::process::Command::new("losetup")
         .arg("-d")
         .arg(loop_device)
@@ -296,4 +313,30 @@ fn detach(loop_device: &std::path::Path) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The file a loop device is bound to, as the kernel shows it in sysfs.
+fn loop_backing_file(loop_device: &Path) -> anyhow::Result<PathBuf> {
+    let meta = std::fs::metadata(loop_device).with_context(|| loop_device.display().to_string())?;
+    let rdev = meta.rdev();
+    let sysfs = PathBuf::from(format!(
+        "/sys/dev/block/{}:{}/loop",
+        libc::major(rdev),
+        libc::minor(rdev)
+    ));
+    if !meta.file_type().is_block_device() || !sysfs.is_dir() {
+        bail!("{} is not a loop device", loop_device.display());
+    }
+    let text = match std::fs::read_to_string(sysfs.join("backing_file")) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            bail!("{} is not attached to a file", loop_device.display())
+        }
+        Err(e) => return Err(e).context(format!("{}/backing_file", sysfs.display())),
+    };
+    // A file removed since (a udm device removed while attached) shows as "PATH (deleted)".
+    let text = text.trim_end_matches('\n');
+    Ok(PathBuf::from(
+        text.strip_suffix(" (deleted)").unwrap_or(text),
+    ))
 }

@@ -64,8 +64,11 @@ pub fn run(o: ReplayOptions) -> anyhow::Result<()> {
     let mut reader = LogReader::open(log).context("reading the log")?;
     let (mut replayed, mut checked) = (0u64, 0u64);
     let mut checking = o.check_after_mark.is_none();
+    // Whether the whole log was replayed (rather than up to a limit, mark or stop point).
+    let mut to_the_end = true;
     while let Some((entry, data)) = reader.next_entry().context("reading the log")? {
         if o.limit.is_some_and(|limit| replayed >= limit) {
+            to_the_end = false;
             break;
         }
         if o.verbose {
@@ -132,15 +135,25 @@ pub fn run(o: ReplayOptions) -> anyhow::Result<()> {
             .as_deref()
             .is_some_and(|m| entry.kind == EntryKind::Mark && entry.mark == m)
         {
+            to_the_end = false;
             break;
         }
         if o.stop_at
             .is_some_and(|point| is_point(point, entry.kind, entry.fua))
         {
+            to_the_end = false;
             break;
         }
     }
     target.flush()?;
-    println!("replayed {replayed} entries; {checked} check point(s) passed");
+    print!("replayed {replayed} entries; {checked} check point(s) passed");
+    if to_the_end && reader.is_cut_off() {
+        // The replay is what was logged, but not what the logged device ended up holding.
+        print!(
+            "; the log was cut off after {replayed} entries: its device filled up, and later \
+             writes to the logged device were not logged"
+        );
+    }
+    println!();
     Ok(())
 }

@@ -570,3 +570,37 @@ fn a_suspended_device_does_not_hold_up_a_stop() {
         daemon.log()
     );
 }
+
+/// The file a loop device is bound to, or None once it is detached.
+fn backing_file(dev: &str) -> Option<String> {
+    let name = dev.strip_prefix("/dev/").unwrap();
+    std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).ok()
+}
+
+#[test]
+fn detach_refuses_loop_devices_udm_did_not_make() {
+    let daemon = fuse_daemon("detach");
+    let plain = daemon.dir.path("plain.img");
+    sparse_file(&plain, 4 * MIB);
+    let other = Loop(
+        tool("losetup", &["-f", "--show", plain.to_str().unwrap()])
+            .trim()
+            .to_string(),
+    );
+    let err = daemon.udm_err(&["detach", &other.0]);
+    assert!(
+        err.contains(&format!("{} is not udm's", other.0))
+            && err.contains(&format!("backing file {}", plain.display())),
+        "{err}"
+    );
+    assert!(backing_file(&other.0).is_some(), "{} was detached", other.0);
+    // A loop device on a plain file is no loop device at all to detach.
+    let err = daemon.udm_err(&["detach", plain.to_str().unwrap()]);
+    assert!(err.contains("is not a loop device"), "{err}");
+
+    // udm's own loop devices detach.
+    daemon.udm(&["create", "z", "--table", "0 8192 zero"]);
+    let mine = Loop::attach(&daemon, "z");
+    daemon.udm(&["detach", &mine.0]);
+    assert_eq!(backing_file(&mine.0), None);
+}

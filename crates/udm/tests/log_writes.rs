@@ -108,3 +108,79 @@ fn replay_rebuilds_the_device_at_marks_flushes_and_the_end() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("check failed after entry 1 (Flush)"), "{err}");
 }
+
+#[test]
+fn a_full_log_stops_logging_and_the_writes_go_on() {
+    let daemon = Daemon::start("log-full");
+    let dev = daemon.dir.path("dev.img");
+    let log = daemon.dir.path("log.img");
+    sparse_file(&dev, 8 * MIB);
+    // 64 blocks: the superblock, then 17 per 64 KiB write and 1 per FLUSH.
+    sparse_file(&log, 256 * 1024);
+    daemon.udm(&[
+        "create",
+        "lw",
+        "--table",
+        &format!("0 16384 log-writes {} {}", dev.display(), log.display()),
+    ]);
+    // The fourth write does not fit: it and everything after go to the device unlogged.
+    tool(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-t",
+            "writeback",
+            "-c",
+            "write -P 0x11 0 64k",
+            "-c",
+            "flush",
+            "-c",
+            "write -P 0x22 64k 64k",
+            "-c",
+            "write -P 0x33 128k 64k",
+            "-c",
+            "write -P 0x44 192k 64k",
+            "-c",
+            "flush",
+            "-c",
+            "write -P 0x55 256k 4k",
+            "-c",
+            "read -P 0x44 192k 64k",
+            &daemon.uri("lw"),
+        ],
+    );
+    let status = daemon.udm(&["status", "lw"]);
+    assert!(
+        status.starts_with("0 16384 log-writes 4 ") && status.ends_with(" log full"),
+        "{status}"
+    );
+    let warnings = daemon
+        .log()
+        .matches("ran out of space on the log device")
+        .count();
+    assert_eq!(warnings, 1, "{}", daemon.log());
+    daemon.udm(&["remove", "lw"]);
+
+    let target = daemon.dir.path("replay.img");
+    sparse_file(&target, 8 * MIB);
+    let out = daemon.run_udm(&[
+        "replay-log",
+        "--log",
+        log.to_str().unwrap(),
+        "--replay",
+        target.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("replayed 4 entries")
+            && stdout.contains("the log was cut off after 4 entries"),
+        "{stdout}"
+    );
+    let replayed = std::fs::read(&target).unwrap();
+    let logged = std::fs::read(&dev).unwrap();
+    assert_eq!(replayed[..192 * 1024], logged[..192 * 1024]);
+    assert!(replayed[192 * 1024..].iter().all(|&b| b == 0));
+    assert!(logged[192 * 1024..256 * 1024].iter().all(|&b| b == 0x44));
+}

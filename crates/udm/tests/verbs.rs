@@ -277,3 +277,42 @@ fn a_restarted_daemon_brings_every_device_back() {
         );
     }
 }
+
+#[test]
+fn abandoned_waits_leave_no_daemon_threads_behind() {
+    let daemon = Daemon::start("wait-abandoned");
+    daemon.udm(&["create", "z", "--table", "0 2048 zero"]);
+    let tasks = format!("/proc/{}/task", daemon.pid());
+    let threads = || std::fs::read_dir(&tasks).unwrap().count();
+    // The `create` connection's thread ends once its client has gone.
+    std::thread::sleep(Duration::from_millis(300));
+    let baseline = threads();
+    // Waits that no event will ever end: only their clients going away can.
+    let mut waits: Vec<_> = (0..8)
+        .map(|_| {
+            std::process::Command::new(UDM)
+                .args(["wait", "z", &u64::MAX.to_string()])
+                .env("UDM_CONTROL", daemon.control())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    wait_for(
+        || threads() >= baseline + 8,
+        "the waits to reach the daemon",
+    );
+    for wait in &mut waits {
+        wait.kill().unwrap();
+        wait.wait().unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while threads() > baseline {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} daemon threads 2 s after the waits' clients died (baseline {baseline})",
+            threads()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    daemon.udm(&["info", "z"]);
+}

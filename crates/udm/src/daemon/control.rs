@@ -1,6 +1,7 @@
 //! The daemon side of the control socket: decode a request, run the verb, answer.
 
 use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,6 +17,8 @@ use udm::control::{Envelope, Request, Response, PROTOCOL_VERSION};
 
 /// Longest request line accepted; a table of thousands of lines still fits.
 const MAX_REQUEST: u64 = 4 << 20;
+/// How often a `wait` looks whether its client is still there.
+const WAIT_SLICE: Duration = Duration::from_millis(200);
 
 /// `fuse_dir` is the FUSE mount point, if devices are also served as files there.
 pub fn listen(
@@ -71,7 +74,7 @@ fn serve(stream: UnixStream, registry: &Registry, fuse_dir: Option<&Path>) {
                 "control protocol version {} not supported (this daemon speaks {PROTOCOL_VERSION})",
                 envelope.version
             )),
-            Ok(envelope) => execute(registry, envelope.request, fuse_dir),
+            Ok(envelope) => execute(registry, envelope.request, fuse_dir, &writer),
             Err(e) => Response::error(format!("malformed request: {e}")),
         };
         if reply(&mut writer, &response).is_err() {
@@ -87,7 +90,26 @@ fn reply(writer: &mut UnixStream, response: &Response) -> std::io::Result<()> {
     writer.write_all(&bytes)
 }
 
-fn execute(registry: &Registry, request: Request, fuse_dir: Option<&Path>) -> Response {
+/// Whether the client has closed its end of the connection (a `udm wait` that was killed or
+/// interrupted). Only a hang-up counts: a client may well send its next request early.
+fn hung_up(client: &UnixStream) -> bool {
+    let mut fd = libc::pollfd {
+        fd: client.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one pollfd that we own, and a zero timeout: this never blocks.
+    let ready = unsafe { libc::poll(&mut fd, 1, 0) };
+    ready > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// `client` is the requester's connection, watched by requests that block.
+fn execute(
+    registry: &Registry,
+    request: Request,
+    fuse_dir: Option<&Path>,
+    client: &UnixStream,
+) -> Response {
     let result: Result<Response, Box<dyn std::error::Error>> = (|| {
         Ok(match request {
             Request::Create {
@@ -131,12 +153,17 @@ fn execute(registry: &Registry, request: Request, fuse_dir: Option<&Path>) -> Re
             Request::Wait { name, event_nr } => {
                 let device = registry.get(&name)?;
                 let after = event_nr.unwrap_or_else(|| device.events().current());
+                // In slices, so that the wait ends (and its thread with it) when the device
+                // goes away or nobody waits for the answer any more.
                 loop {
-                    let now = device.events().wait(after, Duration::from_secs(1));
+                    let now = device.events().wait(after, WAIT_SLICE);
                     if now > after {
                         break Response::text(now.to_string());
                     }
                     registry.get(&name)?;
+                    if hung_up(client) {
+                        return Err("the client went away".into());
+                    }
                 }
             }
             Request::Remove { name, force } => {
