@@ -122,11 +122,14 @@ fn worker(inner: &Inner) {
         let result = inner.copy_regions(first..first + count, true);
         drop(claims);
         if let Err(e) = &result {
-            warn!(
-                "clone: hydrating regions {first}..{}: {e}; will retry",
-                first + count
-            );
-            std::thread::sleep(ERROR_BACKOFF);
+            // A copy cut short because the table is going away is not worth a warning.
+            if !inner.settings.lock().unwrap().shutdown {
+                warn!(
+                    "clone: hydrating regions {first}..{}: {e}; will retry",
+                    first + count
+                );
+                std::thread::sleep(ERROR_BACKOFF);
+            }
         } else if user_busy(inner) {
             std::thread::sleep((started.elapsed() * YIELD_FACTOR).min(MAX_YIELD));
         }
