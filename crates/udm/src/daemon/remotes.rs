@@ -111,3 +111,39 @@ impl Remotes {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreachable_remote_opens_only_at_restore_and_only_with_a_recorded_size() {
+        let dir = std::env::temp_dir().join(format!("udm-remotes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let uri = format!("nbd+unix:///?socket={}", dir.join("gone.sock").display());
+        let error = |r: Result<Arc<dyn BlockDevice>, TargetError>| match r {
+            Ok(_) => panic!("opened an unreachable remote"),
+            Err(e) => e.to_string(),
+        };
+
+        let remotes = Remotes::new(&dir, Duration::from_secs(1));
+        assert!(error(remotes.open(&uri, OpenMode::ReadOnly)).contains("cannot connect"));
+        {
+            let _restoring = remotes.restoring();
+            let e = error(remotes.open(&uri, OpenMode::ReadOnly));
+            assert!(e.contains("never recorded"), "{e}");
+        }
+        remotes.remember(&uri, 4 << 20);
+
+        // The record survives a restart.
+        let remotes = Remotes::new(&dir, Duration::from_secs(1));
+        {
+            let _restoring = remotes.restoring();
+            let dev = remotes.open(&uri, OpenMode::ReadOnly).unwrap();
+            assert_eq!(dev.size(), 4 << 20);
+        }
+        // Outside a restore, a new table on it is still refused.
+        assert!(error(remotes.open(&uri, OpenMode::ReadOnly)).contains("cannot connect"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
