@@ -582,6 +582,7 @@ impl NbdClient {
     ) -> Result<NbdClient, ClientError> {
         let target = Target::parse(uri, options)?;
         // Until the server tells, assume the least: no optional commands, no block status.
+        // Skipping FLUSH meanwhile loses nothing, since nothing was written through us yet.
         let info = ExportInfo {
             size,
             flags: 0,
