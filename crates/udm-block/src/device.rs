@@ -159,6 +159,11 @@ pub trait BlockDevice: Send + Sync {
     fn cache(&self, _offset: u64, _len: u64) -> Result<()> {
         Ok(())
     }
+
+    /// The owner of this handle is going away and will not wait for it: requests still
+    /// waiting on something that may never come (a remote's reconnection) fail now, and
+    /// later ones fail at once. Only for handles no one else uses; shared devices ignore it.
+    fn close(&self) {}
 }
 
 const ZERO_CHUNK: usize = 1 << 20;
@@ -217,6 +222,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn cache(&self, offset: u64, len: u64) -> Result<()> {
         (**self).cache(offset, len)
+    }
+    fn close(&self) {
+        (**self).close()
     }
 }
 

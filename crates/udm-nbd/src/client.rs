@@ -7,7 +7,13 @@
 //! The same thread, when the connection breaks, redials with backoff. Requests in flight
 //! then are not failed: their callers resend them once the connection is back (reads, writes,
 //! flushes and the rest are all idempotent), and only a request older than `io_timeout`
-//! fails, so nothing waits forever on a server that stays away.
+//! fails, so nothing waits forever on a server that stays away. A server that answers
+//! ESHUTDOWN is going away cleanly: that counts as a broken connection too, and closing ours
+//! lets it exit.
+//!
+//! A client can also start without a connection ([`NbdClient::disconnected`]), for a device
+//! that must come back while its remote is down: the size it was last seen with stands in
+//! until the first connection confirms it.
 
 use std::collections::HashMap;
 use std::io::{self, BufReader, IoSlice, Read, Write};
@@ -128,6 +134,31 @@ struct Target {
 }
 
 impl Target {
+    fn parse(uri: &str, options: ClientOptions) -> Result<Target, ClientError> {
+        let NbdUri { address, export } = uri.parse()?;
+        Ok(Target {
+            address,
+            export,
+            options,
+        })
+    }
+
+    /// What about a freshly negotiated export the user should know.
+    fn warn_about(&self, info: &ExportInfo) {
+        if info.min_block > SECTOR {
+            warn!(
+                "nbd server {}: export '{}' needs {}-byte alignment; smaller requests will fail",
+                self.address, self.export, info.min_block
+            );
+        }
+        if !info.size.is_multiple_of(SECTOR.into()) {
+            warn!(
+                "nbd server {}: export '{}' is {} bytes; the last partial sector is not used",
+                self.address, self.export, info.size
+            );
+        }
+    }
+
     fn protocol(&self, what: impl Into<String>) -> ClientError {
         ClientError::Protocol {
             address: self.address.to_string(),
@@ -378,6 +409,11 @@ impl Target {
     }
 }
 
+/// The part of an export of `size` bytes that whole sectors cover.
+fn usable(size: u64) -> u64 {
+    size / u64::from(SECTOR) * u64::from(SECTOR)
+}
+
 fn set_write_timeout(stream: &Stream, timeout: Option<Duration>) -> io::Result<()> {
     match stream {
         Stream::Unix(s) => s.set_write_timeout(timeout),
@@ -493,11 +529,14 @@ struct State {
     /// Set when the device can never work again (the export changed size).
     failed: Option<String>,
     closing: bool,
+    /// A connection was made once; `info` is the server's word, not a stand-in.
+    connected_before: bool,
 }
 
 struct Shared {
     target: Target,
-    /// Fixed at the first connection; a server that comes back with another size is refused.
+    /// Fixed at the first connection (or given to a client made disconnected); a server that
+    /// comes back with another size is refused.
     size: u64,
     state: Mutex<State>,
     /// Signalled when the connection comes or goes, the device fails, or the client closes.
@@ -521,36 +560,52 @@ impl NbdClient {
     /// Connects to `uri` (`nbd://HOST[:PORT]/EXPORT` or `nbd+unix:///EXPORT?socket=PATH`).
     /// The first connection must succeed; later breaks are repaired in the background.
     pub fn connect(uri: &str, options: ClientOptions) -> Result<NbdClient, ClientError> {
-        let NbdUri { address, export } = uri.parse()?;
-        let target = Target {
-            address,
-            export,
-            options,
-        };
+        let target = Target::parse(uri, options)?;
         let (stream, info) = target.dial()?;
         let (conn, reader) = Conn::new(stream, info).map_err(|e| target.handshake_io(e))?;
         info!(
             "nbd: connected to {} export '{}' ({} bytes)",
             target.address, target.export, info.size
         );
-        if info.min_block > SECTOR {
-            warn!(
-                "nbd server {}: export '{}' needs {}-byte alignment; smaller requests will fail",
-                target.address, target.export, info.min_block
-            );
-        }
-        if !info.size.is_multiple_of(SECTOR.into()) {
-            warn!(
-                "nbd server {}: export '{}' is {} bytes; the last partial sector is not used",
-                target.address, target.export, info.size
-            );
-        }
+        target.warn_about(&info);
+        Self::start(target, info, Some((conn, reader)))
+    }
+
+    /// A client for `uri` that does not connect now: its export was last seen with `size`
+    /// bytes and is expected back. Requests wait for the connection the background thread
+    /// keeps trying to make (up to `io_timeout`); an export that comes back with another size
+    /// fails the device, as on any reconnection.
+    pub fn disconnected(
+        uri: &str,
+        options: ClientOptions,
+        size: u64,
+    ) -> Result<NbdClient, ClientError> {
+        let target = Target::parse(uri, options)?;
+        // Until the server tells, assume the least: no optional commands, no block status.
+        // Skipping FLUSH meanwhile loses nothing, since nothing was written through us yet.
+        let info = ExportInfo {
+            size,
+            flags: 0,
+            min_block: 1,
+            max_request: MAX_REQUEST,
+            structured: false,
+            base_allocation: None,
+        };
+        Self::start(target, info, None)
+    }
+
+    fn start(
+        target: Target,
+        info: ExportInfo,
+        conn: Option<(Arc<Conn>, Stream)>,
+    ) -> Result<NbdClient, ClientError> {
         let name = format!("nbd-client-{}", target.export);
         let shared = Arc::new(Shared {
             size: info.size,
             target,
             state: Mutex::new(State {
-                conn: Some(conn.clone()),
+                connected_before: conn.is_some(),
+                conn: conn.as_ref().map(|(conn, _)| conn.clone()),
                 info,
                 failed: None,
                 closing: false,
@@ -562,7 +617,7 @@ impl NbdClient {
             .name(name)
             .spawn({
                 let shared = shared.clone();
-                move || shared.run(conn, reader)
+                move || shared.run(conn)
             })
             .map_err(|e| shared.target.handshake_io(e))?;
         Ok(NbdClient {
@@ -581,8 +636,12 @@ impl NbdClient {
         self.shared.state.lock().unwrap().info
     }
 
+    fn read_only(&self, info: &ExportInfo) -> bool {
+        self.shared.target.options.read_only || info.has(TF_READ_ONLY)
+    }
+
     fn check_writable(&self, info: &ExportInfo) -> udm_block::Result<()> {
-        if self.shared.target.options.read_only || info.has(TF_READ_ONLY) {
+        if self.read_only(info) {
             return Err(BlockError::ReadOnly(format!(
                 "nbd export '{}' is read-only",
                 self.shared.target.export
@@ -778,24 +837,27 @@ impl Shared {
     }
 
     /// The client's thread: reads replies until the connection breaks, then reconnects, until
-    /// the client is dropped or the device fails.
-    fn run(self: Arc<Self>, mut conn: Arc<Conn>, mut reader: Stream) {
+    /// the client is dropped or the device fails. A client made disconnected starts by
+    /// dialling.
+    fn run(self: Arc<Self>, mut current: Option<(Arc<Conn>, Stream)>) {
         let mut delay = FIRST_BACKOFF;
         loop {
-            let up_since = Instant::now();
-            let why = read_replies(&conn, reader);
-            self.connection_lost(&conn, &why);
-            // A server that breaks every connection as soon as it is made (a protocol error on
-            // each request) must not be redialled in a tight loop: the backoff starts over
-            // only after a connection that lasted.
-            if up_since.elapsed() >= MAX_BACKOFF {
-                delay = FIRST_BACKOFF;
-            } else if !self.pause(&mut delay) {
-                return;
+            if let Some((conn, reader)) = current {
+                let up_since = Instant::now();
+                let why = read_replies(&conn, reader);
+                self.connection_lost(&conn, &why);
+                // A server that breaks every connection as soon as it is made (a protocol
+                // error on each request) must not be redialled in a tight loop: the backoff
+                // starts over only after a connection that lasted.
+                if up_since.elapsed() >= MAX_BACKOFF {
+                    delay = FIRST_BACKOFF;
+                } else if !self.pause(&mut delay) {
+                    return;
+                }
             }
-            match self.reconnect(&mut delay) {
-                Some((c, r)) => (conn, reader) = (c, r),
-                None => return,
+            current = self.reconnect(&mut delay);
+            if current.is_none() {
+                return;
             }
         }
     }
@@ -845,7 +907,8 @@ impl Shared {
         attempts: u32,
     ) -> Option<(Arc<Conn>, Stream)> {
         let mut state = self.state.lock().unwrap();
-        if conn.info.size != self.size {
+        // The partial sector at the end is never used, so only a change beyond it matters.
+        if usable(conn.info.size) != usable(self.size) {
             let why = format!(
                 "nbd export '{}' on {} changed size from {} to {} bytes; the device has failed",
                 self.target.export, self.target.address, self.size, conn.info.size
@@ -861,10 +924,18 @@ impl Shared {
         }
         state.conn = Some(conn.clone());
         state.info = conn.info;
-        info!(
-            "nbd: reconnected to {} export '{}' after {attempts} attempt(s)",
-            self.target.address, self.target.export
-        );
+        if std::mem::replace(&mut state.connected_before, true) {
+            info!(
+                "nbd: reconnected to {} export '{}' after {attempts} attempt(s)",
+                self.target.address, self.target.export
+            );
+        } else {
+            info!(
+                "nbd: connected to {} export '{}' ({} bytes) after {attempts} attempt(s)",
+                self.target.address, self.target.export, conn.info.size
+            );
+            self.target.warn_about(&conn.info);
+        }
         self.changed.notify_all();
         Some((conn, reader))
     }
@@ -904,6 +975,10 @@ enum ReplyError {
     Io(#[from] io::Error),
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// NBD_ESHUTDOWN: the server is going away and will not serve this connection again. It
+    /// may wait for us to hang up before it exits, so we do, and redial.
+    #[error("the server is shutting down")]
+    ShuttingDown,
 }
 
 impl From<ProtocolError> for ReplyError {
@@ -935,6 +1010,9 @@ fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
     if magic == SIMPLE_REPLY_MAGIC {
         let reply = parse_simple_reply(header[..SIMPLE_REPLY_LEN].try_into().unwrap())?;
         let slot = in_flight(conn, reply.cookie)?;
+        if reply.error == NBD_ESHUTDOWN {
+            return Err(ReplyError::ShuttingDown);
+        }
         if reply.error != 0 {
             set_error(&slot, reply.cookie, block_error(reply.error, ""));
         } else if slot.command == CMD_READ {
@@ -989,6 +1067,9 @@ fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
         }
         kind if kind & CHUNK_ERROR_BIT != 0 => {
             let e = parse_error_chunk(kind, &payload(r, chunk.length)?)?;
+            if e.error == NBD_ESHUTDOWN {
+                return Err(ReplyError::ShuttingDown);
+            }
             let message = match e.offset {
                 Some(offset) => format!("{} (at offset {offset})", e.message),
                 None => e.message,
@@ -1117,7 +1198,6 @@ fn block_error(code: u32, message: &str) -> BlockError {
         NBD_ENOSPC => BlockError::NoSpace(text),
         NBD_EPERM => BlockError::ReadOnly(text),
         NBD_ENOTSUP => BlockError::NotSupported(text),
-        NBD_ESHUTDOWN => BlockError::Shutdown(text),
         other => BlockError::Os {
             context: text,
             errno: i32::try_from(other).unwrap_or(libc::EIO),
@@ -1127,13 +1207,13 @@ fn block_error(code: u32, message: &str) -> BlockError {
 
 impl BlockDevice for NbdClient {
     fn size(&self) -> u64 {
-        self.shared.size / u64::from(SECTOR) * u64::from(SECTOR)
+        usable(self.shared.size)
     }
 
     fn capabilities(&self) -> Capabilities {
         let info = self.info();
         Capabilities {
-            read_only: self.shared.target.options.read_only || info.has(TF_READ_ONLY),
+            read_only: self.read_only(&info),
             native_fua: info.has(TF_SEND_FUA),
             discard: info.has(TF_SEND_TRIM),
             fast_zero: info.has(TF_SEND_FAST_ZERO),
@@ -1179,8 +1259,11 @@ impl BlockDevice for NbdClient {
     }
 
     fn flush(&self) -> udm_block::Result<()> {
-        // A server without FLUSH writes through: there is nothing to make durable.
-        if !self.info().has(TF_SEND_FLUSH) {
+        // A server without FLUSH writes through, and a read-only client wrote nothing: either
+        // way there is nothing to make durable, and no reason to wait for a server that is
+        // down.
+        let info = self.info();
+        if !info.has(TF_SEND_FLUSH) || self.read_only(&info) {
             return Ok(());
         }
         self.call(CMD_FLUSH, 0, 0, 0, Payload::None).map(drop)
@@ -1257,10 +1340,10 @@ impl BlockDevice for NbdClient {
         }
         self.in_pieces(CMD_CACHE, 0, offset, len, info.max_request.into())
     }
-}
 
-impl Drop for NbdClient {
-    fn drop(&mut self) {
+    /// Hangs up: requests waiting for a connection or a reply fail with ESHUTDOWN, and the
+    /// background thread stops redialling.
+    fn close(&self) {
         let conn = {
             let mut state = self.shared.state.lock().unwrap();
             state.closing = true;
@@ -1268,11 +1351,21 @@ impl Drop for NbdClient {
         };
         self.shared.changed.notify_all();
         if let Some(conn) = conn {
-            if let Ok(mut writer) = conn.writer.lock() {
+            // A writer stuck on a server that stopped reading must not hold us up: the goodbye
+            // is skipped then.
+            if let Ok(mut writer) = conn.writer.try_lock() {
                 disconnect(&mut writer);
             }
+            // Breaks the reader's wait; the requests it had in flight are then resent, find
+            // the client closing and fail.
             conn.control.shutdown();
         }
+    }
+}
+
+impl Drop for NbdClient {
+    fn drop(&mut self) {
+        self.close();
         if let Some(thread) = self.thread.take() {
             // The reader sees the shutdown, the reconnect loop sees `closing`; both end.
             let _ = thread.join();

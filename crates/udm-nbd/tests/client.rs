@@ -531,6 +531,132 @@ fn an_export_that_comes_back_with_another_size_fails_the_device() {
 }
 
 #[test]
+fn a_client_made_disconnected_connects_once_the_server_is_there() {
+    let dir = TempDir::new("later");
+    let image = dir.path("disk.img");
+    let data = pattern(4 * MIB as usize, 21);
+    std::fs::write(&image, &data[..]).unwrap();
+    let file_arg = format!("file={}", image.display());
+    let client = Arc::new(
+        NbdClient::disconnected(&dir.uri(), options(Duration::from_secs(10)), 4 * MIB).unwrap(),
+    );
+    assert_eq!(client.size(), 4 * MIB);
+    assert!(!client.is_connected());
+    let waiting = {
+        let client = client.clone();
+        std::thread::spawn(move || {
+            let mut buf = AlignedBuf::zeroed(65536);
+            client.read(MIB, &mut buf).map(|()| buf)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!waiting.is_finished());
+    let _server = nbdkit(&dir, &["file", &file_arg]);
+    let got = waiting
+        .join()
+        .unwrap()
+        .expect("the read waits for the server");
+    assert!(got[..] == data[MIB as usize..][..65536]);
+    assert!(client.is_connected());
+
+    // The size it was made with is checked against the server's.
+    let wrong =
+        NbdClient::disconnected(&dir.uri(), options(Duration::from_secs(5)), 8 * MIB).unwrap();
+    let mut buf = AlignedBuf::zeroed(4096);
+    let err = wrong.read(0, &mut buf).unwrap_err();
+    assert_eq!(err.errno(), libc::EIO);
+    assert!(err.to_string().contains("changed size"), "{err}");
+}
+
+#[test]
+fn a_server_shutting_down_is_let_go_and_its_successor_serves_the_request() {
+    for structured in [true, false] {
+        let dir = TempDir::new("eshutdown");
+        let image = dir.path("disk.img");
+        let data = pattern(4 * MIB as usize, 22);
+        std::fs::write(&image, &data[..]).unwrap();
+        let file_arg = format!("file={}", image.display());
+        // Reads take 5 s, so one is in flight when the server is told to stop; nbdkit then
+        // answers it (and anything after it) with ESHUTDOWN and waits for us to hang up.
+        let mut args = vec!["--filter=delay", "file", &file_arg, "rdelay=5"];
+        if !structured {
+            args.insert(0, "--no-sr");
+        }
+        let mut server = nbdkit(&dir, &args);
+        let client = Arc::new(connect(&dir.uri(), options(Duration::from_secs(20))));
+        let in_flight = {
+            let client = client.clone();
+            std::thread::spawn(move || {
+                let mut buf = AlignedBuf::zeroed(65536);
+                client.read(MIB, &mut buf).map(|()| buf)
+            })
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        unsafe { libc::kill(server.0.id() as i32, libc::SIGTERM) };
+        wait_until(
+            "nbdkit exits (the client hangs up)",
+            Duration::from_secs(4),
+            || matches!(server.0.try_wait(), Ok(Some(_))),
+        );
+        assert!(
+            !in_flight.is_finished(),
+            "the request failed instead of waiting"
+        );
+        let _server = nbdkit(&dir, &["file", &file_arg]);
+        let got = in_flight
+            .join()
+            .unwrap()
+            .expect("the request is resent to the new server");
+        assert!(got[..] == data[MIB as usize..][..65536]);
+    }
+}
+
+#[test]
+fn closing_fails_waiting_requests_at_once() {
+    let dir = TempDir::new("close");
+    let server = nbdkit(&dir, &["memory", "64M"]);
+    let client = Arc::new(connect(&dir.uri(), options(Duration::from_secs(30))));
+    drop(server);
+    let waiting = {
+        let client = client.clone();
+        std::thread::spawn(move || {
+            let mut buf = AlignedBuf::zeroed(4096);
+            client.read(0, &mut buf)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!waiting.is_finished());
+    let start = Instant::now();
+    client.close();
+    let err = waiting.join().unwrap().unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(err.errno(), libc::ESHUTDOWN, "{err}");
+}
+
+#[test]
+fn a_read_only_client_does_not_wait_for_a_dead_server_to_flush() {
+    let dir = TempDir::new("ro-flush");
+    let server = nbdkit(&dir, &["memory", "64M"]);
+    let options = ClientOptions {
+        read_only: true,
+        ..options(Duration::from_secs(30))
+    };
+    let client = connect(&dir.uri(), options);
+    drop(server);
+    let start = Instant::now();
+    client.flush().unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
 fn server_errors_reach_the_caller_with_their_errno() {
     for structured in [true, false] {
         let dir = TempDir::new("errors");

@@ -128,6 +128,8 @@ fn worker(inner: &Inner) {
         settings.in_flight -= count;
         inner.wake.notify_all();
         let pause = match &result {
+            // A copy cut short because the table is going away is not worth a warning.
+            Err(_) if settings.shutdown => Duration::ZERO,
             Err(e) => {
                 warn!(
                     "clone: hydrating regions {first}..{}: {e}; will retry",

@@ -21,7 +21,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use log::{error, warn};
+use log::{error, info, warn};
 use udm_block::{
     AlignedBuf, BlockDevice, BlockError, Capabilities, Extent, OpenMode, Result, WriteFlags,
     ZeroFlags, EXTENT_ZERO, SECTOR_SIZE,
@@ -858,6 +858,14 @@ impl Target for Clone {
 impl Drop for Clone {
     fn drop(&mut self) {
         hydration::stop(&self.inner);
+        // A copy waiting for a remote source that is down would hold up `udm remove` for the
+        // whole remote timeout; the source is this table's own handle, so let it go first.
+        // Regions being copied stay unhydrated and are copied again by the next table.
+        self.inner.source.close();
+        let copying = self.inner.settings.lock().unwrap().in_flight;
+        if copying > 0 {
+            info!("clone: stopping: waiting for {copying} region copies in flight");
+        }
         for worker in self.workers.lock().unwrap().drain(..) {
             let _ = worker.join();
         }

@@ -4,6 +4,7 @@ mod claims;
 mod control;
 mod device;
 mod registry;
+mod remotes;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -271,6 +272,18 @@ fn lock_state_dir(state_dir: &Path) -> anyhow::Result<std::fs::File> {
     file.rewind()?;
     writeln!(file, "{}", std::process::id())?;
     Ok(file)
+}
+
+/// Replaces `path` with `data` so that a crash leaves the old or the new content: temp file,
+/// fsync, rename, fsync of the directory.
+fn write_durably(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let file = std::fs::File::create(&tmp)?;
+    std::io::Write::write_all(&mut &file, data)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    std::fs::File::open(path.parent().expect("a file in a directory"))?.sync_all()
 }
 
 fn remove_socket(path: &Path) {

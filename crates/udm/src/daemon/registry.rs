@@ -9,11 +9,12 @@ use log::{info, warn};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use udm_block::{BlockDevice, FileDevice, OpenMode, SECTOR_SIZE};
-use udm_nbd::{ClientOptions, NbdClient};
 use udm_targets::{Resolver, Table, TargetError};
 
 use super::claims::{Claimed, Claims};
 use super::device::{Device, Events};
+use super::remotes::Remotes;
+use super::write_durably;
 
 #[derive(Debug, Error)]
 pub enum RegistryError {
@@ -62,8 +63,8 @@ pub struct Registry {
     /// cannot race with each other. I/O never takes it.
     changes: Mutex<()>,
     state_dir: PathBuf,
-    /// How long a request to a remote (NBD) backend may wait for it before failing with EIO.
-    remote_timeout: Duration,
+    /// Opens remote (NBD) references; knows their sizes for restoring while they are down.
+    remotes: Remotes,
     claims: Arc<Claims>,
 }
 
@@ -100,7 +101,7 @@ impl Registry {
             devices: Mutex::new(BTreeMap::new()),
             changes: Mutex::new(()),
             state_dir: state_dir.to_path_buf(),
-            remote_timeout,
+            remotes: Remotes::new(state_dir, remote_timeout),
             claims: Arc::default(),
         })
     }
@@ -370,7 +371,9 @@ impl Registry {
             device.replace_live(error_table);
         }
         self.map().remove(name);
-        let _ = device.live().flush();
+        if let Err(e) = device.live().flush() {
+            warn!("removing '{name}': flushing: {e}");
+        }
         let path = self.state_path(name);
         if let Err(e) = std::fs::remove_file(&path) {
             warn!("removing {}: {e}", path.display());
@@ -404,18 +407,9 @@ impl Registry {
             suspended: device.is_suspended(),
             settings,
         };
-        let path = self.state_path(device.name());
-        let persist = |e| RegistryError::Persist(device.name().into(), e);
-        let tmp = path.with_extension("json.tmp");
         let json = serde_json::to_vec_pretty(&saved).expect("serialisable");
-        let file = std::fs::File::create(&tmp).map_err(persist)?;
-        std::io::Write::write_all(&mut &file, &json).map_err(persist)?;
-        file.sync_all().map_err(persist)?;
-        std::fs::rename(&tmp, &path).map_err(persist)?;
-        std::fs::File::open(path.parent().expect("devices dir"))
-            .and_then(|d| d.sync_all())
-            .map_err(persist)?;
-        Ok(())
+        write_durably(&self.state_path(device.name()), &json)
+            .map_err(|e| RegistryError::Persist(device.name().into(), e))
     }
 
     /// Brings back the devices of the state dir, each as it was: live table and its targets'
@@ -435,6 +429,7 @@ impl Registry {
             }
         }
         let mut restored = Vec::new();
+        let _restoring = self.remotes.restoring();
         loop {
             let before = pending.len();
             let mut failures = Vec::new();
@@ -543,14 +538,7 @@ impl Resolver for TableResolver<'_> {
             });
         }
         if is_uri(reference) {
-            let options = ClientOptions {
-                read_only: mode == OpenMode::ReadOnly,
-                io_timeout: self.registry.remote_timeout,
-                ..ClientOptions::default()
-            };
-            let client = NbdClient::connect(reference, options)
-                .map_err(|e| TargetError::new(e.to_string()))?;
-            return Ok(Arc::new(client));
+            return self.registry.remotes.open(reference, mode);
         }
         if reference == self.owner || self.registry.depends_on(reference, self.owner) {
             return Err(TargetError::new(format!(

@@ -1,0 +1,193 @@
+//! End to end: clones whose source is a remote NBD export (a real nbdkit) that is down when
+//! the daemon starts, shuts down cleanly, or dies for good.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+
+/// nbdkit serving `image` on `socket`, each read taking `read_delay` (nbdkit's syntax) if set.
+fn nbdkit(socket: &Path, image: &Path, read_delay: Option<&str>) -> Peer {
+    let mut args = vec!["-f", "-U", socket.to_str().unwrap()];
+    let delay = read_delay.map(|d| format!("rdelay={d}"));
+    if delay.is_some() {
+        args.push("--filter=delay");
+    }
+    args.extend_from_slice(&["file", image.to_str().unwrap()]);
+    args.extend(delay.as_deref());
+    Peer::start("nbdkit", &args, socket)
+}
+
+fn remote(socket: &Path) -> String {
+    format!("nbd+unix:///?socket={}", socket.display())
+}
+
+/// `vol`: a clone of the remote onto fresh files in the daemon's directory.
+fn create_clone(daemon: &Daemon, remote: &str, size: u64, options: &str) {
+    let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
+    sparse_file(&dest, size);
+    sparse_file(&meta, MIB);
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--table",
+        &format!(
+            "0 {} clone {} {} {remote} 128 {options}",
+            size / 512,
+            meta.display(),
+            dest.display()
+        ),
+    ]);
+}
+
+/// Runs qemu-io commands on `uri`: (succeeded, output).
+fn qemu_io(uri: &str, command: &str) -> (bool, String) {
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", command, uri])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // qemu-io reports a failed command on its output and still exits 0.
+    (out.status.success() && !text.contains("error"), text)
+}
+
+fn wait_hydrated(daemon: &Daemon) {
+    let out = daemon.udm(&["wait", "vol", "--progress"]);
+    assert!(out.ends_with("hydration complete"), "{out}");
+}
+
+#[test]
+fn a_clone_whose_remote_is_down_at_restart_comes_back_and_hydrates_once_it_returns() {
+    let mut daemon = Daemon::start_with("remote-restart", &["--remote-timeout", "2"]);
+    let (source, socket) = (
+        daemon.dir.path("source.img"),
+        daemon.dir.path("nbdkit.sock"),
+    );
+    random_file(&source, 16 * MIB as usize, 61);
+    let peer = nbdkit(&socket, &source, None);
+    create_clone(&daemon, &remote(&socket), 16 * MIB, "1 no_hydration");
+    let (ok, out) = qemu_io(&daemon.uri("vol"), "write -P 0x5 0 64k");
+    assert!(ok, "{out}");
+    let mut expected = std::fs::read(&source).unwrap();
+    expected[..65536].fill(5);
+    std::fs::write(daemon.dir.path("expected.img"), &expected).unwrap();
+
+    daemon.stop(libc::SIGTERM);
+    drop(peer);
+    daemon.launch();
+    assert!(
+        daemon.udm(&["ls"]).contains("vol"),
+        "the clone was not restored; log:\n{}",
+        daemon.log()
+    );
+    // What is on the destination reads; what needs the source fails after the timeout.
+    let (ok, out) = qemu_io(&daemon.uri("vol"), "read -P 0x5 0 64k");
+    assert!(ok, "{out}");
+    let started = Instant::now();
+    let (ok, out) = qemu_io(&daemon.uri("vol"), "read 8M 4k");
+    assert!(!ok && out.contains("Input/output error"), "{out}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(10),
+        "took {took:?}"
+    );
+    // A new table on the unreachable remote is refused, as dm refuses a missing device.
+    let err = daemon.udm_err(&[
+        "create",
+        "other",
+        "--table",
+        &format!("0 8 linear {} 0", remote(&socket)),
+    ]);
+    assert!(err.contains("cannot connect to nbd server"), "{err}");
+
+    // The remote comes back: reads work again and hydration finishes.
+    let _peer = nbdkit(&socket, &source, None);
+    let (ok, out) = qemu_io(&daemon.uri("vol"), "read 8M 4k");
+    assert!(ok, "{out}");
+    daemon.udm(&["message", "vol", "0", "enable_hydration"]);
+    wait_hydrated(&daemon);
+    same_content(
+        daemon.dir.path("expected.img").to_str().unwrap(),
+        &daemon.uri("vol"),
+    );
+    assert!(std::fs::read(daemon.dir.path("dest.img")).unwrap() == expected);
+}
+
+#[test]
+fn a_remote_shutting_down_cleanly_is_let_go_and_io_resumes_on_its_successor() {
+    let daemon = Daemon::start_with("remote-eshutdown", &["--remote-timeout", "20"]);
+    let (source, socket) = (
+        daemon.dir.path("source.img"),
+        daemon.dir.path("nbdkit.sock"),
+    );
+    random_file(&source, 16 * MIB as usize, 62);
+    let mut data = std::fs::read(&source).unwrap();
+    data[8 * MIB as usize..][..65536].fill(0x5a);
+    std::fs::write(&source, &data).unwrap();
+    // Reads take 3 s, so the user's read is in flight when nbdkit is told to stop; nbdkit then
+    // answers it with ESHUTDOWN and exits only once its clients hang up.
+    let mut first = nbdkit(&socket, &source, Some("3"));
+    create_clone(&daemon, &remote(&socket), 16 * MIB, "1 no_hydration");
+
+    std::thread::scope(|s| {
+        let uri = daemon.uri("vol");
+        let reader = s.spawn(move || qemu_io(&uri, "read -P 0x5a 8M 64k"));
+        std::thread::sleep(Duration::from_millis(500));
+        let stopped = Instant::now();
+        unsafe { libc::kill(first.0.id() as i32, libc::SIGTERM) };
+        while !matches!(first.0.try_wait(), Ok(Some(_))) {
+            assert!(
+                stopped.elapsed() < Duration::from_secs(5),
+                "nbdkit does not exit: udm keeps its connection; log:\n{}",
+                daemon.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!reader.is_finished(), "the read failed instead of waiting");
+        let _second = nbdkit(&socket, &source, None);
+        let (ok, out) = reader.join().unwrap();
+        assert!(ok, "{out}");
+        assert!(stopped.elapsed() < Duration::from_secs(20));
+
+        daemon.udm(&["message", "vol", "0", "enable_hydration"]);
+        wait_hydrated(&daemon);
+    });
+    assert!(std::fs::read(daemon.dir.path("dest.img")).unwrap() == data);
+}
+
+#[test]
+fn removing_a_clone_whose_remote_is_dead_does_not_wait_for_the_remote_timeout() {
+    let daemon = Daemon::start_with("remote-remove", &["--remote-timeout", "30"]);
+    let (source, socket) = (
+        daemon.dir.path("source.img"),
+        daemon.dir.path("nbdkit.sock"),
+    );
+    random_file(&source, 16 * MIB as usize, 63);
+    let peer = nbdkit(&socket, &source, None);
+    // Slow hydration (1 MiB/s), so copies are under way when the remote dies.
+    create_clone(
+        &daemon,
+        &remote(&socket),
+        16 * MIB,
+        "0 2 max_hydration_rate 1024",
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    drop(peer);
+    // Long enough for the copy threads to be waiting for the dead remote.
+    std::thread::sleep(Duration::from_secs(1));
+    let started = Instant::now();
+    daemon.udm(&["remove", "vol"]);
+    let took = started.elapsed();
+    eprintln!("remove with a dead remote took {took:?}");
+    assert!(took < Duration::from_secs(5), "remove took {took:?}");
+    assert!(!daemon.udm(&["ls"]).contains("vol"));
+}
