@@ -10,6 +10,7 @@
 pub mod protocol;
 pub mod uri;
 
+mod budget;
 mod client;
 pub mod handshake;
 mod server;
