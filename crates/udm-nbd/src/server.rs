@@ -108,7 +108,8 @@ impl NbdServer {
     }
 
     /// Connections open now (in the handshake or transmission).
-    pub fn connections(&self) -> usize {
+    #[cfg(test)]
+    fn connections(&self) -> usize {
         self.counts.lock().unwrap_or_else(|e| e.into_inner()).total
     }
 

@@ -306,7 +306,9 @@ fn invalid_flags_and_writes_past_the_end_get_nbdkits_errors() {
     let (fua, no_hole, df, req_one, fast_zero) = (1, 2, 4, 8, 16);
     let (trim, write_zeroes) = (4, 6);
     let block = [7u8; 4096];
-    let cases: &[(&str, u16, u16, u64, u32, &[u8], u32)] = &[
+    // What, flags, command, offset, length, payload, the error expected.
+    type Case<'a> = (&'a str, u16, u16, u64, u32, &'a [u8], u32);
+    let cases: &[Case] = &[
         (
             "write past the end",
             0,
