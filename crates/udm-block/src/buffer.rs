@@ -11,6 +11,8 @@ pub struct AlignedBuf {
     ptr: *mut u8,
     len: usize,
     capacity: usize,
+    /// Mapped with mmap rather than taken from the allocator (see [`AlignedBuf::mapped`]).
+    mapped: bool,
 }
 
 // The buffer owns its allocation exclusively, like a Vec<u8>.
@@ -23,7 +25,41 @@ impl AlignedBuf {
             ptr: ALIGN as *mut u8,
             len: 0,
             capacity: 0,
+            mapped: false,
         }
+    }
+
+    /// A zeroed buffer of `len` bytes mapped straight from the kernel. Its memory goes back to
+    /// the kernel when it is dropped, whereas the allocator may keep freed memory for reuse:
+    /// what a bound on memory (the NBD server's buffer budget) needs. Growing it later
+    /// moves it to the allocator.
+    pub fn mapped(len: usize) -> Self {
+        let mut buf = Self::new();
+        if len == 0 {
+            return buf;
+        }
+        let capacity = len.next_multiple_of(ALIGN);
+        // SAFETY: an anonymous private mapping; the kernel picks the (page-aligned) address.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                capacity,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            std::alloc::handle_alloc_error(
+                Layout::from_size_align(capacity, ALIGN).expect("buffer layout"),
+            );
+        }
+        buf.ptr = ptr.cast();
+        buf.capacity = capacity;
+        buf.len = len;
+        buf.mapped = true;
+        buf
     }
 
     pub fn zeroed(len: usize) -> Self {
@@ -50,12 +86,16 @@ impl AlignedBuf {
             self.release();
             self.ptr = ptr;
             self.capacity = capacity;
+            self.mapped = false;
         }
         self.len = len;
     }
 
     fn release(&mut self) {
-        if self.capacity > 0 {
+        if self.mapped {
+            // SAFETY: ptr..ptr+capacity is the mapping made in `mapped`, used by nothing else.
+            unsafe { libc::munmap(self.ptr.cast(), self.capacity) };
+        } else if self.capacity > 0 {
             let layout = Layout::from_size_align(self.capacity, ALIGN).expect("buffer layout");
             // SAFETY: ptr was allocated with exactly this layout.
             unsafe { dealloc(self.ptr, layout) };
@@ -103,5 +143,19 @@ mod tests {
         assert_eq!(buf.as_ptr() as usize % ALIGN, 0);
         buf.resize(5);
         assert_eq!(&buf[..], b"01234");
+    }
+
+    #[test]
+    fn mapped_buffers_are_zeroed_aligned_and_can_grow() {
+        let mut buf = AlignedBuf::mapped(10_000);
+        assert_eq!(buf.len(), 10_000);
+        assert_eq!(buf.as_ptr() as usize % ALIGN, 0);
+        assert!(buf.iter().all(|&b| b == 0));
+        buf[9_999] = 7;
+        buf.resize(12_288); // within the mapping's last page
+        assert_eq!(buf[9_999], 7);
+        buf.resize(100_000); // beyond it: moves to the allocator
+        assert_eq!(buf[9_999], 7);
+        assert!(AlignedBuf::mapped(0).is_empty());
     }
 }

@@ -12,6 +12,16 @@ pub const SECTOR_SIZE: u64 = 512;
 /// Checks that `[offset, offset + len)` is sector-aligned and lies within a device of `size`
 /// bytes. Zero-length requests are rejected: no client has a reason to send one.
 pub fn check_request(size: u64, offset: u64, len: u64) -> Result<()> {
+    check_request_or(size, offset, len, BlockError::InvalidArgument)
+}
+
+/// [`check_request`] with the error for a range beyond the end chosen by the caller.
+fn check_request_or(
+    size: u64,
+    offset: u64,
+    len: u64,
+    beyond_end: fn(String) -> BlockError,
+) -> Result<()> {
     if len == 0 {
         return Err(BlockError::InvalidArgument("zero-length request".into()));
     }
@@ -22,7 +32,7 @@ pub fn check_request(size: u64, offset: u64, len: u64) -> Result<()> {
     }
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
-        _ => Err(BlockError::InvalidArgument(format!(
+        _ => Err(beyond_end(format!(
             "offset {offset} length {len} beyond the end of the device ({size} bytes)"
         ))),
     }
@@ -45,11 +55,18 @@ impl<D: BlockDevice> Checked<D> {
         &self.inner
     }
 
-    fn check_write(&self, offset: u64, len: u64) -> Result<()> {
+    /// Data written past the end fails with ENOSPC, as on the kernel's block devices (and
+    /// nbdkit); a discard past the end is merely invalid.
+    fn check_write(&self, offset: u64, len: u64, writes_data: bool) -> Result<()> {
         if self.read_only {
             return Err(BlockError::ReadOnly("the device is read-only".into()));
         }
-        check_request(self.inner.size(), offset, len)
+        let beyond_end = if writes_data {
+            BlockError::NoSpace
+        } else {
+            BlockError::InvalidArgument
+        };
+        check_request_or(self.inner.size(), offset, len, beyond_end)
     }
 }
 
@@ -72,7 +89,7 @@ impl<D: BlockDevice> BlockDevice for Checked<D> {
     }
 
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
-        self.check_write(offset, buf.len() as u64)?;
+        self.check_write(offset, buf.len() as u64, true)?;
         if flags.fua && !self.inner.capabilities().native_fua {
             self.inner.write(offset, buf, WriteFlags { fua: false })?;
             return self.inner.flush();
@@ -85,12 +102,12 @@ impl<D: BlockDevice> BlockDevice for Checked<D> {
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.check_write(offset, len)?;
+        self.check_write(offset, len, false)?;
         self.inner.discard(offset, len)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.check_write(offset, len)?;
+        self.check_write(offset, len, true)?;
         if flags.fua && !self.inner.capabilities().native_fua {
             self.inner.write_zeroes(
                 offset,
@@ -153,6 +170,28 @@ mod tests {
             Err(BlockError::InvalidArgument(_))
         ));
         dev.read((1 << 20) - 512, &mut buf).unwrap();
+    }
+
+    #[test]
+    fn writes_past_the_end_find_no_space_and_discards_are_invalid() {
+        let dev = Checked::new(MemoryDevice::new(1 << 20), false);
+        assert!(matches!(
+            dev.write(1 << 20, &[0u8; 512], WriteFlags::default()),
+            Err(BlockError::NoSpace(_))
+        ));
+        assert!(matches!(
+            dev.write_zeroes(u64::MAX - 511, 512, ZeroFlags::default()),
+            Err(BlockError::NoSpace(_))
+        ));
+        assert!(matches!(
+            dev.discard(1 << 20, 512),
+            Err(BlockError::InvalidArgument(_))
+        ));
+        // Misalignment stays invalid whatever the kind of request.
+        assert!(matches!(
+            dev.write(100, &[0u8; 512], WriteFlags::default()),
+            Err(BlockError::InvalidArgument(_))
+        ));
     }
 
     #[test]

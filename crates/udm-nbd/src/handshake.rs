@@ -83,16 +83,52 @@ struct Handshake<'a, S> {
     no_zeroes: bool,
 }
 
+fn greet(stream: &mut impl Write) -> io::Result<()> {
+    let mut greeting = Vec::with_capacity(18);
+    greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    stream.write_all(&greeting)
+}
+
+/// Options a refused client may send before it is disconnected.
+const MAX_REFUSED_OPTIONS: usize = 16;
+
+/// Tells a client the server will not serve it (too many connections): the greeting, then
+/// NBD_REP_ERR_POLICY with `why` for every option, so that the client's NBD_OPT_GO fails with
+/// the reason whatever it asks first. Ends when the client aborts, or picks an export with
+/// NBD_OPT_EXPORT_NAME, which has no error reply: closing is all the protocol allows.
+pub fn refuse<S: Read + Write>(stream: &mut S, why: &str) -> Result<(), HandshakeEnd> {
+    greet(stream)?;
+    read_u32(stream)?; // the client's flags: nothing is negotiated
+    for _ in 0..MAX_REFUSED_OPTIONS {
+        let magic = read_u64(stream)?;
+        if magic != IHAVEOPT {
+            return Err(HandshakeEnd::Violation(format!(
+                "bad option magic {magic:#x}"
+            )));
+        }
+        let option = read_u32(stream)?;
+        let len = read_u32(stream)?;
+        if option == OPT_EXPORT_NAME || len > MAX_OPTION_LEN {
+            break;
+        }
+        io::copy(&mut (&mut *stream).take(len.into()), &mut io::sink())?;
+        if option == OPT_ABORT {
+            let _ = stream.write_all(&option_reply(option, REP_ACK, &[]));
+            break;
+        }
+        stream.write_all(&option_reply(option, REP_ERR_POLICY, why.as_bytes()))?;
+    }
+    Ok(())
+}
+
 /// Runs the handshake on any byte stream (a socket, or a fuzzer's buffer).
 pub fn negotiate<S: Read + Write>(
     stream: &mut S,
     catalog: &dyn ExportCatalog,
 ) -> Result<Negotiated, HandshakeEnd> {
-    let mut greeting = Vec::with_capacity(18);
-    greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
-    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    stream.write_all(&greeting)?;
+    greet(stream)?;
     let client_flags = read_u32(stream)?;
     if client_flags & !(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES) != 0 {
         return Err(HandshakeEnd::Violation(format!(

@@ -5,11 +5,13 @@
 //! request from the socket, handle it, and write the reply under a writer lock (nbdkit's
 //! model): a request at queue depth one is read, handled and answered by the same thread, and
 //! deeper queues keep every worker busy without any hand-off. Every device is served through
-//! [`udm_block::Checked`], so requests are validated in one place.
+//! [`udm_block::Checked`], so requests are validated in one place. Request payloads come from
+//! one buffer budget shared by all connections, so memory stays bounded whatever clients send.
 
 pub mod protocol;
 pub mod uri;
 
+mod budget;
 mod client;
 pub mod handshake;
 mod server;

@@ -1,27 +1,42 @@
 //! Listeners: accept connections on Unix and TCP sockets and give each its own threads.
 
+use std::collections::HashMap;
 use std::net::{TcpListener, ToSocketAddrs};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use log::{debug, info, warn};
 
-use crate::handshake::{negotiate, HandshakeEnd};
-use crate::stream::Stream;
+use crate::budget::BufferBudget;
+use crate::handshake::{negotiate, refuse, HandshakeEnd};
+use crate::stream::{ClientKey, Stream};
 use crate::transmission;
 use crate::ExportCatalog;
+
+/// Refused clients are told why in the handshake by threads of their own; beyond this many
+/// at once (a flood), they are closed without a word.
+const MAX_REFUSING: usize = 16;
+/// How long a refused client has to read why.
+const REFUSAL_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Requests one connection can have in progress at once.
     pub workers_per_connection: usize,
-    /// Connections beyond this are closed at once, so a flood cannot exhaust threads.
+    /// Connections beyond this are refused, so a flood cannot exhaust threads.
     pub max_connections: usize,
+    /// Connections from one client (a Unix socket peer's uid, a TCP peer's address) beyond
+    /// this are refused, so one client cannot take every connection.
+    pub max_connections_per_client: usize,
     /// A client that stalls in the handshake longer than this is dropped.
     pub handshake_timeout: Duration,
+    /// A connection with no request in flight and none arriving for this long is closed.
+    pub idle_timeout: Option<Duration>,
+    /// Bytes of request payload buffers all connections together may hold.
+    pub buffer_budget: usize,
 }
 
 impl Default for ServerConfig {
@@ -29,25 +44,73 @@ impl Default for ServerConfig {
         ServerConfig {
             workers_per_connection: 16,
             max_connections: 256,
+            max_connections_per_client: 64,
             handshake_timeout: Duration::from_secs(30),
+            idle_timeout: Some(Duration::from_secs(300)),
+            buffer_budget: 256 << 20,
         }
     }
+}
+
+/// Open connections, in total and per client.
+#[derive(Default)]
+struct Counts {
+    total: usize,
+    per_client: HashMap<ClientKey, usize>,
 }
 
 #[derive(Clone)]
 pub struct NbdServer {
     catalog: Arc<dyn ExportCatalog>,
     config: ServerConfig,
-    connections: Arc<AtomicUsize>,
+    counts: Arc<Mutex<Counts>>,
+    refusing: Arc<AtomicUsize>,
+    budget: Arc<BufferBudget>,
+}
+
+/// A connection's place in the counts, given back on drop: also when its thread panics.
+struct Slot {
+    counts: Arc<Mutex<Counts>>,
+    key: ClientKey,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        counts.total -= 1;
+        if let Some(n) = counts.per_client.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                counts.per_client.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// A refusal thread's place in the `refusing` count, given back on drop.
+struct Refusing(Arc<AtomicUsize>);
+
+impl Drop for Refusing {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl NbdServer {
     pub fn new(catalog: Arc<dyn ExportCatalog>, config: ServerConfig) -> Self {
         NbdServer {
             catalog,
+            budget: Arc::new(BufferBudget::new(config.buffer_budget)),
             config,
-            connections: Arc::new(AtomicUsize::new(0)),
+            counts: Arc::default(),
+            refusing: Arc::default(),
         }
+    }
+
+    /// Connections open now (in the handshake or transmission).
+    #[cfg(test)]
+    fn connections(&self) -> usize {
+        self.counts.lock().unwrap_or_else(|e| e.into_inner()).total
     }
 
     /// Listens on a Unix socket (a stale socket is replaced; any other file is not).
@@ -91,27 +154,69 @@ impl NbdServer {
         Ok(local)
     }
 
-    fn accept(&self, stream: Stream) {
-        let count = self.connections.fetch_add(1, Ordering::AcqRel) + 1;
-        if count > self.config.max_connections {
-            self.connections.fetch_sub(1, Ordering::AcqRel);
-            warn!(
-                "nbd: refusing a connection: {} already open",
+    /// Counts the connection in, or says why it is refused.
+    fn admit(&self, key: ClientKey) -> Result<Slot, String> {
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let from_client = counts.per_client.get(&key).copied().unwrap_or(0);
+        if counts.total >= self.config.max_connections {
+            return Err(format!(
+                "too many connections: the server's limit of {} is reached",
                 self.config.max_connections
-            );
-            return;
+            ));
         }
+        if from_client >= self.config.max_connections_per_client {
+            return Err(format!(
+                "too many connections from {key}: the limit is {} per client",
+                self.config.max_connections_per_client
+            ));
+        }
+        counts.total += 1;
+        *counts.per_client.entry(key.clone()).or_default() += 1;
+        Ok(Slot {
+            counts: self.counts.clone(),
+            key,
+        })
+    }
+
+    fn accept(&self, stream: Stream) {
+        let key = match stream.client_key() {
+            Ok(key) => key,
+            Err(e) => return warn!("nbd: cannot tell who connected: {e}"),
+        };
+        let slot = match self.admit(key) {
+            Ok(slot) => slot,
+            Err(why) => return self.refuse(stream, why),
+        };
         let server = self.clone();
         let spawned = std::thread::Builder::new()
             .name("nbd-conn".into())
             .spawn(move || {
+                let _slot = slot;
                 server.connection(stream);
-                server.connections.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
-            self.connections.fetch_sub(1, Ordering::AcqRel);
             warn!("nbd: cannot start a connection thread: {e}");
         }
+    }
+
+    /// Answers a refused client's handshake with the reason, on a short-lived thread.
+    fn refuse(&self, mut stream: Stream, why: String) {
+        warn!("nbd: refusing a connection: {why}");
+        if self.refusing.fetch_add(1, Ordering::AcqRel) >= MAX_REFUSING {
+            self.refusing.fetch_sub(1, Ordering::AcqRel);
+            return;
+        }
+        let refusing = Refusing(self.refusing.clone());
+        let _ = std::thread::Builder::new()
+            .name("nbd-refuse".into())
+            .spawn(move || {
+                let _refusing = refusing;
+                let _ = stream.set_read_timeout(Some(REFUSAL_TIMEOUT));
+                let _ = stream.set_write_timeout(Some(REFUSAL_TIMEOUT));
+                if let Err(e) = refuse(&mut stream, &why) {
+                    debug!("nbd: refused handshake ended: {e:?}");
+                }
+            });
     }
 
     fn connection(&self, mut stream: Stream) {
@@ -124,11 +229,9 @@ impl NbdServer {
             Err(HandshakeEnd::Violation(why)) => return warn!("nbd: handshake refused: {why}"),
             Err(HandshakeEnd::Io(e)) => return debug!("nbd: handshake ended: {e}"),
         };
-        let _ = stream.set_read_timeout(None);
         let name = negotiated.name.clone();
         debug!("nbd: client attached to '{name}'");
-        if let Err(e) = transmission::serve(stream, negotiated, self.config.workers_per_connection)
-        {
+        if let Err(e) = transmission::serve(stream, negotiated, &self.config, &self.budget) {
             warn!("nbd: connection to '{name}' failed: {e}");
         }
         debug!("nbd: client detached from '{name}'");
@@ -155,5 +258,90 @@ pub fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
         )),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ClientOptions, Export, NbdClient};
+    use std::time::Instant;
+    use udm_block::{BlockDevice, BlockError, WriteFlags};
+
+    /// A device with a bug: reads at offset 0 panic.
+    struct PanicsOnRead;
+
+    impl BlockDevice for PanicsOnRead {
+        fn size(&self) -> u64 {
+            1 << 20
+        }
+        fn read(&self, offset: u64, buf: &mut [u8]) -> udm_block::Result<()> {
+            assert!(offset != 0, "a bug in the target");
+            buf.fill(1);
+            Ok(())
+        }
+        fn write(&self, _: u64, _: &[u8], _: WriteFlags) -> udm_block::Result<()> {
+            Ok(())
+        }
+        fn flush(&self) -> udm_block::Result<()> {
+            Ok(())
+        }
+    }
+
+    struct Catalog;
+
+    impl ExportCatalog for Catalog {
+        fn open(&self, _: &str) -> Option<Export> {
+            Some(Export {
+                device: Arc::new(PanicsOnRead),
+                read_only: false,
+                description: String::new(),
+                open_guard: Box::new(()),
+            })
+        }
+        fn list(&self) -> Vec<(String, String)> {
+            vec![("vol".into(), String::new())]
+        }
+    }
+
+    #[test]
+    fn a_panicking_request_gets_eio_and_its_connection_slot_comes_back() {
+        let dir = std::env::temp_dir().join(format!("udm-nbd-panic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("nbd.sock");
+        let server = NbdServer::new(
+            Arc::new(Catalog),
+            ServerConfig {
+                max_connections: 1,
+                ..ServerConfig::default()
+            },
+        );
+        server.listen_unix(&socket).unwrap();
+        let uri = format!("nbd+unix:///vol?socket={}", socket.display());
+        let options = ClientOptions {
+            io_timeout: Duration::from_secs(5),
+            ..ClientOptions::default()
+        };
+        for round in 0..2 {
+            // The only slot must have come back for the second round to connect.
+            let client = NbdClient::connect(&uri, options.clone())
+                .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            let mut buf = vec![0u8; 4096];
+            let err = client.read(0, &mut buf).unwrap_err();
+            assert!(
+                matches!(&err, BlockError::Io(m) if m.contains("a bug in the target")),
+                "round {round}: {err}"
+            );
+            // The connection carries on.
+            client.read(4096, &mut buf).unwrap();
+            assert_eq!(buf, vec![1u8; 4096]);
+            drop(client);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while server.connections() > 0 {
+                assert!(Instant::now() < deadline, "round {round}: the slot leaked");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -1,7 +1,9 @@
 //! A connected socket, Unix or TCP, behind one type.
 
+use std::fmt;
 use std::io::{self, IoSlice, Read, Write};
-use std::net::{Shutdown, TcpStream};
+use std::net::{IpAddr, Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -10,7 +12,49 @@ pub enum Stream {
     Tcp(TcpStream),
 }
 
+/// Who is at the other end, for per-client limits: the user of a Unix socket peer, the
+/// address (not the port) of a TCP one.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ClientKey {
+    Uid(u32),
+    Ip(IpAddr),
+}
+
+impl fmt::Display for ClientKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClientKey::Uid(uid) => write!(f, "uid {uid}"),
+            ClientKey::Ip(ip) => write!(f, "{ip}"),
+        }
+    }
+}
+
 impl Stream {
+    pub fn client_key(&self) -> io::Result<ClientKey> {
+        match self {
+            // IPv4 clients of a dual-stack listener count as the IPv4 address they are.
+            Stream::Tcp(s) => Ok(ClientKey::Ip(s.peer_addr()?.ip().to_canonical())),
+            Stream::Unix(s) => {
+                // SAFETY: SO_PEERCRED fills a ucred of the size passed.
+                let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+                let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+                let rc = unsafe {
+                    libc::getsockopt(
+                        s.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        libc::SO_PEERCRED,
+                        (&mut cred as *mut libc::ucred).cast(),
+                        &mut len,
+                    )
+                };
+                if rc != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(ClientKey::Uid(cred.uid))
+            }
+        }
+    }
+
     pub fn try_clone(&self) -> io::Result<Stream> {
         Ok(match self {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),

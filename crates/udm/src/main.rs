@@ -68,6 +68,20 @@ enum Command {
         /// Requests each NBD connection may have in progress at once.
         #[arg(long, default_value_t = 32)]
         nbd_threads: usize,
+        /// Memory all NBD connections together may hold in request buffers (K, M, G suffixes);
+        /// requests wait for room. One larger than the budget waits until it can be served
+        /// alone.
+        #[arg(long, default_value = "256M", value_parser = parse_size, value_name = "SIZE")]
+        nbd_buffer_budget: usize,
+        /// NBD connections one client may have open (a Unix socket peer's uid, a TCP peer's
+        /// address); more are refused with an error in the handshake.
+        #[arg(long, default_value_t = 64, value_name = "N",
+              value_parser = clap::value_parser!(u32).range(1..))]
+        nbd_max_connections_per_client: u32,
+        /// Close an NBD connection with no request in flight after this long without a
+        /// request (300, 300s, 5m, 500ms; 0 never).
+        #[arg(long, default_value = "300s", value_parser = parse_duration, value_name = "TIME")]
+        nbd_idle_timeout: std::time::Duration,
         /// Requests the FUSE export serves at once (worker threads).
         #[arg(long, default_value_t = 16)]
         fuse_threads: usize,
@@ -175,6 +189,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             nbd,
             fuse,
             nbd_threads,
+            nbd_buffer_budget,
+            nbd_max_connections_per_client,
+            nbd_idle_timeout,
             fuse_threads,
             remote_timeout,
         } => {
@@ -184,6 +201,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 nbd,
                 fuse,
                 nbd_threads,
+                nbd_buffer_budget,
+                nbd_max_connections_per_client: nbd_max_connections_per_client as usize,
+                nbd_idle_timeout: (!nbd_idle_timeout.is_zero()).then_some(nbd_idle_timeout),
                 fuse_threads,
                 remote_timeout: std::time::Duration::from_secs(remote_timeout),
             });
@@ -250,6 +270,48 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         println!("{}", response.output);
     }
     Ok(())
+}
+
+/// `256M`, `1G`, `4096`: bytes, or binary K, M, G.
+fn parse_size(s: &str) -> Result<usize, String> {
+    let (digits, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, ""),
+    };
+    let shift = match unit {
+        "" => 0,
+        "K" | "k" => 10,
+        "M" | "m" => 20,
+        "G" | "g" => 30,
+        _ => {
+            return Err(format!(
+                "'{s}': expected a size such as 256M (bytes, K, M or G)"
+            ))
+        }
+    };
+    digits
+        .parse::<usize>()
+        .ok()
+        .filter(|&n| n > 0)
+        .and_then(|n| n.checked_mul(1 << shift))
+        .ok_or_else(|| format!("'{s}': expected a size above zero such as 256M"))
+}
+
+/// `300` or `300s` (seconds), `5m`, `500ms`.
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let (digits, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("'{s}': expected a time such as 300s, 5m or 500ms"))?;
+    match unit {
+        "ms" => Ok(std::time::Duration::from_millis(n)),
+        "s" => Ok(std::time::Duration::from_secs(n)),
+        "m" => Ok(std::time::Duration::from_secs(n * 60)),
+        _ => Err(format!("'{s}': expected a time such as 300s, 5m or 500ms")),
+    }
 }
 
 /// `losetup --direct-io=on -f --show` on the device's file in the daemon's FUSE mount.
@@ -339,4 +401,43 @@ fn loop_backing_file(loop_device: &Path) -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(
         text.strip_suffix(" (deleted)").unwrap_or(text),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_times_parse_or_say_what_is_wrong() {
+        assert_eq!(parse_size("256M"), Ok(256 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("1g"), Ok(1 << 30));
+        for bad in ["", "0", "M", "12X", "-1", "99999999999999999999G"] {
+            assert!(
+                parse_size(bad).unwrap_err().contains(&format!("'{bad}'")),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            parse_duration("300"),
+            Ok(std::time::Duration::from_secs(300))
+        );
+        assert_eq!(
+            parse_duration("5m"),
+            Ok(std::time::Duration::from_secs(300))
+        );
+        assert_eq!(
+            parse_duration("500ms"),
+            Ok(std::time::Duration::from_millis(500))
+        );
+        assert_eq!(parse_duration("0"), Ok(std::time::Duration::ZERO));
+        for bad in ["", "s", "5h", "1.5s"] {
+            assert!(
+                parse_duration(bad)
+                    .unwrap_err()
+                    .contains(&format!("'{bad}'")),
+                "{bad}"
+            );
+        }
+    }
 }

@@ -277,3 +277,308 @@ fn a_flood_of_connections_does_not_take_the_daemon_down() {
     check_bystander(&mut bystander, 3);
     assert!(daemon.is_running());
 }
+
+/// Runs `nbdsh -c SCRIPT`; returns (success, stdout + stderr). Debian's python3-libnbd is
+/// built for the system python, so /usr/bin comes first on PATH.
+fn nbdsh(script: &str) -> (bool, String) {
+    let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
+    let out = std::process::Command::new("nbdsh")
+        .args(["-c", script])
+        .env("PATH", path)
+        .output()
+        .expect("nbdsh (python3-libnbd; scripts/install-deps.sh installs it)");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[test]
+fn invalid_flags_and_writes_past_the_end_get_nbdkits_errors() {
+    let daemon = daemon_with_volume("hostile-strict");
+    let mut c = RawClient::connect(&daemon.nbd_socket(), "vol");
+    let size = c.size;
+    let (einval, enospc) = (22, 28);
+    let (fua, no_hole, df, req_one, fast_zero) = (1, 2, 4, 8, 16);
+    let (trim, write_zeroes) = (4, 6);
+    let block = [7u8; 4096];
+    // What, flags, command, offset, length, payload, the error expected.
+    type Case<'a> = (&'a str, u16, u16, u64, u32, &'a [u8], u32);
+    let cases: &[Case] = &[
+        (
+            "write past the end",
+            0,
+            NBD_CMD_WRITE,
+            size,
+            4096,
+            &block,
+            enospc,
+        ),
+        (
+            "write straddling the end",
+            0,
+            NBD_CMD_WRITE,
+            size - 512,
+            4096,
+            &block,
+            enospc,
+        ),
+        (
+            "write-zeroes past the end",
+            0,
+            write_zeroes,
+            size,
+            4096,
+            &[],
+            enospc,
+        ),
+        ("read past the end", 0, NBD_CMD_READ, size, 512, &[], einval),
+        ("trim past the end", 0, trim, size, 512, &[], einval),
+        (
+            "REQ_ONE on a read",
+            req_one,
+            NBD_CMD_READ,
+            0,
+            512,
+            &[],
+            einval,
+        ),
+        (
+            "NO_HOLE on a write",
+            no_hole,
+            NBD_CMD_WRITE,
+            0,
+            4096,
+            &block,
+            einval,
+        ),
+        ("DF on a write", df, NBD_CMD_WRITE, 0, 4096, &block, einval),
+        ("FAST_ZERO on a trim", fast_zero, trim, 0, 512, &[], einval),
+        (
+            "DF without structured replies",
+            df,
+            NBD_CMD_READ,
+            0,
+            512,
+            &[],
+            einval,
+        ),
+        (
+            "flush with an offset",
+            0,
+            NBD_CMD_FLUSH,
+            4096,
+            0,
+            &[],
+            einval,
+        ),
+        ("flush with a length", 0, NBD_CMD_FLUSH, 0, 512, &[], einval),
+        // What stays valid: FUA on any command, zero flags on write-zeroes, plain flush.
+        ("FUA on a flush", fua, NBD_CMD_FLUSH, 0, 0, &[], 0),
+        (
+            "NO_HOLE on write-zeroes",
+            no_hole | fua,
+            write_zeroes,
+            0,
+            4096,
+            &[],
+            0,
+        ),
+        ("flush", 0, NBD_CMD_FLUSH, 0, 0, &[], 0),
+    ];
+    for (i, (what, flags, command, offset, len, data, errno)) in cases.iter().enumerate() {
+        c.send(*flags, *command, i as u64, *offset, *len, data);
+        assert_eq!(c.reply().unwrap(), (*errno, i as u64), "{what}");
+    }
+    check_bystander(&mut c, 1);
+    // The rejected writes wrote nothing.
+    c.send(0, NBD_CMD_READ, 99, 0, 4096, &[]);
+    assert_eq!(c.reply().unwrap(), (0, 99));
+    let mut data = vec![1u8; 4096];
+    c.stream.read_exact(&mut data).unwrap();
+    assert_eq!(data, vec![0u8; 4096]);
+
+    // With structured replies (libnbd, strict mode off so it sends what it is told): DF on
+    // a read is fine, REQ_ONE on a read is not.
+    let (ok, out) = nbdsh(&format!(
+        r#"
+h = nbd.NBD()
+h.set_strict_mode(0)
+h.connect_uri("{uri}")
+assert h.pread(4096, 0, nbd.CMD_FLAG_DF) == bytes(4096)
+try:
+    h.pread(4096, 0, nbd.CMD_FLAG_REQ_ONE)
+    raise SystemExit("REQ_ONE on a read was accepted")
+except nbd.Error as e:
+    assert "(EINVAL)" in str(e), e
+    print("refused:", e)
+"#,
+        uri = daemon.uri("vol")
+    ));
+    assert!(ok, "{out}");
+}
+
+#[test]
+fn one_client_at_its_connection_cap_is_refused_with_an_error_and_others_are_served() {
+    let daemon = Daemon::start_with("hostile-cap", &["--nbd-max-connections-per-client", "3"]);
+    let disk = daemon.dir.path("disk.img");
+    sparse_file(&disk, 8 << 20);
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--table",
+        &format!("0 16384 linear {} 0", disk.display()),
+    ]);
+    // Another user may use the socket (this test runs as root, uid 0).
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(daemon.nbd_socket(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let nbdinfo = |as_nobody: bool| {
+        let mut cmd = std::process::Command::new(if as_nobody { "setpriv" } else { "nbdinfo" });
+        if as_nobody {
+            cmd.args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "nbdinfo",
+            ]);
+        }
+        let out = cmd
+            .arg(daemon.uri("vol"))
+            .env("LIBNBD_DEBUG", "1")
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let mut mine: Vec<RawClient> = (0..3)
+        .map(|_| RawClient::connect(&daemon.nbd_socket(), "vol"))
+        .collect();
+    let (ok, err) = nbdinfo(false);
+    assert!(!ok, "a fourth connection from uid 0 was served");
+    // An NBD error reply, with the reason (libnbd shows the server's message when debugging).
+    assert!(err.contains("server replied with error to opt_go"), "{err}");
+    assert!(
+        err.contains("too many connections from uid 0: the limit is 3 per client"),
+        "{err}"
+    );
+    // Another client is served meanwhile, and the capped one still works.
+    let (ok, err) = nbdinfo(true);
+    assert!(ok, "uid 65534 was refused: {err}");
+    check_bystander(&mut mine[0], 1);
+    // A closed connection gives its place back.
+    drop(mine.pop());
+    wait_for(|| nbdinfo(false).0, "uid 0 to be served again");
+}
+
+#[test]
+fn idle_connections_are_closed_and_busy_ones_are_not() {
+    let daemon = Daemon::start_with("hostile-idle", &["--nbd-idle-timeout", "1s"]);
+    let disk = daemon.dir.path("disk.img");
+    sparse_file(&disk, 8 << 20);
+    daemon.udm(&[
+        "create",
+        "slow",
+        "--table",
+        &format!("0 16384 delay {} 0 2500", disk.display()),
+    ]);
+    // Idle: closed after about a second.
+    let started = std::time::Instant::now();
+    let mut idle = RawClient::connect(&daemon.nbd_socket(), "slow");
+    assert!(idle.is_closed(), "the idle connection stayed open");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+        "closed after {took:?}"
+    );
+    // A request in flight for 2.5 s is not idleness: its reply arrives.
+    let mut busy = RawClient::connect(&daemon.nbd_socket(), "slow");
+    busy.send(0, NBD_CMD_READ, 1, 0, 512, &[]);
+    assert_eq!(busy.reply().unwrap(), (0, 1));
+    let mut data = [0u8; 512];
+    busy.stream.read_exact(&mut data).unwrap();
+    // Requests every half second keep a connection open well past the timeout.
+    for cookie in 2..8 {
+        std::thread::sleep(Duration::from_millis(500));
+        busy.send(0, NBD_CMD_FLUSH, cookie, 0, 0, &[]);
+        assert_eq!(busy.reply().unwrap(), (0, cookie));
+    }
+    assert!(busy.is_closed(), "closed once quiet");
+    assert!(daemon.log().contains("closing a connection idle for 1s"));
+}
+
+/// VmHWM (peak) and VmRSS of a process, in bytes.
+fn memory_of(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        let line = status.lines().find(|l| l.starts_with(name)).unwrap();
+        let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+        kib << 10
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}
+
+#[test]
+fn a_flood_of_big_requests_stays_within_the_buffer_budget() {
+    // The default budget (256 MiB) against 4 connections with 16 requests of 32 MiB each in
+    // flight: 2 GiB of payloads asked for at once.
+    let daemon = Daemon::start("hostile-memory");
+    let disk = daemon.dir.path("disk.img");
+    sparse_file(&disk, 256 << 20);
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--table",
+        &format!("0 524288 linear {} 0", disk.display()),
+    ]);
+    let (before, _) = memory_of(daemon.pid());
+    let (ok, out) = nbdsh(&format!(
+        r#"
+import threading
+MIB = 1 << 20
+def flood(i):
+    h = nbd.NBD()
+    h.connect_uri("{uri}")
+    buf = nbd.Buffer(32 * MIB)
+    cookies = []
+    for j in range(16):
+        offset = (j % 8) * 32 * MIB
+        if i % 2:
+            cookies.append(h.aio_pwrite(buf, offset))
+        else:
+            cookies.append(h.aio_pread(buf, offset))
+    while h.aio_in_flight() > 0:
+        h.poll(-1)
+    for c in cookies:
+        assert h.aio_command_completed(c)
+    h.shutdown()
+threads = [threading.Thread(target=flood, args=(i,)) for i in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+print("flood done")
+"#,
+        uri = daemon.uri("vol")
+    ));
+    assert!(ok && out.contains("flood done"), "{out}");
+    let (peak, now) = memory_of(daemon.pid());
+    let (budget, slack) = (256u64 << 20, 64u64 << 20);
+    eprintln!(
+        "daemon memory: {} MiB before, peak {} MiB, {} MiB after the flood",
+        before >> 20,
+        peak >> 20,
+        now >> 20
+    );
+    assert!(
+        peak <= before + budget + slack,
+        "peak RSS {} MiB exceeds {} MiB at start + the 256 MiB budget + 64 MiB",
+        peak >> 20,
+        before >> 20
+    );
+    // The 32 MiB buffers went back after their replies.
+    assert!(now <= before + slack, "{} MiB still resident", now >> 20);
+}

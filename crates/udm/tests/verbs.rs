@@ -167,6 +167,39 @@ fn malformed_control_requests_leave_the_daemon_serving() {
 }
 
 #[test]
+fn invalid_utf8_in_a_control_request_gets_an_error_and_the_connection_stays_usable() {
+    use std::io::{BufRead, BufReader, Write};
+    let daemon = Daemon::start("control-utf8");
+    let s = std::os::unix::net::UnixStream::connect(daemon.control()).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut writer = s.try_clone().unwrap();
+    let mut reader = BufReader::new(s);
+    let mut answer = |request: &[u8]| -> serde_json::Value {
+        writer.write_all(request).unwrap();
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
+    };
+    for junk in [
+        &b"{\"version\":1,\"command\":\"table\",\"name\":\"\xff\xfe\"}\n"[..],
+        b"\xc3\x28\n",
+    ] {
+        let bad = answer(junk);
+        assert_eq!(bad["ok"], false, "{bad}");
+        assert!(
+            bad["error"]
+                .as_str()
+                .unwrap()
+                .starts_with("malformed request"),
+            "{bad}"
+        );
+    }
+    let good = answer(b"{\"version\":1,\"command\":\"ls\",\"tree\":false}\n");
+    assert_eq!(good["ok"], true, "{good}");
+}
+
+#[test]
 fn remove_refuses_open_devices_unless_forced() {
     let daemon = Daemon::start("remove");
     daemon.udm(&["create", "vol", "--table", "0 2048 zero"]);

@@ -54,12 +54,14 @@ fn serve(stream: UnixStream, registry: &Registry, fuse_dir: Option<&Path>) {
     };
     let mut writer = writer;
     let mut reader = BufReader::new(std::io::Read::take(stream, MAX_REQUEST));
-    let mut line = String::new();
+    // Bytes, not a String: a line of invalid UTF-8 is a malformed request to answer, not a
+    // read error that would end the connection.
+    let mut line = Vec::new();
     loop {
         line.clear();
-        match reader.read_line(&mut line) {
+        match reader.read_until(b'\n', &mut line) {
             Ok(0) => return,
-            Ok(_) if !line.ends_with('\n') => {
+            Ok(_) if !line.ends_with(b"\n") => {
                 let _ = reply(
                     &mut writer,
                     &Response::error("request too long or not terminated"),
@@ -69,7 +71,7 @@ fn serve(stream: UnixStream, registry: &Registry, fuse_dir: Option<&Path>) {
             Ok(_) => {}
             Err(e) => return debug!("control: read failed: {e}"),
         }
-        let response = match serde_json::from_str::<Envelope>(&line) {
+        let response = match serde_json::from_slice::<Envelope>(&line) {
             Ok(envelope) if envelope.version != PROTOCOL_VERSION => Response::error(format!(
                 "control protocol version {} not supported (this daemon speaks {PROTOCOL_VERSION})",
                 envelope.version

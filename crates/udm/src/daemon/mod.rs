@@ -56,6 +56,9 @@ pub struct DaemonOptions {
     pub nbd: Vec<Listener>,
     pub fuse: Option<PathBuf>,
     pub nbd_threads: usize,
+    pub nbd_buffer_budget: usize,
+    pub nbd_max_connections_per_client: usize,
+    pub nbd_idle_timeout: Option<std::time::Duration>,
     pub fuse_threads: usize,
     pub remote_timeout: std::time::Duration,
 }
@@ -148,6 +151,9 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
         }),
         ServerConfig {
             workers_per_connection: options.nbd_threads,
+            max_connections_per_client: options.nbd_max_connections_per_client,
+            idle_timeout: options.nbd_idle_timeout,
+            buffer_budget: options.nbd_buffer_budget,
             ..ServerConfig::default()
         },
     );
