@@ -14,11 +14,13 @@ mod client;
 pub mod handshake;
 mod server;
 mod stream;
+mod tls;
 mod transmission;
 
 pub use client::{ClientError, ClientOptions, NbdClient};
 pub use protocol::nbd_error;
 pub use server::{remove_stale_socket, NbdServer, ServerConfig};
 pub use stream::Stream;
+pub use tls::{TlsError, TlsMode, TlsServer};
 pub use udm_block::{Export, ExportCatalog};
 pub use uri::{NbdAddress, NbdUri, UriError};

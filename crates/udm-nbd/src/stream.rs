@@ -2,6 +2,7 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -32,6 +33,27 @@ impl Stream {
         }
     }
 
+    pub fn write_timeout(&self) -> io::Result<Option<Duration>> {
+        match self {
+            Stream::Unix(s) => s.write_timeout(),
+            Stream::Tcp(s) => s.write_timeout(),
+        }
+    }
+
+    pub fn read_timeout(&self) -> io::Result<Option<Duration>> {
+        match self {
+            Stream::Unix(s) => s.read_timeout(),
+            Stream::Tcp(s) => s.read_timeout(),
+        }
+    }
+
+    pub fn set_nonblocking(&self, nonblocking: bool) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_nonblocking(nonblocking),
+            Stream::Tcp(s) => s.set_nonblocking(nonblocking),
+        }
+    }
+
     pub fn shutdown(&self) {
         let _ = match self {
             Stream::Unix(s) => s.shutdown(Shutdown::Both),
@@ -51,6 +73,15 @@ impl Stream {
             }
         }
         Ok(())
+    }
+}
+
+impl AsRawFd for Stream {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
+        }
     }
 }
 
