@@ -6,6 +6,9 @@
 //! model): a request at queue depth one is read, handled and answered by the same thread, and
 //! deeper queues keep every worker busy without any hand-off. Every device is served through
 //! [`udm_block::Checked`], so requests are validated in one place.
+//!
+//! TLS ([`TlsServer`]) is negotiated with NBD_OPT_STARTTLS; a relay thread then owns the TLS
+//! session, and the connection's threads work on a plaintext socketpair as before.
 
 pub mod protocol;
 pub mod uri;
