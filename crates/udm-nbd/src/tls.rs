@@ -56,14 +56,6 @@ pub struct TlsServer {
     mode: TlsMode,
 }
 
-impl std::fmt::Debug for TlsServer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TlsServer")
-            .field("mode", &self.mode)
-            .finish()
-    }
-}
-
 fn file_error(path: &Path, why: impl std::fmt::Display) -> TlsError {
     TlsError::File {
         path: path.to_path_buf(),
@@ -280,7 +272,11 @@ impl Relay {
         let mut chunk = [0u8; 16 << 10];
         while self.to_local.len() < RELAY_BUFFER {
             match self.tls.reader().read(&mut chunk) {
-                Ok(0) => return Ok(true),
+                // close_notify, and everything before it taken.
+                Ok(0) => {
+                    self.net_eof = true;
+                    return Ok(true);
+                }
                 Ok(n) => self.to_local.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
                 // The client closed without close_notify: what arrived is still passed on.

@@ -234,11 +234,17 @@ fn tls_on_serves_plaintext_and_tls_clients() {
     let dir = TempDir::new("tls-pki");
     let pki = make_pki(&dir);
     let certs = pki.server.to_str().unwrap();
-    let (_daemon, port, _) = daemon_with(
+    let (daemon, port, _) = daemon_with(
         "tls-on",
         "tcp:0",
         &["--tls", "on", "--tls-certificates", certs],
     );
+    let threads = || {
+        std::fs::read_dir(format!("/proc/{}/task", daemon.pid()))
+            .unwrap()
+            .count()
+    };
+    let idle = threads();
     let source = dir.path("source.raw");
     random_file(&source, 8 << 20, 11);
     tool(
@@ -255,16 +261,23 @@ fn tls_on_serves_plaintext_and_tls_clients() {
         ],
     );
     let back = dir.path("back.raw");
+    let started = std::time::Instant::now();
     tool(
         "nbdcopy",
         &[&nbds(port, "vol", &pki.anonymous), back.to_str().unwrap()],
     );
+    // A client that says goodbye waits for the server's close; a relay that missed the end
+    // of the connection would hold it for the 30 s drain timeout.
+    let took = started.elapsed();
+    assert!(took.as_secs() < 15, "a TLS copy of 32 MiB took {took:?}");
     // (The device is larger: compare wants the rest zero, as it is.)
     same_content(source.to_str().unwrap(), back.to_str().unwrap());
     let plain = tool("nbdinfo", &[&format!("nbd://127.0.0.1:{port}/vol")]);
     assert!(plain.contains("without TLS"), "{plain}");
     let tls = tool("nbdinfo", &[&nbds(port, "vol", &pki.anonymous)]);
     assert!(tls.contains("with TLS"), "{tls}");
+    // Every connection's threads, the TLS relays among them, end with their clients.
+    wait_for(|| threads() == idle, "the connections' threads to end");
 }
 
 #[test]
