@@ -75,12 +75,23 @@ pub fn transmission_flags(export: &Export) -> u16 {
     flags
 }
 
+/// What the server offers for NBD_OPT_STARTTLS.
+pub struct StartTls<'a, S> {
+    /// The spec's FORCEDTLS: until TLS is up, every option but STARTTLS and ABORT is refused
+    /// with NBD_REP_ERR_TLS_REQD. Otherwise (SELECTIVETLS) plaintext clients are served too.
+    pub required: bool,
+    /// Runs the TLS handshake on the stream and leaves the stream carrying the plaintext.
+    pub upgrade: &'a dyn Fn(&mut S) -> io::Result<()>,
+}
+
 struct Handshake<'a, S> {
     stream: &'a mut S,
     catalog: &'a dyn ExportCatalog,
     structured: bool,
     base_allocation: bool,
     no_zeroes: bool,
+    tls: Option<StartTls<'a, S>>,
+    tls_active: bool,
 }
 
 fn greet(stream: &mut impl Write) -> io::Result<()> {
@@ -123,10 +134,19 @@ pub fn refuse<S: Read + Write>(stream: &mut S, why: &str) -> Result<(), Handshak
     Ok(())
 }
 
-/// Runs the handshake on any byte stream (a socket, or a fuzzer's buffer).
+/// Runs the handshake on any byte stream (a socket, or a fuzzer's buffer), without TLS.
 pub fn negotiate<S: Read + Write>(
     stream: &mut S,
     catalog: &dyn ExportCatalog,
+) -> Result<Negotiated, HandshakeEnd> {
+    negotiate_with_tls(stream, catalog, None)
+}
+
+/// Runs the handshake, offering TLS when `tls` is given.
+pub fn negotiate_with_tls<'a, S: Read + Write>(
+    stream: &'a mut S,
+    catalog: &'a dyn ExportCatalog,
+    tls: Option<StartTls<'a, S>>,
 ) -> Result<Negotiated, HandshakeEnd> {
     greet(stream)?;
     let client_flags = read_u32(stream)?;
@@ -141,6 +161,8 @@ pub fn negotiate<S: Read + Write>(
         structured: false,
         base_allocation: false,
         no_zeroes: client_flags & CLIENT_NO_ZEROES != 0,
+        tls,
+        tls_active: false,
     };
     loop {
         if let Some(done) = h.option()? {
@@ -181,6 +203,21 @@ impl<S: Read + Write> Handshake<'_, S> {
         }
         let mut data = vec![0u8; len as usize];
         self.stream.read_exact(&mut data)?;
+        let tls_missing = !self.tls_active && self.tls.as_ref().is_some_and(|t| t.required);
+        if tls_missing && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
+            if option == OPT_EXPORT_NAME {
+                // No error reply exists for EXPORT_NAME; closing is the refusal.
+                return Err(HandshakeEnd::Violation(
+                    "NBD_OPT_EXPORT_NAME before TLS, which this server requires".into(),
+                ));
+            }
+            self.error(
+                option,
+                REP_ERR_TLS_REQD,
+                "this server requires TLS: negotiate NBD_OPT_STARTTLS first",
+            )?;
+            return Ok(None);
+        }
         match option {
             OPT_EXPORT_NAME => self.export_name(&data).map(Some),
             OPT_ABORT => {
@@ -201,6 +238,7 @@ impl<S: Read + Write> Handshake<'_, S> {
                 self.reply(option, REP_ACK, &[])?;
                 Ok(None)
             }
+            OPT_STARTTLS => self.start_tls(&data),
             OPT_INFO | OPT_GO => self.info_or_go(option, &data),
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
@@ -224,6 +262,36 @@ impl<S: Read + Write> Handshake<'_, S> {
                 Ok(None)
             }
         }
+    }
+
+    fn start_tls(&mut self, data: &[u8]) -> Result<Option<Negotiated>, HandshakeEnd> {
+        let Some(upgrade) = self.tls.as_ref().map(|t| t.upgrade) else {
+            self.error(
+                OPT_STARTTLS,
+                REP_ERR_UNSUP,
+                "TLS is not enabled on this server",
+            )?;
+            return Ok(None);
+        };
+        if !data.is_empty() {
+            self.error(
+                OPT_STARTTLS,
+                REP_ERR_INVALID,
+                "NBD_OPT_STARTTLS takes no data",
+            )?;
+        } else if self.tls_active {
+            self.error(OPT_STARTTLS, REP_ERR_INVALID, "TLS is already negotiated")?;
+        } else {
+            self.reply(OPT_STARTTLS, REP_ACK, &[])?;
+            upgrade(self.stream)
+                .map_err(|e| HandshakeEnd::Violation(format!("TLS handshake failed: {e}")))?;
+            self.tls_active = true;
+            // Nothing agreed in plaintext may carry over: a man in the middle could have
+            // chosen it (the spec asks servers to forget such state).
+            self.structured = false;
+            self.base_allocation = false;
+        }
+        Ok(None)
     }
 
     fn export_name(&mut self, data: &[u8]) -> Result<Negotiated, HandshakeEnd> {
@@ -331,5 +399,166 @@ impl<S: Read + Write> Handshake<'_, S> {
             self.reply(option, REP_META_CONTEXT, &reply)?;
         }
         self.reply(option, REP_ACK, &[])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::sync::Arc;
+
+    use udm_block::MemoryDevice;
+
+    use super::*;
+
+    /// A client that sends a fixed script and records the server's bytes.
+    struct Scripted {
+        input: io::Cursor<Vec<u8>>,
+        output: Vec<u8>,
+    }
+
+    impl Read for Scripted {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.input.read(buf)
+        }
+    }
+
+    impl Write for Scripted {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.output.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    struct OneExport;
+
+    impl ExportCatalog for OneExport {
+        fn open(&self, name: &str) -> Option<Export> {
+            (name == "vol").then(|| Export {
+                device: Arc::new(MemoryDevice::new(1 << 20)),
+                read_only: false,
+                description: String::new(),
+                open_guard: Box::new(()),
+            })
+        }
+        fn list(&self) -> Vec<(String, String)> {
+            vec![("vol".into(), String::new())]
+        }
+    }
+
+    fn script(options: &[(u32, &[u8])]) -> Scripted {
+        let mut input = (CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES)
+            .to_be_bytes()
+            .to_vec();
+        for (option, data) in options {
+            input.extend_from_slice(&encode_option(*option, data));
+        }
+        Scripted {
+            input: io::Cursor::new(input),
+            output: Vec::new(),
+        }
+    }
+
+    /// The (option, reply type) of every option reply the server sent.
+    fn replies(output: &[u8]) -> Vec<(u32, u32)> {
+        let mut rest = &output[18..]; // past the greeting
+        let mut out = Vec::new();
+        while !rest.is_empty() {
+            let header =
+                parse_option_reply_header(rest[..OPTION_REPLY_HEADER_LEN].try_into().unwrap())
+                    .unwrap();
+            out.push((header.option, header.reply));
+            rest = &rest[OPTION_REPLY_HEADER_LEN + header.length as usize..];
+        }
+        out
+    }
+
+    /// Runs the script against a server offering TLS (`required` or not); the upgrade is a
+    /// no-op that counts its calls.
+    fn run(
+        required: Option<bool>,
+        options: &[(u32, &[u8])],
+    ) -> (Result<Negotiated, HandshakeEnd>, Vec<(u32, u32)>, usize) {
+        let mut stream = script(options);
+        let upgrades = Cell::new(0);
+        let upgrade = |_: &mut Scripted| {
+            upgrades.set(upgrades.get() + 1);
+            Ok(())
+        };
+        let tls = required.map(|required| StartTls {
+            required,
+            upgrade: &upgrade,
+        });
+        let result = negotiate_with_tls(&mut stream, &OneExport, tls);
+        (result, replies(&stream.output), upgrades.get())
+    }
+
+    #[test]
+    fn required_tls_refuses_every_option_before_starttls() {
+        let go = encode_info_request("vol", &[]);
+        let (result, replies, upgrades) = run(
+            Some(true),
+            &[
+                (OPT_LIST, &[]),
+                (OPT_STRUCTURED_REPLY, &[]),
+                (OPT_GO, &go),
+                (OPT_STARTTLS, &[]),
+                (OPT_GO, &go),
+            ],
+        );
+        assert_eq!(
+            &replies[..4],
+            &[
+                (OPT_LIST, REP_ERR_TLS_REQD),
+                (OPT_STRUCTURED_REPLY, REP_ERR_TLS_REQD),
+                (OPT_GO, REP_ERR_TLS_REQD),
+                (OPT_STARTTLS, REP_ACK),
+            ]
+        );
+        assert_eq!(replies.last(), Some(&(OPT_GO, REP_ACK)));
+        assert_eq!(upgrades, 1);
+        assert_eq!(result.unwrap().name, "vol");
+    }
+
+    #[test]
+    fn required_tls_closes_on_export_name_before_starttls() {
+        let (result, _, _) = run(Some(true), &[(OPT_EXPORT_NAME, b"vol")]);
+        assert!(matches!(result, Err(HandshakeEnd::Violation(_))));
+    }
+
+    #[test]
+    fn starttls_forgets_plaintext_state_and_is_accepted_once() {
+        let go = encode_info_request("vol", &[]);
+        let (result, replies, upgrades) = run(
+            Some(false),
+            &[
+                (OPT_STRUCTURED_REPLY, &[]),
+                (OPT_STARTTLS, &[]),
+                (OPT_STARTTLS, &[]),
+                (OPT_GO, &go),
+            ],
+        );
+        assert_eq!(
+            &replies[..3],
+            &[
+                (OPT_STRUCTURED_REPLY, REP_ACK),
+                (OPT_STARTTLS, REP_ACK),
+                (OPT_STARTTLS, REP_ERR_INVALID),
+            ]
+        );
+        assert_eq!(upgrades, 1);
+        assert!(
+            !result.unwrap().structured,
+            "structured replies survived STARTTLS"
+        );
+    }
+
+    #[test]
+    fn starttls_without_tls_is_unsupported() {
+        let (_, replies, _) = run(None, &[(OPT_STARTTLS, &[]), (OPT_ABORT, &[])]);
+        assert_eq!(replies[0], (OPT_STARTTLS, REP_ERR_UNSUP));
     }
 }

@@ -7,6 +7,9 @@
 //! deeper queues keep every worker busy without any hand-off. Every device is served through
 //! [`udm_block::Checked`], so requests are validated in one place. Request payloads come from
 //! one buffer budget shared by all connections, so memory stays bounded whatever clients send.
+//!
+//! TLS ([`TlsServer`]) is negotiated with NBD_OPT_STARTTLS; a relay thread then owns the TLS
+//! session, and the connection's threads work on a plaintext socketpair as before.
 
 pub mod protocol;
 pub mod uri;
@@ -16,11 +19,13 @@ mod client;
 pub mod handshake;
 mod server;
 mod stream;
+mod tls;
 mod transmission;
 
 pub use client::{ClientError, ClientOptions, NbdClient};
 pub use protocol::nbd_error;
 pub use server::{remove_stale_socket, NbdServer, ServerConfig};
 pub use stream::Stream;
+pub use tls::{TlsError, TlsMode, TlsServer};
 pub use udm_block::{Export, ExportCatalog};
 pub use uri::{NbdAddress, NbdUri, UriError};

@@ -11,8 +11,9 @@ use std::time::Duration;
 use log::{debug, info, warn};
 
 use crate::budget::BufferBudget;
-use crate::handshake::{negotiate, refuse, HandshakeEnd};
+use crate::handshake::{negotiate_with_tls, refuse, HandshakeEnd, StartTls};
 use crate::stream::{ClientKey, Stream};
+use crate::tls::TlsServer;
 use crate::transmission;
 use crate::ExportCatalog;
 
@@ -66,6 +67,7 @@ pub struct NbdServer {
     counts: Arc<Mutex<Counts>>,
     refusing: Arc<AtomicUsize>,
     budget: Arc<BufferBudget>,
+    tls: Option<TlsServer>,
 }
 
 /// A connection's place in the counts, given back on drop: also when its thread panics.
@@ -104,6 +106,17 @@ impl NbdServer {
             config,
             counts: Arc::default(),
             refusing: Arc::default(),
+            tls: None,
+        }
+    }
+
+    /// This server for one listener: its own view of the exports and its own TLS, sharing
+    /// the configuration and the connection limit.
+    pub fn for_listener(&self, catalog: Arc<dyn ExportCatalog>, tls: Option<TlsServer>) -> Self {
+        NbdServer {
+            catalog,
+            tls,
+            ..self.clone()
         }
     }
 
@@ -223,7 +236,13 @@ impl NbdServer {
         let _ = stream.set_read_timeout(Some(self.config.handshake_timeout));
         // A client that stops reading its replies must not hold workers forever.
         let _ = stream.set_write_timeout(Some(self.config.handshake_timeout));
-        let negotiated = match negotiate(&mut stream, &*self.catalog) {
+        let tls = self.tls.as_ref();
+        let upgrade = |s: &mut Stream| tls.expect("offered only with TLS").upgrade(s);
+        let offer = tls.map(|t| StartTls {
+            required: t.required(),
+            upgrade: &upgrade,
+        });
+        let negotiated = match negotiate_with_tls(&mut stream, &*self.catalog, offer) {
             Ok(n) => n,
             Err(HandshakeEnd::Closed) => return,
             Err(HandshakeEnd::Violation(why)) => return warn!("nbd: handshake refused: {why}"),

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{IpAddr, Shutdown, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -76,6 +76,27 @@ impl Stream {
         }
     }
 
+    pub fn write_timeout(&self) -> io::Result<Option<Duration>> {
+        match self {
+            Stream::Unix(s) => s.write_timeout(),
+            Stream::Tcp(s) => s.write_timeout(),
+        }
+    }
+
+    pub fn read_timeout(&self) -> io::Result<Option<Duration>> {
+        match self {
+            Stream::Unix(s) => s.read_timeout(),
+            Stream::Tcp(s) => s.read_timeout(),
+        }
+    }
+
+    pub fn set_nonblocking(&self, nonblocking: bool) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_nonblocking(nonblocking),
+            Stream::Tcp(s) => s.set_nonblocking(nonblocking),
+        }
+    }
+
     pub fn shutdown(&self) {
         let _ = match self {
             Stream::Unix(s) => s.shutdown(Shutdown::Both),
@@ -95,6 +116,15 @@ impl Stream {
             }
         }
         Ok(())
+    }
+}
+
+impl AsRawFd for Stream {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use udm::control::Request;
 
@@ -59,9 +59,22 @@ enum Command {
         /// Where device tables are kept across restarts.
         #[arg(long)]
         state_dir: PathBuf,
-        /// NBD listener: unix:PATH, tcp:PORT (binds 127.0.0.1), tcp:HOST:PORT. Repeatable.
+        /// NBD listener: unix:PATH, tcp:PORT (binds 127.0.0.1), tcp:HOST:PORT, then options:
+        /// `,export=NAME` (repeatable: only these devices are listed and served there) and
+        /// `,read-only`. Repeatable.
         #[arg(long, value_name = "LISTENER")]
         nbd: Vec<daemon::Listener>,
+        /// TLS on the TCP listeners: off; on (offered, plaintext clients served too); require
+        /// (a client gets nothing before STARTTLS).
+        #[arg(long, value_enum, default_value_t = TlsArg::Off)]
+        tls: TlsArg,
+        /// Directory with server-cert.pem, server-key.pem and, for --tls-verify-peer,
+        /// ca-cert.pem (the layout qemu and nbdkit use).
+        #[arg(long, value_name = "DIR")]
+        tls_certificates: Option<PathBuf>,
+        /// Serve only clients whose certificate is signed by the CA in ca-cert.pem.
+        #[arg(long)]
+        tls_verify_peer: bool,
         /// Expose every device as a file under this FUSE mount point.
         #[arg(long, value_name = "MOUNTPOINT")]
         fuse: Option<PathBuf>,
@@ -182,11 +195,42 @@ fn main() -> ExitCode {
     }
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum TlsArg {
+    Off,
+    On,
+    Require,
+}
+
+fn tls_server(
+    tls: TlsArg,
+    certificates: Option<PathBuf>,
+    verify_peer: bool,
+) -> anyhow::Result<Option<udm_nbd::TlsServer>> {
+    let mode = match tls {
+        TlsArg::Off if certificates.is_some() || verify_peer => {
+            bail!("--tls-certificates and --tls-verify-peer need --tls on or --tls require")
+        }
+        TlsArg::Off => return Ok(None),
+        TlsArg::On => udm_nbd::TlsMode::On,
+        TlsArg::Require => udm_nbd::TlsMode::Require,
+    };
+    let Some(dir) = certificates else {
+        bail!("--tls on/require needs --tls-certificates DIR (server-cert.pem, server-key.pem)")
+    };
+    let server = udm_nbd::TlsServer::from_dir(&dir, mode, verify_peer)
+        .with_context(|| format!("--tls-certificates {}", dir.display()))?;
+    Ok(Some(server))
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     let (request, json) = match cli.command {
         Command::Daemon {
             state_dir,
             nbd,
+            tls,
+            tls_certificates,
+            tls_verify_peer,
             fuse,
             nbd_threads,
             nbd_buffer_budget,
@@ -199,6 +243,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 state_dir,
                 control: cli.control,
                 nbd,
+                tls: tls_server(tls, tls_certificates, tls_verify_peer)?,
                 fuse,
                 nbd_threads,
                 nbd_buffer_budget,

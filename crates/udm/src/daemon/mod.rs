@@ -3,6 +3,7 @@
 mod claims;
 mod control;
 mod device;
+mod listener;
 mod registry;
 mod remotes;
 
@@ -14,46 +15,18 @@ use anyhow::Context;
 use log::{info, warn};
 use udm_block::{Export, ExportCatalog};
 use udm_fuse::{FuseConfig, FuseExport};
-use udm_nbd::{NbdServer, ServerConfig};
+use udm_nbd::{NbdServer, ServerConfig, TlsServer};
 
+pub use listener::{Address, Listener};
 pub use registry::Registry;
-
-/// Where the NBD server listens.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Listener {
-    Unix(PathBuf),
-    Tcp(String),
-}
-
-impl std::str::FromStr for Listener {
-    type Err = String;
-    /// `unix:PATH`, `tcp:PORT` (loopback), `tcp:HOST:PORT` or `tcp:[IPv6]:PORT`.
-    fn from_str(s: &str) -> Result<Self, String> {
-        if let Some(path) = s.strip_prefix("unix:") {
-            if path.is_empty() {
-                return Err("unix: needs a socket path".into());
-            }
-            return Ok(Listener::Unix(path.into()));
-        }
-        if let Some(addr) = s.strip_prefix("tcp:") {
-            if addr.parse::<u16>().is_ok() {
-                return Ok(Listener::Tcp(format!("127.0.0.1:{addr}")));
-            }
-            return match addr.rsplit_once(':') {
-                Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
-                    Ok(Listener::Tcp(addr.to_string()))
-                }
-                _ => Err(format!("'{s}': expected tcp:PORT or tcp:HOST:PORT")),
-            };
-        }
-        Err(format!("'{s}': expected unix:PATH or tcp:[HOST:]PORT"))
-    }
-}
 
 pub struct DaemonOptions {
     pub state_dir: PathBuf,
     pub control: PathBuf,
     pub nbd: Vec<Listener>,
+    /// Offered (or required) on every TCP listener; Unix sockets are guarded by their
+    /// filesystem permissions instead.
+    pub tls: Option<TlsServer>,
     pub fuse: Option<PathBuf>,
     pub nbd_threads: usize,
     pub nbd_buffer_budget: usize,
@@ -144,11 +117,12 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let catalog: Arc<dyn ExportCatalog> = Arc::new(Catalog {
+        registry: registry.clone(),
+        as_files: false,
+    });
     let server = NbdServer::new(
-        Arc::new(Catalog {
-            registry: registry.clone(),
-            as_files: false,
-        }),
+        catalog.clone(),
         ServerConfig {
             workers_per_connection: options.nbd_threads,
             max_connections_per_client: options.nbd_max_connections_per_client,
@@ -158,12 +132,15 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
         },
     );
     for listener in &options.nbd {
-        match listener {
-            Listener::Unix(path) => server
+        let catalog = listener.catalog(catalog.clone());
+        match &listener.address {
+            Address::Unix(path) => server
+                .for_listener(catalog, None)
                 .listen_unix(path)
                 .with_context(|| format!("NBD socket {}", path.display()))?,
-            Listener::Tcp(addr) => {
+            Address::Tcp(addr) => {
                 server
+                    .for_listener(catalog, options.tls.clone())
                     .listen_tcp(addr.as_str())
                     .with_context(|| format!("NBD on tcp:{addr}"))?;
             }
@@ -183,7 +160,7 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
     registry.flush_all();
     remove_socket(&options.control);
     for listener in &options.nbd {
-        if let Listener::Unix(path) = listener {
+        if let Address::Unix(path) = &listener.address {
             remove_socket(path);
         }
     }

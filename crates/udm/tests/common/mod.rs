@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses its own subset
 
 use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -139,6 +140,16 @@ impl Daemon {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
     }
 
+    /// The ports of the daemon's TCP listeners, in the order of its `--nbd` options (give
+    /// `tcp:0` to have the kernel pick a free one).
+    pub fn tcp_ports(&self) -> Vec<u16> {
+        self.log()
+            .lines()
+            .filter_map(|line| line.split_once("nbd: listening on tcp:"))
+            .map(|(_, addr)| addr.rsplit_once(':').unwrap().1.parse().unwrap())
+            .collect()
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path("daemon.log")).unwrap_or_default()
     }
@@ -269,8 +280,8 @@ pub fn sparse_file(path: &Path, len: u64) {
 }
 
 /// A raw NBD connection that has negotiated an export, for hand-made requests.
-pub struct RawClient {
-    pub stream: UnixStream,
+pub struct RawClient<S = UnixStream> {
+    pub stream: S,
     pub size: u64,
 }
 
@@ -282,10 +293,27 @@ pub const NBD_CMD_FLUSH: u16 = 3;
 impl RawClient {
     /// Connects and opens `name` with NBD_OPT_EXPORT_NAME (simple replies only).
     pub fn connect(socket: &Path, name: &str) -> RawClient {
-        let mut stream = UnixStream::connect(socket).unwrap();
+        let stream = UnixStream::connect(socket).unwrap();
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
+        RawClient::open(stream, name)
+    }
+}
+
+impl RawClient<TcpStream> {
+    /// The same over TCP to 127.0.0.1:`port`.
+    pub fn connect_tcp(port: u16, name: &str) -> RawClient<TcpStream> {
+        let stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        RawClient::open(stream, name)
+    }
+}
+
+impl<S: Read + Write> RawClient<S> {
+    fn open(mut stream: S, name: &str) -> RawClient<S> {
         let mut greeting = [0u8; 18];
         stream.read_exact(&mut greeting).unwrap();
         assert_eq!(&greeting[..8], b"NBDMAGIC");
