@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
@@ -11,7 +12,29 @@ use common::*;
 const MIB: u64 = 1 << 20;
 const EIO: u32 = 5;
 
-fn read_file_at(path: &std::path::Path, offset: u64, len: usize) -> Vec<u8> {
+/// Metadata, destination and a random source of `size` bytes in the daemon's directory.
+fn clone_files(daemon: &Daemon, size: u64, seed: u64) -> (PathBuf, PathBuf, PathBuf) {
+    let (meta, dest, source) = (
+        daemon.dir.path("meta"),
+        daemon.dir.path("dest"),
+        daemon.dir.path("source"),
+    );
+    sparse_file(&meta, 4 * MIB);
+    sparse_file(&dest, size);
+    random_file(&source, size as usize, seed);
+    (meta, dest, source)
+}
+
+fn clone_table(meta: &Path, dest: &Path, source: &Path, sectors: u64, rest: &str) -> String {
+    format!(
+        "0 {sectors} clone {} {} {} {rest}",
+        meta.display(),
+        dest.display(),
+        source.display()
+    )
+}
+
+fn read_file_at(path: &Path, offset: u64, len: usize) -> Vec<u8> {
     use std::os::unix::fs::FileExt;
     let mut buf = vec![0u8; len];
     std::fs::File::open(path)
@@ -137,20 +160,8 @@ fn shrinking_a_device_under_another_is_refused_or_fails_its_io() {
 #[test]
 fn reload_and_resume_without_suspend_keeps_a_clones_writes() {
     let mut daemon = Daemon::start("clone-reload");
-    let (meta, dest, source) = (
-        daemon.dir.path("meta"),
-        daemon.dir.path("dest"),
-        daemon.dir.path("source"),
-    );
-    sparse_file(&meta, 4 * MIB);
-    sparse_file(&dest, 64 * MIB);
-    random_file(&source, 64 * MIB as usize, 3);
-    let table = format!(
-        "0 131072 clone {} {} {} 128 1 no_hydration",
-        meta.display(),
-        dest.display(),
-        source.display()
-    );
+    let (meta, dest, source) = clone_files(&daemon, 64 * MIB, 3);
+    let table = clone_table(&meta, &dest, &source, 131072, "128 1 no_hydration");
     daemon.udm(&["create", "vol", "--table", &table]);
 
     // A whole-region write: it goes to the destination and sets a bit, committed at the next
@@ -182,20 +193,8 @@ fn reload_and_resume_without_suspend_keeps_a_clones_writes() {
 #[test]
 fn finalize_leaves_a_suspended_device_and_an_inactive_table_alone() {
     let daemon = Daemon::start("finalize-respect");
-    let (meta, dest, source) = (
-        daemon.dir.path("meta"),
-        daemon.dir.path("dest"),
-        daemon.dir.path("source"),
-    );
-    sparse_file(&meta, 4 * MIB);
-    sparse_file(&dest, 8 * MIB);
-    random_file(&source, 8 * MIB as usize, 5);
-    let table = format!(
-        "0 16384 clone {} {} {} 128",
-        meta.display(),
-        dest.display(),
-        source.display()
-    );
+    let (meta, dest, source) = clone_files(&daemon, 8 * MIB, 5);
+    let table = clone_table(&meta, &dest, &source, 16384, "128");
     daemon.udm(&["create", "vol", "--table", &table]);
     daemon.udm(&["wait", "vol", "--progress"]);
 
@@ -215,7 +214,7 @@ fn finalize_leaves_a_suspended_device_and_an_inactive_table_alone() {
     assert!(daemon.udm(&["finalize", "vol"]).contains("linear"));
 }
 
-fn flip_byte(path: &std::path::Path, offset: u64) {
+fn flip_byte(path: &Path, offset: u64) {
     use std::os::unix::fs::FileExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -232,20 +231,8 @@ fn flip_byte(path: &std::path::Path, offset: u64) {
 #[test]
 fn corrupt_clone_superblocks_are_refused_or_reported_never_reformatted() {
     let mut daemon = Daemon::start("clone-corrupt");
-    let (meta, dest, source) = (
-        daemon.dir.path("meta"),
-        daemon.dir.path("dest"),
-        daemon.dir.path("source"),
-    );
-    sparse_file(&meta, 4 * MIB);
-    sparse_file(&dest, 16 * MIB);
-    random_file(&source, 16 * MIB as usize, 9);
-    let table = format!(
-        "0 32768 clone {} {} {} 128 1 no_hydration",
-        meta.display(),
-        dest.display(),
-        source.display()
-    );
+    let (meta, dest, source) = clone_files(&daemon, 16 * MIB, 9);
+    let table = clone_table(&meta, &dest, &source, 32768, "128 1 no_hydration");
     daemon.udm(&["create", "vol", "--table", &table]);
     // Two flushed writes: two commits, so both superblock slots hold one.
     for (at, byte) in [("1M", "0x11"), ("2M", "0x22")] {
@@ -375,22 +362,8 @@ fn a_second_daemon_on_the_same_state_dir_or_sockets_is_refused() {
 #[test]
 fn state_a_target_keeps_on_a_file_is_claimed_against_other_tables_and_processes() {
     let daemon = Daemon::start("claims");
-    let (meta, dest, source) = (
-        daemon.dir.path("meta"),
-        daemon.dir.path("dest"),
-        daemon.dir.path("source"),
-    );
-    sparse_file(&meta, 4 * MIB);
-    sparse_file(&dest, 16 * MIB);
-    random_file(&source, 16 * MIB as usize, 4);
-    let clone_of = |meta: &std::path::Path, dest: &std::path::Path| {
-        format!(
-            "0 32768 clone {} {} {} 128",
-            meta.display(),
-            dest.display(),
-            source.display()
-        )
-    };
+    let (meta, dest, source) = clone_files(&daemon, 16 * MIB, 4);
+    let clone_of = |meta: &Path, dest: &Path| clone_table(meta, dest, &source, 32768, "128");
     daemon.udm(&["create", "vol", "--table", &clone_of(&meta, &dest)]);
 
     let err = daemon.udm_err(&["create", "twin", "--table", &clone_of(&meta, &dest)]);
@@ -421,20 +394,8 @@ fn state_a_target_keeps_on_a_file_is_claimed_against_other_tables_and_processes(
 #[test]
 fn settings_suspension_and_inactive_tables_survive_a_crash() {
     let mut daemon = Daemon::start("persist-settings");
-    let (meta, dest, source) = (
-        daemon.dir.path("meta"),
-        daemon.dir.path("dest"),
-        daemon.dir.path("source"),
-    );
-    sparse_file(&meta, 4 * MIB);
-    sparse_file(&dest, 16 * MIB);
-    random_file(&source, 16 * MIB as usize, 8);
-    let table = format!(
-        "0 32768 clone {} {} {} 8",
-        meta.display(),
-        dest.display(),
-        source.display()
-    );
+    let (meta, dest, source) = clone_files(&daemon, 16 * MIB, 8);
+    let table = clone_table(&meta, &dest, &source, 32768, "8");
     daemon.udm(&["create", "vol", "--table", &table]);
     for message in [
         "disable_hydration",
