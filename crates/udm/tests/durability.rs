@@ -292,14 +292,7 @@ fn corrupt_clone_superblocks_are_refused_or_reported_never_reformatted() {
 #[test]
 fn a_second_daemon_on_the_same_state_dir_or_sockets_is_refused() {
     let daemon = Daemon::start("two-daemons");
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 4 * MIB);
-    daemon.udm(&[
-        "create",
-        "vol",
-        "--table",
-        &format!("0 8192 linear {} 0", disk.display()),
-    ]);
+    daemon.create_linear("vol", "disk.img", 4 * MIB);
     let second = |state: &str, control: &str, nbd: &str| {
         std::process::Command::new(UDM)
             .args([
@@ -406,14 +399,7 @@ fn settings_suspension_and_inactive_tables_survive_a_crash() {
         args.extend(message.split(' '));
         daemon.udm(&args);
     }
-    let other = daemon.dir.path("other.img");
-    sparse_file(&other, 4 * MIB);
-    daemon.udm(&[
-        "create",
-        "other",
-        "--table",
-        &format!("0 8192 linear {} 0", other.display()),
-    ]);
+    daemon.create_linear("other", "other.img", 4 * MIB);
     daemon.udm(&["load", "other", "--table", "0 8192 zero"]);
     daemon.udm(&["suspend", "other"]);
 

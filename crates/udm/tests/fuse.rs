@@ -350,14 +350,7 @@ impl OutputAsync for Command {
 #[test]
 fn a_killed_daemon_leaves_a_dead_mount_that_the_next_daemon_recovers() {
     let mut daemon = fuse_daemon("fuse-kill");
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 16 * MIB);
-    daemon.udm(&[
-        "create",
-        "vol",
-        "--table",
-        &format!("0 32768 linear {} 0", disk.display()),
-    ]);
+    daemon.create_linear("vol", "disk.img", 16 * MIB);
     let file = daemon.dir.path("fuse/vol");
     std::fs::write(&file, vec![0x42u8; 4096]).unwrap();
     daemon.stop(libc::SIGKILL);
@@ -555,14 +548,7 @@ fn a_stop_waits_for_a_mounted_filesystem_and_a_second_signal_forces_it() {
 #[test]
 fn a_suspended_device_does_not_hold_up_a_stop() {
     let mut daemon = Daemon::start("stop-suspended");
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 16 * MIB);
-    daemon.udm(&[
-        "create",
-        "vol",
-        "--table",
-        &format!("0 32768 linear {} 0", disk.display()),
-    ]);
+    daemon.create_linear("vol", "disk.img", 16 * MIB);
     daemon.udm(&["suspend", "vol"]);
     assert!(
         signal_and_wait(&mut daemon, libc::SIGTERM, Duration::from_secs(5)),

@@ -11,14 +11,7 @@ use common::*;
 
 fn daemon_with_volume(tag: &str) -> Daemon {
     let daemon = Daemon::start(tag);
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 8 << 20);
-    daemon.udm(&[
-        "create",
-        "vol",
-        "--table",
-        &format!("0 16384 linear {} 0", disk.display()),
-    ]);
+    let disk = daemon.create_linear("vol", "disk.img", 8 << 20);
     daemon.udm(&[
         "create",
         "slow",
@@ -425,14 +418,7 @@ except nbd.Error as e:
 #[test]
 fn one_client_at_its_connection_cap_is_refused_with_an_error_and_others_are_served() {
     let daemon = Daemon::start_with("hostile-cap", &["--nbd-max-connections-per-client", "3"]);
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 8 << 20);
-    daemon.udm(&[
-        "create",
-        "vol",
-        "--table",
-        &format!("0 16384 linear {} 0", disk.display()),
-    ]);
+    daemon.create_linear("vol", "disk.img", 8 << 20);
     // Another user may use the socket (this test runs as root, uid 0).
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(daemon.nbd_socket(), std::fs::Permissions::from_mode(0o777)).unwrap();
@@ -528,14 +514,7 @@ fn a_flood_of_big_requests_stays_within_the_buffer_budget() {
     // The default budget (256 MiB) against 4 connections with 16 requests of 32 MiB each in
     // flight: 2 GiB of payloads asked for at once.
     let daemon = Daemon::start("hostile-memory");
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 256 << 20);
-    daemon.udm(&[
-        "create",
-        "vol",
-        "--table",
-        &format!("0 524288 linear {} 0", disk.display()),
-    ]);
+    daemon.create_linear("vol", "disk.img", 256 << 20);
     let (before, _) = memory_of(daemon.pid());
     let (ok, out) = nbdsh(&format!(
         r#"

@@ -166,6 +166,16 @@ impl Daemon {
         self.run_udm(args).status.success()
     }
 
+    /// Creates a sparse file `file` of `size` bytes in the scratch directory and a device
+    /// `name` that is `linear` over all of it; returns the file's path.
+    pub fn create_linear(&self, name: &str, file: &str, size: u64) -> PathBuf {
+        let path = self.dir.path(file);
+        sparse_file(&path, size);
+        let table = format!("0 {} linear {} 0", size / 512, path.display());
+        self.udm(&["create", name, "--table", &table]);
+        path
+    }
+
     /// Runs a verb that must succeed; returns its standard output.
     pub fn udm(&self, args: &[&str]) -> String {
         let out = self.run_udm(args);
