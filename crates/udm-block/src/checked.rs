@@ -6,6 +6,7 @@
 
 use crate::device::{BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags};
 use crate::error::{BlockError, Result};
+use crate::map::{MapOp, Mapping};
 
 pub const SECTOR_SIZE: u64 = 512;
 
@@ -141,6 +142,18 @@ impl<D: BlockDevice> BlockDevice for Checked<D> {
     fn cache(&self, offset: u64, len: u64) -> Result<()> {
         check_request(self.inner.size(), offset, len)?;
         self.inner.cache(offset, len)
+    }
+
+    /// Only requests that pass the checks are mapped; the others go the synchronous way,
+    /// which fails them with the error that names what is wrong.
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        let checked = match op {
+            MapOp::Read => check_request(self.inner.size(), offset, len),
+            MapOp::Write { .. } => self.check_write(offset, len, true),
+            MapOp::Flush => Ok(()),
+        };
+        checked.ok()?;
+        self.inner.map(op, offset, len)
     }
 }
 

@@ -3,6 +3,7 @@
 use std::sync::OnceLock;
 
 use crate::error::Result;
+use crate::map::{MapOp, Mapping};
 
 /// Extent flag: the range is not allocated (reads as zero unless `EXTENT_ZERO` is clear).
 pub const EXTENT_HOLE: u32 = 1;
@@ -164,6 +165,13 @@ pub trait BlockDevice: Send + Sync {
     /// waiting on something that may never come (a remote's reconnection) fail now, and
     /// later ones fail at once. Only for handles no one else uses; shared devices ignore it.
     fn close(&self) {}
+
+    /// Where `[offset, offset + len)` lives, for the hot path to submit itself; `None` when
+    /// this device must handle the request (see [`crate::map`]). A flush's offset and length
+    /// are 0. Called with requests [`crate::Checked`] has already checked; must not block.
+    fn map(&self, _op: MapOp, _offset: u64, _len: u64) -> Option<Mapping> {
+        None
+    }
 }
 
 const ZERO_CHUNK: usize = 1 << 20;
@@ -225,6 +233,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn close(&self) {
         (**self).close()
+    }
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        (**self).map(op, offset, len)
     }
 }
 

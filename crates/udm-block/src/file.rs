@@ -1,12 +1,14 @@
 //! Files and block devices as backends, with O_DIRECT where the filesystem allows it.
 
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::device::{BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags};
 use crate::error::{BlockError, Result};
+use crate::map::{MapOp, MappedFile, Mapping, Place};
 use crate::SECTOR_SIZE;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,8 +29,8 @@ pub enum OpenMode {
 /// and invalidates cached pages of the range first.
 pub struct FileDevice {
     path: PathBuf,
-    direct: Option<File>,
-    buffered: File,
+    /// Shared with the mappings handed to the hot path.
+    files: Arc<MappedFile>,
     size: u64,
     is_block_device: bool,
     read_only: bool,
@@ -67,8 +69,7 @@ impl FileDevice {
         };
         Ok(FileDevice {
             path: path.to_path_buf(),
-            direct,
-            buffered,
+            files: Arc::new(MappedFile::new(path.to_path_buf(), direct, buffered)),
             size: size - size % SECTOR_SIZE,
             is_block_device,
             read_only,
@@ -80,7 +81,7 @@ impl FileDevice {
     }
 
     pub fn is_direct(&self) -> bool {
-        self.direct.is_some()
+        self.files.is_direct()
     }
 
     fn context(&self, op: &str, offset: u64, len: usize) -> String {
@@ -90,19 +91,19 @@ impl FileDevice {
     /// Runs `op` on the direct descriptor, and again on the buffered one if O_DIRECT refused
     /// the request's alignment.
     fn with_fd(&self, mut op: impl FnMut(i32) -> std::io::Result<()>) -> std::io::Result<()> {
-        if let Some(direct) = &self.direct {
-            match op(direct.as_raw_fd()) {
+        if self.files.is_direct() {
+            match op(self.files.data_fd()) {
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
                 other => return other,
             }
         }
-        op(self.buffered.as_raw_fd())
+        op(self.files.buffered_fd())
     }
 
     fn fallocate(&self, mode: i32, offset: u64, len: u64) -> std::io::Result<()> {
         // SAFETY: plain syscall on an fd we own.
         let rc =
-            unsafe { libc::fallocate(self.buffered.as_raw_fd(), mode, offset as i64, len as i64) };
+            unsafe { libc::fallocate(self.files.buffered_fd(), mode, offset as i64, len as i64) };
         if rc == 0 {
             Ok(())
         } else {
@@ -112,7 +113,7 @@ impl FileDevice {
 
     fn seek(&self, offset: u64, whence: i32) -> std::io::Result<Option<u64>> {
         // SAFETY: lseek on an fd we own.
-        let pos = unsafe { libc::lseek(self.buffered.as_raw_fd(), offset as i64, whence) };
+        let pos = unsafe { libc::lseek(self.files.buffered_fd(), offset as i64, whence) };
         if pos >= 0 {
             return Ok(Some(pos as u64));
         }
@@ -212,7 +213,7 @@ impl BlockDevice for FileDevice {
 
     fn flush(&self) -> Result<()> {
         // SAFETY: fdatasync on an fd we own; it covers writes through either descriptor.
-        if unsafe { libc::fdatasync(self.buffered.as_raw_fd()) } != 0 {
+        if unsafe { libc::fdatasync(self.files.buffered_fd()) } != 0 {
             return Err(BlockError::last_os(format!(
                 "fdatasync {}",
                 self.path.display()
@@ -257,6 +258,14 @@ impl BlockDevice for FileDevice {
         crate::write_zeroes_by_writing(self, offset, len, flags)
     }
 
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        if self.read_only && op.is_write() {
+            return None;
+        }
+        let file = self.files.clone();
+        Some(Mapping::single(len, Place::File { file, offset }))
+    }
+
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         if self.is_block_device {
             return Ok(vec![Extent::data(len)]);
@@ -297,6 +306,7 @@ impl BlockDevice for FileDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::File;
 
     fn temp_file(len: u64) -> (PathBuf, File) {
         let path = std::env::temp_dir().join(format!(

@@ -14,6 +14,7 @@ mod device;
 mod error;
 mod export;
 mod file;
+pub mod map;
 mod memory;
 
 pub use buffer::AlignedBuf;
@@ -26,4 +27,5 @@ pub use device::{
 pub use error::{BlockError, Result};
 pub use export::{Export, ExportCatalog};
 pub use file::{FileDevice, OpenMode};
+pub use map::{MapOp, MappedFile, Mapping, Piece, Place};
 pub use memory::MemoryDevice;

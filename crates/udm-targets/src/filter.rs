@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use udm_block::{
-    AlignedBuf, BlockDevice, BlockError, Capabilities, Extent, OpenMode, Result, WriteFlags,
-    ZeroFlags, SECTOR_SIZE,
+    AlignedBuf, BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, OpenMode, Result,
+    WriteFlags, ZeroFlags, SECTOR_SIZE,
 };
 
 use crate::args::Args;
@@ -71,6 +71,12 @@ pub trait Filter: Send + Sync {
     /// May replace the data of a write (to corrupt it on purpose).
     fn replace_write(&self, _offset: u64, _buf: &[u8]) -> Option<AlignedBuf> {
         None
+    }
+
+    /// True for a filter with no hooks on reads, writes and flushes, whose requests can
+    /// therefore be remapped onto the lower device (see [`udm_block::map`]).
+    fn remaps(&self) -> bool {
+        false
     }
 }
 
@@ -146,5 +152,16 @@ impl<F: Filter> BlockDevice for Filtered<F> {
     fn cache(&self, offset: u64, len: u64) -> Result<()> {
         let lower = self.lower();
         lower.dev.cache(lower.offset + offset, len)
+    }
+
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        if !self.0.remaps() {
+            return None;
+        }
+        let lower = self.lower();
+        match op {
+            MapOp::Flush => lower.dev.map(op, 0, 0),
+            _ => lower.dev.map(op, lower.offset + offset, len),
+        }
     }
 }

@@ -15,6 +15,9 @@ impl Filter for Linear {
     fn lower(&self) -> &Lower {
         &self.0
     }
+    fn remaps(&self) -> bool {
+        true
+    }
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_block::{
-    push_extent, BlockDevice, Capabilities, Extent, OpenMode, Result, WriteFlags, ZeroFlags,
-    SECTOR_SIZE,
+    push_extent, BlockDevice, Capabilities, Extent, MapOp, Mapping, OpenMode, Result, WriteFlags,
+    ZeroFlags, SECTOR_SIZE,
 };
 
 use crate::args::Args;
@@ -152,6 +152,19 @@ impl BlockDevice for Striped {
     }
     fn flush(&self) -> Result<()> {
         self.stripes.iter().try_for_each(|s| s.dev.flush())
+    }
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        let mut mapping = Mapping::new();
+        if op == MapOp::Flush {
+            for stripe in &self.stripes {
+                mapping.append(0, stripe.dev.map(op, 0, 0)?);
+            }
+            return Some(mapping);
+        }
+        for p in self.pieces(offset, len) {
+            mapping.append(p.done, self.stripes[p.stripe].dev.map(op, p.at, p.len)?);
+        }
+        Some(mapping)
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.each_chunk(offset, len, |s, at, r| s.dev.discard(at, r.len() as u64))

@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use udm_block::{
-    merge_extents, BlockDevice, BlockError, Capabilities, Extent, Result, WriteFlags, ZeroFlags,
-    SECTOR_SIZE,
+    merge_extents, BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, Result,
+    WriteFlags, ZeroFlags, SECTOR_SIZE,
 };
 
 use crate::target::{construct, EventSink, Resolver, Target, TargetContext, TargetError};
@@ -316,6 +316,27 @@ impl BlockDevice for Table {
 
     fn cache(&self, offset: u64, len: u64) -> Result<()> {
         self.each_piece(offset, len, |t, at, range| t.cache(at, range.len() as u64))
+    }
+
+    /// The segments' mappings joined; one segment that must handle its piece itself sends
+    /// the whole request the synchronous way.
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        let mut mapping = Mapping::new();
+        if op == MapOp::Flush {
+            for segment in &self.segments {
+                mapping.append(0, segment.target.map(op, 0, 0)?);
+            }
+            return Some(mapping);
+        }
+        self.each_piece(offset, len, |t, at, range| {
+            let piece = t
+                .map(op, at, range.len() as u64)
+                .ok_or(BlockError::NotSupported("not mapped".into()))?;
+            mapping.append(range.start as u64, piece);
+            Ok(())
+        })
+        .ok()?;
+        Some(mapping)
     }
 }
 

@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use udm_block::{BlockDevice, Capabilities, Extent, Result, WriteFlags, ZeroFlags};
+use udm_block::{
+    BlockDevice, Capabilities, Extent, MapOp, Mapping, Place, Result, WriteFlags, ZeroFlags,
+};
 
 use crate::args::Args;
 use crate::target::{Target, TargetContext, TargetError};
@@ -43,6 +45,12 @@ impl BlockDevice for Zero {
     }
     fn block_status(&self, _offset: u64, len: u64) -> Result<Vec<Extent>> {
         Ok(vec![Extent::hole(len)])
+    }
+    fn map(&self, op: MapOp, _offset: u64, len: u64) -> Option<Mapping> {
+        Some(match op {
+            MapOp::Flush => Mapping::new(),
+            MapOp::Read | MapOp::Write { .. } => Mapping::single(len, Place::Zero),
+        })
     }
 }
 

@@ -23,8 +23,8 @@ use std::time::Instant;
 
 use log::{error, info, warn};
 use udm_block::{
-    AlignedBuf, BlockDevice, BlockError, Capabilities, Extent, OpenMode, Result, WriteFlags,
-    ZeroFlags, EXTENT_ZERO, SECTOR_SIZE,
+    AlignedBuf, BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, OpenMode, Result,
+    WriteFlags, ZeroFlags, EXTENT_ZERO, SECTOR_SIZE,
 };
 use udm_metadata::{CloneGeometry, CloneMetadata, CommitOutcome};
 
@@ -108,11 +108,16 @@ struct UserIo<'a>(&'a Inner);
 
 impl Drop for UserIo<'_> {
     fn drop(&mut self) {
-        self.0.user_in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.0.last_user_io.store(
-            self.0.started.elapsed().as_nanos() as u64,
-            Ordering::Release,
-        );
+        self.0.user_io_done();
+    }
+}
+
+/// A mapped request's [`UserIo`], held by the request until its pieces complete.
+struct MappedUserIo(Arc<Inner>);
+
+impl Drop for MappedUserIo {
+    fn drop(&mut self) {
+        self.0.user_io_done();
     }
 }
 
@@ -246,6 +251,12 @@ impl Inner {
     fn user_io(&self) -> UserIo<'_> {
         self.user_in_flight.fetch_add(1, Ordering::AcqRel);
         UserIo(self)
+    }
+
+    fn user_io_done(&self) {
+        self.user_in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.last_user_io
+            .store(self.started.elapsed().as_nanos() as u64, Ordering::Release);
     }
 
     fn check_not_failed(&self) -> Result<()> {
@@ -612,6 +623,24 @@ impl BlockDevice for Clone {
     fn flush(&self) -> Result<()> {
         let _io = self.inner.user_io();
         self.inner.commit()
+    }
+
+    /// Requests wholly inside hydrated regions remap onto the destination, as dm-clone's
+    /// map() does. Flushes and FUA writes commit the bitmap, and everything touching an
+    /// unhydrated region may copy or wait for a copy: those the clone handles itself.
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        let s = &self.inner;
+        let usable = match op {
+            MapOp::Read => s.mode() != Mode::Fail,
+            MapOp::Write { fua: false } => s.mode() == Mode::Write,
+            MapOp::Write { fua: true } | MapOp::Flush => false,
+        };
+        if !usable || !s.regions_of(offset, len).all(|r| s.meta.is_hydrated(r)) {
+            return None;
+        }
+        s.user_in_flight.fetch_add(1, Ordering::AcqRel);
+        let hold = MappedUserIo(s.clone());
+        Some(s.dest.map(op, offset, len)?.hold(hold))
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {

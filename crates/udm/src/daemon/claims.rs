@@ -17,7 +17,9 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use udm_block::{BlockDevice, Capabilities, Extent, Result as IoResult, WriteFlags, ZeroFlags};
+use udm_block::{
+    BlockDevice, Capabilities, Extent, MapOp, Mapping, Result as IoResult, WriteFlags, ZeroFlags,
+};
 
 /// The byte udm locks in files it opens read-write: 2^63 − 2^16, beyond any real file's end.
 pub const LOCK_BYTE: i64 = i64::MAX - 0xffff;
@@ -256,6 +258,9 @@ impl BlockDevice for Claimed {
     }
     fn cache(&self, offset: u64, len: u64) -> IoResult<()> {
         self.device.cache(offset, len)
+    }
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        self.device.map(op, offset, len)
     }
 }
 

@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::Duration;
 
-use udm_block::{BlockDevice, BlockError, Capabilities, Extent, Result, WriteFlags, ZeroFlags};
+use udm_block::{
+    BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, Result, WriteFlags, ZeroFlags,
+};
 use udm_targets::Table;
 
 struct Tables {
@@ -32,7 +34,8 @@ pub struct Device {
     tables: RwLock<Tables>,
     /// The live table's size, read on every request.
     size: AtomicU64,
-    gate: Gate,
+    /// Shared with mapped requests, which hold their place in it until they complete.
+    gate: Arc<Gate>,
     events: Arc<Events>,
     /// Client connections using this device (other devices' tables are counted by the
     /// registry, which knows every table).
@@ -42,18 +45,43 @@ pub struct Device {
     file_opens: AtomicUsize,
 }
 
-/// Holds a request's place in the gate; the last one out wakes a waiting `suspend`.
+impl Gate {
+    /// Counts a request in; false (and counted back out) while suspended.
+    fn try_enter(&self) -> bool {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        if !self.suspended.load(Ordering::SeqCst) {
+            return true;
+        }
+        self.leave();
+        false
+    }
+
+    /// Counts a request out; the last one out wakes a waiting `suspend`.
+    fn leave(&self) {
+        if self.in_flight.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.suspended.load(Ordering::SeqCst)
+        {
+            let _sleep = self.sleep.lock().unwrap();
+            self.wake.notify_all();
+        }
+    }
+}
+
+/// Holds a synchronous request's place in the gate.
 struct InFlight<'a>(&'a Gate);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        let gate = self.0;
-        if gate.in_flight.fetch_sub(1, Ordering::SeqCst) == 1
-            && gate.suspended.load(Ordering::SeqCst)
-        {
-            let _sleep = gate.sleep.lock().unwrap();
-            gate.wake.notify_all();
-        }
+        self.0.leave();
+    }
+}
+
+/// Holds a mapped request's place in the gate until its pieces complete.
+struct MappedInFlight(Arc<Gate>);
+
+impl Drop for MappedInFlight {
+    fn drop(&mut self) {
+        self.0.leave();
     }
 }
 
@@ -69,7 +97,7 @@ impl Device {
                 live: Arc::new(live),
                 inactive: None,
             }),
-            gate: Gate::default(),
+            gate: Arc::default(),
             events,
             opens: AtomicUsize::new(0),
             file_opens: AtomicUsize::new(0),
@@ -119,14 +147,12 @@ impl Device {
 
     /// Waits at the gate while the device is suspended, then enters it.
     fn enter(&self) -> (Arc<Table>, InFlight<'_>) {
-        let gate = &self.gate;
+        let gate = &*self.gate;
         loop {
-            gate.in_flight.fetch_add(1, Ordering::SeqCst);
-            if !gate.suspended.load(Ordering::SeqCst) {
+            if gate.try_enter() {
                 return (self.live(), InFlight(gate));
             }
-            // Suspended: step back out (waking the suspender if we were last) and sleep.
-            drop(InFlight(gate));
+            // Suspended: sleep until resumed.
             let mut sleep = gate.sleep.lock().unwrap();
             while gate.suspended.load(Ordering::SeqCst) {
                 sleep = gate.wake.wait(sleep).unwrap();
@@ -288,5 +314,16 @@ impl BlockDevice for Device {
     fn cache(&self, offset: u64, len: u64) -> Result<()> {
         let (table, _in) = self.enter();
         table.cache(offset, len)
+    }
+    /// Never waits: a suspended device's requests take the synchronous way and wait there.
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        if self.read_only && op.is_write() {
+            return None;
+        }
+        if !self.gate.try_enter() {
+            return None;
+        }
+        let hold = MappedInFlight(self.gate.clone());
+        Some(self.live().map(op, offset, len)?.hold(hold))
     }
 }

@@ -1,0 +1,157 @@
+//! Remapping, device-mapper's `map()`: a device answers "where do these bytes live" with
+//! pieces on lower files, and the hot path submits those itself (through io_uring) instead
+//! of calling down through every layer on a blocking thread.
+//!
+//! A device that can say where a request lives returns a [`Mapping`]; one that must take the
+//! request itself (a partial clone write, delay, flakey, log-writes, a remote NBD source)
+//! returns `None`, and the request goes through [`crate::BlockDevice`]'s synchronous methods
+//! on a worker thread as before. Stacked devices compose their lower devices' mappings, so
+//! `linear` over `striped` over two files maps to extents of the two files.
+//!
+//! Mapping is an optimisation, never a change of meaning: whatever a mapping does must be
+//! what the synchronous call would have done.
+
+use std::any::Any;
+use std::fs::File;
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The request being mapped. Discard, write-zeroes, block status and cache are never
+/// mapped: they are rare and some targets give them meaning of their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MapOp {
+    Read,
+    /// `fua`: the data must be durable when the write completes.
+    Write {
+        fua: bool,
+    },
+    /// Every completed write durable. Mapped to the files to sync (pieces of length 0).
+    Flush,
+}
+
+impl MapOp {
+    pub fn is_write(self) -> bool {
+        matches!(self, MapOp::Write { .. })
+    }
+}
+
+/// The descriptors of a file or block device backend, shared by the backend and the
+/// mappings it hands out (which may outlive a table reload).
+pub struct MappedFile {
+    path: PathBuf,
+    /// O_DIRECT, when the filesystem accepts it.
+    direct: Option<File>,
+    /// For requests whose alignment O_DIRECT refuses, and for syncs.
+    buffered: File,
+}
+
+impl MappedFile {
+    pub fn new(path: PathBuf, direct: Option<File>, buffered: File) -> Self {
+        MappedFile {
+            path,
+            direct,
+            buffered,
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The descriptor for data: O_DIRECT when there is one.
+    pub fn data_fd(&self) -> RawFd {
+        self.direct.as_ref().unwrap_or(&self.buffered).as_raw_fd()
+    }
+
+    /// The buffered descriptor: the retry for an alignment O_DIRECT refused (EINVAL), and
+    /// the one to sync (fdatasync covers writes through either).
+    pub fn buffered_fd(&self) -> RawFd {
+        self.buffered.as_raw_fd()
+    }
+
+    pub fn is_direct(&self) -> bool {
+        self.direct.is_some()
+    }
+}
+
+/// Where one run of a request's bytes lives.
+#[derive(Clone)]
+pub enum Place {
+    /// On a file, from `offset` on.
+    File { file: Arc<MappedFile>, offset: u64 },
+    /// Nowhere: reads give zeroes, writes are dropped (the `zero` target).
+    Zero,
+}
+
+/// One run of a request: `len` bytes starting `at` bytes into the request's buffer.
+/// A flush's pieces have length 0 and name the files to sync.
+#[derive(Clone)]
+pub struct Piece {
+    pub at: u64,
+    pub len: u64,
+    pub place: Place,
+}
+
+/// Where a whole request lives, and what must be held until every piece has completed.
+#[derive(Default)]
+pub struct Mapping {
+    pub pieces: Vec<Piece>,
+    /// Dropped when the request completes: a device's place in its suspend gate, so that
+    /// suspend waits for mapped I/O as it waits for synchronous I/O.
+    pub holds: Vec<Box<dyn Any + Send>>,
+}
+
+impl Mapping {
+    pub fn new() -> Self {
+        Mapping::default()
+    }
+
+    /// A mapping of `len` bytes to one place.
+    pub fn single(len: u64, place: Place) -> Self {
+        Mapping {
+            pieces: vec![Piece { at: 0, len, place }],
+            holds: Vec::new(),
+        }
+    }
+
+    /// Adds a lower device's mapping of the run that starts `at` bytes into this request.
+    pub fn append(&mut self, at: u64, lower: Mapping) {
+        self.pieces
+            .extend(lower.pieces.into_iter().map(|piece| Piece {
+                at: piece.at + at,
+                ..piece
+            }));
+        self.holds.extend(lower.holds);
+    }
+
+    pub fn hold(mut self, hold: impl Any + Send) -> Self {
+        self.holds.push(Box::new(hold));
+        self
+    }
+
+    /// Bytes covered by the pieces (0 for a flush).
+    pub fn len(&self) -> u64 {
+        self.pieces.iter().map(|p| p.len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pieces.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn appending_shifts_the_lower_pieces_into_the_request() {
+        let mut whole = Mapping::new();
+        whole.append(0, Mapping::single(4096, Place::Zero));
+        whole.append(4096, Mapping::single(512, Place::Zero).hold(7u32));
+        let ats: Vec<_> = whole.pieces.iter().map(|p| (p.at, p.len)).collect();
+        assert_eq!(ats, vec![(0, 4096), (4096, 512)]);
+        assert_eq!(whole.len(), 4608);
+        assert_eq!(whole.holds.len(), 1);
+    }
+}
