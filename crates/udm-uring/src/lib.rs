@@ -1,0 +1,303 @@
+//! The io_uring engine: executes remapped requests ([`udm_block::Mapping`]) on files and
+//! block devices.
+//!
+//! The engine owns no ring. An event loop (the NBD server's, a FUSE queue's) owns its ring and
+//! other work on it (sockets, /dev/fuse commands); it hands a mapped request to
+//! [`Engine::start`], which turns every piece into a submission entry, and gives back each
+//! completion whose `user_data` [`is_engine`] recognises to [`Engine::complete`], which says
+//! when the last piece of a request is done and how it went. So one ring, and one wait, serve
+//! the loop's sockets and its disk I/O together.
+//!
+//! What the engine does per operation (the same as [`udm_block::FileDevice`]'s synchronous
+//! path, so a request means the same whichever way it goes):
+//! - reads and writes on the O_DIRECT descriptor, again on the buffered one when O_DIRECT
+//!   refuses the alignment (EINVAL); short transfers are resubmitted for the rest; a read
+//!   past the end of a file that shrank reads zeroes;
+//! - FUA writes with RWF_DSYNC;
+//! - FLUSH as an fdatasync of every file the device maps to;
+//! - zero pieces are filled (reads) or dropped (writes) without a submission.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use io_uring::{opcode, squeue, types};
+use udm_block::{BlockError, MapOp, MappedFile, Mapping, Place};
+
+/// Set in the `user_data` of every entry the engine submits; the ring's owner keeps it clear
+/// in its own.
+pub const ENGINE_TAG: u64 = 1 << 63;
+const PIECE_BITS: u32 = 20;
+const PIECE_MASK: u64 = (1 << PIECE_BITS) - 1;
+/// The largest transfer one entry asks for; longer pieces continue as short transfers do.
+const MAX_TRANSFER: u64 = 1 << 30;
+
+/// True for completions of entries the engine submitted.
+pub fn is_engine(user_data: u64) -> bool {
+    user_data & ENGINE_TAG != 0
+}
+
+/// Whether io_uring can be used here; the error is one line naming why not (disabled by
+/// sysctl, refused by a seccomp filter, an old kernel).
+pub fn probe() -> Result<(), String> {
+    let disabled = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .unwrap_or(0);
+    match io_uring::IoUring::new(2) {
+        Ok(_) => Ok(()),
+        Err(e) if disabled != 0 => Err(format!(
+            "io_uring is disabled (kernel.io_uring_disabled = {disabled}): {e}"
+        )),
+        Err(e) => Err(format!("io_uring is unavailable: {e}")),
+    }
+}
+
+/// One piece of a request in flight on a file.
+struct FilePiece {
+    at: u64,
+    len: u64,
+    /// Bytes already transferred (short transfers continue from here).
+    done: u64,
+    file: Arc<MappedFile>,
+    offset: u64,
+    /// O_DIRECT refused this piece's alignment: it goes through the buffered descriptor.
+    buffered: bool,
+    finished: bool,
+}
+
+struct Request {
+    op: MapOp,
+    buf: *mut u8,
+    pieces: Vec<FilePiece>,
+    remaining: usize,
+    error: Option<BlockError>,
+    owner: u64,
+    /// Released (the suspend gate, a clone's user I/O count) when the request completes.
+    _holds: Vec<Box<dyn Any + Send>>,
+}
+
+/// The requests one ring has in flight.
+#[derive(Default)]
+pub struct Engine {
+    requests: Vec<Option<Request>>,
+    free: Vec<usize>,
+}
+
+/// What finished: the `owner` given to [`Engine::start`] and the request's outcome.
+pub type Completion = (u64, Result<(), BlockError>);
+
+impl Engine {
+    pub fn new() -> Self {
+        Engine::default()
+    }
+
+    /// Requests started and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.requests.len() - self.free.len()
+    }
+
+    /// Starts `mapping` for a request of `op`, with the request's data at `buf` (read into,
+    /// or written from). Entries go to `push`; the request's completion comes out of
+    /// [`Engine::complete`] tagged `owner`, unless it needs no I/O at all (zero pieces, a
+    /// flush of nothing), when it is returned here at once.
+    ///
+    /// # Safety
+    /// `buf` must be valid for the mapping's length (reads write into it) and stay valid and
+    /// untouched until the request completes; for O_DIRECT it should be page-aligned.
+    pub unsafe fn start(
+        &mut self,
+        op: MapOp,
+        mapping: Mapping,
+        buf: *mut u8,
+        owner: u64,
+        push: &mut dyn FnMut(squeue::Entry),
+    ) -> Option<Result<(), BlockError>> {
+        let mut pieces = Vec::with_capacity(mapping.pieces.len());
+        for piece in mapping.pieces {
+            match piece.place {
+                Place::Zero => {
+                    if op == MapOp::Read {
+                        // SAFETY: the piece lies within the request's buffer.
+                        unsafe {
+                            std::ptr::write_bytes(buf.add(piece.at as usize), 0, piece.len as usize)
+                        };
+                    }
+                }
+                Place::File { file, offset } => {
+                    // One sync per file, however many pieces name it.
+                    if op == MapOp::Flush
+                        && pieces
+                            .iter()
+                            .any(|p: &FilePiece| Arc::ptr_eq(&p.file, &file))
+                    {
+                        continue;
+                    }
+                    pieces.push(FilePiece {
+                        at: piece.at,
+                        len: piece.len,
+                        done: 0,
+                        file,
+                        offset,
+                        buffered: false,
+                        finished: false,
+                    });
+                }
+            }
+        }
+        if pieces.is_empty() {
+            return Some(Ok(()));
+        }
+        let request = Request {
+            op,
+            buf,
+            remaining: pieces.len(),
+            pieces,
+            error: None,
+            owner,
+            _holds: mapping.holds,
+        };
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.requests[slot] = Some(request);
+                slot
+            }
+            None => {
+                self.requests.push(Some(request));
+                self.requests.len() - 1
+            }
+        };
+        let request = self.requests[slot].as_ref().expect("just stored");
+        for index in 0..request.pieces.len() {
+            push(entry(request, slot, index));
+        }
+        None
+    }
+
+    /// Takes the completion of an engine entry (`is_engine(user_data)`) with its result;
+    /// returns the request's outcome once its last piece is done. Pieces to continue are
+    /// resubmitted through `push`.
+    pub fn complete(
+        &mut self,
+        user_data: u64,
+        result: i32,
+        push: &mut dyn FnMut(squeue::Entry),
+    ) -> Option<Completion> {
+        let slot = ((user_data & !ENGINE_TAG) >> PIECE_BITS) as usize;
+        let index = (user_data & PIECE_MASK) as usize;
+        let request = self.requests.get_mut(slot)?.as_mut()?;
+        let op = request.op;
+        let piece = request.pieces.get_mut(index)?;
+        if piece.finished {
+            return None;
+        }
+        match advance(op, request.buf, piece, result) {
+            Step::Again => {
+                push(entry(request, slot, index));
+                return None;
+            }
+            Step::Done => {}
+            Step::Failed(errno) => {
+                let error = piece_error(op, piece, errno);
+                request.error.get_or_insert(error);
+            }
+        }
+        request.pieces[index].finished = true;
+        request.remaining -= 1;
+        if request.remaining > 0 {
+            return None;
+        }
+        let request = self.requests[slot].take().expect("present");
+        self.free.push(slot);
+        Some((request.owner, request.error.map_or(Ok(()), Err)))
+    }
+}
+
+enum Step {
+    /// Submit the piece (again) for what is left.
+    Again,
+    Done,
+    Failed(i32),
+}
+
+/// Accounts one completion of a piece.
+fn advance(op: MapOp, buf: *mut u8, piece: &mut FilePiece, result: i32) -> Step {
+    if result < 0 {
+        let errno = -result;
+        return match errno {
+            libc::EINTR | libc::EAGAIN => Step::Again,
+            libc::EINVAL if !piece.buffered && piece.file.is_direct() && op != MapOp::Flush => {
+                piece.buffered = true;
+                Step::Again
+            }
+            _ => Step::Failed(errno),
+        };
+    }
+    if op == MapOp::Flush {
+        return Step::Done;
+    }
+    let n = result as u64;
+    if n == 0 {
+        if op == MapOp::Read {
+            // Past the end of a file that shrank under us: reads as zeroes, as pread does.
+            let rest = (piece.len - piece.done) as usize;
+            // SAFETY: the unfilled tail of this piece lies within the request's buffer.
+            unsafe { std::ptr::write_bytes(buf.add((piece.at + piece.done) as usize), 0, rest) };
+            return Step::Done;
+        }
+        return Step::Failed(libc::EIO);
+    }
+    piece.done += n;
+    if piece.done < piece.len {
+        Step::Again
+    } else {
+        Step::Done
+    }
+}
+
+fn piece_error(op: MapOp, piece: &FilePiece, errno: i32) -> BlockError {
+    let what = match op {
+        MapOp::Read => "read",
+        MapOp::Write { .. } => "write",
+        MapOp::Flush => "fdatasync",
+    };
+    let context = if op == MapOp::Flush {
+        format!("{what} {}", piece.file.path().display())
+    } else {
+        format!(
+            "{what} {} at {}+{}",
+            piece.file.path().display(),
+            piece.offset,
+            piece.len
+        )
+    };
+    BlockError::Os { context, errno }
+}
+
+/// The submission entry for what is left of one piece.
+fn entry(request: &Request, slot: usize, index: usize) -> squeue::Entry {
+    let piece = &request.pieces[index];
+    let user_data = ENGINE_TAG | (slot as u64) << PIECE_BITS | index as u64;
+    let fd = types::Fd(if piece.buffered {
+        piece.file.buffered_fd()
+    } else {
+        piece.file.data_fd()
+    });
+    let len = (piece.len - piece.done).min(MAX_TRANSFER) as u32;
+    let offset = piece.offset + piece.done;
+    // SAFETY (of the pointer arithmetic): the piece lies within the request's buffer.
+    let data = unsafe { request.buf.add((piece.at + piece.done) as usize) };
+    let entry = match request.op {
+        MapOp::Read => opcode::Read::new(fd, data, len).offset(offset).build(),
+        MapOp::Write { fua } => opcode::Write::new(fd, data, len)
+            .offset(offset)
+            .rw_flags(if fua { libc::RWF_DSYNC } else { 0 })
+            .build(),
+        MapOp::Flush => opcode::Fsync::new(types::Fd(piece.file.buffered_fd()))
+            .flags(types::FsyncFlags::DATASYNC)
+            .build(),
+    };
+    entry.user_data(user_data)
+}
+
+#[cfg(test)]
+mod tests;

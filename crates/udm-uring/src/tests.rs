@@ -1,0 +1,243 @@
+//! The engine against real files through a real ring.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::FromRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+use io_uring::IoUring;
+use udm_block::{AlignedBuf, Piece};
+
+use super::*;
+
+struct TempFile {
+    path: PathBuf,
+}
+
+impl TempFile {
+    fn new(tag: &str, len: u64) -> Self {
+        let path = std::env::temp_dir().join(format!("udm-uring-{tag}-{}", std::process::id()));
+        File::create(&path).unwrap().set_len(len).unwrap();
+        TempFile { path }
+    }
+
+    fn mapped(&self) -> Arc<MappedFile> {
+        let open = || {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&self.path)
+                .unwrap()
+        };
+        Arc::new(MappedFile::new(self.path.clone(), None, open()))
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Runs one request to completion on a ring of its own.
+fn run(op: MapOp, mapping: Mapping, buf: &mut [u8]) -> Result<(), BlockError> {
+    let mut ring = IoUring::new(64).unwrap();
+    let mut engine = Engine::new();
+    let mut queued = Vec::new();
+    let mut push = |e: squeue::Entry| queued.push(e);
+    // SAFETY: buf outlives the request, which completes before this function returns.
+    if let Some(done) = unsafe { engine.start(op, mapping, buf.as_mut_ptr(), 7, &mut push) } {
+        return done;
+    }
+    loop {
+        for e in queued.drain(..) {
+            // SAFETY: the entries' buffers are `buf`, alive until the end.
+            unsafe { ring.submission().push(&e).unwrap() };
+        }
+        ring.submit_and_wait(1).unwrap();
+        let completions: Vec<_> = ring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
+        for (user_data, result) in completions {
+            assert!(is_engine(user_data));
+            let mut push = |e: squeue::Entry| queued.push(e);
+            if let Some((owner, outcome)) = engine.complete(user_data, result, &mut push) {
+                assert_eq!(owner, 7);
+                assert_eq!(engine.in_flight(), 0);
+                return outcome;
+            }
+        }
+    }
+}
+
+fn on(file: &Arc<MappedFile>, at: u64, len: u64, offset: u64) -> Piece {
+    Piece {
+        at,
+        len,
+        place: Place::File {
+            file: file.clone(),
+            offset,
+        },
+    }
+}
+
+#[test]
+fn pieces_on_two_files_and_a_zero_run_read_and_write_as_one_request() {
+    let (a, b) = (TempFile::new("a", 1 << 20), TempFile::new("b", 1 << 20));
+    let (fa, fb) = (a.mapped(), b.mapped());
+    let mapping = || Mapping {
+        pieces: vec![
+            on(&fa, 0, 4096, 8192),
+            Piece {
+                at: 4096,
+                len: 4096,
+                place: Place::Zero,
+            },
+            on(&fb, 8192, 8192, 0),
+        ],
+        holds: Vec::new(),
+    };
+    let mut data = AlignedBuf::zeroed(16384);
+    data.iter_mut()
+        .enumerate()
+        .for_each(|(i, b)| *b = (i % 251) as u8 + 1);
+    run(MapOp::Write { fua: true }, mapping(), &mut data).unwrap();
+    let mut check = vec![0u8; 8192];
+    File::open(&a.path)
+        .unwrap()
+        .read_exact_at(&mut check[..4096], 8192)
+        .unwrap();
+    assert_eq!(&check[..4096], &data[..4096]);
+    File::open(&b.path)
+        .unwrap()
+        .read_exact_at(&mut check, 0)
+        .unwrap();
+    assert_eq!(&check[..], &data[8192..]);
+
+    let mut back = AlignedBuf::zeroed(16384);
+    back.fill(0xee);
+    run(MapOp::Read, mapping(), &mut back).unwrap();
+    assert_eq!(&back[..4096], &data[..4096]);
+    assert!(
+        back[4096..8192].iter().all(|&b| b == 0),
+        "the zero run reads as zeroes"
+    );
+    assert_eq!(&back[8192..], &data[8192..]);
+}
+
+#[test]
+fn a_write_o_direct_refuses_goes_through_the_buffered_descriptor() {
+    let file = TempFile::new("einval", 1 << 20);
+    // An eventfd takes only 8-byte writes: it answers EINVAL as O_DIRECT does to an
+    // alignment it cannot do.
+    // SAFETY: eventfd returns a new descriptor we own.
+    let refusing = unsafe { File::from_raw_fd(libc::eventfd(0, 0)) };
+    let buffered = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file.path)
+        .unwrap();
+    let mapped = Arc::new(MappedFile::new(file.path.clone(), Some(refusing), buffered));
+    let mut data = AlignedBuf::zeroed(4096);
+    data.fill(0x5a);
+    let mapping = Mapping {
+        pieces: vec![on(&mapped, 0, 4096, 4096)],
+        holds: Vec::new(),
+    };
+    run(MapOp::Write { fua: false }, mapping, &mut data).unwrap();
+    let mut check = vec![0u8; 4096];
+    File::open(&file.path)
+        .unwrap()
+        .read_exact_at(&mut check, 4096)
+        .unwrap();
+    assert!(check.iter().all(|&b| b == 0x5a));
+}
+
+#[test]
+fn a_read_past_the_end_of_a_shrunk_file_reads_zeroes() {
+    let file = TempFile::new("shrunk", 8192);
+    std::fs::write(&file.path, vec![3u8; 4096]).unwrap();
+    let mapped = file.mapped();
+    let mut buf = AlignedBuf::zeroed(8192);
+    buf.fill(0xee);
+    let mapping = Mapping {
+        pieces: vec![on(&mapped, 0, 8192, 0)],
+        holds: Vec::new(),
+    };
+    run(MapOp::Read, mapping, &mut buf).unwrap();
+    assert!(buf[..4096].iter().all(|&b| b == 3));
+    assert!(buf[4096..].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn a_failed_piece_fails_the_request_with_the_file_named() {
+    let file = TempFile::new("ro", 1 << 20);
+    let read_only = File::open(&file.path).unwrap();
+    let mapped = Arc::new(MappedFile::new(file.path.clone(), None, read_only));
+    let mut data = AlignedBuf::zeroed(4096);
+    let mapping = Mapping {
+        pieces: vec![on(&mapped, 0, 4096, 0)],
+        holds: Vec::new(),
+    };
+    let err = run(MapOp::Write { fua: false }, mapping, &mut data).unwrap_err();
+    assert_eq!(err.errno(), libc::EBADF);
+    assert!(
+        err.to_string().contains(&*file.path.to_string_lossy()),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_flush_syncs_each_file_once_and_releases_its_holds_at_completion() {
+    let (a, b) = (TempFile::new("fa", 4096), TempFile::new("fb", 4096));
+    let (fa, fb) = (a.mapped(), b.mapped());
+    let held = Arc::new(());
+    let flush = |file: &Arc<MappedFile>| on(file, 0, 0, 0);
+    let mapping = Mapping {
+        pieces: vec![flush(&fa), flush(&fb), flush(&fa)],
+        holds: vec![Box::new(held.clone())],
+    };
+    let mut ring = IoUring::new(8).unwrap();
+    let mut engine = Engine::new();
+    let mut queued = Vec::new();
+    // SAFETY: a flush touches no buffer.
+    let started = unsafe {
+        engine.start(MapOp::Flush, mapping, std::ptr::null_mut(), 1, &mut |e| {
+            queued.push(e)
+        })
+    };
+    assert!(started.is_none());
+    assert_eq!(queued.len(), 2, "one fdatasync per file");
+    assert_eq!(Arc::strong_count(&held), 2, "held while in flight");
+    for e in &queued {
+        // SAFETY: fdatasync entries reference no memory.
+        unsafe { ring.submission().push(e).unwrap() };
+    }
+    ring.submit_and_wait(2).unwrap();
+    let completions: Vec<_> = ring
+        .completion()
+        .map(|c| (c.user_data(), c.result()))
+        .collect();
+    let mut outcome = None;
+    for (user_data, result) in completions {
+        outcome = outcome.or(engine.complete(user_data, result, &mut |_| panic!("no resubmit")));
+    }
+    assert_eq!(outcome.unwrap().1.unwrap(), ());
+    assert_eq!(Arc::strong_count(&held), 1, "released at completion");
+}
+
+#[test]
+fn a_request_of_zero_pieces_only_completes_at_once() {
+    let mut buf = vec![9u8; 1024];
+    let mapping = Mapping::single(1024, Place::Zero);
+    let mut engine = Engine::new();
+    // SAFETY: buf is valid for the mapping's length.
+    let done = unsafe {
+        engine.start(MapOp::Read, mapping, buf.as_mut_ptr(), 1, &mut |_| {
+            panic!("no I/O")
+        })
+    };
+    assert!(matches!(done, Some(Ok(()))));
+    assert!(buf.iter().all(|&b| b == 0));
+}
