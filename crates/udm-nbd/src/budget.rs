@@ -13,7 +13,7 @@
 //! is then served alone: the budget is exceeded by that one request, never refused.
 
 use std::ops::{Deref, DerefMut};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use udm_block::AlignedBuf;
 
@@ -96,7 +96,7 @@ impl BufferBudget {
 
     /// A buffer of `len` bytes, waiting for room in the budget if needed. Its contents are
     /// unspecified (a pooled buffer keeps an earlier request's data): fill it before use.
-    pub fn take(&self, len: usize) -> Payload<'_> {
+    pub fn take(self: &Arc<Self>, len: usize) -> Payload {
         let size = size_for(len);
         let mut evicted = Vec::new();
         let mut st = self.lock();
@@ -130,12 +130,48 @@ impl BufferBudget {
         }
         drop(st);
         drop(evicted);
+        self.lend(pooled, size, len)
+    }
+
+    /// A buffer of `len` bytes if there is room now; `None` means try again once buffers
+    /// come back. For event loops, which must not wait. Takers blocked in
+    /// [`BufferBudget::take`] go first.
+    pub fn try_take(self: &Arc<Self>, len: usize) -> Option<Payload> {
+        let size = size_for(len);
+        let mut evicted = Vec::new();
+        let mut st = self.lock();
+        if st.waiting > 0 {
+            return None;
+        }
+        let pooled = match class_of(size).and_then(|c| st.pool[c].pop()) {
+            Some(buf) => {
+                st.pooled -= size;
+                Some(buf)
+            }
+            None if st.lent() + size <= self.limit || st.lent() == 0 => {
+                while st.allocated + size > self.limit {
+                    match st.evict() {
+                        Some(buf) => evicted.push(buf),
+                        None => break,
+                    }
+                }
+                st.allocated += size;
+                None
+            }
+            None => return None,
+        };
+        drop(st);
+        drop(evicted);
+        Some(self.lend(pooled, size, len))
+    }
+
+    fn lend(self: &Arc<Self>, pooled: Option<AlignedBuf>, size: usize, len: usize) -> Payload {
         let mut buf = pooled.unwrap_or_else(|| AlignedBuf::mapped(size));
         buf.resize(len);
         Payload {
             buf: Some(buf),
             size,
-            budget: self,
+            budget: self.clone(),
         }
     }
 
@@ -162,20 +198,20 @@ impl BufferBudget {
 
 /// A buffer lent by a [`BufferBudget`]; it goes back (to the pool or the kernel) on drop,
 /// also when a request handler panics.
-pub struct Payload<'a> {
+pub struct Payload {
     buf: Option<AlignedBuf>,
     size: usize,
-    budget: &'a BufferBudget,
+    budget: Arc<BufferBudget>,
 }
 
-impl Deref for Payload<'_> {
+impl Deref for Payload {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         self.buf.as_deref().expect("payload present until dropped")
     }
 }
 
-impl DerefMut for Payload<'_> {
+impl DerefMut for Payload {
     fn deref_mut(&mut self) -> &mut [u8] {
         self.buf
             .as_deref_mut()
@@ -183,7 +219,7 @@ impl DerefMut for Payload<'_> {
     }
 }
 
-impl Drop for Payload<'_> {
+impl Drop for Payload {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
             self.budget.give_back(buf, self.size);
@@ -196,6 +232,38 @@ mod tests {
     use super::*;
     use std::sync::mpsc;
     use std::time::Duration;
+
+    #[test]
+    fn try_take_never_waits_and_yields_to_blocked_takers() {
+        let budget = &Arc::new(BufferBudget::new(8 << 20));
+        let held = budget.try_take(6 << 20).expect("room");
+        assert!(
+            budget.try_take(4 << 20).is_none(),
+            "no room: no wait either"
+        );
+        let small = budget.try_take(4096).expect("room for a small one");
+        drop(small);
+        std::thread::scope(|scope| {
+            let (tx, rx) = mpsc::channel();
+            scope.spawn(move || {
+                let _b = budget.take(4 << 20);
+                tx.send(()).unwrap();
+            });
+            while budget.lock().waiting == 0 {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert!(
+                budget.try_take(4096).is_none(),
+                "a blocked taker goes first"
+            );
+            drop(held);
+            rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        });
+        assert!(
+            budget.try_take(8 << 20).is_some(),
+            "alone, the whole budget"
+        );
+    }
 
     #[test]
     fn sizes_round_to_classes_then_pages() {
@@ -211,7 +279,7 @@ mod tests {
 
     #[test]
     fn small_buffers_are_reused_and_large_ones_freed() {
-        let budget = &BufferBudget::new(64 << 20);
+        let budget = &Arc::new(BufferBudget::new(64 << 20));
         let first = budget.take(4096).as_ptr();
         assert_eq!(budget.allocated(), 4096, "the small buffer stays pooled");
         assert_eq!(budget.take(2048).as_ptr(), first, "and is reused");
@@ -225,7 +293,7 @@ mod tests {
 
     #[test]
     fn takers_wait_for_room_and_pooled_buffers_make_way() {
-        let budget = &BufferBudget::new(8 << 20);
+        let budget = &Arc::new(BufferBudget::new(8 << 20));
         drop((budget.take(4 << 20), budget.take(2 << 20)));
         assert_eq!(budget.allocated(), 6 << 20, "both pooled");
         let all = budget.take(8 << 20);
@@ -251,7 +319,7 @@ mod tests {
 
     #[test]
     fn a_request_larger_than_the_budget_is_served_alone() {
-        let budget = &BufferBudget::new(1 << 20);
+        let budget = &Arc::new(BufferBudget::new(1 << 20));
         std::thread::scope(|scope| {
             let (tx, rx) = mpsc::channel();
             let small = budget.take(4096);
@@ -268,7 +336,7 @@ mod tests {
 
     #[test]
     fn later_small_requests_queue_behind_a_waiting_large_one() {
-        let budget = &BufferBudget::new(8 << 20);
+        let budget = &Arc::new(BufferBudget::new(8 << 20));
         let held = budget.take(6 << 20);
         std::thread::scope(|scope| {
             let (tx, rx) = mpsc::channel();

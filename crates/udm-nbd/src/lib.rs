@@ -16,6 +16,7 @@ pub mod uri;
 
 mod budget;
 mod client;
+mod commands;
 pub mod handshake;
 mod server;
 mod stream;

@@ -1,16 +1,15 @@
 //! The transmission phase: requests in, replies out, many in flight.
 
-use std::any::Any;
-use std::io::{self, BufRead, BufReader, IoSlice, Read};
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::io::{self, BufRead, BufReader, Read};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use log::{debug, info, warn};
-use udm_block::{merge_extents, BlockDevice, BlockError, Checked, Extent, WriteFlags, ZeroFlags};
+use log::{info, warn};
+use udm_block::Checked;
 
 use crate::budget::{BufferBudget, Payload};
+use crate::commands::Session;
 use crate::handshake::{Negotiated, MAX_PAYLOAD};
 use crate::protocol::*;
 use crate::stream::Stream;
@@ -19,16 +18,13 @@ use crate::ServerConfig;
 const READ_BUFFER: usize = 256 << 10;
 
 struct Connection<'a> {
-    name: String,
     /// Buffered: at queue depth 32 one read() brings in many requests (and small write
     /// payloads), instead of two system calls per request.
     reader: Mutex<BufReader<Stream>>,
     writer: Mutex<Stream>,
-    device: Checked<Arc<dyn BlockDevice>>,
-    structured: bool,
-    base_allocation: bool,
+    session: Session,
     closing: AtomicBool,
-    budget: &'a BufferBudget,
+    budget: &'a Arc<BufferBudget>,
     idle_timeout: Option<Duration>,
     /// Requests read and not yet answered: a connection with any is never idle.
     in_flight: AtomicUsize,
@@ -42,7 +38,7 @@ pub fn serve(
     stream: Stream,
     negotiated: Negotiated,
     config: &ServerConfig,
-    budget: &BufferBudget,
+    budget: &Arc<BufferBudget>,
 ) -> io::Result<()> {
     let Negotiated {
         name,
@@ -53,12 +49,14 @@ pub fn serve(
     // The idle timeout is the socket's: a read waiting for the next request wakes up then.
     stream.set_read_timeout(config.idle_timeout)?;
     let conn = Connection {
-        name,
         writer: Mutex::new(stream.try_clone()?),
         reader: Mutex::new(BufReader::with_capacity(READ_BUFFER, stream)),
-        device: Checked::new(export.device.clone(), export.read_only),
-        structured,
-        base_allocation,
+        session: Session {
+            name,
+            device: Arc::new(Checked::new(export.device.clone(), export.read_only)),
+            structured,
+            base_allocation,
+        },
         closing: AtomicBool::new(false),
         budget,
         idle_timeout: config.idle_timeout,
@@ -70,7 +68,7 @@ pub fn serve(
         for i in 0..config.workers_per_connection.max(1) {
             let conn = &conn;
             std::thread::Builder::new()
-                .name(format!("nbd-{}-{i}", conn.name))
+                .name(format!("nbd-{}-{i}", conn.session.name))
                 .spawn_scoped(scope, move || conn.worker())
                 .expect("spawn NBD worker");
         }
@@ -83,7 +81,7 @@ pub fn serve(
 /// A request read from the socket, with its payload buffer if it is a write.
 struct Job<'c> {
     request: Request,
-    payload: Option<Payload<'c>>,
+    payload: Option<Payload>,
     _in_flight: InFlight<'c>,
 }
 
@@ -133,7 +131,7 @@ impl<'c> Connection<'c> {
                 Ok(Next::Idle) => {
                     info!(
                         "nbd export '{}': closing a connection idle for {:?}",
-                        self.name,
+                        self.session.name,
                         self.idle_timeout.unwrap_or_default()
                     );
                     self.closing.store(true, Ordering::Release);
@@ -150,7 +148,10 @@ impl<'c> Connection<'c> {
     /// Ends the connection after a protocol violation or a dead socket.
     fn abort(&self, why: &str) {
         if !self.closing.swap(true, Ordering::AcqRel) {
-            warn!("nbd export '{}': closing connection: {why}", self.name);
+            warn!(
+                "nbd export '{}': closing connection: {why}",
+                self.session.name
+            );
         }
         self.writer.lock().unwrap().shutdown();
     }
@@ -249,229 +250,16 @@ impl<'c> Connection<'c> {
             mut payload,
             _in_flight,
         } = job;
-        // A bug in a target fails its request, not the connection (nor the daemon).
-        let result = catch_unwind(AssertUnwindSafe(|| self.execute(&r, &mut payload)))
-            .unwrap_or_else(|panic| {
-                let why = panic_message(&*panic);
-                warn!(
-                    "nbd export '{}': command {} panicked: {why}",
-                    self.name, r.command
-                );
-                Err(BlockError::Io(format!("the request failed: {why}")))
-            });
-        match (result, r.command) {
-            (Ok(Some(extents)), _) => self.reply_block_status(&r, &extents),
-            (Ok(None), CMD_READ) => {
-                self.reply_read(&r, payload.as_deref().expect("a read has its buffer"))
+        let result = self.session.validate(&r).and_then(|()| {
+            if r.command == CMD_READ {
+                payload = Some(self.budget.take(r.length as usize));
             }
-            (Ok(None), _) => self
-                .writer
-                .lock()
-                .unwrap()
-                .write_all_vectored(&mut [IoSlice::new(&simple_reply(r.cookie, 0))]),
-            (Err(e), _) => {
-                debug!(
-                    "nbd export '{}': command {} failed: {e}",
-                    self.name, r.command
-                );
-                self.reply_error(&r, &e)
-            }
-        }
-    }
-
-    /// Refuses flags a command does not take, as nbdkit does. FUA is valid on every command
-    /// (the protocol says so); DF only on reads with structured replies.
-    fn check_flags(&self, r: &Request) -> Result<(), BlockError> {
-        let allowed = CMD_FLAG_FUA
-            | match r.command {
-                CMD_READ if self.structured => CMD_FLAG_DF,
-                CMD_WRITE_ZEROES => CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
-                CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
-                _ => 0,
-            };
-        let bad = r.flags & !allowed;
-        if bad == 0 {
-            return Ok(());
-        }
-        let why = if bad == CMD_FLAG_DF && r.command == CMD_READ {
-            " without structured replies".to_string()
-        } else {
-            format!(" on command {}", r.command)
-        };
-        Err(BlockError::InvalidArgument(format!(
-            "flags {bad:#x} are not valid{why}"
-        )))
-    }
-
-    /// Runs a request against the device; block status returns its extents. A read's
-    /// buffer is taken from the budget here, once the request is known to be valid.
-    fn execute(
-        &'c self,
-        r: &Request,
-        payload: &mut Option<Payload<'c>>,
-    ) -> Result<Option<Vec<Extent>>, BlockError> {
-        self.check_flags(r)?;
-        let fua = r.flags & CMD_FLAG_FUA != 0;
-        let (offset, len) = (r.offset, u64::from(r.length));
-        match r.command {
-            CMD_READ => {
-                if r.length > MAX_PAYLOAD {
-                    return Err(BlockError::InvalidArgument(format!(
-                        "read of {len} bytes exceeds the {MAX_PAYLOAD}-byte limit"
-                    )));
-                }
-                let buf = payload.insert(self.budget.take(r.length as usize));
-                self.device.read(offset, buf)?;
-            }
-            CMD_WRITE => self.device.write(
-                offset,
-                payload.as_deref().expect("a write's payload was read"),
-                WriteFlags { fua },
-            )?,
-            CMD_FLUSH => {
-                if offset != 0 || len != 0 {
-                    return Err(BlockError::InvalidArgument(format!(
-                        "flush with offset {offset} and length {len} (both must be 0)"
-                    )));
-                }
-                self.device.flush()?
-            }
-            CMD_TRIM => {
-                self.device.discard(offset, len)?;
-                if fua {
-                    self.device.flush()?;
-                }
-            }
-            CMD_CACHE => self.device.cache(offset, len)?,
-            CMD_WRITE_ZEROES => self.device.write_zeroes(
-                offset,
-                len,
-                ZeroFlags {
-                    fua,
-                    may_unmap: r.flags & CMD_FLAG_NO_HOLE == 0,
-                    fast_only: r.flags & CMD_FLAG_FAST_ZERO != 0,
-                },
-            )?,
-            CMD_BLOCK_STATUS => {
-                if !self.base_allocation {
-                    return Err(BlockError::InvalidArgument(
-                        "block status without a negotiated meta context".into(),
-                    ));
-                }
-                // Checked keeps the total within the request, whose length is a u32, so every
-                // merged extent fits the wire format.
-                let mut extents = merge_extents(self.device.block_status(offset, len)?);
-                if r.flags & CMD_FLAG_REQ_ONE != 0 {
-                    extents.truncate(1);
-                }
-                return Ok(Some(extents));
-            }
-            other => {
-                return Err(BlockError::InvalidArgument(format!(
-                    "unknown command {other}"
-                )));
-            }
-        }
-        Ok(None)
-    }
-
-    fn reply_read(&self, r: &Request, data: &[u8]) -> io::Result<()> {
-        let mut writer = self.writer.lock().unwrap();
-        if !self.structured {
-            let header = simple_reply(r.cookie, 0);
-            return writer.write_all_vectored(&mut [IoSlice::new(&header), IoSlice::new(data)]);
-        }
-        let offset = r.offset.to_be_bytes();
-        if is_zero(data) {
-            // A hole chunk tells the client the range is zero without sending the zeroes.
-            let header = chunk_header(CHUNK_FLAG_DONE, CHUNK_OFFSET_HOLE, r.cookie, 12);
-            let size = (data.len() as u32).to_be_bytes();
-            return writer.write_all_vectored(&mut [
-                IoSlice::new(&header),
-                IoSlice::new(&offset),
-                IoSlice::new(&size),
-            ]);
-        }
-        let header = chunk_header(
-            CHUNK_FLAG_DONE,
-            CHUNK_OFFSET_DATA,
-            r.cookie,
-            8 + data.len() as u32,
-        );
-        writer.write_all_vectored(&mut [
-            IoSlice::new(&header),
-            IoSlice::new(&offset),
-            IoSlice::new(data),
-        ])
-    }
-
-    fn reply_block_status(&self, r: &Request, extents: &[Extent]) -> io::Result<()> {
-        let mut payload = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
-        for e in extents {
-            payload.extend_from_slice(&(e.len as u32).to_be_bytes());
-            payload.extend_from_slice(&e.flags.to_be_bytes());
-        }
-        let header = chunk_header(
-            CHUNK_FLAG_DONE,
-            CHUNK_BLOCK_STATUS,
-            r.cookie,
-            payload.len() as u32,
-        );
+            self.session.execute(&r, payload.as_deref_mut())
+        });
+        let reply = self.session.reply(&r, result, payload);
         self.writer
             .lock()
             .unwrap()
-            .write_all_vectored(&mut [IoSlice::new(&header), IoSlice::new(&payload)])
-    }
-
-    fn reply_error(&self, r: &Request, e: &BlockError) -> io::Result<()> {
-        let error = nbd_error(e.errno());
-        let mut writer = self.writer.lock().unwrap();
-        if self.structured && matches!(r.command, CMD_READ | CMD_BLOCK_STATUS) {
-            let mut message = e.to_string();
-            if message.len() > 1024 {
-                // Cut on a character boundary: the protocol wants valid UTF-8.
-                let cut = (0..=1024)
-                    .rev()
-                    .find(|&i| message.is_char_boundary(i))
-                    .unwrap_or(0);
-                message.truncate(cut);
-            }
-            let message = message.as_bytes();
-            let mut payload = error.to_be_bytes().to_vec();
-            payload.extend_from_slice(&(message.len() as u16).to_be_bytes());
-            payload.extend_from_slice(message);
-            let header = chunk_header(CHUNK_FLAG_DONE, CHUNK_ERROR, r.cookie, payload.len() as u32);
-            return writer.write_all_vectored(&mut [IoSlice::new(&header), IoSlice::new(&payload)]);
-        }
-        writer.write_all_vectored(&mut [IoSlice::new(&simple_reply(r.cookie, error))])
-    }
-}
-
-fn panic_message(panic: &(dyn Any + Send)) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("a panic")
-}
-
-fn is_zero(data: &[u8]) -> bool {
-    let (head, words, tail) = unsafe { data.align_to::<u128>() };
-    head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn zero_detection_sees_a_single_set_byte_anywhere() {
-        let mut data = vec![0u8; 4099];
-        assert!(is_zero(&data));
-        for at in [0, 1, 15, 16, 2048, 4098] {
-            data[at] = 1;
-            assert!(!is_zero(&data), "byte {at}");
-            data[at] = 0;
-        }
+            .write_all_vectored(&mut reply.slices())
     }
 }

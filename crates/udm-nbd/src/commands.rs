@@ -1,0 +1,312 @@
+//! What each NBD command means and how its reply looks, shared by the event loop and the
+//! threaded fallback so a request means the same whichever serves it.
+
+use std::any::Any;
+use std::io::IoSlice;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use log::warn;
+use udm_block::{
+    merge_extents, BlockDevice, BlockError, Checked, Extent, MapOp, WriteFlags, ZeroFlags,
+};
+
+use crate::budget::Payload;
+use crate::handshake::MAX_PAYLOAD;
+use crate::protocol::*;
+
+pub(crate) type Device = Checked<Arc<dyn BlockDevice>>;
+
+/// What a connection negotiated: the device and the reply style.
+pub(crate) struct Session {
+    pub name: String,
+    pub device: Arc<Device>,
+    pub structured: bool,
+    pub base_allocation: bool,
+}
+
+/// A successful command's result.
+pub(crate) enum Outcome {
+    Done,
+    /// The data is in the request's buffer.
+    Read,
+    Extents(Vec<Extent>),
+}
+
+/// A reply ready to send: its header (and any small payload), then the read data.
+pub(crate) struct Reply {
+    head: Vec<u8>,
+    data: Option<Payload>,
+}
+
+impl Reply {
+    pub fn slices(&self) -> Vec<IoSlice<'_>> {
+        let mut slices = vec![IoSlice::new(&self.head)];
+        if let Some(data) = &self.data {
+            slices.push(IoSlice::new(data));
+        }
+        slices
+    }
+
+    pub fn len(&self) -> usize {
+        self.head.len() + self.data.as_ref().map_or(0, |d| d.len())
+    }
+}
+
+impl Session {
+    /// The checks that need no device: flags, arguments, sizes. A request that fails them
+    /// gets an error reply and the connection goes on.
+    pub fn validate(&self, r: &Request) -> Result<(), BlockError> {
+        self.check_flags(r)?;
+        let (offset, len) = (r.offset, u64::from(r.length));
+        match r.command {
+            CMD_READ if r.length > MAX_PAYLOAD => Err(BlockError::InvalidArgument(format!(
+                "read of {len} bytes exceeds the {MAX_PAYLOAD}-byte limit"
+            ))),
+            CMD_FLUSH if offset != 0 || len != 0 => Err(BlockError::InvalidArgument(format!(
+                "flush with offset {offset} and length {len} (both must be 0)"
+            ))),
+            CMD_BLOCK_STATUS if !self.base_allocation => Err(BlockError::InvalidArgument(
+                "block status without a negotiated meta context".into(),
+            )),
+            CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_CACHE | CMD_WRITE_ZEROES
+            | CMD_BLOCK_STATUS => Ok(()),
+            other => Err(BlockError::InvalidArgument(format!(
+                "unknown command {other}"
+            ))),
+        }
+    }
+
+    /// Refuses flags a command does not take, as nbdkit does. FUA is valid on every command
+    /// (the protocol says so); DF only on reads with structured replies.
+    fn check_flags(&self, r: &Request) -> Result<(), BlockError> {
+        let allowed = CMD_FLAG_FUA
+            | match r.command {
+                CMD_READ if self.structured => CMD_FLAG_DF,
+                CMD_WRITE_ZEROES => CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+                CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
+                _ => 0,
+            };
+        let bad = r.flags & !allowed;
+        if bad == 0 {
+            return Ok(());
+        }
+        let why = if bad == CMD_FLAG_DF && r.command == CMD_READ {
+            " without structured replies".to_string()
+        } else {
+            format!(" on command {}", r.command)
+        };
+        Err(BlockError::InvalidArgument(format!(
+            "flags {bad:#x} are not valid{why}"
+        )))
+    }
+
+    /// Runs a validated request against the device, synchronously. A read fills `buf`, a
+    /// write takes its data from it. A bug in a target fails its request, not the
+    /// connection (nor the daemon).
+    pub fn execute(&self, r: &Request, buf: Option<&mut [u8]>) -> Result<Outcome, BlockError> {
+        catch_unwind(AssertUnwindSafe(|| self.execute_unguarded(r, buf))).unwrap_or_else(|panic| {
+            let why = panic_message(&*panic);
+            warn!(
+                "nbd export '{}': command {} panicked: {why}",
+                self.name, r.command
+            );
+            Err(BlockError::Io(format!("the request failed: {why}")))
+        })
+    }
+
+    fn execute_unguarded(
+        &self,
+        r: &Request,
+        buf: Option<&mut [u8]>,
+    ) -> Result<Outcome, BlockError> {
+        let device = &self.device;
+        let fua = r.flags & CMD_FLAG_FUA != 0;
+        let (offset, len) = (r.offset, u64::from(r.length));
+        match r.command {
+            CMD_READ => {
+                device.read(offset, buf.expect("a read has its buffer"))?;
+                return Ok(Outcome::Read);
+            }
+            CMD_WRITE => device.write(
+                offset,
+                buf.expect("a write's payload was read"),
+                WriteFlags { fua },
+            )?,
+            CMD_FLUSH => device.flush()?,
+            CMD_TRIM => {
+                device.discard(offset, len)?;
+                if fua {
+                    device.flush()?;
+                }
+            }
+            CMD_CACHE => device.cache(offset, len)?,
+            CMD_WRITE_ZEROES => device.write_zeroes(
+                offset,
+                len,
+                ZeroFlags {
+                    fua,
+                    may_unmap: r.flags & CMD_FLAG_NO_HOLE == 0,
+                    fast_only: r.flags & CMD_FLAG_FAST_ZERO != 0,
+                },
+            )?,
+            CMD_BLOCK_STATUS => {
+                // Checked keeps the total within the request, whose length is a u32, so every
+                // merged extent fits the wire format.
+                let mut extents = merge_extents(device.block_status(offset, len)?);
+                if r.flags & CMD_FLAG_REQ_ONE != 0 {
+                    extents.truncate(1);
+                }
+                return Ok(Outcome::Extents(extents));
+            }
+            other => unreachable!("command {other} passed validation"),
+        }
+        Ok(Outcome::Done)
+    }
+
+    /// The reply to `r`. `payload` is the request's buffer: a read's data goes out in it.
+    pub fn reply(
+        &self,
+        r: &Request,
+        result: Result<Outcome, BlockError>,
+        payload: Option<Payload>,
+    ) -> Reply {
+        match result {
+            Ok(Outcome::Read) => self.reply_read(r, payload.expect("a read has its buffer")),
+            Ok(Outcome::Extents(extents)) => self.reply_block_status(r, &extents),
+            Ok(Outcome::Done) => Reply {
+                head: simple_reply(r.cookie, 0).to_vec(),
+                data: None,
+            },
+            Err(e) => {
+                log::debug!(
+                    "nbd export '{}': command {} failed: {e}",
+                    self.name,
+                    r.command
+                );
+                self.reply_error(r, &e)
+            }
+        }
+    }
+
+    fn reply_read(&self, r: &Request, data: Payload) -> Reply {
+        if !self.structured {
+            return Reply {
+                head: simple_reply(r.cookie, 0).to_vec(),
+                data: Some(data),
+            };
+        }
+        let mut head = Vec::with_capacity(CHUNK_HEADER_LEN + 12);
+        if is_zero(&data) {
+            // A hole chunk tells the client the range is zero without sending the zeroes.
+            head.extend_from_slice(&chunk_header(
+                CHUNK_FLAG_DONE,
+                CHUNK_OFFSET_HOLE,
+                r.cookie,
+                12,
+            ));
+            head.extend_from_slice(&r.offset.to_be_bytes());
+            head.extend_from_slice(&(data.len() as u32).to_be_bytes());
+            return Reply { head, data: None };
+        }
+        let length = 8 + data.len() as u32;
+        head.extend_from_slice(&chunk_header(
+            CHUNK_FLAG_DONE,
+            CHUNK_OFFSET_DATA,
+            r.cookie,
+            length,
+        ));
+        head.extend_from_slice(&r.offset.to_be_bytes());
+        Reply {
+            head,
+            data: Some(data),
+        }
+    }
+
+    fn reply_block_status(&self, r: &Request, extents: &[Extent]) -> Reply {
+        let mut payload = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+        for e in extents {
+            payload.extend_from_slice(&(e.len as u32).to_be_bytes());
+            payload.extend_from_slice(&e.flags.to_be_bytes());
+        }
+        let mut head = chunk_header(
+            CHUNK_FLAG_DONE,
+            CHUNK_BLOCK_STATUS,
+            r.cookie,
+            payload.len() as u32,
+        )
+        .to_vec();
+        head.extend_from_slice(&payload);
+        Reply { head, data: None }
+    }
+
+    fn reply_error(&self, r: &Request, e: &BlockError) -> Reply {
+        let error = nbd_error(e.errno());
+        if !(self.structured && matches!(r.command, CMD_READ | CMD_BLOCK_STATUS)) {
+            return Reply {
+                head: simple_reply(r.cookie, error).to_vec(),
+                data: None,
+            };
+        }
+        let mut message = e.to_string();
+        if message.len() > 1024 {
+            // Cut on a character boundary: the protocol wants valid UTF-8.
+            let cut = (0..=1024)
+                .rev()
+                .find(|&i| message.is_char_boundary(i))
+                .unwrap_or(0);
+            message.truncate(cut);
+        }
+        let message = message.as_bytes();
+        let mut payload = error.to_be_bytes().to_vec();
+        payload.extend_from_slice(&(message.len() as u16).to_be_bytes());
+        payload.extend_from_slice(message);
+        let mut head =
+            chunk_header(CHUNK_FLAG_DONE, CHUNK_ERROR, r.cookie, payload.len() as u32).to_vec();
+        head.extend_from_slice(&payload);
+        Reply { head, data: None }
+    }
+}
+
+/// How a command can be remapped (see [`udm_block::map`]); `None` for the commands that
+/// always go the synchronous way.
+pub(crate) fn map_op(r: &Request) -> Option<MapOp> {
+    match r.command {
+        CMD_READ => Some(MapOp::Read),
+        CMD_WRITE => Some(MapOp::Write {
+            fua: r.flags & CMD_FLAG_FUA != 0,
+        }),
+        CMD_FLUSH => Some(MapOp::Flush),
+        _ => None,
+    }
+}
+
+pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic")
+}
+
+fn is_zero(data: &[u8]) -> bool {
+    // SAFETY: any bytes are valid u128s.
+    let (head, words, tail) = unsafe { data.align_to::<u128>() };
+    head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_detection_sees_a_single_set_byte_anywhere() {
+        let mut data = vec![0u8; 4099];
+        assert!(is_zero(&data));
+        for at in [0, 1, 15, 16, 2048, 4098] {
+            data[at] = 1;
+            assert!(!is_zero(&data), "byte {at}");
+            data[at] = 0;
+        }
+    }
+}
