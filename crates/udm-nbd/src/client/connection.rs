@@ -1,0 +1,142 @@
+//! One established connection, and the slots its requests wait in: the table of requests in
+//! flight by cookie, the writer the callers take turns on, the handle that shuts the socket
+//! down, and what a slot holds once its reply is in.
+
+use std::collections::HashMap;
+use std::io::{self, IoSlice, Write};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Condvar, Mutex};
+
+use udm_block::{BlockError, Extent};
+
+use super::dial::ExportInfo;
+use crate::protocol::*;
+use crate::stream::Stream;
+
+/// A caller's buffer that the reader thread fills. It lives on the caller's stack; the slot
+/// protocol (see [`Slot`]) guarantees the caller neither touches nor leaves it while the
+/// reader writes to it.
+#[derive(Clone, Copy)]
+pub(super) struct Dest {
+    pub(super) ptr: *mut u8,
+    pub(super) len: usize,
+}
+
+// SAFETY: the pointer is only dereferenced by the reader thread while `filling` is set, during
+// which the owning caller is blocked in `wait_reply` and does not access the buffer.
+unsafe impl Send for Dest {}
+
+pub(super) enum Outcome {
+    /// The last chunk arrived: the result is in the slot.
+    Done,
+    /// The connection broke first: send the request again.
+    Lost,
+}
+
+#[derive(Default)]
+pub(super) struct SlotState {
+    /// The cookie of the attempt in flight; 0 when none (not sent yet, or abandoned after a
+    /// timeout, in which case whatever still arrives for the old cookie is dropped).
+    pub(super) cookie: u64,
+    pub(super) dest: Option<Dest>,
+    /// The reader is writing into `dest` right now.
+    pub(super) filling: bool,
+    pub(super) received: u64,
+    pub(super) extents: Vec<Extent>,
+    pub(super) error: Option<BlockError>,
+    pub(super) outcome: Option<Outcome>,
+}
+
+/// One request and the place its reply lands.
+pub(super) struct Slot {
+    pub(super) command: u16,
+    pub(super) offset: u64,
+    pub(super) len: u32,
+    pub(super) state: Mutex<SlotState>,
+    pub(super) wake: Condvar,
+}
+
+#[derive(Default)]
+pub(super) struct InFlight {
+    pub(super) slots: HashMap<u64, Arc<Slot>>,
+    /// Set once, when the connection dies; nothing is registered after that.
+    pub(super) broken: bool,
+}
+
+/// One established connection.
+pub(super) struct Conn {
+    pub(super) info: ExportInfo,
+    pub(super) writer: Mutex<Stream>,
+    /// A second handle used only to shut the socket down, which must work while a writer
+    /// holds `writer` or the reader is blocked.
+    pub(super) control: Stream,
+    pub(super) in_flight: Mutex<InFlight>,
+    /// Reply headers received; a request that times out while this did not move tells that
+    /// the server stopped answering altogether.
+    pub(super) replies: AtomicU64,
+}
+
+impl Conn {
+    /// Returns the connection and the handle its reader thread reads from.
+    pub(super) fn new(stream: Stream, info: ExportInfo) -> io::Result<(Arc<Conn>, Stream)> {
+        let reader = stream.try_clone()?;
+        let conn = Conn {
+            info,
+            control: stream.try_clone()?,
+            writer: Mutex::new(stream),
+            in_flight: Mutex::new(InFlight::default()),
+            replies: AtomicU64::new(0),
+        };
+        Ok((Arc::new(conn), reader))
+    }
+
+    /// Files the slot under `cookie`; false if the connection died meanwhile.
+    pub(super) fn register(&self, cookie: u64, slot: &Arc<Slot>) -> bool {
+        let mut in_flight = self.in_flight.lock().unwrap();
+        if in_flight.broken {
+            return false;
+        }
+        in_flight.slots.insert(cookie, slot.clone());
+        true
+    }
+
+    pub(super) fn slot(&self, cookie: u64) -> Option<Arc<Slot>> {
+        self.in_flight.lock().unwrap().slots.get(&cookie).cloned()
+    }
+
+    pub(super) fn send(&self, header: &[u8; REQUEST_HEADER_LEN], data: &[u8]) -> io::Result<()> {
+        let mut writer = self.writer.lock().unwrap();
+        if data.is_empty() {
+            writer.write_all(header)
+        } else {
+            writer.write_all_vectored(&mut [IoSlice::new(header), IoSlice::new(data)])
+        }
+    }
+}
+
+/// A polite goodbye (the server may already be gone; nothing depends on it arriving).
+pub(super) fn disconnect(stream: &mut Stream) {
+    let request = encode_request(&Request {
+        flags: 0,
+        command: CMD_DISC,
+        cookie: 0,
+        offset: 0,
+        length: 0,
+    });
+    let _ = stream.write_all(&request);
+    stream.shutdown();
+}
+
+/// The result of a completed slot.
+pub(super) fn finish(slot: &Slot, st: &mut SlotState) -> udm_block::Result<Vec<Extent>> {
+    if let Some(e) = st.error.take() {
+        return Err(e);
+    }
+    if slot.command == CMD_READ && st.received != u64::from(slot.len) {
+        return Err(BlockError::Io(format!(
+            "the nbd server's reply covered {} of the {} bytes read",
+            st.received, slot.len
+        )));
+    }
+    Ok(std::mem::take(&mut st.extents))
+}

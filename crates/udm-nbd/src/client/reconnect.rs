@@ -1,0 +1,178 @@
+//! The state callers share with the client's thread, and that thread: it reads replies until
+//! the connection breaks, marks the connection lost (its requests are then resent), and
+//! redials with backoff; a server that comes back with another export size fails the device.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use log::{debug, error, info, warn};
+
+use super::connection::{disconnect, Conn, Outcome};
+use super::dial::{ExportInfo, Target};
+use super::reply::read_replies;
+use super::usable;
+use crate::stream::Stream;
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+pub(super) struct State {
+    pub(super) conn: Option<Arc<Conn>>,
+    /// What the latest connection negotiated.
+    pub(super) info: ExportInfo,
+    /// Set when the device can never work again (the export changed size).
+    pub(super) failed: Option<String>,
+    pub(super) closing: bool,
+    /// A connection was made once; `info` is the server's word, not a stand-in.
+    pub(super) connected_before: bool,
+}
+
+pub(super) struct Shared {
+    pub(super) target: Target,
+    /// Fixed at the first connection (or given to a client made disconnected); a server that
+    /// comes back with another size is refused.
+    pub(super) size: u64,
+    pub(super) state: Mutex<State>,
+    /// Signalled when the connection comes or goes, the device fails, or the client closes.
+    pub(super) changed: Condvar,
+    pub(super) next_cookie: AtomicU64,
+}
+
+impl Shared {
+    /// Marks `conn` dead: shuts its socket, tells every request in flight to resend, and
+    /// wakes the reconnect loop. Idempotent.
+    pub(super) fn connection_lost(&self, conn: &Arc<Conn>, why: &str) {
+        let slots = {
+            let mut in_flight = conn.in_flight.lock().unwrap();
+            if in_flight.broken {
+                return;
+            }
+            in_flight.broken = true;
+            std::mem::take(&mut in_flight.slots)
+        };
+        conn.control.shutdown();
+        for (cookie, slot) in slots {
+            let mut st = slot.state.lock().unwrap();
+            if st.cookie == cookie && st.outcome.is_none() {
+                st.outcome = Some(Outcome::Lost);
+                slot.wake.notify_all();
+            }
+        }
+        let mut state = self.state.lock().unwrap();
+        if state.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            state.conn = None;
+            if !state.closing {
+                warn!(
+                    "nbd: connection to {} lost: {why}; reconnecting",
+                    self.target.address
+                );
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    /// The client's thread: reads replies until the connection breaks, then reconnects, until
+    /// the client is dropped or the device fails. A client made disconnected starts by
+    /// dialling.
+    pub(super) fn run(self: Arc<Self>, mut current: Option<(Arc<Conn>, Stream)>) {
+        let mut delay = FIRST_BACKOFF;
+        loop {
+            if let Some((conn, reader)) = current {
+                let up_since = Instant::now();
+                let why = read_replies(&conn, reader);
+                self.connection_lost(&conn, &why);
+                // A server that breaks every connection as soon as it is made (a protocol
+                // error on each request) must not be redialled in a tight loop: the backoff
+                // starts over only after a connection that lasted.
+                if up_since.elapsed() >= MAX_BACKOFF {
+                    delay = FIRST_BACKOFF;
+                } else if !self.pause(&mut delay) {
+                    return;
+                }
+            }
+            current = self.reconnect(&mut delay);
+            if current.is_none() {
+                return;
+            }
+        }
+    }
+
+    /// Sleeps for `delay` (less if the client closes) and doubles it; false once the client
+    /// is closing or the device has failed.
+    fn pause(&self, delay: &mut Duration) -> bool {
+        let state = self.state.lock().unwrap();
+        let (state, _) = self
+            .changed
+            .wait_timeout_while(state, *delay, |s| !s.closing)
+            .unwrap();
+        *delay = (*delay * 2).min(MAX_BACKOFF);
+        !state.closing && state.failed.is_none()
+    }
+
+    fn stopped(&self) -> bool {
+        let state = self.state.lock().unwrap();
+        state.closing || state.failed.is_some()
+    }
+
+    fn reconnect(&self, delay: &mut Duration) -> Option<(Arc<Conn>, Stream)> {
+        let mut attempts = 0u32;
+        loop {
+            if self.stopped() {
+                return None;
+            }
+            attempts = attempts.saturating_add(1);
+            let dialled = self.target.dial().and_then(|(stream, info)| {
+                Conn::new(stream, info).map_err(|e| self.target.handshake_io(e))
+            });
+            match dialled {
+                Ok((conn, reader)) => return self.install(conn, reader, attempts),
+                Err(e) => debug!("nbd: reconnect attempt {attempts}: {e}"),
+            }
+            if !self.pause(delay) {
+                return None;
+            }
+        }
+    }
+
+    /// Puts a fresh connection in service, unless the export is no longer the same one.
+    fn install(
+        &self,
+        conn: Arc<Conn>,
+        reader: Stream,
+        attempts: u32,
+    ) -> Option<(Arc<Conn>, Stream)> {
+        let mut state = self.state.lock().unwrap();
+        // The partial sector at the end is never used, so only a change beyond it matters.
+        if usable(conn.info.size) != usable(self.size) {
+            let why = format!(
+                "nbd export '{}' on {} changed size from {} to {} bytes; the device has failed",
+                self.target.export, self.target.address, self.size, conn.info.size
+            );
+            error!("{why}");
+            state.failed = Some(why);
+        }
+        if state.closing || state.failed.is_some() {
+            drop(state);
+            self.changed.notify_all();
+            disconnect(&mut conn.writer.lock().unwrap());
+            return None;
+        }
+        state.conn = Some(conn.clone());
+        state.info = conn.info;
+        if std::mem::replace(&mut state.connected_before, true) {
+            info!(
+                "nbd: reconnected to {} export '{}' after {attempts} attempt(s)",
+                self.target.address, self.target.export
+            );
+        } else {
+            info!(
+                "nbd: connected to {} export '{}' ({} bytes) after {attempts} attempt(s)",
+                self.target.address, self.target.export, conn.info.size
+            );
+            self.target.warn_about(&conn.info);
+        }
+        self.changed.notify_all();
+        Some((conn, reader))
+    }
+}

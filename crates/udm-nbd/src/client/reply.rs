@@ -1,0 +1,304 @@
+//! The reader thread's side of a connection: reads each reply (simple or structured chunks),
+//! finds the slot waiting for its cookie, copies read data straight into the caller's buffer,
+//! records errors and extents, and wakes the caller. Any protocol violation, or ESHUTDOWN,
+//! ends the connection.
+
+use std::io::{self, BufReader, Read};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use thiserror::Error;
+use udm_block::{BlockError, Extent, EXTENT_HOLE, EXTENT_ZERO};
+
+use super::connection::{Conn, Outcome, Slot};
+use crate::protocol::*;
+use crate::stream::Stream;
+
+/// Block status and error chunks are buffered; a sane one is far smaller.
+const MAX_CHUNK_PAYLOAD: u32 = 16 << 20;
+
+/// How a connection ended, from the reader's side.
+#[derive(Debug, Error)]
+enum ReplyError {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// NBD_ESHUTDOWN: the server is going away and will not serve this connection again. It
+    /// may wait for us to hang up before it exits, so we do, and redial.
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+impl From<ProtocolError> for ReplyError {
+    fn from(e: ProtocolError) -> Self {
+        ReplyError::Protocol(e.to_string())
+    }
+}
+
+/// Reads replies until the connection fails; returns why it did.
+pub(super) fn read_replies(conn: &Conn, reader: Stream) -> String {
+    let mut reader = BufReader::with_capacity(256 << 10, reader);
+    loop {
+        if let Err(e) = read_reply(conn, &mut reader) {
+            return match e {
+                ReplyError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    "the server closed the connection".into()
+                }
+                e => e.to_string(),
+            };
+        }
+    }
+}
+
+fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
+    let mut header = [0u8; CHUNK_HEADER_LEN];
+    r.read_exact(&mut header[..SIMPLE_REPLY_LEN])?;
+    conn.replies.fetch_add(1, Ordering::Release);
+    let magic = u32::from_be_bytes(header[..4].try_into().unwrap());
+    if magic == SIMPLE_REPLY_MAGIC {
+        let reply = parse_simple_reply(header[..SIMPLE_REPLY_LEN].try_into().unwrap())?;
+        let slot = in_flight(conn, reply.cookie)?;
+        if reply.error == NBD_ESHUTDOWN {
+            return Err(ReplyError::ShuttingDown);
+        }
+        if reply.error != 0 {
+            set_error(&slot, reply.cookie, block_error(reply.error, ""));
+        } else if slot.command == CMD_READ {
+            if conn.info.structured {
+                return Err(ReplyError::Protocol(
+                    "a simple reply with data after structured replies were negotiated".into(),
+                ));
+            }
+            fill(r, &slot, reply.cookie, 0, slot.len as usize, false)?;
+        }
+        complete(conn, &slot, reply.cookie);
+        return Ok(());
+    }
+    if magic != STRUCTURED_REPLY_MAGIC {
+        return Err(ProtocolError::BadMagic(magic.into()).into());
+    }
+    r.read_exact(&mut header[SIMPLE_REPLY_LEN..])?;
+    let chunk = parse_chunk_header(&header)?;
+    let slot = in_flight(conn, chunk.cookie)?;
+    match chunk.kind {
+        CHUNK_NONE if chunk.length == 0 && chunk.flags & CHUNK_FLAG_DONE != 0 => {}
+        CHUNK_OFFSET_DATA if slot.command == CMD_READ && chunk.length >= 8 => {
+            let mut offset = [0u8; 8];
+            r.read_exact(&mut offset)?;
+            let len = chunk.length - 8;
+            let at = position(&slot, u64::from_be_bytes(offset), len)?;
+            fill(r, &slot, chunk.cookie, at, len as usize, false)?;
+        }
+        CHUNK_OFFSET_HOLE if slot.command == CMD_READ && chunk.length == 12 => {
+            let mut body = [0u8; 12];
+            r.read_exact(&mut body)?;
+            let offset = u64::from_be_bytes(body[..8].try_into().unwrap());
+            let len = u32::from_be_bytes(body[8..].try_into().unwrap());
+            let at = position(&slot, offset, len)?;
+            fill(r, &slot, chunk.cookie, at, len as usize, true)?;
+        }
+        CHUNK_BLOCK_STATUS if slot.command == CMD_BLOCK_STATUS => {
+            let (context, descriptors) = parse_block_status(&payload(r, chunk.length)?)?;
+            // Only the context we asked for counts; a server may describe others too.
+            if Some(context) == conn.info.base_allocation {
+                let mut st = slot.state.lock().unwrap();
+                if st.cookie == chunk.cookie {
+                    st.extents
+                        .extend(descriptors.into_iter().filter(|(len, _)| *len > 0).map(
+                            |(len, flags)| Extent {
+                                len: u64::from(len),
+                                flags: flags & (EXTENT_HOLE | EXTENT_ZERO),
+                            },
+                        ));
+                }
+            }
+        }
+        kind if kind & CHUNK_ERROR_BIT != 0 => {
+            let e = parse_error_chunk(kind, &payload(r, chunk.length)?)?;
+            if e.error == NBD_ESHUTDOWN {
+                return Err(ReplyError::ShuttingDown);
+            }
+            let message = match e.offset {
+                Some(offset) => format!("{} (at offset {offset})", e.message),
+                None => e.message,
+            };
+            set_error(&slot, chunk.cookie, block_error(e.error, &message));
+        }
+        kind => {
+            return Err(ReplyError::Protocol(format!(
+                "chunk type {kind} of {} bytes in reply to command {}",
+                chunk.length, slot.command
+            )))
+        }
+    }
+    if chunk.flags & CHUNK_FLAG_DONE != 0 {
+        complete(conn, &slot, chunk.cookie);
+    }
+    Ok(())
+}
+
+fn in_flight(conn: &Conn, cookie: u64) -> Result<Arc<Slot>, ReplyError> {
+    conn.slot(cookie)
+        .ok_or_else(|| ReplyError::Protocol(format!("reply to unknown cookie {cookie}")))
+}
+
+/// Where a data or hole chunk lands in the request's buffer.
+fn position(slot: &Slot, offset: u64, len: u32) -> Result<usize, ReplyError> {
+    let end = offset.checked_add(u64::from(len));
+    match end {
+        Some(end)
+            if offset >= slot.offset && end <= slot.offset + u64::from(slot.len) && len > 0 =>
+        {
+            Ok((offset - slot.offset) as usize)
+        }
+        _ => Err(ReplyError::Protocol(format!(
+            "chunk for {len} bytes at {offset} outside the read of {} at {}",
+            slot.len, slot.offset
+        ))),
+    }
+}
+
+/// Reads a chunk payload that is parsed rather than copied to a caller.
+fn payload(r: &mut impl Read, len: u32) -> Result<Vec<u8>, ReplyError> {
+    if len > MAX_CHUNK_PAYLOAD {
+        return Err(ReplyError::Protocol(format!(
+            "chunk payload of {len} bytes"
+        )));
+    }
+    let mut data = vec![0u8; len as usize];
+    r.read_exact(&mut data)?;
+    Ok(data)
+}
+
+/// Puts `len` bytes at `at` in the slot's buffer: from the socket, or zeroes for a hole. When
+/// the caller has given up on this cookie the bytes are read and dropped, so the stream stays
+/// in step.
+fn fill(
+    r: &mut impl Read,
+    slot: &Slot,
+    cookie: u64,
+    at: usize,
+    len: usize,
+    zero: bool,
+) -> io::Result<()> {
+    let dest = {
+        let mut st = slot.state.lock().unwrap();
+        match st.dest {
+            Some(dest) if st.cookie == cookie => {
+                st.filling = true;
+                Some(dest)
+            }
+            _ => None,
+        }
+    };
+    let Some(dest) = dest else {
+        if !zero {
+            io::copy(&mut r.by_ref().take(len as u64), &mut io::sink())?;
+        }
+        return Ok(());
+    };
+    debug_assert!(at + len <= dest.len);
+    // SAFETY: `position` keeps `at + len` within the request, whose length is the buffer's;
+    // the caller owning the buffer waits while `filling` is set and never returns before it
+    // is cleared (see `wait_reply`), so the memory is valid and not aliased.
+    let buf = unsafe { std::slice::from_raw_parts_mut(dest.ptr.add(at), len) };
+    let result = if zero {
+        buf.fill(0);
+        Ok(())
+    } else {
+        r.read_exact(buf)
+    };
+    let mut st = slot.state.lock().unwrap();
+    st.filling = false;
+    if result.is_ok() {
+        st.received += len as u64;
+    }
+    slot.wake.notify_all();
+    result
+}
+
+fn set_error(slot: &Slot, cookie: u64, error: BlockError) {
+    let mut st = slot.state.lock().unwrap();
+    if st.cookie == cookie && st.error.is_none() {
+        st.error = Some(error);
+    }
+}
+
+fn complete(conn: &Conn, slot: &Slot, cookie: u64) {
+    conn.in_flight.lock().unwrap().slots.remove(&cookie);
+    let mut st = slot.state.lock().unwrap();
+    if st.cookie == cookie && st.outcome.is_none() {
+        st.outcome = Some(Outcome::Done);
+        slot.wake.notify_all();
+    }
+}
+
+/// The server's error code as a block error (the inverse of [`nbd_error`]).
+fn block_error(code: u32, message: &str) -> BlockError {
+    let text = if message.is_empty() {
+        "the nbd server failed the request".to_string()
+    } else {
+        format!("nbd server: {message}")
+    };
+    match code {
+        NBD_EIO => BlockError::Io(text),
+        NBD_EINVAL => BlockError::InvalidArgument(text),
+        NBD_ENOSPC => BlockError::NoSpace(text),
+        NBD_EPERM => BlockError::ReadOnly(text),
+        NBD_ENOTSUP => BlockError::NotSupported(text),
+        other => BlockError::Os {
+            context: text,
+            errno: i32::try_from(other).unwrap_or(libc::EIO),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Condvar, Mutex};
+
+    use super::*;
+    use crate::client::connection::SlotState;
+
+    #[test]
+    fn server_errors_map_to_block_errors() {
+        assert_eq!(block_error(NBD_EIO, "").errno(), libc::EIO);
+        assert_eq!(block_error(NBD_EINVAL, "").errno(), libc::EINVAL);
+        assert_eq!(block_error(NBD_ENOSPC, "").errno(), libc::ENOSPC);
+        assert_eq!(block_error(NBD_EPERM, "").errno(), libc::EPERM);
+        assert_eq!(block_error(NBD_ENOTSUP, "").errno(), libc::EOPNOTSUPP);
+        assert_eq!(block_error(NBD_ENOMEM, "").errno(), libc::ENOMEM);
+        assert_eq!(block_error(NBD_EOVERFLOW, "").errno(), libc::EOVERFLOW);
+        assert!(block_error(NBD_EIO, "disk on fire")
+            .to_string()
+            .contains("disk on fire"));
+        // Every errno the server side sends comes back as itself.
+        for errno in [
+            libc::EIO,
+            libc::EINVAL,
+            libc::ENOSPC,
+            libc::EPERM,
+            libc::ENOMEM,
+        ] {
+            assert_eq!(block_error(nbd_error(errno), "").errno(), errno);
+        }
+    }
+
+    #[test]
+    fn chunks_outside_the_read_are_refused() {
+        let slot = Slot {
+            command: CMD_READ,
+            offset: 4096,
+            len: 8192,
+            state: Mutex::new(SlotState::default()),
+            wake: Condvar::new(),
+        };
+        assert_eq!(position(&slot, 4096, 8192).unwrap(), 0);
+        assert_eq!(position(&slot, 8192, 4096).unwrap(), 4096);
+        assert!(position(&slot, 0, 512).is_err());
+        assert!(position(&slot, 8192, 8192).is_err());
+        assert!(position(&slot, 8192, 0).is_err());
+        assert!(position(&slot, u64::MAX, 2).is_err());
+    }
+}

@@ -1,0 +1,160 @@
+//! A caller's request: sent on the live connection under a fresh cookie, waited for in its
+//! slot, sent again when the connection breaks first, and failed once `io_timeout` has passed
+//! (dropping a connection whose server stopped answering on the way).
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use udm_block::{BlockError, Extent};
+
+use super::connection::{finish, Conn, Dest, Outcome, Slot, SlotState};
+use super::reconnect::Shared;
+use super::NbdClient;
+use crate::protocol::*;
+
+/// What a request carries besides its header: nothing, the buffer a read lands in, or the data
+/// a write sends.
+pub(super) enum Payload<'a> {
+    None,
+    Read(&'a mut [u8]),
+    Write(&'a [u8]),
+}
+
+impl NbdClient {
+    /// Sends one request and waits for its reply, resending it across reconnections, for at
+    /// most `io_timeout`. Returns the extents of a block-status reply (empty otherwise).
+    pub(super) fn call(
+        &self,
+        command: u16,
+        flags: u16,
+        offset: u64,
+        len: u32,
+        payload: Payload<'_>,
+    ) -> udm_block::Result<Vec<Extent>> {
+        let shared = &*self.shared;
+        let deadline = Instant::now() + shared.target.options.io_timeout;
+        let (dest, data) = match payload {
+            Payload::None => (None, &[][..]),
+            Payload::Read(buf) => (
+                Some(Dest {
+                    ptr: buf.as_mut_ptr(),
+                    len: buf.len(),
+                }),
+                &[][..],
+            ),
+            Payload::Write(data) => (None, data),
+        };
+        let slot = Arc::new(Slot {
+            command,
+            offset,
+            len,
+            state: Mutex::new(SlotState {
+                dest,
+                ..SlotState::default()
+            }),
+            wake: Condvar::new(),
+        });
+        loop {
+            let conn = shared.wait_connected(deadline)?;
+            let cookie = shared.next_cookie.fetch_add(1, Ordering::Relaxed);
+            slot.state.lock().unwrap().cookie = cookie;
+            if !conn.register(cookie, &slot) {
+                continue;
+            }
+            let replies_before = conn.replies.load(Ordering::Acquire);
+            let header = encode_request(&Request {
+                flags,
+                command,
+                cookie,
+                offset,
+                length: len,
+            });
+            if let Err(e) = conn.send(&header, data) {
+                // Breaking the connection marks this slot lost too; it is resent below.
+                shared.connection_lost(&conn, &format!("sending a request: {e}"));
+            }
+            if let Some(result) = shared.wait_reply(&slot, &conn, deadline, replies_before) {
+                return result;
+            }
+        }
+    }
+}
+
+impl Shared {
+    fn unreachable(&self, why: &str) -> BlockError {
+        BlockError::Io(format!(
+            "nbd server {} unreachable: {why} within {:?}",
+            self.target.address, self.target.options.io_timeout
+        ))
+    }
+
+    /// The live connection, waiting for one until `deadline`.
+    fn wait_connected(&self, deadline: Instant) -> udm_block::Result<Arc<Conn>> {
+        let mut state = self.state.lock().unwrap();
+        loop {
+            if let Some(why) = &state.failed {
+                return Err(BlockError::Io(why.clone()));
+            }
+            if state.closing {
+                return Err(BlockError::Shutdown("the nbd client is closing".into()));
+            }
+            if let Some(conn) = &state.conn {
+                return Ok(conn.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.unreachable("no connection"));
+            }
+            state = self.changed.wait_timeout(state, deadline - now).unwrap().0;
+        }
+    }
+
+    /// Waits for the slot's reply. `None` means the connection was lost before it came and
+    /// the request must be sent again.
+    fn wait_reply(
+        &self,
+        slot: &Slot,
+        conn: &Arc<Conn>,
+        deadline: Instant,
+        replies_before: u64,
+    ) -> Option<udm_block::Result<Vec<Extent>>> {
+        let mut st = slot.state.lock().unwrap();
+        loop {
+            if !st.filling {
+                match st.outcome.take() {
+                    Some(Outcome::Done) => return Some(finish(slot, &mut st)),
+                    Some(Outcome::Lost) => {
+                        let dest = st.dest;
+                        *st = SlotState {
+                            dest,
+                            ..SlotState::default()
+                        };
+                        return None;
+                    }
+                    None => {}
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            st = slot.wake.wait_timeout(st, deadline - now).unwrap().0;
+        }
+        // Timed out. A server that sent nothing at all since this request went out, or that
+        // stalls in the middle of our data, is taken for gone: drop the connection so the
+        // reader lets go of our buffer and a fresh connection is tried.
+        if st.filling || conn.replies.load(Ordering::Acquire) == replies_before {
+            drop(st);
+            self.connection_lost(conn, "the server stopped answering");
+            st = slot.state.lock().unwrap();
+            while st.filling {
+                st = slot.wake.wait(st).unwrap();
+            }
+        }
+        // Detach: a late reply finds no buffer and no cookie and is dropped.
+        st.cookie = 0;
+        st.dest = None;
+        Some(Err(self.unreachable("no reply")))
+    }
+}
