@@ -47,10 +47,6 @@ impl Reply {
         }
         slices
     }
-
-    pub fn len(&self) -> usize {
-        self.head.len() + self.data.as_ref().map_or(0, |d| d.len())
-    }
 }
 
 impl Session {

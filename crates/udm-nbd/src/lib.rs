@@ -17,7 +17,9 @@ pub mod uri;
 mod budget;
 mod client;
 mod commands;
+mod event_loop;
 pub mod handshake;
+mod pool;
 mod server;
 mod stream;
 mod tls;
@@ -25,7 +27,7 @@ mod transmission;
 
 pub use client::{ClientError, ClientOptions, NbdClient};
 pub use protocol::nbd_error;
-pub use server::{remove_stale_socket, NbdServer, ServerConfig};
+pub use server::{remove_stale_socket, Engine, NbdServer, ServerConfig};
 pub use stream::Stream;
 pub use tls::{TlsError, TlsMode, TlsServer};
 pub use udm_block::{Export, ExportCatalog};

@@ -11,7 +11,9 @@ use std::time::Duration;
 use log::{debug, info, warn};
 
 use crate::budget::BufferBudget;
+use crate::event_loop::{Attach, Loops};
 use crate::handshake::{negotiate_with_tls, refuse, HandshakeEnd, StartTls};
+use crate::pool::Pool;
 use crate::stream::{ClientKey, Stream};
 use crate::tls::TlsServer;
 use crate::transmission;
@@ -23,9 +25,27 @@ const MAX_REFUSING: usize = 16;
 /// How long a refused client has to read why.
 const REFUSAL_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Which code serves connections once negotiated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// io_uring event loops when io_uring works here, threads otherwise.
+    Auto,
+    /// io_uring event loops; the server does not start without them.
+    Uring,
+    /// Threads per connection calling the devices synchronously (the fallback).
+    Threads,
+}
+
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Requests one connection can have in progress at once.
+    pub engine: Engine,
+    /// Event-loop threads serving every connection (io_uring engine).
+    pub loop_threads: usize,
+    /// Threads running the requests devices cannot remap (io_uring engine).
+    pub pool_threads: usize,
+    /// Requests one connection can have read and not yet answered (io_uring engine).
+    pub queue_depth: usize,
+    /// Threads per connection, each with one request in progress (threads engine).
     pub workers_per_connection: usize,
     /// Connections beyond this are refused, so a flood cannot exhaust threads.
     pub max_connections: usize,
@@ -43,6 +63,10 @@ pub struct ServerConfig {
 impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
+            engine: Engine::Auto,
+            loop_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            pool_threads: 16,
+            queue_depth: 128,
             workers_per_connection: 16,
             max_connections: 256,
             max_connections_per_client: 64,
@@ -68,6 +92,8 @@ pub struct NbdServer {
     refusing: Arc<AtomicUsize>,
     budget: Arc<BufferBudget>,
     tls: Option<TlsServer>,
+    /// The io_uring event loops; `None` serves with threads.
+    loops: Option<Arc<Loops>>,
 }
 
 /// A connection's place in the counts, given back on drop: also when its thread panics.
@@ -99,15 +125,51 @@ impl Drop for Refusing {
 }
 
 impl NbdServer {
-    pub fn new(catalog: Arc<dyn ExportCatalog>, config: ServerConfig) -> Self {
-        NbdServer {
+    /// A server with the engine `config` asks for; with `Engine::Auto`, io_uring event
+    /// loops when io_uring works here (the log says which serves), threads otherwise.
+    pub fn new(catalog: Arc<dyn ExportCatalog>, config: ServerConfig) -> std::io::Result<Self> {
+        let budget = Arc::new(BufferBudget::new(config.buffer_budget));
+        let loops = match config.engine {
+            Engine::Threads => None,
+            Engine::Auto | Engine::Uring => match Self::start_loops(&config, &budget) {
+                Ok(loops) => Some(Arc::new(loops)),
+                Err(why) if config.engine == Engine::Auto => {
+                    warn!("nbd: {why}; serving with threads per connection instead");
+                    None
+                }
+                Err(why) => return Err(std::io::Error::other(why)),
+            },
+        };
+        if loops.is_none() {
+            info!(
+                "nbd: engine: threads ({} per connection)",
+                config.workers_per_connection
+            );
+        }
+        Ok(NbdServer {
             catalog,
-            budget: Arc::new(BufferBudget::new(config.buffer_budget)),
+            budget,
             config,
             counts: Arc::default(),
             refusing: Arc::default(),
             tls: None,
-        }
+            loops,
+        })
+    }
+
+    fn start_loops(config: &ServerConfig, budget: &Arc<BufferBudget>) -> Result<Loops, String> {
+        udm_uring::probe()?;
+        let pool = Pool::start(config.pool_threads)
+            .map_err(|e| format!("cannot start the request pool: {e}"))?;
+        let loops = Loops::start(config, budget.clone(), pool)
+            .map_err(|e| format!("cannot start the io_uring event loops: {e}"))?;
+        info!(
+            "nbd: engine: io_uring, {} event loops, {} pool threads, queue depth {} per connection",
+            config.loop_threads.max(1),
+            config.pool_threads.max(1),
+            config.queue_depth.max(1)
+        );
+        Ok(loops)
     }
 
     /// This server for one listener: its own view of the exports and its own TLS, sharing
@@ -203,10 +265,7 @@ impl NbdServer {
         let server = self.clone();
         let spawned = std::thread::Builder::new()
             .name("nbd-conn".into())
-            .spawn(move || {
-                let _slot = slot;
-                server.connection(stream);
-            });
+            .spawn(move || server.connection(stream, slot));
         if let Err(e) = spawned {
             warn!("nbd: cannot start a connection thread: {e}");
         }
@@ -232,7 +291,7 @@ impl NbdServer {
             });
     }
 
-    fn connection(&self, mut stream: Stream) {
+    fn connection(&self, mut stream: Stream, slot: Slot) {
         let _ = stream.set_read_timeout(Some(self.config.handshake_timeout));
         // A client that stops reading its replies must not hold workers forever.
         let _ = stream.set_write_timeout(Some(self.config.handshake_timeout));
@@ -250,6 +309,15 @@ impl NbdServer {
         };
         let name = negotiated.name.clone();
         debug!("nbd: client attached to '{name}'");
+        if let Some(loops) = &self.loops {
+            let slot = Box::new(slot);
+            return loops.attach(Attach {
+                stream,
+                negotiated,
+                slot,
+            });
+        }
+        let _slot = slot;
         if let Err(e) = transmission::serve(stream, negotiated, &self.config, &self.budget) {
             warn!("nbd: connection to '{name}' failed: {e}");
         }
@@ -325,16 +393,24 @@ mod tests {
 
     #[test]
     fn a_panicking_request_gets_eio_and_its_connection_slot_comes_back() {
-        let dir = std::env::temp_dir().join(format!("udm-nbd-panic-{}", std::process::id()));
+        panicking_request_with(Engine::Uring);
+        panicking_request_with(Engine::Threads);
+    }
+
+    fn panicking_request_with(engine: Engine) {
+        let dir =
+            std::env::temp_dir().join(format!("udm-nbd-panic-{}-{engine:?}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("nbd.sock");
         let server = NbdServer::new(
             Arc::new(Catalog),
             ServerConfig {
+                engine,
                 max_connections: 1,
                 ..ServerConfig::default()
             },
-        );
+        )
+        .unwrap();
         server.listen_unix(&socket).unwrap();
         let uri = format!("nbd+unix:///vol?socket={}", socket.display());
         let options = ClientOptions {

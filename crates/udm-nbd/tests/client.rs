@@ -194,7 +194,7 @@ impl ExportCatalog for OneDevice {
 
 /// udm's server in this process, serving `device` as `vol`; returns the export's URI.
 fn udm_server(dir: &TempDir, device: Arc<dyn BlockDevice>) -> String {
-    let server = NbdServer::new(Arc::new(OneDevice(device)), ServerConfig::default());
+    let server = NbdServer::new(Arc::new(OneDevice(device)), ServerConfig::default()).unwrap();
     server.listen_unix(&dir.socket()).unwrap();
     format!("nbd+unix:///vol?socket={}", dir.socket().display())
 }
@@ -269,7 +269,8 @@ fn tcp_and_ipv6_addresses_reach_the_server() {
     let server = NbdServer::new(
         Arc::new(OneDevice(Arc::new(MemoryDevice::new(8 * MIB)))),
         ServerConfig::default(),
-    );
+    )
+    .unwrap();
     let v4 = server.listen_tcp("127.0.0.1:0").unwrap();
     let client = connect(
         &format!("nbd://127.0.0.1:{}/vol", v4.port()),

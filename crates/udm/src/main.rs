@@ -78,8 +78,24 @@ enum Command {
         /// Expose every device as a file under this FUSE mount point.
         #[arg(long, value_name = "MOUNTPOINT")]
         fuse: Option<PathBuf>,
-        /// Requests each NBD connection may have in progress at once.
-        #[arg(long, default_value_t = 32)]
+        /// What serves NBD connections: io_uring event loops (uring), a thread per request in
+        /// progress (threads), or io_uring when it works here and threads otherwise (auto).
+        /// The log says which serves.
+        #[arg(long, value_enum, default_value_t = NbdEngineArg::Auto)]
+        nbd_engine: NbdEngineArg,
+        /// Event-loop threads serving every NBD connection (io_uring engine; default: one per
+        /// CPU).
+        #[arg(long, value_name = "N")]
+        nbd_loops: Option<usize>,
+        /// Threads running the NBD requests a device cannot remap onto its files (io_uring
+        /// engine): delays, partial clone writes, remote sources, discards.
+        #[arg(long, default_value_t = 16, value_name = "N")]
+        nbd_pool_threads: usize,
+        /// Requests one NBD connection may have read and not yet answered (io_uring engine).
+        #[arg(long, default_value_t = 128, value_name = "N")]
+        nbd_queue_depth: usize,
+        /// Threads per NBD connection, each with one request in progress (threads engine).
+        #[arg(long, default_value_t = 32, value_name = "N")]
         nbd_threads: usize,
         /// Memory all NBD connections together may hold in request buffers (K, M, G suffixes);
         /// requests wait for room. One larger than the budget waits until it can be served
@@ -196,6 +212,23 @@ fn main() -> ExitCode {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+enum NbdEngineArg {
+    Auto,
+    Uring,
+    Threads,
+}
+
+impl From<NbdEngineArg> for udm_nbd::Engine {
+    fn from(arg: NbdEngineArg) -> Self {
+        match arg {
+            NbdEngineArg::Auto => udm_nbd::Engine::Auto,
+            NbdEngineArg::Uring => udm_nbd::Engine::Uring,
+            NbdEngineArg::Threads => udm_nbd::Engine::Threads,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum TlsArg {
     Off,
     On,
@@ -232,6 +265,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             tls_certificates,
             tls_verify_peer,
             fuse,
+            nbd_engine,
+            nbd_loops,
+            nbd_pool_threads,
+            nbd_queue_depth,
             nbd_threads,
             nbd_buffer_budget,
             nbd_max_connections_per_client,
@@ -239,16 +276,25 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             fuse_threads,
             remote_timeout,
         } => {
+            let defaults = udm_nbd::ServerConfig::default();
+            let nbd_config = udm_nbd::ServerConfig {
+                engine: nbd_engine.into(),
+                loop_threads: nbd_loops.unwrap_or(defaults.loop_threads),
+                pool_threads: nbd_pool_threads,
+                queue_depth: nbd_queue_depth,
+                workers_per_connection: nbd_threads,
+                max_connections_per_client: nbd_max_connections_per_client as usize,
+                idle_timeout: (!nbd_idle_timeout.is_zero()).then_some(nbd_idle_timeout),
+                buffer_budget: nbd_buffer_budget,
+                ..defaults
+            };
             return daemon::run(daemon::DaemonOptions {
                 state_dir,
                 control: cli.control,
                 nbd,
                 tls: tls_server(tls, tls_certificates, tls_verify_peer)?,
                 fuse,
-                nbd_threads,
-                nbd_buffer_budget,
-                nbd_max_connections_per_client: nbd_max_connections_per_client as usize,
-                nbd_idle_timeout: (!nbd_idle_timeout.is_zero()).then_some(nbd_idle_timeout),
+                nbd_config,
                 fuse_threads,
                 remote_timeout: std::time::Duration::from_secs(remote_timeout),
             });

@@ -28,10 +28,8 @@ pub struct DaemonOptions {
     /// filesystem permissions instead.
     pub tls: Option<TlsServer>,
     pub fuse: Option<PathBuf>,
-    pub nbd_threads: usize,
-    pub nbd_buffer_budget: usize,
-    pub nbd_max_connections_per_client: usize,
-    pub nbd_idle_timeout: Option<std::time::Duration>,
+    /// Engine, limits and timeouts of the NBD server.
+    pub nbd_config: ServerConfig,
     pub fuse_threads: usize,
     pub remote_timeout: std::time::Duration,
 }
@@ -121,16 +119,8 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
         registry: registry.clone(),
         as_files: false,
     });
-    let server = NbdServer::new(
-        catalog.clone(),
-        ServerConfig {
-            workers_per_connection: options.nbd_threads,
-            max_connections_per_client: options.nbd_max_connections_per_client,
-            idle_timeout: options.nbd_idle_timeout,
-            buffer_budget: options.nbd_buffer_budget,
-            ..ServerConfig::default()
-        },
-    );
+    let server =
+        NbdServer::new(catalog.clone(), options.nbd_config.clone()).context("NBD server")?;
     for listener in &options.nbd {
         let catalog = listener.catalog(catalog.clone());
         match &listener.address {

@@ -1,0 +1,812 @@
+//! The transmission phase on io_uring: a few event-loop threads serve every connection.
+//!
+//! Each loop owns one ring. On it, each connection has at most one receive and one send in
+//! flight; requests are parsed out of the receive buffer, remapped through the device
+//! ([`udm_block::BlockDevice::map`]) and executed by the [`Engine`] on the same ring, and
+//! their replies go out in batches, in completion order. A request the device cannot remap
+//! runs on the [`Pool`] and its result comes back through the loop's mailbox, so no loop ever
+//! waits on a disk, a slow target or a client.
+//!
+//! Memory: every request buffer comes from the server's [`BufferBudget`] without waiting
+//! (`try_take`); a connection that finds no room stops reading until buffers come back. Each
+//! connection also has at most `queue_depth` requests parsed and not yet replied to.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use io_uring::{opcode, squeue, types, IoUring};
+use log::{debug, error, info, warn};
+use udm_block::{BlockError, Checked};
+use udm_uring::{is_engine, Engine};
+
+use crate::budget::{BufferBudget, Payload};
+use crate::commands::{map_op, Outcome, Reply, Session};
+use crate::handshake::{Negotiated, MAX_PAYLOAD};
+use crate::pool::Pool;
+use crate::protocol::*;
+use crate::stream::Stream;
+use crate::ServerConfig;
+
+const RECEIVE_BUFFER: usize = 256 << 10;
+/// Replies sent with one sendmsg at most.
+const SEND_BATCH: usize = 64;
+const RING_ENTRIES: u32 = 1024;
+/// How often idle and stalled connections are looked for.
+const TICK: Duration = Duration::from_millis(200);
+/// How soon a connection waiting for buffer room looks again.
+const BUDGET_RETRY: Duration = Duration::from_millis(2);
+
+// Kinds of the loop's own entries, in the low bits of user_data (the connection above).
+const RECV: u64 = 1;
+const SEND: u64 = 2;
+const WAKE: u64 = 3;
+const KIND_BITS: u32 = 8;
+
+fn user_data(conn: usize, kind: u64) -> u64 {
+    (conn as u64) << KIND_BITS | kind
+}
+
+/// A negotiated connection handed to a loop, with what must live as long as it.
+pub(crate) struct Attach {
+    pub stream: Stream,
+    pub negotiated: Negotiated,
+    /// The connection's place in the server's counts.
+    pub slot: Box<dyn Any + Send>,
+}
+
+enum Message {
+    Attach(Box<Attach>),
+    /// A pool job finished.
+    Done {
+        conn: usize,
+        request: Request,
+        result: Result<Outcome, BlockError>,
+        payload: Option<Payload>,
+    },
+}
+
+/// Where other threads leave work for a loop; the eventfd wakes it.
+struct Mailbox {
+    messages: Mutex<Vec<Message>>,
+    wake: OwnedFd,
+}
+
+impl Mailbox {
+    fn post(&self, message: Message) {
+        self.messages
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(message);
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a u64 to our eventfd.
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    fn take(&self) -> Vec<Message> {
+        std::mem::take(&mut *self.messages.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// The running loops; connections are dealt to them in turn.
+pub(crate) struct Loops {
+    mailboxes: Vec<Arc<Mailbox>>,
+    next: AtomicUsize,
+}
+
+impl Loops {
+    /// Starts `config.loop_threads` loops. Fails (and the caller falls back to the threaded
+    /// server) when io_uring cannot be used.
+    pub fn start(
+        config: &ServerConfig,
+        budget: Arc<BufferBudget>,
+        pool: Arc<Pool>,
+    ) -> io::Result<Loops> {
+        let mut mailboxes = Vec::new();
+        for i in 0..config.loop_threads.max(1) {
+            let ring = IoUring::builder()
+                .setup_cqsize(RING_ENTRIES * 8)
+                .build(RING_ENTRIES)?;
+            // SAFETY: eventfd returns a new descriptor or -1.
+            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let mailbox = Arc::new(Mailbox {
+                messages: Mutex::new(Vec::new()),
+                // SAFETY: fd is a fresh descriptor we own.
+                wake: unsafe { OwnedFd::from_raw_fd(fd) },
+            });
+            let (mailbox_here, budget, pool) = (mailbox.clone(), budget.clone(), pool.clone());
+            let (queue_depth, idle_timeout) = (config.queue_depth.max(1), config.idle_timeout);
+            let write_timeout = config.handshake_timeout;
+            // Built on its thread: a loop holds raw pointers (in-flight buffers) it never shares.
+            let event_loop = move || EventLoop {
+                ring,
+                engine: Engine::new(),
+                conns: Vec::new(),
+                free: Vec::new(),
+                mailbox: mailbox_here,
+                wake_value: Box::new(0),
+                queued: Vec::new(),
+                backlog: VecDeque::new(),
+                dirty: Vec::new(),
+                budget,
+                pool,
+                queue_depth,
+                idle_timeout,
+                write_timeout,
+                last_tick: Instant::now(),
+            };
+            std::thread::Builder::new()
+                .name(format!("nbd-loop-{i}"))
+                .spawn(move || event_loop().run())?;
+            mailboxes.push(mailbox);
+        }
+        Ok(Loops {
+            mailboxes,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn attach(&self, attach: Attach) {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.mailboxes.len();
+        self.mailboxes[i].post(Message::Attach(Box::new(attach)));
+    }
+}
+
+/// A remapped request on the engine: its header and its buffer, kept until it completes.
+struct Mapped {
+    request: Request,
+    payload: Option<Payload>,
+}
+
+/// Replies on the wire: kept, with the iovecs and header sendmsg reads, until sent.
+struct Sending {
+    /// What the iovecs point into.
+    _replies: Vec<Reply>,
+    iovecs: Vec<libc::iovec>,
+    header: Box<libc::msghdr>,
+    /// First iovec not yet sent in full.
+    first: usize,
+    since: Instant,
+}
+
+struct Conn {
+    session: Arc<Session>,
+    stream: Stream,
+    _export: Box<dyn Any + Send + Sync>,
+    _slot: Box<dyn Any + Send>,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    receiving: bool,
+    /// A write whose payload is still arriving: bytes of it received so far.
+    writing: Option<(Request, Payload, usize)>,
+    mapped: Vec<Option<Mapped>>,
+    mapped_free: Vec<usize>,
+    /// Requests read and not yet answered (their replies not yet queued).
+    in_flight: usize,
+    replies: VecDeque<Reply>,
+    sending: Option<Sending>,
+    /// No more requests are read (disconnect, end of stream, idle); the connection ends once
+    /// what is in flight is answered.
+    closing: bool,
+    /// The socket is gone: replies are dropped, and the connection ends once nothing of its
+    /// is in flight.
+    dead: bool,
+    waiting_for_budget: bool,
+    last_active: Instant,
+}
+
+impl Conn {
+    fn finished(&self) -> bool {
+        self.closing
+            && self.in_flight == 0
+            && !self.receiving
+            && self.sending.is_none()
+            && (self.replies.is_empty() || self.dead)
+    }
+}
+
+struct EventLoop {
+    ring: IoUring,
+    engine: Engine,
+    conns: Vec<Option<Conn>>,
+    free: Vec<usize>,
+    mailbox: Arc<Mailbox>,
+    /// Where the eventfd read lands.
+    wake_value: Box<u64>,
+    /// Entries waiting for room in the submission queue.
+    queued: Vec<squeue::Entry>,
+    /// Completions reaped early (to make room for submissions), not yet handled.
+    backlog: VecDeque<(u64, i32)>,
+    /// Connections to look at once this round's completions are handled.
+    dirty: Vec<usize>,
+    budget: Arc<BufferBudget>,
+    pool: Arc<Pool>,
+    queue_depth: usize,
+    idle_timeout: Option<Duration>,
+    write_timeout: Duration,
+    last_tick: Instant,
+}
+
+impl EventLoop {
+    fn run(mut self) {
+        self.arm_wake();
+        loop {
+            self.submit_queued();
+            let wait = if self.conns.iter().flatten().any(|c| c.waiting_for_budget) {
+                BUDGET_RETRY
+            } else {
+                TICK
+            };
+            let timeout = types::Timespec::from(wait);
+            let args = types::SubmitArgs::new().timespec(&timeout);
+            if self.backlog.is_empty() {
+                match self.ring.submitter().submit_with_args(1, &args) {
+                    Ok(_) => {}
+                    Err(e)
+                        if matches!(
+                            e.raw_os_error(),
+                            Some(libc::ETIME | libc::EINTR | libc::EBUSY)
+                        ) => {}
+                    Err(e) => {
+                        error!("nbd: event loop cannot wait on its ring: {e}");
+                        std::thread::sleep(BUDGET_RETRY);
+                    }
+                }
+            }
+            self.reap();
+            while let Some((user_data, result)) = self.backlog.pop_front() {
+                // A bug here must not take every connection of the loop down with it.
+                if let Err(panic) =
+                    catch_unwind(AssertUnwindSafe(|| self.complete(user_data, result)))
+                {
+                    let why = crate::commands::panic_message(&*panic).to_string();
+                    error!("nbd: event loop: handling a completion panicked: {why}");
+                }
+            }
+            if self.last_tick.elapsed() >= TICK {
+                self.tick();
+            }
+            let waiting = self.conns.iter().enumerate();
+            let waiting = waiting.filter(|(_, c)| c.as_ref().is_some_and(|c| c.waiting_for_budget));
+            self.dirty.extend(waiting.map(|(i, _)| i));
+            let mut dirty = std::mem::take(&mut self.dirty);
+            dirty.sort_unstable();
+            dirty.dedup();
+            for c in dirty {
+                self.pump(c);
+            }
+        }
+    }
+
+    fn reap(&mut self) {
+        self.backlog
+            .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+    }
+
+    /// Moves queued entries into the submission queue, submitting whenever it is full.
+    fn submit_queued(&mut self) {
+        let mut done = 0;
+        while done < self.queued.len() {
+            {
+                let mut sq = self.ring.submission();
+                while done < self.queued.len() {
+                    // SAFETY: every entry's buffers are owned by a connection, a mapped
+                    // request or the loop, and stay alive until its completion is handled.
+                    if unsafe { sq.push(&self.queued[done]) }.is_err() {
+                        break;
+                    }
+                    done += 1;
+                }
+            }
+            if done < self.queued.len() {
+                match self.ring.submit() {
+                    Ok(_) => {}
+                    // The completion queue is backed up: take completions to make room.
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => self.reap(),
+                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                    Err(e) => {
+                        error!("nbd: event loop cannot submit: {e}");
+                        std::thread::sleep(BUDGET_RETRY);
+                    }
+                }
+            }
+        }
+        self.queued.clear();
+    }
+
+    fn arm_wake(&mut self) {
+        let fd = types::Fd(self.mailbox.wake.as_raw_fd());
+        let into: *mut u64 = &mut *self.wake_value;
+        self.queued.push(
+            opcode::Read::new(fd, into.cast(), 8)
+                .build()
+                .user_data(user_data(0, WAKE)),
+        );
+    }
+
+    fn complete(&mut self, user_data: u64, result: i32) {
+        if is_engine(user_data) {
+            let queued = &mut self.queued;
+            if let Some((owner, outcome)) = self
+                .engine
+                .complete(user_data, result, &mut |e| queued.push(e))
+            {
+                self.mapped_done(owner, outcome);
+            }
+            return;
+        }
+        let conn = (user_data >> KIND_BITS) as usize;
+        match user_data & ((1 << KIND_BITS) - 1) {
+            WAKE => {
+                self.arm_wake();
+                for message in self.mailbox.take() {
+                    match message {
+                        Message::Attach(attach) => self.attach(*attach),
+                        Message::Done {
+                            conn,
+                            request,
+                            result,
+                            payload,
+                        } => self.answer(conn, &request, result, payload),
+                    }
+                }
+            }
+            RECV => self.received(conn, result),
+            SEND => self.sent(conn, result),
+            other => warn!("nbd: event loop: completion of unknown kind {other}"),
+        }
+    }
+
+    fn attach(&mut self, attach: Attach) {
+        let Attach {
+            stream,
+            negotiated,
+            slot,
+        } = attach;
+        let Negotiated {
+            name,
+            export,
+            structured,
+            base_allocation,
+        } = negotiated;
+        // Timeouts are the loop's now; the socket's own would only confuse io_uring.
+        let _ = stream.set_read_timeout(None);
+        let _ = stream.set_write_timeout(None);
+        let session = Arc::new(Session {
+            name,
+            device: Arc::new(Checked::new(export.device.clone(), export.read_only)),
+            structured,
+            base_allocation,
+        });
+        let conn = Conn {
+            session,
+            stream,
+            _export: export.open_guard,
+            _slot: slot,
+            buf: vec![0u8; RECEIVE_BUFFER].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            receiving: false,
+            writing: None,
+            mapped: Vec::new(),
+            mapped_free: Vec::new(),
+            in_flight: 0,
+            replies: VecDeque::new(),
+            sending: None,
+            closing: false,
+            dead: false,
+            waiting_for_budget: false,
+            last_active: Instant::now(),
+        };
+        let index = match self.free.pop() {
+            Some(i) => {
+                self.conns[i] = Some(conn);
+                i
+            }
+            None => {
+                self.conns.push(Some(conn));
+                self.conns.len() - 1
+            }
+        };
+        self.dirty.push(index);
+    }
+
+    fn received(&mut self, index: usize, result: i32) {
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        conn.receiving = false;
+        match result {
+            n if n > 0 => {
+                conn.end += n as usize;
+                conn.last_active = Instant::now();
+            }
+            0 => conn.closing = true,
+            n if matches!(-n, libc::EINTR | libc::EAGAIN) => {}
+            n => {
+                let err = io::Error::from_raw_os_error(-n);
+                self.abort(index, &format!("reading a request: {err}"));
+            }
+        }
+        self.dirty.push(index);
+    }
+
+    fn sent(&mut self, index: usize, result: i32) {
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        let Some(sending) = conn.sending.as_mut() else {
+            return;
+        };
+        if result < 0 {
+            if matches!(-result, libc::EINTR | libc::EAGAIN) {
+                let entry = send_entry(index, &conn.stream, sending);
+                self.queued.push(entry);
+                return;
+            }
+            let err = io::Error::from_raw_os_error(-result);
+            self.abort(index, &format!("sending a reply: {err}"));
+            if let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) {
+                conn.sending = None;
+            }
+            self.dirty.push(index);
+            return;
+        }
+        let mut left = result as usize;
+        while left > 0 && sending.first < sending.iovecs.len() {
+            let iov = &mut sending.iovecs[sending.first];
+            let n = left.min(iov.iov_len);
+            // SAFETY: advances within the iovec's own buffer.
+            iov.iov_base = unsafe { iov.iov_base.cast::<u8>().add(n) }.cast();
+            iov.iov_len -= n;
+            left -= n;
+            if iov.iov_len == 0 {
+                sending.first += 1;
+            }
+        }
+        sending.since = Instant::now();
+        if sending.first < sending.iovecs.len() {
+            let entry = send_entry(index, &conn.stream, sending);
+            self.queued.push(entry);
+            return;
+        }
+        conn.sending = None;
+        conn.last_active = Instant::now();
+        self.dirty.push(index);
+    }
+
+    /// Ends a connection whose socket failed or whose client broke the protocol: what is in
+    /// flight finishes, and its replies are dropped.
+    fn abort(&mut self, index: usize, why: &str) {
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        if !conn.dead {
+            if conn.closing {
+                debug!(
+                    "nbd export '{}': connection ended: {why}",
+                    conn.session.name
+                );
+            } else {
+                warn!(
+                    "nbd export '{}': closing connection: {why}",
+                    conn.session.name
+                );
+            }
+        }
+        conn.dead = true;
+        conn.closing = true;
+        conn.writing = None;
+        conn.replies.clear();
+        conn.stream.shutdown();
+        self.dirty.push(index);
+    }
+
+    /// Parses what has arrived, starts the next receive and send, and ends the connection
+    /// when it is done.
+    fn pump(&mut self, index: usize) {
+        if !self
+            .conns
+            .get_mut(index)
+            .and_then(Option::as_mut)
+            .is_some_and(|c| !c.closing)
+        {
+            return self.finish_if_done(index);
+        }
+        self.parse(index);
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        if conn.buf.len() - conn.end < REQUEST_HEADER_LEN || conn.start == conn.end {
+            // Keep the unparsed bytes at the front so the next receive has room.
+            conn.buf.copy_within(conn.start..conn.end, 0);
+            conn.end -= conn.start;
+            conn.start = 0;
+        }
+        let busy = conn.in_flight + conn.replies.len() >= self.queue_depth;
+        if !conn.receiving && !conn.closing && !conn.dead && !conn.waiting_for_budget && !busy {
+            conn.receiving = true;
+            let room = &mut conn.buf[conn.end..];
+            let entry = opcode::Recv::new(fd(&conn.stream), room.as_mut_ptr(), room.len() as u32)
+                .build()
+                .user_data(user_data(index, RECV));
+            self.queued.push(entry);
+        }
+        self.finish_if_done(index);
+    }
+
+    fn finish_if_done(&mut self, index: usize) {
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        if conn.sending.is_none() && !conn.replies.is_empty() && !conn.dead {
+            let count = conn.replies.len().min(SEND_BATCH);
+            let replies: Vec<Reply> = conn.replies.drain(..count).collect();
+            let iovecs: Vec<libc::iovec> = replies
+                .iter()
+                .flat_map(|r| r.slices())
+                .map(|s| libc::iovec {
+                    iov_base: s.as_ptr() as *mut _,
+                    iov_len: s.len(),
+                })
+                .collect();
+            // SAFETY: msghdr is plain data; zeroed means no address and no control data.
+            let header: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
+            let mut sending = Sending {
+                _replies: replies,
+                iovecs,
+                header,
+                first: 0,
+                since: Instant::now(),
+            };
+            let entry = send_entry(index, &conn.stream, &mut sending);
+            conn.sending = Some(sending);
+            self.queued.push(entry);
+        }
+        if conn.finished() {
+            debug!("nbd: client detached from '{}'", conn.session.name);
+            self.conns[index] = None;
+            self.free.push(index);
+        }
+    }
+
+    fn parse(&mut self, index: usize) {
+        loop {
+            let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+                return;
+            };
+            conn.waiting_for_budget = false;
+            if conn.closing || conn.in_flight + conn.replies.len() >= self.queue_depth {
+                return;
+            }
+            if let Some((_, payload, got)) = conn.writing.as_mut() {
+                let n = (payload.len() - *got).min(conn.end - conn.start);
+                payload[*got..*got + n].copy_from_slice(&conn.buf[conn.start..conn.start + n]);
+                *got += n;
+                conn.start += n;
+                if *got < payload.len() {
+                    return;
+                }
+                let (request, payload, _) = conn.writing.take().expect("checked above");
+                self.dispatch(index, request, Some(payload));
+                continue;
+            }
+            if conn.end - conn.start < REQUEST_HEADER_LEN {
+                return;
+            }
+            let header: &[u8; REQUEST_HEADER_LEN] = conn.buf
+                [conn.start..conn.start + REQUEST_HEADER_LEN]
+                .try_into()
+                .expect("sliced to length");
+            let request = match parse_request(header) {
+                Ok(r) => r,
+                Err(e) => return self.abort(index, &format!("reading a request: {e}")),
+            };
+            let wants_buffer = match request.command {
+                CMD_DISC => {
+                    conn.start += REQUEST_HEADER_LEN;
+                    conn.closing = true;
+                    return;
+                }
+                CMD_WRITE if request.length > MAX_PAYLOAD => {
+                    let why = format!(
+                        "write of {} bytes exceeds the {MAX_PAYLOAD}-byte limit",
+                        request.length
+                    );
+                    return self.abort(index, &why);
+                }
+                CMD_WRITE => true,
+                CMD_READ => conn.session.validate(&request).is_ok(),
+                _ => false,
+            };
+            let payload = if wants_buffer {
+                match self.budget.try_take(request.length as usize) {
+                    Some(payload) => Some(payload),
+                    None => {
+                        // Leave the header where it is and look again soon.
+                        conn.waiting_for_budget = true;
+                        return;
+                    }
+                }
+            } else {
+                None
+            };
+            conn.start += REQUEST_HEADER_LEN;
+            conn.last_active = Instant::now();
+            if request.command == CMD_WRITE {
+                conn.writing = Some((request, payload.expect("taken above"), 0));
+                continue;
+            }
+            self.dispatch(index, request, payload);
+        }
+    }
+
+    /// Starts a request: remapped onto the engine when the device can say where it lives,
+    /// on the pool otherwise.
+    fn dispatch(&mut self, index: usize, request: Request, mut payload: Option<Payload>) {
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        conn.in_flight += 1;
+        let session = conn.session.clone();
+        if let Err(e) = session.validate(&request) {
+            return self.answer(index, &request, Err(e), payload);
+        }
+        if let Some(op) = map_op(&request) {
+            let device = &session.device;
+            let (offset, len) = (request.offset, u64::from(request.length));
+            // A panic in a target's map() fails its request like one in its I/O would.
+            let mapping = catch_unwind(AssertUnwindSafe(|| {
+                udm_block::BlockDevice::map(&**device, op, offset, len)
+            }));
+            match mapping {
+                Err(panic) => {
+                    let why = crate::commands::panic_message(&*panic).to_string();
+                    warn!(
+                        "nbd export '{}': mapping a request panicked: {why}",
+                        session.name
+                    );
+                    let e = BlockError::Io(format!("the request failed: {why}"));
+                    return self.answer(index, &request, Err(e), payload);
+                }
+                Ok(Some(mapping)) => {
+                    let buf = payload
+                        .as_deref_mut()
+                        .map_or(std::ptr::null_mut(), |p| p.as_mut_ptr());
+                    let conn = self.conns[index].as_mut().expect("present");
+                    let slot = conn.mapped_free.pop().unwrap_or_else(|| {
+                        conn.mapped.push(None);
+                        conn.mapped.len() - 1
+                    });
+                    conn.mapped[slot] = Some(Mapped { request, payload });
+                    let owner = (index as u64) << 32 | slot as u64;
+                    let queued = &mut self.queued;
+                    // SAFETY: the buffer is the payload now held in `conn.mapped[slot]`,
+                    // which stays there (and the connection stays) until the engine says
+                    // the request is complete.
+                    let done = unsafe {
+                        self.engine
+                            .start(op, mapping, buf, owner, &mut |e| queued.push(e))
+                    };
+                    if let Some(outcome) = done {
+                        self.mapped_done(owner, outcome);
+                    }
+                    return;
+                }
+                Ok(None) => {}
+            }
+        }
+        let mailbox = self.mailbox.clone();
+        self.pool.submit(Box::new(move || {
+            let result = session.execute(&request, payload.as_deref_mut());
+            mailbox.post(Message::Done {
+                conn: index,
+                request,
+                result,
+                payload,
+            });
+        }));
+    }
+
+    fn mapped_done(&mut self, owner: u64, outcome: Result<(), BlockError>) {
+        let index = (owner >> 32) as usize;
+        let slot = (owner & 0xffff_ffff) as usize;
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        let Some(Mapped { request, payload }) = conn.mapped[slot].take() else {
+            return;
+        };
+        conn.mapped_free.push(slot);
+        let result = outcome.map(|()| {
+            if request.command == CMD_READ {
+                Outcome::Read
+            } else {
+                Outcome::Done
+            }
+        });
+        self.answer(index, &request, result, payload);
+    }
+
+    /// Queues the reply to a request that has finished.
+    fn answer(
+        &mut self,
+        index: usize,
+        request: &Request,
+        result: Result<Outcome, BlockError>,
+        payload: Option<Payload>,
+    ) {
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        conn.in_flight -= 1;
+        conn.last_active = Instant::now();
+        if !conn.dead {
+            let reply = conn.session.reply(request, result, payload);
+            conn.replies.push_back(reply);
+        }
+        self.dirty.push(index);
+    }
+
+    /// Closes idle connections and those whose client stopped reading its replies.
+    fn tick(&mut self) {
+        self.last_tick = Instant::now();
+        for index in 0..self.conns.len() {
+            let stalled = self.conns[index].as_ref().is_some_and(|c| {
+                !c.dead
+                    && c.sending
+                        .as_ref()
+                        .is_some_and(|s| s.since.elapsed() > self.write_timeout)
+            });
+            if stalled {
+                let why = format!("the client read no reply for {:?}", self.write_timeout);
+                self.abort(index, &why);
+                continue;
+            }
+            let Some(idle) = self.idle_timeout else {
+                continue;
+            };
+            let Some(conn) = self.conns[index].as_mut().filter(|c| !c.dead) else {
+                continue;
+            };
+            let quiet = conn.in_flight == 0
+                && conn.replies.is_empty()
+                && conn.sending.is_none()
+                && conn.writing.is_none()
+                && conn.start == conn.end;
+            if !conn.closing && quiet && conn.last_active.elapsed() >= idle {
+                info!(
+                    "nbd export '{}': closing a connection idle for {idle:?}",
+                    conn.session.name
+                );
+                conn.closing = true;
+                conn.stream.shutdown();
+                self.dirty.push(index);
+            }
+        }
+    }
+}
+
+fn fd(stream: &Stream) -> types::Fd {
+    types::Fd(stream.as_raw_fd())
+}
+
+/// The sendmsg entry for what is left of `sending`.
+fn send_entry(index: usize, stream: &Stream, sending: &mut Sending) -> squeue::Entry {
+    let rest = &mut sending.iovecs[sending.first..];
+    sending.header.msg_iov = rest.as_mut_ptr();
+    sending.header.msg_iovlen = rest.len() as _;
+    opcode::SendMsg::new(fd(stream), &*sending.header)
+        .flags(libc::MSG_NOSIGNAL as u32)
+        .build()
+        .user_data(user_data(index, SEND))
+}
