@@ -37,6 +37,8 @@ const RECEIVE_BUFFER: usize = 256 << 10;
 /// Replies sent with one sendmsg at most.
 const SEND_BATCH: usize = 64;
 const RING_ENTRIES: u32 = 1024;
+/// io-wq threads per loop, for bounded (disk) and unbounded work each.
+const IO_WORKERS: u32 = 4;
 /// How often idle and stalled connections are looked for.
 const TICK: Duration = Duration::from_millis(200);
 /// How soon a connection waiting for buffer room looks again.
@@ -112,6 +114,12 @@ impl Loops {
             let ring = IoUring::builder()
                 .setup_cqsize(RING_ENTRIES * 8)
                 .build(RING_ENTRIES)?;
+            // The kernel runs what cannot complete at once (allocating writes, syncs) on
+            // io-wq threads of the daemon's; bound them so a burst cannot add hundreds.
+            let mut workers = [IO_WORKERS, IO_WORKERS];
+            if let Err(e) = ring.submitter().register_iowq_max_workers(&mut workers) {
+                debug!("nbd: cannot bound io_uring's worker threads: {e}");
+            }
             // SAFETY: eventfd returns a new descriptor or -1.
             let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
             if fd < 0 {

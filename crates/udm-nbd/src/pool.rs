@@ -1,59 +1,118 @@
 //! The bounded pool of threads that run the requests the event loops cannot remap (a partial
 //! clone write, delay, flakey, log-writes, a remote source, discards, block status): the
 //! synchronous `BlockDevice` path, off the loops so a slow target never stalls a loop.
+//!
+//! Threads start when work arrives and no thread is free, up to the bound, and end after a
+//! while without work, so an idle daemon (or one whose devices all remap) keeps none.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use log::warn;
 
 pub(crate) type Job = Box<dyn FnOnce() + Send>;
 
+/// How long a thread waits for work before it ends.
+const IDLE: Duration = Duration::from_secs(10);
+
 pub(crate) struct Pool {
-    queue: Mutex<VecDeque<Job>>,
+    max_threads: usize,
+    state: Mutex<State>,
     ready: Condvar,
 }
 
+#[derive(Default)]
+struct State {
+    queue: VecDeque<Job>,
+    threads: usize,
+    idle: usize,
+}
+
 impl Pool {
-    /// Starts `threads` workers (at least one). They live as long as the process.
-    pub fn start(threads: usize) -> std::io::Result<Arc<Pool>> {
-        let pool = Arc::new(Pool {
-            queue: Mutex::new(VecDeque::new()),
+    /// A pool of at most `max_threads` (at least one).
+    pub fn new(max_threads: usize) -> Arc<Pool> {
+        Arc::new(Pool {
+            max_threads: max_threads.max(1),
+            state: Mutex::new(State::default()),
             ready: Condvar::new(),
-        });
-        for i in 0..threads.max(1) {
-            let pool = pool.clone();
-            std::thread::Builder::new()
-                .name(format!("nbd-pool-{i}"))
-                .spawn(move || pool.work())?;
-        }
-        Ok(pool)
+        })
     }
 
-    pub fn submit(&self, job: Job) {
-        self.queue
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(job);
-        self.ready.notify_one();
+    pub fn submit(self: &Arc<Self>, job: Job) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.queue.push_back(job);
+        if state.idle >= state.queue.len() || state.threads >= self.max_threads {
+            drop(state);
+            return self.ready.notify_one();
+        }
+        state.threads += 1;
+        drop(state);
+        let pool = self.clone();
+        let started = std::thread::Builder::new()
+            .name("nbd-pool".into())
+            .spawn(move || pool.work());
+        if let Err(e) = started {
+            // The queued job waits for a running thread; with none, the next submit tries again.
+            warn!("nbd: cannot start a pool thread: {e}");
+            self.state.lock().unwrap_or_else(|e| e.into_inner()).threads -= 1;
+        }
     }
 
     fn work(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            let job = {
-                let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-                loop {
-                    match queue.pop_front() {
-                        Some(job) => break job,
-                        None => queue = self.ready.wait(queue).unwrap_or_else(|e| e.into_inner()),
-                    }
+            let Some(job) = state.queue.pop_front() else {
+                state.idle += 1;
+                let (next, waited) = self
+                    .ready
+                    .wait_timeout(state, IDLE)
+                    .unwrap_or_else(|e| e.into_inner());
+                state = next;
+                state.idle -= 1;
+                if waited.timed_out() && state.queue.is_empty() {
+                    state.threads -= 1;
+                    return;
                 }
+                continue;
             };
+            drop(state);
             // Jobs catch their requests' panics themselves (an error reply); this one only
-            // keeps the worker alive through a bug outside them.
+            // keeps the thread alive through a bug outside them.
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
                 warn!("nbd: a pool job panicked");
             }
+            state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    #[test]
+    fn runs_jobs_on_at_most_its_bound_of_threads() {
+        let pool = Pool::new(2);
+        let (tx, rx) = mpsc::channel();
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        for i in 0..5 {
+            let (tx, gate) = (tx.clone(), gate.clone());
+            pool.submit(Box::new(move || {
+                let mut open = gate.0.lock().unwrap();
+                while !*open {
+                    open = gate.1.wait(open).unwrap();
+                }
+                tx.send(i).unwrap();
+            }));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(pool.state.lock().unwrap().threads, 2);
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        let mut done: Vec<i32> = (0..5).map(|_| rx.recv_timeout(IDLE).unwrap()).collect();
+        done.sort();
+        assert_eq!(done, vec![0, 1, 2, 3, 4]);
     }
 }

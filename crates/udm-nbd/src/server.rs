@@ -159,8 +159,7 @@ impl NbdServer {
 
     fn start_loops(config: &ServerConfig, budget: &Arc<BufferBudget>) -> Result<Loops, String> {
         udm_uring::probe()?;
-        let pool = Pool::start(config.pool_threads)
-            .map_err(|e| format!("cannot start the request pool: {e}"))?;
+        let pool = Pool::new(config.pool_threads);
         let loops = Loops::start(config, budget.clone(), pool)
             .map_err(|e| format!("cannot start the io_uring event loops: {e}"))?;
         info!(
