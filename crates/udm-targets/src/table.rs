@@ -430,3 +430,66 @@ mod tests {
         assert!(table.target_at(16).is_none());
     }
 }
+
+#[cfg(test)]
+mod map_tests {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use udm_block::{BlockDevice, FileDevice, MapOp, OpenMode, Place};
+
+    use crate::testing::{build, AnyResolver};
+
+    fn file(tag: &str) -> (std::path::PathBuf, Arc<dyn BlockDevice>) {
+        let path = std::env::temp_dir().join(format!("udm-map-{tag}-{}", std::process::id()));
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let dev = Arc::new(FileDevice::open(&path, OpenMode::ReadWrite).unwrap());
+        (path, dev)
+    }
+
+    #[test]
+    fn linear_over_striped_over_two_files_maps_to_file_extents() {
+        let (a_path, a) = file("a");
+        let (b_path, b) = file("b");
+        let files = AnyResolver(HashMap::from([("a".to_string(), a), ("b".to_string(), b)]));
+        // 8 KiB chunks, alternating a and b; then a linear 4 KiB into it, and a zero tail.
+        let striped = build(&files, "0 2048 striped 2 16 a 0 b 0").unwrap();
+        let stacked = AnyResolver(HashMap::from([(
+            "s".to_string(),
+            Arc::new(striped) as Arc<dyn BlockDevice>,
+        )]));
+        let top = build(&stacked, "0 24 linear s 8\n24 64 zero").unwrap();
+        // The linear part is striped bytes 4096..16384: a 4096..8192, then b 0..8192.
+        let mapping = top.map(MapOp::Read, 0, 16384).unwrap();
+        let pieces: Vec<_> = mapping
+            .pieces
+            .iter()
+            .map(|p| match &p.place {
+                Place::File { file, offset } => {
+                    (p.at, p.len, Some((file.path().to_path_buf(), *offset)))
+                }
+                Place::Zero => (p.at, p.len, None),
+            })
+            .collect();
+        assert_eq!(
+            pieces,
+            vec![
+                (0, 4096, Some((a_path.clone(), 4096))),
+                (4096, 8192, Some((b_path.clone(), 0))),
+                (12288, 4096, None),
+            ]
+        );
+        // A flush syncs every file below.
+        let flush = top.map(MapOp::Flush, 0, 0).unwrap();
+        assert_eq!(flush.pieces.len(), 2);
+        // A target that handles its own I/O keeps the whole request.
+        let delayed = build(&files, "0 8 linear a 0\n8 8 delay b 0 10").unwrap();
+        assert!(delayed.map(MapOp::Read, 0, 4096).is_some());
+        assert!(delayed.map(MapOp::Read, 0, 8192).is_none());
+        std::fs::remove_file(a_path).unwrap();
+        std::fs::remove_file(b_path).unwrap();
+    }
+}

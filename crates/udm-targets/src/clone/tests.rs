@@ -615,3 +615,59 @@ fn a_whole_region_write_in_the_copiers_check_to_claim_gap_is_not_overwritten() {
         "the copier overwrote region {region} with source data"
     );
 }
+
+#[test]
+fn hydrated_regions_remap_onto_the_destination_and_the_rest_stays_with_the_clone() {
+    use udm_block::{FileDevice, MapOp, OpenMode, Place};
+    let path = std::env::temp_dir().join(format!("udm-clone-map-{}", std::process::id()));
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(4 * MIB)
+        .unwrap();
+    let dest = Arc::new(FileDevice::open(&path, OpenMode::ReadWrite).unwrap());
+    let devices: HashMap<String, Arc<dyn BlockDevice>> = [
+        (
+            "meta".to_string(),
+            Arc::new(Switchable::new(MIB)) as Arc<dyn BlockDevice>,
+        ),
+        ("dest".to_string(), dest as Arc<dyn BlockDevice>),
+        (
+            "source".to_string(),
+            Arc::new(Switchable::new(4 * MIB)) as Arc<dyn BlockDevice>,
+        ),
+    ]
+    .into();
+    let text = "0 8192 clone meta dest source 16 1 no_hydration";
+    let (table, _) = build_counting_events(&AnyResolver(devices), text).unwrap();
+    assert!(
+        table.map(MapOp::Read, 8192, 8192).is_none(),
+        "not hydrated yet"
+    );
+    // A whole-region write hydrates region 1.
+    let data = conformance::pattern(8192, 3);
+    table.write(8192, &data, WriteFlags::default()).unwrap();
+    let mapping = table
+        .map(MapOp::Read, 8192, 8192)
+        .expect("hydrated: remapped");
+    assert_eq!(mapping.pieces.len(), 1);
+    let piece = &mapping.pieces[0];
+    match &piece.place {
+        Place::File { file, offset } => {
+            assert_eq!(
+                (file.path(), *offset, piece.len),
+                (path.as_path(), 8192, 8192)
+            );
+        }
+        Place::Zero => panic!("mapped to zeroes"),
+    }
+    assert!(
+        table.map(MapOp::Read, 8192, 16384).is_none(),
+        "region 2 is not hydrated"
+    );
+    assert!(table.map(MapOp::Write { fua: false }, 8192, 4096).is_some());
+    // These commit the bitmap, which only the clone can do.
+    assert!(table.map(MapOp::Write { fua: true }, 8192, 4096).is_none());
+    assert!(table.map(MapOp::Flush, 0, 0).is_none());
+    drop(mapping);
+    std::fs::remove_file(&path).unwrap();
+}
