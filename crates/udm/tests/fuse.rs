@@ -29,6 +29,15 @@ impl Loop {
     }
 }
 
+/// Removes a device whose loop device was just detached: the kernel (or udev's probe of the
+/// detached device) may hold the file open a moment longer.
+fn remove_once_released(daemon: &Daemon, name: &str) {
+    wait_for(
+        || daemon.run_udm(&["remove", name]).status.success(),
+        "the detached loop device to release its file",
+    );
+}
+
 impl Drop for Loop {
     fn drop(&mut self) {
         let _ = Command::new("losetup").args(["-d", &self.0]).status();
@@ -385,7 +394,7 @@ fn ext4_under_log_writes_is_clean_at_every_fua_point() {
     churn(&mnt);
     mounted.unmount();
     drop(dev);
-    daemon.udm(&["remove", "lw"]);
+    remove_once_released(&daemon, "lw");
     let replay = daemon.dir.path("replay.img");
     sparse_file(&replay, 64 * MIB);
     // Check from the end of mkfs on: before it finishes there is no filesystem to check.
@@ -445,7 +454,7 @@ fn ext4_on_a_hydrating_clone_is_clean_at_every_fua_point_of_its_log() {
     churn(&mnt);
     mounted.unmount();
     drop(dev);
-    daemon.udm(&["remove", "lw"]);
+    remove_once_released(&daemon, "lw");
     // The clone read as the source when the log began: replay onto a copy of it.
     let replay = daemon.dir.path("replay.img");
     std::fs::copy(&source, &replay).unwrap();
