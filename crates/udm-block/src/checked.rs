@@ -155,6 +155,10 @@ impl<D: BlockDevice> BlockDevice for Checked<D> {
         checked.ok()?;
         self.inner.map(op, offset, len)
     }
+
+    fn suspended(&self) -> bool {
+        self.inner.suspended()
+    }
 }
 
 #[cfg(test)]

@@ -172,6 +172,12 @@ pub trait BlockDevice: Send + Sync {
     fn map(&self, _op: MapOp, _offset: u64, _len: u64) -> Option<Mapping> {
         None
     }
+
+    /// True while the device holds new I/O (dm's suspend): a caller that must not wait (an
+    /// event loop) holds its requests itself instead of sending them where they would block.
+    fn suspended(&self) -> bool {
+        false
+    }
 }
 
 const ZERO_CHUNK: usize = 1 << 20;
@@ -236,6 +242,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
         (**self).map(op, offset, len)
+    }
+    fn suspended(&self) -> bool {
+        (**self).suspended()
     }
 }
 

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 use log::{debug, error, info, warn};
-use udm_block::{BlockError, Checked};
+use udm_block::{BlockDevice, BlockError, Checked};
 use udm_uring::{is_engine, Engine};
 
 use crate::budget::{BufferBudget, Payload};
@@ -209,6 +209,9 @@ struct Conn {
     /// is in flight.
     dead: bool,
     waiting_for_budget: bool,
+    /// Requests held while the device is suspended, in arrival order (they would block a
+    /// pool thread each); started when it resumes.
+    held: VecDeque<(Request, Option<Payload>)>,
     last_active: Instant,
 }
 
@@ -249,7 +252,8 @@ impl EventLoop {
         self.arm_wake();
         loop {
             self.submit_queued();
-            let wait = if self.conns.iter().flatten().any(|c| c.waiting_for_budget) {
+            let waiting = |c: &Conn| c.waiting_for_budget || !c.held.is_empty();
+            let wait = if self.conns.iter().flatten().any(waiting) {
                 BUDGET_RETRY
             } else {
                 TICK
@@ -283,9 +287,9 @@ impl EventLoop {
             if self.last_tick.elapsed() >= TICK {
                 self.tick();
             }
-            let waiting = self.conns.iter().enumerate();
-            let waiting = waiting.filter(|(_, c)| c.as_ref().is_some_and(|c| c.waiting_for_budget));
-            self.dirty.extend(waiting.map(|(i, _)| i));
+            let retry = self.conns.iter().enumerate();
+            let retry = retry.filter(|(_, c)| c.as_ref().is_some_and(waiting));
+            self.dirty.extend(retry.map(|(i, _)| i));
             let mut dirty = std::mem::take(&mut self.dirty);
             dirty.sort_unstable();
             dirty.dedup();
@@ -413,6 +417,7 @@ impl EventLoop {
             closing: false,
             dead: false,
             waiting_for_budget: false,
+            held: VecDeque::new(),
             last_active: Instant::now(),
         };
         let index = match self.free.pop() {
@@ -514,6 +519,8 @@ impl EventLoop {
         conn.dead = true;
         conn.closing = true;
         conn.writing = None;
+        conn.in_flight -= conn.held.len();
+        conn.held.clear();
         conn.replies.clear();
         conn.stream.shutdown();
         self.dirty.push(index);
@@ -522,6 +529,7 @@ impl EventLoop {
     /// Parses what has arrived, starts the next receive and send, and ends the connection
     /// when it is done.
     fn pump(&mut self, index: usize) {
+        self.release_held(index);
         if !self
             .conns
             .get_mut(index)
@@ -658,24 +666,48 @@ impl EventLoop {
         }
     }
 
-    /// Starts a request: remapped onto the engine when the device can say where it lives,
-    /// on the pool otherwise.
-    fn dispatch(&mut self, index: usize, request: Request, mut payload: Option<Payload>) {
+    /// Counts a request in and starts it, holds it while the device is suspended, or
+    /// answers it at once if it is invalid.
+    fn dispatch(&mut self, index: usize, request: Request, payload: Option<Payload>) {
         let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
             return;
         };
         conn.in_flight += 1;
-        let session = conn.session.clone();
-        if let Err(e) = session.validate(&request) {
+        if let Err(e) = conn.session.validate(&request) {
             return self.answer(index, &request, Err(e), payload);
         }
+        if !conn.held.is_empty() || conn.session.device.suspended() {
+            return conn.held.push_back((request, payload));
+        }
+        self.start(index, request, payload);
+    }
+
+    /// Starts the requests held for a device that has resumed.
+    fn release_held(&mut self, index: usize) {
+        loop {
+            let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+                return;
+            };
+            if conn.held.is_empty() || conn.session.device.suspended() {
+                return;
+            }
+            let (request, payload) = conn.held.pop_front().expect("not empty");
+            self.start(index, request, payload);
+        }
+    }
+
+    /// Starts a counted, valid request: remapped onto the engine when the device can say
+    /// where it lives, on the pool otherwise.
+    fn start(&mut self, index: usize, request: Request, mut payload: Option<Payload>) {
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        let session = conn.session.clone();
         if let Some(op) = map_op(&request) {
             let device = &session.device;
             let (offset, len) = (request.offset, u64::from(request.length));
             // A panic in a target's map() fails its request like one in its I/O would.
-            let mapping = catch_unwind(AssertUnwindSafe(|| {
-                udm_block::BlockDevice::map(&**device, op, offset, len)
-            }));
+            let mapping = catch_unwind(AssertUnwindSafe(|| device.map(op, offset, len)));
             match mapping {
                 Err(panic) => {
                     let why = crate::commands::panic_message(&*panic).to_string();

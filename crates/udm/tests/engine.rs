@@ -243,3 +243,36 @@ fn without_io_uring_the_daemon_says_why_and_serves_with_threads() {
     let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
     exercise(&mut client, 0, 10);
 }
+
+#[test]
+fn requests_to_a_suspended_device_wait_without_taking_the_pool_from_others() {
+    let _serial = serial();
+    let daemon = Daemon::start_with(
+        "engine-suspend",
+        &["--nbd-engine", "uring", "--nbd-pool-threads", "2"],
+    );
+    daemon.create_linear("held", "held.img", 8 << 20);
+    daemon.create_linear("other", "other.img", 8 << 20);
+    daemon.udm(&["suspend", "held"]);
+    let mut held = RawClient::connect(&daemon.nbd_socket(), "held");
+    for cookie in 0..8 {
+        held.send(0, NBD_CMD_READ, cookie, cookie * 4096, 4096, &[]);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // A discard is never remapped: it needs the pool, which the held reads must not occupy.
+    const NBD_CMD_TRIM: u16 = 4;
+    let mut other = RawClient::connect(&daemon.nbd_socket(), "other");
+    other
+        .stream
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .unwrap();
+    other.send(0, NBD_CMD_TRIM, 99, 0, 65536, &[]);
+    assert_eq!(other.reply().unwrap(), (0, 99));
+    exercise(&mut other, 0, 5);
+    daemon.udm(&["resume", "held"]);
+    for _ in 0..8 {
+        assert_eq!(held.reply().unwrap().0, 0);
+        let mut data = vec![0u8; 4096];
+        held.stream.read_exact(&mut data).unwrap();
+    }
+}

@@ -326,4 +326,7 @@ impl BlockDevice for Device {
         let hold = MappedInFlight(self.gate.clone());
         Some(self.live().map(op, offset, len)?.hold(hold))
     }
+    fn suspended(&self) -> bool {
+        self.is_suspended()
+    }
 }
