@@ -1523,6 +1523,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-matrix", action="store_true", help="only the extra measurements")
     ap.add_argument("--skip-extras", action="store_true", help="only the matrix")
     args = ap.parse_args(argv)
+    common.resolve_sizing(args)
     if args.runtime < 1:
         ap.error("--runtime must be at least 1")
     WORKLOADS = select_workloads(ap, args.workloads, WORKLOADS)

@@ -492,6 +492,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default=None,
                     help="comma-separated subset of: " + ",".join(w.key for w in WORKLOADS))
     args = ap.parse_args(argv)
+    common.resolve_sizing(args)
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
     WORKLOADS = select_workloads(ap, args.workloads, WORKLOADS)
