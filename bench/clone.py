@@ -20,7 +20,10 @@ the disk's same-disk copy ceiling) —, user random-read IOPS while hydrating ag
 clone (three alternating pairs, medians), and the metadata size per TiB from
 docs/clone-metadata.md.
 
-Usage:  python3 bench/clone.py [--runtime 5] [--size 1G] [--regions 4,8,16,32,64,128]
+Also: a clone whose regions are all hydrated (4 KiB regions by default) against ``linear``
+over its own destination file, alternating, every run shown.
+
+Usage:  python3 bench/clone.py [--runtime 5] [--size 1G] [--regions 4,8,16,32,64,128] [--quick]
                                [--out bench/results/clone] [--hydration-size 4G] [--keep]
 
 The generic helpers (processes, fio JSON, sizes, udm verbs) come from foundation.py.
@@ -30,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import datetime as _dt
 import json
 import math
+import mmap
 import os
 import platform
 import shutil
@@ -102,11 +107,14 @@ LABELS = {
     "source": "slow source",
     "qcow2": "qemu qcow2",
     "cow": "nbdkit cow",
+    "hydrated": "udm clone (hydrated)",
+    "hydlinear": "udm linear (its dest)",
 }
 COLORS = {"clone": "#1f77b4", "qcow2": "#2ca02c", "cow": "#ff7f0e", "linear": "#555555",
           "source": "#c62828"}
 
 BAR_LINEAR_4K = 0.95      # 4 KiB regions: clone randwrite >= 0.95x linear
+BAR_HYDRATED = 0.95       # a fully hydrated clone >= 0.95x linear on its destination
 BAR_QCOW2_4K = 3.0        # 4 KiB regions: clone randwrite >= 3x qcow2
 BAR_QCOW2_ALL = 1.0       # every region size: clone >= qcow2
 BAR_HYDRATION = 0.9       # background hydration >= 0.9x the source's sequential read bandwidth
@@ -275,8 +283,9 @@ class Bench:
         return cmd
 
     def measure(self, wl: Workload, system: str, region_kib, uri: str, tag: str,
-                suffix: str = "") -> Res:
-        """One fio run of `wl` against `uri`; stores and returns the result."""
+                suffix: str = "", store: bool = True) -> Res:
+        """One fio run of `wl` against `uri`; returns the result, kept in the matrix's results
+        with `store`."""
         rkey = "" if region_kib is None else f".r{region_kib}k"
         out_json = self.out_dir / f"{wl.key}.{system}{rkey}{suffix}.json"
         args = ["--ioengine=nbd", f"--uri={uri}", f"--rw={wl.rw}", f"--bs={wl.bs}",
@@ -295,7 +304,8 @@ class Bench:
             log(f"{tag} {wl.key:<18} {LABELS[system]:<18} "
                 f"{'' if region_kib is None else region_label(region_kib):>8}: "
                 f"{res.sample.value:>9.0f} {unit}  clat mean {res.sample.lat_mean_us:.0f} µs")
-        self.results[(wl.key, system, region_kib)] = res
+        if store:
+            self.results[(wl.key, system, region_kib)] = res
         return res
 
     def meta_file(self, path: Path, volume: int, region_bytes: int) -> None:
@@ -314,29 +324,43 @@ class Bench:
                 f.truncate(volume)
 
     @contextlib.contextmanager
-    def clone(self, region_bytes: int, source: str, volume: int, features=("no_hydration",),
-              core=("hydration_threshold", "256", "hydration_batch_size", "64")):
-        """A fresh clone device (new all-zero metadata, new destination file)."""
+    def clone_files(self, region_bytes: int, volume: int):
+        """A fresh clone's files, (id, all-zero metadata, destination), deleted afterwards."""
         n = self.next_id()
-        name = f"cl{n}"
         meta = self.tmp / f"meta{n}.img"
         dest = self.tmp / f"dest{n}.img"
         self.meta_file(meta, volume, region_bytes)
         self.dest_file(dest, volume)
-        feat = f"{len(features)} {' '.join(features)}".strip() if features else "0"
-        table = (f"0 {volume // SECTOR} clone {meta} {dest} {source} {region_bytes // SECTOR} "
-                 f"{feat} {len(core)} {' '.join(core)}")
         try:
-            self.udm_create(name, table)
-            yield name
+            yield n, meta, dest
         finally:
-            if name in self.created and self.daemon.alive():
-                self.udm_remove(name)
             for p in (meta, dest):
                 try:
                     p.unlink()
                 except FileNotFoundError:
                     pass
+
+    @staticmethod
+    def clone_table(meta: Path, dest: Path, source: str, region_bytes: int, volume: int,
+                    features=("no_hydration",),
+                    core=("hydration_threshold", "256", "hydration_batch_size", "64")) -> str:
+        feat = f"{len(features)} {' '.join(features)}".strip() if features else "0"
+        return (f"0 {volume // SECTOR} clone {meta} {dest} {source} {region_bytes // SECTOR} "
+                f"{feat} {len(core)} {' '.join(core)}")
+
+    @contextlib.contextmanager
+    def clone(self, region_bytes: int, source: str, volume: int, **table_args):
+        """A fresh clone device (new all-zero metadata, new destination file); `table_args`
+        (features, core) as clone_table's."""
+        with self.clone_files(region_bytes, volume) as (n, meta, dest):
+            name = f"cl{n}"
+            try:
+                self.udm_create(name, self.clone_table(meta, dest, source, region_bytes, volume,
+                                                       **table_args))
+                yield name
+            finally:
+                if name in self.created and self.daemon.alive():
+                    self.udm_remove(name)
 
     @contextlib.contextmanager
     def linear_fresh(self):
@@ -655,6 +679,73 @@ class Bench:
             self.results[key] = median
             repeats["|".join(str(k) for k in key)] = [round(r.value()) for r in results]
         self.extras["bar_repeats"] = repeats
+
+    def hydrated_vs_linear(self) -> None:
+        """A clone whose every region is hydrated against `linear` over its own destination
+        file: the clone then serves every request from the destination (remapped through its
+        bitmap) and should be as fast as linear. The clone (--hydrated-region, the plain source
+        file, no delay) is hydrated in the background to completion first. The destination is
+        the clone's own while it exists, so each run creates its device (the clone again on
+        the same metadata, which must come back complete, or linear on the destination) and
+        removes it after; per workload --bar-repeats alternating runs (clone, linear; linear,
+        clone; ...), every run kept, the medians compared."""
+        kib = self.args.hydrated_region
+        rb = kib << 10
+        entry: dict = {"region_kib": kib, "runs": {}, "incomplete_on_reload": 0}
+        self.extras["hydrated"] = entry
+        reps = max(1, self.args.bar_repeats)
+        try:
+            with self.clone_files(rb, self.size) as (n, meta, dest):
+                table = self.clone_table(meta, dest, str(self.src), rb, self.size,
+                                         core=("hydration_threshold", "1024",
+                                               "hydration_batch_size", "64"))
+                tables = {"hydrated": table, "hydlinear": f"0 {self.sectors} linear {dest} 0"}
+                name = f"cl{n}"
+                self.udm_create(name, table)
+                t0 = time.monotonic()
+                self.udm.client("message", name, "0", "enable_hydration", timeout=30)
+                t = self.wait_hydrated(name, t0, self.args.hydration_timeout, [])
+                self.udm_remove(name)
+                if t is None:
+                    raise BenchError(f"the {kib} KiB-region clone did not finish hydrating in "
+                                     f"{self.args.hydration_timeout:.0f} s")
+                entry["hydration_seconds"] = round(t, 2)
+                log(f"hydrated clone ({kib} KiB regions): hydrated in {t:.1f} s")
+                # Before any write: the destination must now hold the source's bytes.
+                differ = differing_chunks(self.src, dest, self.size)
+                if differ:
+                    raise BenchError(f"after hydration the destination differs from the source "
+                                     f"at {differ}")
+                i, total = 0, len(WORKLOADS) * reps * 2
+                for wl in WORKLOADS:
+                    runs = entry["runs"].setdefault(wl.key, {"hydrated": [], "hydlinear": []})
+                    for rep in range(1, reps + 1):
+                        order = ("hydrated", "hydlinear") if rep % 2 else \
+                                ("hydlinear", "hydrated")
+                        for system in order:
+                            self.ensure_daemon()
+                            i += 1
+                            dev = f"hyd{self.next_id()}"
+                            self.udm_create(dev, tables[system])
+                            try:
+                                if system == "hydrated" and \
+                                        not self.clone_details(dev).get("complete"):
+                                    entry["incomplete_on_reload"] += 1
+                                res = self.measure(wl, system, kib, self.uri(dev),
+                                                   f"[hydrated {i}/{total}]", f".rep{rep}",
+                                                   store=False)
+                            finally:
+                                self.udm_remove(dev)
+                            if res.sample is not None:
+                                runs[system].append(res.value())
+        except (BenchError, json.JSONDecodeError, KeyError, IndexError) as e:
+            entry["error"] = str(e)
+            log(f"hydrated clone vs linear FAILED: {e}")
+        for runs in entry["runs"].values():
+            mc = statistics.median(runs["hydrated"]) if runs["hydrated"] else None
+            ml = statistics.median(runs["hydlinear"]) if runs["hydlinear"] else None
+            runs["median_clone"], runs["median_linear"] = mc, ml
+            runs["ratio"] = mc / ml if mc and ml else None
 
     # ---- extra measurements --------------------------------------------------------------
 
@@ -996,6 +1087,50 @@ class Bench:
 
     # ---- report --------------------------------------------------------------------------
 
+    def report_hydrated(self, hyd: dict, out: list, bars: list) -> None:
+        """The fully hydrated clone against linear on its destination: a table, every run."""
+        kib = hyd["region_kib"]
+        out.append(f"### Fully hydrated clone vs linear on its destination ({kib} KiB regions)")
+        out.append("")
+        out.append(f"A clone of the plain source file, {kib} KiB regions, hydrated in the "
+                   f"background to completion"
+                   + (f" ({hyd['hydration_seconds']:.1f} s)" if "hydration_seconds" in hyd
+                      else "")
+                   + ", then measured against `linear` over the clone's own destination file, "
+                   "each device created for its run (the clone again on its metadata) and "
+                   "removed after, alternating, "
+                   f"{max(1, self.args.bar_repeats)} run(s) each; the table shows the medians "
+                   "and every run.")
+        out.append("")
+        rows = []
+        for wl in WORKLOADS:
+            runs = hyd["runs"].get(wl.key)
+            if not runs:
+                continue
+            r = runs.get("ratio")
+            rows.append([wl.label, fmt_value(runs.get("median_clone"), wl.metric),
+                         fmt_value(runs.get("median_linear"), wl.metric),
+                         fmt_ratio(r, BAR_HYDRATED),
+                         ", ".join(fmt_value(v, wl.metric) for v in runs["hydrated"]),
+                         ", ".join(fmt_value(v, wl.metric) for v in runs["hydlinear"])])
+            bars.append((f"{wl.label}: fully hydrated clone / linear on its destination = "
+                         + ("—" if r is None else f"{r:.2f}×") + f" (bar ≥ {BAR_HYDRATED}×)",
+                         r is not None and round(r, 2) >= BAR_HYDRATED))
+        if rows:
+            out.append(markdown_table(["workload", "clone (hydrated)", "linear (its dest)",
+                                       "clone / linear", "clone, every run",
+                                       "linear, every run"], rows))
+            out.append("")
+        if "error" in hyd:
+            out.append(f"Failed: {hyd['error']}")
+            out.append("")
+            bars.append(("fully hydrated clone vs linear: not measured", False))
+        if hyd.get("incomplete_on_reload"):
+            out.append(f"**The clone, created again on its metadata, did not report itself "
+                       f"complete {hyd['incomplete_on_reload']} time(s)**: those runs may include "
+                       f"hydration.")
+            out.append("")
+
     def build_report(self, meta: dict) -> tuple[str, list]:
         regions = self.args.regions
         out = [f"## udm clone benchmark — {meta['timestamp']}", ""]
@@ -1108,6 +1243,10 @@ class Bench:
                        f"{self.args.bar_repeats} runs each, run alternately (linear, clone, qcow2, "
                        f"then again); all runs, IOPS: " + "; ".join(parts) + ".")
             out.append("")
+
+        hyd = self.extras.get("hydrated")
+        if hyd:
+            self.report_hydrated(hyd, out, bars)
 
         # ---- extras
         if qcow2_cells:
@@ -1466,6 +1605,23 @@ class Bench:
             files.append(path)
 
 
+def differing_chunks(a: Path, b: Path, size: int, chunk: int = 1 << 20) -> list:
+    """Offsets among eight spread 1 MiB chunks (first, last and between) where two files
+    differ, read with O_DIRECT so that no page cache is left behind."""
+    offsets = sorted({(size - chunk) * i // 7 // 4096 * 4096 for i in range(8)})
+    buf = mmap.mmap(-1, chunk)       # page-aligned, as O_DIRECT wants
+    digests = {}
+    for path in (a, b):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            for off in offsets:
+                got = os.preadv(fd, [buf], off)
+                digests.setdefault(off, []).append(hashlib.sha256(buf[:got]).digest())
+        finally:
+            os.close(fd)
+    return [off for off, (da, db) in digests.items() if da != db]
+
+
 def parse_regions(text: str) -> list:
     out = []
     for tok in text.split(","):
@@ -1492,11 +1648,12 @@ def main(argv=None) -> int:
                     "qemu qcow2 overlay and nbdkit cow over a slow source), plus hydration "
                     "throughput, interference and metadata size.")
     common.add_sizing_args(ap, runtime=5, size_help="volume size for the matrix (default 1G)",
-                           repeat=False)
-    ap.add_argument("--regions", type=parse_regions, default=parse_regions("4,8,16,32,64,128"),
-                    help="region sizes in KiB (default 4,8,16,32,64,128)")
-    ap.add_argument("--hydration-size", type=parse_size, default=parse_size("4G"),
-                    help="volume size for the hydration measurements (default 4G; doubled, up "
+                           repeat=False, quick={"runtime": 2})
+    ap.add_argument("--regions", type=parse_regions, default=None,
+                    help="region sizes in KiB (default 4,8,16,32,64,128; 4,64 with --quick)")
+    ap.add_argument("--hydration-size", type=parse_size, default=None,
+                    help="volume size for the hydration measurements (default 4G, 1G with "
+                         "--quick; doubled, up "
                          "to --hydration-max, when hydration finishes before the fio run ends)")
     ap.add_argument("--hydration-max", type=parse_size, default=parse_size("16G"),
                     help="largest hydration volume to grow to (default 16G)")
@@ -1520,9 +1677,23 @@ def main(argv=None) -> int:
     ap.add_argument("--bar-repeats", type=int, default=3,
                     help="runs of linear, clone and qcow2 in the 4 KiB-region random-write cells "
                          "(the tightest bars), alternating; the median is reported (default 3)")
+    ap.add_argument("--hydrated-region", type=int, default=4,
+                    help="region size in KiB of the fully hydrated clone measured against "
+                         "linear on its destination (default 4: the most regions to look up)")
+    ap.add_argument("--skip-hydrated", action="store_true",
+                    help="skip the fully hydrated clone vs linear measurement")
     ap.add_argument("--skip-matrix", action="store_true", help="only the extra measurements")
     ap.add_argument("--skip-extras", action="store_true", help="only the matrix")
     args = ap.parse_args(argv)
+    common.resolve_sizing(args)
+    if args.regions is None:
+        args.regions = parse_regions("4,64" if args.quick else "4,8,16,32,64,128")
+    if args.hydration_size is None:
+        args.hydration_size = parse_size("1G" if args.quick else "4G")
+    try:
+        parse_regions(str(args.hydrated_region))
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"--hydrated-region: {e}")
     if args.runtime < 1:
         ap.error("--runtime must be at least 1")
     WORKLOADS = select_workloads(ap, args.workloads, WORKLOADS)
@@ -1578,6 +1749,9 @@ def main(argv=None) -> int:
             b.run_matrix()
             if args.bar_repeats > 1:
                 b.repeat_bar_cells()
+        if not args.skip_hydrated:
+            b.ensure_daemon()
+            b.hydrated_vs_linear()
         if not args.skip_extras:
             b.ensure_daemon()
             hsrc = b.make_hsrc(args.hydration_size)

@@ -132,6 +132,28 @@ def git_describe() -> str:
         return "?"
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process `pid` has used (all its threads, living and ended;
+    not its children), from /proc/PID/stat; None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may contain spaces: split after it.
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK   # utime, stime (fields 14, 15)
+
+
+def cpu_us_per_io(before: float | None, after: float | None, ios: int) -> float | None:
+    """Microseconds of CPU per I/O between two proc_cpu_seconds samples."""
+    if before is None or after is None or not ios:
+        return None
+    return (after - before) / ios * 1e6
+
+
 def trap_signals() -> None:
     """SIGTERM/SIGHUP become KeyboardInterrupt so that the cleanup in `finally` runs."""
     def _on_signal(signum, _frame):
@@ -300,16 +322,38 @@ def markdown_table(header, rows) -> str:
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
 
 
-def add_sizing_args(ap, *, runtime: int, size_help: str, repeat: bool) -> None:
-    """--runtime, --size (default 1G) and, with `repeat`, --repeat (default 2)."""
+def add_sizing_args(ap, *, runtime: int, size_help: str, repeat: bool,
+                    quick: dict | None = None) -> None:
+    """--runtime, --size (default 1G), with `repeat` --repeat (default 3), and --quick: the
+    values in `quick` (keys runtime, size, repeat) for the options not given, to prove a run
+    works end to end in a few minutes.  Call resolve_sizing(args) after parse_args."""
     from foundation import parse_size  # here: foundation imports this module
-    ap.add_argument("--runtime", type=int, default=runtime,
-                    help=f"seconds per fio run (default {runtime})")
-    ap.add_argument("--size", type=parse_size, default=parse_size("1G"), help=size_help)
+    quick = dict({"runtime": 3, "size": "256M", "repeat": 1}, **(quick or {}))
+    ap.add_argument("--runtime", type=int, default=None,
+                    help=f"seconds per fio run (default {runtime}; {quick['runtime']} with "
+                         f"--quick)")
+    ap.add_argument("--size", type=parse_size, default=None,
+                    help=f"{size_help}; {quick['size']} with --quick")
+    normal = {"runtime": runtime, "size": parse_size("1G")}
     if repeat:
-        ap.add_argument("--repeat", type=int, default=2,
-                        help="alternating runs per system and workload; the median is kept "
-                             "(default 2)")
+        ap.add_argument("--repeat", type=int, default=None,
+                        help=f"alternating runs per system and workload; the median is kept "
+                             f"(default 3; {quick['repeat']} with --quick)")
+        normal["repeat"] = 3
+    ap.add_argument("--quick", action="store_true",
+                    help="short runs on a small image, to check the script works (not for "
+                         "figures): " + ", ".join(f"--{k} {v}" for k, v in quick.items()
+                                                 if k in normal) + " unless given")
+    quick["size"] = parse_size(str(quick["size"]))
+    ap.set_defaults(_sizing={"normal": normal, "quick": quick})
+
+
+def resolve_sizing(args) -> None:
+    """Fill --runtime, --size and --repeat left out from the normal or the --quick defaults."""
+    chosen = args._sizing["quick" if args.quick else "normal"]
+    for key in args._sizing["normal"]:
+        if getattr(args, key) is None:
+            setattr(args, key, chosen[key])
 
 
 def add_run_args(ap, *, out: str, out_help: str, tmpdir_help: str, keep_help: str,

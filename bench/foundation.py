@@ -5,13 +5,15 @@ Pairs (see docs/benchmarks.md in the shared docs):
 
 * udm ``zero`` target   vs  ``nbdkit null``            (the transport's ceiling)
 * udm ``linear`` target vs  ``qemu-nbd -f raw``        (raw passthrough over the same file)
-* fio straight on the file (io_uring, O_DIRECT)        (the physical floor)
+                        and ``nbdkit file``
+* fio straight on the file (io_uring, O_DIRECT)        (the physical floor, the limit column)
 
-Every figure that matters is a ratio measured in this run: the pair members alternate per
-workload (udm, peer, udm, peer, ...), each workload is repeated ``--repeat`` times and the
-median is reported.
+Every figure that matters is a ratio measured in this run: the systems alternate per workload
+(udm next to its peers, the order reversed every other repeat), each workload is repeated
+``--repeat`` times and the median is reported, with the latency (mean, p99) and the server's
+CPU time per I/O of each system, and issue #10's bars judged under the table.
 
-Usage:  python3 bench/foundation.py [--runtime SECONDS] [--size 1G] [--repeat 2]
+Usage:  python3 bench/foundation.py [--runtime SECONDS] [--size 1G] [--repeat 3] [--quick]
                                     [--out bench/results/foundation] [--keep]
 
 Only the Python standard library is needed; matplotlib (Debian: python3-matplotlib) draws the
@@ -254,6 +256,9 @@ class Sample:
     lat_mean_us: float
     lat_p99_us: float
     json_path: Path
+    ios: int = 0                        # I/Os fio completed (every direction)
+    fio_cpu_s: float | None = None      # fio's own usr+sys CPU seconds
+    cpu_us_per_io: float | None = None  # the server's (or, on the file, fio's) CPU per I/O
 
 
 @dataclass
@@ -294,12 +299,16 @@ def parse_fio_json(path: Path, wl: Workload) -> Sample:
     p99 = pct.get("99.000000")
     iops = float(side["iops"])
     mbps = float(side["bw_bytes"]) / 1e6
+    ios = sum(int(job.get(d, {}).get("total_ios", 0)) for d in ("read", "write", "trim"))
+    # usr_cpu / sys_cpu are percentages of the job's run time.
+    fio_cpu_s = (float(job.get("usr_cpu", 0)) + float(job.get("sys_cpu", 0))) / 100.0 \
+        * float(job.get("job_runtime", 0)) / 1000.0
     return Sample(
         value=iops if wl.metric == "iops" else mbps,
         iops=iops, mbps=mbps,
         lat_mean_us=float(clat.get("mean", float("nan"))) / 1000.0,
         lat_p99_us=(float(p99) / 1000.0) if p99 is not None else float("nan"),
-        json_path=path,
+        json_path=path, ios=ios, fio_cpu_s=fio_cpu_s,
     )
 
 
@@ -386,71 +395,131 @@ def fmt_lat(cell: Cell | None) -> str:
     return f"{m:.0f} / {p:.0f}" if p is not None else f"{m:.0f} / ?"
 
 
-PAIRS = [("udm-zero", "nbdkit-null"), ("udm-linear", "qemu-nbd")]
+PAIRS = [("udm-zero", "nbdkit-null"), ("udm-linear", "qemu-nbd"), ("udm-linear", "nbdkit-file")]
+
+# Issue #10's bars for udm linear over NBD, judged on the medians of one run.
+BAR_FILE = {"randread-4k-qd32": 0.7, "randwrite-4k-qd32": 0.7,     # linear / fio on file
+            "write-256k-qd32": 0.9, "read-256k-qd32": 0.9}
+BAR_P99 = 2.0              # linear p99 / file p99 at depth 32, at most
+BAR_PEER_4K_QD32 = 1.5     # linear / qemu-nbd and linear / nbdkit file at 4 KiB depth 32
+BAR_PEER_OTHER = 1.0       # ... and on every other row
+PEERS = ("qemu-nbd", "nbdkit-file")
+
+
+def fmt_cpu(v) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def judge(r, bar: float, at_most: bool = False) -> bool:
+    """A bar on a ratio as printed (two decimals): r ≥ bar, or r ≤ bar with `at_most`."""
+    return round(r, 2) <= bar if at_most else round(r, 2) >= bar
+
+
+def bar_lines(wl: Workload, ratio, p99_ratio, labels: dict) -> list:
+    """(text, ok) for each of issue #10's bars on this workload's row; ok None = no data."""
+    out = []
+    if wl.key in BAR_FILE:
+        r, bar = ratio(wl, "udm-linear", "file"), BAR_FILE[wl.key]
+        out.append((f"{wl.label}: udm linear / fio on file = "
+                    + ("—" if r is None else f"{r:.2f}×") + f" (≥ {bar}×)",
+                    None if r is None else judge(r, bar)))
+    if wl.qd == 32:
+        r = p99_ratio(wl)
+        out.append((f"{wl.label}: p99 udm linear / fio on file = "
+                    + ("—" if r is None else f"{r:.2f}×") + f" (≤ {BAR_P99}×)",
+                    None if r is None else judge(r, BAR_P99, at_most=True)))
+    bar = BAR_PEER_4K_QD32 if (wl.bs == "4k" and wl.qd == 32) else BAR_PEER_OTHER
+    for peer in PEERS:
+        r = ratio(wl, "udm-linear", peer)
+        out.append((f"{wl.label}: udm linear / {labels[peer]} = "
+                    + ("—" if r is None else f"{r:.2f}×") + f" (≥ {bar}×)",
+                    None if r is None else judge(r, bar)))
+    return out
 
 
 def build_table(results, systems, meta) -> tuple[str, dict]:
+    labels = {s.key: s.label for s in systems}
+    keys = [s.key for s in systems]
+
     def cell(wl, key):
         return results.get((wl.key, key))
 
-    def med(wl, key):
+    def med(wl, key, attr="value"):
         c = cell(wl, key)
-        return c.median("value") if c else None
+        return c.median(attr) if c else None
 
-    def ratio(wl, a, b):
-        va, vb = med(wl, a), med(wl, b)
+    def ratio(wl, a, b, attr="value"):
+        va, vb = med(wl, a, attr), med(wl, b, attr)
         if va is None or vb is None or vb == 0:
             return None
         return va / vb
 
-    header = ["workload", "udm zero", "nbdkit null", "ratio", "udm linear", "qemu-nbd", "ratio",
-              "fio on file",
-              "udm zero lat µs", "nbdkit null lat µs", "udm linear lat µs", "qemu-nbd lat µs",
-              "file lat µs"]
-    rows = []
+    def p99_ratio(wl):
+        return ratio(wl, "udm-linear", "file", "lat_p99_us")
+
+    thr_rows, lat_rows, cpu_rows = [], [], []
     below = []
+    bars = []
     ratios = {p: [] for p in PAIRS}
     summary = {}
     for wl in WORKLOADS:
         r_zero = ratio(wl, "udm-zero", "nbdkit-null")
-        r_lin = ratio(wl, "udm-linear", "qemu-nbd")
+        r_qemu = ratio(wl, "udm-linear", "qemu-nbd")
+        r_nbdkit = ratio(wl, "udm-linear", "nbdkit-file")
+        r_file = ratio(wl, "udm-linear", "file")
         label = wl.label + (" (IOPS)" if wl.metric == "iops" else " (MB/s)")
-        flagged = [n for n, r in (("zero", r_zero), ("linear", r_lin)) if is_below(r)]
+        flagged = [f"{a.removeprefix('udm-')} / {b}" for (a, b), r in
+                   zip(PAIRS, (r_zero, r_qemu, r_nbdkit)) if is_below(r)]
         if flagged:
             below.append(f"{wl.label}: " + ", ".join(flagged))
             label = "▼ " + label
-        for p, r in zip(PAIRS, (r_zero, r_lin)):
+        for p, r in zip(PAIRS, (r_zero, r_qemu, r_nbdkit)):
             if r is not None:
                 ratios[p].append(r)
-        rows.append([
+        thr_rows.append([
             label,
             fmt_value(med(wl, "udm-zero"), wl.metric),
             fmt_value(med(wl, "nbdkit-null"), wl.metric),
             fmt_ratio(r_zero),
             fmt_value(med(wl, "udm-linear"), wl.metric),
             fmt_value(med(wl, "qemu-nbd"), wl.metric),
-            fmt_ratio(r_lin),
+            fmt_value(med(wl, "nbdkit-file"), wl.metric),
             fmt_value(med(wl, "file"), wl.metric),
-            fmt_lat(cell(wl, "udm-zero")), fmt_lat(cell(wl, "nbdkit-null")),
-            fmt_lat(cell(wl, "udm-linear")), fmt_lat(cell(wl, "qemu-nbd")),
-            fmt_lat(cell(wl, "file")),
+            "—" if r_file is None else f"{r_file:.2f}×",
+            fmt_ratio(r_qemu),
+            fmt_ratio(r_nbdkit),
         ])
+        p99r = p99_ratio(wl)
+        lat_rows.append([wl.label] + [fmt_lat(cell(wl, k)) for k in keys]
+                        + ["—" if p99r is None else f"{p99r:.2f}×"])
+        cpu_rows.append([wl.label] + [fmt_cpu(med(wl, k, "cpu_us_per_io")) for k in keys])
+        row_bars = bar_lines(wl, ratio, p99_ratio, labels)
+        bars += row_bars
         summary[wl.key] = {
             "metric": wl.metric,
             "systems": {
                 s.key: None if cell(wl, s.key) is None else {
-                    "median_value": cell(wl, s.key).median("value"),
-                    "median_iops": cell(wl, s.key).median("iops"),
-                    "median_mbps": cell(wl, s.key).median("mbps"),
-                    "median_lat_mean_us": cell(wl, s.key).median("lat_mean_us"),
-                    "median_lat_p99_us": cell(wl, s.key).median("lat_p99_us"),
+                    "median_value": med(wl, s.key),
+                    "median_iops": med(wl, s.key, "iops"),
+                    "median_mbps": med(wl, s.key, "mbps"),
+                    "median_lat_mean_us": med(wl, s.key, "lat_mean_us"),
+                    "median_lat_p99_us": med(wl, s.key, "lat_p99_us"),
+                    "median_cpu_us_per_io": med(wl, s.key, "cpu_us_per_io"),
                     "samples": [{"value": x.value, "iops": x.iops, "mbps": x.mbps,
                                  "lat_mean_us": x.lat_mean_us, "lat_p99_us": x.lat_p99_us,
+                                 "ios": x.ios, "cpu_us_per_io": x.cpu_us_per_io,
+                                 "fio_cpu_s": x.fio_cpu_s,
                                  "json": x.json_path.name} for x in cell(wl, s.key).samples],
                     "errors": cell(wl, s.key).errors,
                 } for s in systems},
             "ratio_zero_vs_nbdkit": r_zero,
-            "ratio_linear_vs_qemu": r_lin,
+            "ratio_linear_vs_qemu": r_qemu,
+            "ratio_linear_vs_nbdkit_file": r_nbdkit,
+            "ratio_linear_vs_file": r_file,
+            "p99_ratio_linear_vs_file": p99r,
+            "bars": [{"text": t, "ok": ok} for t, ok in row_bars],
         }
 
     out = []
@@ -461,11 +530,41 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
                f"unix socket. Runtime {meta['runtime']} s per run, export/file size "
                f"{meta['size_human']}, median of {meta['repeat']} alternating run(s).")
     out.append("")
-    out.append(markdown_table(header, rows))
+    out.append("### Throughput")
     out.append("")
-    out.append("4k rows in IOPS, 256k rows in MB/s (10^6 B/s). Ratio = udm / peer (higher is "
-               "better for udm); **▼** marks a ratio below 1.0×. Latency cells: completion "
-               "latency mean / p99 in µs (fio clat).")
+    out.append(markdown_table(
+        ["workload", "udm zero", "nbdkit null", "zero / null", "udm linear", "qemu-nbd",
+         "nbdkit file", "fio on file", "linear / file", "linear / qemu-nbd",
+         "linear / nbdkit file"], thr_rows))
+    out.append("")
+    out.append("4k rows in IOPS, 256k rows in MB/s (10^6 B/s). Ratio = udm / peer on IOPS or MB/s "
+               "(higher is better for udm); **▼** marks a ratio to a peer below 1.0×. nbdkit "
+               f"file: `{meta.get('nbdkit_file_args', 'file DISK cache=none')}` (this nbdkit has "
+               "no O_DIRECT option: cache=none evicts the pages it read or wrote).")
+    out.append("")
+    out.append("### Completion latency, mean / p99 µs (fio clat)")
+    out.append("")
+    out.append(markdown_table(["workload"] + [labels[k] for k in keys]
+                              + ["linear p99 / file p99"], lat_rows))
+    out.append("")
+    out.append("### CPU per I/O, µs")
+    out.append("")
+    out.append(markdown_table(["workload"] + [labels[k] for k in keys], cpu_rows))
+    out.append("")
+    out.append("The server process's user + system time (/proc/PID/stat utime + stime, all its "
+               "threads, not its children; the udm daemon for udm zero and linear) over the run, "
+               "divided by the I/Os fio completed. fio on file: fio's own usr + sys CPU (no "
+               "server). The fio client's CPU on the NBD rows is not included.")
+    out.append("")
+    out.append("### Bars (issue #10)")
+    out.append("")
+    for text, ok in bars:
+        out.append(f"- {'?' if ok is None else ('✔' if ok else '✘')} {text}")
+    met = bool(bars) and all(ok for _, ok in bars)
+    summary["_bars"] = [{"text": t, "ok": ok} for t, ok in bars]
+    summary["_bars_met"] = met
+    out.append("")
+    out.append("All bars: " + ("**met**." if met else "**not met** (✘ missed, ? not measured)."))
     gm = []
     for (a, b), rs in ratios.items():
         if rs:
@@ -499,7 +598,7 @@ def draw_charts(results, systems, out_dir: Path, meta) -> list:
 
     by_key = {s.key: s for s in systems}
     colors = {"udm-zero": "#1f77b4", "nbdkit-null": "#ff7f0e", "udm-linear": "#1f77b4",
-              "qemu-nbd": "#2ca02c", "file": "#9e9e9e"}
+              "qemu-nbd": "#2ca02c", "nbdkit-file": "#ff7f0e", "file": "#9e9e9e"}
     caption = (f"{meta['timestamp']} · {meta['cpus']} CPUs · fio nbd engine, 1 job, unix socket · "
                f"{meta['runtime']} s × median of {meta['repeat']} · {meta['size_human']}")
     files = []
@@ -511,8 +610,9 @@ def draw_charts(results, systems, out_dir: Path, meta) -> list:
     charts = [
         ("foundation-zero-vs-nbdkit.png", "Transport ceiling: udm zero vs nbdkit null",
          ["udm-zero", "nbdkit-null", "file"], ("udm-zero", "nbdkit-null")),
-        ("foundation-linear-vs-qemu.png", "Raw passthrough: udm linear vs qemu-nbd raw",
-         ["udm-linear", "qemu-nbd", "file"], ("udm-linear", "qemu-nbd")),
+        ("foundation-linear-vs-qemu.png",
+         "Raw passthrough: udm linear vs qemu-nbd raw and nbdkit file",
+         ["udm-linear", "qemu-nbd", "nbdkit-file", "file"], ("udm-linear", "qemu-nbd")),
     ]
     groups = [("iops", "IOPS (4 KiB random)", [w for w in WORKLOADS if w.metric == "iops"]),
               ("mbps", "MB/s (256 KiB sequential)", [w for w in WORKLOADS if w.metric == "mbps"])]
@@ -547,7 +647,7 @@ def draw_charts(results, systems, out_dir: Path, meta) -> list:
             ax.grid(axis="y", alpha=0.3)
             ax.set_axisbelow(True)
         axes[0].legend(fontsize=9, loc="upper left")
-        fig.suptitle(title + "  (ratio = udm / peer above the udm bar)")
+        fig.suptitle(title + f"  (ratio = udm / {by_key[pb].label} above the udm bar)")
         fig.text(0.5, 0.01, caption, ha="center", fontsize=8, color="#555555")
         fig.tight_layout(rect=(0, 0.04, 1, 0.95))
         path = out_dir / fname
@@ -557,9 +657,9 @@ def draw_charts(results, systems, out_dir: Path, meta) -> list:
 
     # Latency at queue depth 1: mean bars with the p99 as an error whisker.
     wls = [w for w in WORKLOADS if w.qd == 1]
-    keys = ["udm-zero", "nbdkit-null", "udm-linear", "qemu-nbd", "file"]
+    keys = ["udm-zero", "nbdkit-null", "udm-linear", "qemu-nbd", "nbdkit-file", "file"]
     lat_colors = {"udm-zero": "#1f77b4", "nbdkit-null": "#ff7f0e", "udm-linear": "#0d47a1",
-                  "qemu-nbd": "#2ca02c", "file": "#9e9e9e"}
+                  "qemu-nbd": "#2ca02c", "nbdkit-file": "#e65100", "file": "#9e9e9e"}
     fig, ax = plt.subplots(figsize=(10, 5))
     width = 0.8 / len(keys)
     for i, key in enumerate(keys):
@@ -647,52 +747,69 @@ def resident_bytes(path: Path):
         return None
 
 
+class NbdRefused(Exception):
+    """The server answered the handshake's GO with an error; str() is its message."""
+
+
+def recv_exact(sk: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sk.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        buf += chunk
+    return buf
+
+
+NBD_IHAVEOPT = 0x49484156454F5054
+NBD_OPT_GO, NBD_OPT_STRUCTURED_REPLY = 7, 8
+NBD_REP_ACK = 1
+
+
+def nbd_handshake(sk: socket.socket, export: str, structured: bool = False) -> bool:
+    """Fixed-newstyle handshake on a connected socket up to the transmission phase: the
+    greeting, optionally NBD_OPT_STRUCTURED_REPLY, then NBD_OPT_GO for `export`.  Returns
+    whether structured replies are on; raises NbdRefused with the server's message when GO is
+    answered with an error, ConnectionError when the server closes the connection."""
+    def option(opt: int, data: bytes) -> tuple[int, bytes]:
+        sk.sendall(struct.pack(">QII", NBD_IHAVEOPT, opt, len(data)) + data)
+        while True:
+            _m, _o, rtype, rlen = struct.unpack(">QIII", recv_exact(sk, 20))
+            payload = recv_exact(sk, rlen)
+            if rtype == NBD_REP_ACK or rtype & 0x80000000:
+                return rtype, payload
+
+    recv_exact(sk, 18)                                  # NBDMAGIC, IHAVEOPT, flags
+    sk.sendall((3).to_bytes(4, "big"))                  # FIXED_NEWSTYLE | NO_ZEROES
+    on = structured and option(NBD_OPT_STRUCTURED_REPLY, b"")[0] == NBD_REP_ACK
+    name = export.encode()
+    rtype, payload = option(NBD_OPT_GO, struct.pack(">I", len(name)) + name + bytes(2))
+    if rtype != NBD_REP_ACK:
+        # An error reply's payload is a human-readable message.
+        raise NbdRefused(payload.decode(errors="replace") or f"error reply {rtype:#x}")
+    return on
+
+
 def read_reply_kind(sock_path: Path, export: str, length: int = 256 << 10) -> str | None:
     """How a server answers one READ with structured replies on: "hole" (OFFSET_HOLE chunks,
     no payload), "data" (OFFSET_DATA) or "mixed"; None if the probe failed.  A server that
     answers zero reads with holes moves no payload, which matters when comparing read rows."""
-    def recvn(sk, n):
-        buf = b""
-        while len(buf) < n:
-            chunk = sk.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("server closed the connection")
-            buf += chunk
-        return buf
-
-    ihaveopt = 0x49484156454F5054
     kinds = set()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sk:
             sk.settimeout(10)
             sk.connect(str(sock_path))
-            recvn(sk, 18)                                   # NBDMAGIC, IHAVEOPT, flags
-            sk.sendall((3).to_bytes(4, "big"))              # FIXED_NEWSTYLE | NO_ZEROES
-            sk.sendall(ihaveopt.to_bytes(8, "big") + (8).to_bytes(4, "big") + bytes(4))
-            _m, _o, rtype, rlen = struct.unpack(">QIII", recvn(sk, 20))
-            recvn(sk, rlen)
-            if rtype != 1:                                  # no structured replies
+            if not nbd_handshake(sk, export, structured=True):
                 return "data"
-            name = export.encode()
-            data = len(name).to_bytes(4, "big") + name + bytes(2)
-            sk.sendall(ihaveopt.to_bytes(8, "big") + (7).to_bytes(4, "big")
-                       + len(data).to_bytes(4, "big") + data)
-            while True:
-                _m, _o, rtype, rlen = struct.unpack(">QIII", recvn(sk, 20))
-                recvn(sk, rlen)
-                if rtype == 1:
-                    break
-                if rtype & 0x80000000:
-                    return None
             sk.sendall(struct.pack(">IHHQQI", 0x25609513, 0, 0, 1, 0, length))
             while True:
-                _m, flags, ctype, _c, clen = struct.unpack(">IHHQI", recvn(sk, 20))
-                recvn(sk, clen)
+                _m, flags, ctype, _c, clen = struct.unpack(">IHHQI", recv_exact(sk, 20))
+                recv_exact(sk, clen)
                 kinds.add({1: "data", 2: "hole"}.get(ctype, "other"))
                 if flags & 1:
                     break
             sk.sendall(struct.pack(">IHHQQI", 0x25609513, 0, 2, 2, 0, 0))  # NBD_CMD_DISC
-    except (OSError, ConnectionError, struct.error):
+    except (OSError, ConnectionError, struct.error, NbdRefused):
         return None
     kinds.discard("other")
     return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else None)
@@ -718,7 +835,7 @@ def main(argv=None) -> int:
     global WORKLOADS
     ap = argparse.ArgumentParser(
         description="udm foundation benchmark: udm zero vs nbdkit null, udm linear vs "
-                    "qemu-nbd raw, and fio on the file, side by side.")
+                    "qemu-nbd raw and nbdkit file, and fio on the file, side by side.")
     common.add_sizing_args(ap, runtime=10, size_help="export and backing file size (default 1G)",
                            repeat=True)
     common.add_run_args(
@@ -733,6 +850,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default=None,
                     help="comma-separated subset of: " + ",".join(w.key for w in WORKLOADS))
     args = ap.parse_args(argv)
+    common.resolve_sizing(args)
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
 
@@ -818,46 +936,47 @@ def main(argv=None) -> int:
             System("nbdkit-null", "nbdkit null", []),
             System("udm-linear", "udm linear", ["--ioengine=nbd", f"--uri={uri_lin}"], daemon),
             System("qemu-nbd", "qemu-nbd", []),
+            System("nbdkit-file", "nbdkit file", []),
             System("file", "fio on file",
                    ["--ioengine=io_uring", "--direct=1", f"--filename={disk}"]),
         ]
         sysmap = {s.key: s for s in systems}
 
-        # ---- peers
-        if shutil.which("nbdkit"):
-            sock = tmp / "nbdkit.sock"
-            svc = start_service("nbdkit null",
-                                ["nbdkit", "-f", "-U", str(sock), "--exit-with-parent",
-                                 "null", str(size)], tmp / "nbdkit.log")
+        # ---- peers: each on its own unix socket, served to fio's nbd engine
+        # This nbdkit's file plugin has no O_DIRECT; cache=none is the closest: it evicts the
+        # pages each read or write went through (fadvise DONTNEED, sync_file_range).
+        nbdkit_file_args = ["file", str(disk), "cache=none"]
+        meta["nbdkit_file_args"] = " ".join(nbdkit_file_args).replace(str(disk), "DISK")
+        peers = [
+            ("nbdkit-null", "nbdkit", "nbdkit.sock", "nbdkit.log",
+             lambda sock: ["nbdkit", "-f", "-U", sock, "--exit-with-parent", "null", str(size)]),
+            ("nbdkit-file", "nbdkit", "nbdkit-file.sock", "nbdkit-file.log",
+             lambda sock: ["nbdkit", "-f", "-U", sock, "--exit-with-parent",
+                           *nbdkit_file_args]),
+            ("qemu-nbd", "qemu-nbd", "qemu.sock", "qemu-nbd.log",
+             lambda sock: ["qemu-nbd", "-t", "-e", "8", "-k", sock, "-f", "raw",
+                           "--cache=none", "--aio=io_uring", str(disk)]),
+        ]
+        for key, tool, sockname, logname, command in peers:
+            peer = sysmap[key]
+            if not shutil.which(tool):
+                peer.available = False
+                peer.why_unavailable = f"{tool} missing: apt-get install {PACKAGES[tool]}"
+                continue
+            sock = tmp / sockname
+            svc = start_service(peer.label, command(str(sock)), tmp / logname)
             services.append(svc)
             svc.socket = sock
             wait_for_socket(sock, svc)
             uri = f"nbd+unix:///?socket={sock}"
-            check_export(uri, size, "nbdkit null")
-            sysmap["nbdkit-null"].engine_args = ["--ioengine=nbd", f"--uri={uri}"]
-            sysmap["nbdkit-null"].service = svc
-        else:
-            sysmap["nbdkit-null"].available = False
-            sysmap["nbdkit-null"].why_unavailable = "nbdkit missing: apt-get install nbdkit"
-        if shutil.which("qemu-nbd"):
-            sock = tmp / "qemu.sock"
-            svc = start_service("qemu-nbd",
-                                ["qemu-nbd", "-t", "-e", "8", "-k", str(sock), "-f", "raw",
-                                 "--cache=none", "--aio=io_uring", str(disk)], tmp / "qemu-nbd.log")
-            services.append(svc)
-            svc.socket = sock
-            wait_for_socket(sock, svc)
-            uri = f"nbd+unix:///?socket={sock}"
-            check_export(uri, size, "qemu-nbd raw")
-            note = direct_io_note("qemu-nbd", svc.proc.pid, disk)
+            check_export(uri, size, peer.label)
+            peer.engine_args = ["--ioengine=nbd", f"--uri={uri}"]
+            peer.service = svc
+        if sysmap["qemu-nbd"].available:
+            note = direct_io_note("qemu-nbd", sysmap["qemu-nbd"].service.proc.pid, disk)
             if note:
                 log(f"WARNING: {note}")
                 notes.append(note)
-            sysmap["qemu-nbd"].engine_args = ["--ioengine=nbd", f"--uri={uri}"]
-            sysmap["qemu-nbd"].service = svc
-        else:
-            sysmap["qemu-nbd"].available = False
-            sysmap["qemu-nbd"].why_unavailable = "qemu-nbd missing: apt-get install qemu-utils"
 
         # ---- how zero reads are answered (a hole chunk moves no payload)
         if sysmap["nbdkit-null"].available:
@@ -889,15 +1008,18 @@ def main(argv=None) -> int:
                     udm.client("create", name, "--table", table)
                     wait_for_socket(nbd_sock, daemon, timeout=30)
 
-        # ---- the matrix: per workload, per repeat, udm then its peer, side by side
-        order = ["udm-zero", "nbdkit-null", "udm-linear", "qemu-nbd", "file"]
-        total = len(WORKLOADS) * args.repeat * sum(1 for k in order if sysmap[k].available)
+        # ---- the matrix: per workload and repeat, udm next to its peers, side by side; every
+        # other repeat runs each group in the reverse order, so no system always goes first.
+        groups = [["udm-zero", "nbdkit-null"], ["udm-linear", "qemu-nbd", "nbdkit-file", "file"]]
+        total = len(WORKLOADS) * args.repeat * sum(1 for g in groups for k in g
+                                                   if sysmap[k].available)
         est = total * (args.runtime + 1)
         log(f"{total} fio runs of {args.runtime} s (about {est // 60} min {est % 60} s)")
         n = 0
         fio_timeout = args.runtime + 60
         for wl in WORKLOADS:
             for rep in range(1, args.repeat + 1):
+                order = [k for g in groups for k in (g if rep % 2 else reversed(g))]
                 for key in order:
                     s = sysmap[key]
                     if not s.available:
@@ -934,23 +1056,32 @@ def main(argv=None) -> int:
                             continue
                     stem = f"{wl.key}.{key}.r{rep}"
                     cmd = fio_cmd(wl, s, args, out_dir / f"{stem}.json")
+                    server = s.service.proc.pid if s.service is not None else None
+                    cpu0 = common.proc_cpu_seconds(server) if server else None
                     smp = fio_cell(cmd, lambda cmd: run(cmd, timeout=fio_timeout, check=False,
                                                         quiet=True, cwd=tmp),
                                    parse_fio_json, wl, c, out_dir, stem,
                                    f"[{n}/{total}] {wl.key} {key} r{rep}")
                     if smp is None:
                         continue
+                    if server:
+                        smp.cpu_us_per_io = common.cpu_us_per_io(
+                            cpu0, common.proc_cpu_seconds(server), smp.ios)
+                    elif smp.ios:
+                        smp.cpu_us_per_io = smp.fio_cpu_s / smp.ios * 1e6
                     c.samples.append(smp)
                     unit = "IOPS" if wl.metric == "iops" else "MB/s"
+                    cpu = "—" if smp.cpu_us_per_io is None else f"{smp.cpu_us_per_io:.1f}"
                     log(f"[{n}/{total}] {wl.key:<18} {key:<11} r{rep}: "
                         f"{smp.value:>10.0f} {unit}  clat mean {smp.lat_mean_us:.0f} µs "
-                        f"p99 {smp.lat_p99_us:.0f} µs")
+                        f"p99 {smp.lat_p99_us:.0f} µs  CPU {cpu} µs/IO")
 
         cached_after = resident_bytes(disk)
         meta["page_cache_bytes"] = {"before": cached_before, "after": cached_after}
         note = page_cache_note(disk.name, size, cached_before, cached_after,
-                               "system is meant to bypass it (udm's buffered fallback, or "
-                               "qemu-nbd not honouring --cache=none)")
+                               "system is meant to bypass it (udm's buffered fallback, "
+                               "qemu-nbd not honouring --cache=none, or nbdkit file's "
+                               "cache=none evicting late)")
         if note:
             log(f"WARNING: {note}")
             notes.append(note)

@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
 """FUSE benchmark for udm: a kernel block device (loop) on udm's FUSE file, side by side.
 
-Three ways to get a /dev/loopN for the same bytes (a fully written ``disk.img``), all with
+Ways to get a /dev/loopN for the same bytes (a fully written ``disk.img``), all with
 ``losetup --direct-io=on``, measured with fio (io_uring, O_DIRECT) alternating in one run:
 
 * ``udm FUSE``    -- ``udm attach vol``: a loop device on ``FUSEDIR/vol``, the file udm's own
                      FUSE export serves for a ``linear`` device over disk.img;
+* ``udm FUSE (/dev/fuse)`` -- when the daemon has ``--fuse-uring``: the same from a second
+                     daemon with ``--fuse-uring off``, the first one running ``--fuse-uring on``
+                     (FUSE over io_uring against the /dev/fuse read/write path);
 * ``nbdfuse``     -- the peer: ``nbdfuse MOUNTDIR nbd+unix:///vol?socket=NBDSOCK`` (libnbd's
                      FUSE file over the SAME udm device, through udm's NBD export), then
                      ``losetup --direct-io=on -f --show MOUNTDIR/nbd``;
-* ``direct loop`` -- the floor: ``losetup --direct-io=on -f --show disk.img``.
+* ``loop on file`` -- the limit: ``losetup --direct-io=on -f --show disk.img``.
 
-The ratio that matters is udm FUSE / nbdfuse (the bar: >= 1.0x on every row); udm FUSE /
-direct loop says what the FUSE round trip costs against no user space at all.
+Bars (issue #10): udm FUSE >= 1.0x nbdfuse on every row; udm FUSE / loop on file >= 0.7x at
+4 KiB random depth 32; FUSE over io_uring >= 1.3x /dev/fuse on the same rows.
 
-Usage:  python3 bench/fuse.py [--runtime 10] [--size 1G] [--repeat 2] [--out bench/results/fuse]
+Usage:  python3 bench/fuse.py [--runtime 10] [--size 1G] [--repeat 3] [--quick]
+                              [--fuse-uring compare|on|off|auto] [--out bench/results/fuse]
 
 The generic helpers (processes, fio JSON, sizes, udm verbs) come from foundation.py.
 """
@@ -78,9 +82,16 @@ def _maybe_reexec_for_matplotlib() -> None:
 
 WORKLOADS = list(fnd.WORKLOADS)   # randread/randwrite 4k qd1, qd32, write/read 256k qd32
 
+# "udm-fuse-dev" (a second daemon on /dev/fuse) joins when comparing the FUSE transports.
 SYSTEMS = ["udm-fuse", "nbdfuse", "direct"]
-LABELS = {"udm-fuse": "udm FUSE", "nbdfuse": "nbdfuse", "direct": "direct loop"}
-COLORS = {"udm-fuse": "#1f77b4", "nbdfuse": "#ff7f0e", "direct": "#9e9e9e"}
+LABELS = {"udm-fuse": "udm FUSE", "udm-fuse-dev": "udm FUSE (/dev/fuse)", "nbdfuse": "nbdfuse",
+          "direct": "loop on file"}
+COLORS = {"udm-fuse": "#1f77b4", "udm-fuse-dev": "#90caf9", "nbdfuse": "#ff7f0e",
+          "direct": "#9e9e9e"}
+
+# Issue #10's bars at 4 KiB random, depth 32 (besides udm FUSE >= nbdfuse on every row).
+BAR_FILE_LOOP = 0.7   # loop on udm's FUSE file / loop on the file
+BAR_URING = 1.3       # FUSE over io_uring / /dev/fuse
 
 
 @dataclass
@@ -88,6 +99,7 @@ class LoopDev:
     system: str
     device: str          # /dev/loopN
     backing: Path        # the file it was made on
+    owner: "UdmFuse | None" = None   # the udm daemon that attached it (`udm detach` it)
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,13 +313,17 @@ def build_table(results, meta) -> tuple[str, dict]:
             return None
         return va / vb
 
-    header = ["workload", "udm FUSE", "nbdfuse", "udm / nbdfuse", "direct loop",
-              "udm / direct", "udm FUSE lat µs", "nbdfuse lat µs", "direct loop lat µs"]
-    rows, below, r_peer_all, r_floor_all, summary = [], [], [], [], {}
+    compare = "udm-fuse-dev" in SYSTEMS
+    header = ["workload"] + [LABELS[k] for k in SYSTEMS] + ["udm / nbdfuse", "udm / loop on file"]
+    if compare:
+        header.append("io_uring / /dev/fuse")
+    header += [f"{LABELS[k]} lat µs" for k in SYSTEMS]
+    rows, below, r_peer_all, r_floor_all, summary, bars = [], [], [], [], {}, []
     missing_ratio = []
     for wl in WORKLOADS:
         r_peer = ratio(wl, "udm-fuse", "nbdfuse")
         r_floor = ratio(wl, "udm-fuse", "direct")
+        r_uring = ratio(wl, "udm-fuse", "udm-fuse-dev") if compare else None
         label = wl.label + (" (IOPS)" if wl.metric == "iops" else " (MB/s)")
         if is_below(r_peer):
             below.append(f"{wl.label} {r_peer:.2f}×")
@@ -318,20 +334,26 @@ def build_table(results, meta) -> tuple[str, dict]:
             r_peer_all.append(r_peer)
         if r_floor is not None:
             r_floor_all.append(r_floor)
-        rows.append([
-            label,
-            fmt_value(med(wl, "udm-fuse"), wl.metric),
-            fmt_value(med(wl, "nbdfuse"), wl.metric),
-            fmt_ratio(r_peer),
-            fmt_value(med(wl, "direct"), wl.metric),
-            "—" if r_floor is None else f"{r_floor:.2f}×",
-            fmt_lat(cell(wl, "udm-fuse")), fmt_lat(cell(wl, "nbdfuse")),
-            fmt_lat(cell(wl, "direct")),
-        ])
+        row = [label] + [fmt_value(med(wl, k), wl.metric) for k in SYSTEMS]
+        row += [fmt_ratio(r_peer), "—" if r_floor is None else f"{r_floor:.2f}×"]
+        if compare:
+            row.append("—" if r_uring is None else f"{r_uring:.2f}×")
+        rows.append(row + [fmt_lat(cell(wl, k)) for k in SYSTEMS])
+        if wl.bs == "4k" and wl.qd == 32 and wl.rw.startswith("rand"):
+            bars.append((f"{wl.label}: loop on udm's FUSE file / loop on the file = "
+                         + ("—" if r_floor is None else f"{r_floor:.2f}×")
+                         + f" (≥ {BAR_FILE_LOOP}×)",
+                         None if r_floor is None else round(r_floor, 2) >= BAR_FILE_LOOP))
+            if compare:
+                bars.append((f"{wl.label}: FUSE over io_uring / /dev/fuse = "
+                             + ("—" if r_uring is None else f"{r_uring:.2f}×")
+                             + f" (≥ {BAR_URING}×)",
+                             None if r_uring is None else round(r_uring, 2) >= BAR_URING))
         summary[wl.key] = {
             "metric": wl.metric,
             "systems": {
                 k: None if cell(wl, k) is None else {
+                    "label": LABELS[k],
                     "median_value": med(wl, k),
                     "median_iops": med(wl, k, "iops"),
                     "median_mbps": med(wl, k, "mbps"),
@@ -344,6 +366,7 @@ def build_table(results, meta) -> tuple[str, dict]:
                 } for k in SYSTEMS},
             "ratio_udm_vs_nbdfuse": r_peer,
             "ratio_udm_vs_direct": r_floor,
+            "ratio_uring_vs_dev_fuse": r_uring,
         }
 
     out = [f"## udm FUSE benchmark — {meta['timestamp']}", ""]
@@ -352,15 +375,18 @@ def build_table(results, meta) -> tuple[str, dict]:
                f"(`losetup --direct-io=on`), io_uring, O_DIRECT, one job. {meta['nbdfuse_version']}"
                f" ({meta.get('nbdfuse_connections', '?')} connection(s) to udm's NBD socket). "
                f"Runtime {meta['runtime']} s per run, device size {meta['size_human']}, median of "
-               f"{meta['repeat']} alternating run(s).")
+               f"{meta['repeat']} alternating run(s). FUSE transport: {meta['fuse_transport']}.")
     out.append("")
     out.append(markdown_table(header, rows))
     out.append("")
-    out.append("udm FUSE: loop on udm's own FUSE file (`udm attach`). nbdfuse: loop on nbdfuse's "
-               "file over the same udm device's NBD export. direct loop: loop straight on "
-               "disk.img (the floor, no user space). 4k rows in IOPS, 256k rows in MB/s "
-               "(10^6 B/s). Ratios on IOPS or MB/s; **▼** marks udm / nbdfuse below 1.0×. "
-               "Latency cells: completion latency mean / p99 in µs (fio clat).")
+    out.append(f"{LABELS['udm-fuse']}: loop on udm's own FUSE file (`udm attach`)"
+               + (f"; {LABELS['udm-fuse-dev']}: the same from a second daemon with "
+                  f"`--fuse-uring off`" if compare else "")
+               + ". nbdfuse: loop on nbdfuse's file over the same udm device's NBD export. "
+               "loop on file: loop straight on disk.img (the limit, no user space). udm = "
+               f"{LABELS['udm-fuse']}. 4k rows in IOPS, 256k rows in MB/s (10^6 B/s). Ratios on "
+               "IOPS or MB/s; **▼** marks udm / nbdfuse below 1.0×. Latency cells: completion "
+               "latency mean / p99 in µs (fio clat).")
     out.append("")
     if r_peer_all:
         g = math.exp(sum(math.log(r) for r in r_peer_all) / len(r_peer_all))
@@ -369,21 +395,28 @@ def build_table(results, meta) -> tuple[str, dict]:
         if r_floor_all:
             gf = math.exp(sum(math.log(r) for r in r_floor_all) / len(r_floor_all))
             summary["_geomean_udm_vs_direct"] = gf
-            line += f"; udm FUSE / direct loop {gf:.2f}×"
+            line += f"; udm FUSE / loop on file {gf:.2f}×"
         out.append(line + ".")
         out.append("")
-    met = not below and not missing_ratio
-    summary["_bar_met"] = met
-    if met:
-        out.append("Bar (udm FUSE ≥ 1.0× nbdfuse on every row): **met**.")
-    else:
-        parts = []
-        if below:
-            parts.append("below 1.0× on " + "; ".join(below))
-        if missing_ratio:
-            parts.append("no ratio for " + ", ".join(missing_ratio))
-        out.append("Bar (udm FUSE ≥ 1.0× nbdfuse on every row): **not met** — "
-                   + "; ".join(parts) + ".")
+    parts = []
+    if below:
+        parts.append("below 1.0× on " + "; ".join(below))
+    if missing_ratio:
+        parts.append("no ratio for " + ", ".join(missing_ratio))
+    bars.insert(0, ("udm FUSE ≥ 1.0× nbdfuse on every row"
+                    + (": " + "; ".join(parts) if parts else ""), not parts))
+    if not compare:
+        bars.append((f"FUSE over io_uring / /dev/fuse (≥ {BAR_URING}× at 4k random qd32): "
+                     f"not measured ({meta.get('fuse_uring_not_compared')})", None))
+    out.append("### Bars (issue #10)")
+    out.append("")
+    for text, ok in bars:
+        out.append(f"- {'?' if ok is None else ('✔' if ok else '✘')} {text}")
+    met = all(ok for _, ok in bars)
+    summary["_bars"] = [{"text": t, "ok": ok} for t, ok in bars]
+    summary["_bars_met"] = met
+    out.append("")
+    out.append("All bars: " + ("**met**." if met else "**not met** (✘ missed, ? not measured)."))
     failed = sorted({LABELS[k] for k in SYSTEMS for wl in WORKLOADS
                      if cell(wl, k) and cell(wl, k).errors})
     table_footer(out, meta, failed)
@@ -423,7 +456,7 @@ def draw_chart(results, out_dir: Path, meta) -> list:
             pos = [x + (i - (n - 1) / 2) * width for x in xs]
             style = dict(color=COLORS[key], hatch="//" if key == "direct" else None,
                          edgecolor="#555555" if key == "direct" else "white",
-                         label=LABELS[key] + (" (floor)" if key == "direct" else ""))
+                         label=LABELS[key] + (" (limit)" if key == "direct" else ""))
             if kind == "lat":
                 means = [med(w, key, "lat_mean_us") or 0 for w in wls]
                 p99s = [med(w, key, "lat_p99_us") or 0 for w in wls]
@@ -470,8 +503,60 @@ def fio_cmd(wl: Workload, device: str, args, out_json: Path) -> list:
     ]
 
 
+@dataclass
+class UdmFuse:
+    """A udm daemon serving `vol` (linear over disk.img) as a file in its FUSE mount."""
+    key: str                      # the system it serves: "udm-fuse" or "udm-fuse-dev"
+    daemon: Service
+    udm: Udm
+    fuse_dir: Path
+    created: list
+
+
+def start_udm_fuse(udms: list, key: str, udm_bin: Path, tmp: Path, suffix: str, disk: Path,
+                   size: int, extra: list) -> UdmFuse:
+    """Start a daemon with its FUSE mount in tmp/udmfuseSUFFIX (its state, control socket and
+    log suffixed alike) and create `vol` on it; check the mount and the file's size.  The
+    daemon joins `udms` as soon as it runs, so that the cleanup stops it whatever fails next."""
+    fuse_dir = tmp / f"udmfuse{suffix}"
+    state = tmp / f"state{suffix}"
+    ctl = tmp / f"ctl{suffix}.sock"
+    state.mkdir()
+    fuse_dir.mkdir()
+    daemon = start_service(
+        f"udm daemon{suffix}",
+        [str(udm_bin), "daemon", "--state-dir", str(state), "--control", str(ctl),
+         "--fuse", str(fuse_dir), *extra],
+        tmp / f"udm-daemon{suffix}.log", env=dict(os.environ, RUST_BACKTRACE="1"))
+    wait_for_socket(ctl, daemon, timeout=30)
+    inst = UdmFuse(key, daemon, Udm(udm_bin, ctl), fuse_dir, [])
+    udms.append(inst)
+    inst.udm.client("create", "vol", "--table", f"0 {size // 512} linear {disk} 0")
+    inst.created.append("vol")
+    if not is_mounted(fuse_dir):
+        raise BenchError(f"udm's FUSE mount {fuse_dir} is not in /proc/self/mountinfo; "
+                         f"log tail:\n{daemon.log_tail()}")
+    wait_for_file(fuse_dir / "vol", daemon, timeout=30, size=size)
+    return inst
+
+
+def fuse_uring_flag(udm_bin: Path) -> bool:
+    """Whether this udm daemon has --fuse-uring (FUSE over io_uring or /dev/fuse)."""
+    cp = run([str(udm_bin), "daemon", "--help"], timeout=30, check=False, quiet=True)
+    return "--fuse-uring" in cp.stdout + cp.stderr
+
+
+def transport_lines(inst: UdmFuse) -> list:
+    """What the daemon's log says about its FUSE transport (lines naming io_uring)."""
+    try:
+        text = inst.daemon.logfile.read_text(errors="replace")
+    except OSError:
+        return []
+    return [ln.strip()[:300] for ln in text.splitlines() if "uring" in ln.lower()][:5]
+
+
 def main(argv=None) -> int:
-    global WORKLOADS
+    global WORKLOADS, SYSTEMS
     ap = argparse.ArgumentParser(
         description="udm FUSE benchmark: fio on a loop device over udm's FUSE file, over "
                     "nbdfuse on udm's NBD export, and straight on the file, side by side.")
@@ -491,7 +576,12 @@ def main(argv=None) -> int:
                          "server offers it)")
     ap.add_argument("--workloads", default=None,
                     help="comma-separated subset of: " + ",".join(w.key for w in WORKLOADS))
+    ap.add_argument("--fuse-uring", choices=("compare", "on", "off", "auto"), default="compare",
+                    help="the FUSE transport, when the daemon has --fuse-uring: compare (default: "
+                         "a second daemon with --fuse-uring off beside one with on, both measured) "
+                         "or one daemon with on, off or auto")
     args = ap.parse_args(argv)
+    common.resolve_sizing(args)
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
     WORKLOADS = select_workloads(ap, args.workloads, WORKLOADS)
@@ -527,22 +617,19 @@ def main(argv=None) -> int:
             + ", ".join(f"{d} ({b})" for d, b in stale)
             + "; if no other run is in progress: losetup -d DEV, then fusermount3 -u -z on its "
               "mount")
-    tmp = common.make_tmpdir(base, "udm-fusebench-", "ctl.sock", resolve=True)
+    tmp = common.make_tmpdir(base, "udm-fusebench-", "ctl-dev.sock", resolve=True)
     if tmp is None:
         return 2
 
     size = args.size
     sectors = size // 512
     disk = tmp / "disk.img"
-    fuse_dir = tmp / "udmfuse"          # udm's FUSE mount: fuse_dir/vol
     nbd_mnt = tmp / "nbdfuse"           # nbdfuse's mount: nbd_mnt/nbd
-    ctl = tmp / "ctl.sock"
     nbd_sock = tmp / "udm.sock"
     uri = f"nbd+unix:///vol?socket={nbd_sock}"
     daemon: Service | None = None
     nbdfuse: Service | None = None
-    udm: Udm | None = None
-    created: list = []
+    udms: list = []                     # UdmFuse: the main daemon, then the /dev/fuse one
     loops: list = []
     results: dict = {}
     notes: list = []
@@ -557,33 +644,46 @@ def main(argv=None) -> int:
         "runtime": args.runtime, "size": size, "size_human": human_size(size),
         "repeat": args.repeat, "tmpdir": str(tmp), "workloads": [w.key for w in WORKLOADS],
     }
+    # The FUSE transport: with --fuse-uring in the daemon, compare FUSE over io_uring with
+    # /dev/fuse (two daemons on the same file, alternating), or run one in the mode asked.
+    uring_args = []
+    if not fuse_uring_flag(udm_bin):
+        meta["fuse_transport"] = "the daemon's default"
+        meta["fuse_uring_not_compared"] = "this udm daemon has no --fuse-uring"
+    elif args.fuse_uring == "compare":
+        uring_args = ["--fuse-uring", "on"]
+        SYSTEMS = ["udm-fuse", "udm-fuse-dev", "nbdfuse", "direct"]
+        LABELS["udm-fuse"] = "udm FUSE (io_uring)"
+        meta["fuse_transport"] = ("`--fuse-uring on` (udm FUSE) against a second daemon with "
+                                  "`--fuse-uring off` (/dev/fuse)")
+    else:
+        uring_args = ["--fuse-uring", args.fuse_uring]
+        meta["fuse_transport"] = f"`--fuse-uring {args.fuse_uring}`"
+        meta["fuse_uring_not_compared"] = f"--fuse-uring {args.fuse_uring} was asked for"
     try:
         fill_backing_file(disk, size, timeout=max(600, size / (20 << 20)))
 
-        # ---- udm daemon (NBD + FUSE) and the linear device over disk.img
-        (tmp / "state").mkdir()
-        fuse_dir.mkdir()
+        # ---- udm daemon (NBD + FUSE) and the linear device over disk.img; the /dev/fuse one
         nbd_mnt.mkdir()
-        daemon = start_service(
-            "udm daemon",
-            [str(udm_bin), "daemon", "--state-dir", str(tmp / "state"), "--control", str(ctl),
-             "--nbd", f"unix:{nbd_sock}", "--fuse", str(fuse_dir)],
-            tmp / "udm-daemon.log", env=dict(os.environ, RUST_BACKTRACE="1"))
-        wait_for_socket(ctl, daemon, timeout=30)
-        udm = Udm(udm_bin, ctl)
-        udm.client("create", "vol", "--table", f"0 {sectors} linear {disk} 0")
-        created.append("vol")
+        daemon = start_udm_fuse(udms, "udm-fuse", udm_bin, tmp, "", disk, size,
+                                ["--nbd", f"unix:{nbd_sock}", *uring_args]).daemon
         wait_for_socket(nbd_sock, daemon, timeout=30)
         check_export(uri, size, "udm vol (linear)")
-        if not is_mounted(fuse_dir):
-            raise BenchError(f"udm's FUSE mount {fuse_dir} is not in /proc/self/mountinfo; "
-                             f"log tail:\n{daemon.log_tail()}")
-        wait_for_file(fuse_dir / "vol", daemon, timeout=30, size=size)
-        note = direct_io_note("udm daemon", daemon.proc.pid, disk)
-        meta["udm_o_direct"] = note is None
-        if note:
-            log(f"WARNING: {note}")
-            notes.append(note)
+        if "udm-fuse-dev" in SYSTEMS:
+            start_udm_fuse(udms, "udm-fuse-dev", udm_bin, tmp, "-dev", disk, size,
+                           ["--fuse-uring", "off"])
+        for inst in udms:
+            note = direct_io_note(inst.daemon.name, inst.daemon.proc.pid, disk)
+            meta.setdefault("udm_o_direct", {})[inst.key] = note is None
+            if note:
+                log(f"WARNING: {note}")
+                notes.append(note)
+            meta.setdefault("fuse_transport_log", {})[inst.key] = transport_lines(inst)
+        if "udm-fuse-dev" in SYSTEMS and not meta["fuse_transport_log"]["udm-fuse"]:
+            notes.append("the `--fuse-uring on` daemon's log does not mention io_uring: check in "
+                         "udm-daemon.log that it really serves FUSE over io_uring")
+        meta["fuse_enable_uring_after_start"] = meta["fuse_enable_uring"] and \
+            Path("/sys/module/fuse/parameters/enable_uring").read_text().strip()
         cp = run(["nbdinfo", "--json", uri], timeout=30, check=False, quiet=True) \
             if shutil.which("nbdinfo") else None
         if cp is not None and cp.returncode == 0:
@@ -614,17 +714,17 @@ def main(argv=None) -> int:
         except OSError:
             pass
 
-        # ---- the three loop devices
-        for system, backing in (("udm-fuse", fuse_dir / "vol"), ("nbdfuse", nbd_mnt / "nbd"),
-                                ("direct", disk)):
-            if system == "udm-fuse":
-                cp = udm.client("attach", "vol", timeout=60)
-                dev = cp.stdout.strip()
-                if not dev.startswith("/dev/loop"):
-                    raise BenchError(f"udm attach vol printed {cp.stdout!r}")
-            else:
-                dev = losetup_attach(backing)
-            loops.append(LoopDev(system, dev, backing))
+        # ---- the loop devices: one per udm daemon (`udm attach`), nbdfuse's, the file's
+        for inst in udms:
+            cp = inst.udm.client("attach", "vol", timeout=60)
+            dev = cp.stdout.strip()
+            if not dev.startswith("/dev/loop"):
+                raise BenchError(f"udm attach vol printed {cp.stdout!r}")
+            loops.append(LoopDev(inst.key, dev, inst.fuse_dir / "vol", inst))
+        for system, backing in (("nbdfuse", nbd_mnt / "nbd"), ("direct", disk)):
+            loops.append(LoopDev(system, losetup_attach(backing), backing))
+        for lp in loops:
+            system, dev, backing = lp.system, lp.device, lp.backing
             got = device_size(dev)
             if got != size:
                 raise BenchError(f"{dev} ({LABELS[system]}) is {got} bytes, expected {size}")
@@ -645,8 +745,8 @@ def main(argv=None) -> int:
             raise BenchError(note + " (before any run)")
         cached_before = resident_bytes(disk)
 
-        # ---- the matrix: per workload and repeat, udm and nbdfuse alternate which goes first,
-        # the direct loop last.
+        # ---- the matrix: per workload and repeat, every system back to back, the order
+        # reversed every other repeat.
         total = len(WORKLOADS) * args.repeat * len(SYSTEMS)
         est = total * (args.runtime + 1)
         log(f"{total} fio runs of {args.runtime} s (about {est // 60} min {est % 60} s)")
@@ -654,14 +754,15 @@ def main(argv=None) -> int:
         fio_timeout = args.runtime + 90
         for wl in WORKLOADS:
             for rep in range(1, args.repeat + 1):
-                order = ["udm-fuse", "nbdfuse", "direct"] if rep % 2 else \
-                        ["nbdfuse", "udm-fuse", "direct"]
+                order = SYSTEMS if rep % 2 else SYSTEMS[::-1]
                 for key in order:
                     n += 1
                     c = results.setdefault((wl.key, key), Cell())
                     dead = None
-                    if key in ("udm-fuse", "nbdfuse") and not daemon.alive():
-                        dead = f"udm daemon is not running (exit code {daemon.proc.returncode})"
+                    server = bymap[key].owner.daemon if bymap[key].owner else daemon
+                    if key != "direct" and not server.alive():
+                        dead = (f"{server.name} is not running (exit code "
+                                f"{server.proc.returncode})")
                     elif key == "nbdfuse" and not nbdfuse.alive():
                         dead = f"nbdfuse is not running (exit code {nbdfuse.proc.returncode})"
                     if dead:
@@ -689,7 +790,7 @@ def main(argv=None) -> int:
         if note:
             log(f"WARNING: {note}")
             notes.append(note)
-        if daemon.alive() and nbdfuse.alive():
+        if all(u.daemon.alive() for u in udms) and nbdfuse.alive():
             try:
                 note = same_bytes(loops, disk, size)
             except BenchError as e:
@@ -722,8 +823,8 @@ def main(argv=None) -> int:
         # Cleanup must finish: a second Ctrl-C or SIGTERM is ignored (every step has a timeout).
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
-        clean = cleanup(tmp, loops, udm, daemon, nbdfuse, created, fuse_dir, nbd_mnt)
-        copy_logs((daemon, nbdfuse), out_dir)
+        clean = cleanup(tmp, loops, udms, nbdfuse, nbd_mnt)
+        copy_logs([u.daemon for u in udms] + [nbdfuse], out_dir)
         if not clean:
             log(f"WARNING: cleanup incomplete; {tmp} left in place (see messages above)")
         elif args.keep:
@@ -736,17 +837,16 @@ def main(argv=None) -> int:
     return rc
 
 
-def cleanup(tmp: Path, loops: list, udm: Udm | None, daemon: Service | None,
-            nbdfuse: Service | None, created: list, fuse_dir: Path, nbd_mnt: Path) -> bool:
+def cleanup(tmp: Path, loops: list, udms: list, nbdfuse: Service | None,
+            nbd_mnt: Path) -> bool:
     """Loops first (ours, and any other loop on a file in our temp dir), then nbdfuse, then the
-    udm device and daemon (which unmounts its FUSE dir), then whatever is still mounted under the
-    temp dir.  True when nothing of ours is left."""
+    udm devices and daemons (each unmounts its FUSE dir), then whatever is still mounted under
+    the temp dir.  True when nothing of ours is left."""
     ok = True
     try:
         for lp in reversed(loops):
-            use_udm = udm if (lp.system == "udm-fuse" and daemon is not None
-                              and daemon.alive()) else None
-            detach_loop(lp.device, udm=use_udm)
+            owner = lp.owner if lp.owner is not None and lp.owner.daemon.alive() else None
+            detach_loop(lp.device, udm=owner.udm if owner else None)
         # A loop whose losetup was interrupted before we read its name.
         for dev, back in loops_under(tmp):
             log(f"detaching leftover {dev} ({back})")
@@ -764,14 +864,14 @@ def cleanup(tmp: Path, loops: list, udm: Udm | None, daemon: Service | None,
         except subprocess.TimeoutExpired:
             pass
         nbdfuse.stop(grace=5)
-    if daemon is not None and daemon.alive() and udm is not None:
-        for name in reversed(created):
-            try:
-                udm.client("remove", name, timeout=30, check=False)
-            except BenchError as e:
-                log(f"udm remove {name}: {e}")
-    if daemon is not None:
-        stop_daemon(daemon, grace=20)
+    for inst in reversed(udms):
+        if inst.daemon.alive():
+            for name in reversed(inst.created):
+                try:
+                    inst.udm.client("remove", name, timeout=30, check=False)
+                except BenchError as e:
+                    log(f"udm remove {name}: {e}")
+        stop_daemon(inst.daemon, grace=20)
     try:
         for mp in mounts_under(tmp):
             log(f"{mp} still mounted after its server stopped; unmounting")

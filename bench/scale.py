@@ -1,0 +1,656 @@
+#!/usr/bin/env python3
+"""Scale benchmark for udm's NBD server: many connections against one daemon, and a flood.
+
+1. **Many connections.** One udm daemon, one ``linear`` device over a fully written file.
+   fio's nbd engine, 4 KiB random reads at iodepth 32 per connection: ``--connections`` jobs
+   (default 64, ``numjobs``; each fio job opens its own NBD connection) against one job,
+   alternating, ``--repeat`` times.  Reported: total IOPS both ways (median) and their ratio,
+   p99 latency, the daemon's thread count (``/proc/PID/task``, the most seen while sampling
+   every 100 ms), its RSS (the most ``VmRSS`` seen, and ``VmHWM``), its CPU time per I/O, the
+   connections it held (``/proc/net/unix``) and fio's errors (must be none).
+2. **Flood.** While one fio job runs 4 KiB random reads at iodepth 32, open ``--flood``
+   (default 400) raw connections from this process (one uid), each doing the NBD
+   fixed-newstyle handshake to the export (NBD_OPT_GO) and then sitting idle.  Reported: that
+   the fio job completed with no error (and its IOPS against the one-connection runs), how many
+   connections were served, how many were refused and with which message (so which of the
+   daemon's limits bit: the server-wide one or the per-client one), how many were closed
+   without a word, the daemon's threads and RSS, and that every slot came back afterwards (no
+   connection left, a new one served).
+
+Usage:  python3 bench/scale.py [--runtime 10] [--size 1G] [--repeat 3] [--quick]
+                               [--connections 64] [--flood 400] [--out bench/results/scale]
+
+The generic helpers (processes, fio JSON, sizes, udm verbs, the NBD handshake) come from
+foundation.py and common.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import foundation as fnd  # noqa: E402
+from common import (  # noqa: E402
+    BenchError, _pdeathsig, copy_logs, locate_udm, make_tmpdir, markdown_table,
+    prepare_out_dir, remove_tmp, run, stop_daemon, tmp_base, trap_signals, write_results,
+)
+from foundation import (  # noqa: E402
+    NbdRefused, Service, Udm, Workload, check_export, fill_backing_file, find_udm, human_size,
+    nbd_handshake, parse_fio_json, start_service, wait_for_socket,
+)
+
+
+def log(msg: str) -> None:
+    print(f"[scale] {msg}", file=sys.stderr, flush=True)
+
+
+# common's and foundation's helpers log through their module-level `log`; make them speak
+# with this script's prefix.
+common.log = fnd.log = log
+
+WORKLOAD = Workload("randread-4k-qd32", "randread 4k qd32", "randread", "4k", 32)
+EXPORT = "lin"
+
+
+# --------------------------------------------------------------------------------------------
+# watching the daemon
+# --------------------------------------------------------------------------------------------
+
+def unix_connections(sock_path: Path) -> int:
+    """Connected sockets bound to `sock_path` (/proc/net/unix): the server's end of every
+    connection accepted on that listener carries the listener's path; the listener itself is
+    not connected (state 01)."""
+    n = 0
+    try:
+        with open("/proc/net/unix") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 8 and fields[7] == str(sock_path) and fields[5] == "03":
+                    n += 1
+    except OSError:
+        pass
+    return n
+
+
+def proc_status(pid: int) -> dict:
+    """VmRSS and VmHWM in bytes and the thread count of process `pid` ({} when it is gone)."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+        out["threads"] = len(os.listdir(f"/proc/{pid}/task"))
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+class Watcher:
+    """Samples the daemon every `interval` seconds on a thread of its own while in a `with`
+    block: the most threads, RSS and connections seen, and the last VmHWM."""
+
+    def __init__(self, pid: int, sock: Path, interval: float = 0.1):
+        self.pid, self.sock, self.interval = pid, sock, interval
+        self.threads_max = self.rss_max = self.conns_max = 0
+        self.hwm = None
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def sample(self) -> None:
+        st = proc_status(self.pid)
+        if not st:
+            return
+        self.samples += 1
+        self.threads_max = max(self.threads_max, st.get("threads", 0))
+        self.rss_max = max(self.rss_max, st.get("VmRSS", 0))
+        self.hwm = st.get("VmHWM", self.hwm)
+        self.conns_max = max(self.conns_max, unix_connections(self.sock))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self):
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sample()
+
+    def as_dict(self) -> dict:
+        return {"threads_max": self.threads_max, "rss_max": self.rss_max, "vm_hwm": self.hwm,
+                "connections_max": self.conns_max, "samples": self.samples}
+
+
+# --------------------------------------------------------------------------------------------
+# fio
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """One fio run against the daemon."""
+    jobs: int
+    iops: float | None = None
+    lat_p99_us: float | None = None
+    ios: int = 0
+    cpu_us_per_io: float | None = None
+    error: str | None = None           # fio's exit status / job error, None when clean
+    daemon: dict = field(default_factory=dict)
+    json: str = ""
+
+
+def fio_cmd(uri: str, jobs: int, runtime: int, size: int, out_json: Path) -> list:
+    # Each fio job has its own libnbd handle, so numjobs=N opens N connections.
+    return ["fio", f"--name={WORKLOAD.key}", "--ioengine=nbd", f"--uri={uri}",
+            f"--rw={WORKLOAD.rw}", f"--bs={WORKLOAD.bs}", f"--iodepth={WORKLOAD.qd}",
+            f"--numjobs={jobs}", "--time_based", f"--runtime={runtime}", f"--size={size}",
+            "--randrepeat=1", "--group_reporting", "--output-format=json",
+            f"--output={out_json}"]
+
+
+def fio_outcome(cp, out_json: Path, r: Run) -> None:
+    """Fill `r` from fio's exit status and JSON: the numbers, or the error (fio's job error
+    with group_reporting is the first error of any job)."""
+    errors = []
+    if cp.returncode != 0:
+        errors.append(f"fio exit {cp.returncode}: {(cp.stderr or cp.stdout).strip()[-600:]}")
+    try:
+        text = out_json.read_text(errors="replace")
+        job = json.loads(text[text.index("{"):])["jobs"][0]
+        if job.get("error", 0):
+            errors.append(f"fio job error {job['error']}")
+        else:
+            smp = parse_fio_json(out_json, WORKLOAD)
+            r.iops, r.lat_p99_us, r.ios = smp.iops, smp.lat_p99_us, smp.ios
+    except (OSError, ValueError, KeyError, IndexError, BenchError) as e:
+        errors.append(f"fio JSON: {e}")
+    r.error = "; ".join(errors) or None
+
+
+def fio_run(uri: str, jobs: int, args, out_json: Path, daemon: Service, sock: Path) -> Run:
+    r = Run(jobs=jobs, json=out_json.name)
+    cmd = fio_cmd(uri, jobs, args.runtime, args.size, out_json)
+    r.daemon["connections_before"] = drain(sock, f"a {jobs}-connection run")
+    pid = daemon.proc.pid
+    cpu0 = common.proc_cpu_seconds(pid)
+    with Watcher(pid, sock) as w:
+        cp = run(cmd, timeout=args.runtime + 120, check=False, quiet=True)
+    cpu1 = common.proc_cpu_seconds(pid)
+    fio_outcome(cp, out_json, r)
+    r.cpu_us_per_io = common.cpu_us_per_io(cpu0, cpu1, r.ios)
+    r.daemon.update(w.as_dict())
+    return r
+
+
+# --------------------------------------------------------------------------------------------
+# the flood
+# --------------------------------------------------------------------------------------------
+
+def open_flood(sock: Path, n: int, keep: list) -> Counter:
+    """Open `n` connections one after another, each handshaking to EXPORT; the served ones go
+    into `keep` (left open, idle).  Returns how each ended: "served", "refused: MESSAGE",
+    "closed without a word" or "error: ...".  One at a time, so that every refused client is
+    answered (the server answers only a few refusals at once and drops the rest silently)."""
+    outcome = Counter()
+    for _ in range(n):
+        sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sk.settimeout(10)
+        try:
+            sk.connect(str(sock))
+            nbd_handshake(sk, EXPORT)
+        except NbdRefused as e:
+            outcome[f"refused: {e}"] += 1
+            sk.close()
+            continue
+        except (ConnectionError, EOFError) as e:
+            outcome["closed without a word"] += 1
+            log(f"flood: closed without a word ({e})")
+            sk.close()
+            continue
+        except OSError as e:
+            outcome[f"error: {e.__class__.__name__}: {e}"] += 1
+            sk.close()
+            continue
+        outcome["served"] += 1
+        keep.append(sk)
+    return outcome
+
+
+def close_flood(socks: list) -> None:
+    for sk in socks:
+        try:
+            # NBD_CMD_DISC, then close: a polite client leaving.
+            sk.sendall(b"\x25\x60\x95\x13" + bytes(2) + (2).to_bytes(2, "big") + bytes(20))
+        except OSError:
+            pass
+        sk.close()
+    socks.clear()
+
+
+def wait_connections(sock: Path, at_most: int, timeout: float) -> int:
+    """Wait until the daemon holds at most `at_most` connections; return how many it holds."""
+    deadline = time.monotonic() + timeout
+    n = unix_connections(sock)
+    while n > at_most and time.monotonic() < deadline:
+        time.sleep(0.1)
+        n = unix_connections(sock)
+    return n
+
+
+def drain(sock: Path, before: str) -> int:
+    """Wait (up to 30 s) for the connections of an earlier run to be gone; the server closes
+    its ends after the clients left, and a run must not start while the last one winds down.
+    Returns how many are left (0 unless the server is slow to let go, which is logged)."""
+    left = wait_connections(sock, 0, timeout=30)
+    if left:
+        log(f"WARNING: {left} connection(s) still open on the server 30 s after their clients "
+            f"left, before {before}")
+    return left
+
+
+def flood(args, uri: str, daemon: Service, sock: Path, out_dir: Path) -> dict:
+    """fio (one job) runs while `args.flood` idle connections are opened; see the module doc."""
+    # Long enough to outlast opening the flood and holding it a moment.
+    runtime = max(args.runtime, 5)
+    res: dict = {"connections": args.flood, "fio_seconds": runtime}
+    out_json = out_dir / "flood.fio.json"
+    cmd = fio_cmd(uri, 1, runtime, args.size, out_json)
+    r = Run(jobs=1, json=out_json.name)
+    socks: list = []
+    pid = daemon.proc.pid
+    base = drain(sock, "the flood")
+    cpu0 = common.proc_cpu_seconds(pid)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
+    try:
+        with Watcher(pid, sock) as w:
+            # The flood starts once fio holds its connection, so fio is not the one refused.
+            # fio's nbd engine connects twice (a short probe for the size, then the job's
+            # connection): wait until one has been up for a second.
+            deadline = time.monotonic() + 20
+            up_since = None
+            while proc.poll() is None and time.monotonic() < deadline:
+                if unix_connections(sock) <= base:
+                    up_since = None
+                elif up_since is None:
+                    up_since = time.monotonic()
+                elif time.monotonic() - up_since >= 1.0:
+                    break
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            outcome = open_flood(sock, args.flood, socks)
+            res["open_seconds"] = round(time.monotonic() - t0, 2)
+            res["fio_running_when_open"] = proc.poll() is None
+            res["connections_held"] = unix_connections(sock)
+            try:
+                out, err = proc.communicate(timeout=runtime + 120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                err = f"fio timed out after {runtime + 120} s; {err}"
+        cpu1 = common.proc_cpu_seconds(pid)
+        cp = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        close_flood(socks)
+    fio_outcome(cp, out_json, r)
+    r.cpu_us_per_io = common.cpu_us_per_io(cpu0, cpu1, r.ios)
+    r.daemon = w.as_dict()
+    res["fio"] = r.__dict__
+    res["outcome"] = dict(outcome)
+    res["daemon_alive"] = daemon.alive()
+    # Every slot must come back: no connection left once the clients are gone, and a new
+    # client served.
+    res["connections_left"] = wait_connections(sock, 0, timeout=15)
+    after: list = []
+    try:
+        res["served_after"] = open_flood(sock, 1, after).get("served", 0) == 1
+    finally:
+        close_flood(after)
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# the report
+# --------------------------------------------------------------------------------------------
+
+def med(runs: list, attr: str):
+    vals = [getattr(r, attr) for r in runs if getattr(r, attr) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def mib(n) -> str:
+    return "—" if not n else f"{n / (1 << 20):.0f} MiB"
+
+
+def fmt_iops(v) -> str:
+    return "—" if v is None else f"{v / 1000:.1f}k"
+
+
+def mark(ok) -> str:
+    return "?" if ok is None else ("✔" if ok else "✘")
+
+
+def build_report(meta: dict, runs: dict, fl: dict | None, args) -> tuple[str, dict]:
+    n_conn = args.connections
+    cpus = meta["cpus"]
+    out = [f"## udm scale benchmark — {meta['timestamp']}", ""]
+    out.append(f"Host: {meta['host']}, {cpus} CPUs, kernel {meta['kernel']}. udm "
+               f"{meta['udm_commit']}, daemon flags: `{' '.join(meta['daemon_flags']) or '—'}`. "
+               f"{meta['fio_version']}, nbd engine, unix socket, one `linear` device over a "
+               f"fully written {meta['size_human']} file. {args.runtime} s per run, median of "
+               f"{args.repeat} alternating run(s).")
+    out.append("")
+    out.append(f"### {n_conn} connections vs 1 — 4 KiB random reads, iodepth 32 per connection")
+    out.append("")
+    rows, summary = [], {}
+    for jobs in (1, n_conn):
+        rs = runs.get(jobs, [])
+        ok = [r for r in rs if r.error is None]
+        worst = {k: max((r.daemon.get(k) or 0 for r in rs), default=0)
+                 for k in ("threads_max", "rss_max", "vm_hwm", "connections_max")}
+        errors = [r.error for r in rs if r.error]
+        summary[str(jobs)] = {"median_iops": med(ok, "iops"),
+                              "median_lat_p99_us": med(ok, "lat_p99_us"),
+                              "median_cpu_us_per_io": med(ok, "cpu_us_per_io"),
+                              **worst, "errors": errors, "runs": [r.__dict__ for r in rs]}
+        p99 = med(ok, "lat_p99_us")
+        cpu = med(ok, "cpu_us_per_io")
+        rows.append([str(jobs), fmt_iops(med(ok, "iops")),
+                     ", ".join(fmt_iops(r.iops) for r in rs),
+                     "—" if p99 is None else f"{p99:.0f}",
+                     "—" if cpu is None else f"{cpu:.1f}",
+                     str(worst["threads_max"]), mib(worst["rss_max"]), mib(worst["vm_hwm"]),
+                     str(worst["connections_max"]),
+                     "none" if not errors else f"**{len(errors)} run(s)**"])
+    out.append(markdown_table(["connections", "total IOPS", "every run", "p99 µs",
+                               "daemon CPU µs/IO", "daemon threads (max)", "daemon RSS (max)",
+                               "daemon VmHWM", "connections held (max)", "fio errors"], rows))
+    out.append("")
+    out.append("Threads: entries of /proc/PID/task, RSS: VmRSS of /proc/PID/status, both the "
+               "most seen in samples every 100 ms over every run of the row; VmHWM: the "
+               "daemon's peak RSS since it started (so the 64-connection row's includes "
+               "everything before). Connections: the server ends of connected sockets on the "
+               "listener's path in /proc/net/unix. CPU: the daemon's utime + stime over the run "
+               "/ I/Os.")
+    bars = []
+    one, many = summary["1"]["median_iops"], summary[str(n_conn)]["median_iops"]
+    r = many / one if one and many else None
+    summary["ratio_many_vs_one"] = r
+    bars.append((f"{n_conn} connections' total IOPS / 1 connection's = "
+                 + ("—" if r is None else f"{r:.2f}×") + " (≥ 1.0×)",
+                 None if r is None else round(r, 2) >= 1.0))
+    errs = summary[str(n_conn)]["errors"] + summary["1"]["errors"]
+    bars.append((f"fio errors in the connection runs: {len(errs)} (must be 0)"
+                 + (f": {errs[0][:200]}" if errs else ""),
+                 None if not runs else not errs))
+    threads = summary[str(n_conn)]["threads_max"]
+    if args.pool_threads is not None:
+        limit = 2 * cpus + args.pool_threads
+        bars.append((f"daemon threads with {n_conn} connections: {threads} (≤ 2 × {cpus} cores "
+                     f"+ {args.pool_threads} pool = {limit})", threads <= limit))
+    else:
+        bars.append((f"daemon threads with {n_conn} connections: {threads} (bar: ≤ 2 × {cpus} "
+                     f"cores + the worker pool; give the pool size with --pool-threads to judge)",
+                     "reported"))
+    bars.append((f"daemon RSS with {n_conn} connections: "
+                 f"{mib(summary[str(n_conn)]['rss_max'])} (reported)", "reported"))
+
+    out.append("")
+    out.append(f"### Flood — {args.flood} raw connections from one uid while fio runs")
+    out.append("")
+    if fl:
+        fio = fl["fio"]
+        oc = fl["outcome"]
+        refused = {k.removeprefix("refused: "): v for k, v in oc.items()
+                   if k.startswith("refused: ")}
+        one_iops = summary["1"]["median_iops"]
+        out.append(f"- fio (1 job, 4 KiB random reads, iodepth 32, {fl['fio_seconds']} s): "
+                   + ((f"completed, {fmt_iops(fio['iops'])} IOPS"
+                       + (f" ({fio['iops'] / one_iops:.2f}× the 1-connection median)"
+                          if one_iops and fio["iops"] else "")
+                       + ", no error") if fio["error"] is None
+                      else f"**failed**: {fio['error']}")
+                   + ".")
+        out.append(f"- {args.flood} connections opened one after another in "
+                   f"{fl.get('open_seconds', '?')} s (fio still running when all were open: "
+                   f"{'yes' if fl.get('fio_running_when_open') else '**no**'}): "
+                   f"{oc.get('served', 0)} served and held idle; "
+                   + (", ".join(f"{v} refused with \"{k}\"" for k, v in refused.items())
+                      or "none refused")
+                   + f"; {oc.get('closed without a word', 0)} closed without a word"
+                   + "".join(f"; {v} {k}" for k, v in oc.items() if k.startswith("error: "))
+                   + ".")
+        out.append(f"- Connections the daemon held once the flood was open: "
+                   f"{fl.get('connections_held')} (fio's one included); daemon threads (max) "
+                   f"{fio['daemon'].get('threads_max')}, RSS (max) "
+                   f"{mib(fio['daemon'].get('rss_max'))}.")
+        out.append(f"- Which limit bit: {fl['limit_bit']}.")
+        out.append(f"- After the clients left: {fl['connections_left']} connection(s) left, a "
+                   f"new client {'served' if fl.get('served_after') else '**not served**'}; "
+                   f"daemon {'alive' if fl['daemon_alive'] else '**dead**'}.")
+        bars.append(("flood: fio completed with no error", fio["error"] is None))
+        bars.append(("flood: every slot given back (no connection left, a new client served)",
+                     fl["connections_left"] == 0 and bool(fl.get("served_after"))))
+    else:
+        out.append("Not run.")
+    out.append("")
+    out.append("### Bars (issue #10)")
+    out.append("")
+    for text, ok in bars:
+        out.append(f"- {'·' if ok == 'reported' else mark(ok)} {text}")
+    judged = [ok for _, ok in bars if ok != "reported"]
+    met = bool(judged) and all(ok is True for ok in judged)
+    out.append("")
+    out.append("All bars: " + ("**met**." if met else "**not met** (✘ missed, ? not measured)")
+               + " (· reported, not judged)")
+    summary["_bars"] = [{"text": t, "ok": ok} for t, ok in bars]
+    summary["_bars_met"] = met
+    common.table_footer(out, meta, [])
+    return "\n".join(out) + "\n", summary
+
+
+def limit_bit(refused: dict, flags: dict) -> str:
+    """Which of the daemon's connection limits the flood's refusals name."""
+    texts = " ".join(refused)
+    per_client = "per client" in texts
+    server = "server's limit" in texts
+    if not refused:
+        return "none (no connection was refused)"
+    parts = []
+    if server:
+        parts.append("the server-wide limit (--nbd-max-connections"
+                     + (f" {flags['--nbd-max-connections']}" if "--nbd-max-connections" in flags
+                        else ", not settable in this build: 256") + ")")
+    if per_client:
+        parts.append("the per-client limit (--nbd-max-connections-per-client"
+                     + (f" {flags['--nbd-max-connections-per-client']}"
+                        if "--nbd-max-connections-per-client" in flags else ", default 64")
+                     + "): the flood and fio share one uid")
+    return " and ".join(parts) or f"unrecognised refusal message(s): {texts[:200]}"
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+def daemon_flags(udm_bin: Path, args) -> dict:
+    """The connection-limit flags to pass, among those `udm daemon --help` lists."""
+    cp = run([str(udm_bin), "daemon", "--help"], timeout=30, check=False, quiet=True)
+    text = cp.stdout + cp.stderr
+    flags = {}
+    for flag, value in (("--nbd-max-connections", args.max_connections),
+                        ("--nbd-max-connections-per-client", args.per_client_limit)):
+        if value is None:
+            continue
+        if re.search(re.escape(flag) + r"(?![\w-])", text):
+            flags[flag] = str(value)
+        else:
+            log(f"NOTE: this udm daemon has no {flag}; the daemon's default applies")
+    return flags
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        description="udm scale benchmark: many NBD connections against one daemon (total "
+                    "IOPS, threads, RSS, errors) and a connection flood.")
+    common.add_sizing_args(ap, runtime=10, size_help="device and backing file size (default 1G)",
+                           repeat=True)
+    common.add_run_args(
+        ap, out="bench/results/scale",
+        out_help="output directory (default bench/results/scale)",
+        tmpdir_help="where to create the temp dir (must support O_DIRECT; default $TMPDIR or "
+                    "/tmp)",
+        keep_help="keep the temp dir (disk image, logs)",
+        udm_help="path of the udm binary (default target/release/udm, built if missing)",
+        charts_help="(no charts here; accepted for symmetry)")
+    ap.add_argument("--connections", type=int, default=64,
+                    help="fio jobs, one NBD connection each, in the many-connection runs "
+                         "(default 64)")
+    ap.add_argument("--flood", type=int, default=400,
+                    help="raw connections opened while fio runs (default 400; 0 skips)")
+    ap.add_argument("--per-client-limit", type=int, default=1024,
+                    help="daemon --nbd-max-connections-per-client (default 1024, so that the "
+                         "many-connection runs and the flood, all from this uid, meet the "
+                         "server-wide limit rather than the per-client one; 0 leaves the "
+                         "daemon's default)")
+    ap.add_argument("--max-connections", type=int, default=None,
+                    help="daemon --nbd-max-connections, when the build has it (default: the "
+                         "daemon's default)")
+    ap.add_argument("--pool-threads", type=int, default=None,
+                    help="the daemon's worker pool size, to judge the thread bar (threads ≤ "
+                         "2 × cores + pool); without it the thread count is only reported")
+    args = ap.parse_args(argv)
+    common.resolve_sizing(args)
+    if args.per_client_limit == 0:
+        args.per_client_limit = None
+    if args.runtime < 1 or args.repeat < 1 or args.connections < 1 or args.flood < 0:
+        ap.error("--runtime, --repeat and --connections must be at least 1, --flood at least 0")
+    trap_signals()
+
+    if not shutil.which("fio"):
+        log("ERROR: `fio` not found; install the Debian package `fio`")
+        return 2
+    if run(["fio", "--enghelp=nbd"], timeout=20, check=False, quiet=True).returncode != 0:
+        log("ERROR: this fio has no nbd engine (Debian's fio package has it; it needs libnbd0)")
+        return 2
+
+    out_dir = prepare_out_dir(args.out)
+    udm_bin = locate_udm(args, find_udm)
+    if udm_bin is None:
+        return 2
+    tmp = make_tmpdir(tmp_base(args), "udm-scale-", "udm.sock")
+    if tmp is None:
+        return 2
+
+    size = args.size
+    disk = tmp / "disk.img"
+    ctl, sock = tmp / "ctl.sock", tmp / "udm.sock"
+    uri = f"nbd+unix:///{EXPORT}?socket={sock}"
+    daemon: Service | None = None
+    udm: Udm | None = None
+    runs: dict = {}
+    fl = None
+    notes: list = []
+    rc = 1
+    flags = daemon_flags(udm_bin, args)
+    meta = {**common.base_meta(udm_bin), "runtime": args.runtime, "size": size,
+            "size_human": human_size(size), "repeat": args.repeat,
+            "connections": args.connections, "flood": args.flood,
+            "daemon_flags": [x for kv in flags.items() for x in kv], "tmpdir": str(tmp),
+            "notes": notes}
+    try:
+        fill_backing_file(disk, size, timeout=max(600, size / (20 << 20)))
+        (tmp / "state").mkdir()
+        daemon = start_service(
+            "udm daemon",
+            [str(udm_bin), "daemon", "--state-dir", str(tmp / "state"), "--control", str(ctl),
+             "--nbd", f"unix:{sock}", *meta["daemon_flags"]],
+            tmp / "udm-daemon.log", env=dict(os.environ, RUST_BACKTRACE="1"))
+        wait_for_socket(ctl, daemon, timeout=30)
+        udm = Udm(udm_bin, ctl)
+        udm.client("create", EXPORT, "--table", f"0 {size // 512} linear {disk} 0")
+        wait_for_socket(sock, daemon, timeout=30)
+        check_export(uri, size, "udm lin (linear)")
+        st = proc_status(daemon.proc.pid)
+        meta["daemon_idle"] = {"threads": st.get("threads"), "rss": st.get("VmRSS")}
+
+        # ---- 1 connection vs many, alternating
+        total = 2 * args.repeat
+        log(f"{total} fio runs of {args.runtime} s, then the flood")
+        n = 0
+        for rep in range(1, args.repeat + 1):
+            for jobs in ((1, args.connections) if rep % 2 else (args.connections, 1)):
+                n += 1
+                if not daemon.alive():
+                    raise BenchError(f"udm daemon exited (code {daemon.proc.returncode}); log "
+                                     f"tail:\n{daemon.log_tail()}")
+                r = fio_run(uri, jobs, args, out_dir / f"conn{jobs}.r{rep}.json", daemon, sock)
+                runs.setdefault(jobs, []).append(r)
+                cpu = "—" if r.cpu_us_per_io is None else f"{r.cpu_us_per_io:.1f}"
+                log(f"[{n}/{total}] {jobs:>3} connection(s) r{rep}: "
+                    + (f"{r.iops:>9.0f} IOPS, p99 {r.lat_p99_us:.0f} µs" if r.iops else "no IOPS")
+                    + f", CPU {cpu} µs/IO, threads {r.daemon['threads_max']}, RSS "
+                    f"{mib(r.daemon['rss_max'])}" + (f", ERROR {r.error[:300]}" if r.error else ""))
+
+        # ---- the flood
+        if args.flood:
+            if not daemon.alive():
+                raise BenchError(f"udm daemon exited (code {daemon.proc.returncode})")
+            log(f"flood: {args.flood} connections while fio runs")
+            fl = flood(args, uri, daemon, sock, out_dir)
+            refused = {k.removeprefix("refused: ") for k in fl["outcome"]
+                       if k.startswith("refused: ")}
+            fl["limit_bit"] = limit_bit(refused, flags)
+            log(f"flood: {fl['outcome']}; fio error: {fl['fio']['error']}")
+        if not daemon.alive():
+            notes.append(f"the udm daemon exited (code {daemon.proc.returncode}) during the run")
+
+        table, summary = build_report(meta, runs, fl, args)
+        write_results(out_dir, table, {"meta": meta, "connections": summary, "flood": fl})
+        log(f"results in {out_dir}")
+        any_err = any(r.error for rs in runs.values() for r in rs) or \
+            (fl is not None and fl["fio"]["error"] is not None)
+        rc = 3 if any_err else 0
+    except KeyboardInterrupt as e:
+        log(f"interrupted ({e}); cleaning up")
+        rc = 130
+    except BenchError as e:
+        log(f"ERROR: {e}")
+        rc = 1
+    finally:
+        if daemon is not None and daemon.alive() and udm is not None:
+            drain(sock, "removing the device")
+            udm.client("remove", EXPORT, timeout=30, check=False)
+        if daemon is not None:
+            stop_daemon(daemon, grace=15)
+        copy_logs([daemon], out_dir)
+        remove_tmp(tmp, args.keep)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
