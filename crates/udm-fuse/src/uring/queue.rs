@@ -7,7 +7,8 @@
 //! - a READ, WRITE or FSYNC whose device can say where the bytes live (`map()`) goes to the
 //!   io_uring engine on this same ring: the data moves between the entry's payload buffer and
 //!   the files with no copy and no thread waiting;
-//! - requests that only look at the catalog (lookup, getattr, readdir…) are served inline;
+//! - requests that only look at the catalog's tables (lookup, getattr, open, readdir…) are
+//!   served inline;
 //! - everything else goes to the pool, which answers in the entry and posts it back.
 //!
 //! Either way the reply is committed with COMMIT_AND_FETCH, which also waits for the next
@@ -281,12 +282,16 @@ impl Serving {
         };
         match opcode {
             op::READ | op::WRITE | op::FSYNC if self.start_mapped(slot) => {}
-            // Answered from the catalog's tables, without I/O.
+            // Answered from the catalog's tables, without I/O. Opening a file takes an open
+            // of the device, and releasing it gives that back, which are counters too; so
+            // a device busy in the pool does not hold up opening another.
             op::LOOKUP
             | op::GETATTR
             | op::SETATTR
             | op::ACCESS
             | op::STATFS
+            | op::OPEN
+            | op::RELEASE
             | op::OPENDIR
             | op::READDIR
             | op::RELEASEDIR

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::Context;
 use log::{info, warn};
 use udm_block::{Export, ExportCatalog};
-use udm_fuse::{FuseConfig, FuseExport};
+use udm_fuse::{FuseConfig, FuseExport, UringMode};
 use udm_nbd::{NbdServer, ServerConfig, TlsServer};
 
 pub use listener::{Address, Listener};
@@ -33,6 +33,7 @@ pub struct DaemonOptions {
     pub nbd_max_connections_per_client: usize,
     pub nbd_idle_timeout: Option<std::time::Duration>,
     pub fuse_threads: usize,
+    pub fuse_uring: UringMode,
     pub remote_timeout: std::time::Duration,
 }
 
@@ -105,6 +106,7 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
                 catalog,
                 FuseConfig {
                     workers: options.fuse_threads,
+                    io_uring: options.fuse_uring,
                     ..FuseConfig::default()
                 },
             )
@@ -116,6 +118,13 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
             Some(export)
         }
         None => None,
+    };
+    let fuse_files = match (&options.fuse, &fuse) {
+        (Some(dir), Some(export)) => Some(control::FuseFiles {
+            dir: dir.clone(),
+            transport: export.transport().to_string(),
+        }),
+        _ => None,
     };
     let catalog: Arc<dyn ExportCatalog> = Arc::new(Catalog {
         registry: registry.clone(),
@@ -146,7 +155,7 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
             }
         }
     }
-    control::listen(&options.control, registry.clone(), options.fuse.clone())
+    control::listen(&options.control, registry.clone(), fuse_files)
         .with_context(|| format!("control socket {}", options.control.display()))?;
     info!("control socket {}", options.control.display());
 
