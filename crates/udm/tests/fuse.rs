@@ -788,3 +788,58 @@ fn a_stop_with_requests_in_flight_ends_in_bounded_time_over_io_uring() {
 fn a_stop_with_requests_in_flight_ends_in_bounded_time_over_dev_fuse() {
     a_stop_with_requests_in_flight_ends_in_bounded_time("off");
 }
+
+#[test]
+fn without_io_uring_auto_serves_over_dev_fuse_and_on_refuses_to_start() {
+    // auto: one line says why, and the mount works over /dev/fuse.
+    let daemon = Daemon::start_without_io_uring("fuse-no-uring", &["--fuse", "{dir}/fuse"]);
+    let transport = fuse_transport(&daemon);
+    assert!(transport.starts_with("/dev/fuse"), "{transport}");
+    let log = daemon.log();
+    let why: Vec<_> = log
+        .lines()
+        .filter(|l| l.contains("not using io_uring"))
+        .collect();
+    assert_eq!(why.len(), 1, "{log}");
+    assert!(why[0].contains("io_uring is unavailable"), "{log}");
+    daemon.create_linear("vol", "disk.img", 16 * MIB);
+    let file = daemon.dir.path("fuse/vol");
+    std::fs::write(&file, vec![0x5au8; 8192]).unwrap();
+    assert!(std::fs::read(&file).unwrap()[..8192] == [0x5a; 8192]);
+
+    // on: the daemon does not start, and says why in one line.
+    let dir = TempDir::new("fuse-no-uring-on");
+    let mut command = Command::new(common::UDM);
+    common::deny_io_uring(&mut command);
+    let out = command
+        .arg("daemon")
+        .arg("--state-dir")
+        .arg(dir.path("state"))
+        .arg("--control")
+        .arg(dir.path("control.sock"))
+        .arg("--fuse")
+        .arg(dir.path("fuse"))
+        .args(["--fuse-uring", "on"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("udm: FUSE mount at ")
+            && last.contains("FUSE over io_uring is unavailable: io_uring is unavailable"),
+        "{stderr}"
+    );
+    assert!(
+        !udm_fuse_mounted(&dir.path("fuse")),
+        "a mount was left behind"
+    );
+}
+
+/// Whether a FUSE filesystem is mounted at `path`.
+fn udm_fuse_mounted(path: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(path.to_str().unwrap()))
+}
