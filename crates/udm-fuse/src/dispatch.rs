@@ -12,7 +12,7 @@ use crate::abi::{self, opcode, Args, InHeader, ReadIn, WriteIn, IN_HEADER_LEN, W
 use crate::fs::Errno;
 use crate::session::Session;
 
-pub(crate) type Device = Checked<Arc<dyn BlockDevice>>;
+type Device = Checked<Arc<dyn BlockDevice>>;
 
 const SECTOR: u64 = SECTOR_SIZE;
 
@@ -47,7 +47,8 @@ impl<'a> Request<'a> {
     }
 }
 
-/// Counts the replies sent, so that a request answered twice or never shows up.
+/// Counts the replies sent, so that a request that panics after its reply is not answered
+/// twice.
 struct Counted<'a> {
     inner: &'a dyn Reply,
     sent: Cell<u32>,
@@ -87,7 +88,7 @@ pub(crate) fn serve(session: &Session, data: &mut AlignedBuf, reply: &dyn Reply,
 }
 
 /// Opcodes the kernel expects no reply to.
-pub(crate) fn has_reply(opcode: u32) -> bool {
+fn has_reply(opcode: u32) -> bool {
     !matches!(
         opcode,
         opcode::FORGET | opcode::BATCH_FORGET | opcode::INTERRUPT
