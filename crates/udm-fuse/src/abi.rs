@@ -47,6 +47,11 @@ pub mod init {
     pub const ASYNC_DIO: u32 = 1 << 15;
     pub const PARALLEL_DIROPS: u32 = 1 << 18;
     pub const MAX_PAGES: u32 = 1 << 22;
+    /// `fuse_init_in` and `fuse_init_out` carry `flags2`, the flags from bit 32 on.
+    pub const INIT_EXT: u32 = 1 << 30;
+    /// In `flags2` (bit 41 of the 64-bit flags): requests can come through io_uring
+    /// (kernel 6.14+, when the fuse module's `enable_uring` is set).
+    pub const OVER_IO_URING: u32 = 1 << (41 - 32);
 }
 
 pub const FOPEN_DIRECT_IO: u32 = 1 << 0;
@@ -58,6 +63,38 @@ pub const GETATTR_FH: u32 = 1 << 0;
 
 /// `_IOR(229, 0, uint32_t)`: attach a new /dev/fuse descriptor to an existing connection.
 pub const FUSE_DEV_IOC_CLONE: libc::c_ulong = 0x8004_e500;
+
+/// FUSE over io_uring (protocol 7.42, kernel 6.14+): every ring entry registers a header
+/// buffer (`struct fuse_uring_req_header`) and a payload buffer with the kernel, which puts a
+/// request's `fuse_in_header` and argument struct in the first and its data in the second;
+/// the reply goes back in the same places.
+pub mod ring {
+    /// `fuse_in_header` on the way in, `fuse_out_header` on the way out.
+    pub const IN_OUT: usize = 0;
+    /// The opcode's argument struct (`fuse_read_in`, `fuse_write_in`, a LOOKUP's name…).
+    pub const OP_IN: usize = 128;
+    pub const OP_IN_LEN: usize = 128;
+    /// `struct fuse_uring_ent_in_out`: flags, commit_id, payload_sz, padding, reserved.
+    const ENT_IN_OUT: usize = 256;
+    pub const COMMIT_ID: usize = ENT_IN_OUT + 8;
+    /// Bytes of the payload buffer in use: the request's data, then the reply's.
+    pub const PAYLOAD_SZ: usize = ENT_IN_OUT + 16;
+    pub const HEADER_LEN: usize = ENT_IN_OUT + 32;
+
+    /// Hands an entry's buffers to the kernel (`sqe->addr` = two iovecs, `sqe->len` = 2).
+    pub const CMD_REGISTER: u32 = 1;
+    /// Commits the reply in the entry's buffers and waits for the next request.
+    pub const CMD_COMMIT_AND_FETCH: u32 = 2;
+
+    /// `struct fuse_uring_cmd_req` in the 80-byte command area of a 128-byte SQE.
+    pub fn cmd_req(qid: u16, commit_id: u64) -> [u8; 80] {
+        let mut cmd = [0u8; 80];
+        // flags (0) at 0, commit_id at 8, qid at 16, padding.
+        cmd[8..16].copy_from_slice(&commit_id.to_ne_bytes());
+        cmd[16..18].copy_from_slice(&qid.to_ne_bytes());
+        cmd
+    }
+}
 
 /// The fixed part of every request.
 #[derive(Debug, Clone, Copy)]
@@ -117,9 +154,56 @@ impl<'a> Args<'a> {
         self.bytes = &self.bytes[end + 1..];
         Some(name)
     }
+}
 
-    pub fn rest(&self) -> &'a [u8] {
-        self.bytes
+/// `fuse_read_in`, as far as serving a read needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadIn {
+    pub fh: u64,
+    pub offset: u64,
+    pub size: u32,
+}
+
+impl ReadIn {
+    pub fn parse(args: &[u8]) -> Option<ReadIn> {
+        let mut a = Args::new(args);
+        Some(ReadIn {
+            fh: a.u64()?,
+            offset: a.u64()?,
+            size: a.u32()?,
+        })
+    }
+}
+
+/// `fuse_write_in`, as far as serving a write needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteIn {
+    pub fh: u64,
+    pub offset: u64,
+    pub size: u32,
+    /// The flags the file was opened with.
+    pub open_flags: u32,
+}
+
+impl WriteIn {
+    pub fn parse(args: &[u8]) -> Option<WriteIn> {
+        let mut a = Args::new(args);
+        let fh = a.u64()?;
+        let offset = a.u64()?;
+        let size = a.u32()?;
+        a.skip(12)?; // write_flags, lock_owner
+        let open_flags = a.u32()?;
+        Some(WriteIn {
+            fh,
+            offset,
+            size,
+            open_flags,
+        })
+    }
+
+    /// A file opened O_DSYNC (or O_SYNC) wants each write durable when it returns.
+    pub fn fua(&self) -> bool {
+        self.open_flags as i32 & libc::O_DSYNC != 0
     }
 }
 
@@ -254,6 +338,7 @@ pub struct InitOut {
     pub congestion_threshold: u16,
     pub max_write: u32,
     pub max_pages: u16,
+    pub flags2: u32,
 }
 
 pub fn init_out(o: &InitOut) -> [u8; 64] {
@@ -268,7 +353,7 @@ pub fn init_out(o: &InitOut) -> [u8; 64] {
         .u32(1) // time_gran: nanoseconds
         .u16(o.max_pages)
         .u16(0) // map_alignment
-        .u32(0) // flags2
+        .u32(o.flags2)
         .zeros(28)
         .finish()
 }
@@ -335,6 +420,6 @@ mod tests {
         assert_eq!(a.u32(), None);
         let mut n = Args::new(b"vol\0rest");
         assert_eq!(n.name(), Some(&b"vol"[..]));
-        assert_eq!(n.rest(), b"rest");
+        assert_eq!(n.u32(), Some(u32::from_ne_bytes(*b"rest")));
     }
 }

@@ -19,6 +19,8 @@ pub enum FuseError {
     AlreadyMounted(PathBuf),
     #[error("the FUSE server of {} does not answer; unmount it by hand (umount -l)", .0.display())]
     Unresponsive(PathBuf),
+    #[error("FUSE over io_uring is unavailable: {0}")]
+    IoUring(String),
 }
 
 impl FuseError {

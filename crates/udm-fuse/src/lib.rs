@@ -9,12 +9,16 @@
 //! Every request goes through `udm_block::Checked`, like the NBD export's.
 
 mod abi;
+mod dispatch;
 mod error;
 mod export;
 mod fs;
 mod mount;
+mod session;
+mod uring;
 mod worker;
 
 pub use error::FuseError;
-pub use export::{FuseConfig, FuseExport};
+pub use export::{FuseConfig, FuseExport, Transport, UringMode};
 pub use mount::{is_udm_mount, recover_stale_mount, set_io_flusher};
+pub use uring::enable_kernel_support;

@@ -199,7 +199,9 @@ pub(crate) fn probe(path: &Path) -> Result<Probe, FuseError> {
         Ok(f_type) if listed && f_type == libc::FUSE_SUPER_MAGIC => Ok(Probe::Live),
         Ok(_) => Ok(Probe::Other),
         Err(e) => match e.raw_os_error() {
-            Some(libc::ENOTCONN) | Some(libc::ECONNABORTED) => Ok(Probe::Stale),
+            // ECONNABORTED and ECANCELED: a request caught in the kernel's teardown of a
+            // connection (an io_uring one's goes on after its server process is gone).
+            Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED) => Ok(Probe::Stale),
             Some(libc::ENOENT) => Ok(Probe::Missing),
             _ => Err(FuseError::io(format!("statfs {}", path.display()), e)),
         },

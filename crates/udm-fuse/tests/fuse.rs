@@ -15,10 +15,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use udm_block::{
-    AlignedBuf, BlockDevice, Export, ExportCatalog, FileDevice, MemoryDevice, OpenMode, WriteFlags,
-    ZeroFlags,
+    AlignedBuf, BlockDevice, Export, ExportCatalog, FileDevice, MapOp, Mapping, MemoryDevice,
+    OpenMode, WriteFlags, ZeroFlags,
 };
-use udm_fuse::{recover_stale_mount, FuseConfig, FuseError, FuseExport};
+use udm_fuse::{recover_stale_mount, FuseConfig, FuseError, FuseExport, Transport, UringMode};
 
 pub const MIB: u64 = 1 << 20;
 
@@ -143,12 +143,39 @@ impl Drop for TempDir {
     }
 }
 
-pub fn mount(dir: &TempDir, catalog: &Arc<TestCatalog>) -> FuseExport {
-    mount_with(dir, catalog, FuseConfig::default())
+/// Runs a check once over /dev/fuse and once over io_uring (if the tests can run at all).
+pub fn each_transport(check: impl Fn(UringMode)) {
+    if !can_run() {
+        return;
+    }
+    for mode in [UringMode::Off, UringMode::On] {
+        eprintln!("over {mode:?}:");
+        check(mode);
+    }
 }
 
+pub fn mount(dir: &TempDir, catalog: &Arc<TestCatalog>, mode: UringMode) -> FuseExport {
+    mount_with(
+        dir,
+        catalog,
+        FuseConfig {
+            io_uring: mode,
+            ..FuseConfig::default()
+        },
+    )
+}
+
+/// Mounts, and checks that requests come the way `config.io_uring` asked for.
 pub fn mount_with(dir: &TempDir, catalog: &Arc<TestCatalog>, config: FuseConfig) -> FuseExport {
-    FuseExport::mount(&dir.path("mnt"), catalog.clone(), config).expect("mount")
+    let mode = config.io_uring;
+    let export = FuseExport::mount(&dir.path("mnt"), catalog.clone(), config).expect("mount");
+    let transport = export.transport();
+    match mode {
+        UringMode::Off => assert!(matches!(transport, Transport::DevFuse { .. })),
+        UringMode::On => assert!(matches!(transport, Transport::IoUring { .. })),
+        UringMode::Auto => {}
+    }
+    export
 }
 
 pub fn run(cmd: &mut Command) -> String {
@@ -290,349 +317,340 @@ fn listing(dir: &Path) -> Vec<String> {
 
 #[test]
 fn devices_are_files_with_their_size_and_mode() {
-    if !can_run() {
-        return;
-    }
-    let dir = TempDir::new("attrs");
-    let catalog = Arc::new(TestCatalog::default());
-    catalog.add_memory("vol", 8 * MIB);
-    catalog.add("ro", Arc::new(MemoryDevice::new(MIB)), true);
-    let export = mount(&dir, &catalog);
-    let mnt = export.mountpoint().to_path_buf();
-    assert_eq!(listing(&mnt), ["ro", "vol"]);
-    let vol = std::fs::metadata(mnt.join("vol")).unwrap();
-    assert!(vol.is_file());
-    assert_eq!(vol.len(), 8 * MIB);
-    assert_eq!(vol.permissions().mode() & 0o7777, 0o600);
-    let ro = std::fs::metadata(mnt.join("ro")).unwrap();
-    assert_eq!(ro.len(), MIB);
-    assert_eq!(ro.permissions().mode() & 0o7777, 0o400);
-    // Inode numbers stay put while the export lives.
-    assert_eq!(vol.ino(), std::fs::metadata(mnt.join("vol")).unwrap().ino());
-    assert_ne!(vol.ino(), ro.ino());
-    assert_eq!(errno_of(std::fs::metadata(mnt.join("nope"))), libc::ENOENT);
-    let root = std::fs::metadata(&mnt).unwrap();
-    assert!(root.is_dir());
-    // Files come only from the catalog.
-    assert!(File::create(mnt.join("new")).is_err());
-    assert!(std::fs::create_dir(mnt.join("dir")).is_err());
-    assert!(std::fs::remove_file(mnt.join("vol")).is_err());
-    assert_eq!(listing(&mnt), ["ro", "vol"]);
-    // Changes other than the size are accepted (and have no effect).
-    std::fs::set_permissions(mnt.join("vol"), std::fs::Permissions::from_mode(0o644)).unwrap();
-    // A whole read ends at the device size.
-    assert_eq!(
-        std::fs::read(mnt.join("ro")).unwrap(),
-        vec![0u8; MIB as usize]
-    );
-    export.unmount();
-    catalog.wait_closed();
-    assert!(!dir.path("mnt").join("vol").exists(), "still mounted");
+    each_transport(|mode| {
+        let dir = TempDir::new("attrs");
+        let catalog = Arc::new(TestCatalog::default());
+        catalog.add_memory("vol", 8 * MIB);
+        catalog.add("ro", Arc::new(MemoryDevice::new(MIB)), true);
+        let export = mount(&dir, &catalog, mode);
+        let mnt = export.mountpoint().to_path_buf();
+        assert_eq!(listing(&mnt), ["ro", "vol"]);
+        let vol = std::fs::metadata(mnt.join("vol")).unwrap();
+        assert!(vol.is_file());
+        assert_eq!(vol.len(), 8 * MIB);
+        assert_eq!(vol.permissions().mode() & 0o7777, 0o600);
+        let ro = std::fs::metadata(mnt.join("ro")).unwrap();
+        assert_eq!(ro.len(), MIB);
+        assert_eq!(ro.permissions().mode() & 0o7777, 0o400);
+        // Inode numbers stay put while the export lives.
+        assert_eq!(vol.ino(), std::fs::metadata(mnt.join("vol")).unwrap().ino());
+        assert_ne!(vol.ino(), ro.ino());
+        assert_eq!(errno_of(std::fs::metadata(mnt.join("nope"))), libc::ENOENT);
+        let root = std::fs::metadata(&mnt).unwrap();
+        assert!(root.is_dir());
+        // Files come only from the catalog.
+        assert!(File::create(mnt.join("new")).is_err());
+        assert!(std::fs::create_dir(mnt.join("dir")).is_err());
+        assert!(std::fs::remove_file(mnt.join("vol")).is_err());
+        assert_eq!(listing(&mnt), ["ro", "vol"]);
+        // Changes other than the size are accepted (and have no effect).
+        std::fs::set_permissions(mnt.join("vol"), std::fs::Permissions::from_mode(0o644)).unwrap();
+        // A whole read ends at the device size.
+        assert_eq!(
+            std::fs::read(mnt.join("ro")).unwrap(),
+            vec![0u8; MIB as usize]
+        );
+        export.unmount();
+        catalog.wait_closed();
+        assert!(!dir.path("mnt").join("vol").exists(), "still mounted");
+    });
 }
 
 #[test]
 fn aligned_and_unaligned_reads_and_writes() {
-    if !can_run() {
-        return;
-    }
-    let dir = TempDir::new("rw");
-    let catalog = Arc::new(TestCatalog::default());
-    let device = Recording::new(4 * MIB);
-    catalog.add("vol", device.clone(), false);
-    let export = mount(&dir, &catalog);
-    let path = export.mountpoint().join("vol");
-    let mut model = vec![0u8; 4 * MIB as usize];
-    let file = open_rw(&path).unwrap();
+    each_transport(|mode| {
+        let dir = TempDir::new("rw");
+        let catalog = Arc::new(TestCatalog::default());
+        let device = Recording::new(4 * MIB);
+        catalog.add("vol", device.clone(), false);
+        let export = mount(&dir, &catalog, mode);
+        let path = export.mountpoint().join("vol");
+        let mut model = vec![0u8; 4 * MIB as usize];
+        let file = open_rw(&path).unwrap();
 
-    let mut write = |file: &File, offset: usize, data: &[u8]| {
-        file.write_all_at(data, offset as u64).unwrap();
-        model[offset..offset + data.len()].copy_from_slice(data);
-    };
-    write(&file, 0, &pattern(1, 64 * 1024));
-    write(&file, MIB as usize, &pattern(2, MIB as usize));
-    // Unaligned: within one sector, across a boundary, long with both ends partial.
-    write(&file, 1000, b"abc");
-    write(&file, 510, b"across");
-    write(&file, 3 * MIB as usize + 77, &pattern(3, 100_000));
-    // Byte by byte, like dd bs=1.
-    for (i, b) in b"one byte at a time".iter().enumerate() {
-        write(&file, 2 * MIB as usize + 511 + i, &[*b]);
-    }
-    file.sync_all().unwrap();
-    assert!(
-        device.flushes.load(Ordering::SeqCst) >= 1,
-        "fsync reached the device"
-    );
+        let mut write = |file: &File, offset: usize, data: &[u8]| {
+            file.write_all_at(data, offset as u64).unwrap();
+            model[offset..offset + data.len()].copy_from_slice(data);
+        };
+        write(&file, 0, &pattern(1, 64 * 1024));
+        write(&file, MIB as usize, &pattern(2, MIB as usize));
+        // Unaligned: within one sector, across a boundary, long with both ends partial.
+        write(&file, 1000, b"abc");
+        write(&file, 510, b"across");
+        write(&file, 3 * MIB as usize + 77, &pattern(3, 100_000));
+        // Byte by byte, like dd bs=1.
+        for (i, b) in b"one byte at a time".iter().enumerate() {
+            write(&file, 2 * MIB as usize + 511 + i, &[*b]);
+        }
+        file.sync_all().unwrap();
+        assert!(
+            device.flushes.load(Ordering::SeqCst) >= 1,
+            "fsync reached the device"
+        );
 
-    let check = |offset: usize, len: usize| {
-        let mut buf = vec![0u8; len];
-        file.read_exact_at(&mut buf, offset as u64).unwrap();
-        assert!(buf == model[offset..offset + len], "{offset}+{len} differs");
-    };
-    check(0, 64 * 1024);
-    check(1, 1);
-    check(999, 5);
-    check(500, 20);
-    check(MIB as usize - 3, 700);
-    check(2 * MIB as usize + 500, 40);
-    check(3 * MIB as usize, MIB as usize);
-    // Reads at and across the end are short, like a regular file's.
-    let mut tail = vec![0u8; 100];
-    assert_eq!(file.read_at(&mut tail, 4 * MIB - 10).unwrap(), 10);
-    assert_eq!(file.read_at(&mut tail, 4 * MIB).unwrap(), 0);
-    // cat: the whole file, in whatever pieces the reader chooses.
-    assert!(std::fs::read(&path).unwrap() == model);
-    // What the device holds is what was written.
-    let mut direct = vec![0u8; model.len()];
-    device.inner.read(0, &mut direct).unwrap();
-    assert!(direct == model);
-    drop(file);
-    catalog.wait_closed();
-    export.unmount();
+        let check = |offset: usize, len: usize| {
+            let mut buf = vec![0u8; len];
+            file.read_exact_at(&mut buf, offset as u64).unwrap();
+            assert!(buf == model[offset..offset + len], "{offset}+{len} differs");
+        };
+        check(0, 64 * 1024);
+        check(1, 1);
+        check(999, 5);
+        check(500, 20);
+        check(MIB as usize - 3, 700);
+        check(2 * MIB as usize + 500, 40);
+        check(3 * MIB as usize, MIB as usize);
+        // Reads at and across the end are short, like a regular file's.
+        let mut tail = vec![0u8; 100];
+        assert_eq!(file.read_at(&mut tail, 4 * MIB - 10).unwrap(), 10);
+        assert_eq!(file.read_at(&mut tail, 4 * MIB).unwrap(), 0);
+        // cat: the whole file, in whatever pieces the reader chooses.
+        assert!(std::fs::read(&path).unwrap() == model);
+        // What the device holds is what was written.
+        let mut direct = vec![0u8; model.len()];
+        device.inner.read(0, &mut direct).unwrap();
+        assert!(direct == model);
+        drop(file);
+        catalog.wait_closed();
+        export.unmount();
+    });
 }
 
 #[test]
 fn fallocate_punches_and_zeroes() {
-    if !can_run() {
-        return;
-    }
-    let dir = TempDir::new("falloc");
-    let catalog = Arc::new(TestCatalog::default());
-    catalog.add_memory("vol", MIB);
-    let export = mount(&dir, &catalog);
-    let file = open_rw(&export.mountpoint().join("vol")).unwrap();
-    let ones = vec![0xffu8; MIB as usize];
-    file.write_all_at(&ones, 0).unwrap();
-    let keep = libc::FALLOC_FL_KEEP_SIZE;
-    fallocate(&file, libc::FALLOC_FL_PUNCH_HOLE | keep, 4096, 8192).unwrap();
-    fallocate(&file, libc::FALLOC_FL_ZERO_RANGE, 65536, 4096).unwrap();
-    // Unaligned ends are zeroed too, and nothing beside them.
-    fallocate(&file, libc::FALLOC_FL_PUNCH_HOLE | keep, 100_001, 2000).unwrap();
-    fallocate(&file, libc::FALLOC_FL_ZERO_RANGE | keep, 200_100, 100).unwrap();
-    // Beyond the end with KEEP_SIZE: only the part within the device.
-    fallocate(&file, libc::FALLOC_FL_PUNCH_HOLE | keep, MIB - 512, 4096).unwrap();
-    let mut expected = ones.clone();
-    for (offset, len) in [
-        (4096, 8192),
-        (65536, 4096),
-        (100_001, 2000),
-        (200_100, 100),
-        (MIB as usize - 512, 512),
-    ] {
-        expected[offset..offset + len].fill(0);
-    }
-    let mut got = vec![0u8; MIB as usize];
-    file.read_exact_at(&mut got, 0).unwrap();
-    let first_difference = got.iter().zip(&expected).position(|(a, b)| a != b);
-    assert_eq!(first_difference, None);
-    // Plain allocation is a no-op within the device; growing it is not possible.
-    fallocate(&file, 0, 0, MIB).unwrap();
-    assert_eq!(errno_of(fallocate(&file, 0, 0, 2 * MIB)), libc::EOPNOTSUPP);
-    assert_eq!(
-        errno_of(fallocate(&file, libc::FALLOC_FL_COLLAPSE_RANGE, 0, 4096)),
-        libc::EOPNOTSUPP
-    );
-    drop(file);
-    export.unmount();
+    each_transport(|mode| {
+        let dir = TempDir::new("falloc");
+        let catalog = Arc::new(TestCatalog::default());
+        catalog.add_memory("vol", MIB);
+        let export = mount(&dir, &catalog, mode);
+        let file = open_rw(&export.mountpoint().join("vol")).unwrap();
+        let ones = vec![0xffu8; MIB as usize];
+        file.write_all_at(&ones, 0).unwrap();
+        let keep = libc::FALLOC_FL_KEEP_SIZE;
+        fallocate(&file, libc::FALLOC_FL_PUNCH_HOLE | keep, 4096, 8192).unwrap();
+        fallocate(&file, libc::FALLOC_FL_ZERO_RANGE, 65536, 4096).unwrap();
+        // Unaligned ends are zeroed too, and nothing beside them.
+        fallocate(&file, libc::FALLOC_FL_PUNCH_HOLE | keep, 100_001, 2000).unwrap();
+        fallocate(&file, libc::FALLOC_FL_ZERO_RANGE | keep, 200_100, 100).unwrap();
+        // Beyond the end with KEEP_SIZE: only the part within the device.
+        fallocate(&file, libc::FALLOC_FL_PUNCH_HOLE | keep, MIB - 512, 4096).unwrap();
+        let mut expected = ones.clone();
+        for (offset, len) in [
+            (4096, 8192),
+            (65536, 4096),
+            (100_001, 2000),
+            (200_100, 100),
+            (MIB as usize - 512, 512),
+        ] {
+            expected[offset..offset + len].fill(0);
+        }
+        let mut got = vec![0u8; MIB as usize];
+        file.read_exact_at(&mut got, 0).unwrap();
+        let first_difference = got.iter().zip(&expected).position(|(a, b)| a != b);
+        assert_eq!(first_difference, None);
+        // Plain allocation is a no-op within the device; growing it is not possible.
+        fallocate(&file, 0, 0, MIB).unwrap();
+        assert_eq!(errno_of(fallocate(&file, 0, 0, 2 * MIB)), libc::EOPNOTSUPP);
+        assert_eq!(
+            errno_of(fallocate(&file, libc::FALLOC_FL_COLLAPSE_RANGE, 0, 4096)),
+            libc::EOPNOTSUPP
+        );
+        drop(file);
+        export.unmount();
+    });
 }
 
 #[test]
 fn writes_stop_at_the_end_and_the_size_cannot_change() {
-    if !can_run() {
-        return;
-    }
-    let dir = TempDir::new("end");
-    let catalog = Arc::new(TestCatalog::default());
-    catalog.add_memory("vol", MIB);
-    let export = mount(&dir, &catalog);
-    let path = export.mountpoint().join("vol");
-    let file = open_rw(&path).unwrap();
-    assert_eq!(file.write_at(&[7u8; 4096], MIB - 1024).unwrap(), 1024);
-    assert_eq!(errno_of(file.write_at(&[7u8; 10], MIB)), libc::ENOSPC);
-    assert_eq!(errno_of(file.set_len(2 * MIB)), libc::EINVAL);
-    assert_eq!(errno_of(file.set_len(0)), libc::EINVAL);
-    file.set_len(MIB).unwrap();
-    // O_TRUNC is ignored, as on a block device: the data stays.
-    let truncating = OpenOptions::new()
-        .write(true)
-        .truncate(true)
-        .open(&path)
-        .unwrap();
-    drop(truncating);
-    let mut tail = [0u8; 4];
-    file.read_exact_at(&mut tail, MIB - 4).unwrap();
-    assert_eq!(tail, [7; 4]);
-    assert_eq!(std::fs::metadata(&path).unwrap().len(), MIB);
-    drop(file);
-    export.unmount();
+    each_transport(|mode| {
+        let dir = TempDir::new("end");
+        let catalog = Arc::new(TestCatalog::default());
+        catalog.add_memory("vol", MIB);
+        let export = mount(&dir, &catalog, mode);
+        let path = export.mountpoint().join("vol");
+        let file = open_rw(&path).unwrap();
+        assert_eq!(file.write_at(&[7u8; 4096], MIB - 1024).unwrap(), 1024);
+        assert_eq!(errno_of(file.write_at(&[7u8; 10], MIB)), libc::ENOSPC);
+        assert_eq!(errno_of(file.set_len(2 * MIB)), libc::EINVAL);
+        assert_eq!(errno_of(file.set_len(0)), libc::EINVAL);
+        file.set_len(MIB).unwrap();
+        // O_TRUNC is ignored, as on a block device: the data stays.
+        let truncating = OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        drop(truncating);
+        let mut tail = [0u8; 4];
+        file.read_exact_at(&mut tail, MIB - 4).unwrap();
+        assert_eq!(tail, [7; 4]);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), MIB);
+        drop(file);
+        export.unmount();
+    });
 }
 
 #[test]
 fn read_only_devices_refuse_writes() {
-    if !can_run() {
-        return;
-    }
-    let dir = TempDir::new("ro");
-    let catalog = Arc::new(TestCatalog::default());
-    let device = Arc::new(MemoryDevice::new(MIB));
-    device.write(0, &[5u8; 512], WriteFlags::default()).unwrap();
-    catalog.add("ro", device, true);
-    let export = mount(&dir, &catalog);
-    let path = export.mountpoint().join("ro");
-    assert_eq!(errno_of(open_rw(&path)), libc::EROFS);
-    assert_eq!(
-        errno_of(OpenOptions::new().write(true).open(&path)),
-        libc::EROFS
-    );
-    let data = std::fs::read(&path).unwrap();
-    assert_eq!(&data[..512], &[5u8; 512][..]);
-    export.unmount();
-    catalog.wait_closed();
+    each_transport(|mode| {
+        let dir = TempDir::new("ro");
+        let catalog = Arc::new(TestCatalog::default());
+        let device = Arc::new(MemoryDevice::new(MIB));
+        device.write(0, &[5u8; 512], WriteFlags::default()).unwrap();
+        catalog.add("ro", device, true);
+        let export = mount(&dir, &catalog, mode);
+        let path = export.mountpoint().join("ro");
+        assert_eq!(errno_of(open_rw(&path)), libc::EROFS);
+        assert_eq!(
+            errno_of(OpenOptions::new().write(true).open(&path)),
+            libc::EROFS
+        );
+        let data = std::fs::read(&path).unwrap();
+        assert_eq!(&data[..512], &[5u8; 512][..]);
+        export.unmount();
+        catalog.wait_closed();
+    });
 }
 
 #[test]
 fn devices_come_and_go_with_the_catalog() {
-    if !can_run() {
-        return;
-    }
-    let dir = TempDir::new("catalog");
-    let catalog = Arc::new(TestCatalog::default());
-    catalog.add_memory("a", MIB);
-    let export = mount(&dir, &catalog);
-    let mnt = export.mountpoint().to_path_buf();
-    assert_eq!(listing(&mnt), ["a"]);
-    let ino = std::fs::metadata(mnt.join("a")).unwrap().ino();
+    each_transport(|mode| {
+        let dir = TempDir::new("catalog");
+        let catalog = Arc::new(TestCatalog::default());
+        catalog.add_memory("a", MIB);
+        let export = mount(&dir, &catalog, mode);
+        let mnt = export.mountpoint().to_path_buf();
+        assert_eq!(listing(&mnt), ["a"]);
+        let ino = std::fs::metadata(mnt.join("a")).unwrap().ino();
 
-    catalog.add_memory("b", 2 * MIB);
-    assert_eq!(listing(&mnt), ["a", "b"]);
-    assert_eq!(std::fs::metadata(mnt.join("b")).unwrap().len(), 2 * MIB);
+        catalog.add_memory("b", 2 * MIB);
+        assert_eq!(listing(&mnt), ["a", "b"]);
+        assert_eq!(std::fs::metadata(mnt.join("b")).unwrap().len(), 2 * MIB);
 
-    // An open file keeps its device even after the catalog drops it.
-    let held = open_rw(&mnt.join("a")).unwrap();
-    held.write_all_at(b"still here", 0).unwrap();
-    catalog.remove("a");
-    assert_eq!(listing(&mnt), ["b"]);
-    assert_eq!(errno_of(std::fs::metadata(mnt.join("a"))), libc::ENOENT);
-    assert_eq!(errno_of(File::open(mnt.join("a"))), libc::ENOENT);
-    let mut buf = [0u8; 10];
-    held.read_exact_at(&mut buf, 0).unwrap();
-    assert_eq!(&buf, b"still here");
-    drop(held);
-    catalog.wait_closed();
+        // An open file keeps its device even after the catalog drops it.
+        let held = open_rw(&mnt.join("a")).unwrap();
+        held.write_all_at(b"still here", 0).unwrap();
+        catalog.remove("a");
+        assert_eq!(listing(&mnt), ["b"]);
+        assert_eq!(errno_of(std::fs::metadata(mnt.join("a"))), libc::ENOENT);
+        assert_eq!(errno_of(File::open(mnt.join("a"))), libc::ENOENT);
+        let mut buf = [0u8; 10];
+        held.read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(&buf, b"still here");
+        drop(held);
+        catalog.wait_closed();
 
-    // Back under the same name: the same inode number, the new size.
-    catalog.add_memory("a", 3 * MIB);
-    let again = std::fs::metadata(mnt.join("a")).unwrap();
-    assert_eq!(again.len(), 3 * MIB);
-    assert_eq!(again.ino(), ino);
-    // Names that cannot be files are not shown.
-    catalog.add_memory("x/y", MIB);
-    catalog.add_memory("..", MIB);
-    assert_eq!(listing(&mnt), ["a", "b"]);
-    export.unmount();
+        // Back under the same name: the same inode number, the new size.
+        catalog.add_memory("a", 3 * MIB);
+        let again = std::fs::metadata(mnt.join("a")).unwrap();
+        assert_eq!(again.len(), 3 * MIB);
+        assert_eq!(again.ino(), ino);
+        // Names that cannot be files are not shown.
+        catalog.add_memory("x/y", MIB);
+        catalog.add_memory("..", MIB);
+        assert_eq!(listing(&mnt), ["a", "b"]);
+        export.unmount();
+    });
 }
 
 #[test]
 fn large_requests_arrive_whole() {
-    if !can_run() {
-        return;
-    }
-    let dir = TempDir::new("large");
-    let catalog = Arc::new(TestCatalog::default());
-    let device = Recording::new(8 * MIB);
-    catalog.add("vol", device.clone(), false);
-    let export = mount(&dir, &catalog);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(export.mountpoint().join("vol"))
-        .unwrap();
-    // Page-aligned user memory: 256 pages, one request.
-    let mut buf = AlignedBuf::zeroed(MIB as usize);
-    buf.copy_from_slice(&pattern(9, MIB as usize));
-    file.write_all_at(&buf, MIB).unwrap();
-    file.read_exact_at(&mut buf, MIB).unwrap();
-    assert_eq!(device.largest_write.load(Ordering::SeqCst), MIB);
-    assert_eq!(device.largest_read.load(Ordering::SeqCst), MIB);
-    drop(file);
-    export.unmount();
+    each_transport(|mode| {
+        let dir = TempDir::new("large");
+        let catalog = Arc::new(TestCatalog::default());
+        let device = Recording::new(8 * MIB);
+        catalog.add("vol", device.clone(), false);
+        let export = mount(&dir, &catalog, mode);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(export.mountpoint().join("vol"))
+            .unwrap();
+        // Page-aligned user memory: 256 pages, one request.
+        let mut buf = AlignedBuf::zeroed(MIB as usize);
+        buf.copy_from_slice(&pattern(9, MIB as usize));
+        file.write_all_at(&buf, MIB).unwrap();
+        file.read_exact_at(&mut buf, MIB).unwrap();
+        assert_eq!(device.largest_write.load(Ordering::SeqCst), MIB);
+        assert_eq!(device.largest_read.load(Ordering::SeqCst), MIB);
+        drop(file);
+        export.unmount();
+    });
 }
 
 #[test]
 fn ext4_on_a_loop_device() {
-    if !can_run() {
-        return;
-    }
-    let dir = TempDir::new("ext4");
-    let backing = dir.path("backing.img");
-    File::create(&backing).unwrap().set_len(128 * MIB).unwrap();
-    let catalog = Arc::new(TestCatalog::default());
-    let device = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
-    catalog.add("vol", Arc::new(device), false);
-    let export = mount(&dir, &catalog);
-    let lo = LoopDevice::attach(&export.mountpoint().join("vol"));
-    assert!(lo.direct_io(), "{} without direct I/O", lo.0);
-    run(Command::new("mkfs.ext4").args(["-q", "-F", &lo.0]));
-    let files: Vec<(String, Vec<u8>)> = (0..20)
-        .map(|i| {
-            (
-                format!("file{i}"),
-                pattern(100 + i, 1000 + i as usize * 37_777),
-            )
-        })
-        .collect();
-    {
-        let fs = Mounted::new(&lo.0, &dir.path("ext4"));
-        for (name, data) in &files {
-            std::fs::write(fs.0.join(name), data).unwrap();
+    each_transport(|mode| {
+        let dir = TempDir::new("ext4");
+        let backing = dir.path("backing.img");
+        File::create(&backing).unwrap().set_len(128 * MIB).unwrap();
+        let catalog = Arc::new(TestCatalog::default());
+        let device = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
+        catalog.add("vol", Arc::new(device), false);
+        let export = mount(&dir, &catalog, mode);
+        let lo = LoopDevice::attach(&export.mountpoint().join("vol"));
+        assert!(lo.direct_io(), "{} without direct I/O", lo.0);
+        run(Command::new("mkfs.ext4").args(["-q", "-F", &lo.0]));
+        let files: Vec<(String, Vec<u8>)> = (0..20)
+            .map(|i| {
+                (
+                    format!("file{i}"),
+                    pattern(100 + i, 1000 + i as usize * 37_777),
+                )
+            })
+            .collect();
+        {
+            let fs = Mounted::new(&lo.0, &dir.path("ext4"));
+            for (name, data) in &files {
+                std::fs::write(fs.0.join(name), data).unwrap();
+            }
+            run(&mut Command::new("sync"));
+            for (name, data) in &files {
+                assert!(std::fs::read(fs.0.join(name)).unwrap() == *data);
+            }
         }
-        run(&mut Command::new("sync"));
-        for (name, data) in &files {
-            assert!(std::fs::read(fs.0.join(name)).unwrap() == *data);
+        run(Command::new("e2fsck").args(["-fn", &lo.0]));
+        // Mounted again, the files are there (read back through the device, not a cache).
+        run(Command::new("blockdev").args(["--flushbufs", &lo.0]));
+        {
+            let fs = Mounted::new(&lo.0, &dir.path("ext4"));
+            for (name, data) in &files {
+                assert!(std::fs::read(fs.0.join(name)).unwrap() == *data, "{name}");
+            }
         }
-    }
-    run(Command::new("e2fsck").args(["-fn", &lo.0]));
-    // Mounted again, the files are there (read back through the device, not a cache).
-    run(Command::new("blockdev").args(["--flushbufs", &lo.0]));
-    {
-        let fs = Mounted::new(&lo.0, &dir.path("ext4"));
-        for (name, data) in &files {
-            assert!(std::fs::read(fs.0.join(name)).unwrap() == *data, "{name}");
-        }
-    }
-    drop(lo);
-    catalog.wait_closed();
-    export.unmount();
+        drop(lo);
+        catalog.wait_closed();
+        export.unmount();
+    });
 }
 
 #[test]
 fn fio_verify_on_a_loop_device() {
-    if !can_run() {
-        return;
-    }
-    let dir = TempDir::new("fio");
-    let catalog = Arc::new(TestCatalog::default());
-    catalog.add_memory("vol", 64 * MIB);
-    let export = mount(&dir, &catalog);
-    let lo = LoopDevice::attach(&export.mountpoint().join("vol"));
-    let out = run(Command::new("fio").current_dir(&dir.0).args([
-        "--name=verify",
-        &format!("--filename={}", lo.0),
-        "--direct=1",
-        "--rw=randrw",
-        "--bs=4k",
-        "--iodepth=16",
-        "--ioengine=io_uring",
-        "--size=32M",
-        "--verify=crc32c",
-        "--verify_state_save=0",
-    ]));
-    eprintln!("{out}");
-    assert!(out.contains("err= 0"), "{out}");
-    drop(lo);
-    catalog.wait_closed();
-    export.unmount();
+    each_transport(|mode| {
+        let dir = TempDir::new("fio");
+        let catalog = Arc::new(TestCatalog::default());
+        catalog.add_memory("vol", 64 * MIB);
+        let export = mount(&dir, &catalog, mode);
+        let lo = LoopDevice::attach(&export.mountpoint().join("vol"));
+        let out = run(Command::new("fio").current_dir(&dir.0).args([
+            "--name=verify",
+            &format!("--filename={}", lo.0),
+            "--direct=1",
+            "--rw=randrw",
+            "--bs=4k",
+            "--iodepth=16",
+            "--ioengine=io_uring",
+            "--size=32M",
+            "--verify=crc32c",
+            "--verify_state_save=0",
+        ]));
+        eprintln!("{out}");
+        assert!(out.contains("err= 0"), "{out}");
+        drop(lo);
+        catalog.wait_closed();
+        export.unmount();
+    });
 }
 
 const CHILD_MOUNT: &str = "UDM_FUSE_TEST_CHILD_MOUNT";
@@ -674,7 +692,27 @@ fn leave_dead_mount(mnt: &Path) {
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(mounted, "the child did not mount");
-    assert_eq!(errno_of(std::fs::metadata(mnt)), libc::ENOTCONN);
+    assert_dead(mnt);
+}
+
+/// A dead mount fails every access with ENOTCONN, once the kernel has torn the connection
+/// down: an io_uring connection's teardown goes on after its server process is gone, and
+/// fails the requests it catches with ECONNABORTED or ECANCELED.
+pub fn assert_dead(mnt: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let errno = errno_of(std::fs::metadata(mnt));
+        if errno == libc::ENOTCONN {
+            return;
+        }
+        assert!(
+            errno == libc::ECONNABORTED || errno == libc::ECANCELED,
+            "{}: errno {errno}",
+            mnt.display()
+        );
+        assert!(Instant::now() < deadline, "{} never died", mnt.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
@@ -697,7 +735,7 @@ fn dead_mounts_are_recovered() {
     leave_dead_mount(&mnt);
     let catalog = Arc::new(TestCatalog::default());
     catalog.add_memory("fresh", MIB);
-    let export = mount(&dir, &catalog);
+    let export = mount(&dir, &catalog, UringMode::Auto);
     assert_eq!(listing(&mnt), ["fresh"]);
     // A live mount is neither recovered nor mounted over.
     assert!(!recover_stale_mount(&mnt).unwrap());
@@ -711,24 +749,23 @@ fn dead_mounts_are_recovered() {
 
 #[test]
 fn a_busy_mount_is_detached_then_aborted() {
-    if !can_run() {
-        return;
-    }
-    let dir = TempDir::new("busy");
-    let catalog = Arc::new(TestCatalog::default());
-    catalog.add_memory("vol", MIB);
-    let export = mount(&dir, &catalog);
-    let held = File::open(export.mountpoint().join("vol")).unwrap();
-    let mut buf = [0u8; 512];
-    held.read_exact_at(&mut buf, 0).unwrap();
-    let started = Instant::now();
-    export.unmount();
-    assert!(started.elapsed() < Duration::from_secs(30));
-    // The mount is gone from the tree, and the file that kept it no longer reaches a device.
-    assert!(!dir.path("mnt").join("vol").exists());
-    assert_eq!(errno_of(held.read_exact_at(&mut buf, 0)), libc::ENOTCONN);
-    drop(held);
-    catalog.wait_closed();
+    each_transport(|mode| {
+        let dir = TempDir::new("busy");
+        let catalog = Arc::new(TestCatalog::default());
+        catalog.add_memory("vol", MIB);
+        let export = mount(&dir, &catalog, mode);
+        let held = File::open(export.mountpoint().join("vol")).unwrap();
+        let mut buf = [0u8; 512];
+        held.read_exact_at(&mut buf, 0).unwrap();
+        let started = Instant::now();
+        export.unmount();
+        assert!(started.elapsed() < Duration::from_secs(30));
+        // The mount is gone from the tree, and the file that kept it no longer reaches a device.
+        assert!(!dir.path("mnt").join("vol").exists());
+        assert_eq!(errno_of(held.read_exact_at(&mut buf, 0)), libc::ENOTCONN);
+        drop(held);
+        catalog.wait_closed();
+    });
 }
 
 #[test]
@@ -784,4 +821,245 @@ fn io_flusher_is_set_when_the_process_may() {
         eprintln!("no CAP_SYS_RESOURCE: PR_SET_IO_FLUSHER is refused here");
         assert_eq!(flag, -1);
     }
+}
+
+/// A device whose data lives in a file the engine can reach (`map()`), and whose own
+/// synchronous methods fail: what succeeds through the mount was served by the engine.
+struct MapOnly(FileDevice);
+
+impl BlockDevice for MapOnly {
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn read(&self, _: u64, _: &mut [u8]) -> udm_block::Result<()> {
+        Err(udm_block::BlockError::NotSupported(
+            "synchronous read".into(),
+        ))
+    }
+    fn write(&self, _: u64, _: &[u8], _: WriteFlags) -> udm_block::Result<()> {
+        Err(udm_block::BlockError::NotSupported(
+            "synchronous write".into(),
+        ))
+    }
+    fn flush(&self) -> udm_block::Result<()> {
+        Err(udm_block::BlockError::NotSupported(
+            "synchronous flush".into(),
+        ))
+    }
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        self.0.map(op, offset, len)
+    }
+}
+
+fn open_direct(path: &Path) -> File {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .unwrap()
+}
+
+#[test]
+fn over_io_uring_mapped_requests_go_to_the_engine() {
+    if !can_run() {
+        return;
+    }
+    let dir = TempDir::new("engine");
+    let backing = dir.path("backing.img");
+    File::create(&backing).unwrap().set_len(8 * MIB).unwrap();
+    let file = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
+    let catalog = Arc::new(TestCatalog::default());
+    catalog.add("vol", Arc::new(MapOnly(file)), false);
+    let export = mount(&dir, &catalog, UringMode::On);
+    let vol = open_direct(&export.mountpoint().join("vol"));
+    let mut buf = AlignedBuf::zeroed(MIB as usize);
+    buf.copy_from_slice(&pattern(21, MIB as usize));
+    vol.write_all_at(&buf[..4096], 4096).unwrap();
+    vol.write_all_at(&buf, 2 * MIB).unwrap();
+    vol.sync_all().unwrap();
+    let mut back = AlignedBuf::zeroed(MIB as usize);
+    vol.read_exact_at(&mut back, 2 * MIB).unwrap();
+    assert!(back[..] == buf[..]);
+    vol.read_exact_at(&mut back[..4096], 4096).unwrap();
+    assert!(back[..4096] == buf[..4096]);
+    // In the backing file, where the mapping said.
+    let on_disk = std::fs::read(&backing).unwrap();
+    assert!(on_disk[2 * MIB as usize..3 * MIB as usize] == buf[..]);
+    // A partial sector needs read-modify-write, which only the synchronous code does.
+    let plain = open_rw(&export.mountpoint().join("vol")).unwrap();
+    assert_eq!(errno_of(plain.write_at(b"x", 3)), libc::EOPNOTSUPP);
+    drop((vol, plain));
+    catalog.wait_closed();
+    export.unmount();
+}
+
+/// A device that takes `delay` to read and cannot be mapped, counting reads in progress.
+struct Slow {
+    inner: MemoryDevice,
+    delay: Duration,
+    reading: AtomicUsize,
+}
+
+impl Slow {
+    fn new(size: u64, delay: Duration) -> Arc<Slow> {
+        Arc::new(Slow {
+            inner: MemoryDevice::new(size),
+            delay,
+            reading: AtomicUsize::new(0),
+        })
+    }
+
+    fn wait_reading(&self, count: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.reading.load(Ordering::SeqCst) < count {
+            assert!(Instant::now() < deadline, "the slow reads never started");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl BlockDevice for Slow {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> udm_block::Result<()> {
+        self.reading.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(self.delay);
+        self.reading.fetch_sub(1, Ordering::SeqCst);
+        self.inner.read(offset, buf)
+    }
+    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> udm_block::Result<()> {
+        self.inner.write(offset, buf, flags)
+    }
+    fn flush(&self) -> udm_block::Result<()> {
+        Ok(())
+    }
+}
+
+/// Starts `count` threads each reading 4 KiB of `path` with O_DIRECT (one request each).
+fn read_in_background(
+    path: &Path,
+    count: usize,
+) -> Vec<std::thread::JoinHandle<std::io::Result<()>>> {
+    (0..count)
+        .map(|i| {
+            let path = path.to_path_buf();
+            std::thread::spawn(move || {
+                let mut buf = AlignedBuf::zeroed(4096);
+                OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_DIRECT)
+                    .open(&path)?
+                    .read_exact_at(&mut buf, i as u64 * 4096)
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn over_io_uring_a_slow_device_does_not_hold_up_a_fast_one() {
+    if !can_run() {
+        return;
+    }
+    let dir = TempDir::new("slow");
+    let backing = dir.path("fast.img");
+    File::create(&backing).unwrap().set_len(4 * MIB).unwrap();
+    let catalog = Arc::new(TestCatalog::default());
+    let slow = Slow::new(MIB, Duration::from_secs(3));
+    catalog.add("slow", slow.clone(), false);
+    let fast = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
+    catalog.add("fast", Arc::new(fast), false);
+    // Two threads for synchronous requests, both kept busy by the slow device.
+    let config = FuseConfig {
+        workers: 2,
+        io_uring: UringMode::On,
+        ..FuseConfig::default()
+    };
+    let export = mount_with(&dir, &catalog, config);
+    let mnt = export.mountpoint().to_path_buf();
+    let readers = read_in_background(&mnt.join("slow"), 4);
+    slow.wait_reading(2);
+    let started = Instant::now();
+    let fast = open_direct(&mnt.join("fast"));
+    let mut buf = AlignedBuf::zeroed(64 * 1024);
+    for i in 0..32 {
+        fast.read_exact_at(&mut buf, i * 64 * 1024).unwrap();
+    }
+    fast.write_all_at(&buf, 0).unwrap();
+    assert_eq!(std::fs::metadata(mnt.join("fast")).unwrap().len(), 4 * MIB);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "the fast device waited {took:?} behind the slow one"
+    );
+    assert_eq!(
+        slow.reading.load(Ordering::SeqCst),
+        2,
+        "the pool is bounded"
+    );
+    drop(fast);
+    for reader in readers {
+        reader.join().unwrap().unwrap();
+    }
+    catalog.wait_closed();
+    export.unmount();
+}
+
+#[test]
+fn unmount_with_requests_in_flight_ends_in_bounded_time() {
+    each_transport(|mode| {
+        let dir = TempDir::new("inflight");
+        let backing = dir.path("fast.img");
+        File::create(&backing).unwrap().set_len(4 * MIB).unwrap();
+        let catalog = Arc::new(TestCatalog::default());
+        // Longer than the grace a busy mount is served after it is detached.
+        let slow = Slow::new(MIB, Duration::from_secs(5));
+        catalog.add("slow", slow.clone(), false);
+        let fast = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
+        catalog.add("fast", Arc::new(fast), false);
+        let export = mount(&dir, &catalog, mode);
+        let mnt = export.mountpoint().to_path_buf();
+        let readers = read_in_background(&mnt.join("slow"), 3);
+        // And the fast device busy with a stream of requests.
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let streamer = {
+            let (path, stop) = (mnt.join("fast"), stop.clone());
+            std::thread::spawn(move || {
+                let file = open_direct(&path);
+                let mut buf = AlignedBuf::zeroed(4096);
+                let mut served = 0u64;
+                while !stop.load(Ordering::SeqCst) {
+                    match file.read_exact_at(&mut buf, (served % 1024) * 4096) {
+                        Ok(()) => served += 1,
+                        Err(e) => return (served, Some(e)),
+                    }
+                }
+                (served, None)
+            })
+        };
+        slow.wait_reading(3);
+        let started = Instant::now();
+        export.unmount();
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(15), "unmount took {took:?}");
+        // Nothing reaches a device once unmount has returned.
+        assert_eq!(slow.reading.load(Ordering::SeqCst), 0);
+        stop.store(true, Ordering::SeqCst);
+        let (served, error) = streamer.join().unwrap();
+        assert!(served > 0);
+        eprintln!("{served} reads, then {error:?}");
+        for reader in readers {
+            // Answered before the abort, or failed by it: never left hanging.
+            if let Err(e) = reader.join().unwrap() {
+                let errno = e.raw_os_error().unwrap();
+                assert!(
+                    errno == libc::ENOTCONN || errno == libc::ECONNABORTED,
+                    "{e}"
+                );
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(15));
+        catalog.wait_closed();
+    });
 }

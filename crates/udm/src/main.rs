@@ -111,9 +111,16 @@ enum Command {
         /// request (300, 300s, 5m, 500ms; 0 never).
         #[arg(long, default_value = "300s", value_parser = parse_duration, value_name = "TIME")]
         nbd_idle_timeout: std::time::Duration,
-        /// Requests the FUSE export serves at once (worker threads).
+        /// Threads serving FUSE requests synchronously: every request over /dev/fuse; over
+        /// io_uring, those the io_uring engine cannot take (devices that cannot say where
+        /// their data lives, partial sectors, fallocate).
         #[arg(long, default_value_t = 16)]
         fuse_threads: usize,
+        /// How FUSE requests reach the daemon: auto (io_uring where the kernel offers it,
+        /// turning the fuse module's enable_uring on when root; else /dev/fuse, saying why
+        /// in the log), on (io_uring or refuse to start), off (/dev/fuse).
+        #[arg(long, value_enum, default_value_t = FuseUringArg::Auto)]
+        fuse_uring: FuseUringArg,
         /// Seconds a request to a remote (nbd://) backend waits for an unreachable server
         /// before failing with EIO; meanwhile the client reconnects with backoff.
         #[arg(long, default_value_t = 30)]
@@ -235,6 +242,23 @@ enum TlsArg {
     Require,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum FuseUringArg {
+    Auto,
+    On,
+    Off,
+}
+
+impl From<FuseUringArg> for udm_fuse::UringMode {
+    fn from(arg: FuseUringArg) -> Self {
+        match arg {
+            FuseUringArg::Auto => udm_fuse::UringMode::Auto,
+            FuseUringArg::On => udm_fuse::UringMode::On,
+            FuseUringArg::Off => udm_fuse::UringMode::Off,
+        }
+    }
+}
+
 fn tls_server(
     tls: TlsArg,
     certificates: Option<PathBuf>,
@@ -274,6 +298,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             nbd_max_connections_per_client,
             nbd_idle_timeout,
             fuse_threads,
+            fuse_uring,
             remote_timeout,
         } => {
             let defaults = udm_nbd::ServerConfig::default();
@@ -296,6 +321,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 fuse,
                 nbd_config,
                 fuse_threads,
+                fuse_uring: fuse_uring.into(),
                 remote_timeout: std::time::Duration::from_secs(remote_timeout),
             });
         }

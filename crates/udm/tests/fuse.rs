@@ -8,14 +8,35 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 
 const MIB: u64 = 1 << 20;
 
 fn fuse_daemon(tag: &str) -> Daemon {
-    Daemon::start_with(tag, &["--fuse", "{dir}/fuse"])
+    fuse_daemon_over(tag, "auto")
+}
+
+/// A daemon with a FUSE mount served as `--fuse-uring` says (on, off, auto).
+fn fuse_daemon_over(tag: &str, uring: &str) -> Daemon {
+    let daemon = Daemon::start_with(tag, &["--fuse", "{dir}/fuse", "--fuse-uring", uring]);
+    let transport = fuse_transport(&daemon);
+    match uring {
+        "on" => assert!(transport.starts_with("io_uring"), "{transport}"),
+        "off" => assert!(transport.starts_with("/dev/fuse"), "{transport}"),
+        _ => {}
+    }
+    daemon
+}
+
+/// How the daemon's FUSE mount gets its requests, as `udm info` says.
+fn fuse_transport(daemon: &Daemon) -> String {
+    daemon.udm(&["create", "transport-probe", "--table", "0 8 zero"]);
+    let info = daemon.udm(&["info", "transport-probe", "--json"]);
+    daemon.udm(&["remove", "transport-probe"]);
+    let info: serde_json::Value = serde_json::from_str(&info).unwrap();
+    info["fuse_transport"].as_str().unwrap().to_string()
 }
 
 /// A loop device attached with `udm attach`, detached on drop.
@@ -171,8 +192,17 @@ fn fill_and_check(fs: &str, dev: &str, mnt: &Path, tarball: &Path) {
 }
 
 #[test]
-fn ext4_and_xfs_on_linear_through_fuse_and_a_loop_device() {
-    let daemon = fuse_daemon("fuse-linear");
+fn ext4_and_xfs_on_linear_through_fuse_over_io_uring_and_a_loop_device() {
+    ext4_and_xfs_on_linear("on");
+}
+
+#[test]
+fn ext4_and_xfs_on_linear_through_fuse_over_dev_fuse_and_a_loop_device() {
+    ext4_and_xfs_on_linear("off");
+}
+
+fn ext4_and_xfs_on_linear(uring: &str) {
+    let daemon = fuse_daemon_over(&format!("fuse-linear-{uring}"), uring);
     let tarball = real_tarball(&daemon.dir.0);
     for fs in ["ext4", "xfs"] {
         let disk = daemon.dir.path(&format!("{fs}.img"));
@@ -188,7 +218,7 @@ fn ext4_and_xfs_on_linear_through_fuse_and_a_loop_device() {
             info.contains(&format!(
                 "FUSE file:         {}/fuse/{fs}",
                 daemon.dir.0.display()
-            )),
+            )) && info.contains("FUSE transport:    "),
             "{info}"
         );
         let dev = Loop::attach(&daemon, fs);
@@ -284,8 +314,17 @@ fn ext4_on_a_clone_while_it_hydrates_and_fstrim_skips_unused_space() {
 }
 
 #[test]
-fn fio_verifies_a_file_in_the_filesystem_across_live_table_swaps() {
-    let daemon = fuse_daemon("fuse-fio");
+fn fio_verifies_a_file_in_the_filesystem_across_live_table_swaps_over_io_uring() {
+    fio_across_live_table_swaps("on");
+}
+
+#[test]
+fn fio_verifies_a_file_in_the_filesystem_across_live_table_swaps_over_dev_fuse() {
+    fio_across_live_table_swaps("off");
+}
+
+fn fio_across_live_table_swaps(uring: &str) {
+    let daemon = fuse_daemon_over(&format!("fuse-fio-{uring}"), uring);
     let disk = daemon.dir.path("disk.img");
     sparse_file(&disk, 256 * MIB);
     let one = format!("0 524288 linear {} 0", disk.display());
@@ -363,8 +402,21 @@ fn a_killed_daemon_leaves_a_dead_mount_that_the_next_daemon_recovers() {
     let file = daemon.dir.path("fuse/vol");
     std::fs::write(&file, vec![0x42u8; 4096]).unwrap();
     daemon.stop(libc::SIGKILL);
-    let err = std::fs::metadata(&file).unwrap_err();
-    assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "{err}");
+    // Dead: ENOTCONN once the kernel has torn the connection down. An io_uring
+    // connection's teardown goes on after the process is gone, failing the requests it
+    // catches with ECONNABORTED or ECANCELED.
+    wait_for(
+        || {
+            let err = std::fs::metadata(&file).unwrap_err();
+            let errno = err.raw_os_error().unwrap();
+            assert!(
+                [libc::ENOTCONN, libc::ECONNABORTED, libc::ECANCELED].contains(&errno),
+                "{err}"
+            );
+            errno == libc::ENOTCONN
+        },
+        "the dead mount to fail with ENOTCONN",
+    );
     daemon.launch();
     let data = std::fs::read(&file).unwrap();
     assert_eq!(data.len(), 16 * MIB as usize);
@@ -375,8 +427,17 @@ fn a_killed_daemon_leaves_a_dead_mount_that_the_next_daemon_recovers() {
 }
 
 #[test]
-fn ext4_under_log_writes_is_clean_at_every_fua_point() {
-    let daemon = fuse_daemon("fuse-log-writes");
+fn ext4_under_log_writes_is_clean_at_every_fua_point_over_io_uring() {
+    ext4_under_log_writes("on");
+}
+
+#[test]
+fn ext4_under_log_writes_is_clean_at_every_fua_point_over_dev_fuse() {
+    ext4_under_log_writes("off");
+}
+
+fn ext4_under_log_writes(uring: &str) {
+    let daemon = fuse_daemon_over(&format!("fuse-log-writes-{uring}"), uring);
     let (disk, log) = (daemon.dir.path("disk.img"), daemon.dir.path("log.img"));
     sparse_file(&disk, 64 * MIB);
     sparse_file(&log, 512 * MIB);
@@ -598,4 +659,196 @@ fn detach_refuses_loop_devices_udm_did_not_make() {
     let mine = Loop::attach(&daemon, "z");
     daemon.udm(&["detach", &mine.0]);
     assert_eq!(backing_file(&mine.0), None);
+}
+
+/// `dd` reading one block of `bs` bytes at block `skip` of `file` with O_DIRECT (one FUSE
+/// request), in the background.
+fn dd_in_background(file: &Path, bs: usize, skip: usize) -> std::process::Child {
+    Command::new("dd")
+        .arg(format!("if={}", file.display()))
+        .args([
+            "of=/dev/null",
+            &format!("bs={bs}"),
+            "count=1",
+            &format!("skip={skip}"),
+            "iflag=direct",
+            "status=none",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn dd")
+}
+
+/// Reads in flight in a delay target: the first number of its status.
+fn delayed_reads(daemon: &Daemon, name: &str) -> u64 {
+    let json: serde_json::Value =
+        serde_json::from_str(&daemon.udm(&["status", name, "--json"])).unwrap();
+    let status = json["targets"][0]["status"].as_str().unwrap().to_string();
+    status.split(' ').next().unwrap().parse().unwrap()
+}
+
+/// A daemon with a device `slow` whose reads take `delay_ms` (a delay target, which the
+/// io_uring engine cannot take) and a `linear` device `fast`, both in its FUSE mount.
+fn slow_and_fast(tag: &str, args: &[&str], delay_ms: u32) -> Daemon {
+    let mut all = vec!["--fuse", "{dir}/fuse"];
+    all.extend_from_slice(args);
+    let daemon = Daemon::start_with(tag, &all);
+    let disk = daemon.dir.path("slow.img");
+    sparse_file(&disk, 4 * MIB);
+    let table = format!("0 8192 delay {} 0 {delay_ms}", disk.display());
+    daemon.udm(&["create", "slow", "--table", &table]);
+    daemon.create_linear("fast", "fast.img", 64 * MIB);
+    daemon
+}
+
+#[test]
+fn over_io_uring_a_delayed_device_does_not_hold_up_a_fast_one_in_the_same_mount() {
+    // Two threads for what the engine cannot take; four reads of the slow device keep
+    // them both busy and leave two waiting.
+    let args = ["--fuse-uring", "on", "--fuse-threads", "2"];
+    let daemon = slow_and_fast("fuse-slow", &args, 3000);
+    let fuse = daemon.dir.path("fuse");
+    let slow: Vec<_> = (0..4)
+        .map(|i| dd_in_background(&fuse.join("slow"), 4096, i))
+        .collect();
+    wait_for(|| delayed_reads(&daemon, "slow") == 2, "two delayed reads");
+    let started = Instant::now();
+    let out = Command::new("dd")
+        .arg(format!("if={}", fuse.join("fast").display()))
+        .args(["of=/dev/null", "bs=64k", "count=256", "iflag=direct"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    tool("stat", &[fuse.join("fast").to_str().unwrap()]);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "16 MiB of the fast device waited {took:?} behind the slow one"
+    );
+    assert_eq!(delayed_reads(&daemon, "slow"), 2, "the pool is bounded");
+    for mut dd in slow {
+        assert!(dd.wait().unwrap().success());
+    }
+}
+
+fn a_stop_with_requests_in_flight_ends_in_bounded_time(uring: &str) {
+    // Reads longer than the grace a busy mount is served after the forced stop unmounts it.
+    let args = ["--fuse-uring", uring, "--fuse-threads", "4"];
+    let mut daemon = slow_and_fast(&format!("fuse-stop-inflight-{uring}"), &args, 6000);
+    let fuse = daemon.dir.path("fuse");
+    // A stream of requests on the fast device through a loop device.
+    let dev = Loop::attach(&daemon, "fast");
+    let mut fio = Command::new("fio")
+        .args([
+            "--name=busy",
+            &format!("--filename={}", dev.0),
+            "--rw=randrw",
+            "--bs=4k",
+            "--iodepth=16",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--time_based",
+            "--runtime=60",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // More reads of the slow device than there are threads for them: some wait.
+    let mut readers: Vec<_> = (0..6)
+        .map(|i| dd_in_background(&fuse.join("slow"), 4096, i))
+        .collect();
+    wait_for(|| delayed_reads(&daemon, "slow") == 4, "four delayed reads");
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    // Files are open: the first signal waits for them, the second stops anyway.
+    assert!(!signal_and_wait(
+        &mut daemon,
+        libc::SIGTERM,
+        Duration::from_millis(500)
+    ));
+    assert!(
+        signal_and_wait(&mut daemon, libc::SIGTERM, Duration::from_secs(20)),
+        "the daemon did not stop:\n{}",
+        daemon.log()
+    );
+    // Every user of the mount gets its answer or an error, none hangs.
+    let deadline = started + Duration::from_secs(30);
+    for child in readers.iter_mut().chain(std::iter::once(&mut fio)) {
+        while child.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "a reader of the mount hangs");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    assert!(
+        daemon.log().contains("aborted the connection"),
+        "{}",
+        daemon.log()
+    );
+}
+
+#[test]
+fn a_stop_with_requests_in_flight_ends_in_bounded_time_over_io_uring() {
+    a_stop_with_requests_in_flight_ends_in_bounded_time("on");
+}
+
+#[test]
+fn a_stop_with_requests_in_flight_ends_in_bounded_time_over_dev_fuse() {
+    a_stop_with_requests_in_flight_ends_in_bounded_time("off");
+}
+
+#[test]
+fn without_io_uring_auto_serves_over_dev_fuse_and_on_refuses_to_start() {
+    // auto: one line says why, and the mount works over /dev/fuse.
+    let daemon = Daemon::start_without_io_uring("fuse-no-uring", &["--fuse", "{dir}/fuse"]);
+    let transport = fuse_transport(&daemon);
+    assert!(transport.starts_with("/dev/fuse"), "{transport}");
+    let log = daemon.log();
+    let why: Vec<_> = log
+        .lines()
+        .filter(|l| l.contains("not using io_uring"))
+        .collect();
+    assert_eq!(why.len(), 1, "{log}");
+    assert!(why[0].contains("io_uring is unavailable"), "{log}");
+    daemon.create_linear("vol", "disk.img", 16 * MIB);
+    let file = daemon.dir.path("fuse/vol");
+    std::fs::write(&file, vec![0x5au8; 8192]).unwrap();
+    assert!(std::fs::read(&file).unwrap()[..8192] == [0x5a; 8192]);
+
+    // on: the daemon does not start, and says why in one line.
+    let dir = TempDir::new("fuse-no-uring-on");
+    let mut command = Command::new(common::UDM);
+    common::deny_io_uring(&mut command);
+    let out = command
+        .arg("daemon")
+        .arg("--state-dir")
+        .arg(dir.path("state"))
+        .arg("--control")
+        .arg(dir.path("control.sock"))
+        .arg("--fuse")
+        .arg(dir.path("fuse"))
+        .args(["--fuse-uring", "on"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("udm: FUSE mount at ")
+            && last.contains("FUSE over io_uring is unavailable: io_uring is unavailable"),
+        "{stderr}"
+    );
+    assert!(
+        !udm_fuse_mounted(&dir.path("fuse")),
+        "a mount was left behind"
+    );
+}
+
+/// Whether a FUSE filesystem is mounted at `path`.
+fn udm_fuse_mounted(path: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(path.to_str().unwrap()))
 }

@@ -20,13 +20,18 @@ const MAX_REQUEST: u64 = 4 << 20;
 /// How often a `wait` looks whether its client is still there.
 const WAIT_SLICE: Duration = Duration::from_millis(200);
 
-/// `fuse_dir` is the FUSE mount point, if devices are also served as files there.
+/// Where devices are also served as files, and how the FUSE requests come.
+pub struct FuseFiles {
+    pub dir: PathBuf,
+    pub transport: String,
+}
+
 pub fn listen(
     path: &Path,
     registry: Arc<Registry>,
-    fuse_dir: Option<PathBuf>,
+    fuse_files: Option<FuseFiles>,
 ) -> std::io::Result<()> {
-    let fuse_dir = Arc::new(fuse_dir);
+    let fuse_files = Arc::new(fuse_files);
     udm_nbd::remove_stale_socket(path)?;
     let listener = UnixListener::bind(path)?;
     std::thread::Builder::new()
@@ -36,10 +41,10 @@ pub fn listen(
                 match stream {
                     Ok(s) => {
                         let registry = registry.clone();
-                        let fuse_dir = fuse_dir.clone();
+                        let fuse_files = fuse_files.clone();
                         let _ = std::thread::Builder::new()
                             .name("control".into())
-                            .spawn(move || serve(s, &registry, fuse_dir.as_deref()));
+                            .spawn(move || serve(s, &registry, fuse_files.as_ref().as_ref()));
                     }
                     Err(e) => warn!("control: accept failed: {e}"),
                 }
@@ -48,7 +53,7 @@ pub fn listen(
     Ok(())
 }
 
-fn serve(stream: UnixStream, registry: &Registry, fuse_dir: Option<&Path>) {
+fn serve(stream: UnixStream, registry: &Registry, fuse_files: Option<&FuseFiles>) {
     let Ok(writer) = stream.try_clone() else {
         return;
     };
@@ -76,7 +81,7 @@ fn serve(stream: UnixStream, registry: &Registry, fuse_dir: Option<&Path>) {
                 "control protocol version {} not supported (this daemon speaks {PROTOCOL_VERSION})",
                 envelope.version
             )),
-            Ok(envelope) => execute(registry, envelope.request, fuse_dir, &writer),
+            Ok(envelope) => execute(registry, envelope.request, fuse_files, &writer),
             Err(e) => Response::error(format!("malformed request: {e}")),
         };
         if reply(&mut writer, &response).is_err() {
@@ -109,7 +114,7 @@ fn hung_up(client: &UnixStream) -> bool {
 fn execute(
     registry: &Registry,
     request: Request,
-    fuse_dir: Option<&Path>,
+    fuse_files: Option<&FuseFiles>,
     client: &UnixStream,
 ) -> Response {
     let result: Result<Response, Box<dyn std::error::Error>> = (|| {
@@ -150,7 +155,7 @@ fn execute(
             Request::Table { name } => {
                 Response::text(registry.get(&name)?.live().lines().join("\n"))
             }
-            Request::Info { name } => info(registry, &name, fuse_dir)?,
+            Request::Info { name } => info(registry, &name, fuse_files)?,
             Request::Ls { tree } => ls(registry, tree),
             Request::Wait { name, event_nr } => {
                 let device = registry.get(&name)?;
@@ -211,7 +216,7 @@ fn status(registry: &Registry, name: &str) -> Result<Response, Box<dyn std::erro
 fn info(
     registry: &Registry,
     name: &str,
-    fuse_dir: Option<&Path>,
+    fuse_files: Option<&FuseFiles>,
 ) -> Result<Response, Box<dyn std::error::Error>> {
     let device = registry.get(name)?;
     let state = if device.is_suspended() {
@@ -230,7 +235,7 @@ fn info(
     } else {
         ""
     };
-    let fuse_file = fuse_dir.map(|dir| dir.join(name));
+    let fuse_file = fuse_files.map(|f| f.dir.join(name));
     let mut text = format!(
         "Name:              {name}\nState:             {state}{access}\n\
          Tables present:    {tables}\nOpen count:        {opens}\n\
@@ -238,15 +243,16 @@ fn info(
         device.events().current(),
         device.size() / SECTOR_SIZE
     );
-    if let Some(file) = &fuse_file {
+    if let (Some(file), Some(files)) = (&fuse_file, fuse_files) {
         text += &format!("\nFUSE file:         {}", file.display());
+        text += &format!("\nFUSE transport:    {}", files.transport);
     }
     Ok(Response {
         data: Some(json!({
             "name": name, "state": state, "read_only": device.read_only(),
             "inactive_table": device.inactive().is_some(), "open_count": opens,
             "event_nr": device.events().current(), "sectors": device.size() / SECTOR_SIZE,
-            "fuse_file": fuse_file,
+            "fuse_file": fuse_file, "fuse_transport": fuse_files.map(|f| &f.transport),
         })),
         ..Response::text(text)
     })

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::Context;
 use log::{info, warn};
 use udm_block::{Export, ExportCatalog};
-use udm_fuse::{FuseConfig, FuseExport};
+use udm_fuse::{FuseConfig, FuseExport, UringMode};
 use udm_nbd::{NbdServer, ServerConfig, TlsServer};
 
 pub use listener::{Address, Listener};
@@ -31,6 +31,7 @@ pub struct DaemonOptions {
     /// Engine, limits and timeouts of the NBD server.
     pub nbd_config: ServerConfig,
     pub fuse_threads: usize,
+    pub fuse_uring: UringMode,
     pub remote_timeout: std::time::Duration,
 }
 
@@ -103,6 +104,7 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
                 catalog,
                 FuseConfig {
                     workers: options.fuse_threads,
+                    io_uring: options.fuse_uring,
                     ..FuseConfig::default()
                 },
             )
@@ -114,6 +116,13 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
             Some(export)
         }
         None => None,
+    };
+    let fuse_files = match (&options.fuse, &fuse) {
+        (Some(dir), Some(export)) => Some(control::FuseFiles {
+            dir: dir.clone(),
+            transport: export.transport().to_string(),
+        }),
+        _ => None,
     };
     let catalog: Arc<dyn ExportCatalog> = Arc::new(Catalog {
         registry: registry.clone(),
@@ -136,7 +145,7 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
             }
         }
     }
-    control::listen(&options.control, registry.clone(), options.fuse.clone())
+    control::listen(&options.control, registry.clone(), fuse_files)
         .with_context(|| format!("control socket {}", options.control.display()))?;
     info!("control socket {}", options.control.display());
 

@@ -46,6 +46,8 @@ pub struct Daemon {
     pub dir: TempDir,
     child: Option<Child>,
     extra_args: Vec<String>,
+    /// Started with io_uring denied (see [`deny_io_uring`]).
+    no_io_uring: bool,
 }
 
 impl Daemon {
@@ -56,6 +58,15 @@ impl Daemon {
     /// Starts a daemon with extra `udm daemon` options; `{dir}` in them stands for the
     /// daemon's scratch directory.
     pub fn start_with(tag: &str, extra_args: &[&str]) -> Daemon {
+        Self::start_configured(tag, extra_args, false)
+    }
+
+    /// [`Daemon::start_with`] in a process where io_uring is denied.
+    pub fn start_without_io_uring(tag: &str, extra_args: &[&str]) -> Daemon {
+        Self::start_configured(tag, extra_args, true)
+    }
+
+    fn start_configured(tag: &str, extra_args: &[&str], no_io_uring: bool) -> Daemon {
         let dir = TempDir::new(tag);
         let extra_args = extra_args
             .iter()
@@ -65,6 +76,7 @@ impl Daemon {
             dir,
             child: None,
             extra_args,
+            no_io_uring,
         };
         daemon.launch();
         daemon
@@ -92,7 +104,11 @@ impl Daemon {
             .append(true)
             .open(self.dir.path("daemon.log"))
             .unwrap();
-        let child = Command::new(UDM)
+        let mut command = Command::new(UDM);
+        if self.no_io_uring {
+            deny_io_uring(&mut command);
+        }
+        let child = command
             .arg("daemon")
             .arg("--state-dir")
             .arg(self.dir.path("state"))
@@ -425,4 +441,51 @@ impl Drop for Peer {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Makes io_uring_setup fail with ENOSYS in the process `command` starts, with a seccomp
+/// filter as container runtimes install: io_uring is unavailable there.
+#[cfg(target_arch = "x86_64")]
+pub fn deny_io_uring(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    const NR: u32 = 0; // offsetof(struct seccomp_data, nr)
+    let stmt = |code: u32, k: u32| libc::sock_filter {
+        code: code as u16,
+        jt: 0,
+        jf: 0,
+        k,
+    };
+    let filter = [
+        stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, NR),
+        libc::sock_filter {
+            code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
+            jt: 0,
+            jf: 1,
+            k: libc::SYS_io_uring_setup as u32,
+        },
+        stmt(
+            libc::BPF_RET | libc::BPF_K,
+            libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32,
+        ),
+        stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ALLOW),
+    ];
+    // SAFETY: between fork and exec only prctl runs, on memory the closure owns.
+    unsafe {
+        command.pre_exec(move || {
+            let program = libc::sock_fprog {
+                len: filter.len() as u16,
+                filter: filter.as_ptr().cast_mut(),
+            };
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                || libc::prctl(
+                    libc::PR_SET_SECCOMP,
+                    libc::SECCOMP_MODE_FILTER,
+                    &program as *const libc::sock_fprog,
+                ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
 }
