@@ -676,7 +676,12 @@ impl EventLoop {
         if let Err(e) = conn.session.validate(&request) {
             return self.answer(index, &request, Err(e), payload);
         }
-        if !conn.held.is_empty() || conn.session.device.suspended() {
+        // Held only if it fits now: one that does not fails at once, as it would have.
+        let fits = request
+            .offset
+            .checked_add(u64::from(request.length))
+            .is_some_and(|end| end <= conn.session.device.size());
+        if fits && (!conn.held.is_empty() || conn.session.device.suspended()) {
             return conn.held.push_back((request, payload));
         }
         self.start(index, request, payload);
@@ -692,6 +697,17 @@ impl EventLoop {
                 return;
             }
             let (request, payload) = conn.held.pop_front().expect("not empty");
+            let end = request.offset + u64::from(request.length);
+            if end > conn.session.device.size() {
+                // The table that resumed is smaller: the request fails whole, as one queued
+                // at the suspend gate does.
+                let e = BlockError::Io(format!(
+                    "offset {} length {} is beyond the end of the device, which shrank while the request waited",
+                    request.offset, request.length
+                ));
+                self.answer(index, &request, Err(e), payload);
+                continue;
+            }
             self.start(index, request, payload);
         }
     }
