@@ -530,12 +530,8 @@ impl EventLoop {
     /// when it is done.
     fn pump(&mut self, index: usize) {
         self.release_held(index);
-        if !self
-            .conns
-            .get_mut(index)
-            .and_then(Option::as_mut)
-            .is_some_and(|c| !c.closing)
-        {
+        let open = self.conns.get(index).and_then(Option::as_ref);
+        if open.is_none_or(|c| c.closing) {
             return self.finish_if_done(index);
         }
         self.parse(index);
