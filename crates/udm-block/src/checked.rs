@@ -4,7 +4,7 @@
 //! aligned, in-range requests and need not repeat the checks. Missing capabilities are
 //! emulated here too, so a target never has to implement FUA on its own.
 
-use crate::device::{BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags};
+use crate::device::{clamp_extents, BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags};
 use crate::error::{BlockError, Result};
 use crate::map::{MapOp, Mapping};
 
@@ -126,16 +126,7 @@ impl<D: BlockDevice> BlockDevice for Checked<D> {
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         check_request(self.inner.size(), offset, len)?;
         let mut extents = self.inner.block_status(offset, len)?;
-        // Keep the answer honest for the client: within the request, never empty.
-        let mut left = len;
-        extents.retain_mut(|e| {
-            e.len = e.len.min(left);
-            left -= e.len;
-            e.len > 0
-        });
-        if extents.is_empty() {
-            extents.push(Extent::data(len));
-        }
+        clamp_extents(&mut extents, len);
         Ok(extents)
     }
 

@@ -45,6 +45,20 @@ pub fn push_extent(extents: &mut Vec<Extent>, extent: Extent) {
     }
 }
 
+/// Keeps an answer honest for `[offset, offset + len)`: within `len`, never empty (one data
+/// extent when nothing is left), so a client always learns about at least one byte.
+pub fn clamp_extents(extents: &mut Vec<Extent>, len: u64) {
+    let mut left = len;
+    extents.retain_mut(|e| {
+        e.len = e.len.min(left);
+        left -= e.len;
+        e.len > 0
+    });
+    if extents.is_empty() {
+        extents.push(Extent::data(len));
+    }
+}
+
 /// The same answer with neighbours of equal flags joined.
 pub fn merge_extents(extents: Vec<Extent>) -> Vec<Extent> {
     let mut out = Vec::with_capacity(extents.len());

@@ -21,8 +21,8 @@ pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
 pub use crash::CrashDevice;
 pub use device::{
-    merge_extents, push_extent, write_zeroes_by_writing, BlockDevice, Capabilities, Extent,
-    WriteFlags, ZeroFlags, EXTENT_HOLE, EXTENT_ZERO,
+    clamp_extents, merge_extents, push_extent, write_zeroes_by_writing, BlockDevice, Capabilities,
+    Extent, WriteFlags, ZeroFlags, EXTENT_HOLE, EXTENT_ZERO,
 };
 pub use error::{BlockError, Result};
 pub use export::{Export, ExportCatalog};

@@ -15,22 +15,6 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Threads of the daemon, without io_uring's kernel workers (iou-wrk), which come and go
-/// with the disk's load.
-fn user_threads(pid: u32) -> (usize, usize) {
-    let mut ours = 0;
-    let mut kernel = 0;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
-        let comm = std::fs::read_to_string(task.unwrap().path().join("comm")).unwrap_or_default();
-        if comm.starts_with("iou-") {
-            kernel += 1;
-        } else {
-            ours += 1;
-        }
-    }
-    (ours, kernel)
-}
-
 /// Writes a block, pipelined with a read of another, on one raw connection.
 fn exercise(client: &mut RawClient, id: u64, rounds: u64) {
     for round in 0..rounds {
@@ -51,7 +35,7 @@ fn sixty_four_connections_are_served_by_a_few_threads() {
     let _serial = serial();
     let daemon = Daemon::start_with("engine-64", &["--nbd-engine", "uring", "--nbd-loops", "2"]);
     daemon.create_linear("vol", "disk.img", 64 << 20);
-    let (idle, _) = user_threads(daemon.pid());
+    let (idle, _) = daemon.threads();
     let mut clients: Vec<RawClient> = (0..64)
         .map(|_| RawClient::connect(&daemon.nbd_socket(), "vol"))
         .collect();
@@ -63,7 +47,7 @@ fn sixty_four_connections_are_served_by_a_few_threads() {
             .collect();
         let mut most = (0, 0);
         while workers.iter().any(|w| !w.is_finished()) {
-            let (ours, kernel) = user_threads(daemon.pid());
+            let (ours, kernel) = daemon.threads();
             most = (most.0.max(ours), most.1.max(kernel));
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -180,7 +164,7 @@ fn a_client_that_stops_reading_replies_costs_no_thread_and_others_go_on() {
         &["--nbd-engine", "uring", "--nbd-loops", "1"],
     );
     daemon.create_linear("vol", "disk.img", 64 << 20);
-    let (idle, _) = user_threads(daemon.pid());
+    let (idle, _) = daemon.threads();
     // Asks for 64 MiB of reads and never reads a byte of the replies.
     let mut stalled = RawClient::connect(&daemon.nbd_socket(), "vol");
     for cookie in 0..64u64 {
@@ -189,7 +173,7 @@ fn a_client_that_stops_reading_replies_costs_no_thread_and_others_go_on() {
     std::thread::sleep(Duration::from_millis(500));
     let mut other = RawClient::connect(&daemon.nbd_socket(), "vol");
     exercise(&mut other, 1, 20);
-    assert!(user_threads(daemon.pid()).0 <= idle + 1);
+    assert!(daemon.threads().0 <= idle + 1);
 }
 
 /// Sets kernel.io_uring_disabled for as long as it lives.

@@ -239,19 +239,7 @@ fn tls_on_serves_plaintext_and_tls_clients() {
         "tcp:0",
         &["--tls", "on", "--tls-certificates", certs],
     );
-    // io_uring's kernel workers (iou-wrk) come and go with the disk's load, not with
-    // connections: they are not counted.
-    let threads = || {
-        std::fs::read_dir(format!("/proc/{}/task", daemon.pid()))
-            .unwrap()
-            .filter(|task| {
-                let comm = task.as_ref().unwrap().path().join("comm");
-                !std::fs::read_to_string(comm)
-                    .unwrap_or_default()
-                    .starts_with("iou-")
-            })
-            .count()
-    };
+    let threads = || daemon.threads().0;
     let idle = threads();
     let source = dir.path("source.raw");
     random_file(&source, 8 << 20, 11);

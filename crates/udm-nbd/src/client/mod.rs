@@ -344,15 +344,7 @@ impl BlockDevice for NbdClient {
         let len = len.min(MAX_NO_PAYLOAD);
         let mut extents = self.call(CMD_BLOCK_STATUS, 0, offset, len as u32, Payload::None)?;
         // The server's answer may run past the request; keep it within.
-        let mut left = len;
-        extents.retain_mut(|e| {
-            e.len = e.len.min(left);
-            left -= e.len;
-            e.len > 0
-        });
-        if extents.is_empty() {
-            extents.push(Extent::data(len));
-        }
+        udm_block::clamp_extents(&mut extents, len);
         Ok(extents)
     }
 

@@ -141,6 +141,25 @@ impl Daemon {
         }
     }
 
+    /// The daemon's threads: its own, and io_uring's kernel workers (iou-wrk), which come
+    /// and go with the disk's load rather than with connections.
+    pub fn threads(&self) -> (usize, usize) {
+        let mut own = 0;
+        let mut kernel = 0;
+        for task in std::fs::read_dir(format!("/proc/{}/task", self.pid())).unwrap() {
+            let comm = task.unwrap().path().join("comm");
+            if std::fs::read_to_string(comm)
+                .unwrap_or_default()
+                .starts_with("iou-")
+            {
+                kernel += 1;
+            } else {
+                own += 1;
+            }
+        }
+        (own, kernel)
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("daemon running").id()
     }
