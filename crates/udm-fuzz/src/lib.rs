@@ -82,9 +82,9 @@ pub fn table(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    if let Ok(table) = Table::build(text, &MemoryDevices, Arc::new(|| {})) {
+    if let Ok(table) = Table::build("test", text, &MemoryDevices, Arc::new(|| {})) {
         let printed = table.lines().join("\n");
-        let again = Table::build(&printed, &MemoryDevices, Arc::new(|| {}))
+        let again = Table::build("test", &printed, &MemoryDevices, Arc::new(|| {}))
             .unwrap_or_else(|e| panic!("printed table {printed:?} does not parse back: {e}"));
         assert_eq!(again.lines().join("\n"), printed);
         let _ = table.status_lines();

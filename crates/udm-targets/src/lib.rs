@@ -7,6 +7,7 @@
 
 mod args;
 mod filter;
+mod rendezvous;
 mod table;
 mod target;
 
@@ -22,6 +23,7 @@ mod zero;
 
 pub use args::Args;
 pub use filter::{Filter, Filtered, Lower, OpKind};
+pub use rendezvous::{device_key, Rendezvous};
 pub use table::{Segment, Table, TableLine};
 pub use target::{construct, Resolver, Target, TargetContext, TargetError, TARGET_TYPES};
 

@@ -96,8 +96,10 @@ pub struct Table {
 }
 
 impl Table {
-    /// Builds every target of `text`; the first bad line fails the whole table.
+    /// Builds every target of `text`, the table of device `owner`; the first bad line fails the
+    /// whole table.
     pub fn build(
+        owner: &str,
         text: &str,
         resolver: &dyn Resolver,
         raise_event: EventSink,
@@ -120,6 +122,7 @@ impl Table {
                 .ok_or_else(|| at(TargetError::new("<length> is too large")))?;
             let ctx = TargetContext {
                 resolver,
+                owner,
                 len,
                 raise_event: raise_event.clone(),
                 needs: Default::default(),

@@ -30,6 +30,9 @@ pub type EventSink = Arc<dyn Fn() + Send + Sync>;
 /// Everything a constructor gets besides its arguments.
 pub struct TargetContext<'a> {
     pub resolver: &'a dyn Resolver,
+    /// The name of the device whose table is being built: the key under which targets that
+    /// others look up (a thin pool) register themselves in a [`crate::Rendezvous`].
+    pub owner: &'a str,
     /// Length of the segment in bytes.
     pub len: u64,
     pub raise_event: EventSink,

@@ -37,7 +37,7 @@ pub fn memory_resolver(devices: &[(&str, u64)]) -> MemoryResolver {
 
 /// Builds a table and makes it live, as the daemon does.
 pub fn build(resolver: &dyn Resolver, text: &str) -> Result<Table, TargetError> {
-    let table = Table::build(text, resolver, Arc::new(|| {}))?;
+    let table = Table::build("test", text, resolver, Arc::new(|| {}))?;
     table.resume();
     Ok(table)
 }
@@ -50,6 +50,7 @@ pub fn build_counting_events(
     let events = Arc::new(AtomicU64::new(0));
     let counter = events.clone();
     let table = Table::build(
+        "test",
         text,
         resolver,
         Arc::new(move || {

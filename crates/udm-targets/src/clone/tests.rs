@@ -69,7 +69,13 @@ fn rig_with(size: u64, table_args: &str, setup_devices: impl FnOnce(&Rig)) -> Ri
     ]
     .into();
     let pre = Rig {
-        table: Table::build("0 8 zero", &AnyResolver(HashMap::new()), Arc::new(|| {})).unwrap(),
+        table: Table::build(
+            "test",
+            "0 8 zero",
+            &AnyResolver(HashMap::new()),
+            Arc::new(|| {}),
+        )
+        .unwrap(),
         meta: meta.clone(),
         dest: dest.clone(),
         source: source.clone(),

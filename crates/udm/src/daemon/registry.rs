@@ -172,6 +172,7 @@ impl Registry {
         };
         let events = events.clone();
         Ok(Table::build(
+            owner,
             text,
             &resolver,
             Arc::new(move || events.raise()),
