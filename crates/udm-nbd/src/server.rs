@@ -140,13 +140,7 @@ impl NbdServer {
                 Err(why) => return Err(std::io::Error::other(why)),
             },
         };
-        if loops.is_none() {
-            info!(
-                "nbd: engine: threads ({} per connection)",
-                config.workers_per_connection
-            );
-        }
-        Ok(NbdServer {
+        let server = NbdServer {
             catalog,
             budget,
             config,
@@ -154,7 +148,26 @@ impl NbdServer {
             refusing: Arc::default(),
             tls: None,
             loops,
-        })
+        };
+        if server.loops.is_none() {
+            info!("nbd: engine: {}", server.engine());
+        }
+        Ok(server)
+    }
+
+    /// Which engine serves this server's connections, as `udm info` and the log name it.
+    pub fn engine(&self) -> String {
+        match &self.loops {
+            Some(_) => format!(
+                "io_uring ({} event loops, {} pool threads)",
+                self.config.loop_threads.max(1),
+                self.config.pool_threads.max(1)
+            ),
+            None => format!(
+                "threads ({} per connection)",
+                self.config.workers_per_connection
+            ),
+        }
     }
 
     fn start_loops(config: &ServerConfig, budget: &Arc<BufferBudget>) -> Result<Loops, String> {

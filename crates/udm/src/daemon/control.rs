@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use log::{debug, warn};
 use serde_json::json;
-use udm_block::{BlockDevice, SECTOR_SIZE};
+use udm_block::{BlockDevice, MapOp, SECTOR_SIZE};
 use udm_targets::TARGET_TYPES;
 
+use super::device::Device;
 use super::registry::Registry;
 use udm::control::{Envelope, Request, Response, PROTOCOL_VERSION};
 
@@ -26,12 +27,16 @@ pub struct FuseFiles {
     pub transport: String,
 }
 
-pub fn listen(
-    path: &Path,
-    registry: Arc<Registry>,
-    fuse_files: Option<FuseFiles>,
-) -> std::io::Result<()> {
-    let fuse_files = Arc::new(fuse_files);
+/// How the daemon exports devices, for `udm info`.
+#[derive(Default)]
+pub struct Exports {
+    pub fuse: Option<FuseFiles>,
+    /// The engine serving NBD connections, when the daemon listens for them.
+    pub nbd_engine: Option<String>,
+}
+
+pub fn listen(path: &Path, registry: Arc<Registry>, exports: Exports) -> std::io::Result<()> {
+    let exports = Arc::new(exports);
     udm_nbd::remove_stale_socket(path)?;
     let listener = UnixListener::bind(path)?;
     std::thread::Builder::new()
@@ -41,10 +46,10 @@ pub fn listen(
                 match stream {
                     Ok(s) => {
                         let registry = registry.clone();
-                        let fuse_files = fuse_files.clone();
+                        let exports = exports.clone();
                         let _ = std::thread::Builder::new()
                             .name("control".into())
-                            .spawn(move || serve(s, &registry, fuse_files.as_ref().as_ref()));
+                            .spawn(move || serve(s, &registry, &exports));
                     }
                     Err(e) => warn!("control: accept failed: {e}"),
                 }
@@ -53,7 +58,7 @@ pub fn listen(
     Ok(())
 }
 
-fn serve(stream: UnixStream, registry: &Registry, fuse_files: Option<&FuseFiles>) {
+fn serve(stream: UnixStream, registry: &Registry, exports: &Exports) {
     let Ok(writer) = stream.try_clone() else {
         return;
     };
@@ -81,7 +86,7 @@ fn serve(stream: UnixStream, registry: &Registry, fuse_files: Option<&FuseFiles>
                 "control protocol version {} not supported (this daemon speaks {PROTOCOL_VERSION})",
                 envelope.version
             )),
-            Ok(envelope) => execute(registry, envelope.request, fuse_files, &writer),
+            Ok(envelope) => execute(registry, envelope.request, exports, &writer),
             Err(e) => Response::error(format!("malformed request: {e}")),
         };
         if reply(&mut writer, &response).is_err() {
@@ -114,7 +119,7 @@ fn hung_up(client: &UnixStream) -> bool {
 fn execute(
     registry: &Registry,
     request: Request,
-    fuse_files: Option<&FuseFiles>,
+    exports: &Exports,
     client: &UnixStream,
 ) -> Response {
     let result: Result<Response, Box<dyn std::error::Error>> = (|| {
@@ -155,7 +160,7 @@ fn execute(
             Request::Table { name } => {
                 Response::text(registry.get(&name)?.live().lines().join("\n"))
             }
-            Request::Info { name } => info(registry, &name, fuse_files)?,
+            Request::Info { name } => info(registry, &name, exports)?,
             Request::Ls { tree } => ls(registry, tree),
             Request::Wait { name, event_nr } => {
                 let device = registry.get(&name)?;
@@ -216,7 +221,7 @@ fn status(registry: &Registry, name: &str) -> Result<Response, Box<dyn std::erro
 fn info(
     registry: &Registry,
     name: &str,
-    fuse_files: Option<&FuseFiles>,
+    exports: &Exports,
 ) -> Result<Response, Box<dyn std::error::Error>> {
     let device = registry.get(name)?;
     let state = if device.is_suspended() {
@@ -235,6 +240,7 @@ fn info(
     } else {
         ""
     };
+    let fuse_files = exports.fuse.as_ref();
     let fuse_file = fuse_files.map(|f| f.dir.join(name));
     let mut text = format!(
         "Name:              {name}\nState:             {state}{access}\n\
@@ -247,15 +253,37 @@ fn info(
         text += &format!("\nFUSE file:         {}", file.display());
         text += &format!("\nFUSE transport:    {}", files.transport);
     }
+    let data_path = data_path(&device);
+    if let Some(engine) = &exports.nbd_engine {
+        text += &format!("\nNBD engine:        {engine}");
+    }
+    text += &format!("\nData path:         {data_path}");
     Ok(Response {
         data: Some(json!({
             "name": name, "state": state, "read_only": device.read_only(),
             "inactive_table": device.inactive().is_some(), "open_count": opens,
             "event_nr": device.events().current(), "sectors": device.size() / SECTOR_SIZE,
             "fuse_file": fuse_file, "fuse_transport": fuse_files.map(|f| &f.transport),
+            "nbd_engine": exports.nbd_engine, "data_path": data_path,
         })),
         ..Response::text(text)
     })
+}
+
+/// Whether the io_uring engines (NBD's event loops, FUSE over io_uring) can send this
+/// device's I/O straight to files, or its targets take requests themselves on worker threads.
+fn data_path(device: &Device) -> &'static str {
+    let probe = device.size().min(4096);
+    if probe == 0 {
+        return "empty";
+    }
+    let reads = device.map(MapOp::Read, 0, probe).is_some();
+    let writes = device.read_only() || device.map(MapOp::Write { fua: false }, 0, probe).is_some();
+    match (reads, writes) {
+        (true, true) => "remapped onto files (io_uring)",
+        (true, false) => "reads remapped onto files (io_uring), writes through the targets",
+        (false, _) => "through the targets (worker threads)",
+    }
 }
 
 fn ls(registry: &Registry, tree: bool) -> Response {

@@ -145,7 +145,11 @@ pub fn run(options: DaemonOptions) -> anyhow::Result<()> {
             }
         }
     }
-    control::listen(&options.control, registry.clone(), fuse_files)
+    let exports = control::Exports {
+        fuse: fuse_files,
+        nbd_engine: (!options.nbd.is_empty()).then(|| server.engine()),
+    };
+    control::listen(&options.control, registry.clone(), exports)
         .with_context(|| format!("control socket {}", options.control.display()))?;
     info!("control socket {}", options.control.display());
 
