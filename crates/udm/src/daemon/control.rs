@@ -13,7 +13,7 @@ use udm_block::{BlockDevice, SECTOR_SIZE};
 use udm_targets::TARGET_TYPES;
 
 use super::registry::Registry;
-use udm::control::{Envelope, Request, Response, PROTOCOL_VERSION};
+use crate::control::{Envelope, Request, Response, PROTOCOL_VERSION};
 
 /// Longest request line accepted; a table of thousands of lines still fits.
 const MAX_REQUEST: u64 = 4 << 20;
