@@ -2,8 +2,6 @@
 //! other verb is a thin client of the daemon's control socket, with dmsetup's semantics.
 
 mod client;
-
-mod daemon;
 mod logger;
 mod progress;
 mod replay;
@@ -16,6 +14,7 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use udm::control::Request;
+use udm::daemon;
 
 const DEFAULT_CONTROL: &str = "/run/udm/control.sock";
 
@@ -313,7 +312,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 buffer_budget: nbd_buffer_budget,
                 ..defaults
             };
-            return daemon::run(daemon::DaemonOptions {
+            return Ok(daemon::run(daemon::DaemonOptions {
                 state_dir,
                 control: cli.control,
                 nbd,
@@ -323,7 +322,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 fuse_threads,
                 fuse_uring: fuse_uring.into(),
                 remote_timeout: std::time::Duration::from_secs(remote_timeout),
-            });
+            })?);
         }
         Command::Create {
             name,

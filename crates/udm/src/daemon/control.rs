@@ -14,7 +14,7 @@ use udm_targets::TARGET_TYPES;
 
 use super::device::Device;
 use super::registry::Registry;
-use udm::control::{Envelope, Request, Response, PROTOCOL_VERSION};
+use crate::control::{Envelope, Request, Response, PROTOCOL_VERSION};
 
 /// Longest request line accepted; a table of thousands of lines still fits.
 const MAX_REQUEST: u64 = 4 << 20;

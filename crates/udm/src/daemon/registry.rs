@@ -1,4 +1,5 @@
-//! The device registry: names → devices, the dmsetup verbs, stacking, and persistence.
+//! The device registry: names → devices, the dmsetup verbs, stacking and cycle checks, and the
+//! resolver that opens what a table names (persistence is in `persist.rs`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -6,7 +7,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use log::{info, warn};
-use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use udm_block::{BlockDevice, FileDevice, OpenMode, SECTOR_SIZE};
 use udm_targets::{Resolver, Table, TargetError};
@@ -14,7 +14,6 @@ use udm_targets::{Resolver, Table, TargetError};
 use super::claims::{Claimed, Claims};
 use super::device::{Device, Events};
 use super::remotes::Remotes;
-use super::write_durably;
 
 #[derive(Debug, Error)]
 pub enum RegistryError {
@@ -34,37 +33,14 @@ pub enum RegistryError {
 
 type Result<T, E = RegistryError> = std::result::Result<T, E>;
 
-/// What the state dir keeps per device: enough to bring it back after a restart as it was —
-/// its tables, whether it was suspended, and what messages changed.
-#[derive(Serialize, Deserialize)]
-struct SavedDevice {
-    name: String,
-    read_only: bool,
-    table: Vec<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    inactive: Option<Vec<String>>,
-    #[serde(default)]
-    suspended: bool,
-    /// Per segment of the live table (by start sector), the messages that restore its
-    /// targets' settings.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    settings: Vec<SavedSettings>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct SavedSettings {
-    sector: u64,
-    messages: Vec<String>,
-}
-
 pub struct Registry {
     devices: Mutex<BTreeMap<String, Arc<Device>>>,
     /// Serialises the verbs that change tables, so checks (name free, no cycle, not busy)
     /// cannot race with each other. I/O never takes it.
-    changes: Mutex<()>,
-    state_dir: PathBuf,
+    pub(super) changes: Mutex<()>,
+    pub(super) state_dir: PathBuf,
     /// Opens remote (NBD) references; knows their sizes for restoring while they are down.
-    remotes: Remotes,
+    pub(super) remotes: Remotes,
     claims: Arc<Claims>,
 }
 
@@ -106,7 +82,7 @@ impl Registry {
         })
     }
 
-    fn map(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Device>>> {
+    pub(super) fn map(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Device>>> {
         self.devices.lock().unwrap()
     }
 
@@ -165,7 +141,7 @@ impl Registry {
         false
     }
 
-    fn build(&self, owner: &str, text: &str, events: &Arc<Events>) -> Result<Table> {
+    pub(super) fn build(&self, owner: &str, text: &str, events: &Arc<Events>) -> Result<Table> {
         let resolver = TableResolver {
             registry: self,
             owner,
@@ -194,7 +170,7 @@ impl Registry {
 
     /// Builds a device; `before_live` sees its table before it becomes live (and its
     /// targets start any background work).
-    fn build_device(
+    pub(super) fn build_device(
         &self,
         name: &str,
         text: &str,
@@ -383,117 +359,6 @@ impl Registry {
         Ok(())
     }
 
-    fn state_path(&self, name: &str) -> PathBuf {
-        self.state_dir.join("devices").join(format!("{name}.json"))
-    }
-
-    /// Writes the device's live table to the state dir: temp file, fsync, rename, fsync dir,
-    /// so a crash leaves either the old or the new record.
-    fn save(&self, device: &Device) -> Result<()> {
-        let live = device.live();
-        let settings = live
-            .segments()
-            .iter()
-            .map(|segment| SavedSettings {
-                sector: segment.start / SECTOR_SIZE,
-                messages: segment.target.settings_messages(),
-            })
-            .filter(|saved| !saved.messages.is_empty())
-            .collect();
-        let saved = SavedDevice {
-            name: device.name().to_string(),
-            read_only: device.read_only(),
-            table: live.lines(),
-            inactive: device.inactive().map(|t| t.lines()),
-            suspended: device.is_suspended(),
-            settings,
-        };
-        let json = serde_json::to_vec_pretty(&saved).expect("serialisable");
-        write_durably(&self.state_path(device.name()), &json)
-            .map_err(|e| RegistryError::Persist(device.name().into(), e))
-    }
-
-    /// Brings back the devices of the state dir, each as it was: live table and its targets'
-    /// settings, inactive table, suspended or not. Devices built on other devices wait until
-    /// those exist; what cannot be built is logged and left in the state dir. Suspending comes
-    /// last, so that devices built on a suspended one are constructed first.
-    pub fn restore(&self) -> std::io::Result<usize> {
-        let mut pending: Vec<SavedDevice> = Vec::new();
-        for entry in std::fs::read_dir(self.state_dir.join("devices"))? {
-            let path = entry?.path();
-            if path.extension().is_some_and(|e| e == "json") {
-                match std::fs::read(&path).map(|b| serde_json::from_slice::<SavedDevice>(&b)) {
-                    Ok(Ok(saved)) => pending.push(saved),
-                    Ok(Err(e)) => warn!("ignoring {}: {e}", path.display()),
-                    Err(e) => warn!("ignoring {}: {e}", path.display()),
-                }
-            }
-        }
-        let mut restored = Vec::new();
-        let _restoring = self.remotes.restoring();
-        loop {
-            let before = pending.len();
-            let mut failures = Vec::new();
-            pending.retain(|saved| match self.restore_one(saved) {
-                Ok(device) => {
-                    restored.push((device, saved.suspended));
-                    false
-                }
-                Err(e) => {
-                    failures.push(format!("'{}': {e}", saved.name));
-                    true
-                }
-            });
-            if pending.is_empty() || pending.len() == before {
-                for failure in failures {
-                    warn!("cannot restore device {failure}");
-                }
-                break;
-            }
-        }
-        for (device, _) in restored.iter().filter(|(_, suspended)| *suspended) {
-            device.suspend();
-            info!("device '{}' restored suspended, as it was", device.name());
-        }
-        Ok(restored.len())
-    }
-
-    fn restore_one(&self, saved: &SavedDevice) -> Result<Arc<Device>> {
-        let _changes = self.changes.lock().unwrap();
-        let name = &saved.name;
-        let restore_settings = |table: &Table| {
-            for settings in &saved.settings {
-                let Some(target) = table.target_at(settings.sector) else {
-                    warn!(
-                        "'{name}': no segment at sector {} for saved settings",
-                        settings.sector
-                    );
-                    continue;
-                };
-                for message in &settings.messages {
-                    let words: Vec<&str> = message.split_whitespace().collect();
-                    if let Err(e) = target.message(&words) {
-                        warn!("'{name}': restoring setting '{message}': {e}");
-                    }
-                }
-            }
-        };
-        let device = self.build_device(
-            name,
-            &saved.table.join("\n"),
-            saved.read_only,
-            restore_settings,
-        )?;
-        if let Some(inactive) = &saved.inactive {
-            match self.build(name, &inactive.join("\n"), device.events()) {
-                Ok(table) => device.load(table),
-                Err(e) => warn!("'{name}': its inactive table cannot be restored: {e}"),
-            }
-        }
-        self.map().insert(name.clone(), device.clone());
-        Ok(device)
-    }
-
     /// Flushes every device (at shutdown). A suspended device is left alone: its I/O was
     /// drained and its targets committed when it was suspended, a flush would wait at its
     /// gate forever, and it comes back suspended after the restart.
@@ -560,5 +425,98 @@ impl Resolver for TableResolver<'_> {
             .claim_device(reference, self.owner, exclusive)
             .map_err(TargetError::new)?;
         Ok(Arc::new(Claimed::new(device, claim)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use udm_block::{AlignedBuf, BlockDevice};
+    use udm_testkit::TempDir;
+
+    use super::*;
+
+    fn registry(dir: &TempDir) -> Registry {
+        Registry::new(&dir.path("state"), Duration::from_secs(1)).unwrap()
+    }
+
+    fn error(result: Result<impl Sized>) -> String {
+        match result {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn no_device_may_come_to_depend_on_itself() {
+        let dir = TempDir::new("cycles");
+        let r = registry(&dir);
+        r.create("a", "0 2048 zero", false).unwrap();
+        r.create("b", "0 2048 linear a 0", false).unwrap();
+        r.create("c", "0 2048 linear b 0", false).unwrap();
+        for (text, through) in [
+            ("0 2048 linear a 0", "a"),
+            ("0 2048 linear b 0", "b"),
+            ("0 2048 linear c 0", "c"),
+        ] {
+            let e = error(r.load("a", text, false));
+            assert!(
+                e.contains(&format!(
+                    "using device '{through}' would make 'a' depend on itself"
+                )),
+                "{e}"
+            );
+        }
+        // An inactive table counts as a use too: once loaded it may become live.
+        r.create("d", "0 2048 zero", false).unwrap();
+        r.load("d", "0 2048 linear c 0", false).unwrap();
+        let e = error(r.load("a", "0 2048 linear d 0", false));
+        assert!(e.contains("depend on itself"), "{e}");
+        assert!(r.get("a").unwrap().inactive().is_none());
+    }
+
+    #[test]
+    fn a_device_in_use_is_neither_removed_nor_shrunk_under_its_users() {
+        let dir = TempDir::new("holders");
+        let r = registry(&dir);
+        r.create("base", "0 2048 zero", false).unwrap();
+        r.create("top", "0 1024 linear base 1024", false).unwrap();
+        assert_eq!(r.holders("base"), ["top"]);
+        let e = error(r.remove("base", true));
+        assert!(e.contains("used by top"), "{e}");
+        let e = error(r.load("base", "0 2047 zero", false));
+        assert!(e.contains("'top' uses 2048 sectors of it"), "{e}");
+        r.load("base", "0 2048 error", false).unwrap();
+        r.load("base", "0 1024 zero", true).unwrap();
+        r.remove("top", false).unwrap();
+        r.remove("base", false).unwrap();
+        assert!(r.all().is_empty());
+    }
+
+    #[test]
+    fn a_forced_remove_fails_the_io_of_whoever_still_has_it_open() {
+        let dir = TempDir::new("force");
+        let r = registry(&dir);
+        let device = r.create("vol", "0 2048 zero", false).unwrap();
+        let handle = device.open(false);
+        let e = error(r.remove("vol", false));
+        assert!(e.contains("open by 1 client(s)"), "{e}");
+        r.remove("vol", true).unwrap();
+        let err = device.read(0, &mut AlignedBuf::zeroed(4096)).unwrap_err();
+        assert_eq!(err.errno(), libc::EIO);
+        drop(handle);
+        assert!(r.get("vol").is_err());
+    }
+
+    #[test]
+    fn names_are_checked() {
+        let dir = TempDir::new("names");
+        let r = registry(&dir);
+        for bad in ["", ".hidden", "-x", "a/b", "a b", &"n".repeat(128)] {
+            let e = error(r.create(bad, "0 8 zero", false));
+            assert!(e.contains("invalid device name"), "{bad}: {e}");
+        }
+        r.create("ok_1.2+3-4:5@6", "0 8 zero", false).unwrap();
+        let e = error(r.create("ok_1.2+3-4:5@6", "0 8 zero", false));
+        assert!(e.contains("already exists"), "{e}");
     }
 }
