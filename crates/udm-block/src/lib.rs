@@ -27,5 +27,5 @@ pub use device::{
 pub use error::{BlockError, Result};
 pub use export::{Export, ExportCatalog};
 pub use file::{FileDevice, OpenMode};
-pub use map::{MapOp, MappedFile, Mapping, Piece, Place};
+pub use map::{MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
 pub use memory::MemoryDevice;
