@@ -337,10 +337,32 @@ impl NbdServer {
     }
 }
 
+/// The longest path a Unix socket address holds (sun_path's 108 bytes, less the NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// Checks that `path` fits in a Unix socket address, saying so in bytes when it does not (the
+/// standard library's error names a C macro instead).
+pub fn socket_path_fits(path: &Path) -> std::io::Result<()> {
+    let len = path.as_os_str().len();
+    if len <= MAX_SOCKET_PATH {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!(
+            "socket path {} is {len} bytes; a Unix socket path holds at most {MAX_SOCKET_PATH} \
+             (use a shorter directory)",
+            path.display()
+        ),
+    ))
+}
+
 /// Removes a leftover Unix socket at `path` so it can be bound again, refusing to delete
-/// anything that is not a socket, or a socket some process still answers on.
+/// anything that is not a socket, or a socket some process still answers on; first checks
+/// that the path fits in a socket address at all.
 pub fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::FileTypeExt;
+    socket_path_fits(path)?;
     match std::fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => {
             if std::os::unix::net::UnixStream::connect(path).is_ok() {
@@ -364,6 +386,15 @@ pub fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
 mod tests {
     use super::*;
     use crate::{ClientOptions, Export, NbdClient};
+
+    #[test]
+    fn a_socket_path_too_long_is_refused_in_bytes() {
+        let long = std::path::PathBuf::from(format!("/tmp/{}/s.sock", "d".repeat(120)));
+        let e = remove_stale_socket(&long).unwrap_err().to_string();
+        assert!(e.contains("at most 107"), "{e}");
+        assert!(!e.contains("SUN_LEN"), "{e}");
+        socket_path_fits(std::path::Path::new(&"x".repeat(107))).unwrap();
+    }
     use std::time::Instant;
     use udm_block::{BlockDevice, BlockError, WriteFlags};
 

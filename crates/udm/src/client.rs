@@ -9,7 +9,8 @@ use anyhow::{bail, Context};
 use udm::control::{Envelope, Request, Response, PROTOCOL_VERSION};
 
 pub fn call(socket: &Path, request: Request) -> anyhow::Result<Response> {
-    let mut stream = UnixStream::connect(socket).with_context(|| {
+    let reached = udm_nbd::socket_path_fits(socket).and_then(|()| UnixStream::connect(socket));
+    let mut stream = reached.with_context(|| {
         format!(
             "cannot reach the udm daemon at {} (is `udm daemon` running?)",
             socket.display()

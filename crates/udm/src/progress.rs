@@ -23,7 +23,8 @@ fn sample(control: &Path, name: &str) -> anyhow::Result<Progress> {
     let response = client::call(
         control,
         Request::Status {
-            name: name.to_string(),
+            name: Some(name.to_string()),
+            target: None,
         },
     )?;
     let data = response.data.unwrap_or_default();

@@ -33,6 +33,8 @@ enum Key {
 }
 
 struct Holder {
+    /// Which guard holds this claim (owners may hold several, and may be renamed).
+    id: u64,
     owner: String,
     exclusive: bool,
 }
@@ -47,14 +49,14 @@ struct Entry {
 #[derive(Default)]
 pub struct Claims {
     entries: Mutex<HashMap<Key, Entry>>,
+    next_id: std::sync::atomic::AtomicU64,
 }
 
 /// Keeps a claim until dropped (with the device handle it was taken for).
 pub struct ClaimGuard {
     claims: Arc<Claims>,
     key: Key,
-    owner: String,
-    exclusive: bool,
+    id: u64,
 }
 
 impl Claims {
@@ -74,6 +76,19 @@ impl Claims {
             exclusive,
             Some(path),
         )
+    }
+
+    /// Device `old` is now called `new`: its claims go with it.
+    pub fn rename_owner(&self, old: &str, new: &str) {
+        let mut entries = self.entries.lock().unwrap();
+        for entry in entries.values_mut() {
+            for holder in entry.holders.iter_mut().filter(|h| h.owner == old) {
+                holder.owner = new.to_string();
+            }
+        }
+        if let Some(entry) = entries.remove(&Key::Device(old.into())) {
+            entries.insert(Key::Device(new.into()), entry);
+        }
     }
 
     /// Claims the udm device `name` for device `owner`.
@@ -118,8 +133,12 @@ impl Claims {
                 None => Ok(()),
             },
         };
+        let id = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match result {
             Ok(()) => entry.holders.push(Holder {
+                id,
                 owner: owner.into(),
                 exclusive,
             }),
@@ -133,8 +152,7 @@ impl Claims {
         Ok(ClaimGuard {
             claims: self.clone(),
             key,
-            owner: owner.into(),
-            exclusive,
+            id,
         })
     }
 }
@@ -196,13 +214,7 @@ impl Drop for ClaimGuard {
         let Some(entry) = entries.get_mut(&self.key) else {
             return;
         };
-        if let Some(i) = entry
-            .holders
-            .iter()
-            .position(|h| h.owner == self.owner && h.exclusive == self.exclusive)
-        {
-            entry.holders.remove(i);
-        }
+        entry.holders.retain(|h| h.id != self.id);
         if entry.holders.is_empty() {
             // Closing the descriptor drops the lock.
             entries.remove(&self.key);
@@ -300,6 +312,23 @@ mod tests {
         assert!(err.contains("needs it for itself"), "{err}");
         drop(a);
         assert!(claims.claim_device("base", "c", true).is_err());
+    }
+
+    #[test]
+    fn a_renamed_owner_keeps_its_claims_and_releases_them_under_its_new_name() {
+        let claims = Arc::new(Claims::default());
+        let path = temp_file("rename");
+        let live = claims.claim_file(&path, "old", true).unwrap();
+        claims.rename_owner("old", "new");
+        // Its next table, built under the new name, shares the claim...
+        let reload = claims.claim_file(&path, "new", true).unwrap();
+        // ...and nobody else gets it, the old name included.
+        let err = claims.claim_file(&path, "old", true).err().unwrap();
+        assert!(err.contains("in use by device 'new'"), "{err}");
+        drop(live);
+        drop(reload);
+        claims.claim_file(&path, "other", true).unwrap();
+        std::fs::remove_file(path).unwrap();
     }
 
     #[test]

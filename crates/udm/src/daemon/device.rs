@@ -1,18 +1,23 @@
-//! A udm device: a name, a live table and an inactive one, the suspend gate, events and the
-//! open count.
+//! A udm device: a name (and optional UUID), a live table and an inactive one, the suspend
+//! gate, events, the open count and I/O statistics.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use udm_block::{
     BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, Result, WriteFlags, ZeroFlags,
 };
 use udm_targets::Table;
 
+use super::stats::{IoStats, Op};
+
 struct Tables {
     live: Arc<Table>,
     inactive: Option<Arc<Table>>,
+    /// Whether the device is read-only once the inactive table goes live (dmsetup's
+    /// `load --readonly`: read-only is a property of each loaded table).
+    inactive_read_only: bool,
 }
 
 /// The suspend gate. The I/O path touches only atomics: a request counts itself in, then
@@ -29,8 +34,11 @@ struct Gate {
 }
 
 pub struct Device {
-    name: String,
-    read_only: bool,
+    /// Changed by `rename`.
+    name: RwLock<String>,
+    /// Set at create, or once later (`rename --setuuid`).
+    uuid: RwLock<Option<String>>,
+    read_only: AtomicBool,
     tables: RwLock<Tables>,
     /// The live table's size, read on every request.
     size: AtomicU64,
@@ -43,6 +51,12 @@ pub struct Device {
     /// Of those, opens of its file in the FUSE mount: a loop device or a mounted filesystem
     /// that must not lose the device under it when the daemon is asked to stop.
     file_opens: AtomicUsize,
+    /// Woken when the last open handle goes (a `remove` waiting out a client that is
+    /// disconnecting, a deferred removal).
+    released: (Mutex<()>, Condvar),
+    /// `remove --deferred`: remove once nothing uses the device any more.
+    deferred_remove: AtomicBool,
+    stats: Arc<IoStats>,
 }
 
 impl Gate {
@@ -87,29 +101,85 @@ impl Drop for MappedInFlight {
 
 impl Device {
     /// `events` is the counter the table's targets were given to raise events on.
-    pub fn new(name: String, read_only: bool, live: Table, events: Arc<Events>) -> Self {
+    pub fn new(
+        name: String,
+        uuid: Option<String>,
+        read_only: bool,
+        live: Table,
+        events: Arc<Events>,
+    ) -> Self {
         live.resume();
         Device {
-            name,
-            read_only,
+            name: RwLock::new(name),
+            uuid: RwLock::new(uuid),
+            read_only: AtomicBool::new(read_only),
             size: AtomicU64::new(live.size()),
             tables: RwLock::new(Tables {
                 live: Arc::new(live),
                 inactive: None,
+                inactive_read_only: false,
             }),
             gate: Arc::default(),
             events,
             opens: AtomicUsize::new(0),
             file_opens: AtomicUsize::new(0),
+            released: (Mutex::new(()), Condvar::new()),
+            deferred_remove: AtomicBool::new(false),
+            stats: Arc::default(),
         }
     }
 
-    pub fn name(&self) -> &str {
-        &self.name
+    pub fn name(&self) -> String {
+        self.name.read().unwrap().clone()
+    }
+
+    /// Only the registry renames, under its lock, with the device's other records.
+    pub(super) fn set_name(&self, name: &str) {
+        *self.name.write().unwrap() = name.to_string();
+    }
+
+    pub fn uuid(&self) -> Option<String> {
+        self.uuid.read().unwrap().clone()
+    }
+
+    pub(super) fn set_uuid(&self, uuid: &str) {
+        *self.uuid.write().unwrap() = Some(uuid.to_string());
     }
 
     pub fn read_only(&self) -> bool {
-        self.read_only
+        self.read_only.load(Ordering::Acquire)
+    }
+
+    /// Whether the inactive table, if any, was loaded read-only.
+    pub fn inactive_read_only(&self) -> bool {
+        self.tables.read().unwrap().inactive_read_only
+    }
+
+    pub fn stats(&self) -> &Arc<IoStats> {
+        &self.stats
+    }
+
+    pub fn deferred_remove(&self) -> bool {
+        self.deferred_remove.load(Ordering::Acquire)
+    }
+
+    pub(super) fn set_deferred_remove(&self, deferred: bool) {
+        self.deferred_remove.store(deferred, Ordering::Release);
+    }
+
+    /// Waits up to `timeout` for every open handle to go; returns the open count then.
+    pub fn wait_released(&self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        let (lock, released) = &self.released;
+        let mut guard = lock.lock().unwrap();
+        loop {
+            let opens = self.open_count();
+            let left = deadline.saturating_duration_since(Instant::now());
+            if opens == 0 || left.is_zero() {
+                return opens;
+            }
+            guard = released.wait_timeout(guard, left).unwrap().0;
+        }
     }
 
     pub fn live(&self) -> Arc<Table> {
@@ -191,6 +261,10 @@ impl Device {
                 .inactive
                 .take()
                 .map(|new| std::mem::replace(&mut t.live, new));
+            if replaced.is_some() {
+                self.read_only
+                    .store(t.inactive_read_only, Ordering::Release);
+            }
             self.size.store(t.live.size(), Ordering::SeqCst);
             (replaced, t.live.clone())
         };
@@ -203,9 +277,12 @@ impl Device {
         replaced
     }
 
-    /// Fills the inactive slot (dm's load); the live table is untouched until resume.
-    pub fn load(&self, table: Table) {
-        self.tables.write().unwrap().inactive = Some(Arc::new(table));
+    /// Fills the inactive slot (dm's load); the live table is untouched until resume, which
+    /// also makes the device read-only or read-write as `read_only` says.
+    pub fn load(&self, table: Table, read_only: bool) {
+        let mut tables = self.tables.write().unwrap();
+        tables.inactive = Some(Arc::new(table));
+        tables.inactive_read_only = read_only;
     }
 
     /// Drops the inactive table, if any.
@@ -213,10 +290,10 @@ impl Device {
         self.tables.write().unwrap().inactive = None;
     }
 
-    /// Replaces the live table at once: suspend, swap, resume.
+    /// Replaces the live table at once (suspend, swap, resume), keeping read-only as it is.
     pub fn replace_live(&self, table: Table) {
         self.suspend();
-        self.load(table);
+        self.load(table, self.read_only());
         self.resume();
     }
 
@@ -263,9 +340,13 @@ pub struct OpenHandle {
 
 impl Drop for OpenHandle {
     fn drop(&mut self) {
-        self.device.opens.fetch_sub(1, Ordering::AcqRel);
+        let device = &self.device;
         if self.as_file {
-            self.device.file_opens.fetch_sub(1, Ordering::AcqRel);
+            device.file_opens.fetch_sub(1, Ordering::AcqRel);
+        }
+        if device.opens.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _lock = device.released.0.lock().unwrap();
+            device.released.1.notify_all();
         }
     }
 }
@@ -277,35 +358,40 @@ impl BlockDevice for Device {
     fn capabilities(&self) -> Capabilities {
         let caps = self.live().capabilities();
         Capabilities {
-            read_only: caps.read_only || self.read_only,
+            read_only: caps.read_only || self.read_only(),
             ..caps
         }
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let io = self.stats.start(Op::Read, buf.len() as u64);
         let (table, _in) = self.enter();
-        table.read(offset, buf)
+        io.finish(table.read(offset, buf))
     }
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
-        if self.read_only {
-            return Err(BlockError::ReadOnly(format!(
+        let io = self.stats.start(Op::Write, buf.len() as u64);
+        if self.read_only() {
+            return io.finish(Err(BlockError::ReadOnly(format!(
                 "device {} is read-only",
-                self.name
-            )));
+                self.name()
+            ))));
         }
         let (table, _in) = self.enter();
-        table.write(offset, buf, flags)
+        io.finish(table.write(offset, buf, flags))
     }
     fn flush(&self) -> Result<()> {
+        let io = self.stats.start(Op::Flush, 0);
         let (table, _in) = self.enter();
-        table.flush()
+        io.finish(table.flush())
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        let io = self.stats.start(Op::Discard, len);
         let (table, _in) = self.enter();
-        table.discard(offset, len)
+        io.finish(table.discard(offset, len))
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        let io = self.stats.start(Op::WriteZeroes, len);
         let (table, _in) = self.enter();
-        table.write_zeroes(offset, len, flags)
+        io.finish(table.write_zeroes(offset, len, flags))
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         let (table, _in) = self.enter();
@@ -316,15 +402,19 @@ impl BlockDevice for Device {
         table.cache(offset, len)
     }
     /// Never waits: a suspended device's requests take the synchronous way and wait there.
+    /// A request mapped here is counted when the engine completes it; one that is not
+    /// mapped after all is counted by the synchronous call it then becomes.
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
-        if self.read_only && op.is_write() {
+        if self.read_only() && op.is_write() {
             return None;
         }
         if !self.gate.try_enter() {
             return None;
         }
         let hold = MappedInFlight(self.gate.clone());
-        Some(self.live().map(op, offset, len)?.hold(hold))
+        let io = self.stats.start(op.into(), len);
+        let mapping = self.live().map(op, offset, len)?;
+        Some(mapping.hold(hold).when_complete(move |ok| io.record(ok)))
     }
     fn suspended(&self) -> bool {
         self.is_suspended()
@@ -348,9 +438,9 @@ mod tests {
     /// A registry with `base` (a zero device) and `slow` (a delay over it).
     fn registry(dir: &TempDir) -> Registry {
         let registry = Registry::new(&dir.path("state"), Duration::from_secs(1)).unwrap();
-        registry.create("base", "0 2048 zero", false).unwrap();
+        registry.create("base", "0 2048 zero", false, None).unwrap();
         let table = format!("0 2048 delay base 0 {}", SLOW.as_millis());
-        registry.create("slow", &table, false).unwrap();
+        registry.create("slow", &table, false, None).unwrap();
         registry
     }
 
@@ -432,7 +522,7 @@ mod tests {
         let dir = TempDir::new("gate-swap");
         let registry = registry(&dir);
         let slow = registry.get("slow").unwrap();
-        registry.load("slow", "0 4096 zero", false).unwrap();
+        registry.load("slow", "0 4096 zero", false, false).unwrap();
         // No suspend before: as dmsetup's reload + resume, the resume suspends first.
         let took = with_a_read_in_flight(&slow, || {
             slow.resume().expect("a table was replaced");

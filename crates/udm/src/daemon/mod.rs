@@ -4,18 +4,24 @@
 //! and cycle checks; persisted by `persist.rs` to `STATE_DIR/devices/NAME.json`), each
 //! [`Device`] (live and inactive table, the suspend gate, events, open counts), [`claims`]
 //! (who may write which file or device) and `remotes.rs` (sizes of remote exports). [`run`]
-//! wires them to the NBD server, the FUSE export and the control socket.
+//! wires them to the NBD server, the FUSE export, the control socket, `/metrics` and systemd.
 
 mod catalog;
 mod claims;
 mod control;
 mod device;
 mod listener;
+mod metrics;
+mod notify;
 mod persist;
 mod registry;
 mod remotes;
+mod removal;
+mod rename;
+mod report;
 mod signals;
 mod state_dir;
+mod stats;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,6 +36,7 @@ use udm_nbd::{NbdServer, ServerConfig, TlsServer};
 pub use catalog::Catalog;
 pub use device::{Device, Events, OpenHandle};
 pub use listener::{Address, Listener};
+pub use metrics::MetricsAddress;
 pub use registry::{Registry, RegistryError};
 use state_dir::{lock_state_dir, write_durably};
 
@@ -37,6 +44,8 @@ pub struct DaemonOptions {
     pub state_dir: PathBuf,
     pub control: PathBuf,
     pub nbd: Vec<Listener>,
+    /// Where to serve Prometheus metrics, if anywhere.
+    pub metrics: Option<MetricsAddress>,
     /// Offered (or required) on every TCP listener; Unix sockets are guarded by their
     /// filesystem permissions instead.
     pub tls: Option<TlsServer>,
@@ -77,7 +86,9 @@ impl DaemonError {
 }
 
 /// Runs the daemon until SIGTERM or SIGINT, then stops in order: waits for the FUSE mount's
-/// users, unmounts, flushes every device, removes the sockets.
+/// users, unmounts, flushes every device, removes the sockets. Under systemd (`Type=notify`)
+/// it says READY=1 once every device is restored and every listener is up, and STOPPING=1
+/// when the stop begins.
 pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
     if options.fuse.is_some() {
         // Serving a mounted filesystem's backing store: memory reclaim must not wait on us
@@ -98,20 +109,24 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         "restored {restored} device(s) from {}",
         options.state_dir.display()
     );
+    if let Some(address) = &options.metrics {
+        metrics::serve(address, registry.clone())
+            .map_err(DaemonError::io(format!("metrics on tcp:{}", address.0)))?;
+    }
 
     let fuse = match &options.fuse {
         Some(mountpoint) => Some(mount_fuse(&options, mountpoint, &registry)?),
         None => None,
     };
     let fuse_files = match (&options.fuse, &fuse) {
-        (Some(dir), Some(export)) => Some(control::FuseFiles {
+        (Some(dir), Some(export)) => Some(report::FuseFiles {
             dir: dir.clone(),
             transport: export.transport().to_string(),
         }),
         _ => None,
     };
     let nbd_engine = listen_nbd(&options, &registry)?;
-    let exports = control::Exports {
+    let exports = report::Exports {
         fuse: fuse_files,
         nbd_engine,
     };
@@ -119,9 +134,13 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         format!("control socket {}", options.control.display()),
     ))?;
     info!("control socket {}", options.control.display());
+    notify::notify(&format!(
+        "READY=1\nSTATUS=serving {restored} restored device(s)"
+    ));
 
     let signal = signals::wait_for_signal(&signals, None).expect("no timeout");
     info!("signal {signal}: stopping");
+    notify::notify("STOPPING=1\nSTATUS=stopping: flushing devices");
     wait_for_file_users(&registry, &signals, options.fuse.as_deref());
     info!("flushing devices and stopping");
     if let Some(fuse) = fuse {

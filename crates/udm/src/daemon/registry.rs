@@ -1,10 +1,11 @@
 //! The device registry: names → devices, the dmsetup verbs, stacking and cycle checks, and the
-//! resolver that opens what a table names (persistence is in `persist.rs`).
+//! resolver that opens what a table names (persistence is in `persist.rs`, removal in
+//! `removal.rs`, renaming in `rename.rs`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::{info, warn};
 use thiserror::Error;
@@ -23,10 +24,15 @@ pub enum RegistryError {
     Exists(String),
     #[error("invalid device name '{0}': {1}")]
     InvalidName(String, &'static str),
+    #[error("invalid UUID '{0}': {1}")]
+    InvalidUuid(String, &'static str),
     #[error("{0}")]
     Table(#[from] TargetError),
     #[error("device '{0}' is busy: {1}")]
     Busy(String, String),
+    /// Part of a request on many devices failed; says what was done and what was not.
+    #[error("{0}")]
+    Incomplete(String),
     #[error("cannot save the state of '{0}': {1}")]
     Persist(String, std::io::Error),
 }
@@ -41,7 +47,7 @@ pub struct Registry {
     pub(super) state_dir: PathBuf,
     /// Opens remote (NBD) references; knows their sizes for restoring while they are down.
     pub(super) remotes: Remotes,
-    claims: Arc<Claims>,
+    pub(super) claims: Arc<Claims>,
 }
 
 /// Is `reference` a path (as opposed to a URI or a device name)?
@@ -53,7 +59,7 @@ pub fn is_uri(reference: &str) -> bool {
     reference.starts_with("nbd://") || reference.starts_with("nbd+unix://")
 }
 
-fn check_name(name: &str) -> Result<()> {
+pub(super) fn check_name(name: &str) -> Result<()> {
     let bad = |why| Err(RegistryError::InvalidName(name.to_string(), why));
     if name.is_empty() || name.len() > 127 {
         return bad("names are 1 to 127 characters");
@@ -68,6 +74,34 @@ fn check_name(name: &str) -> Result<()> {
         return bad("use letters, digits and _ . + - : @");
     }
     Ok(())
+}
+
+/// UUIDs are dm's: up to 128 printable characters, without spaces.
+pub(super) fn check_uuid(uuid: &str) -> Result<()> {
+    let bad = |why| Err(RegistryError::InvalidUuid(uuid.to_string(), why));
+    if uuid.is_empty() || uuid.len() > 128 {
+        return bad("UUIDs are 1 to 128 characters");
+    }
+    if !uuid.chars().all(|c| c.is_ascii_graphic()) {
+        return bad("use printable ASCII characters without spaces");
+    }
+    Ok(())
+}
+
+/// "2048 sectors: linear, dust" — a table in a few words, for the log.
+pub(super) fn describe(table: &Table) -> String {
+    let mut types: Vec<&str> = Vec::new();
+    for segment in table.segments() {
+        let name = segment.target.type_name();
+        if !types.contains(&name) {
+            types.push(name);
+        }
+    }
+    format!(
+        "{} sectors: {}",
+        table.size() / SECTOR_SIZE,
+        types.join(", ")
+    )
 }
 
 impl Registry {
@@ -91,6 +125,28 @@ impl Registry {
             .get(name)
             .cloned()
             .ok_or_else(|| RegistryError::NoSuchDevice(name.into()))
+    }
+
+    /// The device called `name_or_uuid`, or else the one with that UUID (names and UUIDs
+    /// never collide: `create` and `rename` see to it).
+    pub fn resolve(&self, name_or_uuid: &str) -> Result<Arc<Device>> {
+        let map = self.map();
+        if let Some(device) = map.get(name_or_uuid) {
+            return Ok(device.clone());
+        }
+        map.values()
+            .find(|d| d.uuid().as_deref() == Some(name_or_uuid))
+            .cloned()
+            .ok_or_else(|| RegistryError::NoSuchDevice(name_or_uuid.into()))
+    }
+
+    /// Refuses a name or UUID that is already some device's name or UUID.
+    pub(super) fn check_unused(&self, word: &str) -> Result<()> {
+        let map = self.map();
+        if map.contains_key(word) || map.values().any(|d| d.uuid().as_deref() == Some(word)) {
+            return Err(RegistryError::Exists(word.into()));
+        }
+        Ok(())
     }
 
     pub fn all(&self) -> Vec<Arc<Device>> {
@@ -155,15 +211,26 @@ impl Registry {
         )?)
     }
 
-    pub fn create(&self, name: &str, text: &str, read_only: bool) -> Result<Arc<Device>> {
+    pub fn create(
+        &self,
+        name: &str,
+        text: &str,
+        read_only: bool,
+        uuid: Option<&str>,
+    ) -> Result<Arc<Device>> {
         check_name(name)?;
+        if let Some(uuid) = uuid {
+            check_uuid(uuid)?;
+        }
         let _changes = self.changes.lock().unwrap();
-        let device = self.build_device(name, text, read_only, |_| {})?;
+        let device = self.build_device(name, uuid, text, read_only, |_| {})?;
         self.save(&device)?;
         self.map().insert(name.to_string(), device.clone());
         info!(
-            "created device '{name}' ({} sectors)",
-            device.size() / SECTOR_SIZE
+            "created device '{name}' ({}{}{})",
+            describe(&device.live()),
+            uuid.map(|u| format!(", UUID {u}")).unwrap_or_default(),
+            if read_only { ", read-only" } else { "" }
         );
         Ok(device)
     }
@@ -173,35 +240,49 @@ impl Registry {
     pub(super) fn build_device(
         &self,
         name: &str,
+        uuid: Option<&str>,
         text: &str,
         read_only: bool,
         before_live: impl FnOnce(&Table),
     ) -> Result<Arc<Device>> {
-        if self.map().contains_key(name) {
-            return Err(RegistryError::Exists(name.into()));
+        self.check_unused(name)?;
+        if let Some(uuid) = uuid {
+            self.check_unused(uuid)?;
         }
         let events = Arc::new(Events::default());
         let table = self.build(name, text, &events)?;
         before_live(&table);
         Ok(Arc::new(Device::new(
             name.to_string(),
+            uuid.map(str::to_string),
             read_only,
             table,
             events,
         )))
     }
 
-    /// Fills the inactive slot. A table smaller than what a device built on this one reaches
-    /// into is refused, naming that device, unless `force`d.
-    pub fn load(&self, name: &str, text: &str, force: bool) -> Result<()> {
+    /// Fills the inactive slot; `read_only` says whether the device is read-only once it goes
+    /// live. A table smaller than what a device built on this one reaches into is refused,
+    /// naming that device, unless `force`d.
+    pub fn load(&self, name: &str, text: &str, force: bool, read_only: bool) -> Result<()> {
         let _changes = self.changes.lock().unwrap();
         let device = self.get(name)?;
         let table = self.build(name, text, device.events())?;
         if !force {
             self.check_holders_fit(name, table.size())?;
         }
-        device.load(table);
+        let what = describe(&table);
+        device.load(table, read_only);
         self.save(&device)?;
+        info!(
+            "device '{name}': inactive table loaded ({what}{}{}); resume makes it live",
+            if read_only { ", read-only" } else { "" },
+            if force {
+                ", forced past its users' needs"
+            } else {
+                ""
+            }
+        );
         Ok(())
     }
 
@@ -232,22 +313,51 @@ impl Registry {
     pub fn clear(&self, name: &str) -> Result<()> {
         let _changes = self.changes.lock().unwrap();
         let device = self.get(name)?;
+        let had = device.inactive().is_some();
         device.clear_inactive();
-        self.save(&device)
+        self.save(&device)?;
+        if had {
+            info!("device '{name}': inactive table dropped");
+        }
+        Ok(())
     }
 
-    pub fn suspend(&self, name: &str) -> Result<()> {
+    /// Holds new I/O and waits for what is in flight. `noflush` is dmsetup's: udm has no
+    /// target that queues I/O to push back (the kernel's flag matters for multipath), so
+    /// requests in flight complete either way; it only shows in the log.
+    pub fn suspend(&self, name: &str, noflush: bool) -> Result<()> {
         let device = self.get(name)?;
+        let was = device.is_suspended();
+        let started = Instant::now();
         device.suspend();
         let _changes = self.changes.lock().unwrap();
-        self.save(&device)
+        self.save(&device)?;
+        if !was {
+            info!(
+                "device '{name}': suspended{} (in-flight I/O drained in {} ms)",
+                if noflush { " (noflush)" } else { "" },
+                started.elapsed().as_millis()
+            );
+        }
+        Ok(())
     }
 
     pub fn resume(&self, name: &str) -> Result<()> {
         let _changes = self.changes.lock().unwrap();
         let device = self.get(name)?;
-        if device.resume().is_some() {
-            info!("device '{name}': new table is live");
+        let was = device.is_suspended();
+        match device.resume() {
+            Some(_) => info!(
+                "device '{name}': resumed with its new table live ({}{})",
+                describe(&device.live()),
+                if device.read_only() {
+                    ", read-only"
+                } else {
+                    ""
+                }
+            ),
+            None if was => info!("device '{name}': resumed"),
+            None => {}
         }
         self.save(&device)
     }
@@ -268,6 +378,10 @@ impl Registry {
             )));
         }
         let answer = target.message(words)?;
+        info!(
+            "device '{name}': message to sector {sector}: {}",
+            words.join(" ")
+        );
         if !target.settings_messages().is_empty() {
             let _changes = self.changes.lock().unwrap();
             self.save(&device)?;
@@ -277,7 +391,9 @@ impl Registry {
 
     /// Swaps every target that has finished its job for its replacement (a hydrated clone
     /// for `linear <destination> 0`) with suspend, load and resume: clients stay connected.
-    pub fn finalize(&self, name: &str) -> Result<String> {
+    /// Returns the new table, or `None` when no target has such an end (a device finalized
+    /// already): nothing to do.
+    pub fn finalize(&self, name: &str) -> Result<Option<String>> {
         let _changes = self.changes.lock().unwrap();
         let device = self.get(name)?;
         // Finalizing swaps tables itself; it must not resume a device the user suspended, nor
@@ -310,53 +426,17 @@ impl Registry {
             }
         }
         if replaced == 0 {
-            return Err(RegistryError::Table(TargetError::new(format!(
-                "device '{name}' has no target to finalize (e.g. a clone)"
-            ))));
+            return Ok(None);
         }
         let text = lines.join("\n");
         let table = self.build(name, &text, device.events())?;
         device.replace_live(table);
         self.save(&device)?;
-        info!("device '{name}': finalized to\n{text}");
-        Ok(text)
-    }
-
-    /// Removes a device. A device another device's table uses is never removed; one a client
-    /// has open only with `force`, which first swaps in an all-error table so the client's
-    /// I/O fails instead of reaching the old targets.
-    pub fn remove(&self, name: &str, force: bool) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
-        let device = self.get(name)?;
-        let holders = self.holders(name);
-        if !holders.is_empty() {
-            return Err(RegistryError::Busy(
-                name.into(),
-                format!("used by {}", holders.join(", ")),
-            ));
-        }
-        let opens = device.open_count();
-        if opens > 0 {
-            if !force {
-                return Err(RegistryError::Busy(
-                    name.into(),
-                    format!("open by {opens} client(s); use --force to fail their I/O and remove"),
-                ));
-            }
-            let sectors = device.size() / SECTOR_SIZE;
-            let error_table = self.build(name, &format!("0 {sectors} error"), device.events())?;
-            device.replace_live(error_table);
-        }
-        self.map().remove(name);
-        if let Err(e) = device.live().flush() {
-            warn!("removing '{name}': flushing: {e}");
-        }
-        let path = self.state_path(name);
-        if let Err(e) = std::fs::remove_file(&path) {
-            warn!("removing {}: {e}", path.display());
-        }
-        info!("removed device '{name}'");
-        Ok(())
+        info!(
+            "device '{name}': finalized; its table is now: {}",
+            lines.join("; ")
+        );
+        Ok(Some(text))
     }
 
     /// Flushes every device (at shutdown). A suspended device is left alone: its I/O was
@@ -450,15 +530,15 @@ mod tests {
     fn no_device_may_come_to_depend_on_itself() {
         let dir = TempDir::new("cycles");
         let r = registry(&dir);
-        r.create("a", "0 2048 zero", false).unwrap();
-        r.create("b", "0 2048 linear a 0", false).unwrap();
-        r.create("c", "0 2048 linear b 0", false).unwrap();
+        r.create("a", "0 2048 zero", false, None).unwrap();
+        r.create("b", "0 2048 linear a 0", false, None).unwrap();
+        r.create("c", "0 2048 linear b 0", false, None).unwrap();
         for (text, through) in [
             ("0 2048 linear a 0", "a"),
             ("0 2048 linear b 0", "b"),
             ("0 2048 linear c 0", "c"),
         ] {
-            let e = error(r.load("a", text, false));
+            let e = error(r.load("a", text, false, false));
             assert!(
                 e.contains(&format!(
                     "using device '{through}' would make 'a' depend on itself"
@@ -467,9 +547,9 @@ mod tests {
             );
         }
         // An inactive table counts as a use too: once loaded it may become live.
-        r.create("d", "0 2048 zero", false).unwrap();
-        r.load("d", "0 2048 linear c 0", false).unwrap();
-        let e = error(r.load("a", "0 2048 linear d 0", false));
+        r.create("d", "0 2048 zero", false, None).unwrap();
+        r.load("d", "0 2048 linear c 0", false, false).unwrap();
+        let e = error(r.load("a", "0 2048 linear d 0", false, false));
         assert!(e.contains("depend on itself"), "{e}");
         assert!(r.get("a").unwrap().inactive().is_none());
     }
@@ -478,17 +558,18 @@ mod tests {
     fn a_device_in_use_is_neither_removed_nor_shrunk_under_its_users() {
         let dir = TempDir::new("holders");
         let r = registry(&dir);
-        r.create("base", "0 2048 zero", false).unwrap();
-        r.create("top", "0 1024 linear base 1024", false).unwrap();
+        r.create("base", "0 2048 zero", false, None).unwrap();
+        r.create("top", "0 1024 linear base 1024", false, None)
+            .unwrap();
         assert_eq!(r.holders("base"), ["top"]);
-        let e = error(r.remove("base", true));
+        let e = error(r.remove("base", true, Duration::ZERO));
         assert!(e.contains("used by top"), "{e}");
-        let e = error(r.load("base", "0 2047 zero", false));
+        let e = error(r.load("base", "0 2047 zero", false, false));
         assert!(e.contains("'top' uses 2048 sectors of it"), "{e}");
-        r.load("base", "0 2048 error", false).unwrap();
-        r.load("base", "0 1024 zero", true).unwrap();
-        r.remove("top", false).unwrap();
-        r.remove("base", false).unwrap();
+        r.load("base", "0 2048 error", false, false).unwrap();
+        r.load("base", "0 1024 zero", true, false).unwrap();
+        r.remove("top", false, Duration::ZERO).unwrap();
+        r.remove("base", false, Duration::ZERO).unwrap();
         assert!(r.all().is_empty());
     }
 
@@ -496,11 +577,11 @@ mod tests {
     fn a_forced_remove_fails_the_io_of_whoever_still_has_it_open() {
         let dir = TempDir::new("force");
         let r = registry(&dir);
-        let device = r.create("vol", "0 2048 zero", false).unwrap();
+        let device = r.create("vol", "0 2048 zero", false, None).unwrap();
         let handle = device.open(false);
-        let e = error(r.remove("vol", false));
+        let e = error(r.remove("vol", false, Duration::ZERO));
         assert!(e.contains("open by 1 client(s)"), "{e}");
-        r.remove("vol", true).unwrap();
+        r.remove("vol", true, Duration::ZERO).unwrap();
         let err = device.read(0, &mut AlignedBuf::zeroed(4096)).unwrap_err();
         assert_eq!(err.errno(), libc::EIO);
         drop(handle);
@@ -512,11 +593,11 @@ mod tests {
         let dir = TempDir::new("names");
         let r = registry(&dir);
         for bad in ["", ".hidden", "-x", "a/b", "a b", &"n".repeat(128)] {
-            let e = error(r.create(bad, "0 8 zero", false));
+            let e = error(r.create(bad, "0 8 zero", false, None));
             assert!(e.contains("invalid device name"), "{bad}: {e}");
         }
-        r.create("ok_1.2+3-4:5@6", "0 8 zero", false).unwrap();
-        let e = error(r.create("ok_1.2+3-4:5@6", "0 8 zero", false));
+        r.create("ok_1.2+3-4:5@6", "0 8 zero", false, None).unwrap();
+        let e = error(r.create("ok_1.2+3-4:5@6", "0 8 zero", false, None));
         assert!(e.contains("already exists"), "{e}");
     }
 }
