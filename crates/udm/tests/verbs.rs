@@ -349,3 +349,32 @@ fn abandoned_waits_leave_no_daemon_threads_behind() {
     }
     daemon.udm(&["info", "z"]);
 }
+
+/// `nbdinfo … && udm remove vol`: the client has hung up, but the server has not yet read the
+/// hang-up when the remove arrives. Such a client must not make the remove fail with "open
+/// by 1 client".
+#[test]
+fn remove_right_after_a_client_hangs_up_succeeds() {
+    let daemon = Daemon::start("remove-after-hangup");
+    let mut refused = Vec::new();
+    for i in 0..100 {
+        let created = daemon.control_request(serde_json::json!({
+            "command": "create", "name": "vol", "table": "0 2048 zero",
+        }));
+        assert_eq!(created["ok"], true, "{created}");
+        let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
+        client.send(0, NBD_CMD_READ, 1, 0, 4096, &[]);
+        let mut reply = [0u8; 16 + 4096];
+        std::io::Read::read_exact(&mut client.stream, &mut reply).unwrap();
+        client.send(0, NBD_CMD_DISC, 2, 0, 0, &[]);
+        drop(client);
+        let removed = daemon.control_request(serde_json::json!({
+            "command": "remove", "name": "vol",
+        }));
+        if removed["ok"] != true {
+            refused.push(format!("{i}: {}", removed["error"]));
+            daemon.udm(&["remove", "vol", "--force"]);
+        }
+    }
+    assert!(refused.is_empty(), "refused: {refused:?}");
+}

@@ -48,6 +48,8 @@ pub struct Daemon {
     extra_args: Vec<String>,
     /// Started with io_uring denied (see [`deny_io_uring`]).
     no_io_uring: bool,
+    /// Environment variables the daemon is started with.
+    env: Vec<(String, String)>,
 }
 
 impl Daemon {
@@ -67,19 +69,31 @@ impl Daemon {
     }
 
     fn start_configured(tag: &str, extra_args: &[&str], no_io_uring: bool) -> Daemon {
+        let mut daemon = Self::prepare(tag, extra_args);
+        daemon.no_io_uring = no_io_uring;
+        daemon.launch();
+        daemon
+    }
+
+    /// A daemon set up but not started: [`Daemon::launch`] starts it.
+    pub fn prepare(tag: &str, extra_args: &[&str]) -> Daemon {
         let dir = TempDir::new(tag);
         let extra_args = extra_args
             .iter()
             .map(|a| a.replace("{dir}", &dir.0.display().to_string()))
             .collect();
-        let mut daemon = Daemon {
+        Daemon {
             dir,
             child: None,
             extra_args,
-            no_io_uring,
-        };
-        daemon.launch();
-        daemon
+            no_io_uring: false,
+            env: Vec::new(),
+        }
+    }
+
+    /// Sets an environment variable for the next [`Daemon::launch`].
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.push((key.to_string(), value.to_string()));
     }
 
     pub fn control(&self) -> PathBuf {
@@ -117,6 +131,7 @@ impl Daemon {
             .arg("--nbd")
             .arg(format!("unix:{}", self.nbd_socket().display()))
             .args(&self.extra_args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env("UDM_LOG", "debug")
             .stdout(Stdio::null())
             .stderr(log)
@@ -195,6 +210,19 @@ impl Daemon {
             .env("UDM_CONTROL", self.control())
             .output()
             .unwrap()
+    }
+
+    /// Sends one request over the control socket as a script would (no `udm` process in
+    /// between, so nothing slows the request down); returns the answer.
+    pub fn control_request(&self, request: serde_json::Value) -> serde_json::Value {
+        use std::io::{BufRead, BufReader};
+        let mut request = request;
+        request["version"] = 1.into();
+        let mut stream = UnixStream::connect(self.control()).unwrap();
+        stream.write_all(format!("{request}\n").as_bytes()).unwrap();
+        let mut answer = String::new();
+        BufReader::new(stream).read_line(&mut answer).unwrap();
+        serde_json::from_str(&answer).unwrap()
     }
 
     fn udm_ok(&self, args: &[&str]) -> bool {
