@@ -14,7 +14,7 @@ mod target;
 mod clone;
 mod delay;
 mod dust;
-mod error;
+mod error_target;
 mod flakey;
 mod linear;
 mod log_writes;

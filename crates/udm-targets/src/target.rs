@@ -122,7 +122,7 @@ pub const TARGET_TYPES: &[(&str, Constructor)] = &[
     ("linear", crate::linear::construct),
     ("striped", crate::striped::construct),
     ("zero", crate::zero::construct),
-    ("error", crate::error::construct),
+    ("error", crate::error_target::construct),
     ("delay", crate::delay::construct),
     ("flakey", crate::flakey::construct),
     ("dust", crate::dust::construct),

@@ -61,6 +61,9 @@ pub fn build_counting_events(
     Ok((table, events))
 }
 
+/// Runs at every read of a [`Switchable`], before it.
+pub type ReadHook = Box<dyn Fn() + Send + Sync>;
+
 /// A device that can be told to fail reads or writes, and counts what reaches it.
 pub struct Switchable {
     pub inner: MemoryDevice,
@@ -68,6 +71,7 @@ pub struct Switchable {
     pub fail_writes: AtomicBool,
     pub reads: AtomicU64,
     pub writes: AtomicU64,
+    pub on_read: std::sync::Mutex<Option<ReadHook>>,
 }
 
 impl Switchable {
@@ -78,6 +82,7 @@ impl Switchable {
             fail_writes: AtomicBool::new(false),
             reads: AtomicU64::new(0),
             writes: AtomicU64::new(0),
+            on_read: Default::default(),
         }
     }
 
@@ -95,6 +100,9 @@ impl BlockDevice for Switchable {
         self.inner.size()
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> udm_block::Result<()> {
+        if let Some(hook) = &*self.on_read.lock().unwrap() {
+            hook();
+        }
         self.check(&self.fail_reads, &self.reads)?;
         self.inner.read(offset, buf)
     }

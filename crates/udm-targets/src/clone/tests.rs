@@ -384,6 +384,28 @@ fn metadata_failures_go_read_only_then_fail_with_events() {
     r.table.flush().unwrap();
 }
 
+/// The bitmap is reread only once nothing can set bits in it any more: a region marked
+/// hydrated while the reload overwrites its word would be lost, or counted with the bit gone.
+#[test]
+fn a_failed_commit_goes_read_only_before_it_rereads_the_bitmap() {
+    let r = rig(4 * MIB, "8 1 no_hydration");
+    r.table.write(0, &[1; 4096], WriteFlags::default()).unwrap();
+    r.meta.fail_writes.store(true, Ordering::SeqCst);
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (target, log) = (r.clone_target().clone(), seen.clone());
+    *r.meta.on_read.lock().unwrap() = Some(Box::new(move || {
+        log.lock().unwrap().push(target.status());
+    }));
+    assert_eq!(r.table.flush().unwrap_err().errno(), libc::EIO);
+    // The hook holds the target: let go of it before the rig goes.
+    r.meta.on_read.lock().unwrap().take();
+    let seen = seen.lock().unwrap();
+    assert!(!seen.is_empty(), "the bitmap was not reread");
+    for status in seen.iter() {
+        assert!(status.ends_with(" ro"), "reread in mode: {status}");
+    }
+}
+
 #[test]
 fn a_metadata_device_that_cannot_even_be_reread_means_fail_mode() {
     let r = rig(4 * MIB, "8 1 no_hydration");
