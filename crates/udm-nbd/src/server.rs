@@ -350,9 +350,10 @@ pub fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ClientOptions, Export, NbdClient};
+    use crate::{ClientOptions, NbdClient};
     use std::time::Instant;
     use udm_block::{BlockDevice, BlockError, WriteFlags};
+    use udm_testkit::Devices;
 
     /// A device with a bug: reads at offset 0 panic.
     struct PanicsOnRead;
@@ -374,22 +375,6 @@ mod tests {
         }
     }
 
-    struct Catalog;
-
-    impl ExportCatalog for Catalog {
-        fn open(&self, _: &str) -> Option<Export> {
-            Some(Export {
-                device: Arc::new(PanicsOnRead),
-                read_only: false,
-                description: String::new(),
-                open_guard: Box::new(()),
-            })
-        }
-        fn list(&self) -> Vec<(String, String)> {
-            vec![("vol".into(), String::new())]
-        }
-    }
-
     #[test]
     fn a_panicking_request_gets_eio_and_its_connection_slot_comes_back() {
         panicking_request_with(Engine::Uring);
@@ -401,8 +386,10 @@ mod tests {
             std::env::temp_dir().join(format!("udm-nbd-panic-{}-{engine:?}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("nbd.sock");
+        let catalog = Devices::default();
+        catalog.add("vol", Arc::new(PanicsOnRead), false);
         let server = NbdServer::new(
-            Arc::new(Catalog),
+            Arc::new(catalog),
             ServerConfig {
                 engine,
                 max_connections: 1,

@@ -220,7 +220,9 @@ impl Target for Filtered<Dust> {
 #[cfg(test)]
 mod tests {
     use crate::testing::{build, memory_resolver};
-    use udm_block::{conformance, BlockDevice, WriteFlags};
+    use udm_block::{BlockDevice, WriteFlags};
+
+    use udm_testkit::conformance;
 
     #[test]
     fn passes_the_conformance_suite_when_enabled_without_bad_blocks() {

@@ -62,6 +62,6 @@ mod tests {
     #[test]
     fn passes_the_error_conformance_checks() {
         let table = build(&memory_resolver(&[]), "0 2048 error").unwrap();
-        udm_block::conformance::fails_every_request(&table);
+        udm_testkit::conformance::fails_every_request(&table);
     }
 }

@@ -235,7 +235,9 @@ impl Target for Filtered<Flakey> {
 #[cfg(test)]
 mod tests {
     use crate::testing::{build, memory_resolver};
-    use udm_block::{conformance, BlockDevice, WriteFlags};
+    use udm_block::{BlockDevice, WriteFlags};
+
+    use udm_testkit::conformance;
 
     #[test]
     fn up_passes_the_conformance_suite() {

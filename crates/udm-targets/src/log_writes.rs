@@ -188,8 +188,10 @@ impl Target for LogWrites {
 mod tests {
     use std::sync::Arc;
 
-    use udm_block::{conformance, BlockDevice, WriteFlags};
+    use udm_block::{BlockDevice, WriteFlags};
+
     use udm_metadata::log::{EntryKind, LogReader};
+    use udm_testkit::conformance;
 
     use crate::testing::{build, build_counting_events, memory_resolver};
 

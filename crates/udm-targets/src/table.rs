@@ -347,7 +347,7 @@ impl BlockDevice for Table {
 mod tests {
     use super::*;
     use crate::testing::{build, memory_resolver};
-    use udm_block::conformance;
+    use udm_testkit::conformance;
 
     #[test]
     fn lines_print_back_exactly() {
@@ -436,12 +436,11 @@ mod tests {
 
 #[cfg(test)]
 mod map_tests {
-    use std::collections::HashMap;
     use std::sync::Arc;
 
     use udm_block::{BlockDevice, FileDevice, MapOp, OpenMode, Place};
 
-    use crate::testing::{build, AnyResolver};
+    use crate::testing::{build, Devices};
 
     fn file(tag: &str) -> (std::path::PathBuf, Arc<dyn BlockDevice>) {
         let path = std::env::temp_dir().join(format!("udm-map-{tag}-{}", std::process::id()));
@@ -457,13 +456,13 @@ mod map_tests {
     fn linear_over_striped_over_two_files_maps_to_file_extents() {
         let (a_path, a) = file("a");
         let (b_path, b) = file("b");
-        let files = AnyResolver(HashMap::from([("a".to_string(), a), ("b".to_string(), b)]));
+        let files = Devices::default();
+        files.add("a", a, false);
+        files.add("b", b, false);
         // 8 KiB chunks, alternating a and b; then a linear 4 KiB into it, and a zero tail.
         let striped = build(&files, "0 2048 striped 2 16 a 0 b 0").unwrap();
-        let stacked = AnyResolver(HashMap::from([(
-            "s".to_string(),
-            Arc::new(striped) as Arc<dyn BlockDevice>,
-        )]));
+        let stacked = Devices::default();
+        stacked.add("s", Arc::new(striped), false);
         let top = build(&stacked, "0 24 linear s 8\n24 64 zero").unwrap();
         // The linear part is striped bytes 4096..16384: a 4096..8192, then b 0..8192.
         let mapping = top.map(MapOp::Read, 0, 16384).unwrap();

@@ -2,22 +2,10 @@
 //! yet resumed) must not hold threads. Alone in its test binary, so that the threads it counts
 //! are this test's.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use udm_block::{BlockDevice, MemoryDevice, OpenMode};
-use udm_targets::{Resolver, Table, TargetError};
-
-struct Devices(HashMap<&'static str, Arc<dyn BlockDevice>>);
-
-impl Resolver for Devices {
-    fn open(&self, reference: &str, _mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        self.0
-            .get(reference)
-            .cloned()
-            .ok_or_else(|| TargetError::new(format!("no device named '{reference}'")))
-    }
-}
+use udm_targets::Table;
+use udm_testkit::Devices;
 
 /// Threads of this process. (Counted, not matched by name: a new thread names itself only
 /// once it runs.)
@@ -27,14 +15,7 @@ fn threads() -> usize {
 
 #[test]
 fn copy_threads_start_when_the_table_goes_live_and_end_with_it() {
-    let devices = Devices(HashMap::from([
-        (
-            "meta",
-            Arc::new(MemoryDevice::new(1 << 20)) as Arc<dyn BlockDevice>,
-        ),
-        ("dest", Arc::new(MemoryDevice::new(8 << 20))),
-        ("source", Arc::new(MemoryDevice::new(8 << 20))),
-    ]));
+    let devices = Devices::memory(&[("meta", 1 << 20), ("dest", 8 << 20), ("source", 8 << 20)]);
     let text = "0 16384 clone meta dest source 8";
     let build = || Table::build("vol", text, &devices, Arc::new(|| {})).unwrap();
     let before = threads();

@@ -120,7 +120,7 @@ fn both_engines_serve_the_same_bytes_to_real_clients() {
             "{log}"
         );
         let source = daemon.dir.path("source.raw");
-        random_file(&source, 32 << 20, 7);
+        pattern_file(&source, 32 << 20, 7);
         let uri = daemon.uri("vol");
         tool("nbdcopy", &[source.to_str().unwrap(), &uri]);
         let back = daemon.dir.path("back.raw");
