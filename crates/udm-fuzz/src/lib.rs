@@ -114,8 +114,11 @@ pub fn write_log(data: &[u8]) {
     }
 }
 
+/// What a fuzz target checks, given its input.
+pub type Property = fn(&[u8]);
+
 /// Every target by name, for the corpus replay.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Property)] = &[
     ("nbd_handshake", nbd_handshake),
     ("nbd_request", nbd_request),
     ("table", table),

@@ -26,10 +26,11 @@
 //! - `load` replaces the bits with the last commit's, dropping what was set since: the caller
 //!   stops whatever sets bits it would lose (the clone goes read-only first).
 
+use parking_lot::Mutex;
 use std::collections::BTreeSet;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use udm_block::{AlignedBuf, BlockDevice, BlockError, WriteFlags, SECTOR_SIZE};
 
@@ -216,7 +217,7 @@ impl CloneMetadata {
     }
 
     pub fn transaction(&self) -> u64 {
-        self.state.lock().unwrap().transaction
+        self.state.lock().transaction
     }
 
     /// Marks regions hydrated (their data must already be on the destination). Returns how
@@ -224,7 +225,7 @@ impl CloneMetadata {
     pub fn set_hydrated(&self, regions: Range<u64>) -> u64 {
         // Under the state lock, so that a reload never replaces the bits between a bit being
         // set and its count.
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state.lock();
         let mut newly = 0;
         for region in regions {
             let word = region / 64;
@@ -239,7 +240,7 @@ impl CloneMetadata {
     }
 
     pub fn is_dirty(&self) -> bool {
-        !self.state.lock().unwrap().dirty.is_empty()
+        !self.state.lock().dirty.is_empty()
     }
 
     /// The first unhydrated region at or after `from`, wrapping around once.
@@ -273,9 +274,9 @@ impl CloneMetadata {
         &self,
         flush_data: &dyn Fn() -> Result<(), BlockError>,
     ) -> Result<CommitOutcome, MetadataError> {
-        let _one_at_a_time = self.commit_lock.lock().unwrap();
+        let _one_at_a_time = self.commit_lock.lock();
         let (committing, blocks, transaction, slot) = {
-            let mut st = self.state.lock().unwrap();
+            let mut st = self.state.lock();
             if st.dirty.is_empty() {
                 return Ok(CommitOutcome::NothingToCommit);
             }
@@ -284,7 +285,7 @@ impl CloneMetadata {
             (committing, blocks, st.transaction + 1, 1 - st.slot)
         };
         let result = self.write_commit(&blocks, transaction, slot, flush_data);
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state.lock();
         match result {
             Ok(()) => {
                 st.previous = committing;
@@ -384,7 +385,7 @@ impl CloneMetadata {
         let sb = self.encode_superblock(0, 1, 0);
         self.dev.write(0, &sb, WriteFlags::default())?;
         self.dev.flush()?;
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state.lock();
         st.transaction = 1;
         st.slot = 0;
         // Area B has never been written: the first commit must write all of it.
@@ -396,7 +397,7 @@ impl CloneMetadata {
     /// Reads the last durable commit into memory (at open, and to abort after a failed
     /// commit). Changes since that commit are dropped.
     pub fn load(&self) -> Result<(), MetadataError> {
-        *self.fallback.lock().unwrap() = None;
+        *self.fallback.lock() = None;
         let supers = read_blocks(&*self.dev, 0, SUPERBLOCKS)?;
         let parsed: Vec<_> = (0..SUPERBLOCKS)
             .map(|slot| {
@@ -464,7 +465,7 @@ impl CloneMetadata {
             }
         }
         // The bits and their count change together, under the lock `set_hydrated` takes.
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state.lock();
         for (word, value) in self.bits.iter().zip(&words) {
             word.store(*value, Ordering::Release);
         }
@@ -506,13 +507,13 @@ impl CloneMetadata {
             reason: why.to_string(),
         };
         log::warn!("clone metadata: {fallback}");
-        *self.fallback.lock().unwrap() = Some(fallback);
+        *self.fallback.lock() = Some(fallback);
         current
     }
 
     /// Set when the last open or reload had to use the older superblock slot.
     pub fn fallback(&self) -> Option<SuperblockFallback> {
-        self.fallback.lock().unwrap().clone()
+        self.fallback.lock().clone()
     }
 }
 

@@ -1,11 +1,12 @@
 //! Listeners: accept connections on Unix and TCP sockets and give each its own threads.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::{TcpListener, ToSocketAddrs};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use log::{debug, info, warn};
@@ -104,7 +105,7 @@ struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = self.counts.lock();
         counts.total -= 1;
         if let Some(n) = counts.per_client.get_mut(&self.key) {
             *n -= 1;
@@ -184,7 +185,7 @@ impl NbdServer {
     /// Connections open now (in the handshake or transmission).
     #[cfg(test)]
     fn connections(&self) -> usize {
-        self.counts.lock().unwrap_or_else(|e| e.into_inner()).total
+        self.counts.lock().total
     }
 
     /// Listens on a Unix socket (a stale socket is replaced; any other file is not).
@@ -230,7 +231,7 @@ impl NbdServer {
 
     /// Counts the connection in, or says why it is refused.
     fn admit(&self, key: ClientKey) -> Result<Slot, String> {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = self.counts.lock();
         let from_client = counts.per_client.get(&key).copied().unwrap_or(0);
         if counts.total >= self.config.max_connections {
             return Err(format!(

@@ -1,12 +1,13 @@
 //! The NBD client against real servers: nbdkit, qemu-nbd and udm's own, over Unix sockets in
 //! a temporary directory. Every server process is killed when its guard is dropped.
 
+use parking_lot::Mutex;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -61,7 +62,7 @@ struct Server(Child);
 impl Server {
     fn start(dir: &TempDir, program: &str, args: &[&str]) -> Server {
         // A socket left by a killed server would make the next one fail to bind.
-        let _ = std::fs::remove_file(socket(&dir));
+        let _ = std::fs::remove_file(socket(dir));
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -87,7 +88,7 @@ impl Drop for Server {
 
 /// nbdkit in the foreground (so the child is the server) on the directory's socket.
 fn nbdkit(dir: &TempDir, args: &[&str]) -> Server {
-    let socket = socket(&dir);
+    let socket = socket(dir);
     let mut all = vec!["-f", "--exit-with-parent", "-U", socket.to_str().unwrap()];
     all.extend_from_slice(args);
     Server::start(dir, "nbdkit", &all)
@@ -157,8 +158,8 @@ fn udm_server(dir: &TempDir, device: Arc<dyn BlockDevice>) -> String {
     let devices = Devices::default();
     devices.add("vol", device, false);
     let server = NbdServer::new(Arc::new(devices), ServerConfig::default()).unwrap();
-    server.listen_unix(&socket(&dir)).unwrap();
-    format!("nbd+unix:///vol?socket={}", socket(&dir).display())
+    server.listen_unix(&socket(dir)).unwrap();
+    format!("nbd+unix:///vol?socket={}", socket(dir).display())
 }
 
 #[test]
@@ -736,7 +737,7 @@ struct MinimalServer {
 
 impl MinimalServer {
     fn start(dir: &TempDir, garbage_first: bool) -> (Arc<MinimalServer>, JoinHandle<()>) {
-        let listener = UnixListener::bind(socket(&dir)).unwrap();
+        let listener = UnixListener::bind(socket(dir)).unwrap();
         let server = Arc::new(MinimalServer {
             disk: Mutex::new(vec![0u8; 4 * MIB as usize]),
             garbage_first,
@@ -774,7 +775,7 @@ impl MinimalServer {
             let mut data = vec![0u8; len as usize];
             s.read_exact(&mut data).unwrap();
             if option == OPT_EXPORT_NAME {
-                let size = self.disk.lock().unwrap().len() as u64;
+                let size = self.disk.lock().len() as u64;
                 let mut reply = size.to_be_bytes().to_vec();
                 reply.extend_from_slice(&(TF_HAS_FLAGS | TF_SEND_FLUSH).to_be_bytes());
                 reply.extend_from_slice(&[0u8; 124]);
@@ -800,11 +801,11 @@ impl MinimalServer {
             match r.command {
                 CMD_READ => {
                     let mut reply = simple_reply(r.cookie, 0).to_vec();
-                    reply.extend_from_slice(&self.disk.lock().unwrap()[range]);
+                    reply.extend_from_slice(&self.disk.lock()[range]);
                     s.write_all(&reply).unwrap();
                 }
                 CMD_WRITE => {
-                    s.read_exact(&mut self.disk.lock().unwrap()[range]).unwrap();
+                    s.read_exact(&mut self.disk.lock()[range]).unwrap();
                     s.write_all(&simple_reply(r.cookie, 0)).unwrap();
                 }
                 CMD_FLUSH => s.write_all(&simple_reply(r.cookie, 0)).unwrap(),
@@ -828,7 +829,7 @@ fn a_server_without_options_is_reached_through_export_name() {
     let data = pattern(65536, 8);
     client.write(8192, &data, WriteFlags { fua: true }).unwrap();
     assert!(read(&client, 8192, 65536)[..] == data[..]);
-    assert!(server.disk.lock().unwrap()[8192..8192 + 65536] == data[..]);
+    assert!(server.disk.lock()[8192..8192 + 65536] == data[..]);
     // No WRITE_ZEROES, TRIM, CACHE or block status: emulated or answered locally.
     client
         .write_zeroes(8192, 4096, ZeroFlags::default())
@@ -852,7 +853,7 @@ fn a_server_without_options_is_reached_through_export_name() {
 fn a_protocol_error_from_the_server_means_reconnect_and_resend() {
     let dir = scratch("garbage");
     let (server, thread) = MinimalServer::start(&dir, true);
-    server.disk.lock().unwrap()[..4096].copy_from_slice(&pattern(4096, 4));
+    server.disk.lock()[..4096].copy_from_slice(&pattern(4096, 4));
     let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
     assert!(read(&client, 0, 4096)[..] == pattern(4096, 4)[..]);
     assert_eq!(server.connections.load(Ordering::Acquire), 2);

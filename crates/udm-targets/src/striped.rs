@@ -39,7 +39,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             chunk / SECTOR_SIZE
         )));
     }
-    if ctx.len % (chunk * count) != 0 {
+    if !ctx.len.is_multiple_of(chunk * count) {
         return Err(args.error(format!(
             "target length {} is not a multiple of chunk size {} x {count} stripes",
             ctx.len / SECTOR_SIZE,

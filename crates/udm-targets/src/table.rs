@@ -7,7 +7,9 @@ use udm_block::{
     WriteFlags, ZeroFlags, SECTOR_SIZE,
 };
 
-use crate::target::{construct, EventSink, Resolver, Target, TargetContext, TargetError};
+use crate::args::Args;
+use crate::registry::construct;
+use crate::target::{EventSink, Resolver, Target, TargetContext, TargetError};
 
 /// One line of a table, as text: `START LEN TYPE ARGS…` (sectors).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,27 +41,15 @@ impl TableLine {
     }
 
     pub fn parse(line: &str) -> Result<TableLine, TargetError> {
-        let mut tokens = line.split_whitespace();
-        let mut number = |what: &str| -> Result<u64, TargetError> {
-            let token = tokens
-                .next()
-                .ok_or_else(|| TargetError::new(format!("missing <{what}>")))?;
-            token.parse().map_err(|_| {
-                TargetError::new(format!(
-                    "invalid <{what}> '{token}': expected a number of sectors"
-                ))
-            })
-        };
-        let start = number("start")?;
-        let len = number("length")?;
+        let tokens: Vec<&str> = line.split_whitespace().collect();
+        let mut args = Args::new("", &tokens);
+        let start = args.number("start")?;
+        let len = args.number("length")?;
         if len == 0 {
             return Err(TargetError::new("<length> must not be zero"));
         }
-        let type_name = tokens
-            .next()
-            .ok_or_else(|| TargetError::new("missing <target type>"))?
-            .to_string();
-        let args = tokens.map(str::to_string).collect();
+        let type_name = args.word("target type")?.to_string();
+        let args = args.rest().iter().map(|t| t.to_string()).collect();
         Ok(TableLine {
             start,
             len,
@@ -378,7 +368,7 @@ mod tests {
             ("8 8 zero", "line 1: segment starts at sector 8"),
             ("0 0 zero", "line 1: <length> must not be zero"),
             ("0 x zero", "line 1: invalid <length> 'x'"),
-            ("0 8", "line 1: missing <target type>"),
+            ("0 8", "line 1: missing argument <target type>"),
             ("0 8 frobnicate", "line 1: unknown target type 'frobnicate'"),
             (
                 "0 8 zero\n\n# c\n8 8 zero extra",

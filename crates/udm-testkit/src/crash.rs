@@ -3,8 +3,8 @@
 //! gives the image a restart would see: the durable data plus an arbitrary subset of the
 //! volatile sectors (writes not yet flushed may be torn and reordered, as on real disks).
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 
 use udm_block::{
     write_zeroes_by_writing, BlockDevice, BlockError, Capabilities, MemoryDevice, Result,
@@ -82,7 +82,7 @@ impl CrashDevice {
             pos += n as u64;
         }
         let mut survives = Rng::new(self.seed);
-        for (offset, data) in self.volatile.lock().unwrap().iter() {
+        for (offset, data) in self.volatile.lock().iter() {
             for (i, sector) in data.chunks(SECTOR_SIZE as usize).enumerate() {
                 if survives.next() & 1 == 1 {
                     let at = offset + i as u64 * SECTOR_SIZE;
@@ -113,7 +113,7 @@ impl BlockDevice for CrashDevice {
         self.check_power()?;
         self.durable.read(offset, buf)?;
         let end = offset + buf.len() as u64;
-        for (at, data) in self.volatile.lock().unwrap().iter() {
+        for (at, data) in self.volatile.lock().iter() {
             let (w_start, w_end) = (*at, at + data.len() as u64);
             let (start, stop) = (w_start.max(offset), w_end.min(end));
             if start < stop {
@@ -128,20 +128,20 @@ impl BlockDevice for CrashDevice {
         self.check_power()?;
         if self.power_goes_now() {
             // The write was in flight: part of it may have reached the media.
-            self.volatile.lock().unwrap().push((offset, buf.to_vec()));
+            self.volatile.lock().push((offset, buf.to_vec()));
             return Err(BlockError::Io("power cut".into()));
         }
         if flags.fua {
             self.durable.write(offset, buf, flags)
         } else {
-            self.volatile.lock().unwrap().push((offset, buf.to_vec()));
+            self.volatile.lock().push((offset, buf.to_vec()));
             Ok(())
         }
     }
 
     fn flush(&self) -> Result<()> {
         self.check_power()?;
-        for (offset, data) in self.volatile.lock().unwrap().drain(..) {
+        for (offset, data) in self.volatile.lock().drain(..) {
             self.durable.write(offset, &data, WriteFlags::default())?;
         }
         Ok(())

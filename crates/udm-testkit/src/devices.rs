@@ -1,20 +1,23 @@
 //! Block devices by name: what a test hands the code under test as its catalog of exports (an
 //! NBD server, a FUSE mount) or as the resolver of the names in a table.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use udm_block::{BlockDevice, Export, ExportCatalog, MemoryDevice, OpenMode};
 use udm_targets::{Resolver, TargetError};
 
+/// A device and whether it is exported read-only.
+type Entry = (Arc<dyn BlockDevice>, bool);
+
 /// Devices by name, changeable at any time (like the daemon's registry under an export). As a
 /// catalog it counts the opens it hands out until their guards are dropped.
 #[derive(Default)]
 pub struct Devices {
-    /// A device and whether it is exported read-only.
-    entries: Mutex<BTreeMap<String, (Arc<dyn BlockDevice>, bool)>>,
+    entries: Mutex<BTreeMap<String, Entry>>,
     opens: Arc<AtomicUsize>,
 }
 
@@ -39,7 +42,7 @@ impl Devices {
 
     /// Adds (or replaces) `name`; `read_only` as exported.
     pub fn add(&self, name: &str, device: Arc<dyn BlockDevice>, read_only: bool) {
-        let mut entries = self.entries.lock().unwrap();
+        let mut entries = self.entries.lock();
         entries.insert(name.into(), (device, read_only));
     }
 
@@ -51,7 +54,7 @@ impl Devices {
     }
 
     pub fn remove(&self, name: &str) {
-        self.entries.lock().unwrap().remove(name);
+        self.entries.lock().remove(name);
     }
 
     /// The device `name`; panics if there is none.
@@ -62,7 +65,7 @@ impl Devices {
 
     /// The device `name`, if there is one.
     pub fn find(&self, name: &str) -> Option<Arc<dyn BlockDevice>> {
-        let entries = self.entries.lock().unwrap();
+        let entries = self.entries.lock();
         entries.get(name).map(|(device, _)| device.clone())
     }
 
@@ -84,7 +87,7 @@ impl Devices {
 
 impl ExportCatalog for Devices {
     fn open(&self, name: &str) -> Option<Export> {
-        let (device, read_only) = self.entries.lock().unwrap().get(name).cloned()?;
+        let (device, read_only) = self.entries.lock().get(name).cloned()?;
         self.opens.fetch_add(1, Ordering::SeqCst);
         Some(Export {
             device,
@@ -95,7 +98,7 @@ impl ExportCatalog for Devices {
     }
 
     fn list(&self) -> Vec<(String, String)> {
-        let entries = self.entries.lock().unwrap();
+        let entries = self.entries.lock();
         entries.keys().map(|n| (n.clone(), String::new())).collect()
     }
 }

@@ -1,7 +1,7 @@
 //! A device for failure tests.
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 
 use udm_block::{BlockDevice, BlockError, Extent, MemoryDevice, Result, WriteFlags, ZeroFlags};
 
@@ -47,7 +47,7 @@ impl BlockDevice for Switchable {
         self.inner.size()
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        if let Some(hook) = &*self.on_read.lock().unwrap() {
+        if let Some(hook) = &*self.on_read.lock() {
             hook();
         }
         self.check(&self.fail_reads, Some(&self.reads))?;

@@ -108,27 +108,19 @@ fn core_args(args: &mut Args, settings: &mut Settings) -> Result<(), TargetError
         return Ok(());
     }
     let count: usize = args.number("#core args")?;
-    if count % 2 != 0 || count > 6 || count != args.remaining() {
+    if !count.is_multiple_of(2) || count > 6 || count != args.remaining() {
         return Err(args.error(format!(
             "invalid number of core arguments {count}: key/value pairs, at most 3"
         )));
     }
     for _ in 0..count / 2 {
         let key = args.word("core arg")?.to_ascii_lowercase();
-        let value = args.word("core arg value")?;
         match key.as_str() {
-            "hydration_threshold" => settings.threshold = positive(args, &key, value, 0)?,
-            "hydration_batch_size" => settings.batch_size = positive(args, &key, value, 1)?,
-            "max_hydration_rate" => settings.max_rate_kib = positive(args, &key, value, 0)?,
+            "hydration_threshold" => settings.threshold = args.number(&key)?,
+            "hydration_batch_size" => settings.batch_size = args.number_at_least(&key, 1)?,
+            "max_hydration_rate" => settings.max_rate_kib = args.number(&key)?,
             other => return Err(args.error(format!("invalid core argument '{other}'"))),
         }
     }
     Ok(())
-}
-
-fn positive(args: &Args, key: &str, word: &str, min: u64) -> Result<u64, TargetError> {
-    word.parse::<u64>()
-        .ok()
-        .filter(|v| *v >= min)
-        .ok_or_else(|| args.error(format!("invalid value '{word}' for {key}")))
 }

@@ -10,8 +10,8 @@
 //! failed commit happens only once the clone is read-only, so that no new copy or write
 //! starts to set bits in the bitmap being replaced.
 
+use parking_lot::Mutex;
 use std::sync::atomic::Ordering;
-use std::sync::Mutex;
 
 use log::{error, warn};
 use udm_block::{BlockDevice, BlockError, Result};
@@ -66,13 +66,13 @@ impl Inner {
         let flush_data = || {
             self.dest
                 .flush()
-                .inspect_err(|e| *data_error.lock().unwrap() = Some(e.clone()))
+                .inspect_err(|e| *data_error.lock() = Some(e.clone()))
         };
         match self.meta.commit(&flush_data) {
             Ok(CommitOutcome::Committed) => Ok(()),
             Ok(CommitOutcome::NothingToCommit) => self.dest.flush(),
             Err(e) => {
-                if let Some(data) = data_error.into_inner().unwrap() {
+                if let Some(data) = data_error.into_inner() {
                     // The destination failed to flush: nothing was written to the metadata,
                     // which stays consistent; only this flush fails.
                     return Err(data);

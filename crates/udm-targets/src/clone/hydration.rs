@@ -3,8 +3,9 @@
 //! while the user's I/O is in flight. A committer thread commits the bitmap once a second and
 //! samples progress for the copy rate.
 
+use parking_lot::MutexGuard;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, MutexGuard};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -114,22 +115,22 @@ pub(super) fn start(inner: &Arc<Inner>) -> Vec<JoinHandle<()>> {
 
 /// Pausing waits for the batches in flight to finish.
 pub(super) fn pause(inner: &Inner, paused: bool) {
-    let mut state = inner.hydration.lock().unwrap();
+    let mut state = inner.hydration.lock();
     state.paused = paused;
     inner.wake.notify_all();
     while paused && state.in_flight > 0 {
-        state = inner.wake.wait(state).unwrap();
+        inner.wake.wait(&mut state);
     }
 }
 
 pub(super) fn stop(inner: &Inner) {
-    inner.hydration.lock().unwrap().shutdown = true;
+    inner.hydration.lock().shutdown = true;
     inner.wake.notify_all();
 }
 
 /// Bytes per second hydrated over the last few seconds, once there are two samples.
 pub(super) fn rate_bytes_per_second(inner: &Inner) -> Option<f64> {
-    let samples = inner.progress.lock().unwrap();
+    let samples = inner.progress.lock();
     let (first, last) = (samples.front()?, samples.back()?);
     let seconds = last.0.duration_since(first.0).as_secs_f64();
     (seconds > 0.0).then(|| (last.1 - first.1) as f64 * inner.region as f64 / seconds)
@@ -152,34 +153,26 @@ fn may_copy(inner: &Inner, s: &Hydration) -> bool {
 }
 
 fn worker(inner: &Inner) {
-    let mut state = inner.hydration.lock().unwrap();
+    let mut state = inner.hydration.lock();
     loop {
         if state.shutdown {
             return;
         }
         if !may_copy(inner, &state) {
-            state = inner
-                .wake
-                .wait_timeout(state, Duration::from_millis(100))
-                .unwrap()
-                .0;
+            inner.wake.wait_for(&mut state, Duration::from_millis(100));
             continue;
         }
         // Wait out the bandwidth cap before claiming anything: a claimed region holds up the
         // user's I/O to it and a suspend, so claims are only ever held while copying. A rate
         // change or a pause wakes the wait.
         if let Some(wait) = rate_wait(&state) {
-            state = inner.wake.wait_timeout(state, wait).unwrap().0;
+            inner.wake.wait_for(&mut state, wait);
             continue;
         }
         let claims = claim_batch(inner, &mut state);
         if claims.is_empty() {
             // Everything left is being copied by someone else right now.
-            state = inner
-                .wake
-                .wait_timeout(state, Duration::from_millis(20))
-                .unwrap()
-                .0;
+            inner.wake.wait_for(&mut state, Duration::from_millis(20));
             continue;
         }
         let count = claims.len() as u64;
@@ -191,7 +184,7 @@ fn worker(inner: &Inner) {
         let started = Instant::now();
         let result = inner.copy_claimed(claims);
 
-        state = inner.hydration.lock().unwrap();
+        state = inner.hydration.lock();
         state.in_flight -= count;
         inner.wake.notify_all();
         let pause = match &result {
@@ -209,11 +202,9 @@ fn worker(inner: &Inner) {
         };
         if !pause.is_zero() {
             // Sleep holding nothing, and only until a pause or stop asks for attention.
-            state = inner
+            inner
                 .wake
-                .wait_timeout_while(state, pause, |s| !s.paused && !s.shutdown)
-                .unwrap()
-                .0;
+                .wait_while_for(&mut state, |s| !s.paused && !s.shutdown, pause);
         }
     }
 }
@@ -272,26 +263,11 @@ fn reserve_bandwidth(state: &mut Hydration, bytes: u64) {
     state.next_copy_at = at + Duration::from_secs_f64(bytes as f64 / (kib as f64 * 1024.0));
 }
 
-/// A test's way into the gap between checking a region and claiming it.
-#[cfg(test)]
-pub(super) mod tests_hook {
-    use std::sync::Mutex;
-
-    type Hook = Box<dyn Fn(&super::Inner, u64) + Send>;
-    pub static HOOK: Mutex<Option<Hook>> = Mutex::new(None);
-
-    pub fn between_check_and_claim(inner: &super::Inner, region: u64) {
-        if let Some(hook) = &*HOOK.lock().unwrap() {
-            hook(inner, region);
-        }
-    }
-}
-
 fn committer(inner: &Inner) {
     let mut next_tick = Instant::now() + Duration::from_secs(1);
     loop {
         {
-            let mut state = inner.hydration.lock().unwrap();
+            let mut state = inner.hydration.lock();
             loop {
                 if state.shutdown {
                     return;
@@ -299,12 +275,12 @@ fn committer(inner: &Inner) {
                 let Some(left) = next_tick.checked_duration_since(Instant::now()) else {
                     break;
                 };
-                state = inner.wake.wait_timeout(state, left).unwrap().0;
+                inner.wake.wait_for(&mut state, left);
             }
         }
         next_tick += Duration::from_secs(1);
         {
-            let mut samples = inner.progress.lock().unwrap();
+            let mut samples = inner.progress.lock();
             samples.push_back((Instant::now(), inner.meta.hydrated_count()));
             if samples.len() > RATE_WINDOW {
                 samples.pop_front();
@@ -316,5 +292,20 @@ fn committer(inner: &Inner) {
             }
         }
         inner.announce_if_complete();
+    }
+}
+
+/// A test's way into the gap between checking a region and claiming it.
+#[cfg(test)]
+pub(super) mod tests_hook {
+    use parking_lot::Mutex;
+
+    type Hook = Box<dyn Fn(&super::Inner, u64) + Send>;
+    pub static HOOK: Mutex<Option<Hook>> = Mutex::new(None);
+
+    pub fn between_check_and_claim(inner: &super::Inner, region: u64) {
+        if let Some(hook) = &*HOOK.lock() {
+            hook(inner, region);
+        }
     }
 }

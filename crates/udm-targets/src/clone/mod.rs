@@ -27,9 +27,10 @@ mod io;
 mod regions;
 mod status;
 
+use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -153,7 +154,7 @@ impl Target for CloneTarget {
     /// metadata may have been live while this table was loaded, and committed at its
     /// suspend) and the copy threads start. Later resumes only let them copy again.
     fn resume(&self) {
-        let mut workers = self.workers.lock().unwrap();
+        let mut workers = self.workers.lock();
         if workers.is_none() {
             if let Err(e) = self.inner.meta.load() {
                 self.inner
@@ -173,11 +174,11 @@ impl Drop for CloneTarget {
         // whole remote timeout; the source is this table's own handle, so let it go first.
         // Regions being copied stay unhydrated and are copied again by the next table.
         self.inner.source.close();
-        let copying = self.inner.hydration.lock().unwrap().in_flight();
+        let copying = self.inner.hydration.lock().in_flight();
         if copying > 0 {
             info!("clone: stopping: waiting for {copying} region copies in flight");
         }
-        for worker in self.workers.lock().unwrap().take().into_iter().flatten() {
+        for worker in self.workers.lock().take().into_iter().flatten() {
             let _ = worker.join();
         }
         if self.inner.mode() == Mode::Write {

@@ -6,6 +6,7 @@ use udm_block::SECTOR_SIZE;
 
 use super::commit::Mode;
 use super::{hydration, CloneTarget};
+use crate::args::Args;
 use crate::target::TargetError;
 
 impl CloneTarget {
@@ -18,7 +19,7 @@ impl CloneTarget {
             return "Fail".into();
         }
         let (used, total) = s.meta.blocks_used_and_total();
-        let settings = s.hydration.lock().unwrap().settings;
+        let settings = s.hydration.lock().settings;
         let mut features = Vec::new();
         if !settings.hydration_enabled {
             features.push("no_hydration");
@@ -73,7 +74,7 @@ impl CloneTarget {
             "total_bytes": s.len,
             "hydrated_bytes": hydrated_bytes,
             "hydrating_regions": s.claims.count(),
-            "hydration_enabled": s.hydration.lock().unwrap().settings.hydration_enabled,
+            "hydration_enabled": s.hydration.lock().settings.hydration_enabled,
             "copy_rate_bytes_per_second": rate.map(f64::round),
             "eta_seconds": eta,
             "complete": hydrated >= regions,
@@ -94,21 +95,15 @@ impl CloneTarget {
         let s = &self.inner;
         let lowered: Vec<String> = words.iter().map(|w| w.to_ascii_lowercase()).collect();
         let lowered: Vec<&str> = lowered.iter().map(String::as_str).collect();
-        let number = |word: &str, min: u64| {
-            word.parse::<u64>()
-                .ok()
-                .filter(|v| *v >= min)
-                .ok_or_else(|| {
-                    TargetError::new(format!("clone: invalid value '{word}' for {}", words[0]))
-                })
-        };
-        let mut hydration = s.hydration.lock().unwrap();
+        // The value of a `KEY VALUE` message, at least `min`.
+        let number = |min| Args::new("clone", &words[1..]).number_at_least(lowered[0], min);
+        let mut hydration = s.hydration.lock();
         match lowered.as_slice() {
             ["enable_hydration"] => hydration.settings.hydration_enabled = true,
             ["disable_hydration"] => hydration.settings.hydration_enabled = false,
-            ["hydration_threshold", n] => hydration.settings.threshold = number(n, 0)?,
-            ["hydration_batch_size", n] => hydration.settings.batch_size = number(n, 1)?,
-            ["max_hydration_rate", n] => hydration.set_max_rate(number(n, 0)?),
+            ["hydration_threshold", _] => hydration.settings.threshold = number(0)?,
+            ["hydration_batch_size", _] => hydration.settings.batch_size = number(1)?,
+            ["max_hydration_rate", _] => hydration.set_max_rate(number(0)?),
             ["enable_hydration"
             | "disable_hydration"
             | "hydration_threshold"
@@ -133,7 +128,7 @@ impl CloneTarget {
 
     /// The messages that set a fresh clone's settings to these.
     pub(super) fn saved_settings(&self) -> Vec<String> {
-        let settings = self.inner.hydration.lock().unwrap().settings;
+        let settings = self.inner.hydration.lock().settings;
         vec![
             if settings.hydration_enabled {
                 "enable_hydration"

@@ -33,7 +33,7 @@ fn constructor_checks_name_the_problem() {
         ),
         (
             "meta dest source 8 0 2 hydration_batch_size 0",
-            "invalid value '0' for hydration_batch_size",
+            "invalid <hydration_batch_size> 0: must be at least 1",
         ),
         (
             "meta dest source 8 0 2 frob 1",

@@ -81,15 +81,15 @@ fn a_failed_commit_goes_read_only_before_it_rereads_the_bitmap() {
     let r = rig(4 * MIB, "8 1 no_hydration");
     r.table.write(0, &[1; 4096], WriteFlags::default()).unwrap();
     r.meta.fail_writes.store(true, Ordering::SeqCst);
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let (target, log) = (r.clone_target().clone(), seen.clone());
-    *r.meta.on_read.lock().unwrap() = Some(Box::new(move || {
-        log.lock().unwrap().push(target.status());
+    *r.meta.on_read.lock() = Some(Box::new(move || {
+        log.lock().push(target.status());
     }));
     assert_eq!(r.table.flush().unwrap_err().errno(), libc::EIO);
     // The hook holds the target: let go of it before the rig goes.
-    r.meta.on_read.lock().unwrap().take();
-    let seen = seen.lock().unwrap();
+    r.meta.on_read.lock().take();
+    let seen = seen.lock();
     assert!(!seen.is_empty(), "the bitmap was not reread");
     for status in seen.iter() {
         assert!(status.ends_with(" ro"), "reread in mode: {status}");

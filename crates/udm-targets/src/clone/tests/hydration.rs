@@ -140,15 +140,15 @@ fn a_whole_region_write_in_the_copiers_check_to_claim_gap_is_not_overwritten() {
     let (done, resume) = std::sync::mpsc::channel::<()>();
     let source = Arc::as_ptr(&r.source) as *const () as usize;
     let once = std::sync::atomic::AtomicBool::new(false);
-    let resume = std::sync::Mutex::new(resume);
-    let hit = std::sync::Mutex::new(hit);
-    *HOOK.lock().unwrap() = Some(Box::new(move |inner, region| {
+    let resume = parking_lot::Mutex::new(resume);
+    let hit = parking_lot::Mutex::new(hit);
+    *HOOK.lock() = Some(Box::new(move |inner, region| {
         // Only this test's clone, and only once: stop in the gap until the user has written.
         if Arc::as_ptr(&inner.source) as *const () as usize == source
             && !once.swap(true, Ordering::SeqCst)
         {
-            hit.lock().unwrap().send(region).unwrap();
-            let _ = resume.lock().unwrap().recv_timeout(Duration::from_secs(10));
+            hit.lock().send(region).unwrap();
+            let _ = resume.lock().recv_timeout(Duration::from_secs(10));
         }
     }));
     r.message("enable_hydration");
@@ -159,7 +159,7 @@ fn a_whole_region_write_in_the_copiers_check_to_claim_gap_is_not_overwritten() {
         .unwrap();
     done.send(()).unwrap();
     r.wait_complete();
-    *HOOK.lock().unwrap() = None;
+    *HOOK.lock() = None;
     assert!(
         read(&r.table, region * 65536, 65536)[..] == data[..],
         "the copier overwrote region {region} with source data"
