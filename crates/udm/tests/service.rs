@@ -246,7 +246,7 @@ fn metrics_show_a_clone_hydrating_to_the_end() {
         .map(|(port, _)| port.parse().unwrap())
         .expect("the metrics address in the log");
     let source = daemon.dir.path("source.img");
-    random_file(&source, 4 << 20, 7);
+    pattern_file(&source, 4 << 20, 7);
     let (meta, dest) = (daemon.dir.path("meta.img"), daemon.dir.path("dest.img"));
     sparse_file(&meta, 1 << 20);
     sparse_file(&dest, 4 << 20);

@@ -1,8 +1,9 @@
 //! A udm device: a name (and optional UUID), a live table and an inactive one, the suspend
 //! gate, events, the open count and I/O statistics.
 
+use parking_lot::{Condvar, Mutex, RwLock};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use udm_block::{
@@ -75,7 +76,7 @@ impl Gate {
         if self.in_flight.fetch_sub(1, Ordering::SeqCst) == 1
             && self.suspended.load(Ordering::SeqCst)
         {
-            let _sleep = self.sleep.lock().unwrap();
+            let _sleep = self.sleep.lock();
             self.wake.notify_all();
         }
     }
@@ -130,20 +131,20 @@ impl Device {
     }
 
     pub fn name(&self) -> String {
-        self.name.read().unwrap().clone()
+        self.name.read().clone()
     }
 
     /// Only the registry renames, under its lock, with the device's other records.
     pub(super) fn set_name(&self, name: &str) {
-        *self.name.write().unwrap() = name.to_string();
+        *self.name.write() = name.to_string();
     }
 
     pub fn uuid(&self) -> Option<String> {
-        self.uuid.read().unwrap().clone()
+        self.uuid.read().clone()
     }
 
     pub(super) fn set_uuid(&self, uuid: &str) {
-        *self.uuid.write().unwrap() = Some(uuid.to_string());
+        *self.uuid.write() = Some(uuid.to_string());
     }
 
     pub fn read_only(&self) -> bool {
@@ -152,7 +153,7 @@ impl Device {
 
     /// Whether the inactive table, if any, was loaded read-only.
     pub fn inactive_read_only(&self) -> bool {
-        self.tables.read().unwrap().inactive_read_only
+        self.tables.read().inactive_read_only
     }
 
     pub fn stats(&self) -> &Arc<IoStats> {
@@ -171,23 +172,23 @@ impl Device {
     pub fn wait_released(&self, timeout: Duration) -> usize {
         let deadline = Instant::now() + timeout;
         let (lock, released) = &self.released;
-        let mut guard = lock.lock().unwrap();
+        let mut guard = lock.lock();
         loop {
             let opens = self.open_count();
             let left = deadline.saturating_duration_since(Instant::now());
             if opens == 0 || left.is_zero() {
                 return opens;
             }
-            guard = released.wait_timeout(guard, left).unwrap().0;
+            released.wait_for(&mut guard, left);
         }
     }
 
     pub fn live(&self) -> Arc<Table> {
-        self.tables.read().unwrap().live.clone()
+        self.tables.read().live.clone()
     }
 
     pub fn inactive(&self) -> Option<Arc<Table>> {
-        self.tables.read().unwrap().inactive.clone()
+        self.tables.read().inactive.clone()
     }
 
     pub fn is_suspended(&self) -> bool {
@@ -223,9 +224,9 @@ impl Device {
                 return (self.live(), InFlight(gate));
             }
             // Suspended: sleep until resumed.
-            let mut sleep = gate.sleep.lock().unwrap();
+            let mut sleep = gate.sleep.lock();
             while gate.suspended.load(Ordering::SeqCst) {
-                sleep = gate.wake.wait(sleep).unwrap();
+                gate.wake.wait(&mut sleep);
             }
         }
     }
@@ -236,9 +237,9 @@ impl Device {
         if gate.suspended.swap(true, Ordering::SeqCst) {
             return;
         }
-        let mut sleep = gate.sleep.lock().unwrap();
+        let mut sleep = gate.sleep.lock();
         while gate.in_flight.load(Ordering::SeqCst) > 0 {
-            sleep = gate.wake.wait(sleep).unwrap();
+            gate.wake.wait(&mut sleep);
         }
         drop(sleep);
         self.live().suspend();
@@ -256,7 +257,7 @@ impl Device {
             self.suspend();
         }
         let (replaced, live) = {
-            let mut t = self.tables.write().unwrap();
+            let mut t = self.tables.write();
             let replaced = t
                 .inactive
                 .take()
@@ -271,7 +272,7 @@ impl Device {
         if self.is_suspended() || replaced.is_some() {
             live.resume();
         }
-        let _sleep = self.gate.sleep.lock().unwrap();
+        let _sleep = self.gate.sleep.lock();
         self.gate.suspended.store(false, Ordering::SeqCst);
         self.gate.wake.notify_all();
         replaced
@@ -280,14 +281,14 @@ impl Device {
     /// Fills the inactive slot (dm's load); the live table is untouched until resume, which
     /// also makes the device read-only or read-write as `read_only` says.
     pub fn load(&self, table: Table, read_only: bool) {
-        let mut tables = self.tables.write().unwrap();
+        let mut tables = self.tables.write();
         tables.inactive = Some(Arc::new(table));
         tables.inactive_read_only = read_only;
     }
 
     /// Drops the inactive table, if any.
     pub fn clear_inactive(&self) {
-        self.tables.write().unwrap().inactive = None;
+        self.tables.write().inactive = None;
     }
 
     /// Replaces the live table at once (suspend, swap, resume), keeping read-only as it is.
@@ -312,21 +313,19 @@ pub struct Events {
 
 impl Events {
     pub fn current(&self) -> u64 {
-        *self.counter.lock().unwrap()
+        *self.counter.lock()
     }
 
     pub fn raise(&self) {
-        *self.counter.lock().unwrap() += 1;
+        *self.counter.lock() += 1;
         self.raised.notify_all();
     }
 
     /// Blocks until the counter passes `after`, or `timeout` elapses; returns it.
     pub fn wait(&self, after: u64, timeout: Duration) -> u64 {
-        let counter = self.counter.lock().unwrap();
-        let (counter, _) = self
-            .raised
-            .wait_timeout_while(counter, timeout, |n| *n <= after)
-            .unwrap();
+        let mut counter = self.counter.lock();
+        self.raised
+            .wait_while_for(&mut counter, |n| *n <= after, timeout);
         *counter
     }
 }
@@ -345,7 +344,7 @@ impl Drop for OpenHandle {
             device.file_opens.fetch_sub(1, Ordering::AcqRel);
         }
         if device.opens.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let _lock = device.released.0.lock().unwrap();
+            let _lock = device.released.0.lock();
             device.released.1.notify_all();
         }
     }

@@ -2,15 +2,16 @@
 //! resolver that opens what a table names (persistence is in `persist.rs`, removal in
 //! `removal.rs`, renaming in `rename.rs`).
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::{info, warn};
 use thiserror::Error;
 use udm_block::{BlockDevice, FileDevice, OpenMode, SECTOR_SIZE};
-use udm_targets::{Resolver, Table, TargetError};
+use udm_targets::{Reference, Resolver, Table, TargetError};
 
 use super::claims::{Claimed, Claims};
 use super::device::{Device, Events};
@@ -48,15 +49,6 @@ pub struct Registry {
     /// Opens remote (NBD) references; knows their sizes for restoring while they are down.
     pub(super) remotes: Remotes,
     pub(super) claims: Arc<Claims>,
-}
-
-/// Is `reference` a path (as opposed to a URI or a device name)?
-pub fn is_path(reference: &str) -> bool {
-    reference.starts_with('/') || reference.starts_with("./") || reference.starts_with("../")
-}
-
-pub fn is_uri(reference: &str) -> bool {
-    reference.starts_with("nbd://") || reference.starts_with("nbd+unix://")
 }
 
 pub(super) fn check_name(name: &str) -> Result<()> {
@@ -117,7 +109,7 @@ impl Registry {
     }
 
     pub(super) fn map(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Device>>> {
-        self.devices.lock().unwrap()
+        self.devices.lock()
     }
 
     pub fn get(&self, name: &str) -> Result<Arc<Device>> {
@@ -222,7 +214,7 @@ impl Registry {
         if let Some(uuid) = uuid {
             check_uuid(uuid)?;
         }
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.build_device(name, uuid, text, read_only, |_| {})?;
         self.save(&device)?;
         self.map().insert(name.to_string(), device.clone());
@@ -265,7 +257,7 @@ impl Registry {
     /// live. A table smaller than what a device built on this one reaches into is refused,
     /// naming that device, unless `force`d.
     pub fn load(&self, name: &str, text: &str, force: bool, read_only: bool) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         let table = self.build(name, text, device.events())?;
         if !force {
@@ -311,7 +303,7 @@ impl Registry {
 
     /// Drops the inactive table (dmsetup clear).
     pub fn clear(&self, name: &str) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         let had = device.inactive().is_some();
         device.clear_inactive();
@@ -330,7 +322,7 @@ impl Registry {
         let was = device.is_suspended();
         let started = Instant::now();
         device.suspend();
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         self.save(&device)?;
         if !was {
             info!(
@@ -343,7 +335,7 @@ impl Registry {
     }
 
     pub fn resume(&self, name: &str) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         let was = device.is_suspended();
         match device.resume() {
@@ -383,7 +375,7 @@ impl Registry {
             words.join(" ")
         );
         if !target.settings_messages().is_empty() {
-            let _changes = self.changes.lock().unwrap();
+            let _changes = self.changes.lock();
             self.save(&device)?;
         }
         Ok(answer)
@@ -394,7 +386,7 @@ impl Registry {
     /// Returns the new table, or `None` when no target has such an end (a device finalized
     /// already): nothing to do.
     pub fn finalize(&self, name: &str) -> Result<Option<String>> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         // Finalizing swaps tables itself; it must not resume a device the user suspended, nor
         // replace a table the user loaded.
@@ -463,46 +455,55 @@ struct TableResolver<'a> {
 
 impl Resolver for TableResolver<'_> {
     fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        let claims = &self.registry.claims;
-        let exclusive = mode == OpenMode::Exclusive;
-        if is_path(reference) {
-            let claim = match mode {
-                OpenMode::ReadOnly => None,
-                _ => Some(
-                    claims
-                        .claim_file(Path::new(reference), self.owner, exclusive)
-                        .map_err(TargetError::new)?,
-                ),
-            };
-            let dev: Arc<dyn BlockDevice> = Arc::new(
-                FileDevice::open(Path::new(reference), mode)
-                    .map_err(|e| TargetError::new(e.to_string()))?,
-            );
-            return Ok(match claim {
-                Some(claim) => Arc::new(Claimed::new(dev, claim)),
-                None => dev,
-            });
+        match Reference::parse(reference) {
+            Reference::Path(path) => self.open_file(Path::new(path), mode),
+            Reference::Remote(uri) => self.registry.remotes.open(uri, mode),
+            Reference::Device(name) => self.open_device(name, mode),
         }
-        if is_uri(reference) {
-            return self.registry.remotes.open(reference, mode);
-        }
-        if reference == self.owner || self.registry.depends_on(reference, self.owner) {
+    }
+}
+
+impl TableResolver<'_> {
+    /// A file or block device, claimed unless opened read-only.
+    fn open_file(&self, path: &Path, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        let claim = match mode {
+            OpenMode::ReadOnly => None,
+            _ => Some(
+                self.registry
+                    .claims
+                    .claim_file(path, self.owner, mode == OpenMode::Exclusive)
+                    .map_err(TargetError::new)?,
+            ),
+        };
+        let dev: Arc<dyn BlockDevice> =
+            Arc::new(FileDevice::open(path, mode).map_err(|e| TargetError::new(e.to_string()))?);
+        Ok(match claim {
+            Some(claim) => Arc::new(Claimed::new(dev, claim)),
+            None => dev,
+        })
+    }
+
+    /// Another udm device, unless that would make a cycle; claimed unless opened read-only.
+    fn open_device(&self, name: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        if name == self.owner || self.registry.depends_on(name, self.owner) {
             return Err(TargetError::new(format!(
-                "using device '{reference}' would make '{}' depend on itself",
+                "using device '{name}' would make '{}' depend on itself",
                 self.owner
             )));
         }
-        let device = self.registry.get(reference).map_err(|_| {
+        let device = self.registry.get(name).map_err(|_| {
             TargetError::new(format!(
-                "no device named '{reference}' (paths start with / or ./, remote exports \
+                "no device named '{name}' (paths start with / or ./, remote exports \
                  with nbd:// or nbd+unix://)"
             ))
         })?;
         if mode == OpenMode::ReadOnly {
             return Ok(device);
         }
-        let claim = claims
-            .claim_device(reference, self.owner, exclusive)
+        let claim = self
+            .registry
+            .claims
+            .claim_device(name, self.owner, mode == OpenMode::Exclusive)
             .map_err(TargetError::new)?;
         Ok(Arc::new(Claimed::new(device, claim)))
     }

@@ -35,7 +35,7 @@ impl Registry {
         if !force && device.open_count() > 0 {
             device.wait_released(wait);
         }
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         self.refuse_if_held(name)?;
         let opens = device.open_count();
@@ -91,7 +91,7 @@ impl Registry {
             return Ok(true);
         }
         {
-            let _changes = self.changes.lock().unwrap();
+            let _changes = self.changes.lock();
             device.set_deferred_remove(true);
             self.save(&device)?;
         }
@@ -106,7 +106,7 @@ impl Registry {
 
     /// Takes back a deferred removal.
     pub fn cancel_deferred_remove(&self, name: &str) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         if !device.deferred_remove() {
             return Err(RegistryError::Busy(

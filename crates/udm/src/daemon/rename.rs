@@ -12,7 +12,7 @@ impl Registry {
     /// on it, since that device's tables name it.
     pub fn rename(&self, name: &str, new_name: &str) -> Result<()> {
         check_name(new_name)?;
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         self.check_unused(new_name)?;
         let holders = self.holders(name);
@@ -42,7 +42,7 @@ impl Registry {
     /// Gives a device its UUID; as in dm, a UUID is set once.
     pub fn set_uuid(&self, name: &str, uuid: &str) -> Result<()> {
         check_uuid(uuid)?;
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         if let Some(current) = device.uuid() {
             return Err(RegistryError::Busy(
