@@ -25,40 +25,45 @@ thread_local! {
 }
 
 impl Inner {
-    /// Copies `regions` from the source to the destination and marks them hydrated. With
-    /// `probe_zeroes`, ranges the source reports as zero are zeroed on the destination instead
-    /// of read and written; the probe costs a round trip to the source, worth it for the
-    /// background copy, not while a user's write waits for a small region.
-    /// The caller holds the regions' claims.
-    fn copy_regions(&self, regions: Range<u64>, probe_zeroes: bool) -> Result<()> {
+    /// Copies `regions` from the source to the destination and marks them hydrated; returns
+    /// the bytes read from the source. With `probe_zeroes`, ranges the source reports as zero
+    /// are zeroed on the destination instead of read and written; the probe costs a round
+    /// trip to the source, worth it for the background copy, not while a user's write waits
+    /// for a small region. The caller holds the regions' claims.
+    fn copy_regions(&self, regions: Range<u64>, probe_zeroes: bool) -> Result<u64> {
         let start = self.bounds(regions.start).0;
         let end = self.bounds(regions.end - 1).1;
-        COPY_BUFFER.with_borrow_mut(|buf| self.copy_range(start, end, probe_zeroes, buf))?;
+        let read =
+            COPY_BUFFER.with_borrow_mut(|buf| self.copy_range(start, end, probe_zeroes, buf))?;
         self.meta.set_hydrated(regions);
         self.announce_if_complete();
-        Ok(())
+        Ok(read)
     }
 
     /// Copies a background batch of contiguous claimed regions, at most a copy chunk (or one
     /// region) at a time, letting go of each piece's claims as soon as it is on the
     /// destination: a user's I/O to a claimed region waits for one piece, not the batch.
-    pub(super) fn copy_claimed(&self, claims: Vec<Claim<'_>>) -> Result<()> {
+    /// Returns the bytes read from the source (what the bandwidth cap counts).
+    pub(super) fn copy_claimed(&self, claims: Vec<Claim<'_>>) -> Result<u64> {
         let per_piece = (COPY_CHUNK / self.region).max(1) as usize;
         let mut claims = claims.into_iter().peekable();
+        let mut read = 0;
         while let Some(first) = claims.peek().map(|c| c.region) {
             let piece: Vec<_> = claims.by_ref().take(per_piece).collect();
-            self.copy_regions(first..first + piece.len() as u64, true)?;
+            read += self.copy_regions(first..first + piece.len() as u64, true)?;
         }
-        Ok(())
+        Ok(read)
     }
 
+    /// Copies `start..end`; returns the bytes read from the source (zero runs read none).
     fn copy_range(
         &self,
         start: u64,
         end: u64,
         probe_zeroes: bool,
         buf: &mut AlignedBuf,
-    ) -> Result<()> {
+    ) -> Result<u64> {
+        let mut read = 0;
         let mut pos = start;
         while pos < end {
             let extent = if probe_zeroes {
@@ -79,10 +84,11 @@ impl Inner {
                     self.dest.write(pos + done, buf, WriteFlags::default())?;
                     done += n;
                 }
+                read += run;
             }
             pos += run;
         }
-        Ok(())
+        Ok(read)
     }
 
     /// Makes a destination range read as zeroes for a range the source reports as zero. What
@@ -120,5 +126,6 @@ impl Inner {
             return Ok(());
         }
         self.copy_regions(region..region + 1, self.region >= ON_DEMAND_PROBE_MIN)
+            .map(drop)
     }
 }

@@ -177,6 +177,8 @@ fn worker(inner: &Inner) {
         }
         let count = claims.len() as u64;
         state.in_flight += count;
+        // Booked whole before copying, so that workers starting together do not burst past
+        // the cap; what the source turns out not to need reading is given back below.
         reserve_bandwidth(&mut state, count * inner.region);
         drop(state);
 
@@ -186,6 +188,11 @@ fn worker(inner: &Inner) {
 
         state = inner.hydration.lock();
         state.in_flight -= count;
+        // The cap counts what was read from the source: ranges the source reports as zero
+        // cost it nothing, and a sparse source must not be held to the rate of a full one.
+        if let Ok(read) = &result {
+            refund_bandwidth(&mut state, (count * inner.region).saturating_sub(*read));
+        }
         inner.wake.notify_all();
         let pause = match &result {
             // A copy cut short because the table is going away is not worth a warning.
@@ -197,8 +204,8 @@ fn worker(inner: &Inner) {
                 );
                 ERROR_BACKOFF
             }
-            Ok(()) if user_busy(inner) => (started.elapsed() * YIELD_FACTOR).min(MAX_YIELD),
-            Ok(()) => Duration::ZERO,
+            Ok(_) if user_busy(inner) => (started.elapsed() * YIELD_FACTOR).min(MAX_YIELD),
+            Ok(_) => Duration::ZERO,
         };
         if !pause.is_zero() {
             // Sleep holding nothing, and only until a pause or stop asks for attention.
@@ -261,6 +268,21 @@ fn reserve_bandwidth(state: &mut Hydration, bytes: u64) {
     }
     let at = state.next_copy_at.max(Instant::now());
     state.next_copy_at = at + Duration::from_secs_f64(bytes as f64 / (kib as f64 * 1024.0));
+}
+
+/// Gives back `bytes` booked but not read: the next copy may start that much earlier (never
+/// earlier than now, so no credit builds up).
+fn refund_bandwidth(state: &mut Hydration, bytes: u64) {
+    let kib = state.settings.max_rate_kib;
+    if kib == 0 || bytes == 0 {
+        return;
+    }
+    let refund = Duration::from_secs_f64(bytes as f64 / (kib as f64 * 1024.0));
+    let now = Instant::now();
+    state.next_copy_at = state
+        .next_copy_at
+        .checked_sub(refund)
+        .map_or(now, |at| at.max(now));
 }
 
 fn committer(inner: &Inner) {

@@ -96,6 +96,24 @@ fn the_bandwidth_cap_limits_background_copying() {
 }
 
 #[test]
+fn the_bandwidth_cap_counts_bytes_copied_not_holes_skipped() {
+    // A 64 MiB source that is all hole, capped at 1 MiB/s: nothing is read, so nothing is
+    // held back. (Counting the regions' bytes, the cap held this to 64 s.)
+    let started = Instant::now();
+    let r = rig_with(
+        64 * MIB,
+        "8 0 6 hydration_threshold 256 hydration_batch_size 64 max_hydration_rate 1024",
+        |pre| pre.source.inner.discard(0, 64 * MIB).unwrap(),
+    );
+    r.wait_complete();
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "64 MiB of holes took {:?} under a 1 MiB/s cap",
+        started.elapsed()
+    );
+}
+
+#[test]
 fn a_rate_capped_copier_holds_no_claims_while_it_waits() {
     // 16 KiB/s with batches of 16 x 64 KiB: the first batch copies at once, the next may
     // start only 64 s later. Nothing the user does may wait for that.
