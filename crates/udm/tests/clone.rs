@@ -331,3 +331,61 @@ fn a_remote_source_goes_away_and_comes_back_while_the_clone_hydrates() {
     assert!(got[..65536].iter().all(|&b| b == 5));
     assert!(got[65536..] == want[65536..]);
 }
+
+/// A paused hydration says so (in `status --json` and in the progress line) instead of
+/// showing a rate and an ETA it does not have; starting, pausing, resuming and completing
+/// are one log line each.
+#[test]
+fn a_paused_hydration_says_so_and_every_step_is_logged() {
+    let daemon = Daemon::start("clone-paused");
+    let source = daemon.dir.path("source.img");
+    pattern_file(&source, 8 * MIB as usize, 5);
+    clone_of(&daemon, &source, 8, "1 no_hydration");
+    let d = details(&daemon, "vol");
+    assert_eq!(
+        (&d["state"], &d["paused_by"]),
+        (&"paused".into(), &"disable_hydration".into())
+    );
+    assert!(
+        d["copy_rate_bytes_per_second"].is_null() && d["eta_seconds"].is_null(),
+        "{d}"
+    );
+
+    // The progress line (not a terminal: one line per second) says paused and why.
+    let mut wait = std::process::Command::new(UDM)
+        .args(["wait", "vol", "--progress"])
+        .env("UDM_CONTROL", daemon.control())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(wait.stdout.take().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    wait.kill().unwrap();
+    wait.wait().unwrap();
+    assert!(first.contains("  paused (disable_hydration)"), "{first}");
+    assert!(!first.contains("ETA") && !first.contains("/s"), "{first}");
+
+    daemon.udm(&["message", "vol", "0", "hydration_threshold", "64"]);
+    daemon.udm(&["message", "vol", "0", "enable_hydration"]);
+    wait_hydrated(&daemon, "vol");
+    let log = daemon.log();
+    for expected in [
+        "clone 'vol': hydration paused (disable_hydration); 0 of 2048 regions on the destination",
+        "clone 'vol': hydration resumed at 0 of 2048 regions",
+        "clone 'vol': hydration complete: all 2048 regions on the destination",
+    ] {
+        assert_eq!(log.matches(expected).count(), 1, "{expected}\n{log}");
+    }
+    daemon.udm(&["finalize", "vol"]);
+    let log = daemon.log();
+    let finalized: Vec<&str> = log.lines().filter(|l| l.contains("finalized")).collect();
+    assert_eq!(finalized.len(), 1, "{log}");
+    assert!(
+        finalized[0].contains("its table is now: 0 16384 linear /"),
+        "{log}"
+    );
+}

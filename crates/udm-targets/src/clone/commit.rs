@@ -13,7 +13,7 @@
 use parking_lot::Mutex;
 use std::sync::atomic::Ordering;
 
-use log::{error, warn};
+use log::{error, info, warn};
 use udm_block::{BlockDevice, BlockError, Result};
 use udm_metadata::CommitOutcome;
 
@@ -96,10 +96,16 @@ impl Inner {
             Mode::Fail
         };
         self.set_mode(next);
-        error!("clone: metadata operation failed ({why}); switching to {next:?} mode");
+        error!(
+            "clone '{}': metadata operation failed ({why}); switching to {next:?} mode",
+            self.device
+        );
         if was == Mode::Write {
             if let Err(e) = self.meta.load() {
-                error!("clone: reloading metadata failed too: {e}; switching to Fail mode");
+                error!(
+                    "clone '{}': reloading metadata failed too: {e}; switching to Fail mode",
+                    self.device
+                );
                 self.set_mode(Mode::Fail);
             }
         }
@@ -116,10 +122,18 @@ impl Inner {
     pub(super) fn announce_if_complete(&self) {
         if self.is_complete() && !self.completion_announced.load(Ordering::Acquire) {
             if let Err(e) = self.commit() {
-                warn!("clone: final commit after hydration failed: {e}");
+                warn!(
+                    "clone '{}': final commit after hydration failed: {e}",
+                    self.device
+                );
                 return;
             }
             if !self.completion_announced.swap(true, Ordering::AcqRel) {
+                info!(
+                    "clone '{}': hydration complete: all {} regions on the destination",
+                    self.device,
+                    self.meta.regions()
+                );
                 (self.raise_event)();
             }
         }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use log::warn;
+use log::{info, warn};
 
 use super::commit::Mode;
 use super::regions::Claim;
@@ -84,10 +84,74 @@ impl Hydration {
         self.in_flight
     }
 
+    /// Why no copy is starting while regions remain, if something holds it back: the user
+    /// (`disable_hydration`, `hydration_threshold 0`) or the device (suspended, or this table
+    /// not live yet).
+    pub(super) fn paused_by(&self) -> Option<&'static str> {
+        if !self.settings.hydration_enabled {
+            Some("disable_hydration")
+        } else if self.settings.threshold == 0 {
+            Some("hydration_threshold 0")
+        } else if self.paused {
+            Some("the device is suspended")
+        } else {
+            None
+        }
+    }
+
     pub(super) fn set_max_rate(&mut self, kib: u64) {
         self.settings.max_rate_kib = kib;
         // The new rate applies from now, not after what the old one had booked.
         self.next_copy_at = Instant::now();
+    }
+}
+
+impl Inner {
+    /// One line when the table first goes live: where hydration starts from and how.
+    pub(super) fn log_start(&self) {
+        let state = self.hydration.lock();
+        let (hydrated, regions) = (self.meta.hydrated_count(), self.meta.regions());
+        let what = if hydrated >= regions {
+            "nothing left to hydrate".to_string()
+        } else if let Some(why) = state.paused_by() {
+            format!("hydration paused ({why})")
+        } else {
+            let s = state.settings;
+            let cap = match s.max_rate_kib {
+                0 => "no rate cap".to_string(),
+                kib => format!("at most {kib} KiB/s"),
+            };
+            format!(
+                "hydration started (hydration_threshold {}, hydration_batch_size {}, {cap})",
+                s.threshold, s.batch_size
+            )
+        };
+        info!(
+            "clone '{}': {what}; {hydrated} of {regions} regions on the destination",
+            self.device
+        );
+    }
+
+    /// One line when the user pauses or resumes hydration (a message changed the settings).
+    pub(super) fn log_pause_change(&self, was: Option<&'static str>) {
+        let now = self.hydration.lock().paused_by();
+        if now == was || self.is_complete() {
+            return;
+        }
+        let (hydrated, regions) = (self.meta.hydrated_count(), self.meta.regions());
+        match now {
+            Some(why) => info!(
+                "clone '{}': hydration paused ({why}) at {hydrated} of {regions} regions",
+                self.device
+            ),
+            None => {
+                self.progress.lock().clear();
+                info!(
+                    "clone '{}': hydration resumed at {hydrated} of {regions} regions",
+                    self.device
+                )
+            }
+        }
     }
 }
 
@@ -116,6 +180,10 @@ pub(super) fn start(inner: &Arc<Inner>) -> Vec<JoinHandle<()>> {
 /// Pausing waits for the batches in flight to finish.
 pub(super) fn pause(inner: &Inner, paused: bool) {
     let mut state = inner.hydration.lock();
+    if !paused && state.paused {
+        // The rate is measured from here, not across the time nothing was copied.
+        inner.progress.lock().clear();
+    }
     state.paused = paused;
     inner.wake.notify_all();
     while paused && state.in_flight > 0 {
@@ -199,7 +267,8 @@ fn worker(inner: &Inner) {
             Err(_) if state.shutdown => Duration::ZERO,
             Err(e) => {
                 warn!(
-                    "clone: hydrating regions {first}..{}: {e}; will retry",
+                    "clone '{}': hydrating regions {first}..{}: {e}; will retry",
+                    inner.device,
                     first + count
                 );
                 ERROR_BACKOFF
@@ -310,7 +379,7 @@ fn committer(inner: &Inner) {
         }
         if inner.mode() == Mode::Write && inner.meta.is_dirty() {
             if let Err(e) = inner.commit() {
-                warn!("clone: periodic commit: {e}");
+                warn!("clone '{}': periodic commit: {e}", inner.device);
             }
         }
         inner.announce_if_complete();

@@ -46,6 +46,8 @@ use regions::RegionClaims;
 
 /// What the target's threads and requests share.
 struct Inner {
+    /// The device this clone is part of, as its log lines name it.
+    device: String,
     meta: CloneMetadata,
     source: Arc<dyn BlockDevice>,
     dest: Arc<dyn BlockDevice>,
@@ -84,6 +86,7 @@ pub struct CloneTarget {
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
     let parsed = args::parse(args, ctx)?;
     let inner = Arc::new(Inner {
+        device: ctx.owner.to_string(),
         meta: parsed.meta,
         source: parsed.source,
         dest: parsed.dest,
@@ -146,7 +149,10 @@ impl Target for CloneTarget {
     fn suspend(&self) {
         hydration::pause(&self.inner, true);
         if let Err(e) = self.inner.commit() {
-            warn!("clone: commit at suspend failed: {e}");
+            warn!(
+                "clone '{}': commit at suspend failed: {e}",
+                self.inner.device
+            );
         }
     }
 
@@ -155,7 +161,8 @@ impl Target for CloneTarget {
     /// suspend) and the copy threads start. Later resumes only let them copy again.
     fn resume(&self) {
         let mut workers = self.workers.lock();
-        if workers.is_none() {
+        let first = workers.is_none();
+        if first {
             if let Err(e) = self.inner.meta.load() {
                 self.inner
                     .metadata_failed(&format!("rereading metadata on activation: {e}"));
@@ -164,6 +171,9 @@ impl Target for CloneTarget {
         }
         drop(workers);
         hydration::pause(&self.inner, false);
+        if first {
+            self.inner.log_start();
+        }
     }
 }
 
@@ -176,14 +186,17 @@ impl Drop for CloneTarget {
         self.inner.source.close();
         let copying = self.inner.hydration.lock().in_flight();
         if copying > 0 {
-            info!("clone: stopping: waiting for {copying} region copies in flight");
+            info!(
+                "clone '{}': stopping: waiting for {copying} region copies in flight",
+                self.inner.device
+            );
         }
         for worker in self.workers.lock().take().into_iter().flatten() {
             let _ = worker.join();
         }
         if self.inner.mode() == Mode::Write {
             if let Err(e) = self.inner.commit() {
-                warn!("clone: final commit failed: {e}");
+                warn!("clone '{}': final commit failed: {e}", self.inner.device);
             }
         }
     }

@@ -53,13 +53,28 @@ impl CloneTarget {
         )
     }
 
-    /// Progress in bytes, the copy rate and an ETA, and the metadata's state.
+    /// Progress in bytes, the copy rate and an ETA, and the metadata's state. `state` says
+    /// whether hydration is copying, paused (and `paused_by` what), stopped by a metadata
+    /// failure, or complete; only while it copies are there a rate and an ETA.
     pub(super) fn details(&self) -> serde_json::Value {
         let s = &self.inner;
         let hydrated = s.meta.hydrated_count();
         let regions = s.meta.regions();
         let hydrated_bytes = (hydrated * s.region).min(s.len);
-        let rate = hydration::rate_bytes_per_second(s);
+        let (enabled, paused_by) = {
+            let h = s.hydration.lock();
+            (h.settings.hydration_enabled, h.paused_by())
+        };
+        let state = match (hydrated >= regions, s.mode(), paused_by) {
+            (true, ..) => "complete",
+            (false, Mode::Write, None) => "hydrating",
+            (false, Mode::Write, Some(_)) => "paused",
+            (false, ..) => "stopped",
+        };
+        let rate = match state {
+            "hydrating" => hydration::rate_bytes_per_second(s),
+            _ => None,
+        };
         let remaining = s.len - hydrated_bytes;
         let eta = match rate {
             _ if remaining == 0 => Some(0.0),
@@ -67,6 +82,8 @@ impl CloneTarget {
             _ => None,
         };
         serde_json::json!({
+            "state": state,
+            "paused_by": paused_by.filter(|_| state == "paused"),
             "mode": format!("{:?}", s.mode()).to_lowercase(),
             "regions": regions,
             "hydrated_regions": hydrated,
@@ -74,7 +91,7 @@ impl CloneTarget {
             "total_bytes": s.len,
             "hydrated_bytes": hydrated_bytes,
             "hydrating_regions": s.claims.count(),
-            "hydration_enabled": s.hydration.lock().settings.hydration_enabled,
+            "hydration_enabled": enabled,
             "copy_rate_bytes_per_second": rate.map(f64::round),
             "eta_seconds": eta,
             "complete": hydrated >= regions,
@@ -98,6 +115,7 @@ impl CloneTarget {
         // The value of a `KEY VALUE` message, at least `min`.
         let number = |min| Args::new("clone", &words[1..]).number_at_least(lowered[0], min);
         let mut hydration = s.hydration.lock();
+        let was = hydration.paused_by();
         match lowered.as_slice() {
             ["enable_hydration"] => hydration.settings.hydration_enabled = true,
             ["disable_hydration"] => hydration.settings.hydration_enabled = false,
@@ -123,6 +141,7 @@ impl CloneTarget {
         }
         drop(hydration);
         s.wake.notify_all();
+        s.log_pause_change(was);
         Ok(String::new())
     }
 

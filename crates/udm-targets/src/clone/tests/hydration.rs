@@ -183,3 +183,34 @@ fn a_whole_region_write_in_the_copiers_check_to_claim_gap_is_not_overwritten() {
         "the copier overwrote region {region} with source data"
     );
 }
+
+#[test]
+fn a_paused_hydration_says_so_and_shows_no_rate_or_eta() {
+    let r = rig(8 * MIB, "8 1 no_hydration");
+    let details = || r.clone_target().status_details().unwrap();
+    let d = details();
+    assert_eq!(d["state"], "paused", "{d}");
+    assert_eq!(d["paused_by"], "disable_hydration", "{d}");
+    assert!(d["copy_rate_bytes_per_second"].is_null() && d["eta_seconds"].is_null());
+    r.message("enable_hydration");
+    r.message("hydration_threshold 0");
+    assert_eq!(details()["paused_by"], "hydration_threshold 0");
+    r.table.suspend();
+    r.message("hydration_threshold 1");
+    let d = details();
+    assert_eq!(
+        (&d["state"], &d["paused_by"]),
+        (&"paused".into(), &"the device is suspended".into())
+    );
+    r.table.resume();
+    assert_eq!(details()["state"], "hydrating");
+    assert!(details()["paused_by"].is_null());
+    r.message("hydration_threshold 256");
+    r.message("hydration_batch_size 64");
+    r.wait_complete();
+    let d = details();
+    assert_eq!(
+        (&d["state"], &d["eta_seconds"]),
+        (&"complete".into(), &0.0.into())
+    );
+}
