@@ -74,6 +74,10 @@ pub struct DaemonArgs {
     /// Where device tables are kept across restarts.
     #[arg(long, value_name = "DIR")]
     pub state_dir: PathBuf,
+    /// Run in the background: return once every device is restored and the sockets listen
+    /// (the log still goes to stderr; `udm stop` stops it).
+    #[arg(long)]
+    pub fork: bool,
     /// NBD listener: unix:PATH, tcp:PORT (binds 127.0.0.1), tcp:HOST:PORT, then options:
     /// `,export=NAME` (repeatable: only these devices are listed and served there) and
     /// `,read-only`. Repeatable.
@@ -358,6 +362,11 @@ pub enum Command {
     },
     /// List the target types.
     Targets {
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Stop the daemon (as SIGTERM does: every device flushed) and wait until it has exited.
+    Stop {
         #[command(flatten)]
         control: Control,
     },

@@ -107,6 +107,8 @@ pub enum Request {
     },
     Targets,
     Version,
+    /// Stop the daemon as SIGTERM does; the answer (`data`: pid, state_dir) comes first.
+    Stop,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

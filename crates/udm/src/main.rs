@@ -1,6 +1,7 @@
 //! `udm`: a device-mapper in user space. `udm daemon` holds and serves the devices; every
 //! other verb is a thin client of the daemon's control socket, with dmsetup's semantics.
 
+mod background;
 mod cli;
 mod client;
 mod columns;
@@ -34,6 +35,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Command::Daemon(args) = &cli.command {
+        if args.fork {
+            return background::fork().unwrap_or_else(|e| {
+                eprintln!("udm: {}", error_line(&e));
+                ExitCode::FAILURE
+            });
+        }
+    }
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -131,6 +140,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             ..
         } => return progress::show(&control.path, &name),
         Command::Version { control } => return version(&control.path),
+        Command::Stop { control } => return background::stop(&control.path),
         Command::Create {
             name,
             table,

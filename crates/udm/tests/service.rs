@@ -290,3 +290,60 @@ fn metrics_show_a_clone_hydrating_to_the_end() {
     daemon.create_linear("plain", "plain.img", 1 << 20);
     assert!(!scrape(port).contains("udm_clone_size_bytes{device=\"plain\"}"));
 }
+
+/// `udm daemon --fork` returns once the daemon answers and its devices are back; `udm stop`
+/// returns once it has exited, so the next start on the same state dir never races it.
+#[test]
+fn fork_returns_when_ready_and_stop_when_stopped() {
+    let dir = TempDir::new("fork");
+    let control = dir.path("control.sock");
+    let start = || {
+        Command::new(UDM)
+            .args(["daemon", "--fork", "--state-dir"])
+            .arg(dir.path("state"))
+            .arg("--control")
+            .arg(&control)
+            .stderr(std::fs::File::create(dir.path("daemon.log")).unwrap())
+            .status()
+            .unwrap()
+    };
+    let udm = |args: &[&str]| {
+        Command::new(UDM)
+            .args(args)
+            .env("UDM_CONTROL", &control)
+            .output()
+            .unwrap()
+    };
+    assert!(start().success());
+    assert!(udm(&["create", "vol", "--table", "0 8 zero"])
+        .status
+        .success());
+    for round in 0..5 {
+        assert!(udm(&["stop"]).status.success(), "round {round}");
+        assert!(
+            start().success(),
+            "round {round}: {}",
+            std::fs::read_to_string(dir.path("daemon.log")).unwrap()
+        );
+        let ls = udm(&["ls"]);
+        assert_eq!(
+            String::from_utf8_lossy(&ls.stdout),
+            "vol\t(8 sectors)\n",
+            "round {round}"
+        );
+    }
+    // A second daemon on the same state dir fails, and --fork says so with its status.
+    let second = Command::new(UDM)
+        .args(["daemon", "--fork", "--state-dir"])
+        .arg(dir.path("state"))
+        .arg("--control")
+        .arg(dir.path("other.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(second.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(err.contains("udm daemon already running"), "{err}");
+    assert!(udm(&["stop"]).status.success());
+    let log = std::fs::read_to_string(dir.path("daemon.log")).unwrap();
+    assert!(!log.contains("warning"), "{log}");
+}

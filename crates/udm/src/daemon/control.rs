@@ -75,7 +75,18 @@ fn serve(stream: UnixStream, registry: &Arc<Registry>, exports: &Exports) {
                 "control protocol version {} not supported (this daemon speaks {PROTOCOL_VERSION})",
                 envelope.version
             )),
-            Ok(envelope) => execute(registry, envelope.request, exports, &writer),
+            Ok(envelope) => {
+                let stop = matches!(envelope.request, Request::Stop);
+                let response = execute(registry, envelope.request, exports, &writer);
+                if stop {
+                    let _ = reply(&mut writer, &response);
+                    // The main thread collects it and stops in order, as for `kill`.
+                    // SAFETY: sends a signal to this process.
+                    unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+                    return;
+                }
+                response
+            }
             Err(e) => Response::error(format!("malformed request: {e}")),
         };
         if reply(&mut writer, &response).is_err() {
@@ -242,6 +253,15 @@ fn execute(
                     .collect::<Vec<_>>()
                     .join("\n"),
             ),
+            Request::Stop => {
+                log::info!("stop requested over the control socket");
+                Response {
+                    data: Some(json!({
+                        "pid": std::process::id(), "state_dir": registry.state_dir,
+                    })),
+                    ..Response::text("")
+                }
+            }
             Request::Version => Response {
                 data: Some(json!({
                     "version": env!("CARGO_PKG_VERSION"), "protocol": PROTOCOL_VERSION,

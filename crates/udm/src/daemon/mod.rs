@@ -12,7 +12,7 @@ mod control;
 mod device;
 mod listener;
 mod metrics;
-mod notify;
+pub mod notify;
 mod persist;
 mod registry;
 mod remotes;

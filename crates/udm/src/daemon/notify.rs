@@ -1,11 +1,16 @@
 //! systemd's readiness protocol (sd_notify) without libsystemd: one datagram per state change
 //! to the Unix socket named by `$NOTIFY_SOCKET`, a path or (leading `@`) an abstract name.
 //! Without the variable (not started by systemd as `Type=notify`) nothing is sent.
+//! `udm daemon --fork` listens the same way for READY=1 alone, and is gone after it: it sets
+//! [`READY_ONLY`] so that nothing else is sent to it.
 
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 
 use log::warn;
+
+/// Set by `udm daemon --fork` for the daemon it starts: only READY=1 is wanted.
+pub const READY_ONLY: &str = "UDM_NOTIFY_READY_ONLY";
 
 /// Sends `state` (`READY=1`, `STOPPING=1`, `STATUS=…`, lines joined by `\n`) to systemd, if
 /// systemd asked for it. A failure is logged: the daemon serves either way, and systemd will
@@ -14,6 +19,9 @@ pub fn notify(state: &str) {
     let Some(socket) = std::env::var_os("NOTIFY_SOCKET") else {
         return;
     };
+    if std::env::var_os(READY_ONLY).is_some() && !state.starts_with("READY=1") {
+        return;
+    }
     let socket = socket.to_string_lossy().into_owned();
     if let Err(e) = send(&socket, state) {
         warn!("telling systemd {state:?} through NOTIFY_SOCKET={socket}: {e}");
