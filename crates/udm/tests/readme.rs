@@ -39,7 +39,10 @@ fn tour_lines() -> Vec<&'static str> {
 fn comment_on(command: &str) -> String {
     let line = tour_lines()
         .into_iter()
-        .find(|l| l.split_once(" # ").is_some_and(|(c, _)| c.trim_end() == command))
+        .find(|l| {
+            l.split_once(" # ")
+                .is_some_and(|(c, _)| c.trim_end() == command)
+        })
         .unwrap_or_else(|| panic!("no `{command}` in the tour"));
     line.split_once("# ").expect("a comment").1.to_string()
 }
@@ -82,13 +85,17 @@ fn the_readme_tour_runs_as_written() {
     let bin = Path::new(UDM).parent().unwrap().display().to_string();
     // Lines whose output the README shows are copied into checks/ as they run.
     let checked = ["udm status fast", "udm deps top", "udm status clone"];
-    let mut script = format!("set -euo pipefail\nexport PATH={bin}:$PATH\nmkdir -p {tour}/checks\n");
+    let mut script =
+        format!("set -euo pipefail\nexport PATH={bin}:$PATH\nmkdir -p {tour}/checks\n");
     for line in tour_lines() {
         if line.starts_with("cargo build") {
             continue;
         }
         let line = line.replace("/tmp/tour", &tour);
-        let command = line.split_once(" # ").map_or(line.as_str(), |(c, _)| c).trim_end();
+        let command = line
+            .split_once(" # ")
+            .map_or(line.as_str(), |(c, _)| c)
+            .trim_end();
         match checked.iter().position(|c| command == *c) {
             Some(i) => script += &format!("{command} | tee {tour}/checks/{i}\n"),
             None => script += &format!("{line}\n"),
