@@ -1,7 +1,7 @@
 //! The command line: verbs, their arguments and their help. Every positional argument and
 //! flag says what it is, since `udm VERB --help` is where an admin looks first.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -21,6 +21,9 @@ const DEFAULT_CONTROL: &str = "/run/udm/control.sock";
                   `replay-log` talks to the daemon at --control (or $UDM_CONTROL)."
 )]
 pub struct Cli {
+    /// The control socket, given before the verb as older versions of udm took it.
+    #[arg(long = "control", value_name = "PATH", hide = true)]
+    pub control: Option<PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -28,14 +31,28 @@ pub struct Cli {
 /// Where the daemon answers the verbs.
 #[derive(Args)]
 pub struct Control {
-    /// The daemon's control socket.
-    #[arg(
-        long = "control",
-        value_name = "PATH",
-        env = "UDM_CONTROL",
-        default_value = DEFAULT_CONTROL
-    )]
-    pub path: PathBuf,
+    /// The daemon's control socket [default: $UDM_CONTROL, else /run/udm/control.sock].
+    #[arg(long = "control", value_name = "PATH")]
+    path: Option<PathBuf>,
+}
+
+impl Control {
+    /// The socket: given after the verb, else before it, else $UDM_CONTROL, else the default.
+    pub fn socket(&self, before_verb: Option<&Path>) -> PathBuf {
+        control_socket(self.path.as_deref(), before_verb)
+    }
+}
+
+fn control_socket(after_verb: Option<&Path>, before_verb: Option<&Path>) -> PathBuf {
+    after_verb
+        .or(before_verb)
+        .map(Path::to_path_buf)
+        .or_else(|| {
+            std::env::var_os("UDM_CONTROL")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        })
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_CONTROL))
 }
 
 #[derive(Args)]
@@ -63,14 +80,10 @@ impl TableSource {
 
 #[derive(Args)]
 pub struct DaemonArgs {
-    /// Where the daemon listens for the verbs (its control socket).
-    #[arg(
-        long = "control",
-        value_name = "PATH",
-        env = "UDM_CONTROL",
-        default_value = DEFAULT_CONTROL
-    )]
-    pub control: PathBuf,
+    /// Where the daemon listens for the verbs, its control socket [default: $UDM_CONTROL,
+    /// else /run/udm/control.sock].
+    #[arg(long = "control", value_name = "PATH")]
+    control: Option<PathBuf>,
     /// Where device tables are kept across restarts.
     #[arg(long, value_name = "DIR")]
     pub state_dir: PathBuf,
@@ -148,6 +161,12 @@ pub struct DaemonArgs {
     /// before failing with EIO; meanwhile the client reconnects with backoff.
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub remote_timeout: u64,
+}
+
+impl DaemonArgs {
+    pub fn control(&self, before_verb: Option<&Path>) -> PathBuf {
+        control_socket(self.control.as_deref(), before_verb)
+    }
 }
 
 #[derive(Subcommand)]
@@ -582,6 +601,31 @@ mod tests {
             }
         }
         assert!(missing.is_empty(), "undescribed: {missing:?}");
+    }
+
+    #[test]
+    fn the_control_socket_may_come_before_or_after_the_verb_and_after_wins() {
+        let socket = |args: &[&str]| {
+            let cli = Cli::try_parse_from(args).unwrap();
+            let Command::Ls { control, .. } = cli.command else {
+                panic!("not ls")
+            };
+            control.socket(cli.control.as_deref())
+        };
+        assert_eq!(
+            socket(&["udm", "--control", "/a", "ls"]),
+            PathBuf::from("/a")
+        );
+        assert_eq!(
+            socket(&["udm", "ls", "--control", "/b"]),
+            PathBuf::from("/b")
+        );
+        assert_eq!(
+            socket(&["udm", "--control", "/a", "ls", "--control", "/b"]),
+            PathBuf::from("/b")
+        );
+        // Detach and replay-log talk to no daemon: one given before them is ignored.
+        Cli::try_parse_from(["udm", "--control", "/a", "detach", "/dev/loop0"]).unwrap();
     }
 
     #[test]

@@ -43,7 +43,7 @@ fn main() -> ExitCode {
             });
         }
     }
-    match run(cli.command) {
+    match run(cli.command, cli.control.as_deref()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("udm: {}", error_line(&e));
@@ -90,7 +90,7 @@ fn tls_server(
     Ok(Some(server))
 }
 
-fn daemon(args: DaemonArgs) -> anyhow::Result<()> {
+fn daemon(args: DaemonArgs, control: PathBuf) -> anyhow::Result<()> {
     let defaults = udm_nbd::ServerConfig::default();
     let nbd_config = udm_nbd::ServerConfig {
         engine: args.nbd_engine.into(),
@@ -105,7 +105,7 @@ fn daemon(args: DaemonArgs) -> anyhow::Result<()> {
     };
     Ok(daemon::run(daemon::DaemonOptions {
         state_dir: args.state_dir,
-        control: args.control,
+        control,
         nbd: args.nbd,
         metrics: args.metrics,
         tls: tls_server(args.tls, args.tls_certificates, args.tls_verify_peer)?,
@@ -127,20 +127,26 @@ enum Print {
     Columns(cli::ColumnsArgs),
 }
 
-fn run(command: Command) -> anyhow::Result<()> {
+/// `before_verb`: a `--control` given before the verb.
+fn run(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Result<()> {
     let (control, request, print) = match command {
-        Command::Daemon(args) => return daemon(*args),
+        Command::Daemon(args) => {
+            let control = args.control(before_verb);
+            return daemon(*args, control);
+        }
         Command::Detach { loop_device } => return loop_device::detach(&loop_device),
         Command::ReplayLog(options) => return replay::run(options),
-        Command::Attach { name, control } => return loop_device::attach(&control.path, &name),
+        Command::Attach { name, control } => {
+            return loop_device::attach(&control.socket(before_verb), &name)
+        }
         Command::Wait {
             name,
             progress: true,
             control,
             ..
-        } => return progress::show(&control.path, &name),
-        Command::Version { control } => return version(&control.path),
-        Command::Stop { control } => return background::stop(&control.path),
+        } => return progress::show(&control.socket(before_verb), &name),
+        Command::Version { control } => return version(&control.socket(before_verb)),
+        Command::Stop { control } => return background::stop(&control.socket(before_verb)),
         Command::Create {
             name,
             table,
@@ -289,7 +295,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Finalize { name, control } => (control, Request::Finalize { name }, Print::Text),
         Command::Targets { control } => (control, Request::Targets, Print::Text),
     };
-    let response = client::call(&control.path, request)?;
+    let response = client::call(&control.socket(before_verb), request)?;
     let data = response.data.unwrap_or_default();
     match print {
         Print::Json => println!("{}", serde_json::to_string_pretty(&data)?),
