@@ -5,16 +5,10 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use udm_block::{BlockDevice, CrashDevice};
+use udm_block::BlockDevice;
 use udm_metadata::log::{EntryKind, LogReader, LogWriter};
 use udm_metadata::{CloneGeometry, CloneMetadata};
-
-fn next(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
+use udm_testkit::{CrashDevice, Rng};
 
 #[test]
 fn clone_metadata_survives_a_power_cut_at_every_write() {
@@ -30,12 +24,12 @@ fn clone_metadata_survives_a_power_cut_at_every_write() {
             let dev = Arc::new(CrashDevice::new(1 << 20, cut_at, cut_at * 31 + seed));
             let mut committed = BTreeSet::new();
             let mut ever_set = BTreeSet::new();
-            let mut rng = cut_at.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
+            let mut rng = Rng::new(cut_at);
             if let Ok(meta) = CloneMetadata::open(dev.clone(), geometry) {
                 for _ in 0..20 {
-                    for _ in 0..(next(&mut rng) % 50) {
-                        let first = next(&mut rng) % 40_000;
-                        let len = 1 + next(&mut rng) % 8;
+                    for _ in 0..(rng.below(50)) {
+                        let first = rng.below(40_000);
+                        let len = 1 + rng.below(8);
                         let range = first..(first + len).min(40_000);
                         ever_set.extend(range.clone());
                         meta.set_hydrated(range);

@@ -1,11 +1,12 @@
 //! Listeners: accept connections on Unix and TCP sockets and give each its own threads.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::{TcpListener, ToSocketAddrs};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use log::{debug, info, warn};
@@ -104,7 +105,7 @@ struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = self.counts.lock();
         counts.total -= 1;
         if let Some(n) = counts.per_client.get_mut(&self.key) {
             *n -= 1;
@@ -197,7 +198,7 @@ impl NbdServer {
     /// Connections open now (in the handshake or transmission).
     #[cfg(test)]
     fn connections(&self) -> usize {
-        self.counts.lock().unwrap_or_else(|e| e.into_inner()).total
+        self.counts.lock().total
     }
 
     /// Listens on a Unix socket (a stale socket is replaced; any other file is not).
@@ -243,7 +244,7 @@ impl NbdServer {
 
     /// Counts the connection in, or says why it is refused.
     fn admit(&self, key: ClientKey) -> Result<Slot, String> {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = self.counts.lock();
         let from_client = counts.per_client.get(&key).copied().unwrap_or(0);
         if counts.total >= self.config.max_connections {
             return Err(format!(
@@ -363,9 +364,10 @@ pub fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ClientOptions, Export, NbdClient};
+    use crate::{ClientOptions, NbdClient};
     use std::time::Instant;
     use udm_block::{BlockDevice, BlockError, WriteFlags};
+    use udm_testkit::Devices;
 
     /// A device with a bug: reads at offset 0 panic.
     struct PanicsOnRead;
@@ -387,22 +389,6 @@ mod tests {
         }
     }
 
-    struct Catalog;
-
-    impl ExportCatalog for Catalog {
-        fn open(&self, _: &str) -> Option<Export> {
-            Some(Export {
-                device: Arc::new(PanicsOnRead),
-                read_only: false,
-                description: String::new(),
-                open_guard: Box::new(()),
-            })
-        }
-        fn list(&self) -> Vec<(String, String)> {
-            vec![("vol".into(), String::new())]
-        }
-    }
-
     #[test]
     fn a_panicking_request_gets_eio_and_its_connection_slot_comes_back() {
         panicking_request_with(Engine::Uring);
@@ -414,8 +400,10 @@ mod tests {
             std::env::temp_dir().join(format!("udm-nbd-panic-{}-{engine:?}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("nbd.sock");
+        let catalog = Devices::default();
+        catalog.add("vol", Arc::new(PanicsOnRead), false);
         let server = NbdServer::new(
-            Arc::new(Catalog),
+            Arc::new(catalog),
             ServerConfig {
                 engine,
                 max_connections: 1,

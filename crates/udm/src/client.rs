@@ -7,6 +7,7 @@ use std::path::{Component, Path, PathBuf};
 use anyhow::{bail, Context};
 
 use udm::control::{Envelope, Request, Response, PROTOCOL_VERSION};
+use udm_targets::Reference;
 
 pub fn call(socket: &Path, request: Request) -> anyhow::Result<Response> {
     let mut stream = UnixStream::connect(socket).with_context(|| {
@@ -45,7 +46,7 @@ pub fn absolutize_table(text: &str) -> anyhow::Result<String> {
         .map(|line| {
             line.split_whitespace()
                 .map(|token| {
-                    if token.starts_with("./") || token.starts_with("../") {
+                    if Reference::is_relative_path(token) {
                         normalize(&cwd.join(token)).display().to_string()
                     } else {
                         token.to_string()

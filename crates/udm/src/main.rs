@@ -279,6 +279,7 @@ fn tls_server(
     Ok(Some(server))
 }
 
+/// One arm per verb: most become a control request, a few run here (long for that reason).
 fn run(cli: Cli) -> anyhow::Result<()> {
     let (request, json) = match cli.command {
         Command::Daemon {

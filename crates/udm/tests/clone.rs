@@ -52,7 +52,7 @@ fn clone_of(daemon: &Daemon, source: &Path, region_sectors: u64, extra: &str) ->
 fn fio_stomps_the_clone_while_it_hydrates_and_everything_verifies() {
     let daemon = Daemon::start("clone-stomp");
     let source = daemon.dir.path("source.img");
-    random_file(&source, 64 * MIB as usize, 21);
+    pattern_file(&source, 64 * MIB as usize, 21);
     clone_of(
         &daemon,
         &source,
@@ -108,7 +108,7 @@ fn an_ext4_source_reads_file_by_file_through_the_clone_before_and_after_hydratio
                 _ => "sub/deeper",
             })
             .join(format!("file{i}"));
-        random_file(&path, (i as usize * 37_813) % 900_000 + 1, i + 1);
+        pattern_file(&path, (i as usize * 37_813) % 900_000 + 1, i + 1);
         files.push(path);
     }
     let source = daemon.dir.path("source.img");
@@ -158,7 +158,7 @@ fn an_ext4_source_reads_file_by_file_through_the_clone_before_and_after_hydratio
 fn discarded_space_is_never_copied() {
     let daemon = Daemon::start("clone-discard");
     let source = daemon.dir.path("source.img");
-    random_file(&source, 32 * MIB as usize, 5);
+    pattern_file(&source, 32 * MIB as usize, 5);
     clone_of(
         &daemon,
         &source,
@@ -235,7 +235,7 @@ fn block_status_on_the_clone_lets_clients_skip_zeroes() {
 fn hydration_complete_raises_an_event_for_wait() {
     let daemon = Daemon::start("clone-event");
     let source = daemon.dir.path("source.img");
-    random_file(&source, 4 * MIB as usize, 9);
+    pattern_file(&source, 4 * MIB as usize, 9);
     clone_of(
         &daemon,
         &source,
@@ -262,7 +262,7 @@ fn hydration_complete_raises_an_event_for_wait() {
 fn a_remote_source_goes_away_and_comes_back_while_the_clone_hydrates() {
     let daemon = Daemon::start_with("clone-remote", &["--remote-timeout", "2"]);
     let source = daemon.dir.path("source.img");
-    random_file(&source, 32 * MIB as usize, 44);
+    pattern_file(&source, 32 * MIB as usize, 44);
     let socket = daemon.dir.path("nbdkit.sock");
     let serve = || {
         Peer::start(

@@ -3,8 +3,8 @@
 
 mod common;
 
+use parking_lot::{Mutex, MutexGuard};
 use std::io::Read;
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -12,7 +12,7 @@ use common::*;
 /// One test at a time: one of them turns io_uring off for the whole machine for a moment.
 fn serial() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    SERIAL.lock()
 }
 
 /// Writes a block, pipelined with a read of another, on one raw connection.
@@ -139,7 +139,7 @@ fn both_engines_serve_the_same_bytes_to_real_clients() {
             "{info}"
         );
         let source = daemon.dir.path("source.raw");
-        random_file(&source, 32 << 20, 7);
+        pattern_file(&source, 32 << 20, 7);
         let uri = daemon.uri("vol");
         tool("nbdcopy", &[source.to_str().unwrap(), &uri]);
         let back = daemon.dir.path("back.raw");

@@ -10,12 +10,13 @@
 //! for a shared one — on one byte far past any data ([`LOCK_BYTE`]), so udm processes exclude
 //! each other without conflicting with the byte-range locks qemu takes on the same images.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use udm_block::{
     BlockDevice, Capabilities, Extent, MapOp, Mapping, Result as IoResult, WriteFlags, ZeroFlags,
@@ -93,7 +94,7 @@ impl Claims {
         exclusive: bool,
         path: Option<&Path>,
     ) -> Result<ClaimGuard, String> {
-        let mut entries = self.entries.lock().unwrap();
+        let mut entries = self.entries.lock();
         let entry = entries.entry(key.clone()).or_insert_with(|| Entry {
             holders: Vec::new(),
             lock: None,
@@ -192,7 +193,7 @@ fn set_lock(file: &File, kind: libc::c_int) -> std::io::Result<()> {
 
 impl Drop for ClaimGuard {
     fn drop(&mut self) {
-        let mut entries = self.claims.entries.lock().unwrap();
+        let mut entries = self.claims.entries.lock();
         let Some(entry) = entries.get_mut(&self.key) else {
             return;
         };

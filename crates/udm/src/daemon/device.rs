@@ -1,8 +1,9 @@
 //! A udm device: a name, a live table and an inactive one, the suspend gate, events and the
 //! open count.
 
+use parking_lot::{Condvar, Mutex, RwLock};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use udm_block::{
@@ -61,7 +62,7 @@ impl Gate {
         if self.in_flight.fetch_sub(1, Ordering::SeqCst) == 1
             && self.suspended.load(Ordering::SeqCst)
         {
-            let _sleep = self.sleep.lock().unwrap();
+            let _sleep = self.sleep.lock();
             self.wake.notify_all();
         }
     }
@@ -113,11 +114,11 @@ impl Device {
     }
 
     pub fn live(&self) -> Arc<Table> {
-        self.tables.read().unwrap().live.clone()
+        self.tables.read().live.clone()
     }
 
     pub fn inactive(&self) -> Option<Arc<Table>> {
-        self.tables.read().unwrap().inactive.clone()
+        self.tables.read().inactive.clone()
     }
 
     pub fn is_suspended(&self) -> bool {
@@ -153,9 +154,9 @@ impl Device {
                 return (self.live(), InFlight(gate));
             }
             // Suspended: sleep until resumed.
-            let mut sleep = gate.sleep.lock().unwrap();
+            let mut sleep = gate.sleep.lock();
             while gate.suspended.load(Ordering::SeqCst) {
-                sleep = gate.wake.wait(sleep).unwrap();
+                gate.wake.wait(&mut sleep);
             }
         }
     }
@@ -166,9 +167,9 @@ impl Device {
         if gate.suspended.swap(true, Ordering::SeqCst) {
             return;
         }
-        let mut sleep = gate.sleep.lock().unwrap();
+        let mut sleep = gate.sleep.lock();
         while gate.in_flight.load(Ordering::SeqCst) > 0 {
-            sleep = gate.wake.wait(sleep).unwrap();
+            gate.wake.wait(&mut sleep);
         }
         drop(sleep);
         self.live().suspend();
@@ -186,7 +187,7 @@ impl Device {
             self.suspend();
         }
         let (replaced, live) = {
-            let mut t = self.tables.write().unwrap();
+            let mut t = self.tables.write();
             let replaced = t
                 .inactive
                 .take()
@@ -197,7 +198,7 @@ impl Device {
         if self.is_suspended() || replaced.is_some() {
             live.resume();
         }
-        let _sleep = self.gate.sleep.lock().unwrap();
+        let _sleep = self.gate.sleep.lock();
         self.gate.suspended.store(false, Ordering::SeqCst);
         self.gate.wake.notify_all();
         replaced
@@ -205,12 +206,12 @@ impl Device {
 
     /// Fills the inactive slot (dm's load); the live table is untouched until resume.
     pub fn load(&self, table: Table) {
-        self.tables.write().unwrap().inactive = Some(Arc::new(table));
+        self.tables.write().inactive = Some(Arc::new(table));
     }
 
     /// Drops the inactive table, if any.
     pub fn clear_inactive(&self) {
-        self.tables.write().unwrap().inactive = None;
+        self.tables.write().inactive = None;
     }
 
     /// Replaces the live table at once: suspend, swap, resume.
@@ -235,21 +236,19 @@ pub struct Events {
 
 impl Events {
     pub fn current(&self) -> u64 {
-        *self.counter.lock().unwrap()
+        *self.counter.lock()
     }
 
     pub fn raise(&self) {
-        *self.counter.lock().unwrap() += 1;
+        *self.counter.lock() += 1;
         self.raised.notify_all();
     }
 
     /// Blocks until the counter passes `after`, or `timeout` elapses; returns it.
     pub fn wait(&self, after: u64, timeout: Duration) -> u64 {
-        let counter = self.counter.lock().unwrap();
-        let (counter, _) = self
-            .raised
-            .wait_timeout_while(counter, timeout, |n| *n <= after)
-            .unwrap();
+        let mut counter = self.counter.lock();
+        self.raised
+            .wait_while_for(&mut counter, |n| *n <= after, timeout);
         *counter
     }
 }

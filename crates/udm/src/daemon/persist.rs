@@ -115,7 +115,7 @@ impl Registry {
     }
 
     fn restore_one(&self, saved: &SavedDevice) -> Result<Arc<Device>> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let name = &saved.name;
         let restore_settings = |table: &Table| {
             for settings in &saved.settings {

@@ -1,15 +1,16 @@
 //! The device registry: names → devices, the dmsetup verbs, stacking and cycle checks, and the
 //! resolver that opens what a table names (persistence is in `persist.rs`).
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use log::{info, warn};
 use thiserror::Error;
 use udm_block::{BlockDevice, FileDevice, OpenMode, SECTOR_SIZE};
-use udm_targets::{Resolver, Table, TargetError};
+use udm_targets::{Reference, Resolver, Table, TargetError};
 
 use super::claims::{Claimed, Claims};
 use super::device::{Device, Events};
@@ -44,15 +45,6 @@ pub struct Registry {
     claims: Arc<Claims>,
 }
 
-/// Is `reference` a path (as opposed to a URI or a device name)?
-pub fn is_path(reference: &str) -> bool {
-    reference.starts_with('/') || reference.starts_with("./") || reference.starts_with("../")
-}
-
-pub fn is_uri(reference: &str) -> bool {
-    reference.starts_with("nbd://") || reference.starts_with("nbd+unix://")
-}
-
 fn check_name(name: &str) -> Result<()> {
     let bad = |why| Err(RegistryError::InvalidName(name.to_string(), why));
     if name.is_empty() || name.len() > 127 {
@@ -83,7 +75,7 @@ impl Registry {
     }
 
     pub(super) fn map(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Device>>> {
-        self.devices.lock().unwrap()
+        self.devices.lock()
     }
 
     pub fn get(&self, name: &str) -> Result<Arc<Device>> {
@@ -157,7 +149,7 @@ impl Registry {
 
     pub fn create(&self, name: &str, text: &str, read_only: bool) -> Result<Arc<Device>> {
         check_name(name)?;
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.build_device(name, text, read_only, |_| {})?;
         self.save(&device)?;
         self.map().insert(name.to_string(), device.clone());
@@ -194,7 +186,7 @@ impl Registry {
     /// Fills the inactive slot. A table smaller than what a device built on this one reaches
     /// into is refused, naming that device, unless `force`d.
     pub fn load(&self, name: &str, text: &str, force: bool) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         let table = self.build(name, text, device.events())?;
         if !force {
@@ -230,7 +222,7 @@ impl Registry {
 
     /// Drops the inactive table (dmsetup clear).
     pub fn clear(&self, name: &str) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         device.clear_inactive();
         self.save(&device)
@@ -239,12 +231,12 @@ impl Registry {
     pub fn suspend(&self, name: &str) -> Result<()> {
         let device = self.get(name)?;
         device.suspend();
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         self.save(&device)
     }
 
     pub fn resume(&self, name: &str) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         if device.resume().is_some() {
             info!("device '{name}': new table is live");
@@ -269,7 +261,7 @@ impl Registry {
         }
         let answer = target.message(words)?;
         if !target.settings_messages().is_empty() {
-            let _changes = self.changes.lock().unwrap();
+            let _changes = self.changes.lock();
             self.save(&device)?;
         }
         Ok(answer)
@@ -278,7 +270,7 @@ impl Registry {
     /// Swaps every target that has finished its job for its replacement (a hydrated clone
     /// for `linear <destination> 0`) with suspend, load and resume: clients stay connected.
     pub fn finalize(&self, name: &str) -> Result<String> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         // Finalizing swaps tables itself; it must not resume a device the user suspended, nor
         // replace a table the user loaded.
@@ -326,7 +318,7 @@ impl Registry {
     /// has open only with `force`, which first swaps in an all-error table so the client's
     /// I/O fails instead of reaching the old targets.
     pub fn remove(&self, name: &str, force: bool) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         let holders = self.holders(name);
         if !holders.is_empty() {
@@ -383,46 +375,55 @@ struct TableResolver<'a> {
 
 impl Resolver for TableResolver<'_> {
     fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        let claims = &self.registry.claims;
-        let exclusive = mode == OpenMode::Exclusive;
-        if is_path(reference) {
-            let claim = match mode {
-                OpenMode::ReadOnly => None,
-                _ => Some(
-                    claims
-                        .claim_file(Path::new(reference), self.owner, exclusive)
-                        .map_err(TargetError::new)?,
-                ),
-            };
-            let dev: Arc<dyn BlockDevice> = Arc::new(
-                FileDevice::open(Path::new(reference), mode)
-                    .map_err(|e| TargetError::new(e.to_string()))?,
-            );
-            return Ok(match claim {
-                Some(claim) => Arc::new(Claimed::new(dev, claim)),
-                None => dev,
-            });
+        match Reference::parse(reference) {
+            Reference::Path(path) => self.open_file(Path::new(path), mode),
+            Reference::Remote(uri) => self.registry.remotes.open(uri, mode),
+            Reference::Device(name) => self.open_device(name, mode),
         }
-        if is_uri(reference) {
-            return self.registry.remotes.open(reference, mode);
-        }
-        if reference == self.owner || self.registry.depends_on(reference, self.owner) {
+    }
+}
+
+impl TableResolver<'_> {
+    /// A file or block device, claimed unless opened read-only.
+    fn open_file(&self, path: &Path, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        let claim = match mode {
+            OpenMode::ReadOnly => None,
+            _ => Some(
+                self.registry
+                    .claims
+                    .claim_file(path, self.owner, mode == OpenMode::Exclusive)
+                    .map_err(TargetError::new)?,
+            ),
+        };
+        let dev: Arc<dyn BlockDevice> =
+            Arc::new(FileDevice::open(path, mode).map_err(|e| TargetError::new(e.to_string()))?);
+        Ok(match claim {
+            Some(claim) => Arc::new(Claimed::new(dev, claim)),
+            None => dev,
+        })
+    }
+
+    /// Another udm device, unless that would make a cycle; claimed unless opened read-only.
+    fn open_device(&self, name: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        if name == self.owner || self.registry.depends_on(name, self.owner) {
             return Err(TargetError::new(format!(
-                "using device '{reference}' would make '{}' depend on itself",
+                "using device '{name}' would make '{}' depend on itself",
                 self.owner
             )));
         }
-        let device = self.registry.get(reference).map_err(|_| {
+        let device = self.registry.get(name).map_err(|_| {
             TargetError::new(format!(
-                "no device named '{reference}' (paths start with / or ./, remote exports \
+                "no device named '{name}' (paths start with / or ./, remote exports \
                  with nbd:// or nbd+unix://)"
             ))
         })?;
         if mode == OpenMode::ReadOnly {
             return Ok(device);
         }
-        let claim = claims
-            .claim_device(reference, self.owner, exclusive)
+        let claim = self
+            .registry
+            .claims
+            .claim_device(name, self.owner, mode == OpenMode::Exclusive)
             .map_err(TargetError::new)?;
         Ok(Arc::new(Claimed::new(device, claim)))
     }

@@ -12,34 +12,8 @@ use std::time::{Duration, Instant};
 
 pub const UDM: &str = env!("CARGO_BIN_EXE_udm");
 
-/// A scratch directory removed on drop.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> Self {
-        let base = std::env::var_os("UDM_TEST_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        let dir = base.join(format!("udm-{tag}-{}-{}", std::process::id(), unique()));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn unique() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Ordering::Relaxed)
-}
+#[allow(unused_imports)] // as above
+pub use udm_testkit::{pattern_file, TempDir};
 
 /// A running daemon with one Unix NBD listener.
 pub struct Daemon {
@@ -305,19 +279,6 @@ pub fn ext4_image_of(tree: &Path, image: &Path, size: u64) {
 /// `qemu-img compare` of two raw images (files or NBD URIs); fails the test if they differ.
 pub fn same_content(a: &str, b: &str) {
     tool("qemu-img", &["compare", "-f", "raw", "-F", "raw", a, b]);
-}
-
-/// A file of `len` bytes of deterministic pseudo-random data.
-pub fn random_file(path: &Path, len: usize, seed: u64) {
-    let mut x = seed | 1;
-    let mut data = vec![0u8; len];
-    for chunk in data.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
-    }
-    std::fs::write(path, data).unwrap();
 }
 
 pub fn sparse_file(path: &Path, len: u64) {
