@@ -432,9 +432,31 @@ impl CloneMetadata {
                 self.geometry.target_sectors
             )));
         }
+        let other_valid = parsed[(1 - slot) as usize].is_ok();
+        let (words, previous) = self.read_area(slot, other_valid)?;
+        // The bits and their count change together, under the lock `set_hydrated` takes.
+        let mut st = self.state.lock();
+        for (word, value) in self.bits.iter().zip(&words) {
+            word.store(*value, Ordering::Release);
+        }
+        let hydrated = words.iter().map(|w| w.count_ones() as u64).sum();
+        self.hydrated.store(hydrated, Ordering::Release);
+        st.transaction = current.transaction;
+        st.slot = slot;
+        st.previous = previous;
+        st.dirty.clear();
+        Ok(())
+    }
+
+    /// The bitmap words of the area `slot` names, and the blocks the other area lacks (all of
+    /// them when the other slot is not valid): the next commit writes the other area.
+    fn read_area(
+        &self,
+        slot: u64,
+        other_valid: bool,
+    ) -> Result<(Vec<u64>, BTreeSet<u64>), MetadataError> {
         let blocks = self.geometry.bitmap_blocks();
         let area = read_blocks(&*self.dev, self.geometry.area_start(slot), blocks)?;
-        let other_valid = parsed[(1 - slot) as usize].is_ok();
         let other = read_blocks(&*self.dev, self.geometry.area_start(1 - slot), blocks)?;
         let mut previous = BTreeSet::new();
         let mut words = Vec::with_capacity(self.bits.len());
@@ -464,18 +486,7 @@ impl CloneMetadata {
                 words.push(value);
             }
         }
-        // The bits and their count change together, under the lock `set_hydrated` takes.
-        let mut st = self.state.lock();
-        for (word, value) in self.bits.iter().zip(&words) {
-            word.store(*value, Ordering::Release);
-        }
-        let hydrated = words.iter().map(|w| w.count_ones() as u64).sum();
-        self.hydrated.store(hydrated, Ordering::Release);
-        st.transaction = current.transaction;
-        st.slot = slot;
-        st.previous = previous;
-        st.dirty.clear();
-        Ok(())
+        Ok((words, previous))
     }
 }
 

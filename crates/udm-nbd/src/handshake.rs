@@ -181,7 +181,8 @@ impl<S: Read + Write> Handshake<'_, S> {
         self.reply(option, reply, message.as_bytes())
     }
 
-    /// Handles one option; `Some` when the client has picked an export.
+    /// Handles one option; `Some` when the client has picked an export. One arm per option,
+    /// as the protocol lists them: long for that reason.
     fn option(&mut self) -> Result<Option<Negotiated>, HandshakeEnd> {
         let magic = read_u64(self.stream)?;
         if magic != IHAVEOPT {

@@ -127,6 +127,7 @@ enum Print {
     Columns(cli::ColumnsArgs),
 }
 
+/// One arm per verb: most become a control request, a few run here (long for that reason).
 /// `before_verb`: a `--control` given before the verb.
 fn run(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Result<()> {
     let (control, request, print) = match command {

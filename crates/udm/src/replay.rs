@@ -66,6 +66,8 @@ fn is_point(point: CheckPoint, kind: EntryKind, fua: bool) -> bool {
     kind == EntryKind::Flush || (point == CheckPoint::Fua && fua)
 }
 
+/// Replays the log entry by entry, checking at each point asked for. Long: the replay loop and
+/// its stop conditions read in order.
 pub fn run(o: ReplayOptions) -> anyhow::Result<()> {
     let log: Arc<dyn BlockDevice> = Arc::new(
         FileDevice::open(&o.log, OpenMode::ReadOnly)

@@ -51,6 +51,9 @@ pub(super) fn read_replies(conn: &Conn, reader: Stream) -> String {
     }
 }
 
+/// Reads one simple reply or structured chunk and delivers it to the request in flight it
+/// answers. Long: every chunk type and its checks, kept together so that the order of checks
+/// is visible.
 fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
     let mut header = [0u8; CHUNK_HEADER_LEN];
     r.read_exact(&mut header[..SIMPLE_REPLY_LEN])?;
