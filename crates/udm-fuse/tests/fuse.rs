@@ -917,10 +917,14 @@ fn unmount_with_requests_in_flight_ends_in_bounded_time() {
         let readers = read_in_background(&mnt.join("slow"), 3);
         // And the fast device busy with a stream of requests.
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // The streamer must have its file open before the unmount, or the open itself fails
+        // (it did, on a loaded machine, when the thread started late).
+        let (opened, is_open) = std::sync::mpsc::channel();
         let streamer = {
             let (path, stop) = (mnt.join("fast"), stop.clone());
             std::thread::spawn(move || {
                 let file = open_direct(&path);
+                opened.send(()).unwrap();
                 let mut buf = AlignedBuf::zeroed(4096);
                 let mut served = 0u64;
                 while !stop.load(Ordering::SeqCst) {
@@ -932,6 +936,7 @@ fn unmount_with_requests_in_flight_ends_in_bounded_time() {
                 (served, None)
             })
         };
+        is_open.recv().unwrap();
         slow.wait_reading(3);
         let started = Instant::now();
         export.unmount();
