@@ -19,6 +19,7 @@ mod flakey;
 mod linear;
 mod log_writes;
 mod striped;
+mod thin;
 mod zero;
 
 pub use args::Args;
@@ -26,6 +27,7 @@ pub use filter::{Filter, Filtered, Lower, OpKind};
 pub use rendezvous::{device_key, Rendezvous};
 pub use table::{Segment, Table, TableLine};
 pub use target::{construct, Resolver, Target, TargetContext, TargetError, TARGET_TYPES};
+pub use thin::set_no_space_timeout;
 
 #[cfg(test)]
 pub(crate) mod testing;

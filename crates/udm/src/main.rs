@@ -7,6 +7,7 @@ mod daemon;
 mod logger;
 mod progress;
 mod replay;
+mod thin_ls;
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -125,6 +126,11 @@ enum Command {
         /// before failing with EIO; meanwhile the client reconnects with backoff.
         #[arg(long, default_value_t = 30)]
         remote_timeout: u64,
+        /// How long writes to a thin pool that is out of data space wait for space (the data
+        /// device grown, blocks freed) before failing with ENOSPC (60s like the kernel's
+        /// no_space_timeout; 0 waits for ever; error_if_no_space fails at once).
+        #[arg(long, default_value = "60s", value_parser = parse_duration, value_name = "TIME")]
+        no_space_timeout: std::time::Duration,
     },
     /// Create a device from a table and make it live.
     Create {
@@ -203,8 +209,23 @@ enum Command {
     },
     /// List the target types.
     Targets,
+    /// Thin pools: `udm thin ls POOL` lists its thin devices and what they hold.
+    Thin {
+        #[command(subcommand)]
+        command: ThinCommand,
+    },
     /// Replay a log-writes log onto a device, checking it at flush points (no daemon needed).
     ReplayLog(replay::ReplayOptions),
+}
+
+#[derive(Subcommand)]
+enum ThinCommand {
+    /// The pool's thin devices: mapped, exclusive and shared blocks (like thin_ls).
+    Ls {
+        pool: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -300,7 +321,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             fuse_threads,
             fuse_uring,
             remote_timeout,
+            no_space_timeout,
         } => {
+            udm_targets::set_no_space_timeout(no_space_timeout);
             let defaults = udm_nbd::ServerConfig::default();
             let nbd_config = udm_nbd::ServerConfig {
                 engine: nbd_engine.into(),
@@ -375,6 +398,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Finalize { name } => (Request::Finalize { name }, false),
         Command::Remove { name, force } => (Request::Remove { name, force }, false),
         Command::Targets => (Request::Targets, false),
+        Command::Thin {
+            command: ThinCommand::Ls { pool, json },
+        } => return thin_ls::show(&cli.control, &pool, json),
         Command::ReplayLog(options) => return replay::run(options),
     };
     let response = client::call(&cli.control, request)?;
