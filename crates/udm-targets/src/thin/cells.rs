@@ -112,7 +112,8 @@ impl Cells {
         }
     }
 
-    /// Cells held right now (for tests and status).
+    /// Cells held right now.
+    #[cfg(test)]
     pub fn held(&self) -> usize {
         self.busy.lock().unwrap().cells.len()
     }

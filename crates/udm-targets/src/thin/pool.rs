@@ -1,6 +1,6 @@
 //! `thin-pool <metadata dev> <data dev> <data block size> <low water mark> [<#features>
-//! <feature>*]`: the pool device. Its own I/O passes through to the data device (as the
-//! kernel's pool_map); its job is to hold the pool object that thin devices find by the
+//! <feature>*]`: the pool device. Its own reads and writes pass through to the data device
+//! (as the kernel's pool_map); its job is to hold the pool object that thin devices find by the
 //! pool device's name, and to bind the live table's data device and features to it at every
 //! resume — so reloading the pool with a larger data device grows it, keeping its state.
 
@@ -108,8 +108,10 @@ impl BlockDevice for PoolTarget {
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
         self.data.write(offset, buf, flags)
     }
+    /// A flush of the pool device commits the pool (so `udm remove` and a daemon stop leave
+    /// the metadata committed).
     fn flush(&self) -> Result<()> {
-        self.data.flush()
+        self.pool.commit()
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.data.discard(offset, len)
