@@ -423,6 +423,19 @@ impl ThinMetadata {
         self.change(|m| m.tm.dsm.alloc(&mut m.tm.cache))
     }
 
+    /// Gives back a block from `alloc_data_block` that will not be inserted (its data write
+    /// failed, or the request went away): its reference is dropped, and a block allocated in
+    /// this transaction is the next one allocated.
+    pub fn release_data_block(&mut self, data_block: u64) -> Result<()> {
+        self.usable()?;
+        if self.tm.dsm.count(data_block, &mut self.tm.cache)? == 0 {
+            return Err(ThinError::BadArgument(format!(
+                "data block {data_block} is not allocated"
+            )));
+        }
+        self.change(|m| m.tm.dsm.dec(data_block, &mut m.tm.cache).map(drop))
+    }
+
     /// Maps `vblock` of `id` to `data_block` (allocated by `alloc_data_block`, whose reference
     /// the mapping takes over) at the pool's current time; an old mapping to another block is
     /// replaced and that block decremented.

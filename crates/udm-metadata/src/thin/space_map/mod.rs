@@ -258,6 +258,10 @@ impl SpaceMap {
             bm.nr_free += 1;
             self.nr_allocated -= 1;
             bm.none_free_before = bm.none_free_before.min(j as u32);
+            if self.undo[&b] == 0 {
+                // Never committed: usable again at once, and the next search finds it.
+                self.cursor = self.cursor.min(b);
+            }
         }
         Ok(())
     }
