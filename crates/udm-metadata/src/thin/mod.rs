@@ -1,29 +1,63 @@
-//! dm-thin's pool metadata, byte for byte as the kernel's `dm-thin-metadata.c` writes it, so
-//! thin-provisioning-tools (`thin_check`, `thin_dump`, `thin_restore`) work on udm's pools.
-//! `docs/thin-metadata.md` describes the format as udm uses it.
+//! dm-thin's pool metadata, written as the kernel's `dm-thin-metadata.c` writes it, so that
+//! thin-provisioning-tools (`thin_check`, `thin_dump`, `thin_restore`, …) work on udm's pools
+//! and a pool written by udm can be activated by the kernel. `docs/thin-metadata.md` describes
+//! the format as udm uses it, byte by byte, with the kernel and tools sources it follows.
+//!
+//! One file per job: [`checksum`] (crc32c and salts), [`superblock`], [`btree`] (node layout,
+//! lookup, insert, remove), [`space_map`] (bitmaps, index, the data and metadata maps),
+//! [`cache`] (blocks in memory), [`transaction`] (shadowing, allocation, two-phase commit),
+//! [`mapping`] (the two-level mapping tree), [`details`]; this file is the pool's API.
 
+pub mod btree;
+pub mod cache;
+pub mod checksum;
+pub mod details;
+pub mod error;
+pub mod mapping;
+pub mod space_map;
+pub mod superblock;
+pub mod transaction;
+
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use thiserror::Error;
-use udm_block::{BlockDevice, BlockError};
+use udm_block::BlockDevice;
+
+use self::btree::insert::insert as btree_insert;
+use self::btree::lookup::{last_key, lookup as btree_lookup, walk};
+use self::btree::remove::remove as btree_remove;
+use self::btree::{del_tree, new_tree, ValueKind};
+use self::checksum::Kind;
+use self::error::corrupt;
+use self::mapping::{device_root, insert_mapping, pack, remove_mapping, unpack, MAX_DATA_BLOCKS};
+use self::space_map::index::MAX_METADATA_BITMAPS;
+use self::space_map::{bitmap::ENTRIES_PER_BITMAP, disk, metadata};
+use self::superblock::{
+    Superblock, METADATA_BLOCK_SECTORS, NEEDS_CHECK, SUPERBLOCK_LOCATION, VERSION,
+};
+use self::transaction::{metadata_reserve, Tm};
+
+pub use self::details::DeviceInfo;
+pub use self::error::ThinError;
+
+type Result<T, E = ThinError> = std::result::Result<T, E>;
+
+/// The most metadata blocks a pool uses (K:`DM_SM_METADATA_MAX_BLOCKS`, 255 bitmaps of
+/// 16,320): 15.9 GiB; the rest of a larger metadata device is left alone.
+pub const MAX_METADATA_BLOCKS: u64 = MAX_METADATA_BITMAPS as u64 * ENTRIES_PER_BITMAP;
+/// Thin device ids have 24 bits (K:`MAX_DEV_ID` in dm-thin.c).
+pub const MAX_DEV_ID: u32 = (1 << 24) - 1;
+/// Data block sizes the pool accepts, in sectors: 64 KiB to 1 GiB in steps of 64 KiB.
+pub const MIN_DATA_BLOCK_SECTORS: u32 = 128;
+pub const MAX_DATA_BLOCK_SECTORS: u32 = 2_097_152;
 
 /// Where a thin device's virtual block lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Mapping {
     pub data_block: u64,
     /// The mapping was made before the device's last snapshot, so another device may share
-    /// the block (dm_thin_find_block's time-based answer): a write must break sharing.
+    /// the block (`dm_thin_find_block`'s time-based answer): a write must break sharing.
     pub shared: bool,
-}
-
-/// A thin device as the details tree records it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DeviceInfo {
-    pub id: u32,
-    pub mapped_blocks: u64,
-    pub transaction_id: u64,
-    pub creation_time: u32,
-    pub snapshotted_time: u32,
 }
 
 /// Used and total blocks of a space map.
@@ -33,167 +67,667 @@ pub struct Usage {
     pub total: u64,
 }
 
-#[derive(Debug, Clone, Error, PartialEq, Eq)]
-pub enum ThinError {
-    #[error("thin device {0} does not exist")]
-    NoSuchDevice(u32),
-    #[error("thin device {0} already exists")]
-    DeviceExists(u32),
-    #[error("pool metadata is out of space")]
-    MetadataFull,
-    #[error("pool metadata block {block}: {what}")]
-    Corrupt { block: u64, what: String },
-    #[error("pool metadata device: {0}")]
-    Io(#[from] BlockError),
-    #[error("{0}")]
-    BadArgument(String),
-}
-
 /// The pool metadata: the details of every thin device, their mappings, and the reference
 /// counts of data and metadata blocks. Not internally locked: the pool wraps it in a Mutex.
+///
+/// Changes build up a transaction in memory (new blocks are written only by `commit`); the
+/// metadata on disk is always the last commit. After an error from a change other than a
+/// refused argument (`NoSuchDevice`, `DeviceExists`, `BadArgument`), the transaction is
+/// unusable: every call but `abort` (and `set_needs_check`) fails with `Aborting`.
 pub struct ThinMetadata {
-    _dev: Arc<dyn BlockDevice>,
+    tm: Tm,
+    /// The superblock the next commit writes.
+    sb: Superblock,
+    /// The superblock of the last commit.
+    committed: Superblock,
+    details: BTreeMap<u32, DeviceInfo>,
+    /// Devices whose details changed (or which were deleted) since the last commit.
+    changed: BTreeSet<u32>,
+    failed: Option<String>,
+}
+
+fn u64_of(v: &[u8]) -> u64 {
+    u64::from_le_bytes(v[..8].try_into().unwrap())
 }
 
 impl ThinMetadata {
     /// Opens the pool metadata on `dev`; formats a new pool when the superblock block is all
     /// zeroes (as the kernel does). Refuses a data block size that differs from the
     /// superblock's, a bad checksum, a needs_check flag (with a clear error naming
-    /// thin_check/thin_repair). A data device larger than the recorded one grows the pool.
+    /// thin_check/thin_repair). A data device larger than the recorded one grows the pool (and
+    /// a larger metadata device its metadata space), committed at once; a smaller one is
+    /// refused.
     pub fn open(
-        _dev: Arc<dyn BlockDevice>,
-        _data_block_sectors: u32,
-        _nr_data_blocks: u64,
-    ) -> Result<Self, ThinError> {
-        todo!()
+        dev: Arc<dyn BlockDevice>,
+        data_block_sectors: u32,
+        nr_data_blocks: u64,
+    ) -> Result<Self> {
+        if !(MIN_DATA_BLOCK_SECTORS..=MAX_DATA_BLOCK_SECTORS).contains(&data_block_sectors)
+            || !data_block_sectors.is_multiple_of(MIN_DATA_BLOCK_SECTORS)
+        {
+            return Err(ThinError::BadArgument(format!(
+                "data block size {data_block_sectors} sectors: must be a multiple of 128 \
+                 (64 KiB) from 128 to 2097152 (1 GiB)"
+            )));
+        }
+        if nr_data_blocks > MAX_DATA_BLOCKS {
+            return Err(ThinError::BadArgument(format!(
+                "{nr_data_blocks} data blocks: dm-thin addresses at most 2^40"
+            )));
+        }
+        let mut tm = Tm::new(dev);
+        let block0 = tm.cache.read_raw(SUPERBLOCK_LOCATION)?;
+        if block0.iter().all(|&b| b == 0) {
+            return Self::format(tm, data_block_sectors, nr_data_blocks);
+        }
+        let sb = Superblock::decode(SUPERBLOCK_LOCATION, &block0[..])?;
+        sb.check_features()?;
+        if sb.data_block_size != data_block_sectors {
+            return Err(ThinError::BadArgument(format!(
+                "data block size {data_block_sectors} sectors differs from the pool metadata's {}",
+                sb.data_block_size
+            )));
+        }
+        if sb.flags & NEEDS_CHECK != 0 {
+            return Err(ThinError::NeedsCheck);
+        }
+        let details = load(&mut tm, &sb)?;
+        let mut meta = ThinMetadata {
+            tm,
+            committed: sb.clone(),
+            sb,
+            details,
+            changed: BTreeSet::new(),
+            failed: None,
+        };
+        let recorded = meta.tm.dsm.nr_blocks();
+        if nr_data_blocks < recorded {
+            return Err(ThinError::BadArgument(format!(
+                "the data device has {nr_data_blocks} blocks, fewer than the pool's {recorded}: \
+                 pools do not shrink"
+            )));
+        }
+        let metadata_blocks = meta.tm.cache.dev_blocks().min(MAX_METADATA_BLOCKS);
+        if nr_data_blocks > recorded || metadata_blocks > meta.tm.msm.nr_blocks() {
+            meta.tm.dsm.extend(nr_data_blocks);
+            meta.tm
+                .msm
+                .extend(metadata_blocks.max(meta.tm.msm.nr_blocks()));
+            meta.commit()?;
+        }
+        Ok(meta)
+    }
+
+    /// Writes a new, empty pool (K:`__format_metadata`).
+    fn format(mut tm: Tm, data_block_sectors: u32, nr_data_blocks: u64) -> Result<Self> {
+        let nr_blocks = tm.cache.dev_blocks().min(MAX_METADATA_BLOCKS);
+        tm.set_committing(true);
+        tm.msm.extend(nr_blocks);
+        let built = (|| -> Result<Superblock> {
+            tm.msm.set(SUPERBLOCK_LOCATION, 1, &mut tm.cache)?;
+            tm.msm.ref_count_root = new_tree(&mut tm, ValueKind::RefCount)?;
+            tm.dsm.bitmap_root = new_tree(&mut tm, ValueKind::Index)?;
+            tm.dsm.ref_count_root = new_tree(&mut tm, ValueKind::RefCount)?;
+            tm.dsm.extend(nr_data_blocks);
+            Ok(Superblock {
+                flags: 0,
+                uuid: [0; 16],
+                version: VERSION,
+                time: 0,
+                trans_id: 0,
+                held_root: 0,
+                data_sm: Default::default(),
+                metadata_sm: Default::default(),
+                data_mapping_root: new_tree(&mut tm, ValueKind::Subtree)?,
+                device_details_root: new_tree(&mut tm, ValueKind::Details)?,
+                data_block_size: data_block_sectors,
+                metadata_block_size: METADATA_BLOCK_SECTORS,
+                metadata_nr_blocks: nr_blocks,
+                compat_flags: 0,
+                compat_ro_flags: 0,
+                incompat_flags: 0,
+            })
+        })();
+        let too_small = |e: ThinError| match e {
+            ThinError::MetadataFull | ThinError::Corrupt { .. } => ThinError::BadArgument(format!(
+                "metadata device of {nr_blocks} blocks is too small for a pool of \
+                     {nr_data_blocks} data blocks"
+            )),
+            e => e,
+        };
+        let sb = built.map_err(too_small)?;
+        tm.set_committing(false);
+        let mut meta = ThinMetadata {
+            tm,
+            committed: sb.clone(),
+            sb,
+            details: BTreeMap::new(),
+            changed: BTreeSet::new(),
+            failed: None,
+        };
+        meta.commit().map_err(too_small)?;
+        Ok(meta)
+    }
+
+    fn usable(&self) -> Result<()> {
+        match &self.failed {
+            Some(why) => Err(ThinError::Aborting(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs a change; an error leaves the transaction half done, so it must be aborted.
+    fn change<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        self.usable()?;
+        let out = f(self);
+        if let Err(e) = &out {
+            self.failed = Some(e.to_string());
+        }
+        out
+    }
+
+    fn info(&self, id: u32) -> Result<DeviceInfo> {
+        self.details
+            .get(&id)
+            .copied()
+            .ok_or(ThinError::NoSuchDevice(id))
+    }
+
+    fn root_of(&mut self, id: u32) -> Result<u64> {
+        device_root(&mut self.tm.cache, self.sb.data_mapping_root, id)?.ok_or_else(|| {
+            corrupt(
+                self.sb.data_mapping_root,
+                format!("device {id} has details but no mapping tree"),
+            )
+        })
     }
 
     /// The pool's transaction id (userspace's, set by `set_transaction_id`).
     pub fn transaction_id(&self) -> u64 {
-        todo!()
+        self.sb.trans_id
     }
 
     /// Sets the transaction id to `new` if it is `old` now.
-    pub fn set_transaction_id(&mut self, _old: u64, _new: u64) -> Result<(), ThinError> {
-        todo!()
+    pub fn set_transaction_id(&mut self, old: u64, new: u64) -> Result<()> {
+        self.usable()?;
+        if self.sb.trans_id != old {
+            return Err(ThinError::BadArgument(format!(
+                "transaction id is {}, not {old}",
+                self.sb.trans_id
+            )));
+        }
+        self.sb.trans_id = new;
+        Ok(())
+    }
+
+    fn check_new_id(&self, id: u32) -> Result<()> {
+        if id > MAX_DEV_ID {
+            return Err(ThinError::BadArgument(format!(
+                "device id {id} is above the maximum {MAX_DEV_ID}"
+            )));
+        }
+        if self.details.contains_key(&id) {
+            return Err(ThinError::DeviceExists(id));
+        }
+        Ok(())
+    }
+
+    fn add_device(&mut self, id: u32, root: u64, mapped_blocks: u64) -> Result<()> {
+        let (top, old) = btree_insert(
+            &mut self.tm,
+            self.sb.data_mapping_root,
+            ValueKind::Subtree,
+            id as u64,
+            &root.to_le_bytes(),
+        )?;
+        self.sb.data_mapping_root = top;
+        if old.is_some() {
+            return Err(corrupt(
+                top,
+                format!("device {id} had a mapping tree but no details"),
+            ));
+        }
+        self.details.insert(
+            id,
+            DeviceInfo {
+                id,
+                mapped_blocks,
+                transaction_id: self.sb.trans_id,
+                creation_time: self.sb.time,
+                snapshotted_time: self.sb.time,
+            },
+        );
+        self.changed.insert(id);
+        Ok(())
     }
 
     /// Creates an empty thin device.
-    pub fn create_thin(&mut self, _id: u32) -> Result<(), ThinError> {
-        todo!()
+    pub fn create_thin(&mut self, id: u32) -> Result<()> {
+        self.usable()?;
+        self.check_new_id(id)?;
+        self.change(|m| {
+            let root = new_tree(&mut m.tm, ValueKind::Mapping)?;
+            m.add_device(id, root, 0)
+        })
     }
 
-    /// Creates `id` as a snapshot of `origin` (shares the origin's mapping tree); increments
-    /// the pool's time and sets snapshotted_time of both.
-    pub fn create_snap(&mut self, _id: u32, _origin: u32) -> Result<(), ThinError> {
-        todo!()
+    /// Creates `id` as a snapshot of `origin`, which must not change meanwhile (the pool
+    /// suspends it): the two share the origin's mapping tree, whose root gains a reference.
+    /// The pool's time goes up, and both devices' snapshotted_time becomes it, so every
+    /// mapping made so far reads as shared (K:`__create_snap`).
+    pub fn create_snap(&mut self, id: u32, origin: u32) -> Result<()> {
+        self.usable()?;
+        self.check_new_id(id)?;
+        let origin_info = self.info(origin)?;
+        if self.sb.time >= mapping::MAX_TIME {
+            return Err(ThinError::BadArgument(
+                "the pool's snapshot time is exhausted (2^24 snapshots)".into(),
+            ));
+        }
+        self.change(|m| {
+            let root = m.root_of(origin)?;
+            m.tm.inc(root)?;
+            m.sb.time += 1;
+            m.add_device(id, root, origin_info.mapped_blocks)?;
+            let time = m.sb.time;
+            m.details.get_mut(&origin).expect("origin").snapshotted_time = time;
+            m.changed.insert(origin);
+            Ok(())
+        })
     }
 
-    /// Deletes a thin device, decrementing every data block it maps.
-    pub fn delete(&mut self, _id: u32) -> Result<(), ThinError> {
-        todo!()
+    /// Deletes a thin device, dropping every data block only it mapped.
+    pub fn delete(&mut self, id: u32) -> Result<()> {
+        self.usable()?;
+        self.info(id)?;
+        self.change(|m| {
+            let (top, old) = btree_remove(
+                &mut m.tm,
+                m.sb.data_mapping_root,
+                ValueKind::Subtree,
+                id as u64,
+            )?;
+            m.sb.data_mapping_root = top;
+            let root = old.ok_or_else(|| {
+                corrupt(top, format!("device {id} has details but no mapping tree"))
+            })?;
+            del_tree(&mut m.tm, u64_of(&root), ValueKind::Mapping)?;
+            m.details.remove(&id);
+            m.changed.insert(id);
+            Ok(())
+        })
     }
 
     /// Every thin device, by id.
     pub fn devices(&self) -> Vec<DeviceInfo> {
-        todo!()
+        self.details.values().copied().collect()
     }
 
-    pub fn device(&self, _id: u32) -> Option<DeviceInfo> {
-        todo!()
+    pub fn device(&self, id: u32) -> Option<DeviceInfo> {
+        self.details.get(&id).copied()
     }
 
     /// Where `vblock` of device `id` lives, if it is mapped. Served from memory once warm.
-    pub fn lookup(&mut self, _id: u32, _vblock: u64) -> Result<Option<Mapping>, ThinError> {
-        todo!()
+    pub fn lookup(&mut self, id: u32, vblock: u64) -> Result<Option<Mapping>> {
+        self.usable()?;
+        let info = self.info(id)?;
+        let root = self.root_of(id)?;
+        let value = btree_lookup(&mut self.tm.cache, root, ValueKind::Mapping, vblock, u64_of)?;
+        Ok(value.map(|v| {
+            let (data_block, time) = unpack(v);
+            Mapping {
+                data_block,
+                shared: info.snapshotted_time > time,
+            }
+        }))
     }
 
     /// Mapped runs in `[begin, end)`: (vblock, data_block, len, shared), both block numbers
     /// consecutive within a run.
     pub fn lookup_range(
         &mut self,
-        _id: u32,
-        _begin: u64,
-        _end: u64,
-    ) -> Result<Vec<(u64, u64, u64, bool)>, ThinError> {
-        todo!()
+        id: u32,
+        begin: u64,
+        end: u64,
+    ) -> Result<Vec<(u64, u64, u64, bool)>> {
+        self.usable()?;
+        let info = self.info(id)?;
+        let root = self.root_of(id)?;
+        let mut runs: Vec<(u64, u64, u64, bool)> = Vec::new();
+        walk(
+            &mut self.tm.cache,
+            root,
+            ValueKind::Mapping,
+            begin,
+            Some(end),
+            &mut |vblock, v| {
+                let (data_block, time) = unpack(u64_of(v));
+                let shared = info.snapshotted_time > time;
+                match runs.last_mut() {
+                    Some((vb, db, len, sh))
+                        if *vb + *len == vblock && *db + *len == data_block && *sh == shared =>
+                    {
+                        *len += 1
+                    }
+                    _ => runs.push((vblock, data_block, 1, shared)),
+                }
+                Ok(())
+            },
+        )?;
+        Ok(runs)
     }
 
-    /// Allocates a free data block (reference count 1, until `insert`ed); None: data space
-    /// full. Never a block that is free only since the last commit.
-    pub fn alloc_data_block(&mut self) -> Result<Option<u64>, ThinError> {
-        todo!()
+    /// Allocates a free data block (reference count 1, which `insert` hands to the mapping);
+    /// None: data space full. Never a block that is free only since the last commit.
+    pub fn alloc_data_block(&mut self) -> Result<Option<u64>> {
+        self.change(|m| m.tm.dsm.alloc(&mut m.tm.cache))
+    }
+
+    /// Gives back a block from `alloc_data_block` that will not be inserted (its data write
+    /// failed, or the request went away): its reference is dropped, and a block allocated in
+    /// this transaction is the next one allocated.
+    pub fn release_data_block(&mut self, data_block: u64) -> Result<()> {
+        self.usable()?;
+        if self.tm.dsm.count(data_block, &mut self.tm.cache)? == 0 {
+            return Err(ThinError::BadArgument(format!(
+                "data block {data_block} is not allocated"
+            )));
+        }
+        self.change(|m| m.tm.dsm.dec(data_block, &mut m.tm.cache).map(drop))
     }
 
     /// Maps `vblock` of `id` to `data_block` (allocated by `alloc_data_block`, whose reference
-    /// the mapping takes over); an old mapping is replaced and its block decremented.
-    pub fn insert(&mut self, _id: u32, _vblock: u64, _data_block: u64) -> Result<(), ThinError> {
-        todo!()
+    /// the mapping takes over) at the pool's current time; an old mapping to another block is
+    /// replaced and that block decremented.
+    pub fn insert(&mut self, id: u32, vblock: u64, data_block: u64) -> Result<()> {
+        self.usable()?;
+        self.info(id)?;
+        if data_block >= self.tm.dsm.nr_blocks() {
+            return Err(ThinError::BadArgument(format!(
+                "data block {data_block} is beyond the data device ({} blocks)",
+                self.tm.dsm.nr_blocks()
+            )));
+        }
+        self.change(|m| {
+            let value = pack(data_block, m.sb.time);
+            let (top, old) = insert_mapping(&mut m.tm, m.sb.data_mapping_root, id, vblock, value)?;
+            m.sb.data_mapping_root = top;
+            match old.map(unpack) {
+                None => m.details.get_mut(&id).expect("device").mapped_blocks += 1,
+                Some((old_block, _)) if old_block != data_block => {
+                    m.tm.dsm.dec(old_block, &mut m.tm.cache)?;
+                }
+                Some(_) => {}
+            }
+            m.changed.insert(id);
+            Ok(())
+        })
     }
 
     /// Unmaps `vblock` of `id`; Some(data block) if that block became free (refcount 0).
-    pub fn remove(&mut self, _id: u32, _vblock: u64) -> Result<Option<u64>, ThinError> {
-        todo!()
+    pub fn remove(&mut self, id: u32, vblock: u64) -> Result<Option<u64>> {
+        self.usable()?;
+        self.info(id)?;
+        self.change(|m| {
+            let root = m.root_of(id)?;
+            let (top, old) = remove_mapping(&mut m.tm, m.sb.data_mapping_root, id, vblock, root)?;
+            m.sb.data_mapping_root = top;
+            let Some((data_block, _)) = old.map(unpack) else {
+                return Ok(None);
+            };
+            m.details.get_mut(&id).expect("device").mapped_blocks -= 1;
+            m.changed.insert(id);
+            let left = m.tm.dsm.dec(data_block, &mut m.tm.cache)?;
+            Ok((left == 0).then_some(data_block))
+        })
     }
 
-    /// How many mappings (or allocations) hold `data_block`.
-    pub fn data_ref_count(&mut self, _data_block: u64) -> Result<u32, ThinError> {
-        todo!()
+    /// How many mappings (or allocations) hold `data_block`. A block mapped by several
+    /// devices through a tree node they share counts once.
+    pub fn data_ref_count(&mut self, data_block: u64) -> Result<u32> {
+        self.usable()?;
+        self.tm.dsm.count(data_block, &mut self.tm.cache)
     }
 
     /// The highest mapped virtual block of `id`, if any.
-    pub fn highest_mapped(&mut self, _id: u32) -> Result<Option<u64>, ThinError> {
-        todo!()
+    pub fn highest_mapped(&mut self, id: u32) -> Result<Option<u64>> {
+        self.usable()?;
+        self.info(id)?;
+        let root = self.root_of(id)?;
+        last_key(&mut self.tm.cache, root, ValueKind::Mapping)
     }
 
     /// Data blocks in use and in all; exact, counts uncommitted allocations.
     pub fn data_usage(&self) -> Usage {
-        todo!()
+        Usage {
+            used: self.tm.dsm.nr_allocated(),
+            total: self.tm.dsm.nr_blocks(),
+        }
     }
 
-    /// Metadata blocks in use and in all.
+    /// Metadata blocks in use and in all, as the kernel's pool status counts them: the blocks
+    /// kept back for commits (a tenth of the device, at most 4096) count as used.
     pub fn metadata_usage(&self) -> Usage {
-        todo!()
+        let total = self.tm.msm.nr_blocks();
+        let free = self
+            .tm
+            .msm
+            .nr_free()
+            .saturating_sub(metadata_reserve(total));
+        Usage {
+            used: total - free,
+            total,
+        }
     }
 
     /// Grows the data space to `nr_data_blocks` (shrinking is refused).
-    pub fn resize_data(&mut self, _nr_data_blocks: u64) -> Result<(), ThinError> {
-        todo!()
+    pub fn resize_data(&mut self, nr_data_blocks: u64) -> Result<()> {
+        self.usable()?;
+        let now = self.tm.dsm.nr_blocks();
+        if nr_data_blocks < now || nr_data_blocks > MAX_DATA_BLOCKS {
+            return Err(ThinError::BadArgument(format!(
+                "cannot resize the data space from {now} to {nr_data_blocks} blocks: \
+                 it only grows, up to 2^40"
+            )));
+        }
+        self.tm.dsm.extend(nr_data_blocks);
+        Ok(())
     }
 
-    /// Takes a metadata snapshot (a copy of the superblock whose trees stay readable by
-    /// `thin_dump -m` while the pool runs).
-    pub fn reserve_metadata_snap(&mut self) -> Result<(), ThinError> {
-        todo!()
+    /// Takes a metadata snapshot (K:`__reserve_metadata_snap`): commits, then copies the
+    /// superblock to a new block whose trees stay as they are now, for `thin_dump -m` and
+    /// `thin_delta -m` while the pool runs. The next commit records it (`held_root`).
+    pub fn reserve_metadata_snap(&mut self) -> Result<()> {
+        self.usable()?;
+        if self.sb.held_root != 0 {
+            return Err(ThinError::BadArgument(format!(
+                "a metadata snapshot is already held (block {}): release it first",
+                self.sb.held_root
+            )));
+        }
+        self.commit()?;
+        self.change(|m| {
+            let copy = m.tm.alloc()?;
+            let mut snap = m.committed.clone();
+            snap.data_sm = Default::default();
+            snap.metadata_sm = Default::default();
+            m.tm.cache
+                .put(copy, Kind::Superblock, Arc::from(snap.encode(copy)));
+            m.tm.inc(snap.data_mapping_root)?;
+            m.tm.inc(snap.device_details_root)?;
+            m.sb.held_root = copy;
+            Ok(())
+        })
     }
 
-    /// Drops the metadata snapshot.
-    pub fn release_metadata_snap(&mut self) -> Result<(), ThinError> {
-        todo!()
+    /// Drops the metadata snapshot and what only it kept (K:`__release_metadata_snap`); the
+    /// next commit records it.
+    pub fn release_metadata_snap(&mut self) -> Result<()> {
+        self.usable()?;
+        let held = self.sb.held_root;
+        if held == 0 {
+            return Err(ThinError::BadArgument(
+                "no metadata snapshot is held".into(),
+            ));
+        }
+        self.change(|m| {
+            let block = m.tm.cache.read(held, Kind::Superblock)?;
+            let snap = Superblock::decode(held, &block[..])?;
+            del_tree(&mut m.tm, snap.data_mapping_root, ValueKind::Subtree)?;
+            del_tree(&mut m.tm, snap.device_details_root, ValueKind::Details)?;
+            m.tm.dec(held)?;
+            m.sb.held_root = 0;
+            Ok(())
+        })
     }
 
     /// The metadata snapshot's block, if one is held (the pool status's held root).
     pub fn held_root(&self) -> Option<u64> {
-        todo!()
+        (self.sb.held_root != 0).then_some(self.sb.held_root)
     }
 
     pub fn needs_check(&self) -> bool {
-        todo!()
+        self.sb.flags & NEEDS_CHECK != 0
     }
 
-    /// Sets the needs_check flag and commits it, so the pool is not used again until checked.
-    pub fn set_needs_check(&mut self) -> Result<(), ThinError> {
-        todo!()
+    /// Sets the needs_check flag in the superblock of the last commit and writes it at once,
+    /// without committing what changed since (after an error that may be the damage). The pool
+    /// will not open until `thin_check --clear-needs-check-flag` passes.
+    pub fn set_needs_check(&mut self) -> Result<()> {
+        self.sb.flags |= NEEDS_CHECK;
+        self.committed.flags |= NEEDS_CHECK;
+        let block = self.committed.encode(SUPERBLOCK_LOCATION);
+        self.tm.cache.write_now(SUPERBLOCK_LOCATION, &block)
     }
 
-    /// Makes everything since the last commit durable (dm's two-phase commit); the caller
-    /// has flushed the data device first. A crash before it returns leaves the previous commit.
-    pub fn commit(&mut self) -> Result<(), ThinError> {
-        todo!()
+    fn has_changes(&self) -> bool {
+        self.tm.cache.has_dirty()
+            || !self.changed.is_empty()
+            || self.sb != self.committed
+            || [&self.tm.dsm, &self.tm.msm]
+                .iter()
+                .any(|sm| sm.bitmaps.iter().any(|b| b.dirty) || !sm.overflow_dirty.is_empty())
     }
 
-    /// Drops everything since the last commit (metadata back to the committed state).
-    pub fn abort(&mut self) -> Result<(), ThinError> {
-        todo!()
+    /// Makes everything since the last commit durable (dm's two-phase commit,
+    /// K:`__commit_transaction`); the caller has flushed the data device first. A crash before
+    /// it returns leaves the previous commit. A commit with nothing to do writes nothing.
+    pub fn commit(&mut self) -> Result<()> {
+        self.usable()?;
+        if !self.has_changes() {
+            return Ok(());
+        }
+        self.tm.set_committing(true);
+        let out = self.write_transaction();
+        self.tm.set_committing(false);
+        if let Err(e) = &out {
+            self.failed = Some(e.to_string());
+        }
+        out
     }
+
+    fn write_transaction(&mut self) -> Result<()> {
+        let mut root = self.sb.device_details_root;
+        for id in std::mem::take(&mut self.changed) {
+            root = match self.details.get(&id) {
+                Some(info) => {
+                    let value = info.encode();
+                    btree_insert(&mut self.tm, root, ValueKind::Details, id as u64, &value)?.0
+                }
+                None => btree_remove(&mut self.tm, root, ValueKind::Details, id as u64)?.0,
+            };
+        }
+        self.sb.device_details_root = root;
+        disk::commit(&mut self.tm)?;
+        metadata::commit(&mut self.tm)?;
+        self.sb.data_sm = self.tm.dsm.root();
+        self.sb.metadata_sm = self.tm.msm.root();
+        self.tm.write_commit(&self.sb)?;
+        self.committed = self.sb.clone();
+        Ok(())
+    }
+
+    /// Drops everything since the last commit (metadata back to the committed state, read
+    /// again from the device).
+    pub fn abort(&mut self) -> Result<()> {
+        let block0 = self.tm.cache.read_raw(SUPERBLOCK_LOCATION)?;
+        let sb = Superblock::decode(SUPERBLOCK_LOCATION, &block0[..])?;
+        self.tm.cache.discard_dirty();
+        self.details = load(&mut self.tm, &sb)?;
+        self.committed = sb.clone();
+        self.sb = sb;
+        self.changed.clear();
+        self.failed = None;
+        Ok(())
+    }
+
+    /// The data block size, in sectors.
+    pub fn data_block_sectors(&self) -> u32 {
+        self.sb.data_block_size
+    }
+
+    /// Metadata blocks read from the device so far (a warm lookup reads none).
+    pub fn disk_reads(&self) -> u64 {
+        self.tm.cache.disk_reads()
+    }
+
+    /// Bounds the clean metadata blocks kept in memory (default 65,536: 256 MiB).
+    pub fn set_cache_blocks(&mut self, blocks: usize) {
+        self.tm.cache.set_capacity(blocks);
+    }
+}
+
+/// Reads the committed state named by `sb` into `tm`: both space maps, and the device details
+/// (checked against the mapping tree's top level).
+fn load(tm: &mut Tm, sb: &Superblock) -> Result<BTreeMap<u32, DeviceInfo>> {
+    let dev_blocks = tm.cache.dev_blocks();
+    if sb.metadata_sm.nr_blocks > dev_blocks {
+        return Err(corrupt(
+            SUPERBLOCK_LOCATION,
+            format!(
+                "the metadata space map counts {} blocks, the device has {dev_blocks} \
+                 (truncated?)",
+                sb.metadata_sm.nr_blocks
+            ),
+        ));
+    }
+    tm.msm = metadata::open(&mut tm.cache, &sb.metadata_sm)?;
+    tm.dsm = disk::open(&mut tm.cache, &sb.data_sm)?;
+    let mut details = BTreeMap::new();
+    walk(
+        &mut tm.cache,
+        sb.device_details_root,
+        ValueKind::Details,
+        0,
+        None,
+        &mut |id, v| {
+            let id32 = u32::try_from(id)
+                .map_err(|_| corrupt(sb.device_details_root, format!("device id {id}")))?;
+            details.insert(id32, DeviceInfo::decode(id32, v));
+            Ok(())
+        },
+    )?;
+    let mut with_trees = Vec::with_capacity(details.len());
+    walk(
+        &mut tm.cache,
+        sb.data_mapping_root,
+        ValueKind::Subtree,
+        0,
+        None,
+        &mut |id, _| {
+            with_trees.push(id);
+            Ok(())
+        },
+    )?;
+    if !with_trees
+        .iter()
+        .copied()
+        .eq(details.keys().map(|&id| id as u64))
+    {
+        return Err(corrupt(
+            sb.data_mapping_root,
+            "the devices of the mapping tree and of the details tree differ",
+        ));
+    }
+    Ok(details)
 }
