@@ -44,9 +44,6 @@ pub struct Meta {
     /// Counts aborted transactions: a block allocated before an abort is not the pool's
     /// any more and must not be inserted.
     pub epoch: u64,
-    /// Blocks allocated in this epoch whose data write failed, handed out again first
-    /// (ThinMetadata has no way yet to give an allocation back).
-    spare: Vec<u64>,
     /// Data blocks unmapped to refcount 0, discarded on the data device at the next commit:
     /// until that commit they cannot be allocated again, so no other device's data is there.
     passdown: Vec<u64>,
@@ -192,7 +189,6 @@ impl Pool {
             meta: Mutex::new(Meta {
                 md,
                 epoch: 0,
-                spare: Vec::new(),
                 passdown: Vec::new(),
             }),
             dirty: AtomicBool::new(false),
@@ -318,7 +314,6 @@ impl Pool {
             next = Mode::Fail;
         }
         meta.epoch += 1;
-        meta.spare.clear();
         meta.passdown.clear();
         self.dirty.store(false, Ordering::Release);
         if !full && next != Mode::Fail {
@@ -389,9 +384,6 @@ impl Pool {
     pub fn alloc_block(&self) -> std::result::Result<Option<(u64, u64)>, BlockError> {
         let mut meta = self.meta();
         self.check_writable()?;
-        if let Some(block) = meta.spare.pop() {
-            return Ok(Some((block, meta.epoch)));
-        }
         match meta.md.alloc_data_block() {
             Ok(Some(block)) => {
                 self.mark_dirty();
@@ -403,11 +395,14 @@ impl Pool {
         }
     }
 
-    /// Takes back a block whose data write failed.
+    /// Takes back a block whose data write failed (unless the transaction that allocated
+    /// it was rolled back since, which took it back already).
     pub fn give_back(&self, block: u64, epoch: u64) {
         let mut meta = self.meta();
         if meta.epoch == epoch {
-            meta.spare.push(block);
+            if let Err(e) = meta.md.release_data_block(block) {
+                self.metadata_failed(&mut meta, "release_data_block", e);
+            }
         }
     }
 
@@ -700,15 +695,6 @@ impl Drop for Pool {
         let (stop, wake) = &*self.stop;
         *stop.lock().unwrap() = true;
         wake.notify_all();
-        let meta = self.meta.get_mut().unwrap();
-        if !meta.spare.is_empty() {
-            warn!(
-                "thin-pool '{}': {} data block(s) allocated for writes that failed stay \
-                 allocated (thin_check reports them as leaked)",
-                self.name,
-                meta.spare.len()
-            );
-        }
         if self.mode() < Mode::ReadOnly && self.dirty.load(Ordering::Acquire) {
             let mut meta = self.meta.lock().unwrap();
             if let Err(e) = self.commit_locked(&mut meta) {

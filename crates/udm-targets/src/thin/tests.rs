@@ -57,19 +57,37 @@ impl Rig {
         rig
     }
 
+    /// Device names are made unique per rig (pools are keyed by their metadata device
+    /// process-wide): `{meta}` in a table stands for this rig's `meta`.
+    fn unique_name(&self, name: &str) -> String {
+        format!("{}-{name}", self.name)
+    }
+
     fn add(&self, name: &str, dev: Arc<dyn BlockDevice>) {
-        self.devices.lock().unwrap().insert(name.to_string(), dev);
+        self.devices
+            .lock()
+            .unwrap()
+            .insert(self.unique_name(name), dev);
     }
 
     fn dev(&self, name: &str) -> Arc<dyn BlockDevice> {
-        self.devices.lock().unwrap()[name].clone()
+        self.devices.lock().unwrap()[&self.unique_name(name)].clone()
     }
 
     fn build(&self, owner: &str, text: &str) -> Result<Table, TargetError> {
         let events = self.events.clone();
+        let text: Vec<String> = text
+            .split(' ')
+            .map(
+                |word| match word.strip_prefix('{').and_then(|w| w.strip_suffix('}')) {
+                    Some(name) => self.unique_name(name),
+                    None => word.to_string(),
+                },
+            )
+            .collect();
         Table::build(
             owner,
-            text,
+            &text.join(" "),
             self,
             Arc::new(move || {
                 events.fetch_add(1, Ordering::SeqCst);
@@ -83,12 +101,15 @@ impl Rig {
         let table = Arc::new(
             self.build(
                 &self.name,
-                &format!("0 {sectors} thin-pool meta data {rest}"),
+                &format!("0 {sectors} thin-pool {{meta}} {{data}} {rest}"),
             )
             .unwrap(),
         );
         table.resume();
-        self.add(&self.name.clone(), table.clone());
+        self.devices
+            .lock()
+            .unwrap()
+            .insert(self.name.clone(), table.clone());
         table
     }
 
@@ -340,12 +361,12 @@ fn out_of_space_queues_until_the_pool_grows_then_times_out() {
     assert!(!writer.is_finished(), "the write waits for space");
     assert!(rig
         .status(&pool)
-        .contains(" out_of_data_space queue_if_no_space "));
+        .contains(" out_of_data_space discard_passdown queue_if_no_space "));
     // …until the pool is reloaded larger (suspend does not wait for the queued write).
     let bigger = rig
         .build(
             &rig.name,
-            &format!("0 {} thin-pool meta data 128 1", 4 * BLOCK / 512),
+            &format!("0 {} thin-pool {{meta}} {{data}} 128 1", 4 * BLOCK / 512),
         )
         .unwrap();
     pool.suspend();
@@ -392,7 +413,7 @@ fn a_reload_finds_the_same_pool_and_other_pools_are_refused() {
     let err = rig
         .build(
             &rig.name,
-            &format!("0 {} thin-pool meta2 data 128 0", 32 * BLOCK / 512),
+            &format!("0 {} thin-pool {{meta2}} {{data}} 128 0", 32 * BLOCK / 512),
         )
         .err()
         .unwrap()
@@ -402,7 +423,7 @@ fn a_reload_finds_the_same_pool_and_other_pools_are_refused() {
     let err = rig
         .build(
             &unique("pool"),
-            &format!("0 {} thin-pool meta data 128 0", 32 * BLOCK / 512),
+            &format!("0 {} thin-pool {{meta}} {{data}} 128 0", 32 * BLOCK / 512),
         )
         .err()
         .unwrap()
@@ -411,16 +432,16 @@ fn a_reload_finds_the_same_pool_and_other_pools_are_refused() {
     // Smaller, another block size, discards switched off: refused.
     for (table, expected) in [
         (
-            format!("0 {} thin-pool meta data 128 0", 16 * BLOCK / 512),
+            format!("0 {} thin-pool {{meta}} {{data}} 128 0", 16 * BLOCK / 512),
             "too small",
         ),
         (
-            format!("0 {} thin-pool meta data 256 0", 32 * BLOCK / 512),
+            format!("0 {} thin-pool {{meta}} {{data}} 256 0", 32 * BLOCK / 512),
             "block size",
         ),
         (
             format!(
-                "0 {} thin-pool meta data 128 0 1 ignore_discard",
+                "0 {} thin-pool {{meta}} {{data}} 128 0 1 ignore_discard",
                 32 * BLOCK / 512
             ),
             "discard support",
@@ -436,8 +457,12 @@ fn thin_lines_that_name_nothing_are_refused() {
     let (rig, pool) = pool_with_thin(16, "");
     let err = rig.thin(MIB, 7).err().unwrap().to_string();
     assert!(err.contains("thin device 7 does not exist"), "{err}");
-    let err = rig.build("x", "0 8 thin meta 1").err().unwrap().to_string();
-    assert!(err.contains("'meta' is not a thin-pool device"), "{err}");
+    let err = rig
+        .build("x", "0 8 thin {meta} 1")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("-meta' is not a thin-pool device"), "{err}");
     pool.suspend();
     let err = rig.thin(MIB, 1).err().unwrap().to_string();
     assert!(
@@ -507,7 +532,7 @@ fn an_external_origin_fills_what_is_not_provisioned() {
     let thin = rig
         .build(
             "ext",
-            &format!("0 {} thin {} 1 golden", 4 * BLOCK / 512, rig.name),
+            &format!("0 {} thin {} 1 {{golden}}", 4 * BLOCK / 512, rig.name),
         )
         .unwrap();
     thin.resume();
