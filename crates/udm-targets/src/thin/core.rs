@@ -44,8 +44,9 @@ pub struct Meta {
     /// Counts aborted transactions: a block allocated before an abort is not the pool's
     /// any more and must not be inserted.
     pub epoch: u64,
-    /// Data blocks unmapped to refcount 0, discarded on the data device at the next commit:
-    /// until that commit they cannot be allocated again, so no other device's data is there.
+    /// Data blocks unmapped to refcount 0, discarded on the data device at the next commit
+    /// if they are still free then: a block allocated in the same transaction may have been
+    /// freed and allocated again meanwhile.
     passdown: Vec<u64>,
 }
 
@@ -342,10 +343,17 @@ impl Pool {
     pub fn commit_locked(&self, meta: &mut Meta) -> Result<()> {
         let data = self.data();
         let block = self.block_bytes();
-        for freed in meta.passdown.drain(..) {
-            if let Err(e) = data.discard(freed * block, block) {
+        let freed: Vec<u64> = meta.passdown.drain(..).collect();
+        for block_nr in freed {
+            // Under the metadata lock nobody can allocate it between the check and the discard.
+            match meta.md.data_ref_count(block_nr) {
+                Ok(0) => {}
+                Ok(_) => continue,
+                Err(e) => return Err(self.metadata_failed(meta, "data_ref_count", e)),
+            }
+            if let Err(e) = data.discard(block_nr * block, block) {
                 warn!(
-                    "thin-pool '{}': discard passdown of block {freed}: {e}",
+                    "thin-pool '{}': discard passdown of block {block_nr}: {e}",
                     self.name
                 );
             }

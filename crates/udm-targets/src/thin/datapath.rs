@@ -197,8 +197,10 @@ impl Thin {
         Ok(())
     }
 
-    /// Zeroes one block's piece: a whole block that reads as zeroes unmapped is unmapped
-    /// (when allowed) or left alone; anything else is written with zeroes.
+    /// Zeroes one block's piece. An unprovisioned block with no origin under it reads as
+    /// zeroes already (zeroing part of it must not allocate it: fstrim sends the edges of
+    /// every free extent); a whole provisioned one is unmapped when allowed; anything else is
+    /// written with zeroes.
     fn zero_piece(
         &self,
         vblock: u64,
@@ -207,13 +209,15 @@ impl Thin {
         flags: ZeroFlags,
     ) -> std::result::Result<(), Stall> {
         let block = self.pool.block_bytes();
-        let whole = at == 0 && len == block && self.origin_reach(vblock * block, 1) == 0;
-        if whole {
+        let on_origin = self.origin_reach(vblock * block, block) > 0;
+        {
             let _cell = Cells::exclusive(&*self.pool.cells, self.key(vblock));
             match self.pool.lookup(self.id(), vblock)? {
-                None => return Ok(()),
-                Some(_) if flags.may_unmap => return Ok(self.pool.unmap(self.id(), vblock)?),
-                Some(_) => {}
+                None if !on_origin => return Ok(()),
+                Some(_) if flags.may_unmap && !on_origin && at == 0 && len == block => {
+                    return Ok(self.pool.unmap(self.id(), vblock)?)
+                }
+                _ => {}
             }
         }
         if flags.fast_only {
