@@ -682,17 +682,19 @@ fn suspending_the_pool_holds_thin_io_until_resume() {
     assert_eq!(reader.join().unwrap(), filled(4096, 0));
 }
 
-/// Random writes, zeroings (unmapping or not), discards and flushes, on a thin device and on
-/// a plain memory device side by side: every read must agree (a discard of whole blocks reads
+/// Random writes, zeroings (unmapping or not), discards, flushes and snapshots, on a thin
+/// device and on a plain memory device side by side: every read must agree, and every
+/// snapshot must still hold what the device held when it was taken (a discard of whole blocks reads
 /// back as zeroes on a thin device without an origin, so the model zeroes those blocks).
 /// It caught discard passdown punching a block that had been freed and allocated again in
 /// the same transaction (mkfs.ext4 on a thin volume found it first).
 #[test]
 fn random_operations_read_back_as_on_a_plain_device() {
-    let (rig, _pool) = pool_with_thin(512, "");
+    let (rig, pool) = pool_with_thin(2048, "");
     let size = 8 * MIB;
     let thin = rig.thin(size, 1).unwrap();
     let model = MemoryDevice::new(size);
+    let mut snapshots: Vec<(u32, Vec<u8>)> = Vec::new();
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let mut random = move |n: u64| {
         seed ^= seed << 13;
@@ -742,6 +744,23 @@ fn random_operations_read_back_as_on_a_plain_device() {
                 "step {step}: the thin device differs from the model"
             );
         }
+        // Now and then a snapshot, which must keep what the device held then; some of them
+        // are deleted again.
+        if step % 500 == 250 {
+            let id = 2 + step as u32 / 500;
+            thin.suspend();
+            rig.message(&pool, &format!("create_snap {id} 1")).unwrap();
+            thin.resume();
+            snapshots.push((id, read(&model, 0, size)));
+            if snapshots.len() % 3 == 0 {
+                let (gone, _) = snapshots.remove(0);
+                rig.message(&pool, &format!("delete {gone}")).unwrap();
+            }
+        }
+    }
+    for (id, then) in &snapshots {
+        let snap = rig.thin(size, *id).unwrap();
+        assert!(read(&snap, 0, size) == *then, "snapshot {id} changed");
     }
 }
 
