@@ -185,7 +185,7 @@ fn thin_round(
     for _ in 0..40 {
         let id = ids[(next(rng) % ids.len() as u64) as usize];
         let vblock = next(rng) % 3000;
-        if next(rng) % 5 == 0 {
+        if next(rng).is_multiple_of(5) {
             meta.remove(id, vblock)?;
             model.get_mut(&id).unwrap().remove(&vblock);
         } else {
