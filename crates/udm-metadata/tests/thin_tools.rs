@@ -361,3 +361,54 @@ fn a_metadata_snapshot_keeps_its_view_while_the_pool_changes() {
     pool.commit_and_check("after releasing the metadata snapshot");
     assert_eq!(pool.meta.held_root(), None);
 }
+
+#[test]
+fn a_grown_metadata_device_is_used_and_stays_clean() {
+    let scratch = Scratch::new("grow");
+    let mut pool = Pool::new(&scratch, 4 << 20, 10_000);
+    pool.create(1);
+    for vb in 0..2_000 {
+        pool.write(1, vb);
+    }
+    pool.commit_and_check("small metadata device");
+    assert_eq!(pool.meta.metadata_usage().total, 1024);
+    // Past one metadata bitmap (16,320 blocks): the map gains bitmaps.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&pool.path)
+        .unwrap()
+        .set_len(80 << 20)
+        .unwrap();
+    pool.dev =
+        Arc::new(udm_block::FileDevice::open(&pool.path, udm_block::OpenMode::ReadWrite).unwrap());
+    pool.meta = ThinMetadata::open(pool.dev.clone(), 128, 30_000).unwrap();
+    assert_eq!(pool.meta.metadata_usage().total, 20_480);
+    assert_eq!(pool.meta.data_usage().total, 30_000);
+    check(&pool.path, "after growing both devices");
+    for vb in 2_000..25_000 {
+        pool.write(1, vb);
+    }
+    pool.commit_and_check("writes into the grown pool");
+}
+
+#[test]
+fn needs_check_is_cleared_by_thin_check() {
+    let scratch = Scratch::new("needscheck");
+    let mut pool = Pool::new(&scratch, 4 << 20, 1_000);
+    pool.create(1);
+    pool.write(1, 0);
+    pool.commit_and_check("before needs_check");
+    pool.meta.set_needs_check().unwrap();
+    assert_eq!(
+        ThinMetadata::open(pool.dev.clone(), 128, 1_000).unwrap_err(),
+        udm_metadata::ThinError::NeedsCheck
+    );
+    let out = std::process::Command::new("thin_check")
+        .args(["--clear-needs-check-flag", pool.path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    pool.reopen();
+    assert!(!pool.meta.needs_check());
+    assert!(pool.meta.lookup(1, 0).unwrap().is_some());
+}

@@ -141,7 +141,7 @@ impl SpaceMap {
     }
 
     pub fn nr_free(&self) -> u64 {
-        self.nr_blocks - self.nr_allocated
+        self.nr_blocks.saturating_sub(self.nr_allocated)
     }
 
     pub fn root(&self) -> SmRoot {
@@ -206,9 +206,15 @@ impl SpaceMap {
         Ok(())
     }
 
-    /// Reads every bitmap (the metadata map keeps them all: its changes must not read).
+    /// Reads every bitmap (the metadata map keeps them all: its changes must not read), and
+    /// counts the blocks in use from them.
     pub fn load_all(&mut self, cache: &mut BlockCache) -> Result<()> {
-        (0..self.bitmaps.len()).try_for_each(|k| self.load(k, cache))
+        (0..self.bitmaps.len()).try_for_each(|k| self.load(k, cache))?;
+        let free: u64 = self.bitmaps.iter().map(|b| b.nr_free as u64).sum();
+        // Slots past the end of the last bitmap count as free and are never used.
+        let past_end = self.bitmaps.len() as u64 * ENTRIES_PER_BITMAP - self.nr_blocks;
+        self.nr_allocated = self.nr_blocks.saturating_sub(free.saturating_sub(past_end));
+        Ok(())
     }
 
     pub fn count(&mut self, b: u64, cache: &mut BlockCache) -> Result<u32> {
@@ -256,7 +262,8 @@ impl SpaceMap {
             }
         } else if count == 0 {
             bm.nr_free += 1;
-            self.nr_allocated -= 1;
+            // Saturating: a damaged root's count must not bring the pool down.
+            self.nr_allocated = self.nr_allocated.saturating_sub(1);
             bm.none_free_before = bm.none_free_before.min(j as u32);
             if self.undo[&b] == 0 {
                 // Never committed: usable again at once, and the next search finds it.

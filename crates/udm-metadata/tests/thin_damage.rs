@@ -1,0 +1,273 @@
+//! Damaged pool metadata: a flipped byte anywhere, a truncated device, a full metadata device.
+//! Each gives a clear error naming the block (never a panic), and a full device leaves the
+//! last commit intact.
+
+mod tpt;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use udm_block::{BlockDevice, MemoryDevice, WriteFlags};
+use udm_metadata::thin::checksum::{raw_crc32c, seal, Kind};
+use udm_metadata::{ThinError, ThinMetadata, BLOCK_SIZE};
+
+const B: u64 = BLOCK_SIZE as u64;
+
+fn u64_at(block: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(block[at..at + 8].try_into().unwrap())
+}
+
+fn read_block(dev: &dyn BlockDevice, b: u64) -> Vec<u8> {
+    let mut block = vec![0u8; BLOCK_SIZE];
+    dev.read(b * B, &mut block).unwrap();
+    block
+}
+
+fn write_block(dev: &dyn BlockDevice, b: u64, block: &[u8]) {
+    dev.write(b * B, block, WriteFlags::default()).unwrap();
+}
+
+/// A pool with two devices (one a snapshot), a tree of several levels, committed.
+fn pool() -> Arc<dyn BlockDevice> {
+    let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(4 << 20));
+    let mut meta = ThinMetadata::open(dev.clone(), 128, 40_000).unwrap();
+    meta.create_thin(1).unwrap();
+    for vb in 0..600 {
+        let b = meta.alloc_data_block().unwrap().unwrap();
+        meta.insert(1, vb * 3, b).unwrap();
+    }
+    meta.create_snap(2, 1).unwrap();
+    for vb in 0..20 {
+        let b = meta.alloc_data_block().unwrap().unwrap();
+        meta.insert(2, vb, b).unwrap();
+    }
+    meta.commit().unwrap();
+    dev
+}
+
+fn copy(dev: &dyn BlockDevice, size: u64) -> Arc<dyn BlockDevice> {
+    let out = MemoryDevice::new(size);
+    let mut image = vec![0u8; size.min(dev.size()) as usize];
+    dev.read(0, &mut image).unwrap();
+    out.write(0, &image, WriteFlags::default()).unwrap();
+    Arc::new(out)
+}
+
+fn corrupt_block(err: ThinError) -> u64 {
+    match err {
+        ThinError::Corrupt { block, .. } => block,
+        other => panic!("expected a Corrupt error, got {other:?}"),
+    }
+}
+
+/// Flips one byte of block `b` on a copy of `dev`.
+fn flipped(dev: &dyn BlockDevice, b: u64, at: usize) -> Arc<dyn BlockDevice> {
+    let copy = copy(dev, dev.size());
+    let mut block = read_block(copy.as_ref(), b);
+    block[at] ^= 0x40;
+    write_block(copy.as_ref(), b, &block);
+    copy
+}
+
+/// Everything a pool does, so a damaged block is met wherever it is.
+fn exercise(meta: &mut ThinMetadata) -> Result<(), ThinError> {
+    for info in meta.devices() {
+        meta.lookup_range(info.id, 0, u64::MAX)?;
+        meta.highest_mapped(info.id)?;
+        meta.lookup(info.id, 3)?;
+    }
+    for b in [0, 1, 700, 39_999] {
+        meta.data_ref_count(b)?;
+    }
+    meta.create_snap(9, 1)?;
+    for vb in 0..50 {
+        let b = meta.alloc_data_block()?.unwrap();
+        meta.insert(1, vb * 5, b)?;
+        meta.remove(9, vb * 3)?;
+    }
+    meta.delete(2)?;
+    meta.commit()
+}
+
+#[test]
+fn a_damaged_superblock_node_or_bitmap_is_named() {
+    let dev = pool();
+    let sb = read_block(dev.as_ref(), 0);
+
+    let err = ThinMetadata::open(flipped(dev.as_ref(), 0, 100), 128, 40_000).unwrap_err();
+    assert_eq!(corrupt_block(err.clone()), 0);
+    assert!(err.to_string().contains("checksum"), "{err}");
+
+    // The mapping tree's top level, read at open.
+    let top = u64_at(&sb, 320);
+    let err = ThinMetadata::open(flipped(dev.as_ref(), top, 40), 128, 40_000).unwrap_err();
+    assert_eq!(corrupt_block(err), top);
+
+    // A leaf of device 1, read on lookup.
+    let top_block = read_block(dev.as_ref(), top);
+    let root1 = u64_at(&top_block, 32 + 8 * 252);
+    let root_block = read_block(dev.as_ref(), root1);
+    assert_eq!(
+        u32::from_le_bytes(root_block[4..8].try_into().unwrap()),
+        1,
+        "internal"
+    );
+    let leaf = u64_at(&root_block, 32 + 8 * 252 + 8);
+    let damaged = flipped(dev.as_ref(), leaf, 2000);
+    let mut meta = ThinMetadata::open(damaged, 128, 40_000).unwrap();
+    assert!(meta.lookup(1, 0).is_ok(), "other leaves still read");
+    let first_key = u64_at(&read_block(dev.as_ref(), leaf), 32);
+    let err = meta.lookup(1, first_key).unwrap_err();
+    assert_eq!(corrupt_block(err.clone()), leaf);
+    assert!(err.to_string().contains(&format!("block {leaf}")), "{err}");
+
+    // A metadata space map bitmap, read at open.
+    let index = u64_at(&sb, 192 + 16);
+    let bitmap = u64_at(&read_block(dev.as_ref(), index), 16);
+    let err = ThinMetadata::open(flipped(dev.as_ref(), bitmap, 300), 128, 40_000).unwrap_err();
+    assert_eq!(corrupt_block(err), bitmap);
+
+    // A data space map bitmap, read when first used.
+    let data_index = u64_at(&sb, 64 + 16);
+    let entry = read_block(dev.as_ref(), data_index);
+    let data_bitmap = u64_at(&entry, 32 + 8 * 168);
+    let mut meta = ThinMetadata::open(flipped(dev.as_ref(), data_bitmap, 17), 128, 40_000).unwrap();
+    let err = meta.data_ref_count(5).unwrap_err();
+    assert_eq!(corrupt_block(err), data_bitmap);
+}
+
+#[test]
+fn a_truncated_metadata_device_is_refused_by_name() {
+    let dev = pool();
+    for size in [0, 2048, B, 64 * B] {
+        let err = ThinMetadata::open(copy(dev.as_ref(), size), 128, 40_000)
+            .err()
+            .unwrap_or_else(|| panic!("{size} bytes opened"));
+        let text = err.to_string();
+        assert!(
+            text.contains("block 0")
+                && (text.contains("beyond the end") || text.contains("truncated")),
+            "{size} bytes: {text}"
+        );
+    }
+}
+
+/// Reseals a changed block under the checksum it had, so the change gets past the checksum
+/// (as a bug in a writer would) and reaches the structure checks.
+fn reseal(block: &mut [u8], b: u64) -> bool {
+    let stored = u32::from_le_bytes(block[0..4].try_into().unwrap());
+    let salt = stored ^ raw_crc32c(&block[4..]);
+    let kind = [Kind::Superblock, Kind::Node, Kind::Bitmap, Kind::Index]
+        .into_iter()
+        .find(|k| k.salt() == salt);
+    match kind {
+        Some(kind) => {
+            seal(kind, b, block);
+            true
+        }
+        None => false,
+    }
+}
+
+#[test]
+fn no_damage_makes_it_panic() {
+    let dev = pool();
+    let used: Vec<u64> = (0..dev.size() / B)
+        .filter(|&b| {
+            let mut block = read_block(dev.as_ref(), b);
+            reseal(&mut block, b)
+        })
+        .collect();
+    assert!(used.len() > 10, "{} blocks in use", used.len());
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    let mut errors = 0;
+    let mut tried = 0;
+    for &b in &used {
+        // Header fields, keys, values, bitmap words: bytes that mean something.
+        for at in [4, 16, 17, 20, 24, 32, 40, 100, 2048, 2100, 4000] {
+            for resealed in [false, true] {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let damaged = copy(dev.as_ref(), dev.size());
+                let mut block = read_block(damaged.as_ref(), b);
+                block[at] ^= 1 << (rng % 8);
+                if resealed {
+                    reseal(&mut block, b);
+                }
+                write_block(damaged.as_ref(), b, &block);
+                tried += 1;
+                let outcome = catch_unwind(AssertUnwindSafe(|| {
+                    ThinMetadata::open(damaged, 128, 40_000).and_then(|mut m| exercise(&mut m))
+                }));
+                match outcome {
+                    Ok(Err(_)) => errors += 1,
+                    Ok(Ok(())) => {}
+                    Err(_) => panic!("damage at block {b} byte {at} (resealed: {resealed}) panics"),
+                }
+            }
+        }
+    }
+    eprintln!("{tried} damaged pools: {errors} errors, no panic");
+    assert!(errors > tried / 3);
+}
+
+#[test]
+fn a_full_metadata_device_fails_cleanly_and_keeps_the_last_commit() {
+    let scratch = tpt::Scratch::new("full");
+    // 48 blocks of metadata, 4 kept back for commits.
+    let (path, dev) = scratch.device("meta", 48 * B);
+    let mut meta = ThinMetadata::open(dev.clone(), 128, 100_000).unwrap();
+    meta.create_thin(1).unwrap();
+    let mut committed = 0u64;
+    let mut vb = 0;
+    let err = loop {
+        // Random-ish order: leaves split and fill the device quickly.
+        let b = match meta.alloc_data_block() {
+            Ok(b) => b.unwrap(),
+            Err(e) => break e,
+        };
+        if let Err(e) = meta.insert(1, (vb * 7919) % 100_000, b) {
+            break e;
+        }
+        vb += 1;
+        if vb % 500 == 0 {
+            meta.commit().unwrap();
+            committed = vb;
+        }
+    };
+    assert_eq!(err, ThinError::MetadataFull);
+    // Blocks freed since the last commit stay in use until the next: "full" comes before
+    // every block is used.
+    let usage = meta.metadata_usage();
+    assert!(usage.used * 3 > usage.total * 2, "{usage:?}");
+    assert!(
+        matches!(meta.lookup(1, 0), Err(ThinError::Aborting(_))),
+        "the failed transaction must be aborted"
+    );
+    assert!(matches!(meta.commit(), Err(ThinError::Aborting(_))));
+    meta.abort().unwrap();
+    assert_eq!(meta.device(1).unwrap().mapped_blocks, committed);
+    tpt::check(&path, "after the metadata filled up");
+    for i in 0..committed {
+        assert!(meta.lookup(1, (i * 7919) % 100_000).unwrap().is_some());
+    }
+    // Unmapping makes room again, a few blocks per commit (each copies the leaves it
+    // changes; the blocks it frees are reused after the commit).
+    for i in 0..committed / 2 {
+        meta.remove(1, (i * 7919) % 100_000).unwrap();
+        if i % 4 == 3 {
+            meta.commit().unwrap();
+        }
+    }
+    meta.commit().unwrap();
+    assert!(meta.metadata_usage().used < usage.used);
+    tpt::check(&path, "after unmapping half");
+    drop(meta);
+    let mut meta = ThinMetadata::open(dev, 128, 100_000).unwrap();
+    assert_eq!(
+        meta.device(1).unwrap().mapped_blocks,
+        committed - committed / 2
+    );
+    assert!(meta.lookup(1, 0).unwrap().is_none());
+}
