@@ -1,8 +1,11 @@
 //! What each thin device holds, as `thin_ls` counts it: mapped blocks, and of those the ones
 //! no other device maps (exclusive) and the ones it shares. Counted by walking every device's
 //! mappings — data reference counts cannot tell, since snapshots share whole subtrees whose
-//! blocks keep a count of 1. The walk takes the metadata lock a window at a time, so I/O
-//! goes on meanwhile; it costs memory and time in proportion to the mapped blocks.
+//! blocks keep a count of 1. A mapping made after its device's last snapshot is its own (the
+//! block was allocated for it, and no snapshot has it); only the others are counted across
+//! devices, so the memory goes with the blocks snapshots may share. The walk takes the
+//! metadata lock a window at a time, so I/O goes on meanwhile; its time goes with the mapped
+//! blocks.
 
 use std::collections::HashMap;
 
@@ -27,7 +30,7 @@ pub struct DeviceUsage {
 /// Every device's usage, by id.
 pub fn devices(pool: &Pool) -> Result<Vec<DeviceUsage>, String> {
     let infos = pool.meta().md.devices();
-    let mut runs_of: Vec<Vec<(u64, u64)>> = Vec::with_capacity(infos.len());
+    let mut runs_of: Vec<Vec<(u64, u64, bool)>> = Vec::with_capacity(infos.len());
     let mut users: HashMap<u64, u32> = HashMap::new();
     let mut highest_of = Vec::with_capacity(infos.len());
     for info in &infos {
@@ -43,11 +46,13 @@ pub fn devices(pool: &Pool) -> Result<Vec<DeviceUsage>, String> {
             let window = pool
                 .lookup_range(info.id, begin, (begin + WINDOW).min(end))
                 .map_err(|e| e.to_string())?;
-            for (_, data, len, _) in window {
-                for block in data..data + len {
-                    *users.entry(block).or_default() += 1;
+            for (_, data, len, shared) in window {
+                if shared {
+                    for block in data..data + len {
+                        *users.entry(block).or_default() += 1;
+                    }
                 }
-                runs.push((data, len));
+                runs.push((data, len, shared));
             }
             begin += WINDOW;
         }
@@ -69,9 +74,13 @@ pub fn devices(pool: &Pool) -> Result<Vec<DeviceUsage>, String> {
                 creation_time: info.creation_time,
                 snapshotted_time: info.snapshotted_time,
             };
-            for (data, len) in runs {
+            for (data, len, shared) in runs {
+                usage.mapped += len;
+                if !shared {
+                    usage.exclusive += len;
+                    continue;
+                }
                 for block in data..data + len {
-                    usage.mapped += 1;
                     if users[&block] == 1 {
                         usage.exclusive += 1;
                     } else {
