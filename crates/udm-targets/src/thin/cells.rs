@@ -7,6 +7,7 @@
 //! One short mutex; the condition variable is signalled only when somebody waits.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::ops::Deref;
 use std::sync::{Condvar, Mutex};
 
@@ -19,9 +20,31 @@ struct State {
     exclusive: bool,
 }
 
+/// Every mapped request takes and drops a cell (and looks in the mapping cache): the keys are
+/// block numbers, so a multiply-and-rotate hash does instead of SipHash.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(n as u64);
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
 #[derive(Default)]
 struct Busy {
-    cells: HashMap<Key, State>,
+    cells: HashMap<Key, State, BuildHasherDefault<KeyHasher>>,
     waiters: usize,
 }
 

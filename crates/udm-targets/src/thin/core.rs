@@ -17,6 +17,7 @@ use udm_metadata::thin::{DeviceInfo, Mapping, ThinError, ThinMetadata};
 
 use super::args::Features;
 use super::gate::Gate;
+use super::mapcache::MapCache;
 use super::space::Space;
 use super::status::{metadata_low_water, Mode, PoolStatus};
 use crate::rendezvous::Rendezvous;
@@ -72,6 +73,8 @@ pub struct Pool {
     bound: RwLock<Bound>,
     pub gate: Gate,
     pub cells: Arc<super::cells::Cells>,
+    /// Mappings recently used, kept exact by every change below.
+    maps: MapCache,
     pub space: Space,
     thins: Mutex<Vec<ThinUse>>,
     next_token: AtomicU64,
@@ -203,6 +206,7 @@ impl Pool {
             // Closed until the first resume binds a table.
             gate: Gate::closed(),
             cells: Arc::default(),
+            maps: MapCache::default(),
             space: Space::default(),
             thins: Mutex::new(Vec::new()),
             next_token: AtomicU64::new(0),
@@ -316,6 +320,7 @@ impl Pool {
         }
         meta.epoch += 1;
         meta.passdown.clear();
+        self.maps.clear();
         self.dirty.store(false, Ordering::Release);
         if !full && next != Mode::Fail {
             if let Err(flag) = meta.md.set_needs_check() {
@@ -428,6 +433,12 @@ impl Pool {
         match meta.md.insert(id, vblock, block) {
             Ok(()) => {
                 self.mark_dirty();
+                // Made now, after the device's last snapshot: its own.
+                let mapping = Mapping {
+                    data_block: block,
+                    shared: false,
+                };
+                self.maps.put((id, vblock), mapping);
                 Ok(())
             }
             Err(e) => Err(self.metadata_failed(&mut meta, "insert", e)),
@@ -447,6 +458,7 @@ impl Pool {
         match meta.md.remove(id, vblock) {
             Ok(freed) => {
                 self.mark_dirty();
+                self.maps.forget((id, vblock));
                 if let Some(freed) = freed.filter(|_| self.features().discard_passdown) {
                     meta.passdown.push(freed);
                 }
@@ -456,11 +468,34 @@ impl Pool {
         }
     }
 
+    /// Where `vblock` of `id` lives. The caller holds the block's cell (shared or
+    /// exclusive), which is what keeps the mapping cache exact for it.
     pub fn lookup(&self, id: u32, vblock: u64) -> Result<Option<Mapping>> {
-        self.meta()
-            .md
-            .lookup(id, vblock)
+        if let Some(mapping) = self.maps.get((id, vblock)) {
+            return Ok(Some(mapping));
+        }
+        let mut meta = self.meta();
+        self.lookup_locked(&mut meta, id, vblock)
             .map_err(|e| self.lookup_failed(id, vblock, e))
+    }
+
+    /// [`Pool::lookup`] past the cache, with the metadata lock held; remembers what it finds.
+    pub fn lookup_locked(
+        &self,
+        meta: &mut Meta,
+        id: u32,
+        vblock: u64,
+    ) -> std::result::Result<Option<Mapping>, ThinError> {
+        let found = meta.md.lookup(id, vblock)?;
+        if let Some(mapping) = found {
+            self.maps.put((id, vblock), mapping);
+        }
+        Ok(found)
+    }
+
+    /// [`Pool::lookup`] from the cache alone.
+    pub fn cached(&self, id: u32, vblock: u64) -> Option<Mapping> {
+        self.maps.get((id, vblock))
     }
 
     /// Mapped runs of `id` in `[begin, end)`: (vblock, data block, len, shared).
@@ -677,6 +712,9 @@ impl Pool {
             )));
         }
         let mut meta = self.meta();
+        // Snapshots change which of a device's blocks are shared, deletes unmap whole
+        // devices: the cache starts over.
+        self.maps.clear();
         match run(&mut meta) {
             Ok(()) => {}
             Err(

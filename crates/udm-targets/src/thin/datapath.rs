@@ -250,16 +250,25 @@ impl Thin {
             cells.push(Cells::try_shared(pool.cells.clone(), self.key(*vblock))?);
         }
         let mut places = Vec::with_capacity(pieces.len());
-        {
-            let mut meta = pool.try_meta()?;
-            for (vblock, _, _) in &pieces {
-                let m = meta.md.lookup(self.id(), *vblock).ok()??;
-                if op.is_write() && m.shared {
-                    return None;
+        let mut meta = None;
+        for (vblock, _, _) in &pieces {
+            let m = match pool.cached(self.id(), *vblock) {
+                Some(m) => m,
+                None => {
+                    // Only when the metadata is free (not committing): map() must not wait.
+                    if meta.is_none() {
+                        meta = Some(pool.try_meta()?);
+                    }
+                    let meta = meta.as_mut().expect("locked above");
+                    pool.lookup_locked(meta, self.id(), *vblock).ok()??
                 }
-                places.push(m.data_block);
+            };
+            if op.is_write() && m.shared {
+                return None;
             }
+            places.push(m.data_block);
         }
+        drop(meta);
         let block = pool.block_bytes();
         let data = pool.data();
         let mut mapping = Mapping::new();
@@ -267,7 +276,8 @@ impl Thin {
             let lower = data.map(op, data_block * block + at, range.len() as u64)?;
             mapping.append(range.start as u64, lower);
         }
-        Some(mapping.hold(in_flight).hold(cells))
+        // One hold for both (one allocation per request); the cells go before the gate.
+        Some(mapping.hold((cells, in_flight)))
     }
 }
 

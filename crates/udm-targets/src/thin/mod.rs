@@ -14,6 +14,7 @@ mod core;
 mod datapath;
 mod device;
 mod gate;
+mod mapcache;
 mod messages;
 mod pool;
 mod space;
