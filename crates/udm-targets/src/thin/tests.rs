@@ -752,7 +752,7 @@ fn random_operations_read_back_as_on_a_plain_device() {
             rig.message(&pool, &format!("create_snap {id} 1")).unwrap();
             thin.resume();
             snapshots.push((id, read(&model, 0, size)));
-            if snapshots.len() % 3 == 0 {
+            if snapshots.len().is_multiple_of(3) {
                 let (gone, _) = snapshots.remove(0);
                 rig.message(&pool, &format!("delete {gone}")).unwrap();
             }
