@@ -209,8 +209,10 @@ def break_sharing(rig: Rig, args) -> list:
     rig.v("create", "base", "--table", f"0 {size // 512} linear {base} 0")
     rig.fill("base", size)
     rig.remove("base")
-    data = rig.file("bs.data", 2 * size, prealloc=True)
-    rig.pool("bpool", str(data), 2 * size // BLOCK)
+    # The volume, and a block for every first write of every repeat.
+    blocks = size // BLOCK + args.repeat * ios + 1024
+    data = rig.file("bs.data", blocks * BLOCK, prealloc=True)
+    rig.pool("bpool", str(data), blocks)
     rig.thin("bvol", "bpool", 1, size)
     rig.fill("bvol", size)
     runs = {"thin": [], "qcow2": []}
@@ -358,7 +360,8 @@ def metadata_per_tib(rig: Rig, args) -> list:
         before = pool_usage(rig, name)["metadata_blocks"]["used"]
         rig.thin("mdvol", name, 1, mapped * block)
         # One 4 KiB write per block maps every block.
-        rig.fio("mdvol", f"write:{block - 4096}", "4k", 16, 0, mapped * block)
+        rig.fio("mdvol", f"write:{block - 4096}", "4k", 16, 0, mapped * block,
+                extra=[f"--number_ios={mapped}"])
         after = pool_usage(rig, name)["metadata_blocks"]["used"]
         per_tib = (after - before) * 4096 * (TIB // block) / mapped
         tool = subprocess.run(["thin_metadata_size", "-b", f"{block // KIB}k", "-s", "1t",
@@ -471,8 +474,8 @@ def main(argv=None) -> int:
                            fmt(r["peer"], r["row"]),
                            f"{r['ratio']:.2f}×" if r["ratio"] else "—",
                            f"≥ {bar}×" if bar else "—", met])
-    table = markdown_table(["row", "udm thin", "against", "value", "ratio", "bar", ""],
-                           table_rows)
+    header = ["row", "udm thin", "against", "value", "ratio", "bar", ""]
+    table = markdown_table(header, table_rows) if table_rows else "(no row completed)"
     extra = [r for r in rows if "latency_us" in r or "qcow2_chain_of_10" in r]
     for r in extra:
         if "latency_us" in r:
