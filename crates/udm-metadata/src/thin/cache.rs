@@ -135,9 +135,10 @@ impl BlockCache {
         Arc::make_mut(block)
     }
 
-    /// Forgets this transaction's version of `b` (the block was freed again).
-    pub fn drop_dirty(&mut self, b: u64) {
+    /// Forgets block `b` (it was freed).
+    pub fn forget(&mut self, b: u64) {
         self.dirty.remove(&b);
+        self.clean.remove(&b);
     }
 
     /// Forgets every dirty block (abort).

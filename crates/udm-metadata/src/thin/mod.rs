@@ -803,6 +803,33 @@ mod tests {
     }
 
     #[test]
+    fn freed_blocks_do_not_crowd_live_ones_out_of_the_cache() {
+        let mut meta = ThinMetadata::open(device(), 128, 100_000).unwrap();
+        meta.set_cache_blocks(1000);
+        meta.create_thin(1).unwrap();
+        // Random inserts copy a leaf each, commit after commit: thousands of freed blocks.
+        let order = |i: u64| (i * 7919) % 60_000;
+        for i in 0..60_000 {
+            map_new(&mut meta, 1, order(i));
+            if i % 1000 == 999 {
+                meta.commit().unwrap();
+            }
+        }
+        assert!(
+            meta.metadata_usage().used < 1000,
+            "the live metadata fits the cache"
+        );
+        for i in 0..60_000 {
+            meta.lookup(1, order(i)).unwrap();
+        }
+        let warm = meta.disk_reads();
+        for i in 0..60_000 {
+            meta.lookup(1, order(i)).unwrap();
+        }
+        assert_eq!(meta.disk_reads(), warm);
+    }
+
+    #[test]
     fn refused_arguments_leave_the_transaction_usable() {
         let mut meta = ThinMetadata::open(device(), 128, 1000).unwrap();
         assert!(matches!(
