@@ -783,6 +783,12 @@ mod tests {
     }
 
     #[test]
+    fn the_pool_can_move_between_threads() {
+        fn send<T: Send>() {}
+        send::<ThinMetadata>();
+    }
+
+    #[test]
     fn warm_lookups_read_nothing_from_disk() {
         let dev = device();
         let mut meta = ThinMetadata::open(dev.clone(), 128, 100_000).unwrap();
