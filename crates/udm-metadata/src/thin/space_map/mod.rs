@@ -200,7 +200,11 @@ impl SpaceMap {
         if bm.words.is_none() {
             let block = cache.read(bm.location, Kind::Bitmap)?;
             let words = bitmap::decode(&block[..]);
+            // Recounted: the index entry's figures are hints another writer may have left loose.
             bm.nr_free = bitmap::count_free(&words);
+            bm.none_free_before =
+                bitmap::find_free(&words, 0, ENTRIES_PER_BITMAP as usize, |_| true)
+                    .unwrap_or(ENTRIES_PER_BITMAP as usize) as u32;
             bm.words = Some(words);
         }
         Ok(())
