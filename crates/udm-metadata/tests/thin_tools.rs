@@ -265,7 +265,7 @@ fn metadata_made_by_thin_restore_opens_reads_and_takes_changes() {
 
     let scratch = Scratch::new("restore");
     let path = restore(&scratch, &xml, 16 << 20);
-    check(&path, "after thin_restore");
+    tpt::check_restored(&path, "after thin_restore");
     let dev: Arc<dyn BlockDevice> =
         Arc::new(udm_block::FileDevice::open(&path, udm_block::OpenMode::ReadWrite).unwrap());
     assert!(
@@ -411,4 +411,34 @@ fn needs_check_is_cleared_by_thin_check() {
     pool.reopen();
     assert!(!pool.meta.needs_check());
     assert!(pool.meta.lookup(1, 0).unwrap().is_some());
+}
+
+#[test]
+fn hundreds_of_devices_split_and_merge_the_top_level_and_details_trees() {
+    let scratch = Scratch::new("devices");
+    let mut pool = Pool::new(&scratch, 16 << 20, 100_000);
+    // Beyond 252 devices (top level) and 126 (details): both trees get internal nodes.
+    for id in 0..400 {
+        pool.create(id * 3);
+        for vb in 0..(id as u64 % 7) {
+            pool.write(id * 3, vb * 11);
+        }
+    }
+    pool.commit_and_check("400 devices");
+    for id in 0..200 {
+        pool.snap(10_000 + id, id * 6);
+        pool.write(10_000 + id, 1);
+    }
+    pool.commit_and_check("200 snapshots");
+    pool.reopen();
+    for id in (0..400).filter(|id| id % 4 != 1) {
+        pool.delete(id * 3);
+    }
+    pool.commit_and_check("most origins deleted");
+    let left: Vec<u32> = pool.model.keys().copied().collect();
+    for id in left {
+        pool.delete(id);
+    }
+    pool.commit_and_check("every device deleted");
+    assert_eq!(pool.meta.data_usage().used, 0);
 }
