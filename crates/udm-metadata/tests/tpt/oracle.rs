@@ -28,6 +28,9 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
 }
 
+/// Called with every (key, value) of the leaves a walk reaches.
+type LeafVisitor<'a, 'f> = dyn FnMut(&mut Image<'a>, u64, &[u8]) -> Result<(), String> + 'f;
+
 #[derive(Clone, Copy, PartialEq)]
 enum Tree {
     Top,
@@ -65,7 +68,7 @@ impl<'a> Image<'a> {
         tree: Tree,
         range: (u64, Option<u64>),
         root: bool,
-        leaf: &mut dyn FnMut(&mut Self, u64, &[u8]) -> Result<(), String>,
+        leaf: &mut LeafVisitor<'a, '_>,
     ) -> Result<u64, String> {
         *self.meta.entry(b).or_default() += 1;
         if !self.walked.insert(b) {
