@@ -261,13 +261,57 @@ fn a_full_metadata_device_fails_cleanly_and_keeps_the_last_commit() {
         }
     }
     meta.commit().unwrap();
-    assert!(meta.metadata_usage().used < usage.used);
     tpt::check(&path, "after unmapping half");
+    // ... where new mappings fit.
+    for i in 0..100 {
+        let b = meta.alloc_data_block().unwrap().unwrap();
+        meta.insert(1, (i * 7919) % 100_000, b).unwrap();
+        if i % 4 == 3 {
+            meta.commit().unwrap();
+        }
+    }
+    tpt::check(&path, "after mapping some again");
     drop(meta);
     let mut meta = ThinMetadata::open(dev, 128, 100_000).unwrap();
     assert_eq!(
         meta.device(1).unwrap().mapped_blocks,
-        committed - committed / 2
+        committed - committed / 2 + 100
     );
-    assert!(meta.lookup(1, 0).unwrap().is_none());
+    assert!(meta.lookup(1, 0).unwrap().is_some());
+    assert!(meta.lookup(1, 100 * 7919 % 100_000).unwrap().is_none());
+}
+
+#[test]
+fn blocks_freed_in_a_transaction_do_not_count_as_room_for_its_commit() {
+    let scratch = tpt::Scratch::new("freedroom");
+    let (path, dev) = scratch.device("meta", 64 * B);
+    let mut meta = ThinMetadata::open(dev, 128, 100_000).unwrap();
+    meta.create_thin(1).unwrap();
+    for vb in 0..2_000u64 {
+        let b = meta.alloc_data_block().unwrap().unwrap();
+        meta.insert(1, (vb * 7919) % 100_000, b).unwrap();
+    }
+    meta.commit().unwrap();
+    // Deleting the device frees its blocks, but only for the next transaction: mappings
+    // added in this one must stop while its commit still has room.
+    // The inserts that succeed before MetadataFull.
+    let replay = |meta: &mut ThinMetadata, most: u64| -> u64 {
+        meta.delete(1).unwrap();
+        meta.create_thin(2).unwrap();
+        for vb in 0..most {
+            let b = meta.alloc_data_block().unwrap().unwrap();
+            match meta.insert(2, (vb * 104_729) % 100_000, b) {
+                Ok(()) => {}
+                Err(ThinError::MetadataFull) => return vb,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        most
+    };
+    let most = replay(&mut meta, u64::MAX);
+    meta.abort().unwrap();
+    assert!(most > 100, "{most}");
+    assert_eq!(replay(&mut meta, most), most);
+    meta.commit().unwrap();
+    tpt::check(&path, "after the fullest transaction that succeeded");
 }

@@ -515,7 +515,10 @@ fn thin_delta_and_thin_ls_agree_with_udms_mappings() {
             };
             expected.insert(*vb, kind);
         }
-        assert!(dumped == expected, "thin_delta {left} {right} differs from udm's mappings");
+        assert!(
+            dumped == expected,
+            "thin_delta {left} {right} differs from udm's mappings"
+        );
     }
 
     // thin_ls: a mapping is exclusive when no other mapping in the pool has its data block.
@@ -527,7 +530,11 @@ fn thin_delta_and_thin_ls_agree_with_udms_mappings() {
     }
     let ls = tool(
         "thin_ls",
-        &["--no-headers", "-o", "DEV,MAPPED_BLOCKS,EXCLUSIVE_BLOCKS,SHARED_BLOCKS"],
+        &[
+            "--no-headers",
+            "-o",
+            "DEV,MAPPED_BLOCKS,EXCLUSIVE_BLOCKS,SHARED_BLOCKS",
+        ],
         &pool.path,
     );
     let rows: Vec<Vec<u64>> = ls

@@ -51,7 +51,7 @@ impl Tm {
 
     /// A new metadata block with count 1.
     pub fn alloc(&mut self) -> Result<u64> {
-        if !self.committing && self.msm.nr_free() <= metadata_reserve(self.msm.nr_blocks()) {
+        if !self.committing && self.msm.nr_usable() <= metadata_reserve(self.msm.nr_blocks()) {
             return Err(ThinError::MetadataFull);
         }
         self.msm

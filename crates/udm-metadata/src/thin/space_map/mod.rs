@@ -87,6 +87,8 @@ pub struct SpaceMap {
     pub overflow_dirty: BTreeSet<u64>,
     /// Counts at the last commit of the blocks changed since.
     undo: HashMap<u64, u32>,
+    /// Blocks free now that were in use at the last commit: not usable before the next.
+    freed_here: u64,
     /// Where the next search for a free block starts (the kernel's linear scan).
     cursor: u64,
     /// Data: root of the index tree. Metadata: the index block.
@@ -105,6 +107,7 @@ impl SpaceMap {
             overflow: BTreeMap::new(),
             overflow_dirty: BTreeSet::new(),
             undo: HashMap::new(),
+            freed_here: 0,
             cursor: 0,
             bitmap_root: 0,
             ref_count_root: 0,
@@ -126,6 +129,7 @@ impl SpaceMap {
             overflow,
             overflow_dirty: BTreeSet::new(),
             undo: HashMap::new(),
+            freed_here: 0,
             cursor: 0,
             bitmap_root: root.bitmap_root,
             ref_count_root: root.ref_count_root,
@@ -142,6 +146,11 @@ impl SpaceMap {
 
     pub fn nr_free(&self) -> u64 {
         self.nr_blocks.saturating_sub(self.nr_allocated)
+    }
+
+    /// Free blocks this transaction may take (those freed in it wait for the commit).
+    pub fn nr_usable(&self) -> u64 {
+        self.nr_free().saturating_sub(self.freed_here)
     }
 
     pub fn root(&self) -> SmRoot {
@@ -245,7 +254,14 @@ impl SpaceMap {
         if old == count {
             return Ok(());
         }
-        self.undo.entry(b).or_insert(old);
+        let committed = *self.undo.entry(b).or_insert(old);
+        if committed > 0 && (old == 0) != (count == 0) {
+            if count == 0 {
+                self.freed_here += 1;
+            } else {
+                self.freed_here -= 1;
+            }
+        }
         let (k, j) = self.place(b)?;
         let bm = &mut self.bitmaps[k];
         bitmap::set(bm.words.as_mut().expect("loaded"), j, count.min(3));
@@ -269,7 +285,7 @@ impl SpaceMap {
             // Saturating: a damaged root's count must not bring the pool down.
             self.nr_allocated = self.nr_allocated.saturating_sub(1);
             bm.none_free_before = bm.none_free_before.min(j as u32);
-            if self.undo[&b] == 0 {
+            if committed == 0 {
                 // Never committed: usable again at once, and the next search finds it.
                 self.cursor = self.cursor.min(b);
             }
@@ -303,7 +319,7 @@ impl SpaceMap {
     }
 
     /// True if `b` was in use at the last commit (then it must not be reused before the next).
-    fn freed_here(&self, b: u64) -> bool {
+    fn is_freed_here(&self, b: u64) -> bool {
         self.undo.get(&b).is_some_and(|&old| old > 0)
     }
 
@@ -330,9 +346,9 @@ impl SpaceMap {
                 self.load(k, cache)?;
                 let from = ((at - base) as usize).max(self.bitmaps[k].none_free_before as usize);
                 let bm = &self.bitmaps[k];
-                if let Some(j) =
-                    bitmap::find_free(bm.words(), from, end, |j| !self.freed_here(base + j as u64))
-                {
+                if let Some(j) = bitmap::find_free(bm.words(), from, end, |j| {
+                    !self.is_freed_here(base + j as u64)
+                }) {
                     return Ok(Some(base + j as u64));
                 }
             }
@@ -344,6 +360,7 @@ impl SpaceMap {
     /// The transaction is committed: its state is the new committed state.
     pub fn committed_now(&mut self) {
         self.undo.clear();
+        self.freed_here = 0;
         self.overflow_dirty.clear();
         for bm in &mut self.bitmaps {
             bm.dirty = false;
