@@ -472,7 +472,7 @@ fn thin_delta_and_thin_ls_agree_with_udms_mappings() {
     for (id, n) in [(1, 400), (2, 700), (3, 300)] {
         for _ in 0..n {
             let vb = pool.random(6_000);
-            if vb % 4 == 0 {
+            if vb.is_multiple_of(4) {
                 pool.discard(id, vb);
             } else {
                 pool.write(id, vb);
