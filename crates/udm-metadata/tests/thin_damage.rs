@@ -315,3 +315,114 @@ fn blocks_freed_in_a_transaction_do_not_count_as_room_for_its_commit() {
     meta.commit().unwrap();
     tpt::check(&path, "after the fullest transaction that succeeded");
 }
+
+#[test]
+fn a_delete_that_touches_every_data_bitmap_fails_or_commits() {
+    let scratch = tpt::Scratch::new("spread");
+    let (path, dev) = scratch.device("meta", 128 * B);
+    let mut meta = ThinMetadata::open(dev, 128, 40 * 16_320).unwrap();
+    // Device 1 maps one data block in each of the 40 data bitmaps.
+    meta.create_thin(1).unwrap();
+    let blocks: Vec<u64> = (0..40 * 16_320)
+        .map(|_| meta.alloc_data_block().unwrap().unwrap())
+        .collect();
+    for (vb, &b) in blocks.iter().enumerate() {
+        if b % 16_320 == 7 {
+            meta.insert(1, vb as u64, b).unwrap();
+        } else {
+            meta.release_data_block(b).unwrap();
+        }
+    }
+    meta.commit().unwrap();
+    assert_eq!(meta.data_usage().used, 40);
+    // Device 2 fills the metadata.
+    meta.create_thin(2).unwrap();
+    meta.commit().unwrap();
+    for vb in 0.. {
+        let b = meta.alloc_data_block().unwrap().unwrap();
+        if meta.insert(2, (vb * 7919) % 100_000, b).is_err() {
+            break;
+        }
+        if vb % 5 == 4 {
+            meta.commit().unwrap();
+        }
+    }
+    meta.abort().unwrap();
+    // Deleting device 1 changes all 40 data bitmaps: the delete fails, or its commit works.
+    match meta.delete(1) {
+        Ok(()) => meta.commit().unwrap(),
+        Err(ThinError::MetadataFull) => meta.abort().unwrap(),
+        Err(e) => panic!("{e}"),
+    }
+    tpt::check(&path, "after deleting device 1");
+}
+
+/// Transactions on a nearly full metadata device: each either fails at an operation with
+/// MetadataFull (and is aborted) or commits; a commit never runs out of room.
+#[test]
+fn a_transaction_whose_operations_succeed_always_commits() {
+    let scratch = tpt::Scratch::new("edge");
+    // 96 metadata blocks (9 kept back), 12 data bitmaps: removals all over the data device
+    // change many bitmaps in one transaction.
+    let (path, dev) = scratch.device("meta", 96 * B);
+    let mut meta = ThinMetadata::open(dev, 128, 12 * 16_320).unwrap();
+    let mut rng = 0x1234_5678_9ABC_DEF1u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut next_id = 0;
+    let (mut commits, mut full) = (0, 0);
+    for round in 0..400 {
+        let result = (|| -> Result<(), ThinError> {
+            let ids: Vec<u32> = meta.devices().iter().map(|d| d.id).collect();
+            if ids.len() < 2 || next() % 8 == 0 {
+                meta.create_thin(next_id)?;
+                next_id += 1;
+            } else if next() % 6 == 0 {
+                meta.create_snap(next_id, ids[next() as usize % ids.len()])?;
+                next_id += 1;
+            } else if ids.len() > 3 && next() % 5 == 0 {
+                meta.delete(ids[next() as usize % ids.len()])?;
+            }
+            let ids: Vec<u32> = meta.devices().iter().map(|d| d.id).collect();
+            for _ in 0..next() % 400 {
+                let id = ids[next() as usize % ids.len()];
+                let vblock = next() % 20_000;
+                if next() % 3 == 0 {
+                    meta.remove(id, vblock)?;
+                } else if let Some(b) = meta.alloc_data_block()? {
+                    meta.insert(id, vblock, b)?;
+                }
+            }
+            Ok(())
+        })();
+        match result {
+            Ok(()) => {
+                meta.commit().unwrap_or_else(|e| {
+                    panic!("round {round}: the operations succeeded, the commit failed: {e}")
+                });
+                commits += 1;
+            }
+            Err(ThinError::MetadataFull) => {
+                meta.abort().unwrap();
+                full += 1;
+                // Make room: delete the device with the most mappings, in its own commit.
+                let big = meta.devices().into_iter().max_by_key(|d| d.mapped_blocks).unwrap();
+                if meta.delete(big.id).is_ok() {
+                    meta.commit().unwrap();
+                } else {
+                    meta.abort().unwrap();
+                }
+            }
+            Err(e) => panic!("round {round}: {e}"),
+        }
+        if round % 50 == 49 {
+            tpt::check(&path, &format!("round {round}"));
+        }
+    }
+    eprintln!("{commits} commits, {full} transactions stopped by a full metadata device");
+    assert!(commits > 100 && full > 10, "{commits} commits, {full} full");
+}
