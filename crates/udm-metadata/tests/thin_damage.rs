@@ -410,7 +410,11 @@ fn a_transaction_whose_operations_succeed_always_commits() {
                 meta.abort().unwrap();
                 full += 1;
                 // Make room: delete the device with the most mappings, in its own commit.
-                let big = meta.devices().into_iter().max_by_key(|d| d.mapped_blocks).unwrap();
+                let big = meta
+                    .devices()
+                    .into_iter()
+                    .max_by_key(|d| d.mapped_blocks)
+                    .unwrap();
                 if meta.delete(big.id).is_ok() {
                     meta.commit().unwrap();
                 } else {

@@ -231,7 +231,10 @@ impl ThinMetadata {
     /// Runs a change; an error leaves the transaction half done, so it must be aborted.
     fn change<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         self.usable()?;
-        let out = f(self);
+        let out = f(self).and_then(|out| {
+            disk::place_changed_bitmaps(&mut self.tm)?;
+            Ok(out)
+        });
         if let Err(e) = &out {
             self.failed = Some(e.to_string());
         }

@@ -85,6 +85,9 @@ pub struct SpaceMap {
     overflow: BTreeMap<u64, u32>,
     /// Blocks whose overflow entry changed since the last commit.
     pub overflow_dirty: BTreeSet<u64>,
+    /// Bitmaps changed for the first time since the last commit, whose new block the
+    /// transaction has not taken yet ([`SpaceMap::take_newly_dirty`]).
+    newly_dirty: Vec<usize>,
     /// Counts at the last commit of the blocks changed since.
     undo: HashMap<u64, u32>,
     /// Blocks free now that were in use at the last commit: not usable before the next.
@@ -106,6 +109,7 @@ impl SpaceMap {
             bitmaps: Vec::new(),
             overflow: BTreeMap::new(),
             overflow_dirty: BTreeSet::new(),
+            newly_dirty: Vec::new(),
             undo: HashMap::new(),
             freed_here: 0,
             cursor: 0,
@@ -128,6 +132,7 @@ impl SpaceMap {
             bitmaps: entries.into_iter().map(Bitmap::on_disk).collect(),
             overflow,
             overflow_dirty: BTreeSet::new(),
+            newly_dirty: Vec::new(),
             undo: HashMap::new(),
             freed_here: 0,
             cursor: 0,
@@ -265,6 +270,9 @@ impl SpaceMap {
         let (k, j) = self.place(b)?;
         let bm = &mut self.bitmaps[k];
         bitmap::set(bm.words.as_mut().expect("loaded"), j, count.min(3));
+        if !bm.dirty {
+            self.newly_dirty.push(k);
+        }
         bm.dirty = true;
         if count >= 3 {
             self.overflow.insert(b, count);
@@ -357,11 +365,17 @@ impl SpaceMap {
         Ok(None)
     }
 
+    /// The bitmaps that changed for the first time since the last call.
+    pub fn take_newly_dirty(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.newly_dirty)
+    }
+
     /// The transaction is committed: its state is the new committed state.
     pub fn committed_now(&mut self) {
         self.undo.clear();
         self.freed_here = 0;
         self.overflow_dirty.clear();
+        self.newly_dirty.clear();
         for bm in &mut self.bitmaps {
             bm.dirty = false;
         }
