@@ -99,3 +99,47 @@ fn metadata_per_tib_beside_thin_metadata_size() {
         assert!(sequential <= estimate && random <= estimate);
     }
 }
+
+/// The pool's hot path: lookups of mapped blocks, warm, in order and at random.
+#[test]
+#[ignore]
+fn warm_lookup_speed() {
+    let n = 1u64 << 20;
+    let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(1 << 30));
+    let mut meta = ThinMetadata::open(dev, 128, n).unwrap();
+    for id in 0..4 {
+        meta.create_thin(id).unwrap();
+    }
+    for i in 0..n {
+        let b = meta.alloc_data_block().unwrap().unwrap();
+        meta.insert((i % 4) as u32, i / 4, b).unwrap();
+    }
+    meta.commit().unwrap();
+    for random in [false, true] {
+        let order = |i: u64| {
+            if random {
+                i.wrapping_mul(0x9E37_79B9_7F4A_7C15) % n
+            } else {
+                i
+            }
+        };
+        for i in 0..n {
+            meta.lookup((order(i) % 4) as u32, order(i) / 4)
+                .unwrap()
+                .unwrap();
+        }
+        let start = Instant::now();
+        for _ in 0..3 {
+            for i in 0..n {
+                meta.lookup((order(i) % 4) as u32, order(i) / 4)
+                    .unwrap()
+                    .unwrap();
+            }
+        }
+        eprintln!(
+            "warm lookup, {}: {:.3} µs",
+            if random { "random" } else { "in order" },
+            start.elapsed().as_secs_f64() * 1e6 / (3 * n) as f64
+        );
+    }
+}

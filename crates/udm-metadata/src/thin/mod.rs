@@ -27,9 +27,10 @@ use self::btree::insert::insert as btree_insert;
 use self::btree::lookup::{last_key, lookup as btree_lookup, walk};
 use self::btree::remove::remove as btree_remove;
 use self::btree::{del_tree, new_tree, ValueKind};
+use self::cache::NumberMap;
 use self::checksum::Kind;
 use self::error::corrupt;
-use self::mapping::{device_root, insert_mapping, pack, remove_mapping, unpack, MAX_DATA_BLOCKS};
+use self::mapping::{insert_mapping, pack, remove_mapping, unpack, MAX_DATA_BLOCKS};
 use self::space_map::index::MAX_METADATA_BITMAPS;
 use self::space_map::{bitmap::ENTRIES_PER_BITMAP, disk, metadata};
 use self::superblock::{
@@ -81,6 +82,8 @@ pub struct ThinMetadata {
     /// The superblock of the last commit.
     committed: Superblock,
     details: BTreeMap<u32, DeviceInfo>,
+    /// The root of each device's tree (also in the top level, which the hot path skips).
+    roots: NumberMap<u32, u64>,
     /// Devices whose details changed (or which were deleted) since the last commit.
     changed: BTreeSet<u32>,
     failed: Option<String>,
@@ -143,12 +146,13 @@ impl ThinMetadata {
         if sb.flags & NEEDS_CHECK != 0 {
             return Err(ThinError::NeedsCheck);
         }
-        let details = load(&mut tm, &sb)?;
+        let (details, roots) = load(&mut tm, &sb)?;
         let mut meta = ThinMetadata {
             tm,
             committed: sb.clone(),
             sb,
             details,
+            roots,
             changed: BTreeSet::new(),
             failed: None,
         };
@@ -214,6 +218,7 @@ impl ThinMetadata {
             committed: sb.clone(),
             sb,
             details: BTreeMap::new(),
+            roots: NumberMap::default(),
             changed: BTreeSet::new(),
             failed: None,
         };
@@ -248,8 +253,8 @@ impl ThinMetadata {
             .ok_or(ThinError::NoSuchDevice(id))
     }
 
-    fn root_of(&mut self, id: u32) -> Result<u64> {
-        device_root(&mut self.tm.cache, self.sb.data_mapping_root, id)?.ok_or_else(|| {
+    fn root_of(&self, id: u32) -> Result<u64> {
+        self.roots.get(&id).copied().ok_or_else(|| {
             corrupt(
                 self.sb.data_mapping_root,
                 format!("device {id} has details but no mapping tree"),
@@ -312,6 +317,7 @@ impl ThinMetadata {
                 snapshotted_time: self.sb.time,
             },
         );
+        self.roots.insert(id, root);
         self.changed.insert(id);
         Ok(())
     }
@@ -368,6 +374,7 @@ impl ThinMetadata {
             })?;
             del_tree(&mut m.tm, u64_of(&root), ValueKind::Mapping)?;
             m.details.remove(&id);
+            m.roots.remove(&id);
             m.changed.insert(id);
             Ok(())
         })
@@ -465,8 +472,10 @@ impl ThinMetadata {
         }
         self.change(|m| {
             let value = pack(data_block, m.sb.time);
-            let (top, old) = insert_mapping(&mut m.tm, m.sb.data_mapping_root, id, vblock, value)?;
-            m.sb.data_mapping_root = top;
+            let (roots, old) =
+                insert_mapping(&mut m.tm, m.sb.data_mapping_root, id, vblock, value)?;
+            m.sb.data_mapping_root = roots.top;
+            m.roots.insert(id, roots.device);
             match old.map(unpack) {
                 None => m.details.get_mut(&id).expect("device").mapped_blocks += 1,
                 Some((old_block, _)) if old_block != data_block => {
@@ -485,8 +494,9 @@ impl ThinMetadata {
         self.info(id)?;
         self.change(|m| {
             let root = m.root_of(id)?;
-            let (top, old) = remove_mapping(&mut m.tm, m.sb.data_mapping_root, id, vblock, root)?;
-            m.sb.data_mapping_root = top;
+            let (roots, old) = remove_mapping(&mut m.tm, m.sb.data_mapping_root, id, vblock, root)?;
+            m.sb.data_mapping_root = roots.top;
+            m.roots.insert(id, roots.device);
             let Some((data_block, _)) = old.map(unpack) else {
                 return Ok(None);
             };
@@ -671,7 +681,7 @@ impl ThinMetadata {
         let block0 = self.tm.cache.read_raw(SUPERBLOCK_LOCATION)?;
         let sb = Superblock::decode(SUPERBLOCK_LOCATION, &block0[..])?;
         self.tm.cache.discard_dirty();
-        self.details = load(&mut self.tm, &sb)?;
+        (self.details, self.roots) = load(&mut self.tm, &sb)?;
         self.committed = sb.clone();
         self.sb = sb;
         self.changed.clear();
@@ -695,9 +705,12 @@ impl ThinMetadata {
     }
 }
 
-/// Reads the committed state named by `sb` into `tm`: both space maps, and the device details
-/// (checked against the mapping tree's top level).
-fn load(tm: &mut Tm, sb: &Superblock) -> Result<BTreeMap<u32, DeviceInfo>> {
+/// The devices' details and the roots of their trees.
+type Devices = (BTreeMap<u32, DeviceInfo>, NumberMap<u32, u64>);
+
+/// Reads the committed state named by `sb` into `tm`: both space maps; and the device details
+/// and the roots of the devices' trees, checked against each other.
+fn load(tm: &mut Tm, sb: &Superblock) -> Result<Devices> {
     let dev_blocks = tm.cache.dev_blocks();
     if sb.metadata_sm.nr_blocks > dev_blocks {
         return Err(corrupt(
@@ -732,14 +745,14 @@ fn load(tm: &mut Tm, sb: &Superblock) -> Result<BTreeMap<u32, DeviceInfo>> {
         ValueKind::Subtree,
         0,
         None,
-        &mut |id, _| {
-            with_trees.push(id);
+        &mut |id, v| {
+            with_trees.push((id, u64_of(v)));
             Ok(())
         },
     )?;
     if !with_trees
         .iter()
-        .copied()
+        .map(|&(id, _)| id)
         .eq(details.keys().map(|&id| id as u64))
     {
         return Err(corrupt(
@@ -747,7 +760,11 @@ fn load(tm: &mut Tm, sb: &Superblock) -> Result<BTreeMap<u32, DeviceInfo>> {
             "the devices of the mapping tree and of the details tree differ",
         ));
     }
-    Ok(details)
+    let roots = with_trees
+        .into_iter()
+        .map(|(id, root)| (id as u32, root))
+        .collect();
+    Ok((details, roots))
 }
 
 #[cfg(test)]

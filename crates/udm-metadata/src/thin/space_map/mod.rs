@@ -13,11 +13,11 @@ pub mod disk;
 pub mod index;
 pub mod metadata;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use self::bitmap::{Words, ENTRIES_PER_BITMAP};
 use self::index::IndexEntry;
-use super::cache::BlockCache;
+use super::cache::{BlockCache, NumberMap};
 use super::checksum::Kind;
 use super::error::{corrupt, Result, ThinError};
 use super::superblock::SmRoot;
@@ -89,7 +89,7 @@ pub struct SpaceMap {
     /// transaction has not taken yet ([`SpaceMap::take_newly_dirty`]).
     newly_dirty: Vec<usize>,
     /// Counts at the last commit of the blocks changed since.
-    undo: HashMap<u64, u32>,
+    undo: NumberMap<u64, u32>,
     /// Blocks free now that were in use at the last commit: not usable before the next.
     freed_here: u64,
     /// Where the next search for a free block starts (the kernel's linear scan).
@@ -110,7 +110,7 @@ impl SpaceMap {
             overflow: BTreeMap::new(),
             overflow_dirty: BTreeSet::new(),
             newly_dirty: Vec::new(),
-            undo: HashMap::new(),
+            undo: NumberMap::default(),
             freed_here: 0,
             cursor: 0,
             bitmap_root: 0,
@@ -133,7 +133,7 @@ impl SpaceMap {
             overflow,
             overflow_dirty: BTreeSet::new(),
             newly_dirty: Vec::new(),
-            undo: HashMap::new(),
+            undo: NumberMap::default(),
             freed_here: 0,
             cursor: 0,
             bitmap_root: root.bitmap_root,
