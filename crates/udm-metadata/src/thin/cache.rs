@@ -71,10 +71,6 @@ impl BlockCache {
         }
     }
 
-    pub fn dev(&self) -> &Arc<dyn BlockDevice> {
-        &self.dev
-    }
-
     /// Whole 4 KiB blocks on the device.
     pub fn dev_blocks(&self) -> u64 {
         self.dev_blocks
@@ -150,10 +146,6 @@ impl BlockCache {
         for b in victims {
             self.clean.remove(&b);
         }
-    }
-
-    pub fn is_dirty(&self, b: u64) -> bool {
-        self.dirty.contains_key(&b)
     }
 
     /// Makes `block` the content of `b` in this transaction.

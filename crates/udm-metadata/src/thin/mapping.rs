@@ -8,7 +8,6 @@ use super::btree::insert::{insert, insert_slot};
 use super::btree::lookup::lookup;
 use super::btree::remove::remove;
 use super::btree::{node, ValueKind};
-use super::cache::BlockCache;
 use super::error::{corrupt, Result};
 use super::transaction::Tm;
 
@@ -27,11 +26,6 @@ pub fn unpack(v: u64) -> (u64, u32) {
 
 fn u64_of(v: &[u8]) -> u64 {
     u64::from_le_bytes(v[..8].try_into().unwrap())
-}
-
-/// The root of device `id`'s tree.
-pub fn device_root(cache: &mut BlockCache, top: u64, id: u32) -> Result<Option<u64>> {
-    lookup(cache, top, ValueKind::Subtree, id as u64, u64_of)
 }
 
 /// The roots after a change to a device's tree: the top level's and the device's.

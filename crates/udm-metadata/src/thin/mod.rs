@@ -8,15 +8,15 @@
 //! [`cache`] (blocks in memory), [`transaction`] (shadowing, allocation, two-phase commit),
 //! [`mapping`] (the two-level mapping tree), [`details`]; this file is the pool's API.
 
-pub mod btree;
-pub mod cache;
+mod btree;
+mod cache;
 pub mod checksum;
-pub mod details;
-pub mod error;
-pub mod mapping;
-pub mod space_map;
-pub mod superblock;
-pub mod transaction;
+mod details;
+mod error;
+mod mapping;
+mod space_map;
+mod superblock;
+mod transaction;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
