@@ -430,3 +430,15 @@ fn a_transaction_whose_operations_succeed_always_commits() {
     eprintln!("{commits} commits, {full} transactions stopped by a full metadata device");
     assert!(commits > 100 && full > 10, "{commits} commits, {full} full");
 }
+
+#[test]
+fn a_data_growth_too_large_for_the_metadata_fails_at_once() {
+    let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(64 * B));
+    let mut meta = ThinMetadata::open(dev, 128, 16_320).unwrap();
+    // 200 more bitmaps need 200 metadata blocks: the resize says so, not the next commit.
+    assert_eq!(meta.resize_data(201 * 16_320), Err(ThinError::MetadataFull));
+    meta.abort().unwrap();
+    meta.resize_data(20 * 16_320).unwrap();
+    meta.commit().unwrap();
+    assert_eq!(meta.data_usage().total, 20 * 16_320);
+}

@@ -556,8 +556,12 @@ impl ThinMetadata {
                  it only grows, up to 2^40"
             )));
         }
-        self.tm.dsm.extend(nr_data_blocks);
-        Ok(())
+        // The new bitmaps take their blocks now: a growth too large for the metadata fails
+        // here, not in the commit.
+        self.change(|m| {
+            m.tm.dsm.extend(nr_data_blocks);
+            Ok(())
+        })
     }
 
     /// Takes a metadata snapshot (K:`__reserve_metadata_snap`): commits, then copies the

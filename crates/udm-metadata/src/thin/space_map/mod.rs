@@ -181,6 +181,7 @@ impl SpaceMap {
         assert!(nr_blocks >= self.nr_blocks, "space maps only grow");
         let need = Self::bitmaps_for(nr_blocks);
         while self.bitmaps.len() < need {
+            self.newly_dirty.push(self.bitmaps.len());
             self.bitmaps.push(Bitmap::fresh());
         }
         self.nr_blocks = nr_blocks;
