@@ -1,14 +1,12 @@
-//! Damaged pool metadata: a flipped byte anywhere, a truncated device, a full metadata device.
-//! Each gives a clear error naming the block (never a panic), and a full device leaves the
-//! last commit intact.
+//! Damaged pool metadata: a flipped byte in each kind of block, a truncated device, a full
+//! metadata device. Each gives a clear error naming the block, and a full device leaves the
+//! last commit intact. (Damage anywhere, never a panic: crates/udm-fuzz's `thin_metadata`.)
 
 mod tpt;
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use udm_block::{BlockDevice, MemoryDevice, WriteFlags};
-use udm_metadata::thin::checksum::{raw_crc32c, seal, Kind};
 use udm_metadata::{ThinError, ThinMetadata, BLOCK_SIZE};
 
 const B: u64 = BLOCK_SIZE as u64;
@@ -67,26 +65,6 @@ fn flipped(dev: &dyn BlockDevice, b: u64, at: usize) -> Arc<dyn BlockDevice> {
     block[at] ^= 0x40;
     write_block(copy.as_ref(), b, &block);
     copy
-}
-
-/// Everything a pool does, so a damaged block is met wherever it is.
-fn exercise(meta: &mut ThinMetadata) -> Result<(), ThinError> {
-    for info in meta.devices() {
-        meta.lookup_range(info.id, 0, u64::MAX)?;
-        meta.highest_mapped(info.id)?;
-        meta.lookup(info.id, 3)?;
-    }
-    for b in [0, 1, 700, 39_999] {
-        meta.data_ref_count(b)?;
-    }
-    meta.create_snap(9, 1)?;
-    for vb in 0..50 {
-        let b = meta.alloc_data_block()?.unwrap();
-        meta.insert(1, vb * 5, b)?;
-        meta.remove(9, vb * 3)?;
-    }
-    meta.delete(2)?;
-    meta.commit()
 }
 
 #[test]
@@ -150,66 +128,6 @@ fn a_truncated_metadata_device_is_refused_by_name() {
             "{size} bytes: {text}"
         );
     }
-}
-
-/// Reseals a changed block under the checksum it had, so the change gets past the checksum
-/// (as a bug in a writer would) and reaches the structure checks.
-fn reseal(block: &mut [u8], b: u64) -> bool {
-    let stored = u32::from_le_bytes(block[0..4].try_into().unwrap());
-    let salt = stored ^ raw_crc32c(&block[4..]);
-    let kind = [Kind::Superblock, Kind::Node, Kind::Bitmap, Kind::Index]
-        .into_iter()
-        .find(|k| k.salt() == salt);
-    match kind {
-        Some(kind) => {
-            seal(kind, b, block);
-            true
-        }
-        None => false,
-    }
-}
-
-#[test]
-fn no_damage_makes_it_panic() {
-    let dev = pool();
-    let used: Vec<u64> = (0..dev.size() / B)
-        .filter(|&b| {
-            let mut block = read_block(dev.as_ref(), b);
-            reseal(&mut block, b)
-        })
-        .collect();
-    assert!(used.len() > 10, "{} blocks in use", used.len());
-    let mut rng = 0x2545_F491_4F6C_DD1Du64;
-    let mut errors = 0;
-    let mut tried = 0;
-    for &b in &used {
-        // Header fields, keys, values, bitmap words: bytes that mean something.
-        for at in [4, 16, 17, 20, 24, 32, 40, 100, 2048, 2100, 4000] {
-            for resealed in [false, true] {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                let damaged = copy(dev.as_ref(), dev.size());
-                let mut block = read_block(damaged.as_ref(), b);
-                block[at] ^= 1 << (rng % 8);
-                if resealed {
-                    reseal(&mut block, b);
-                }
-                write_block(damaged.as_ref(), b, &block);
-                tried += 1;
-                let outcome = catch_unwind(AssertUnwindSafe(|| {
-                    ThinMetadata::open(damaged, 128, 40_000).and_then(|mut m| exercise(&mut m))
-                }));
-                match outcome {
-                    Ok(Err(_)) => errors += 1,
-                    Ok(Ok(())) => {}
-                    Err(_) => panic!("damage at block {b} byte {at} (resealed: {resealed}) panics"),
-                }
-            }
-        }
-    }
-    eprintln!("{tried} damaged pools: {errors} errors, no panic");
-    assert!(errors > tried / 3);
 }
 
 #[test]
