@@ -235,6 +235,17 @@ fn thin_metadata_survives_a_power_cut_at_every_write() {
                             break;
                         }
                         committed = Some(model.clone());
+                        // Now and then a metadata snapshot is taken or dropped (it changes
+                        // no mapping; the next commit records it).
+                        if next(&mut rng).is_multiple_of(4) {
+                            let toggled = match meta.held_root() {
+                                Some(_) => meta.release_metadata_snap(),
+                                None => meta.reserve_metadata_snap(),
+                            };
+                            if toggled.is_err() {
+                                break;
+                            }
+                        }
                     }
                 }
             }

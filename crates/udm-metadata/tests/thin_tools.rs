@@ -265,7 +265,7 @@ fn metadata_made_by_thin_restore_opens_reads_and_takes_changes() {
 
     let scratch = Scratch::new("restore");
     let path = restore(&scratch, &xml, 16 << 20);
-    check(&path, "after thin_restore");
+    tpt::check_restored(&path, "after thin_restore");
     let dev: Arc<dyn BlockDevice> =
         Arc::new(udm_block::FileDevice::open(&path, udm_block::OpenMode::ReadWrite).unwrap());
     assert!(
@@ -411,4 +411,145 @@ fn needs_check_is_cleared_by_thin_check() {
     pool.reopen();
     assert!(!pool.meta.needs_check());
     assert!(pool.meta.lookup(1, 0).unwrap().is_some());
+}
+
+#[test]
+fn hundreds_of_devices_split_and_merge_the_top_level_and_details_trees() {
+    let scratch = Scratch::new("devices");
+    let mut pool = Pool::new(&scratch, 16 << 20, 100_000);
+    // Beyond 252 devices (top level) and 126 (details): both trees get internal nodes.
+    for id in 0..400 {
+        pool.create(id * 3);
+        for vb in 0..(id as u64 % 7) {
+            pool.write(id * 3, vb * 11);
+        }
+    }
+    pool.commit_and_check("400 devices");
+    for id in 0..200 {
+        pool.snap(10_000 + id, id * 6);
+        pool.write(10_000 + id, 1);
+    }
+    pool.commit_and_check("200 snapshots");
+    pool.reopen();
+    for id in (0..400).filter(|id| id % 4 != 1) {
+        pool.delete(id * 3);
+    }
+    pool.commit_and_check("most origins deleted");
+    let left: Vec<u32> = pool.model.keys().copied().collect();
+    for id in left {
+        pool.delete(id);
+    }
+    pool.commit_and_check("every device deleted");
+    assert_eq!(pool.meta.data_usage().used, 0);
+}
+
+/// Runs a thin-provisioning-tools command on the metadata; its standard output.
+fn tool(cmd: &str, args: &[&str], path: &std::path::Path) -> String {
+    let out = std::process::Command::new(cmd)
+        .args(args)
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn thin_delta_and_thin_ls_agree_with_udms_mappings() {
+    let scratch = Scratch::new("delta");
+    let mut pool = Pool::new(&scratch, 16 << 20, 50_000);
+    pool.create(1);
+    for _ in 0..3_000 {
+        let vb = pool.random(6_000);
+        pool.write(1, vb);
+    }
+    pool.snap(2, 1);
+    pool.snap(3, 2);
+    for (id, n) in [(1, 400), (2, 700), (3, 300)] {
+        for _ in 0..n {
+            let vb = pool.random(6_000);
+            if vb.is_multiple_of(4) {
+                pool.discard(id, vb);
+            } else {
+                pool.write(id, vb);
+            }
+        }
+    }
+    pool.commit_and_check("before thin_delta");
+    let view = tpt::udm_view(&mut pool.meta);
+
+    for (left, right) in [(1u32, 2u32), (2, 3), (1, 3)] {
+        let xml = tool(
+            "thin_delta",
+            &["--snap1", &left.to_string(), "--snap2", &right.to_string()],
+            &pool.path,
+        );
+        let mut dumped = BTreeMap::new();
+        for line in xml.lines().map(str::trim) {
+            let Some(kind) = ["same", "different", "left_only", "right_only"]
+                .into_iter()
+                .find(|k| line.starts_with(&format!("<{k} ")))
+            else {
+                continue;
+            };
+            let field = |name: &str| -> u64 {
+                let at = line.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
+                line[at..].split('"').next().unwrap().parse().unwrap()
+            };
+            for vb in field("begin")..field("begin") + field("length") {
+                dumped.insert(vb, kind);
+            }
+        }
+        let (l, r) = (&view[&left].1, &view[&right].1);
+        let mut expected = BTreeMap::new();
+        for vb in l.keys().chain(r.keys()) {
+            let kind = match (l.get(vb), r.get(vb)) {
+                (Some(a), Some(b)) if a == b => "same",
+                (Some(_), Some(_)) => "different",
+                (Some(_), None) => "left_only",
+                _ => "right_only",
+            };
+            expected.insert(*vb, kind);
+        }
+        assert!(
+            dumped == expected,
+            "thin_delta {left} {right} differs from udm's mappings"
+        );
+    }
+
+    // thin_ls: a mapping is exclusive when no other mapping in the pool has its data block.
+    let mut users: BTreeMap<u64, u32> = BTreeMap::new();
+    for (_, maps) in view.values() {
+        for b in maps.values() {
+            *users.entry(*b).or_default() += 1;
+        }
+    }
+    let ls = tool(
+        "thin_ls",
+        &[
+            "--no-headers",
+            "-o",
+            "DEV,MAPPED_BLOCKS,EXCLUSIVE_BLOCKS,SHARED_BLOCKS",
+        ],
+        &pool.path,
+    );
+    let rows: Vec<Vec<u64>> = ls
+        .lines()
+        .map(|l| l.split_whitespace().map(|f| f.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(rows.len(), view.len());
+    for row in rows {
+        let maps = &view[&(row[0] as u32)].1;
+        let exclusive = maps.values().filter(|b| users[b] == 1).count() as u64;
+        assert_eq!(
+            row[1..],
+            [maps.len() as u64, exclusive, maps.len() as u64 - exclusive],
+            "thin_ls device {}",
+            row[0]
+        );
+    }
 }

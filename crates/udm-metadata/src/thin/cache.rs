@@ -4,6 +4,7 @@
 //! Reads of a warm block cost a hash lookup: the pool looks up a mapping on every I/O.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use udm_block::{AlignedBuf, BlockDevice, WriteFlags};
@@ -14,6 +15,35 @@ use crate::BLOCK_SIZE;
 
 pub type Block = [u8; BLOCK_SIZE];
 
+/// Hashes block numbers (and device ids) with one multiplication (Fibonacci hashing):
+/// SipHash's defence against chosen keys buys nothing for these, and its cost showed in
+/// every lookup.
+#[derive(Default, Clone, Copy)]
+pub struct NumberHasher(u64);
+
+impl Hasher for NumberHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(29) ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(n as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A map keyed by block numbers or ids.
+pub type NumberMap<K, V> = HashMap<K, V, BuildHasherDefault<NumberHasher>>;
+
 /// Clean blocks kept by default: 256 MiB, the metadata of about 2 TiB mapped in 64 KiB blocks.
 pub const DEFAULT_CACHE_BLOCKS: usize = 65_536;
 /// The most blocks one write at commit carries.
@@ -22,8 +52,8 @@ const WRITE_RUN: usize = 256;
 pub struct BlockCache {
     dev: Arc<dyn BlockDevice>,
     dev_blocks: u64,
-    clean: HashMap<u64, (Kind, Arc<Block>)>,
-    dirty: HashMap<u64, (Kind, Arc<Block>)>,
+    clean: NumberMap<u64, (Kind, Arc<Block>)>,
+    dirty: NumberMap<u64, (Kind, Arc<Block>)>,
     capacity: usize,
     disk_reads: u64,
 }
@@ -34,15 +64,11 @@ impl BlockCache {
         BlockCache {
             dev,
             dev_blocks,
-            clean: HashMap::new(),
-            dirty: HashMap::new(),
+            clean: NumberMap::default(),
+            dirty: NumberMap::default(),
             capacity: DEFAULT_CACHE_BLOCKS,
             disk_reads: 0,
         }
-    }
-
-    pub fn dev(&self) -> &Arc<dyn BlockDevice> {
-        &self.dev
     }
 
     /// Whole 4 KiB blocks on the device.
@@ -79,19 +105,25 @@ impl BlockCache {
         Ok(block)
     }
 
+    /// Block `b` if it is in memory (which must be as a `kind`), without touching the disk.
+    pub fn cached(&self, b: u64, kind: Kind) -> Result<Option<&Arc<Block>>> {
+        let found = self.dirty.get(&b).or_else(|| self.clean.get(&b));
+        match found {
+            Some((cached_kind, block)) if *cached_kind == kind => Ok(Some(block)),
+            // A block met again as another type: damage somewhere above it.
+            Some((cached_kind, _)) => Err(corrupt(
+                b,
+                format!("is a {}, expected a {}", cached_kind.name(), kind.name()),
+            )),
+            None => Ok(None),
+        }
+    }
+
     /// Block `b`, which must be a `kind`: this transaction's version if it wrote one, else
     /// the (verified) one on disk.
     pub fn read(&mut self, b: u64, kind: Kind) -> Result<Arc<Block>> {
-        let found = self.dirty.get(&b).or_else(|| self.clean.get(&b));
-        if let Some((cached_kind, block)) = found {
-            if *cached_kind == kind {
-                return Ok(block.clone());
-            }
-            // A block met again as another type: damage somewhere above it.
-            return Err(corrupt(
-                b,
-                format!("is a {}, expected a {}", cached_kind.name(), kind.name()),
-            ));
+        if let Some(block) = self.cached(b, kind)? {
+            return Ok(block.clone());
         }
         let block = self.read_raw(b)?;
         verify(kind, b, &block[..])?;
@@ -116,10 +148,6 @@ impl BlockCache {
         }
     }
 
-    pub fn is_dirty(&self, b: u64) -> bool {
-        self.dirty.contains_key(&b)
-    }
-
     /// Makes `block` the content of `b` in this transaction.
     pub fn put(&mut self, b: u64, kind: Kind, block: Arc<Block>) {
         self.clean.remove(&b);
@@ -135,9 +163,10 @@ impl BlockCache {
         Arc::make_mut(block)
     }
 
-    /// Forgets this transaction's version of `b` (the block was freed again).
-    pub fn drop_dirty(&mut self, b: u64) {
+    /// Forgets block `b` (it was freed).
+    pub fn forget(&mut self, b: u64) {
         self.dirty.remove(&b);
+        self.clean.remove(&b);
     }
 
     /// Forgets every dirty block (abort).

@@ -8,7 +8,6 @@ use super::btree::insert::{insert, insert_slot};
 use super::btree::lookup::lookup;
 use super::btree::remove::remove;
 use super::btree::{node, ValueKind};
-use super::cache::BlockCache;
 use super::error::{corrupt, Result};
 use super::transaction::Tm;
 
@@ -29,19 +28,20 @@ fn u64_of(v: &[u8]) -> u64 {
     u64::from_le_bytes(v[..8].try_into().unwrap())
 }
 
-/// The root of device `id`'s tree.
-pub fn device_root(cache: &mut BlockCache, top: u64, id: u32) -> Result<Option<u64>> {
-    lookup(cache, top, ValueKind::Subtree, id as u64, u64_of)
+/// The roots after a change to a device's tree: the top level's and the device's.
+pub struct Roots {
+    pub top: u64,
+    pub device: u64,
 }
 
 /// Runs `change` on the tree of device `id` (which exists), with the top level's path to it
-/// shadowed; the new top-level root and what `change` returned.
+/// shadowed; the new roots and what `change` returned.
 fn change_device<T>(
     tm: &mut Tm,
     top: u64,
     id: u32,
     change: impl FnOnce(&mut Tm, u64) -> Result<(u64, T)>,
-) -> Result<(u64, T)> {
+) -> Result<(Roots, T)> {
     let slot = insert_slot(tm, top, ValueKind::Subtree, id as u64)?;
     if !slot.existed {
         return Err(corrupt(
@@ -52,13 +52,17 @@ fn change_device<T>(
     let leaf = tm.cache.read(slot.leaf, super::checksum::Kind::Node)?;
     let root = node::value_u64(&leaf[..], slot.index);
     drop(leaf);
-    let (new_root, out) = change(tm, root)?;
+    let (device, out) = change(tm, root)?;
     node::set_value(
         tm.cache.get_mut(slot.leaf),
         slot.index,
-        &new_root.to_le_bytes(),
+        &device.to_le_bytes(),
     );
-    Ok((slot.root, out))
+    let roots = Roots {
+        top: slot.root,
+        device,
+    };
+    Ok((roots, out))
 }
 
 /// Maps `vblock` of `id` to `value`; the old value if there was one.
@@ -68,23 +72,24 @@ pub fn insert_mapping(
     id: u32,
     vblock: u64,
     value: u64,
-) -> Result<(u64, Option<u64>)> {
+) -> Result<(Roots, Option<u64>)> {
     change_device(tm, top, id, |tm, root| {
         let (root, old) = insert(tm, root, ValueKind::Mapping, vblock, &value.to_le_bytes())?;
         Ok((root, old.map(|v| u64_of(&v))))
     })
 }
 
-/// Unmaps `vblock` of `id`; the old value (None, and nothing touched, if it was unmapped).
+/// Unmaps `vblock` of `id`, whose tree is at `root`; the old value (None, and nothing
+/// touched, if it was unmapped).
 pub fn remove_mapping(
     tm: &mut Tm,
     top: u64,
     id: u32,
     vblock: u64,
     root: u64,
-) -> Result<(u64, Option<u64>)> {
+) -> Result<(Roots, Option<u64>)> {
     if lookup(&mut tm.cache, root, ValueKind::Mapping, vblock, |_| ())?.is_none() {
-        return Ok((top, None));
+        return Ok((Roots { top, device: root }, None));
     }
     change_device(tm, top, id, |tm, root| {
         let (root, old) = remove(tm, root, ValueKind::Mapping, vblock)?;

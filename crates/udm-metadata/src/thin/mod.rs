@@ -8,15 +8,15 @@
 //! [`cache`] (blocks in memory), [`transaction`] (shadowing, allocation, two-phase commit),
 //! [`mapping`] (the two-level mapping tree), [`details`]; this file is the pool's API.
 
-pub mod btree;
-pub mod cache;
+mod btree;
+mod cache;
 pub mod checksum;
-pub mod details;
-pub mod error;
-pub mod mapping;
-pub mod space_map;
-pub mod superblock;
-pub mod transaction;
+mod details;
+mod error;
+mod mapping;
+mod space_map;
+mod superblock;
+mod transaction;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -27,9 +27,10 @@ use self::btree::insert::insert as btree_insert;
 use self::btree::lookup::{last_key, lookup as btree_lookup, walk};
 use self::btree::remove::remove as btree_remove;
 use self::btree::{del_tree, new_tree, ValueKind};
+use self::cache::NumberMap;
 use self::checksum::Kind;
 use self::error::corrupt;
-use self::mapping::{device_root, insert_mapping, pack, remove_mapping, unpack, MAX_DATA_BLOCKS};
+use self::mapping::{insert_mapping, pack, remove_mapping, unpack, MAX_DATA_BLOCKS};
 use self::space_map::index::MAX_METADATA_BITMAPS;
 use self::space_map::{bitmap::ENTRIES_PER_BITMAP, disk, metadata};
 use self::superblock::{
@@ -81,6 +82,8 @@ pub struct ThinMetadata {
     /// The superblock of the last commit.
     committed: Superblock,
     details: BTreeMap<u32, DeviceInfo>,
+    /// The root of each device's tree (also in the top level, which the hot path skips).
+    roots: NumberMap<u32, u64>,
     /// Devices whose details changed (or which were deleted) since the last commit.
     changed: BTreeSet<u32>,
     failed: Option<String>,
@@ -143,12 +146,13 @@ impl ThinMetadata {
         if sb.flags & NEEDS_CHECK != 0 {
             return Err(ThinError::NeedsCheck);
         }
-        let details = load(&mut tm, &sb)?;
+        let (details, roots) = load(&mut tm, &sb)?;
         let mut meta = ThinMetadata {
             tm,
             committed: sb.clone(),
             sb,
             details,
+            roots,
             changed: BTreeSet::new(),
             failed: None,
         };
@@ -214,6 +218,7 @@ impl ThinMetadata {
             committed: sb.clone(),
             sb,
             details: BTreeMap::new(),
+            roots: NumberMap::default(),
             changed: BTreeSet::new(),
             failed: None,
         };
@@ -231,7 +236,10 @@ impl ThinMetadata {
     /// Runs a change; an error leaves the transaction half done, so it must be aborted.
     fn change<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         self.usable()?;
-        let out = f(self);
+        let out = f(self).and_then(|out| {
+            disk::place_changed_bitmaps(&mut self.tm)?;
+            Ok(out)
+        });
         if let Err(e) = &out {
             self.failed = Some(e.to_string());
         }
@@ -245,8 +253,8 @@ impl ThinMetadata {
             .ok_or(ThinError::NoSuchDevice(id))
     }
 
-    fn root_of(&mut self, id: u32) -> Result<u64> {
-        device_root(&mut self.tm.cache, self.sb.data_mapping_root, id)?.ok_or_else(|| {
+    fn root_of(&self, id: u32) -> Result<u64> {
+        self.roots.get(&id).copied().ok_or_else(|| {
             corrupt(
                 self.sb.data_mapping_root,
                 format!("device {id} has details but no mapping tree"),
@@ -309,6 +317,7 @@ impl ThinMetadata {
                 snapshotted_time: self.sb.time,
             },
         );
+        self.roots.insert(id, root);
         self.changed.insert(id);
         Ok(())
     }
@@ -365,6 +374,7 @@ impl ThinMetadata {
             })?;
             del_tree(&mut m.tm, u64_of(&root), ValueKind::Mapping)?;
             m.details.remove(&id);
+            m.roots.remove(&id);
             m.changed.insert(id);
             Ok(())
         })
@@ -462,8 +472,10 @@ impl ThinMetadata {
         }
         self.change(|m| {
             let value = pack(data_block, m.sb.time);
-            let (top, old) = insert_mapping(&mut m.tm, m.sb.data_mapping_root, id, vblock, value)?;
-            m.sb.data_mapping_root = top;
+            let (roots, old) =
+                insert_mapping(&mut m.tm, m.sb.data_mapping_root, id, vblock, value)?;
+            m.sb.data_mapping_root = roots.top;
+            m.roots.insert(id, roots.device);
             match old.map(unpack) {
                 None => m.details.get_mut(&id).expect("device").mapped_blocks += 1,
                 Some((old_block, _)) if old_block != data_block => {
@@ -482,8 +494,9 @@ impl ThinMetadata {
         self.info(id)?;
         self.change(|m| {
             let root = m.root_of(id)?;
-            let (top, old) = remove_mapping(&mut m.tm, m.sb.data_mapping_root, id, vblock, root)?;
-            m.sb.data_mapping_root = top;
+            let (roots, old) = remove_mapping(&mut m.tm, m.sb.data_mapping_root, id, vblock, root)?;
+            m.sb.data_mapping_root = roots.top;
+            m.roots.insert(id, roots.device);
             let Some((data_block, _)) = old.map(unpack) else {
                 return Ok(None);
             };
@@ -543,8 +556,12 @@ impl ThinMetadata {
                  it only grows, up to 2^40"
             )));
         }
-        self.tm.dsm.extend(nr_data_blocks);
-        Ok(())
+        // The new bitmaps take their blocks now: a growth too large for the metadata fails
+        // here, not in the commit.
+        self.change(|m| {
+            m.tm.dsm.extend(nr_data_blocks);
+            Ok(())
+        })
     }
 
     /// Takes a metadata snapshot (K:`__reserve_metadata_snap`): commits, then copies the
@@ -668,7 +685,7 @@ impl ThinMetadata {
         let block0 = self.tm.cache.read_raw(SUPERBLOCK_LOCATION)?;
         let sb = Superblock::decode(SUPERBLOCK_LOCATION, &block0[..])?;
         self.tm.cache.discard_dirty();
-        self.details = load(&mut self.tm, &sb)?;
+        (self.details, self.roots) = load(&mut self.tm, &sb)?;
         self.committed = sb.clone();
         self.sb = sb;
         self.changed.clear();
@@ -692,9 +709,12 @@ impl ThinMetadata {
     }
 }
 
-/// Reads the committed state named by `sb` into `tm`: both space maps, and the device details
-/// (checked against the mapping tree's top level).
-fn load(tm: &mut Tm, sb: &Superblock) -> Result<BTreeMap<u32, DeviceInfo>> {
+/// The devices' details and the roots of their trees.
+type Devices = (BTreeMap<u32, DeviceInfo>, NumberMap<u32, u64>);
+
+/// Reads the committed state named by `sb` into `tm`: both space maps; and the device details
+/// and the roots of the devices' trees, checked against each other.
+fn load(tm: &mut Tm, sb: &Superblock) -> Result<Devices> {
     let dev_blocks = tm.cache.dev_blocks();
     if sb.metadata_sm.nr_blocks > dev_blocks {
         return Err(corrupt(
@@ -729,14 +749,14 @@ fn load(tm: &mut Tm, sb: &Superblock) -> Result<BTreeMap<u32, DeviceInfo>> {
         ValueKind::Subtree,
         0,
         None,
-        &mut |id, _| {
-            with_trees.push(id);
+        &mut |id, v| {
+            with_trees.push((id, u64_of(v)));
             Ok(())
         },
     )?;
     if !with_trees
         .iter()
-        .copied()
+        .map(|&(id, _)| id)
         .eq(details.keys().map(|&id| id as u64))
     {
         return Err(corrupt(
@@ -744,7 +764,11 @@ fn load(tm: &mut Tm, sb: &Superblock) -> Result<BTreeMap<u32, DeviceInfo>> {
             "the devices of the mapping tree and of the details tree differ",
         ));
     }
-    Ok(details)
+    let roots = with_trees
+        .into_iter()
+        .map(|(id, root)| (id as u32, root))
+        .collect();
+    Ok((details, roots))
 }
 
 #[cfg(test)]
@@ -783,6 +807,12 @@ mod tests {
     }
 
     #[test]
+    fn the_pool_can_move_between_threads() {
+        fn send<T: Send>() {}
+        send::<ThinMetadata>();
+    }
+
+    #[test]
     fn warm_lookups_read_nothing_from_disk() {
         let dev = device();
         let mut meta = ThinMetadata::open(dev.clone(), 128, 100_000).unwrap();
@@ -800,6 +830,33 @@ mod tests {
             assert_eq!(meta.lookup(1, vb).unwrap().is_some(), vb % 2 == 0);
         }
         assert_eq!(meta.disk_reads(), warm, "warm lookups went to the disk");
+    }
+
+    #[test]
+    fn freed_blocks_do_not_crowd_live_ones_out_of_the_cache() {
+        let mut meta = ThinMetadata::open(device(), 128, 100_000).unwrap();
+        meta.set_cache_blocks(1000);
+        meta.create_thin(1).unwrap();
+        // Random inserts copy a leaf each, commit after commit: thousands of freed blocks.
+        let order = |i: u64| (i * 7919) % 60_000;
+        for i in 0..60_000 {
+            map_new(&mut meta, 1, order(i));
+            if i % 1000 == 999 {
+                meta.commit().unwrap();
+            }
+        }
+        assert!(
+            meta.metadata_usage().used < 1000,
+            "the live metadata fits the cache"
+        );
+        for i in 0..60_000 {
+            meta.lookup(1, order(i)).unwrap();
+        }
+        let warm = meta.disk_reads();
+        for i in 0..60_000 {
+            meta.lookup(1, order(i)).unwrap();
+        }
+        assert_eq!(meta.disk_reads(), warm);
     }
 
     #[test]

@@ -51,7 +51,7 @@ impl Tm {
 
     /// A new metadata block with count 1.
     pub fn alloc(&mut self) -> Result<u64> {
-        if !self.committing && self.msm.nr_free() <= metadata_reserve(self.msm.nr_blocks()) {
+        if !self.committing && self.msm.nr_usable() <= metadata_reserve(self.msm.nr_blocks()) {
             return Err(ThinError::MetadataFull);
         }
         self.msm
@@ -76,11 +76,11 @@ impl Tm {
 
     /// Drops a reference to metadata block `b`; its new count.
     pub fn dec(&mut self, b: u64) -> Result<u32> {
-        let was_new = self.msm.is_new(b);
         let count = self.msm.dec(b, &mut self.cache)?;
-        if count == 0 && was_new {
-            // Written in this transaction only: nothing will read it.
-            self.cache.drop_dirty(b);
+        if count == 0 {
+            // Nothing reaches it any more (an abort reads it again from the disk, where it
+            // stays until the next commit): it must not take the place of live blocks.
+            self.cache.forget(b);
         }
         Ok(count)
     }

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)] // each test file uses part of this module
 
+pub mod oracle;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -69,11 +71,25 @@ fn run(cmd: &str, args: &[&str]) -> (bool, String) {
     (out.status.success(), text)
 }
 
-/// Runs `thin_check` on the metadata in `path`; panics with its output unless it passes.
+/// Runs `thin_check` on the metadata in `path`, and [`oracle::check`] (which also verifies the
+/// data reference counts); panics with what they found unless both pass.
 pub fn check(path: &Path, when: &str) {
+    check_with(path, when, true)
+}
+
+/// [`check`] for metadata written by thin_restore, whose allocation hints are loose.
+pub fn check_restored(path: &Path, when: &str) {
+    check_with(path, when, false)
+}
+
+fn check_with(path: &Path, when: &str, hints: bool) {
     let (ok, text) = run("thin_check", &[path.to_str().unwrap()]);
     let head: String = text.chars().take(3000).collect();
     assert!(ok, "thin_check fails {when}:\n{head}");
+    let image = std::fs::read(path).unwrap();
+    if let Err(e) = oracle::check(&image, hints) {
+        panic!("the space maps are wrong {when}: {e}");
+    }
 }
 
 /// `thin_check`'s verdict and output.

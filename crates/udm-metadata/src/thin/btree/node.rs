@@ -182,10 +182,6 @@ impl Entries {
         self.keys.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
-    }
-
     /// Appends the entries of node `d`.
     pub fn take_from(&mut self, d: &[u8]) {
         let nr = nr_entries(d);

@@ -101,6 +101,17 @@ pub fn relocate(tm: &mut Tm, location: u64) -> Result<u64> {
     Ok(new)
 }
 
+/// Gives each data bitmap changed for the first time in this transaction its new block now,
+/// as the kernel shadows a bitmap when it changes it: an operation that changes many bitmaps
+/// (deleting a device) then runs out of room itself, instead of leaving its commit without.
+pub fn place_changed_bitmaps(tm: &mut Tm) -> Result<()> {
+    for k in tm.dsm.take_newly_dirty() {
+        let location = relocate(tm, tm.dsm.bitmaps[k].location)?;
+        tm.dsm.bitmaps[k].location = location;
+    }
+    Ok(())
+}
+
 /// Puts the bitmap's current words into its block.
 pub fn write_bitmap(tm: &mut Tm, location: u64, words: &bitmap::Words) {
     let mut block = [0u8; BLOCK_SIZE];

@@ -13,11 +13,11 @@ pub mod disk;
 pub mod index;
 pub mod metadata;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use self::bitmap::{Words, ENTRIES_PER_BITMAP};
 use self::index::IndexEntry;
-use super::cache::BlockCache;
+use super::cache::{BlockCache, NumberMap};
 use super::checksum::Kind;
 use super::error::{corrupt, Result, ThinError};
 use super::superblock::SmRoot;
@@ -85,8 +85,13 @@ pub struct SpaceMap {
     overflow: BTreeMap<u64, u32>,
     /// Blocks whose overflow entry changed since the last commit.
     pub overflow_dirty: BTreeSet<u64>,
+    /// Bitmaps changed for the first time since the last commit, whose new block the
+    /// transaction has not taken yet ([`SpaceMap::take_newly_dirty`]).
+    newly_dirty: Vec<usize>,
     /// Counts at the last commit of the blocks changed since.
-    undo: HashMap<u64, u32>,
+    undo: NumberMap<u64, u32>,
+    /// Blocks free now that were in use at the last commit: not usable before the next.
+    freed_here: u64,
     /// Where the next search for a free block starts (the kernel's linear scan).
     cursor: u64,
     /// Data: root of the index tree. Metadata: the index block.
@@ -104,7 +109,9 @@ impl SpaceMap {
             bitmaps: Vec::new(),
             overflow: BTreeMap::new(),
             overflow_dirty: BTreeSet::new(),
-            undo: HashMap::new(),
+            newly_dirty: Vec::new(),
+            undo: NumberMap::default(),
+            freed_here: 0,
             cursor: 0,
             bitmap_root: 0,
             ref_count_root: 0,
@@ -125,7 +132,9 @@ impl SpaceMap {
             bitmaps: entries.into_iter().map(Bitmap::on_disk).collect(),
             overflow,
             overflow_dirty: BTreeSet::new(),
-            undo: HashMap::new(),
+            newly_dirty: Vec::new(),
+            undo: NumberMap::default(),
+            freed_here: 0,
             cursor: 0,
             bitmap_root: root.bitmap_root,
             ref_count_root: root.ref_count_root,
@@ -142,6 +151,11 @@ impl SpaceMap {
 
     pub fn nr_free(&self) -> u64 {
         self.nr_blocks.saturating_sub(self.nr_allocated)
+    }
+
+    /// Free blocks this transaction may take (those freed in it wait for the commit).
+    pub fn nr_usable(&self) -> u64 {
+        self.nr_free().saturating_sub(self.freed_here)
     }
 
     pub fn root(&self) -> SmRoot {
@@ -167,6 +181,7 @@ impl SpaceMap {
         assert!(nr_blocks >= self.nr_blocks, "space maps only grow");
         let need = Self::bitmaps_for(nr_blocks);
         while self.bitmaps.len() < need {
+            self.newly_dirty.push(self.bitmaps.len());
             self.bitmaps.push(Bitmap::fresh());
         }
         self.nr_blocks = nr_blocks;
@@ -200,7 +215,11 @@ impl SpaceMap {
         if bm.words.is_none() {
             let block = cache.read(bm.location, Kind::Bitmap)?;
             let words = bitmap::decode(&block[..]);
+            // Recounted: the index entry's figures are hints another writer may have left loose.
             bm.nr_free = bitmap::count_free(&words);
+            bm.none_free_before =
+                bitmap::find_free(&words, 0, ENTRIES_PER_BITMAP as usize, |_| true)
+                    .unwrap_or(ENTRIES_PER_BITMAP as usize) as u32;
             bm.words = Some(words);
         }
         Ok(())
@@ -241,10 +260,20 @@ impl SpaceMap {
         if old == count {
             return Ok(());
         }
-        self.undo.entry(b).or_insert(old);
+        let committed = *self.undo.entry(b).or_insert(old);
+        if committed > 0 && (old == 0) != (count == 0) {
+            if count == 0 {
+                self.freed_here += 1;
+            } else {
+                self.freed_here -= 1;
+            }
+        }
         let (k, j) = self.place(b)?;
         let bm = &mut self.bitmaps[k];
         bitmap::set(bm.words.as_mut().expect("loaded"), j, count.min(3));
+        if !bm.dirty {
+            self.newly_dirty.push(k);
+        }
         bm.dirty = true;
         if count >= 3 {
             self.overflow.insert(b, count);
@@ -265,7 +294,7 @@ impl SpaceMap {
             // Saturating: a damaged root's count must not bring the pool down.
             self.nr_allocated = self.nr_allocated.saturating_sub(1);
             bm.none_free_before = bm.none_free_before.min(j as u32);
-            if self.undo[&b] == 0 {
+            if committed == 0 {
                 // Never committed: usable again at once, and the next search finds it.
                 self.cursor = self.cursor.min(b);
             }
@@ -299,7 +328,7 @@ impl SpaceMap {
     }
 
     /// True if `b` was in use at the last commit (then it must not be reused before the next).
-    fn freed_here(&self, b: u64) -> bool {
+    fn is_freed_here(&self, b: u64) -> bool {
         self.undo.get(&b).is_some_and(|&old| old > 0)
     }
 
@@ -326,9 +355,9 @@ impl SpaceMap {
                 self.load(k, cache)?;
                 let from = ((at - base) as usize).max(self.bitmaps[k].none_free_before as usize);
                 let bm = &self.bitmaps[k];
-                if let Some(j) =
-                    bitmap::find_free(bm.words(), from, end, |j| !self.freed_here(base + j as u64))
-                {
+                if let Some(j) = bitmap::find_free(bm.words(), from, end, |j| {
+                    !self.is_freed_here(base + j as u64)
+                }) {
                     return Ok(Some(base + j as u64));
                 }
             }
@@ -337,10 +366,17 @@ impl SpaceMap {
         Ok(None)
     }
 
+    /// The bitmaps that changed for the first time since the last call.
+    pub fn take_newly_dirty(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.newly_dirty)
+    }
+
     /// The transaction is committed: its state is the new committed state.
     pub fn committed_now(&mut self) {
         self.undo.clear();
+        self.freed_here = 0;
         self.overflow_dirty.clear();
+        self.newly_dirty.clear();
         for bm in &mut self.bitmaps {
             bm.dirty = false;
         }
