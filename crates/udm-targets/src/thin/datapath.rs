@@ -10,8 +10,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use udm_block::{
-    push_extent, AlignedBuf, BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, Result,
-    WriteFlags, ZeroFlags,
+    push_extent, AlignedBuf, BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, Place,
+    Result, WriteFlags, ZeroFlags,
 };
 
 use super::cells::{Cell, Cells};
@@ -22,6 +22,8 @@ use super::status::Mode;
 
 /// Largest piece of a block read or written at once while filling it.
 const CHUNK: u64 = 1 << 20;
+/// Blocks one block-status answer covers at most.
+const STATUS_BLOCKS: u64 = 1 << 16;
 
 thread_local! {
     /// Each thread reuses one buffer for filling blocks.
@@ -249,31 +251,41 @@ impl Thin {
         for (vblock, _, _) in &pieces {
             cells.push(Cells::try_shared(pool.cells.clone(), self.key(*vblock))?);
         }
+        let block = pool.block_bytes();
+        // Per piece, its data block; None for a read of a block that reads as zeroes.
         let mut places = Vec::with_capacity(pieces.len());
         let mut meta = None;
         for (vblock, _, _) in &pieces {
-            let m = match pool.cached(self.id(), *vblock) {
-                Some(m) => m,
+            let found = match pool.cached(self.id(), *vblock) {
+                Some(m) => Some(m),
                 None => {
                     // Only when the metadata is free (not committing): map() must not wait.
                     if meta.is_none() {
                         meta = Some(pool.try_meta()?);
                     }
                     let meta = meta.as_mut().expect("locked above");
-                    pool.lookup_locked(meta, self.id(), *vblock).ok()??
+                    pool.lookup_locked(meta, self.id(), *vblock).ok()?
                 }
             };
-            if op.is_write() && m.shared {
-                return None;
+            match found {
+                Some(m) if op.is_write() && m.shared => return None,
+                Some(m) => places.push(Some(m.data_block)),
+                // Unprovisioned without an origin under it: zeroes, while the cell holds it.
+                None if !op.is_write() && self.origin_reach(*vblock * block, block) == 0 => {
+                    places.push(None)
+                }
+                None => return None,
             }
-            places.push(m.data_block);
         }
         drop(meta);
-        let block = pool.block_bytes();
         let data = pool.data();
         let mut mapping = Mapping::new();
-        for ((_, at, range), data_block) in pieces.iter().zip(places) {
-            let lower = data.map(op, data_block * block + at, range.len() as u64)?;
+        for ((_, at, range), place) in pieces.iter().zip(places) {
+            let len = range.len() as u64;
+            let lower = match place {
+                Some(data_block) => data.map(op, data_block * block + at, len)?,
+                None => Mapping::single(len, Place::Zero),
+            };
             mapping.append(range.start as u64, lower);
         }
         // One hold for both (one allocation per request); the cells go before the gate.
@@ -379,7 +391,8 @@ impl BlockDevice for Thin {
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         let _in = self.pool.enter()?;
         let block = self.pool.block_bytes();
-        let end = offset + len;
+        // A bounded answer (callers ask again for the rest): the walk holds the metadata lock.
+        let end = (offset + len).min((offset / block + STATUS_BLOCKS) * block);
         let runs = self
             .pool
             .lookup_range(self.id(), offset / block, end.div_ceil(block))?;

@@ -630,7 +630,17 @@ fn provisioned_blocks_remap_onto_the_data_file() {
     rig.message(&pool, "create_thin 2").unwrap();
     let thin = rig.thin(MIB, 1).unwrap();
     let other = rig.thin(MIB, 2).unwrap();
-    assert!(thin.map(MapOp::Read, 0, 4096).is_none(), "unprovisioned");
+    // Unprovisioned: a read is zeroes, a write is the pool's.
+    let zeroes = thin.map(MapOp::Read, 0, 4096).unwrap();
+    assert!(matches!(
+        zeroes.pieces[..],
+        [udm_block::Piece {
+            place: Place::Zero,
+            ..
+        }]
+    ));
+    drop(zeroes);
+    assert!(thin.map(MapOp::Write { fua: false }, 0, 4096).is_none());
     write(&other, 0, &filled(BLOCK, 1));
     write(&thin, 4096, &filled(4096, 2));
     assert!(
@@ -654,8 +664,13 @@ fn provisioned_blocks_remap_onto_the_data_file() {
     // Thin block 0 is the pool's second block (the other device took the first).
     assert_eq!(pieces, vec![(0, 8192, BLOCK + 4096)]);
     assert!(thin.map(MapOp::Flush, 0, 0).is_some());
-    // A request spilling onto an unprovisioned block is the pool's.
-    assert!(thin.map(MapOp::Read, BLOCK - 4096, 8192).is_none());
+    // A write spilling onto an unprovisioned block is the pool's; a read maps both parts.
+    assert!(thin
+        .map(MapOp::Write { fua: false }, BLOCK - 4096, 8192)
+        .is_none());
+    let spill = thin.map(MapOp::Read, BLOCK - 4096, 8192).unwrap();
+    assert!(matches!(spill.pieces[1].place, Place::Zero));
+    drop(spill);
     drop(mapping);
     // Shared blocks: reads remap, writes do not.
     thin.suspend();
