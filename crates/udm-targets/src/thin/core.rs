@@ -101,7 +101,6 @@ pub struct Opening<'a> {
     pub metadata: Arc<dyn BlockDevice>,
     pub block_sectors: u64,
     pub nr_blocks: u64,
-    pub features: Features,
     pub bound: Bound,
 }
 
@@ -142,7 +141,7 @@ impl Pool {
                 pool.name, pool.block_sectors
             ));
         }
-        if pool.features().discard_enabled != opening.features.discard_enabled {
+        if pool.features().discard_enabled != opening.bound.features.discard_enabled {
             return Err(format!(
                 "discard support of pool '{}' cannot change once the pool is active",
                 pool.name
@@ -160,7 +159,7 @@ impl Pool {
     }
 
     fn open(opening: &Opening) -> std::result::Result<Arc<Pool>, String> {
-        if opening.features.read_only && superblock_is_blank(&*opening.metadata)? {
+        if opening.bound.features.read_only && superblock_is_blank(&*opening.metadata)? {
             return Err(format!(
                 "read_only: metadata device '{}' holds no pool to open (it is all zeroes)",
                 opening.metadata_key
@@ -172,7 +171,7 @@ impl Pool {
             opening.nr_blocks,
         )
         .map_err(|e| format!("metadata device '{}': {e}", opening.metadata_key))?;
-        let mode = if opening.features.read_only || md.needs_check() {
+        let mode = if opening.bound.features.read_only || md.needs_check() {
             Mode::ReadOnly
         } else {
             Mode::Write

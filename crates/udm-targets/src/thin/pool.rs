@@ -44,21 +44,14 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             line.block_sectors
         )));
     }
-    let mut features = line.features;
-    if features.discard_passdown && !data.capabilities().discard {
+    if line.features.discard_passdown && !data.capabilities().discard {
         log::warn!(
             "thin-pool '{}': data device '{}' cannot discard: disabling discard passdown",
             ctx.owner,
             line.data
         );
-        features.discard_passdown = false;
     }
-    let bound = Bound {
-        data: data.clone(),
-        features,
-        low_water_blocks: line.low_water_blocks,
-        raise_event: ctx.raise_event.clone(),
-    };
+    let bound = bound(&line, &data, &ctx.raise_event);
     let pool = Pool::find_or_open(Opening {
         owner: ctx.owner,
         metadata_key: device_key(&line.metadata),
@@ -66,7 +59,6 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         metadata: metadata.clone(),
         block_sectors: line.block_sectors,
         nr_blocks,
-        features: line.features,
         bound,
     })
     .map_err(|e| args.error(e))?;
@@ -81,16 +73,15 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     }))
 }
 
-impl PoolTarget {
-    fn bound(&self) -> Bound {
-        let mut features = self.line.features;
-        features.discard_passdown &= self.data.capabilities().discard;
-        Bound {
-            data: self.data.clone(),
-            features,
-            low_water_blocks: self.line.low_water_blocks,
-            raise_event: self.raise_event.clone(),
-        }
+/// What this table gives the pool when it is made live.
+fn bound(line: &PoolLine, data: &Arc<dyn BlockDevice>, raise_event: &EventSink) -> Bound {
+    let mut features = line.features;
+    features.discard_passdown &= data.capabilities().discard;
+    Bound {
+        data: data.clone(),
+        features,
+        low_water_blocks: line.low_water_blocks,
+        raise_event: raise_event.clone(),
     }
 }
 
@@ -206,6 +197,7 @@ impl Target for PoolTarget {
     }
 
     fn resume(&self) {
-        self.pool.bind(self.bound(), self.nr_blocks);
+        let bound = bound(&self.line, &self.data, &self.raise_event);
+        self.pool.bind(bound, self.nr_blocks);
     }
 }
