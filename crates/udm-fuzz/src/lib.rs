@@ -2,6 +2,8 @@
 //! panics only when udm misbehaves: every input must get an error or a result, never a crash,
 //! a hang or an inconsistency.
 
+pub mod thin;
+
 use std::io::{Read, Write};
 use std::sync::Arc;
 
@@ -125,4 +127,5 @@ pub const TARGETS: &[(&str, Property)] = &[
     ("control", control),
     ("clone_metadata", clone_metadata),
     ("write_log", write_log),
+    ("thin_metadata", thin::thin_metadata),
 ];

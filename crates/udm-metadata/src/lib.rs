@@ -8,6 +8,8 @@
 pub mod block;
 mod clone;
 pub mod log;
+pub mod thin;
 
 pub use block::{BlockType, MetadataError, BLOCK_SIZE};
 pub use clone::{CloneGeometry, CloneMetadata, CommitOutcome, SuperblockFallback};
+pub use thin::{DeviceInfo, Mapping, ThinError, ThinMetadata, Usage};

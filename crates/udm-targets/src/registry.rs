@@ -19,6 +19,8 @@ pub const TARGET_TYPES: &[(&str, Constructor)] = &[
     ("dust", crate::dust::construct),
     ("clone", crate::clone::construct),
     ("log-writes", crate::log_writes::construct),
+    ("thin-pool", crate::thin::construct_pool),
+    ("thin", crate::thin::construct_thin),
 ];
 
 /// Builds the target of one table line.

@@ -131,7 +131,13 @@ fn workload_until_killed(client: &mut RawClient, model: &mut Model, random: &mut
     panic!("the daemon was not killed within 10 s");
 }
 
-fn crash_rounds(tag: &str, table: impl Fn(&Daemon, &str) -> String) {
+/// `table` sets up what the device needs and returns its table; `after_restart` checks
+/// whatever else must hold after each restart.
+fn crash_rounds(
+    tag: &str,
+    table: impl Fn(&Daemon, &str) -> String,
+    after_restart: impl Fn(&Daemon),
+) {
     let mut daemon = Daemon::start(tag);
     let original_path = daemon.dir.path("original.img");
     pattern_file(&original_path, SIZE as usize, 77);
@@ -159,6 +165,7 @@ fn crash_rounds(tag: &str, table: impl Fn(&Daemon, &str) -> String) {
             &original,
             &format!("{tag} round {round}"),
         );
+        after_restart(&daemon);
     }
     assert!(
         model.durable_writes > rounds,
@@ -173,27 +180,69 @@ fn crash_rounds(tag: &str, table: impl Fn(&Daemon, &str) -> String) {
 
 #[test]
 fn linear_survives_kill_9() {
-    crash_rounds("crash-linear", |daemon, original| {
-        // The device starts as a copy of the original data.
-        let disk = daemon.dir.path("disk.img");
-        std::fs::copy(original, &disk).unwrap();
-        format!("0 {} linear {} 0", SIZE / 512, disk.display())
-    });
+    crash_rounds(
+        "crash-linear",
+        |daemon, original| {
+            // The device starts as a copy of the original data.
+            let disk = daemon.dir.path("disk.img");
+            std::fs::copy(original, &disk).unwrap();
+            format!("0 {} linear {} 0", SIZE / 512, disk.display())
+        },
+        |_| {},
+    );
+}
+
+/// A thin volume whose external origin is the original data: 4 KiB writes into 64 KiB
+/// blocks copy the rest of each block from the origin as they provision it. After every
+/// restart the pool's metadata must pass thin_check.
+#[test]
+fn thin_survives_kill_9_while_provisioning() {
+    crash_rounds(
+        "crash-thin",
+        |daemon, original| {
+            let (meta, data) = (daemon.dir.path("pool.meta"), daemon.dir.path("pool.data"));
+            sparse_file(&meta, 4 * MIB);
+            sparse_file(&data, 2 * SIZE);
+            let pool = format!(
+                "0 {} thin-pool {} {} 128 0",
+                2 * SIZE / 512,
+                meta.display(),
+                data.display()
+            );
+            daemon.udm(&["create", "pool", "--table", &pool]);
+            daemon.udm(&["message", "pool", "0", "create_thin", "1"]);
+            format!("0 {} thin pool 1 {original}", SIZE / 512)
+        },
+        |daemon| {
+            daemon.udm(&["suspend", "vol"]);
+            daemon.udm(&["suspend", "pool"]);
+            tool(
+                "thin_check",
+                &[daemon.dir.path("pool.meta").to_str().unwrap()],
+            );
+            daemon.udm(&["resume", "pool"]);
+            daemon.udm(&["resume", "vol"]);
+        },
+    );
 }
 
 #[test]
 fn clone_survives_kill_9_while_hydrating() {
-    crash_rounds("crash-clone", |daemon, original| {
-        let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
-        sparse_file(&dest, SIZE);
-        sparse_file(&meta, MIB);
-        // 8 KiB regions, so 4 KiB writes copy half a region first; hydration capped at
-        // 2 MiB/s so the kills land in the middle of it for many rounds.
-        format!(
+    crash_rounds(
+        "crash-clone",
+        |daemon, original| {
+            let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
+            sparse_file(&dest, SIZE);
+            sparse_file(&meta, MIB);
+            // 8 KiB regions, so 4 KiB writes copy half a region first; hydration capped at
+            // 2 MiB/s so the kills land in the middle of it for many rounds.
+            format!(
             "0 {} clone {} {} {original} 16 0 6 hydration_threshold 32 hydration_batch_size 4 max_hydration_rate 2048",
             SIZE / 512,
             meta.display(),
             dest.display()
         )
-    });
+        },
+        |_| {},
+    );
 }
