@@ -7,16 +7,10 @@ mod tpt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use udm_block::{BlockDevice, CrashDevice};
+use udm_block::BlockDevice;
 use udm_metadata::log::{EntryKind, LogReader, LogWriter};
 use udm_metadata::{CloneGeometry, CloneMetadata, ThinMetadata};
-
-fn next(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
+use udm_testkit::{CrashDevice, Rng, TempDir};
 
 #[test]
 fn clone_metadata_survives_a_power_cut_at_every_write() {
@@ -32,12 +26,12 @@ fn clone_metadata_survives_a_power_cut_at_every_write() {
             let dev = Arc::new(CrashDevice::new(1 << 20, cut_at, cut_at * 31 + seed));
             let mut committed = BTreeSet::new();
             let mut ever_set = BTreeSet::new();
-            let mut rng = cut_at.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
+            let mut rng = Rng::new(cut_at);
             if let Ok(meta) = CloneMetadata::open(dev.clone(), geometry) {
                 for _ in 0..20 {
-                    for _ in 0..(next(&mut rng) % 50) {
-                        let first = next(&mut rng) % 40_000;
-                        let len = 1 + next(&mut rng) % 8;
+                    for _ in 0..(rng.below(50)) {
+                        let first = rng.below(40_000);
+                        let len = 1 + rng.below(8);
                         let range = first..(first + len).min(40_000);
                         ever_set.extend(range.clone());
                         meta.set_hydrated(range);
@@ -157,12 +151,12 @@ type ThinModel = BTreeMap<u32, BTreeMap<u64, u64>>;
 fn thin_round(
     meta: &mut ThinMetadata,
     model: &mut ThinModel,
-    rng: &mut u64,
+    rng: &mut Rng,
     next_id: &mut u32,
 ) -> Result<(), udm_metadata::ThinError> {
     let ids: Vec<u32> = model.keys().copied().collect();
-    let pick = |rng: &mut u64| ids[(next(rng) % ids.len() as u64) as usize];
-    match next(rng) % 6 {
+    let pick = |rng: &mut Rng| ids[rng.below(ids.len() as u64) as usize];
+    match rng.below(6) {
         0 => {
             meta.create_thin(*next_id)?;
             model.insert(*next_id, BTreeMap::new());
@@ -183,9 +177,9 @@ fn thin_round(
     }
     let ids: Vec<u32> = model.keys().copied().collect();
     for _ in 0..40 {
-        let id = ids[(next(rng) % ids.len() as u64) as usize];
-        let vblock = next(rng) % 3000;
-        if next(rng).is_multiple_of(5) {
+        let id = ids[rng.below(ids.len() as u64) as usize];
+        let vblock = rng.below(3000);
+        if rng.below(5) == 0 {
             meta.remove(id, vblock)?;
             model.get_mut(&id).unwrap().remove(&vblock);
         } else {
@@ -206,14 +200,14 @@ fn thin_view(meta: &mut ThinMetadata) -> ThinModel {
 
 #[test]
 fn thin_metadata_survives_a_power_cut_at_every_write() {
-    let scratch = tpt::Scratch::new("powercut");
+    let scratch = TempDir::new("thin-powercut");
     let image_path = scratch.path("image");
     let mut cuts = 0;
     for seed in 0..3u64 {
         let mut cut_at = 1;
         loop {
             let dev = Arc::new(CrashDevice::new(2 << 20, cut_at, cut_at * 131 + seed));
-            let mut rng = 0x9E37_79B9_7F4A_7C15 ^ seed;
+            let mut rng = Rng::new(seed);
             // The last commit that returned, and the one in progress at the cut (which may
             // or may not have become durable).
             let mut committed = None;
@@ -237,7 +231,7 @@ fn thin_metadata_survives_a_power_cut_at_every_write() {
                         committed = Some(model.clone());
                         // Now and then a metadata snapshot is taken or dropped (it changes
                         // no mapping; the next commit records it).
-                        if next(&mut rng).is_multiple_of(4) {
+                        if rng.below(4) == 0 {
                             let toggled = match meta.held_root() {
                                 Some(_) => meta.release_metadata_snap(),
                                 None => meta.reserve_metadata_snap(),

@@ -3,13 +3,15 @@
 //! gives the image a restart would see: the durable data plus an arbitrary subset of the
 //! volatile sectors (writes not yet flushed may be torn and reordered, as on real disks).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use crate::device::{BlockDevice, Capabilities, WriteFlags, ZeroFlags};
-use crate::error::{BlockError, Result};
-use crate::memory::MemoryDevice;
-use crate::SECTOR_SIZE;
+use udm_block::{
+    write_zeroes_by_writing, BlockDevice, BlockError, Capabilities, MemoryDevice, Result,
+    WriteFlags, ZeroFlags, SECTOR_SIZE,
+};
+
+use crate::Rng;
 
 pub struct CrashDevice {
     durable: MemoryDevice,
@@ -17,7 +19,7 @@ pub struct CrashDevice {
     volatile: Mutex<Vec<(u64, Vec<u8>)>>,
     /// Writes left before the power goes; 0 = never.
     writes_left: AtomicU64,
-    cut: std::sync::atomic::AtomicBool,
+    cut: AtomicBool,
     /// Seed for which volatile sectors survive.
     seed: u64,
 }
@@ -33,8 +35,8 @@ impl CrashDevice {
             durable,
             volatile: Mutex::new(Vec::new()),
             writes_left: AtomicU64::new(cut_at),
-            cut: std::sync::atomic::AtomicBool::new(false),
-            seed: seed | 1,
+            cut: AtomicBool::new(false),
+            seed,
         }
     }
 
@@ -79,13 +81,10 @@ impl CrashDevice {
             }
             pos += n as u64;
         }
-        let mut x = self.seed;
-        for (offset, data) in self.volatile.lock().unwrap().iter() {
+        let mut survives = Rng::new(self.seed);
+        for (offset, data) in self.volatile.lock().iter() {
             for (i, sector) in data.chunks(SECTOR_SIZE as usize).enumerate() {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                if x & 1 == 1 {
+                if survives.next() & 1 == 1 {
                     let at = offset + i as u64 * SECTOR_SIZE;
                     image
                         .write(at, sector, WriteFlags::default())
@@ -93,7 +92,7 @@ impl CrashDevice {
                 }
             }
         }
-        CrashDevice::from_image(image, 0, self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        CrashDevice::from_image(image, 0, survives.next())
     }
 }
 
@@ -114,7 +113,7 @@ impl BlockDevice for CrashDevice {
         self.check_power()?;
         self.durable.read(offset, buf)?;
         let end = offset + buf.len() as u64;
-        for (at, data) in self.volatile.lock().unwrap().iter() {
+        for (at, data) in self.volatile.lock().iter() {
             let (w_start, w_end) = (*at, at + data.len() as u64);
             let (start, stop) = (w_start.max(offset), w_end.min(end));
             if start < stop {
@@ -129,27 +128,27 @@ impl BlockDevice for CrashDevice {
         self.check_power()?;
         if self.power_goes_now() {
             // The write was in flight: part of it may have reached the media.
-            self.volatile.lock().unwrap().push((offset, buf.to_vec()));
+            self.volatile.lock().push((offset, buf.to_vec()));
             return Err(BlockError::Io("power cut".into()));
         }
         if flags.fua {
             self.durable.write(offset, buf, flags)
         } else {
-            self.volatile.lock().unwrap().push((offset, buf.to_vec()));
+            self.volatile.lock().push((offset, buf.to_vec()));
             Ok(())
         }
     }
 
     fn flush(&self) -> Result<()> {
         self.check_power()?;
-        for (offset, data) in self.volatile.lock().unwrap().drain(..) {
+        for (offset, data) in self.volatile.lock().drain(..) {
             self.durable.write(offset, &data, WriteFlags::default())?;
         }
         Ok(())
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        crate::write_zeroes_by_writing(
+        write_zeroes_by_writing(
             self,
             offset,
             len,
@@ -179,7 +178,8 @@ mod tests {
             "a running system reads its own writes"
         );
         assert!(
-            dev.write(8192, &[3u8; 512], WriteFlags::default()).is_err(),
+            dev.write(1 << 19, &[3u8; 512], WriteFlags::default())
+                .is_err(),
             "third write: power cut"
         );
         assert!(dev.read(0, &mut buf).is_err());
