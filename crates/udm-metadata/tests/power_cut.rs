@@ -10,7 +10,7 @@ use std::sync::Arc;
 use udm_block::BlockDevice;
 use udm_metadata::log::{EntryKind, LogReader, LogWriter};
 use udm_metadata::{CloneGeometry, CloneMetadata, ThinMetadata};
-use udm_testkit::{CrashDevice, Rng};
+use udm_testkit::{CrashDevice, Rng, TempDir};
 
 #[test]
 fn clone_metadata_survives_a_power_cut_at_every_write() {
@@ -155,8 +155,8 @@ fn thin_round(
     next_id: &mut u32,
 ) -> Result<(), udm_metadata::ThinError> {
     let ids: Vec<u32> = model.keys().copied().collect();
-    let pick = |rng: &mut Rng| ids[(rng.next() % ids.len() as u64) as usize];
-    match rng.next() % 6 {
+    let pick = |rng: &mut Rng| ids[rng.below(ids.len() as u64) as usize];
+    match rng.below(6) {
         0 => {
             meta.create_thin(*next_id)?;
             model.insert(*next_id, BTreeMap::new());
@@ -177,9 +177,9 @@ fn thin_round(
     }
     let ids: Vec<u32> = model.keys().copied().collect();
     for _ in 0..40 {
-        let id = ids[(rng.next() % ids.len() as u64) as usize];
-        let vblock = rng.next() % 3000;
-        if rng.next().is_multiple_of(5) {
+        let id = ids[rng.below(ids.len() as u64) as usize];
+        let vblock = rng.below(3000);
+        if rng.below(5) == 0 {
             meta.remove(id, vblock)?;
             model.get_mut(&id).unwrap().remove(&vblock);
         } else {
@@ -200,14 +200,14 @@ fn thin_view(meta: &mut ThinMetadata) -> ThinModel {
 
 #[test]
 fn thin_metadata_survives_a_power_cut_at_every_write() {
-    let scratch = tpt::Scratch::new("powercut");
+    let scratch = TempDir::new("thin-powercut");
     let image_path = scratch.path("image");
     let mut cuts = 0;
     for seed in 0..3u64 {
         let mut cut_at = 1;
         loop {
             let dev = Arc::new(CrashDevice::new(2 << 20, cut_at, cut_at * 131 + seed));
-            let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15 ^ seed);
+            let mut rng = Rng::new(seed);
             // The last commit that returned, and the one in progress at the cut (which may
             // or may not have become durable).
             let mut committed = None;
@@ -231,7 +231,7 @@ fn thin_metadata_survives_a_power_cut_at_every_write() {
                         committed = Some(model.clone());
                         // Now and then a metadata snapshot is taken or dropped (it changes
                         // no mapping; the next commit records it).
-                        if rng.next().is_multiple_of(4) {
+                        if rng.below(4) == 0 {
                             let toggled = match meta.held_root() {
                                 Some(_) => meta.release_metadata_snap(),
                                 None => meta.reserve_metadata_snap(),

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use udm_block::{BlockDevice, MemoryDevice, WriteFlags};
 use udm_metadata::{ThinError, ThinMetadata, BLOCK_SIZE};
+use udm_testkit::{Rng, TempDir};
 
 const B: u64 = BLOCK_SIZE as u64;
 
@@ -132,9 +133,9 @@ fn a_truncated_metadata_device_is_refused_by_name() {
 
 #[test]
 fn a_full_metadata_device_fails_cleanly_and_keeps_the_last_commit() {
-    let scratch = tpt::Scratch::new("full");
+    let scratch = TempDir::new("thin-full");
     // 48 blocks of metadata, 4 kept back for commits.
-    let (path, dev) = scratch.device("meta", 48 * B);
+    let (path, dev) = tpt::device(&scratch, "meta", 48 * B);
     let mut meta = ThinMetadata::open(dev.clone(), 128, 100_000).unwrap();
     meta.create_thin(1).unwrap();
     let mut committed = 0u64;
@@ -201,8 +202,8 @@ fn a_full_metadata_device_fails_cleanly_and_keeps_the_last_commit() {
 
 #[test]
 fn blocks_freed_in_a_transaction_do_not_count_as_room_for_its_commit() {
-    let scratch = tpt::Scratch::new("freedroom");
-    let (path, dev) = scratch.device("meta", 64 * B);
+    let scratch = TempDir::new("thin-freedroom");
+    let (path, dev) = tpt::device(&scratch, "meta", 64 * B);
     let mut meta = ThinMetadata::open(dev, 128, 100_000).unwrap();
     meta.create_thin(1).unwrap();
     for vb in 0..2_000u64 {
@@ -236,8 +237,8 @@ fn blocks_freed_in_a_transaction_do_not_count_as_room_for_its_commit() {
 
 #[test]
 fn a_delete_that_touches_every_data_bitmap_fails_or_commits() {
-    let scratch = tpt::Scratch::new("spread");
-    let (path, dev) = scratch.device("meta", 128 * B);
+    let scratch = TempDir::new("thin-spread");
+    let (path, dev) = tpt::device(&scratch, "meta", 128 * B);
     let mut meta = ThinMetadata::open(dev, 128, 40 * 16_320).unwrap();
     // Device 1 maps one data block in each of the 40 data bitmaps.
     meta.create_thin(1).unwrap();
@@ -279,18 +280,13 @@ fn a_delete_that_touches_every_data_bitmap_fails_or_commits() {
 /// MetadataFull (and is aborted) or commits; a commit never runs out of room.
 #[test]
 fn a_transaction_whose_operations_succeed_always_commits() {
-    let scratch = tpt::Scratch::new("edge");
+    let scratch = TempDir::new("thin-edge");
     // 96 metadata blocks (9 kept back), 12 data bitmaps: removals all over the data device
     // change many bitmaps in one transaction.
-    let (path, dev) = scratch.device("meta", 96 * B);
+    let (path, dev) = tpt::device(&scratch, "meta", 96 * B);
     let mut meta = ThinMetadata::open(dev, 128, 12 * 16_320).unwrap();
-    let mut rng = 0x1234_5678_9ABC_DEF1u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut rng = Rng::new(7);
+    let mut next = move || rng.next();
     let mut next_id = 0;
     let (mut commits, mut full) = (0, 0);
     for round in 0..400 {

@@ -6,16 +6,10 @@ mod tpt;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use tpt::{assert_dump_matches, check, dump, Scratch};
+use tpt::{assert_dump_matches, check, dump};
 use udm_block::BlockDevice;
 use udm_metadata::ThinMetadata;
-
-fn next(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
+use udm_testkit::{Rng, TempDir};
 
 /// The pool as a test drives it, with what every device should map.
 struct Pool {
@@ -23,20 +17,20 @@ struct Pool {
     dev: Arc<dyn BlockDevice>,
     path: std::path::PathBuf,
     model: BTreeMap<u32, BTreeMap<u64, u64>>,
-    rng: u64,
+    rng: Rng,
     commits: u32,
 }
 
 impl Pool {
-    fn new(scratch: &Scratch, meta_size: u64, data_blocks: u64) -> Self {
-        let (path, dev) = scratch.device("meta", meta_size);
+    fn new(dir: &TempDir, meta_size: u64, data_blocks: u64) -> Self {
+        let (path, dev) = tpt::device(dir, "meta", meta_size);
         let meta = ThinMetadata::open(dev.clone(), 128, data_blocks).unwrap();
         Pool {
             meta,
             dev,
             path,
             model: BTreeMap::new(),
-            rng: 0x1234_5678_9abc_def1,
+            rng: Rng::new(1),
             commits: 0,
         }
     }
@@ -70,7 +64,7 @@ impl Pool {
     }
 
     fn random(&mut self, below: u64) -> u64 {
-        next(&mut self.rng) % below
+        self.rng.below(below)
     }
 
     /// Commits, then checks udm's view, thin_check and thin_dump against the model.
@@ -97,7 +91,7 @@ impl Pool {
 
 #[test]
 fn a_new_pool_passes_thin_check_and_reopens() {
-    let scratch = Scratch::new("new");
+    let scratch = TempDir::new("thin-new");
     let mut pool = Pool::new(&scratch, 4 << 20, 1000);
     check(&pool.path, "after format");
     let d = dump(&pool.path, false);
@@ -121,7 +115,7 @@ fn a_new_pool_passes_thin_check_and_reopens() {
 
 #[test]
 fn thousands_of_mappings_snapshots_of_snapshots_and_deletes_stay_thin_check_clean() {
-    let scratch = Scratch::new("many");
+    let scratch = TempDir::new("thin-many");
     let mut pool = Pool::new(&scratch, 64 << 20, 200_000);
 
     // Sequential writes: a three-level tree (more than 252 full leaves).
@@ -206,10 +200,10 @@ fn thousands_of_mappings_snapshots_of_snapshots_and_deletes_stay_thin_check_clea
 }
 
 /// Runs thin_restore on `xml` into a new metadata file.
-fn restore(scratch: &Scratch, xml: &str, size: u64) -> std::path::PathBuf {
+fn restore(scratch: &TempDir, xml: &str, size: u64) -> std::path::PathBuf {
     let xml_path = scratch.path("in.xml");
     std::fs::write(&xml_path, xml).unwrap();
-    let (path, _) = scratch.device("restored", size);
+    let (path, _) = tpt::device(scratch, "restored", size);
     let out = std::process::Command::new("thin_restore")
         .args([
             "-i",
@@ -263,7 +257,7 @@ fn metadata_made_by_thin_restore_opens_reads_and_takes_changes() {
     device(&mut xml, 2, 1, &two);
     xml.push_str("</superblock>\n");
 
-    let scratch = Scratch::new("restore");
+    let scratch = TempDir::new("thin-restore");
     let path = restore(&scratch, &xml, 16 << 20);
     tpt::check_restored(&path, "after thin_restore");
     let dev: Arc<dyn BlockDevice> =
@@ -321,7 +315,7 @@ fn metadata_made_by_thin_restore_opens_reads_and_takes_changes() {
 
 #[test]
 fn a_metadata_snapshot_keeps_its_view_while_the_pool_changes() {
-    let scratch = Scratch::new("msnap");
+    let scratch = TempDir::new("thin-msnap");
     let mut pool = Pool::new(&scratch, 16 << 20, 100_000);
     pool.create(1);
     for vb in 0..3_000 {
@@ -364,7 +358,7 @@ fn a_metadata_snapshot_keeps_its_view_while_the_pool_changes() {
 
 #[test]
 fn a_grown_metadata_device_is_used_and_stays_clean() {
-    let scratch = Scratch::new("grow");
+    let scratch = TempDir::new("thin-grow");
     let mut pool = Pool::new(&scratch, 4 << 20, 10_000);
     pool.create(1);
     for vb in 0..2_000 {
@@ -393,7 +387,7 @@ fn a_grown_metadata_device_is_used_and_stays_clean() {
 
 #[test]
 fn needs_check_is_cleared_by_thin_check() {
-    let scratch = Scratch::new("needscheck");
+    let scratch = TempDir::new("thin-needscheck");
     let mut pool = Pool::new(&scratch, 4 << 20, 1_000);
     pool.create(1);
     pool.write(1, 0);
@@ -415,7 +409,7 @@ fn needs_check_is_cleared_by_thin_check() {
 
 #[test]
 fn hundreds_of_devices_split_and_merge_the_top_level_and_details_trees() {
-    let scratch = Scratch::new("devices");
+    let scratch = TempDir::new("thin-devices");
     let mut pool = Pool::new(&scratch, 16 << 20, 100_000);
     // Beyond 252 devices (top level) and 126 (details): both trees get internal nodes.
     for id in 0..400 {
@@ -460,7 +454,7 @@ fn tool(cmd: &str, args: &[&str], path: &std::path::Path) -> String {
 
 #[test]
 fn thin_delta_and_thin_ls_agree_with_udms_mappings() {
-    let scratch = Scratch::new("delta");
+    let scratch = TempDir::new("thin-delta");
     let mut pool = Pool::new(&scratch, 16 << 20, 50_000);
     pool.create(1);
     for _ in 0..3_000 {

@@ -12,36 +12,15 @@ use std::sync::Arc;
 
 use udm_block::{BlockDevice, FileDevice, OpenMode, WriteFlags};
 use udm_metadata::ThinMetadata;
+use udm_testkit::TempDir;
 
-/// A directory removed when the test ends.
-pub struct Scratch(pub PathBuf);
-
-impl Scratch {
-    pub fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("udm-thin-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-
-    pub fn path(&self, file: &str) -> PathBuf {
-        self.0.join(file)
-    }
-
-    /// A zeroed file of `size` bytes opened as a device.
-    pub fn device(&self, file: &str, size: u64) -> (PathBuf, Arc<dyn BlockDevice>) {
-        let path = self.path(file);
-        let f = std::fs::File::create(&path).unwrap();
-        f.set_len(size).unwrap();
-        let dev = FileDevice::open(&path, OpenMode::ReadWrite).unwrap();
-        (path, Arc::new(dev))
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A zeroed file of `size` bytes in `dir`, opened as a device.
+pub fn device(dir: &TempDir, file: &str, size: u64) -> (PathBuf, Arc<dyn BlockDevice>) {
+    let path = dir.path(file);
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(size).unwrap();
+    let dev = FileDevice::open(&path, OpenMode::ReadWrite).unwrap();
+    (path, Arc::new(dev))
 }
 
 /// Copies a device's content into `path` (for the tools, which read files).

@@ -55,14 +55,25 @@ pub fn check(b: u64, d: &[u8], leaf_value_size: usize) -> Result<()> {
             format!("btree node value size {value_size}, expected {expected}"),
         ));
     }
-    if max == 0 || HEADER + max * (8 + value_size) > BLOCK_SIZE {
-        return Err(corrupt(b, format!("btree node max_entries {max}")));
+    // Every writer (kernel, thin-provisioning-tools, udm) sizes nodes this way; insisting on
+    // it keeps every node of a tree the same size, which moving entries between them needs.
+    if max != calc_max_entries(value_size) {
+        return Err(corrupt(
+            b,
+            format!(
+                "btree node max_entries {max}, expected {}",
+                calc_max_entries(value_size)
+            ),
+        ));
     }
     if nr > max {
         return Err(corrupt(
             b,
             format!("btree node has {nr} entries, room for {max}"),
         ));
+    }
+    if flags == INTERNAL && nr == 0 {
+        return Err(corrupt(b, "internal btree node without entries"));
     }
     Ok(())
 }
@@ -244,12 +255,16 @@ mod tests {
     fn damaged_headers_are_refused() {
         let mut d = vec![0u8; BLOCK_SIZE];
         init(&mut d, false, 8);
+        assert!(check(3, &d, 24).is_err(), "an empty internal node");
+        put_u32(&mut d, 16, 1);
         check(3, &d, 24).unwrap();
         put_u32(&mut d, 16, 253);
         assert!(check(3, &d, 24).is_err());
-        put_u32(&mut d, 16, 0);
+        put_u32(&mut d, 16, 1);
         put_u32(&mut d, 20, 1000);
         assert!(check(3, &d, 24).is_err());
+        put_u32(&mut d, 20, 249);
+        assert!(check(3, &d, 24).is_err(), "another size than the kernel's");
         put_u32(&mut d, 4, 3);
         assert!(check(3, &d, 24).is_err());
     }

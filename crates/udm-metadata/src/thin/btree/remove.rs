@@ -34,6 +34,12 @@ pub fn remove(tm: &mut Tm, root: u64, vk: ValueKind, key: u64) -> Result<(u64, O
             return Ok((root, Some(old)));
         }
         if nr == 1 {
+            if b != root {
+                return Err(corrupt(
+                    b,
+                    "internal btree node below the root with one child",
+                ));
+            }
             // Only the root can have one child: it takes the child's place.
             let child = node::value_u64(&d[..], 0);
             drop(d);

@@ -12,7 +12,8 @@ use super::super::btree::ValueKind;
 use super::super::cache::BlockCache;
 use super::super::checksum::Kind;
 use super::super::error::{corrupt, Result};
-use super::super::superblock::SmRoot;
+use super::super::mapping::MAX_DATA_BLOCKS;
+use super::super::superblock::{SmRoot, SUPERBLOCK_LOCATION};
 use super::super::transaction::Tm;
 use super::index::IndexEntry;
 use super::{bitmap, SmKind, SpaceMap};
@@ -20,8 +21,18 @@ use crate::BLOCK_SIZE;
 
 /// Opens the committed data space map at `root` (bitmaps are read when first used).
 pub fn open(cache: &mut BlockCache, root: &SmRoot) -> Result<SpaceMap> {
+    if root.nr_blocks > MAX_DATA_BLOCKS {
+        return Err(corrupt(
+            SUPERBLOCK_LOCATION,
+            format!(
+                "the data space map counts {} blocks, more than dm-thin addresses",
+                root.nr_blocks
+            ),
+        ));
+    }
     let nr = SpaceMap::bitmaps_for(root.nr_blocks);
-    let mut entries = vec![None; nr];
+    // Collected as the tree gives them (not sized by the root, which may be damaged).
+    let mut entries = Vec::new();
     walk(
         cache,
         root.bitmap_root,
@@ -29,28 +40,25 @@ pub fn open(cache: &mut BlockCache, root: &SmRoot) -> Result<SpaceMap> {
         0,
         None,
         &mut |k, v| {
-            let slot = entries.get_mut(k as usize).ok_or_else(|| {
-                corrupt(
+            if k != entries.len() as u64 || entries.len() == nr {
+                return Err(corrupt(
                     root.bitmap_root,
-                    format!("data space map index has bitmap {k}, the map has {nr}"),
-                )
-            })?;
-            *slot = Some(IndexEntry::decode(v));
+                    format!(
+                        "data space map index has bitmap {k} after {} of {nr}",
+                        entries.len()
+                    ),
+                ));
+            }
+            entries.push(IndexEntry::decode(v));
             Ok(())
         },
     )?;
-    let entries = entries
-        .into_iter()
-        .enumerate()
-        .map(|(k, e)| {
-            e.ok_or_else(|| {
-                corrupt(
-                    root.bitmap_root,
-                    format!("data space map index lacks bitmap {k}"),
-                )
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    if entries.len() != nr {
+        return Err(corrupt(
+            root.bitmap_root,
+            format!("data space map index has {} bitmaps of {nr}", entries.len()),
+        ));
+    }
     let overflow = load_overflow(cache, root.ref_count_root)?;
     Ok(SpaceMap::committed(SmKind::Data, root, entries, overflow))
 }
