@@ -41,8 +41,9 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import foundation as fnd  # noqa: E402
-from common import BenchError, markdown_table, run  # noqa: E402
+from common import BenchError, run  # noqa: E402
 from foundation import Udm, find_udm, start_service, wait_for_socket  # noqa: E402
+from report import markdown_table, parse_size  # noqa: E402
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 BLOCK = 64 * KIB
@@ -447,7 +448,7 @@ def main(argv=None) -> int:
         args.runtime, args.size, args.repeat = 2, "256M", 1
         args.snapshots, args.snapshot_gib, args.metadata_blocks = 20, 10, 4096
         args.writer_ios = 1024
-    args.size = fnd.parse_size(args.size)
+    args.size = parse_size(args.size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     udm_bin = find_udm(args)

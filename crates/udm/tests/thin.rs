@@ -740,3 +740,104 @@ fn attacks_on_the_pool_are_refused_and_leave_it_clean() {
     daemon.udm(&["remove", "pool"]);
     thin_check(&pool.meta);
 }
+
+/// The pool status line's used and total metadata blocks.
+fn metadata_usage(daemon: &Daemon, pool: &Pool) -> (u64, u64) {
+    let line = status(daemon, &pool.name);
+    let field = line.split(' ').nth(4).unwrap();
+    let (used, total) = field.split_once('/').unwrap();
+    (used.parse().unwrap(), total.parse().unwrap())
+}
+
+#[test]
+fn a_pool_out_of_metadata_grows_onto_a_larger_metadata_device_by_reload() {
+    let daemon = Daemon::start("thin-meta-grow");
+    // 1 MiB of metadata: 256 blocks, filled below by thin devices of their own.
+    let pool = Pool {
+        name: "pool".into(),
+        meta: daemon.dir.path("pool.meta"),
+        data: daemon.dir.path("pool.data"),
+    };
+    sparse_file(&pool.meta, MIB);
+    sparse_file(&pool.data, 256 * BLOCK);
+    let table = format!(
+        "0 {} thin-pool {} {} 128 0",
+        256 * BLOCK / 512,
+        pool.meta.display(),
+        pool.data.display()
+    );
+    daemon.udm(&["create", "pool", "--table", &table]);
+    make_volume(&daemon, &pool, "vol", 1, 16 * MIB);
+    fill(&daemon, "vol", 0x11, 0, 4 * BLOCK);
+    assert_eq!(metadata_usage(&daemon, &pool).1, 256);
+    let mut id = 2;
+    loop {
+        let out = daemon.run_udm(&["message", "pool", "0", "create_thin", &id.to_string()]);
+        if !out.status.success() {
+            break;
+        }
+        id += 1;
+        assert!(id < 10_000, "the metadata never filled up");
+    }
+    let line = status(&daemon, "pool");
+    assert!(line.contains(" ro "), "{line}");
+    assert!(
+        daemon.log().contains("the metadata device is full"),
+        "{}",
+        daemon.log()
+    );
+    // Out of metadata, a write that needs a block fails.
+    let out = qemu_io(&daemon, "vol", &format!("write -P 2 {} 4096", 8 * BLOCK));
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("failed"), "{text}");
+
+    // A larger metadata device, by reloading the pool on it.
+    std::fs::File::options()
+        .write(true)
+        .open(&pool.meta)
+        .unwrap()
+        .set_len(8 * MIB)
+        .unwrap();
+    daemon.udm(&["suspend", "pool"]);
+    daemon.udm(&["load", "pool", "--table", &table]);
+    daemon.udm(&["resume", "pool"]);
+    assert!(
+        daemon
+            .log()
+            .contains("growing the metadata device from 256 to 2048 blocks"),
+        "{}",
+        daemon.log()
+    );
+    let line = status(&daemon, "pool");
+    assert!(line.contains(" rw "), "{line}");
+    let (used, total) = metadata_usage(&daemon, &pool);
+    assert_eq!(total, 2048, "{line}");
+    assert!(used < total / 2, "{line}");
+    // Provisioning goes on: new blocks, new thin devices.
+    fill(&daemon, "vol", 0x22, 8 * BLOCK, 8 * BLOCK);
+    for more in id..id + 20 {
+        daemon.udm(&["message", "pool", "0", "create_thin", &more.to_string()]);
+    }
+    let vol = contents(&daemon, "vol");
+    expect_bytes(&vol, 0, 4 * BLOCK, 0x11, "written before");
+    expect_bytes(&vol, 8 * BLOCK, 8 * BLOCK, 0x22, "written after growing");
+    assert_eq!(data_used(&daemon, &pool), 12);
+    with_pool_still(&daemon, &pool, &["vol"], || thin_check(&pool.meta));
+    // Still there after the pool is closed and opened again.
+    daemon.udm(&["remove", "vol"]);
+    daemon.udm(&["remove", "pool"]);
+    thin_check(&pool.meta);
+    daemon.udm(&["create", "pool", "--table", &table]);
+    assert_eq!(metadata_usage(&daemon, &pool).1, 2048);
+    // A smaller metadata device is refused: the pool's metadata may be anywhere on it.
+    daemon.udm(&["suspend", "pool"]);
+    std::fs::File::options()
+        .write(true)
+        .open(&pool.meta)
+        .unwrap()
+        .set_len(4 * MIB)
+        .unwrap();
+    let err = daemon.udm_err(&["load", "pool", "--table", &table]);
+    assert!(err.contains("metadata device"), "{err}");
+}

@@ -71,6 +71,15 @@ impl BlockCache {
         }
     }
 
+    /// Goes on on `dev`, the same metadata device opened again at a larger size (a pool
+    /// reloaded on a grown metadata device); what is cached stays valid.
+    pub fn grow_device(&mut self, dev: Arc<dyn BlockDevice>) {
+        let dev_blocks = dev.size() / BLOCK_SIZE as u64;
+        assert!(dev_blocks >= self.dev_blocks, "metadata devices only grow");
+        self.dev = dev;
+        self.dev_blocks = dev_blocks;
+    }
+
     /// Whole 4 KiB blocks on the device.
     pub fn dev_blocks(&self) -> u64 {
         self.dev_blocks

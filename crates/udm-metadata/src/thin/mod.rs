@@ -564,6 +564,27 @@ impl ThinMetadata {
         })
     }
 
+    /// Grows the metadata space onto `dev`, the metadata device opened again after it grew
+    /// (K:`dm_pool_resize_metadata_dev`): the new blocks are the pool's from the next
+    /// commit on. A device smaller than the metadata space is refused.
+    pub fn resize_metadata(&mut self, dev: Arc<dyn BlockDevice>) -> Result<()> {
+        self.usable()?;
+        let now = self.tm.msm.nr_blocks();
+        let blocks = (dev.size() / crate::BLOCK_SIZE as u64).min(MAX_METADATA_BLOCKS);
+        if blocks < now {
+            return Err(ThinError::BadArgument(format!(
+                "the metadata device has {blocks} blocks, fewer than the pool's {now}: \
+                 metadata devices do not shrink"
+            )));
+        }
+        self.tm.cache.grow_device(dev);
+        // The new bitmaps find their blocks at commit, in the space they add.
+        self.change(|m| {
+            m.tm.msm.extend(blocks);
+            Ok(())
+        })
+    }
+
     /// Takes a metadata snapshot (K:`__reserve_metadata_snap`): commits, then copies the
     /// superblock to a new block whose trees stay as they are now, for `thin_dump -m` and
     /// `thin_delta -m` while the pool runs. The next commit records it (`held_root`).
@@ -774,6 +795,7 @@ fn load(tm: &mut Tm, sb: &Superblock) -> Result<Devices> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::BLOCK_SIZE;
     use std::sync::atomic::{AtomicU64, Ordering};
     use udm_block::{MemoryDevice, WriteFlags};
 
@@ -1014,5 +1036,46 @@ mod tests {
             ThinMetadata::open(dev, 128, 59_999).is_err(),
             "no shrinking"
         );
+    }
+
+    /// `dev`'s bytes on a new memory device of `blocks` blocks (the device grown).
+    fn grown(dev: &MemoryDevice, blocks: u64) -> Arc<MemoryDevice> {
+        let mut bytes = vec![0u8; dev.size() as usize];
+        dev.read(0, &mut bytes).unwrap();
+        let bigger = MemoryDevice::new(blocks * BLOCK_SIZE as u64);
+        bigger.write(0, &bytes, WriteFlags::default()).unwrap();
+        Arc::new(bigger)
+    }
+
+    #[test]
+    fn full_metadata_grows_onto_a_larger_device_and_goes_on() {
+        let small = Arc::new(MemoryDevice::new(256 * BLOCK_SIZE as u64));
+        let mut meta = ThinMetadata::open(small.clone(), 128, 1000).unwrap();
+        let mut id = 0;
+        let err = loop {
+            // Committed one by one, as pool messages are.
+            match meta.create_thin(id).and_then(|()| meta.commit()) {
+                Ok(()) => id += 1,
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(err, ThinError::MetadataFull);
+        meta.abort().unwrap();
+        let refused = meta.resize_metadata(Arc::new(MemoryDevice::new(100 * BLOCK_SIZE as u64)));
+        assert!(
+            matches!(refused, Err(ThinError::BadArgument(_))),
+            "{refused:?}"
+        );
+        let bigger = grown(&small, 2048);
+        meta.resize_metadata(bigger.clone()).unwrap();
+        for more in id..id + 200 {
+            meta.create_thin(more).unwrap();
+        }
+        meta.commit().unwrap();
+        assert_eq!(meta.metadata_usage().total, 2048);
+        drop(meta);
+        let meta = ThinMetadata::open(bigger, 128, 1000).unwrap();
+        assert_eq!(meta.metadata_usage().total, 2048);
+        assert_eq!(meta.devices().len() as u32, id + 200);
     }
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use log::{error, info, warn};
 use udm_block::{BlockDevice, BlockError, Result};
-use udm_metadata::thin::{DeviceInfo, Mapping, ThinError, ThinMetadata};
+use udm_metadata::thin::{DeviceInfo, Mapping, ThinError, ThinMetadata, MAX_METADATA_BLOCKS};
 
 use super::args::Features;
 use super::gate::Gate;
@@ -145,6 +145,16 @@ impl Pool {
             return Err(format!(
                 "discard support of pool '{}' cannot change once the pool is active",
                 pool.name
+            ));
+        }
+        let metadata_total = pool.meta().md.metadata_usage().total;
+        let metadata_blocks = opening.metadata.size() / udm_metadata::BLOCK_SIZE as u64;
+        if metadata_blocks < metadata_total {
+            return Err(format!(
+                "metadata device '{}' ({metadata_blocks} blocks) is smaller than the \
+                 metadata of pool '{}' ({metadata_total} blocks): a metadata device cannot \
+                 shrink",
+                opening.metadata_key, pool.name
             ));
         }
         let total = pool.meta().md.data_usage().total;
@@ -564,14 +574,40 @@ impl Pool {
     }
 
     /// Takes the live table's devices and features (at every resume of a pool table): grows
-    /// the data space if the table is larger, sets the mode the table asks for, and lets
-    /// thin I/O through again.
-    pub fn bind(&self, bound: Bound, nr_blocks: u64) {
+    /// the metadata space if the table's metadata device is larger and the data space if
+    /// the table is, sets the mode the table asks for, and lets thin I/O through again.
+    pub fn bind(&self, bound: Bound, nr_blocks: u64, metadata: &Arc<dyn BlockDevice>) {
         let read_only = bound.features.read_only;
         *self.bound.write().unwrap() = bound;
         let mut meta = self.meta();
+        // A pool read-only because its metadata filled up grows (that is the way out of
+        // it); one read-only by its table, or failed, does not.
+        let may_grow = !read_only && self.mode() != Mode::Fail;
+        let metadata_total = meta.md.metadata_usage().total;
+        let metadata_blocks =
+            (metadata.size() / udm_metadata::BLOCK_SIZE as u64).min(MAX_METADATA_BLOCKS);
+        if metadata_blocks > metadata_total && may_grow {
+            if meta.md.needs_check() {
+                error!(
+                    "thin-pool '{}': unable to grow the metadata device until repaired",
+                    self.name
+                );
+            } else {
+                info!(
+                    "thin-pool '{}': growing the metadata device from {metadata_total} to \
+                     {metadata_blocks} blocks",
+                    self.name
+                );
+                match meta.md.resize_metadata(metadata.clone()) {
+                    Ok(()) => self.mark_dirty(),
+                    Err(e) => {
+                        self.metadata_failed(&mut meta, "resize_metadata", e);
+                    }
+                }
+            }
+        }
         let total = meta.md.data_usage().total;
-        if nr_blocks > total && self.mode() < Mode::ReadOnly {
+        if nr_blocks > total && may_grow && self.mode() != Mode::Fail {
             if meta.md.needs_check() {
                 error!(
                     "thin-pool '{}': unable to grow the data device until repaired",

@@ -22,8 +22,9 @@ pub struct PoolTarget {
     line: PoolLine,
     pool: Arc<Pool>,
     data: Arc<dyn BlockDevice>,
-    /// Held so the metadata device stays claimed by this pool's device.
-    _metadata: Arc<dyn BlockDevice>,
+    /// Held so the metadata device stays claimed by this pool's device; made the pool's at
+    /// resume when it grew.
+    metadata: Arc<dyn BlockDevice>,
     nr_blocks: u64,
     len: u64,
     raise_event: EventSink,
@@ -66,7 +67,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         line,
         pool,
         data,
-        _metadata: metadata,
+        metadata,
         nr_blocks,
         len: ctx.len,
         raise_event: ctx.raise_event.clone(),
@@ -198,6 +199,6 @@ impl Target for PoolTarget {
 
     fn resume(&self) {
         let bound = bound(&self.line, &self.data, &self.raise_event);
-        self.pool.bind(bound, self.nr_blocks);
+        self.pool.bind(bound, self.nr_blocks, &self.metadata);
     }
 }
