@@ -19,7 +19,7 @@ mod memory;
 
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
-pub use crash::CrashDevice;
+pub use crash::{CrashDevice, PowerSwitch};
 pub use device::{
     clamp_extents, merge_extents, push_extent, write_zeroes_by_writing, BlockDevice, Capabilities,
     Extent, WriteFlags, ZeroFlags, EXTENT_HOLE, EXTENT_ZERO,

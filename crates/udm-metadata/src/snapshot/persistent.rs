@@ -1,0 +1,466 @@
+//! The persistent exception store (`P`, `PO`): the kernel's layout, with group commits.
+//!
+//! Records are submitted after their data is on the COW device and wait for a commit. One
+//! committer thread takes everything queued, writes it as one commit and wakes the waiters;
+//! whatever arrives meanwhile goes into the next one. A commit is, as the kernel's:
+//!
+//! 1. zero the next area on disk if this commit fills the current one (so the table still
+//!    ends inside the next area after a crash),
+//! 2. flush the COW device (the data chunks, and that zeroed area, become durable first),
+//! 3. write each changed area with FUA.
+//!
+//! A torn area write keeps every record committed before it (they are written with the same
+//! bytes), and whatever part of the new records survives is a prefix of valid records whose
+//! data was flushed in step 2. The one danger is a later torn write bringing back records of
+//! an earlier, interrupted commit that lie past the terminator; so at open, an area with
+//! anything after its terminator is rewritten clean before anything else happens.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use log::warn;
+use udm_block::{AlignedBuf, BlockDevice, WriteFlags, SECTOR_SIZE};
+
+use super::layout::{
+    area_image, check_chunk_sectors, encode_header, put_record, walk, Geometry, Header, Record,
+    DEFAULT_CHUNK_SECTORS,
+};
+use super::{CommitStats, ExceptionStore, StoreError, Usage};
+
+pub struct PersistentStore {
+    shared: Arc<Shared>,
+    committer: Option<JoinHandle<()>>,
+}
+
+/// What [`PersistentStore::open`] found on the device.
+pub struct Opened {
+    pub store: PersistentStore,
+    pub records: Vec<Record>,
+    pub valid: bool,
+    /// The device was blank and has been formatted.
+    pub formatted: bool,
+}
+
+struct Shared {
+    dev: Arc<dyn BlockDevice>,
+    geometry: Geometry,
+    state: Mutex<State>,
+    /// The committer waits here for records (or shutdown).
+    work: Condvar,
+    /// Submitters wait here for their commit.
+    done: Condvar,
+    /// One sequence of metadata writes at a time: a commit, a merge commit, invalidation.
+    io: Mutex<()>,
+}
+
+struct State {
+    /// The durable table, in on-disk order.
+    records: Vec<Record>,
+    /// The area new records go to; the merge may step it back onto a full area.
+    current_area: u64,
+    next_free: u64,
+    valid: bool,
+    queue: Vec<Record>,
+    /// Tickets: one per submission, in order.
+    submitted: u64,
+    committed: u64,
+    /// The first ticket whose commit failed, and why; that and every later one fail.
+    failure: Option<(u64, StoreError)>,
+    shutdown: bool,
+    stats: CommitStats,
+}
+
+impl State {
+    fn in_area(&self, geometry: &Geometry) -> u64 {
+        self.records.len() as u64 - self.current_area * geometry.per_area()
+    }
+}
+
+/// A write that is durable when it returns, on devices with or without FUA.
+fn write_durable(dev: &dyn BlockDevice, offset: u64, buf: &[u8]) -> Result<(), StoreError> {
+    if dev.capabilities().native_fua {
+        dev.write(offset, buf, WriteFlags { fua: true })?;
+    } else {
+        dev.write(offset, buf, WriteFlags::default())?;
+        dev.flush()?;
+    }
+    Ok(())
+}
+
+fn header_sector(header: Header) -> AlignedBuf {
+    let mut sector = AlignedBuf::zeroed(SECTOR_SIZE as usize);
+    sector[..16].copy_from_slice(&encode_header(header));
+    sector
+}
+
+impl PersistentStore {
+    /// Opens the store on `dev`, formatting a blank device (magic 0) with `table_chunk_sectors`
+    /// (0: the kernel's default, 32). A formatted device keeps its own chunk size, as in the
+    /// kernel: the table's is only a default.
+    pub fn open(dev: Arc<dyn BlockDevice>, table_chunk_sectors: u64) -> Result<Opened, StoreError> {
+        let Some(found) = walk(&*dev)? else {
+            let chunk_sectors = match table_chunk_sectors {
+                0 => DEFAULT_CHUNK_SECTORS,
+                n => n,
+            };
+            check_chunk_sectors(chunk_sectors).map_err(StoreError::Corrupt)?;
+            let geometry = Geometry::new(chunk_sectors, dev.size());
+            if geometry.chunks < 3 {
+                return Err(StoreError::TooSmall(format!(
+                    "{} sectors hold no more than the header and first metadata area; with \
+                     chunks of {chunk_sectors} sectors it needs at least {} for one data chunk",
+                    dev.size() / SECTOR_SIZE,
+                    3 * chunk_sectors
+                )));
+            }
+            let store = Self::start(dev, geometry, Vec::new(), 0, true);
+            store.format()?;
+            return Ok(Opened {
+                store,
+                records: Vec::new(),
+                valid: true,
+                formatted: true,
+            });
+        };
+        let chunk_sectors = found.header.chunk_sectors;
+        if table_chunk_sectors != 0 && table_chunk_sectors != chunk_sectors {
+            warn!(
+                "snapshot: the COW device's chunk size of {chunk_sectors} sectors overrides \
+                 the table's {table_chunk_sectors}"
+            );
+        }
+        let geometry = Geometry::new(chunk_sectors, dev.size());
+        let next_free = found.next_free(&geometry);
+        let store = Self::start(
+            dev,
+            geometry,
+            found.records.clone(),
+            found.current_area,
+            found.header.valid,
+        );
+        store.shared.state.lock().unwrap().next_free = next_free;
+        if found.stale_tail {
+            store.rewrite_current_area()?;
+        }
+        Ok(Opened {
+            store,
+            records: found.records,
+            valid: found.header.valid,
+            formatted: false,
+        })
+    }
+
+    fn start(
+        dev: Arc<dyn BlockDevice>,
+        geometry: Geometry,
+        records: Vec<Record>,
+        current_area: u64,
+        valid: bool,
+    ) -> Self {
+        let shared = Arc::new(Shared {
+            dev,
+            geometry,
+            state: Mutex::new(State {
+                records,
+                current_area,
+                next_free: 2,
+                valid,
+                queue: Vec::new(),
+                submitted: 0,
+                committed: 0,
+                failure: None,
+                shutdown: false,
+                stats: CommitStats::default(),
+            }),
+            work: Condvar::new(),
+            done: Condvar::new(),
+            io: Mutex::new(()),
+        });
+        let committer = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("snapshot-commit".into())
+                .spawn(move || shared.committer())
+                .expect("spawn snapshot committer")
+        };
+        PersistentStore {
+            shared,
+            committer: Some(committer),
+        }
+    }
+
+    pub fn geometry(&self) -> Geometry {
+        self.shared.geometry
+    }
+
+    /// A zeroed area 0, made durable, then the header: a crash in between leaves a device
+    /// that is still blank (the kernel writes the header first and can leave a header over a
+    /// stale area).
+    fn format(&self) -> Result<(), StoreError> {
+        let g = self.shared.geometry;
+        let dev = &*self.shared.dev;
+        dev.write(
+            g.offset(g.area_chunk(0)),
+            &AlignedBuf::zeroed(g.chunk_bytes() as usize),
+            WriteFlags::default(),
+        )?;
+        dev.flush()?;
+        write_durable(
+            dev,
+            0,
+            &header_sector(Header {
+                valid: true,
+                chunk_sectors: g.chunk_sectors,
+            }),
+        )
+    }
+
+    /// Rewrites the current area from the table in memory: its records, then zeroes.
+    fn rewrite_current_area(&self) -> Result<(), StoreError> {
+        let g = self.shared.geometry;
+        let _io = self.shared.io.lock().unwrap();
+        let (area, image) = {
+            let st = self.shared.state.lock().unwrap();
+            let first = (st.current_area * g.per_area()) as usize;
+            (st.current_area, area_image(&g, &st.records[first..]))
+        };
+        write_durable(&*self.shared.dev, g.offset(g.area_chunk(area)), &image)
+    }
+}
+
+impl Shared {
+    fn committer(&self) {
+        loop {
+            let (batch, ticket, area, current) = {
+                let mut st = self.state.lock().unwrap();
+                while st.queue.is_empty() && !st.shutdown {
+                    st = self.work.wait(st).unwrap();
+                }
+                if st.queue.is_empty() {
+                    return;
+                }
+                let batch = std::mem::take(&mut st.queue);
+                let ticket = st.submitted;
+                if !st.valid && st.failure.is_none() {
+                    st.failure = Some((st.committed + 1, StoreError::Invalid));
+                }
+                if st.failure.is_some() {
+                    st.committed = ticket;
+                    self.done.notify_all();
+                    continue;
+                }
+                let first = (st.current_area * self.geometry.per_area()) as usize;
+                (batch, ticket, st.current_area, st.records[first..].to_vec())
+            };
+            let result = {
+                let _io = self.io.lock().unwrap();
+                self.write_commit(&batch, area, &current)
+            };
+            let mut st = self.state.lock().unwrap();
+            match result {
+                Ok(area) => {
+                    st.stats.commits += 1;
+                    st.stats.records += batch.len() as u64;
+                    st.records.extend(batch);
+                    st.current_area = area;
+                }
+                Err(e) => {
+                    warn!("snapshot: committing exceptions: {e}");
+                    st.failure = Some((st.committed + 1, e));
+                }
+            }
+            st.committed = ticket;
+            self.done.notify_all();
+        }
+    }
+
+    /// Writes `batch` after the `current` records of `area`; returns the area the next
+    /// record goes to.
+    fn write_commit(
+        &self,
+        batch: &[Record],
+        mut area: u64,
+        current: &[Record],
+    ) -> Result<u64, StoreError> {
+        let g = &self.geometry;
+        let per_area = g.per_area();
+        let mut image = area_image(g, current);
+        let mut slot = current.len() as u64;
+        let mut writes = Vec::new();
+        let mut zero_areas = Vec::new();
+        for record in batch {
+            put_record(&mut image, slot, *record);
+            slot += 1;
+            if slot == per_area {
+                zero_areas.push(area + 1);
+                writes.push((
+                    area,
+                    std::mem::replace(&mut image, AlignedBuf::zeroed(g.chunk_bytes() as usize)),
+                ));
+                area += 1;
+                slot = 0;
+            }
+        }
+        if slot > 0 {
+            writes.push((area, image));
+        }
+        let zeroes = AlignedBuf::zeroed(g.chunk_bytes() as usize);
+        for next in zero_areas {
+            let chunk = g.area_chunk(next);
+            // Allocation keeps room for the next area; a device that ends anyway simply
+            // ends the table there.
+            if chunk < g.chunks {
+                self.dev
+                    .write(g.offset(chunk), &zeroes, WriteFlags::default())?;
+            }
+        }
+        self.dev.flush()?;
+        for (at, image) in writes {
+            write_durable(&*self.dev, g.offset(g.area_chunk(at)), &image)?;
+        }
+        Ok(area)
+    }
+}
+
+impl ExceptionStore for PersistentStore {
+    fn chunk_sectors(&self) -> u64 {
+        self.shared.geometry.chunk_sectors
+    }
+
+    /// The next free chunk, skipping metadata chunks. Taking the last data chunk of an area
+    /// also needs room for the next area, which a commit that fills this one zeroes.
+    fn allocate(&self) -> Result<u64, StoreError> {
+        let g = &self.shared.geometry;
+        let mut st = self.shared.state.lock().unwrap();
+        if !st.valid {
+            return Err(StoreError::Invalid);
+        }
+        let chunk = st.next_free;
+        let mut next = chunk + 1;
+        if g.is_metadata(next) {
+            next += 1;
+        }
+        if next > g.chunks {
+            return Err(StoreError::Full);
+        }
+        st.next_free = next;
+        Ok(chunk)
+    }
+
+    fn submit(&self, records: &[Record]) -> Result<u64, StoreError> {
+        let mut st = self.shared.state.lock().unwrap();
+        if !st.valid {
+            return Err(StoreError::Invalid);
+        }
+        if let Some((_, e)) = &st.failure {
+            return Err(e.clone());
+        }
+        st.queue.extend_from_slice(records);
+        st.submitted += 1;
+        self.shared.work.notify_one();
+        Ok(st.submitted)
+    }
+
+    fn wait(&self, ticket: u64) -> Result<(), StoreError> {
+        let mut st = self.shared.state.lock().unwrap();
+        while st.committed < ticket {
+            st = self.shared.done.wait(st).unwrap();
+        }
+        match &st.failure {
+            Some((first, e)) if ticket >= *first => Err(e.clone()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Writes the header with `valid = 0`, durably: an origin write that goes ahead without
+    /// saving its chunk relies on the snapshot never being read again.
+    fn invalidate(&self) -> Result<(), StoreError> {
+        {
+            let mut st = self.shared.state.lock().unwrap();
+            if !st.valid {
+                return Ok(());
+            }
+            st.valid = false;
+        }
+        let _io = self.shared.io.lock().unwrap();
+        write_durable(
+            &*self.shared.dev,
+            0,
+            &header_sector(Header {
+                valid: false,
+                chunk_sectors: self.shared.geometry.chunk_sectors,
+            }),
+        )
+    }
+
+    fn usage(&self) -> Usage {
+        let g = &self.shared.geometry;
+        let st = self.shared.state.lock().unwrap();
+        Usage {
+            allocated: st.next_free * g.chunk_sectors,
+            total: self.shared.dev.size() / SECTOR_SIZE,
+            metadata: (st.current_area + 2) * g.chunk_sectors,
+        }
+    }
+
+    fn stats(&self) -> CommitStats {
+        self.shared.state.lock().unwrap().stats
+    }
+
+    fn merge_batch(&self, max: usize) -> Result<Vec<Record>, StoreError> {
+        let g = &self.shared.geometry;
+        let mut st = self.shared.state.lock().unwrap();
+        if !st.valid {
+            return Err(StoreError::Invalid);
+        }
+        if st.in_area(g) == 0 && st.current_area > 0 {
+            // The current area is empty: step back onto the full one before it.
+            st.current_area -= 1;
+        }
+        let take = (st.in_area(g) as usize).min(max);
+        Ok(st.records[st.records.len() - take..].to_vec())
+    }
+
+    /// Zeroes the last `n` records of the current area on disk (flush first, then the area
+    /// with FUA, as every commit), then forgets them.
+    fn commit_merge(&self, n: usize) -> Result<(), StoreError> {
+        let g = self.shared.geometry;
+        let _io = self.shared.io.lock().unwrap();
+        let (area, image, keep) = {
+            let st = self.shared.state.lock().unwrap();
+            let in_area = st.in_area(&g) as usize;
+            if n > in_area {
+                return Err(StoreError::Unsupported(format!(
+                    "cannot merge {n} records: the current area holds {in_area}"
+                )));
+            }
+            let first = (st.current_area * g.per_area()) as usize;
+            let keep = st.records.len() - n;
+            (
+                st.current_area,
+                area_image(&g, &st.records[first..keep]),
+                keep,
+            )
+        };
+        self.shared.dev.flush()?;
+        write_durable(&*self.shared.dev, g.offset(g.area_chunk(area)), &image)?;
+        let mut st = self.shared.state.lock().unwrap();
+        st.records.truncate(keep);
+        st.next_free = g.area_chunk(area) + st.in_area(&g) + 1;
+        Ok(())
+    }
+}
+
+impl Drop for PersistentStore {
+    /// Commits what is queued, then stops the committer.
+    fn drop(&mut self) {
+        self.shared.state.lock().unwrap().shutdown = true;
+        self.shared.work.notify_all();
+        if let Some(committer) = self.committer.take() {
+            let _ = committer.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
