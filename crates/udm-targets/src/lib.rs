@@ -7,6 +7,7 @@
 
 mod args;
 mod filter;
+mod pacing;
 mod rendezvous;
 mod table;
 mod target;
@@ -18,6 +19,7 @@ mod error;
 mod flakey;
 mod linear;
 mod log_writes;
+mod snapshot;
 mod striped;
 mod zero;
 

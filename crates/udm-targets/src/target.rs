@@ -128,6 +128,9 @@ pub const TARGET_TYPES: &[(&str, Constructor)] = &[
     ("dust", crate::dust::construct),
     ("clone", crate::clone::construct),
     ("log-writes", crate::log_writes::construct),
+    ("snapshot-origin", crate::snapshot::construct_origin),
+    ("snapshot", crate::snapshot::construct_snapshot),
+    ("snapshot-merge", crate::snapshot::construct_merge),
 ];
 
 /// Builds the target of one table line.

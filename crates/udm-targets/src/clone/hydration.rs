@@ -3,7 +3,6 @@
 //! while the user's I/O is in flight. A committer thread commits the bitmap once a second and
 //! samples progress for the copy rate.
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -15,14 +14,7 @@ use super::{Inner, Mode, Settings};
 /// Copy threads; `hydration_threshold` and `hydration_batch_size` decide how many of them
 /// copy at once (threshold / batch size, at least one).
 const WORKERS: usize = 16;
-/// User I/O this recent counts as "the user is busy".
-const USER_QUIET: Duration = Duration::from_millis(5);
-/// While the user is busy, each batch is followed by a pause this many times as long as the
-/// batch took, so copying gets at most 1/(1+N) of the devices' time and the user the rest.
-const YIELD_FACTOR: u32 = 8;
-const MAX_YIELD: Duration = Duration::from_millis(50);
 const ERROR_BACKOFF: Duration = Duration::from_millis(500);
-const RATE_WINDOW: usize = 10;
 
 pub(super) fn start(inner: &Arc<Inner>) -> Vec<JoinHandle<()>> {
     let mut threads = Vec::new();
@@ -60,20 +52,6 @@ pub(super) fn stop(inner: &Inner) {
     inner.wake.notify_all();
 }
 
-/// Bytes per second hydrated over the last few seconds, once there are two samples.
-pub(super) fn rate_bytes_per_second(inner: &Inner) -> Option<f64> {
-    let samples = inner.progress.lock().unwrap();
-    let (first, last) = (samples.front()?, samples.back()?);
-    let seconds = last.0.duration_since(first.0).as_secs_f64();
-    (seconds > 0.0).then(|| (last.1 - first.1) as f64 * inner.region as f64 / seconds)
-}
-
-fn user_busy(inner: &Inner) -> bool {
-    let last = Duration::from_nanos(inner.last_user_io.load(Ordering::Acquire));
-    inner.user_in_flight.load(Ordering::Acquire) > 0
-        || inner.started.elapsed().saturating_sub(last) < USER_QUIET
-}
-
 fn may_copy(inner: &Inner, s: &Settings) -> bool {
     s.hydration_enabled
         && !s.paused
@@ -81,7 +59,7 @@ fn may_copy(inner: &Inner, s: &Settings) -> bool {
         && inner.mode() == Mode::Write
         && !inner.is_complete()
         // While the user is busy, one batch at a time.
-        && (s.in_flight == 0 || !user_busy(inner))
+        && (s.in_flight == 0 || !inner.activity.busy())
 }
 
 fn worker(inner: &Inner) {
@@ -101,7 +79,7 @@ fn worker(inner: &Inner) {
         // Wait out the bandwidth cap before claiming anything: a claimed region holds up the
         // user's I/O to it and a suspend, so claims are only ever held while copying. A rate
         // change or a pause wakes the wait.
-        if let Some(wait) = rate_wait(&settings) {
+        if let Some(wait) = settings.rate.wait() {
             settings = inner.wake.wait_timeout(settings, wait).unwrap().0;
             continue;
         }
@@ -117,7 +95,7 @@ fn worker(inner: &Inner) {
         }
         let count = claims.len() as u64;
         settings.in_flight += count;
-        reserve_bandwidth(&mut settings, count * inner.region);
+        settings.rate.reserve(count * inner.region);
         drop(settings);
 
         let first = claims[0].region;
@@ -137,8 +115,7 @@ fn worker(inner: &Inner) {
                 );
                 ERROR_BACKOFF
             }
-            Ok(()) if user_busy(inner) => (started.elapsed() * YIELD_FACTOR).min(MAX_YIELD),
-            Ok(()) => Duration::ZERO,
+            Ok(()) => inner.activity.pause_after(started.elapsed()),
         };
         if !pause.is_zero() {
             // Sleep holding nothing, and only until a pause or stop asks for attention.
@@ -186,27 +163,6 @@ fn claim_batch<'a>(
     claims
 }
 
-/// How long the bandwidth cap wants the next copy to wait, if at all.
-fn rate_wait(settings: &Settings) -> Option<Duration> {
-    if settings.max_rate_kib == 0 {
-        return None;
-    }
-    settings
-        .next_copy_at
-        .checked_duration_since(Instant::now())
-        .filter(|d| !d.is_zero())
-}
-
-/// Books `bytes` of the bandwidth cap: the next copy may start once they would have taken.
-fn reserve_bandwidth(settings: &mut Settings, bytes: u64) {
-    if settings.max_rate_kib == 0 {
-        return;
-    }
-    let at = settings.next_copy_at.max(Instant::now());
-    settings.next_copy_at =
-        at + Duration::from_secs_f64(bytes as f64 / (settings.max_rate_kib as f64 * 1024.0));
-}
-
 /// A test's way into the gap between checking a region and claiming it.
 #[cfg(test)]
 pub(super) mod tests_hook {
@@ -238,13 +194,9 @@ fn committer(inner: &Inner) {
             }
         }
         next_tick += Duration::from_secs(1);
-        {
-            let mut samples = inner.progress.lock().unwrap();
-            samples.push_back((Instant::now(), inner.meta.hydrated_count()));
-            if samples.len() > RATE_WINDOW {
-                samples.pop_front();
-            }
-        }
+        inner
+            .progress
+            .sample(inner.meta.hydrated_count() * inner.region);
         if inner.mode() == Mode::Write && inner.meta.is_dirty() {
             if let Err(e) = inner.commit() {
                 warn!("clone: periodic commit: {e}");

@@ -16,10 +16,9 @@
 mod hydration;
 mod regions;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
 
 use log::{error, info, warn};
 use udm_block::{
@@ -29,6 +28,7 @@ use udm_block::{
 use udm_metadata::{CloneGeometry, CloneMetadata, CommitOutcome};
 
 use crate::args::Args;
+use crate::pacing::{RateLimit, Throughput, UserActivity};
 use crate::target::{EventSink, Target, TargetContext, TargetError};
 use regions::RegionClaims;
 
@@ -61,14 +61,12 @@ struct Settings {
     hydration_enabled: bool,
     threshold: u64,
     batch_size: u64,
-    /// KiB per second for background copying; 0 = unlimited.
-    max_rate_kib: u64,
+    /// The cap on background copying (`max_hydration_rate`).
+    rate: RateLimit,
     /// Regions the background workers are copying.
     in_flight: u64,
     /// Where the next background batch starts looking.
     cursor: u64,
-    /// The rate limiter's next free moment.
-    next_copy_at: Instant,
     paused: bool,
     shutdown: bool,
 }
@@ -86,14 +84,12 @@ struct Inner {
     wake: Condvar,
     discard_passdown: bool,
     hydrate_on_read: bool,
-    user_in_flight: AtomicUsize,
-    /// Nanoseconds since `started` of the last user request, for yielding.
-    last_user_io: AtomicU64,
-    started: Instant,
+    /// The user's I/O, which background copying yields to.
+    activity: Arc<UserActivity>,
     raise_event: EventSink,
     completion_announced: AtomicBool,
-    /// (time, hydrated regions) once a second, for the copy rate.
-    progress: Mutex<std::collections::VecDeque<(Instant, u64)>>,
+    /// Hydrated bytes once a second, for the copy rate.
+    progress: Throughput,
 }
 
 pub struct Clone {
@@ -102,23 +98,6 @@ pub struct Clone {
     args: Vec<String>,
     references: Vec<String>,
     workers: Mutex<Vec<JoinHandle<()>>>,
-}
-
-struct UserIo<'a>(&'a Inner);
-
-impl Drop for UserIo<'_> {
-    fn drop(&mut self) {
-        self.0.user_io_done();
-    }
-}
-
-/// A mapped request's [`UserIo`], held by the request until its pieces complete.
-struct MappedUserIo(Arc<Inner>);
-
-impl Drop for MappedUserIo {
-    fn drop(&mut self) {
-        self.0.user_io_done();
-    }
 }
 
 fn positive(args: &Args, key: &str, word: &str, min: u64) -> Result<u64, TargetError> {
@@ -210,10 +189,9 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             hydration_enabled,
             threshold,
             batch_size,
-            max_rate_kib,
+            rate: RateLimit::new(max_rate_kib),
             in_flight: 0,
             cursor: 0,
-            next_copy_at: Instant::now(),
             // Nothing runs until the table is resumed (made live): an inactive table must
             // not touch what the live one is using.
             paused: true,
@@ -222,12 +200,10 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         wake: Condvar::new(),
         discard_passdown,
         hydrate_on_read,
-        user_in_flight: AtomicUsize::new(0),
-        last_user_io: AtomicU64::new(0),
-        started: Instant::now(),
+        activity: Arc::default(),
         raise_event: ctx.raise_event.clone(),
         completion_announced: AtomicBool::new(false),
-        progress: Mutex::new(Default::default()),
+        progress: Throughput::default(),
     });
     let workers = hydration::start(&inner);
     Ok(Arc::new(Clone {
@@ -246,17 +222,6 @@ impl Inner {
             1 => Mode::ReadOnly,
             _ => Mode::Fail,
         }
-    }
-
-    fn user_io(&self) -> UserIo<'_> {
-        self.user_in_flight.fetch_add(1, Ordering::AcqRel);
-        UserIo(self)
-    }
-
-    fn user_io_done(&self) {
-        self.user_in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.last_user_io
-            .store(self.started.elapsed().as_nanos() as u64, Ordering::Release);
     }
 
     fn check_not_failed(&self) -> Result<()> {
@@ -578,7 +543,7 @@ impl BlockDevice for Clone {
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let s = &self.inner;
-        let _io = s.user_io();
+        let _io = s.activity.begin();
         s.check_not_failed()?;
         s.each_run(offset, buf.len() as u64, |hydrated, at, len, range| {
             if hydrated {
@@ -596,7 +561,7 @@ impl BlockDevice for Clone {
 
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
         let s = &self.inner;
-        let _io = s.user_io();
+        let _io = s.activity.begin();
         if s.write_merged(offset, buf, flags.fua)? {
             return Ok(());
         }
@@ -607,7 +572,7 @@ impl BlockDevice for Clone {
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         let s = &self.inner;
-        let _io = s.user_io();
+        let _io = s.activity.begin();
         s.write_through(offset, len, flags.fua, || {
             s.dest.write_zeroes(
                 offset,
@@ -621,7 +586,7 @@ impl BlockDevice for Clone {
     }
 
     fn flush(&self) -> Result<()> {
-        let _io = self.inner.user_io();
+        let _io = self.inner.activity.begin();
         self.inner.commit()
     }
 
@@ -638,14 +603,13 @@ impl BlockDevice for Clone {
         if !usable || !s.regions_of(offset, len).all(|r| s.meta.is_hydrated(r)) {
             return None;
         }
-        s.user_in_flight.fetch_add(1, Ordering::AcqRel);
-        let hold = MappedUserIo(s.clone());
+        let hold = s.activity.begin_mapped();
         Some(s.dest.map(op, offset, len)?.hold(hold))
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         let s = &self.inner;
-        let _io = s.user_io();
+        let _io = s.activity.begin();
         s.check_not_failed()?;
         if s.mode() != Mode::Write {
             return Ok(());
@@ -734,8 +698,8 @@ impl Target for Clone {
             settings.threshold, settings.batch_size
         );
         let mut core_count = 4;
-        if settings.max_rate_kib > 0 {
-            core += &format!(" max_hydration_rate {}", settings.max_rate_kib);
+        if settings.rate.kib_per_second() > 0 {
+            core += &format!(" max_hydration_rate {}", settings.rate.kib_per_second());
             core_count = 6;
         }
         let features = std::iter::once(features.len().to_string())
@@ -757,13 +721,8 @@ impl Target for Clone {
         let hydrated = s.meta.hydrated_count();
         let regions = s.meta.regions();
         let hydrated_bytes = (hydrated * s.region).min(s.len);
-        let rate = hydration::rate_bytes_per_second(s);
-        let remaining = s.len - hydrated_bytes;
-        let eta = match rate {
-            _ if remaining == 0 => Some(0.0),
-            Some(r) if r > 0.0 => Some((remaining as f64 / r).round()),
-            _ => None,
-        };
+        let rate = s.progress.bytes_per_second();
+        let eta = s.progress.eta_seconds(s.len - hydrated_bytes);
         Some(serde_json::json!({
             "mode": format!("{:?}", s.mode()).to_lowercase(),
             "regions": regions,
@@ -776,6 +735,16 @@ impl Target for Clone {
             "copy_rate_bytes_per_second": rate.map(f64::round),
             "eta_seconds": eta,
             "complete": hydrated >= regions,
+            "progress": crate::pacing::progress_json(
+                "hydration",
+                hydrated_bytes,
+                s.len,
+                &s.progress,
+                hydrated >= regions,
+                (s.mode() != Mode::Write).then_some(
+                    "the clone's metadata is no longer writable; hydration has stopped",
+                ),
+            ),
             "metadata_transaction": s.meta.transaction(),
             "metadata_fallback": s.meta.fallback().map(|f| serde_json::json!({
                 "used_slot": f.used_slot,
@@ -805,11 +774,7 @@ impl Target for Clone {
             ["disable_hydration"] => settings.hydration_enabled = false,
             ["hydration_threshold", n] => settings.threshold = number(n, 0)?,
             ["hydration_batch_size", n] => settings.batch_size = number(n, 1)?,
-            ["max_hydration_rate", n] => {
-                settings.max_rate_kib = number(n, 0)?;
-                // The new rate applies from now, not after what the old one had booked.
-                settings.next_copy_at = Instant::now();
-            }
+            ["max_hydration_rate", n] => settings.rate.set(number(n, 0)?),
             ["enable_hydration"
             | "disable_hydration"
             | "hydration_threshold"
@@ -843,7 +808,7 @@ impl Target for Clone {
             .to_string(),
             format!("hydration_threshold {}", settings.threshold),
             format!("hydration_batch_size {}", settings.batch_size),
-            format!("max_hydration_rate {}", settings.max_rate_kib),
+            format!("max_hydration_rate {}", settings.rate.kib_per_second()),
         ]
     }
 
