@@ -182,7 +182,8 @@ enum Command {
     Wait {
         name: String,
         event_nr: Option<u64>,
-        /// Instead, show hydration progress (rate, ETA) until every clone target is done.
+        /// Instead, show the progress (rate, ETA) of the background jobs (clone hydration,
+        /// snapshot merge) until they are done.
         #[arg(long, conflicts_with = "event_nr")]
         progress: bool,
     },

@@ -1,4 +1,5 @@
-//! `udm wait NAME --progress`: a live progress bar for hydration, from `status --json`.
+//! `udm wait NAME --progress`: a live progress bar for a device's background jobs (a clone's
+//! hydration, a snapshot merge), from the `progress` object of `status --json`.
 
 use std::io::{IsTerminal, Write};
 use std::path::Path;
@@ -10,15 +11,18 @@ use crate::client;
 use udm::control::Request;
 
 struct Progress {
-    hydrated: u64,
+    /// What the jobs are ("hydration", "merge").
+    label: String,
+    done: u64,
     total: u64,
     rate: Option<f64>,
     eta: Option<f64>,
     complete: bool,
-    mode: String,
+    /// Why a job stopped short, if one did.
+    stopped: Option<String>,
 }
 
-/// Sums the clone targets of the device's status.
+/// Sums the progress of the device's targets that report one.
 fn sample(control: &Path, name: &str) -> anyhow::Result<Progress> {
     let response = client::call(
         control,
@@ -28,38 +32,41 @@ fn sample(control: &Path, name: &str) -> anyhow::Result<Progress> {
     )?;
     let data = response.data.unwrap_or_default();
     let mut p = Progress {
-        hydrated: 0,
+        label: String::new(),
+        done: 0,
         total: 0,
         rate: None,
         eta: None,
         complete: true,
-        mode: "write".into(),
+        stopped: None,
     };
-    let mut found = false;
+    let mut labels: Vec<String> = Vec::new();
     for target in data["targets"].as_array().into_iter().flatten() {
-        let d = &target["details"];
-        if target["type"] != "clone" || d.is_null() {
+        let job = &target["details"]["progress"];
+        if job.is_null() {
             continue;
         }
-        found = true;
-        p.hydrated += d["hydrated_bytes"].as_u64().unwrap_or(0);
-        p.total += d["total_bytes"].as_u64().unwrap_or(0);
-        p.complete &= d["complete"].as_bool().unwrap_or(false);
-        if let Some(r) = d["copy_rate_bytes_per_second"].as_f64() {
+        let label = job["label"].as_str().unwrap_or("job").to_string();
+        if !labels.contains(&label) {
+            labels.push(label);
+        }
+        p.done += job["done_bytes"].as_u64().unwrap_or(0);
+        p.total += job["total_bytes"].as_u64().unwrap_or(0);
+        p.complete &= job["complete"].as_bool().unwrap_or(false);
+        if let Some(r) = job["rate_bytes_per_second"].as_f64() {
             p.rate = Some(p.rate.unwrap_or(0.0) + r);
         }
-        if let Some(e) = d["eta_seconds"].as_f64() {
+        if let Some(e) = job["eta_seconds"].as_f64() {
             p.eta = Some(p.eta.unwrap_or(0.0).max(e));
         }
-        if let Some(m) = d["mode"].as_str() {
-            if m != "write" {
-                p.mode = m.to_string();
-            }
+        if let Some(why) = job["stopped"].as_str() {
+            p.stopped = Some(why.to_string());
         }
     }
-    if !found {
-        bail!("device '{name}' has no clone target to wait for");
+    if labels.is_empty() {
+        bail!("device '{name}' has no background job to wait for (a clone or a snapshot merge)");
     }
+    p.label = labels.join(" and ");
     Ok(p)
 }
 
@@ -78,7 +85,7 @@ fn line(p: &Progress) -> String {
     let fraction = if p.total == 0 {
         1.0
     } else {
-        p.hydrated as f64 / p.total as f64
+        p.done as f64 / p.total as f64
     };
     let width = 30;
     let filled = (fraction * width as f64).round() as usize;
@@ -94,7 +101,7 @@ fn line(p: &Progress) -> String {
         "#".repeat(filled),
         ".".repeat(width - filled),
         fraction * 100.0,
-        human(p.hydrated as f64),
+        human(p.done as f64),
         human(p.total as f64)
     )
 }
@@ -110,18 +117,15 @@ pub fn show(control: &Path, name: &str) -> anyhow::Result<()> {
             writeln!(out, "{}", line(&p))?;
         }
         out.flush()?;
-        if p.mode != "write" {
+        if let Some(why) = &p.stopped {
             writeln!(out)?;
-            bail!(
-                "clone metadata is in {} mode; hydration has stopped",
-                p.mode
-            );
+            bail!("{why}");
         }
         if p.complete {
             if terminal {
                 writeln!(out)?;
             }
-            writeln!(out, "hydration complete")?;
+            writeln!(out, "{} complete", p.label)?;
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(if terminal { 250 } else { 1000 }));
