@@ -159,8 +159,9 @@ fn saved_chunk(old: u64) -> Vec<u8> {
     data
 }
 
-/// Saves exceptions in batches (each chunk's data first, as the targets do), then merges
-/// them all back into an origin on the same power: after a cut at any write, the store
+/// Saves exceptions in batches (each chunk's data durable first, as the targets write it),
+/// then merges them all back into an origin on the same power: after a cut at any write, the
+/// store
 /// opens, and every origin chunk that was ever committed reads as its saved data, from the
 /// COW device if its record survived or from the origin if a merge took it back.
 #[test]
@@ -185,7 +186,7 @@ fn the_snapshot_store_survives_a_power_cut_at_every_write() {
                     let mut batch = Vec::new();
                     for old in olds.drain(..take) {
                         let new = store.allocate().map_err(|e| e.to_string())?;
-                        cow.write(new * 4096, &saved_chunk(old), WriteFlags::default())
+                        cow.write(new * 4096, &saved_chunk(old), WriteFlags { fua: true })
                             .map_err(|e| e.to_string())?;
                         batch.push(Record { old, new });
                     }

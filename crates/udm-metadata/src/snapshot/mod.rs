@@ -4,8 +4,8 @@
 //! - [`PersistentStore`] (`P`, `PO`): the kernel's on-disk layout exactly ([`layout`],
 //!   `docs/snapshot-metadata.md`), so a COW device udm wrote is one the kernel reads and the
 //!   other way round. Exceptions are committed in batches: every exception submitted while a
-//!   commit is being written goes into the next one, which costs one flush and one FUA write
-//!   of the area however many exceptions it holds.
+//!   commit is being written goes into the next one, which costs one FUA write of the area
+//!   however many exceptions it holds.
 //! - [`TransientStore`] (`N`): allocation only; the table lives in memory and is gone after a
 //!   restart.
 //!
@@ -58,9 +58,9 @@ pub struct CommitStats {
     pub records: u64,
 }
 
-/// What both kinds of store do. Records submitted must describe data already written to the
-/// COW device; [`ExceptionStore::wait`] returns once they are durable (at once for a
-/// transient store).
+/// What both kinds of store do. Records submitted to a persistent store must describe data
+/// already durable on the COW device (written with FUA); [`ExceptionStore::wait`] returns
+/// once the records are durable too (at once for a transient store).
 pub trait ExceptionStore: Send + Sync {
     fn chunk_sectors(&self) -> u64;
 

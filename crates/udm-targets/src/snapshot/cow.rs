@@ -199,11 +199,18 @@ impl Snap {
     }
 
     /// Saves `data` (origin chunk `chunk` as the snapshot must see it) in a new COW chunk;
-    /// the caller holds the chunk and submits the record.
+    /// the caller holds the chunk and submits the record. A persistent store's record may
+    /// only be committed once its data is durable: written with FUA, so that the writes of
+    /// concurrent copies become durable together rather than one device flush per commit.
     pub fn save_chunk(&self, chunk: u64, data: &[u8]) -> Result<Record, StoreError> {
         let new = self.store.allocate()?;
-        self.cow
-            .write(new * self.chunk, data, WriteFlags::default())?;
+        self.cow.write(
+            new * self.chunk,
+            data,
+            WriteFlags {
+                fua: self.persistent,
+            },
+        )?;
         Ok(Record { old: chunk, new })
     }
 

@@ -479,12 +479,14 @@ fn a_merge_rolls_the_origin_back_while_writes_go_on_and_resumes_after_a_restart(
     assert!(read(&merge, 0, 8 * MIB as usize)[..] == snapshot_view[..]);
     // A restart in the middle: the table goes away and comes back from the devices.
     std::thread::sleep(Duration::from_millis(300));
+    merge.suspend();
     let before = target(&merge).status();
     drop(merge);
     let merge = rig.table("origin-dev", &format!("snapshot-merge {o} {cow} P 8"));
+    // It goes on from what is left on the COW device (already merging again).
     let after = target(&merge).status();
-    assert_eq!(before, after, "the merge resumes where it was");
     let (allocated, metadata) = parse_status(&after);
+    assert!(allocated <= parse_status(&before).0, "{before} then {after}");
     assert!(allocated > metadata, "not merged yet: {after}");
     // Writes while merging: into merged and unmerged chunks alike.
     let events = rig.events.load(Ordering::SeqCst);
