@@ -486,7 +486,10 @@ fn a_merge_rolls_the_origin_back_while_writes_go_on_and_resumes_after_a_restart(
     // It goes on from what is left on the COW device (already merging again).
     let after = target(&merge).status();
     let (allocated, metadata) = parse_status(&after);
-    assert!(allocated <= parse_status(&before).0, "{before} then {after}");
+    assert!(
+        allocated <= parse_status(&before).0,
+        "{before} then {after}"
+    );
     assert!(allocated > metadata, "not merged yet: {after}");
     // Writes while merging: into merged and unmerged chunks alike.
     let events = rig.events.load(Ordering::SeqCst);
@@ -548,11 +551,13 @@ fn a_power_cut_at_any_write_keeps_the_snapshot_exact() {
     loop {
         // The first write (the origin's contents) is not one to cut at.
         let power = PowerSwitch::new(cut_at + 1);
-        let origin_dev = Arc::new(CrashDevice::on_power(SIZE, power.clone(), cut_at));
+        // Well-mixed seeds: which unflushed sectors survive should look random.
+        let seed = cut_at.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let origin_dev = Arc::new(CrashDevice::on_power(SIZE, power.clone(), seed));
         origin_dev
             .write(0, &original(SIZE), WriteFlags { fua: true })
             .unwrap();
-        let cow_dev = Arc::new(CrashDevice::on_power(4 * MIB, power.clone(), cut_at + 1));
+        let cow_dev = Arc::new(CrashDevice::on_power(4 * MIB, power.clone(), seed ^ 0xabcd));
         let mut rig = Rig::new(SIZE);
         rig.devices.insert(rig.origin.clone(), origin_dev.clone());
         let cow = rig.add("cow", cow_dev.clone());
