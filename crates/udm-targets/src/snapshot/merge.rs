@@ -131,7 +131,7 @@ impl Inner {
     fn run(&self) {
         let mut last_sample = Instant::now();
         loop {
-            {
+            let batch_bytes = {
                 let mut control = self.control.lock().unwrap();
                 loop {
                     if control.shutdown {
@@ -151,9 +151,15 @@ impl Inner {
                     }
                 }
                 control.in_batch = true;
-            }
+                // Under a cap, a quarter of a second's worth at a time, so that the cap is
+                // kept smoothly (and from the first batch after a restart).
+                match control.rate.kib_per_second() {
+                    0 => BATCH_BYTES,
+                    kib => (kib * 1024 / 4).min(BATCH_BYTES),
+                }
+            };
             let started = Instant::now();
-            let result = self.merge_batch();
+            let result = self.merge_batch(batch_bytes);
             let mut control = self.control.lock().unwrap();
             control.in_batch = false;
             self.wake.notify_all();
@@ -192,12 +198,12 @@ impl Inner {
         }
     }
 
-    /// Merges the next batch from the end of the table; the number of chunks, 0 when there
-    /// is nothing left.
-    fn merge_batch(&self) -> std::result::Result<usize, String> {
+    /// Merges the next batch (at most `bytes`) from the end of the table; the number of
+    /// chunks, 0 when there is nothing left.
+    fn merge_batch(&self, bytes: u64) -> std::result::Result<usize, String> {
         let snap = self.snap();
         let origin = &*self.args.origin;
-        let max = (BATCH_BYTES / snap.chunk).max(1) as usize;
+        let max = (bytes / snap.chunk).max(1) as usize;
         let mut records = snap.store.merge_batch(max).map_err(|e| e.to_string())?;
         if records.is_empty() {
             return Ok(0);
