@@ -11,7 +11,6 @@ const USER_QUIET: Duration = Duration::from_millis(5);
 /// While the user is busy, each batch is followed by a pause this many times as long as the
 /// batch took, so copying gets at most 1/(1+N) of the devices' time and the user the rest.
 const YIELD_FACTOR: u32 = 8;
-const MAX_YIELD: Duration = Duration::from_millis(50);
 /// Samples (one a second) the copy rate is averaged over.
 const RATE_WINDOW: usize = 10;
 
@@ -63,10 +62,10 @@ impl UserActivity {
     }
 
     /// How long a background batch that took `took` should pause before the next: a
-    /// multiple of it while the user is busy, nothing otherwise.
-    pub fn pause_after(&self, took: Duration) -> Duration {
+    /// multiple of it (at most `max`) while the user is busy, nothing otherwise.
+    pub fn pause_after(&self, took: Duration, max: Duration) -> Duration {
         if self.busy() {
-            (took * YIELD_FACTOR).min(MAX_YIELD)
+            (took * YIELD_FACTOR).min(max)
         } else {
             Duration::ZERO
         }
@@ -194,13 +193,13 @@ mod tests {
         std::thread::sleep(USER_QUIET * 2);
         assert!(!activity.busy());
         assert_eq!(
-            activity.pause_after(Duration::from_millis(1)),
+            activity.pause_after(Duration::from_millis(1), Duration::from_secs(1)),
             Duration::ZERO
         );
         let mapped = activity.begin_mapped();
         assert!(activity.busy());
         assert_eq!(
-            activity.pause_after(Duration::from_millis(1)),
+            activity.pause_after(Duration::from_millis(1), Duration::from_secs(1)),
             Duration::from_millis(8)
         );
         drop(mapped);

@@ -82,8 +82,8 @@ pub trait ExceptionStore: Send + Sync {
         CommitStats::default()
     }
 
-    /// The records a merge copies back next: the last `max` of the current area at most (the
-    /// merge runs from the end of the table backwards).
+    /// The records a merge copies back next: the last `max` of the table (the merge runs
+    /// from its end backwards).
     fn merge_batch(&self, _max: usize) -> Result<Vec<Record>, StoreError> {
         Err(StoreError::Unsupported(
             "only a persistent store can be merged".into(),

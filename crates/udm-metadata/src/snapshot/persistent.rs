@@ -411,45 +411,52 @@ impl ExceptionStore for PersistentStore {
         self.shared.state.lock().unwrap().stats
     }
 
+    /// The last `max` records, across areas if need be.
     fn merge_batch(&self, max: usize) -> Result<Vec<Record>, StoreError> {
-        let g = &self.shared.geometry;
-        let mut st = self.shared.state.lock().unwrap();
+        let st = self.shared.state.lock().unwrap();
         if !st.valid {
             return Err(StoreError::Invalid);
         }
-        if st.in_area(g) == 0 && st.current_area > 0 {
-            // The current area is empty: step back onto the full one before it.
-            st.current_area -= 1;
-        }
-        let take = (st.in_area(g) as usize).min(max);
+        let take = st.records.len().min(max);
         Ok(st.records[st.records.len() - take..].to_vec())
     }
 
-    /// Zeroes the last `n` records of the current area on disk with FUA, then forgets them.
-    /// Their data must already be durable on the origin.
+    /// Zeroes the last `n` records on disk, then forgets them; their data must already be
+    /// durable on the origin. Each area they were in is written with FUA, the last one
+    /// first: a crash in between leaves later areas emptied (those records were merged) and
+    /// an earlier one still full, whose table then ends at the empty area after it.
     fn commit_merge(&self, n: usize) -> Result<(), StoreError> {
         let g = self.shared.geometry;
+        let per_area = g.per_area() as usize;
         let _io = self.shared.io.lock().unwrap();
-        let (area, image, keep) = {
+        let (writes, keep) = {
             let st = self.shared.state.lock().unwrap();
-            let in_area = st.in_area(&g) as usize;
-            if n > in_area {
+            if n > st.records.len() {
                 return Err(StoreError::Unsupported(format!(
-                    "cannot merge {n} records: the current area holds {in_area}"
+                    "cannot merge {n} records: the table holds {}",
+                    st.records.len()
                 )));
             }
-            let first = (st.current_area * g.per_area()) as usize;
             let keep = st.records.len() - n;
-            (
-                st.current_area,
-                area_image(&g, &st.records[first..keep]),
-                keep,
-            )
+            let last_area = st.records.len().saturating_sub(1) / per_area;
+            let writes: Vec<(u64, AlignedBuf)> = (keep / per_area..=last_area)
+                .rev()
+                .map(|area| {
+                    let first = area * per_area;
+                    let image = area_image(&g, &st.records[first.min(keep)..keep]);
+                    (area as u64, image)
+                })
+                .collect();
+            (writes, keep)
         };
-        write_durable(&*self.shared.dev, g.offset(g.area_chunk(area)), &image)?;
+        for (area, image) in writes {
+            write_durable(&*self.shared.dev, g.offset(g.area_chunk(area)), &image)?;
+        }
         let mut st = self.shared.state.lock().unwrap();
         st.records.truncate(keep);
-        st.next_free = g.area_chunk(area) + st.in_area(&g) + 1;
+        // The area holding the last record left (the kernel's merge steps back onto it).
+        st.current_area = (keep.saturating_sub(1) / per_area) as u64;
+        st.next_free = g.area_chunk(st.current_area) + st.in_area(&g) + 1;
         Ok(())
     }
 }

@@ -14,6 +14,8 @@ use super::{Inner, Mode, Settings};
 /// Copy threads; `hydration_threshold` and `hydration_batch_size` decide how many of them
 /// copy at once (threshold / batch size, at least one).
 const WORKERS: usize = 16;
+/// The longest pause after a batch while the user is busy: hydration keeps moving.
+const MAX_YIELD: Duration = Duration::from_millis(50);
 const ERROR_BACKOFF: Duration = Duration::from_millis(500);
 
 pub(super) fn start(inner: &Arc<Inner>) -> Vec<JoinHandle<()>> {
@@ -115,7 +117,7 @@ fn worker(inner: &Inner) {
                 );
                 ERROR_BACKOFF
             }
-            Ok(()) => inner.activity.pause_after(started.elapsed()),
+            Ok(()) => inner.activity.pause_after(started.elapsed(), MAX_YIELD),
         };
         if !pause.is_zero() {
             // Sleep holding nothing, and only until a pause or stop asks for attention.

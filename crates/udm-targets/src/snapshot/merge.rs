@@ -3,9 +3,9 @@
 //! origin as it will be once merged: chunks the snapshot still holds are read and written on
 //! the COW device, the rest on the origin (saved first into any other snapshot of it). In the
 //! background, batches of chunks are copied from the end of the exception table back into the
-//! origin: hold the chunks, save them into the other snapshots, copy, flush the origin, then
-//! drop their records with one metadata write, as the kernel's merge but many chunks per
-//! commit. A restart resumes from what is left on the COW device; an event is raised when the
+//! origin: hold the chunks, save them into the other snapshots, copy (many at once), flush the
+//! origin, then drop their records from the table's tail, as the kernel's merge but with up to
+//! 8 MiB of chunks per commit where the kernel merges one run of consecutive chunks. A restart resumes from what is left on the COW device; an event is raised when the
 //! merge is done (udm adds: the kernel raises none) and when it fails.
 //!
 //! udm adds the message `max_merge_rate <KiB/s>` (0 = no cap), and the merge yields to user
@@ -31,10 +31,16 @@ use crate::pacing::{RateLimit, Throughput, UserActivity};
 use crate::rendezvous::device_key;
 use crate::target::{EventSink, Target, TargetContext, TargetError};
 
-/// Most bytes merged per metadata commit.
+/// Most bytes merged per metadata commit (each costs a flush of the origin and an area
+/// write or a few).
 const BATCH_BYTES: u64 = 8 << 20;
-/// Threads copying the runs of one batch.
-const COPY_THREADS: usize = 4;
+/// While the user has I/O going: smaller batches, each followed by a pause of eight times
+/// its length, at most `MAX_YIELD` (see `pacing`). A batch's flushes hold up the user's
+/// I/O more than its copies do, so these are not tiny, and the pauses long.
+const BUSY_BATCH_BYTES: u64 = 1 << 20;
+const MAX_YIELD: Duration = Duration::from_millis(500);
+/// Threads copying the runs of one batch (one while the user is busy).
+const COPY_THREADS: usize = 16;
 
 struct Control {
     paused: bool,
@@ -153,9 +159,14 @@ impl Inner {
                 control.in_batch = true;
                 // Under a cap, a quarter of a second's worth at a time, so that the cap is
                 // kept smoothly (and from the first batch after a restart).
-                match control.rate.kib_per_second() {
+                let most = match control.rate.kib_per_second() {
                     0 => BATCH_BYTES,
                     kib => (kib * 1024 / 4).min(BATCH_BYTES),
+                };
+                if self.activity.busy() {
+                    most.min(BUSY_BATCH_BYTES)
+                } else {
+                    most
                 }
             };
             let started = Instant::now();
@@ -178,7 +189,7 @@ impl Inner {
                 }
                 Ok(chunks) => {
                     control.rate.reserve(chunks as u64 * self.snap().chunk);
-                    let pause = self.activity.pause_after(started.elapsed());
+                    let pause = self.activity.pause_after(started.elapsed(), MAX_YIELD);
                     if !pause.is_zero() {
                         let _ = self
                             .wake
@@ -263,7 +274,13 @@ impl Inner {
                     .map_err(|e| format!("writing origin chunk {}: {e}", run[0].old))?;
             }
         };
-        let threads = COPY_THREADS.min(runs.len());
+        // While the user has I/O going, one copy at a time: the merge's share is its pauses'
+        // to decide, not a burst of parallel copies in front of the user's requests.
+        let threads = if self.activity.busy() {
+            1
+        } else {
+            COPY_THREADS.min(runs.len())
+        };
         std::thread::scope(|s| {
             let workers: Vec<_> = (1..threads).map(|_| s.spawn(copier)).collect();
             let mine = copier();

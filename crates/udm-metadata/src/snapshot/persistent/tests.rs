@@ -239,25 +239,28 @@ fn records_after_the_terminator_are_wiped_at_open() {
 }
 
 #[test]
-fn merging_truncates_from_the_tail_and_steps_back_across_areas() {
+fn merging_truncates_from_the_tail_across_areas() {
     let dev = device(4 << 20);
     let store = open(&dev, 8).store;
-    let records = save(&store, 0..300); // area 0 full (256), 44 in area 1
-    assert_eq!(store.usage().metadata, 3 * 8);
+    let records = save(&store, 0..600); // areas 0 and 1 full (256 each), 88 in area 2
+    assert_eq!(store.usage().metadata, 4 * 8);
     let batch = store.merge_batch(100).unwrap();
-    assert_eq!(
-        batch,
-        records[256..].to_vec(),
-        "only the current area's records"
-    );
+    assert_eq!(batch, records[500..].to_vec());
     store.commit_merge(batch.len()).unwrap();
-    // Area 1 is empty now; the next batch steps back onto area 0.
-    let batch = store.merge_batch(16).unwrap();
-    assert_eq!(batch, records[240..256].to_vec());
-    store.commit_merge(16).unwrap();
+    // 500 left: area 2 emptied on disk, area 1 holds 244.
+    assert_eq!(store.usage().metadata, 3 * 8);
+    assert!(read(&dev, 515 * 4096, 4096).iter().all(|&b| b == 0));
     drop(store);
     let again = open(&dev, 8);
-    assert_eq!(again.records, records[..240].to_vec());
+    assert_eq!(again.records, records[..500].to_vec());
+    let store = again.store;
+    // A batch across the end of area 0.
+    let batch = store.merge_batch(300).unwrap();
+    assert_eq!(batch, records[200..500].to_vec());
+    store.commit_merge(300).unwrap();
+    drop(store);
+    let again = open(&dev, 8);
+    assert_eq!(again.records, records[..200].to_vec());
     let store = again.store;
     loop {
         let batch = store.merge_batch(64).unwrap();
