@@ -322,8 +322,8 @@ def report(seed, first, merge, meta) -> tuple[str, dict]:
                 "snapshots", "", markdown_table(["system", "IOPS", "vs linear"], rows), "",
                 f"Exceptions per metadata commit (1 snapshot, median): "
                 f"{first['exceptions_per_commit']:.1f}. "
-                + (f"Cost per snapshot with 4: {per_snapshot:.0f} µs of device time per "
-                   f"write ((1/IOPS₄ − 1/IOPS_linear) / 4)." if per_snapshot else ""), ""]
+                + (f"Each of 4 snapshots adds {per_snapshot:.0f} µs per write "
+                   f"((1/IOPS₄ − 1/IOPS_linear) / 4)." if per_snapshot else ""), ""]
         bars.append((f"first write, 1 snapshot >= {BAR_FIRST_WRITE:g}x linear",
                      ratio(m["snap1"], lin), BAR_FIRST_WRITE))
     if merge:

@@ -53,8 +53,10 @@ struct Shared {
     state: Mutex<State>,
     /// The committer waits here for records (or shutdown).
     work: Condvar,
-    /// Submitters wait here for their commit.
-    done: Condvar,
+    /// Submitters wait for their commit here, on the condition variable of its parity:
+    /// the end of one commit wakes only its own waiters, not those already queued for the
+    /// next.
+    done: [Condvar; 2],
     /// One sequence of metadata writes at a time: a commit, a merge commit, invalidation.
     io: Mutex<()>,
 }
@@ -67,10 +69,12 @@ struct State {
     next_free: u64,
     valid: bool,
     queue: Vec<Record>,
-    /// Tickets: one per submission, in order.
-    submitted: u64,
-    committed: u64,
-    /// The first ticket whose commit failed, and why; that and every later one fail.
+    /// Commits taken by the committer so far; records queued now go into the next one,
+    /// whose number is their ticket.
+    taken: u64,
+    /// The last commit done (written, or failed).
+    done: u64,
+    /// The first commit that failed, and why; that and every later one fail.
     failure: Option<(u64, StoreError)>,
     shutdown: bool,
     stats: CommitStats,
@@ -172,14 +176,14 @@ impl PersistentStore {
                 next_free: 2,
                 valid,
                 queue: Vec::new(),
-                submitted: 0,
-                committed: 0,
+                taken: 0,
+                done: 0,
                 failure: None,
                 shutdown: false,
                 stats: CommitStats::default(),
             }),
             work: Condvar::new(),
-            done: Condvar::new(),
+            done: [Condvar::new(), Condvar::new()],
             io: Mutex::new(()),
         });
         let committer = {
@@ -246,13 +250,14 @@ impl Shared {
                     return;
                 }
                 let batch = std::mem::take(&mut st.queue);
-                let ticket = st.submitted;
+                st.taken += 1;
+                let ticket = st.taken;
                 if !st.valid && st.failure.is_none() {
-                    st.failure = Some((st.committed + 1, StoreError::Invalid));
+                    st.failure = Some((ticket, StoreError::Invalid));
                 }
                 if st.failure.is_some() {
-                    st.committed = ticket;
-                    self.done.notify_all();
+                    st.done = ticket;
+                    self.done[ticket as usize % 2].notify_all();
                     continue;
                 }
                 let first = (st.current_area * self.geometry.per_area()) as usize;
@@ -272,11 +277,11 @@ impl Shared {
                 }
                 Err(e) => {
                     warn!("snapshot: committing exceptions: {e}");
-                    st.failure = Some((st.committed + 1, e));
+                    st.failure = Some((ticket, e));
                 }
             }
-            st.committed = ticket;
-            self.done.notify_all();
+            st.done = ticket;
+            self.done[ticket as usize % 2].notify_all();
         }
     }
 
@@ -360,15 +365,14 @@ impl ExceptionStore for PersistentStore {
             return Err(e.clone());
         }
         st.queue.extend_from_slice(records);
-        st.submitted += 1;
         self.shared.work.notify_one();
-        Ok(st.submitted)
+        Ok(st.taken + 1)
     }
 
     fn wait(&self, ticket: u64) -> Result<(), StoreError> {
         let mut st = self.shared.state.lock().unwrap();
-        while st.committed < ticket {
-            st = self.shared.done.wait(st).unwrap();
+        while st.done < ticket {
+            st = self.shared.done[ticket as usize % 2].wait(st).unwrap();
         }
         match &st.failure {
             Some((first, e)) if ticket >= *first => Err(e.clone()),
