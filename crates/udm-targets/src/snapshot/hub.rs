@@ -99,6 +99,16 @@ impl Hub {
         Ok(self.add_role(owner, None))
     }
 
+    /// The device merging a snapshot into this origin, if one is: the origin file is then
+    /// half rolled back, no moment to take a new snapshot of.
+    pub fn merged_by(&self) -> Option<String> {
+        let roles = self.roles.lock().unwrap();
+        roles
+            .iter()
+            .find(|r| r.merging.is_some())
+            .map(|r| r.owner.clone())
+    }
+
     /// `snapshot-merge` of `cow_key` in the tables of `owner`: the merge takes the place of
     /// `snapshot-origin`, so it is refused while another device serves the origin or merges
     /// another snapshot into it.

@@ -34,6 +34,15 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             parsed.cow_ref
         )));
     }
+    if !parsed.snap().is_active() {
+        if let Some(merger) = parsed.handle.hub.merged_by() {
+            return Err(args.error(format!(
+                "origin '{}' is being merged into by device '{merger}'; take snapshots of it \
+                 once the merge is done",
+                parsed.origin_ref
+            )));
+        }
+    }
     Ok(Arc::new(Snapshot {
         args: parsed,
         len: ctx.len,

@@ -433,6 +433,15 @@ fn one_merge_per_origin_and_never_beside_another_devices_snapshot_origin() {
         err.contains("is being merged by device 'origin-dev'"),
         "{err}"
     );
+    let fresh = rig.cow(4 * MIB);
+    let err = rig
+        .try_table("fifth", &format!("snapshot {o} {fresh} P 8"))
+        .err()
+        .unwrap();
+    assert!(
+        err.contains("take snapshots of it once the merge is done"),
+        "{err}"
+    );
     drop(merge);
     rig.table("fourth", &format!("snapshot-origin {o}"));
 }
