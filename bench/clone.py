@@ -34,18 +34,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import datetime as _dt
 import json
 import math
 import mmap
 import os
-import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,13 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import foundation as fnd  # noqa: E402
 from common import (  # noqa: E402
-    BenchError, copy_logs, git_describe, locate_udm, make_tmpdir, markdown_table,
-    prepare_out_dir, remove_tmp, run, select_workloads, stop_daemon, tmp_base, tool_version,
-    trap_signals, write_results,
+    BenchError, copy_logs, locate_udm, make_tmpdir, prepare_out_dir, remove_tmp, run,
+    select_workloads, stop_daemon, tmp_base, tool_version, trap_signals,
 )
 from foundation import (  # noqa: E402
-    Service, Udm, Workload, check_export, fill_backing_file, find_udm, human_size,
-    parse_fio_json, parse_size, start_service, wait_for_socket,
+    Service, Udm, Workload, check_export, fill_backing_file, find_udm, parse_fio_json,
+    start_service, wait_for_socket,
+)
+from report import (  # noqa: E402
+    human_size, markdown_table, parse_size, write_results,
 )
 
 REPO = fnd.REPO
@@ -1132,8 +1129,26 @@ class Bench:
             out.append("")
 
     def build_report(self, meta: dict) -> tuple[str, list]:
-        regions = self.args.regions
-        out = [f"## udm clone benchmark — {meta['timestamp']}", ""]
+        """The report's markdown, section by section, and its bars: (text, ok) with ok True,
+        False, or None for a figure reported but not judged."""
+        out: list = []
+        bars: list = []
+        self.report_intro(meta, out)
+        qcow2_cells = self.report_workloads(out, bars)
+        self.report_repeats(out)
+        hyd = self.extras.get("hydrated")
+        if hyd:
+            self.report_hydrated(hyd, out, bars)
+        self.report_qcow2_summary(qcow2_cells, bars)
+        self.report_hydration(out, bars)
+        self.report_interference(out, bars)
+        self.report_metadata(out)
+        self.report_bars(out, bars)
+        return "\n".join(out) + "\n", bars
+
+    def report_intro(self, meta: dict, out: list) -> None:
+        """The header: host, versions, and what each column runs."""
+        out += [f"## udm clone benchmark — {meta['timestamp']}", ""]
         out.append(
             f"Host: {meta['host']}, {meta['cpus']} CPUs, kernel {meta['kernel']}. udm "
             f"{meta['udm_commit']}. fio {meta['fio_version']}, nbd engine, one job, unix socket, "
@@ -1159,9 +1174,11 @@ class Bench:
                           "` (cow-block-size refused: default block)")
                        + "; slow source = nbdkit's delay filter (1 ms per read).")
         out.append("")
-        bars: list = []     # (text, ok): ok True / False, None = reported, not a bar
-        qcow2_cells: list = []   # (label, ratio) for "clone >= qcow2 at every region size"
 
+    def report_workloads(self, out: list, bars: list) -> list:
+        """A table per workload (every region size, every system, the ratios); returns the
+        (label, clone / qcow2) cells for the summary bar."""
+        qcow2_cells: list = []   # (label, ratio) for "clone >= qcow2 at every region size"
         for wl in WORKLOADS:
             if not any(k[0] == wl.key for k in self.results):
                 continue
@@ -1188,7 +1205,7 @@ class Bench:
             if wl.direction == "write":
                 header.append("clone hydrated at end")
             rows = []
-            for kib in regions:
+            for kib in self.args.regions:
                 c = self.results.get((wl.key, "clone", kib))
                 q = self.results.get((wl.key, "qcow2", kib))
                 k = self.results.get((wl.key, "cow", kib))
@@ -1232,7 +1249,10 @@ class Bench:
                        "the volume spends its later part on hydrated regions: the seed's runs "
                        "were 90 s on 300 GB; use a larger --size to stay further from that.")
             out.append("")
+        return qcow2_cells
 
+    def report_repeats(self, out: list) -> None:
+        """Every run of the cells judged on the median of several."""
         reps = self.extras.get("bar_repeats")
         if reps:
             parts = []
@@ -1244,16 +1264,16 @@ class Bench:
                        f"then again); all runs, IOPS: " + "; ".join(parts) + ".")
             out.append("")
 
-        hyd = self.extras.get("hydrated")
-        if hyd:
-            self.report_hydrated(hyd, out, bars)
-
-        # ---- extras
+    def report_qcow2_summary(self, qcow2_cells: list, bars: list) -> None:
+        """One bar: the clone at least matches qcow2 in every cell."""
         if qcow2_cells:
             below = [f"{lab} ({r:.2f}×)" for lab, r in qcow2_cells if round(r, 2) < BAR_QCOW2_ALL]
             bars.append((f"clone ≥ qcow2 at every region size and workload: "
                          f"{len(qcow2_cells) - len(below)} of {len(qcow2_cells)} cells"
                          + (f"; below: {', '.join(below)}" if below else ""), not below))
+
+    def report_hydration(self, out: list, bars: list) -> None:
+        """Background hydration with no user I/O, against the source's bandwidth."""
         out.append("### Background hydration, no user I/O")
         out.append("")
         hy = self.extras.get("hydration", {})
@@ -1354,6 +1374,8 @@ class Bench:
             out.append("Not measured.")
         out.append("")
 
+    def report_interference(self, out: list, bars: list) -> None:
+        """User random reads while the clone hydrates, against an idle clone."""
         out.append("### User random reads while hydrating")
         out.append("")
         it = self.extras.get("interference")
@@ -1403,6 +1425,8 @@ class Bench:
             out.append("Not measured.")
         out.append("")
 
+    def report_metadata(self, out: list) -> None:
+        """Metadata size per TiB, from the format, against what udm reported."""
         out.append("### Metadata size per TiB of volume")
         out.append("")
         out.append("From docs/clone-metadata.md: R = ceil(volume / region), B = max(1, "
@@ -1411,7 +1435,7 @@ class Bench:
                    f"{human_size(self.size)} volume of this run, against the formula.")
         out.append("")
         rows = []
-        for kib in regions:
+        for kib in self.args.regions:
             r, b, nbytes = metadata_bytes(TIB, kib << 10)
             _, _, at_size = metadata_bytes(self.size, kib << 10)
             got = self.meta_used.get(kib)
@@ -1424,6 +1448,8 @@ class Bench:
                                    "of volume", f"used blocks at {human_size(self.size)}"], rows))
         out.append("")
 
+    def report_bars(self, out: list, bars: list) -> None:
+        """Every bar, then the runs that failed and the notes."""
         out.append("### Bars")
         out.append("")
         if bars:
@@ -1443,7 +1469,6 @@ class Bench:
             out.append("")
             for n in self.notes:
                 out.append(f"- {n}")
-        return "\n".join(out) + "\n", bars
 
     def draw_charts(self, meta: dict) -> list:
         try:

@@ -19,6 +19,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from report import (  # noqa: E402
+    parse_size,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -277,57 +280,11 @@ def fio_cell(cmd, runner, parse, wl, cell, out_dir: Path, stem: str, tag: str):
         return None
 
 
-def page_cache_note(name: str, size: int, before, after, why: str):
-    """A note when more than 1% (at least 1 MiB) of a file entered the page cache."""
-    if before is not None and after is not None and \
-            after - before > max(size // 100, 1 << 20):
-        return (f"{(after - before) >> 20} MiB of {name} entered the page "
-                f"cache during the runs although every {why}")
-    return None
-
-
-def write_results(out_dir: Path, table: str, payload: dict) -> None:
-    """Print the table and write table.md and results.json."""
-    print()
-    print(table)
-    (out_dir / "table.md").write_text(table)
-    (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-
-
-def exit_code(results: dict) -> int:
-    """0 when every cell has samples and no errors, 3 when some failed, 1 when none ran."""
-    any_ok = any(c.samples for c in results.values())
-    any_err = any(c.errors for c in results.values())
-    return 0 if any_ok and not any_err else (3 if any_ok else 1)
-
-
-def table_footer(out: list, meta: dict, failed) -> None:
-    """Append the notes and the systems with failed runs to a table's lines."""
-    if meta.get("notes"):
-        out.append("")
-        out.append("Notes: " + "; ".join(meta["notes"]) + ".")
-    if failed:
-        out.append("")
-        out.append("Runs with errors (see results.json and the *.err files): "
-                   + ", ".join(failed) + ".")
-
-
-def markdown_table(header, rows) -> str:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), sep, *(line(r) for r in rows)])
-
-
 def add_sizing_args(ap, *, runtime: int, size_help: str, repeat: bool,
                     quick: dict | None = None) -> None:
     """--runtime, --size (default 1G), with `repeat` --repeat (default 3), and --quick: the
     values in `quick` (keys runtime, size, repeat) for the options not given, to prove a run
     works end to end in a few minutes.  Call resolve_sizing(args) after parse_args."""
-    from foundation import parse_size  # here: foundation imports this module
     quick = dict({"runtime": 3, "size": "256M", "repeat": 1}, **(quick or {}))
     ap.add_argument("--runtime", type=int, default=None,
                     help=f"seconds per fio run (default {runtime}; {quick['runtime']} with "

@@ -25,12 +25,9 @@ are skipped with a note.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import datetime as _dt
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -38,7 +35,6 @@ import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,12 +43,14 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import (  # noqa: E402
-    REPO, BenchError, _pdeathsig, copy_logs, exit_code, fio_cell, git_describe, import_pyplot,
-    locate_udm, make_tmpdir, markdown_table, page_cache_note, prepare_out_dir, remove_tmp, run,
-    select_workloads, stop_daemon, table_footer, tmp_base, tool_version, trap_signals,
-    write_results,
+    REPO, BenchError, _pdeathsig, copy_logs, fio_cell, import_pyplot, locate_udm, make_tmpdir,
+    prepare_out_dir, remove_tmp, run, select_workloads, stop_daemon, tmp_base, tool_version,
+    trap_signals,
 )
-from common import have_matplotlib as _have_matplotlib  # noqa: E402,F401
+from report import (  # noqa: E402
+    exit_code, fmt_cpu, fmt_lat, fmt_ratio, fmt_value, human_size, is_below, judge, markdown_table,
+    page_cache_note, table_footer, write_results,
+)
 
 # Which Debian package installs each external tool.
 PACKAGES = {
@@ -84,30 +82,6 @@ def log(msg: str) -> None:
 # common's helpers (run, ...) log through its module-level `log`; make them speak with this
 # script's prefix (clone.py and fuse.py point both at their own).
 common.log = log
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = 1
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    if t and t[-1] in units:
-        mult = units[t[-1]]
-        t = t[:-1]
-    try:
-        value = float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 256M, 1G)")
-    size = int(value * mult)
-    if size <= 0 or size % (1 << 20):
-        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 1 MiB")
-    return size
-
-
-def human_size(n: int) -> str:
-    for unit, mult in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n % mult == 0:
-            return f"{n // mult}{unit}"
-    return str(n)
 
 
 @dataclass
@@ -365,35 +339,6 @@ def find_udm(args) -> Path:
 # formatting
 # --------------------------------------------------------------------------------------------
 
-def fmt_value(v, metric: str) -> str:
-    if v is None:
-        return "—"
-    if metric == "iops":
-        return f"{v / 1000:.1f}k" if v >= 1000 else f"{v:.0f}"
-    return f"{v:.0f} MB/s"
-
-
-def is_below(r) -> bool:
-    """Below 1.0x as printed (0.996 prints as 1.00x and is not flagged)."""
-    return r is not None and round(r, 2) < 1.0
-
-
-def fmt_ratio(r) -> str:
-    if r is None:
-        return "—"
-    if is_below(r):
-        return f"**{r:.2f}× ▼**"
-    return f"{r:.2f}×"
-
-
-def fmt_lat(cell: Cell | None) -> str:
-    if cell is None:
-        return "—"
-    m, p = cell.median("lat_mean_us"), cell.median("lat_p99_us")
-    if m is None:
-        return "—"
-    return f"{m:.0f} / {p:.0f}" if p is not None else f"{m:.0f} / ?"
-
 
 PAIRS = [("udm-zero", "nbdkit-null"), ("udm-linear", "qemu-nbd"), ("udm-linear", "nbdkit-file")]
 
@@ -404,17 +349,6 @@ BAR_P99 = 2.0              # linear p99 / file p99 at depth 32, at most
 BAR_PEER_4K_QD32 = 1.5     # linear / qemu-nbd and linear / nbdkit file at 4 KiB depth 32
 BAR_PEER_OTHER = 1.0       # ... and on every other row
 PEERS = ("qemu-nbd", "nbdkit-file")
-
-
-def fmt_cpu(v) -> str:
-    if v is None:
-        return "—"
-    return f"{v:.1f}" if v < 100 else f"{v:.0f}"
-
-
-def judge(r, bar: float, at_most: bool = False) -> bool:
-    """A bar on a ratio as printed (two decimals): r ≥ bar, or r ≤ bar with `at_most`."""
-    return round(r, 2) <= bar if at_most else round(r, 2) >= bar
 
 
 def bar_lines(wl: Workload, ratio, p99_ratio, labels: dict) -> list:

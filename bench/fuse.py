@@ -26,17 +26,14 @@ The generic helpers (processes, fio JSON, sizes, udm verbs) come from foundation
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import hashlib
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,14 +43,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import foundation as fnd  # noqa: E402
 from common import (  # noqa: E402
-    BenchError, _pdeathsig, copy_logs, exit_code, fio_cell, git_describe, import_pyplot,
-    locate_udm, markdown_table, page_cache_note, prepare_out_dir, run, select_workloads,
-    stop_daemon, table_footer, tmp_base, tool_version, trap_signals, write_results,
+    BenchError, _pdeathsig, copy_logs, fio_cell, import_pyplot, locate_udm, prepare_out_dir, run,
+    select_workloads, stop_daemon, tmp_base, tool_version, trap_signals,
 )
 from foundation import (  # noqa: E402
     Cell, Service, Udm, Workload, check_export, direct_io_note, fill_backing_file, find_udm,
-    fmt_lat, fmt_ratio, fmt_value, human_size, is_below, parse_fio_json, parse_size,
-    resident_bytes, start_service, wait_for_socket,
+    parse_fio_json, resident_bytes, start_service, wait_for_socket,
+)
+from report import (  # noqa: E402
+    exit_code, fmt_lat, fmt_ratio, fmt_value, human_size, is_below, markdown_table,
+    page_cache_note, table_footer, write_results,
 )
 
 REPO = fnd.REPO
@@ -622,7 +621,6 @@ def main(argv=None) -> int:
         return 2
 
     size = args.size
-    sectors = size // 512
     disk = tmp / "disk.img"
     nbd_mnt = tmp / "nbdfuse"           # nbdfuse's mount: nbd_mnt/nbd
     nbd_sock = tmp / "udm.sock"

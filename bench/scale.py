@@ -46,12 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import foundation as fnd  # noqa: E402
 from common import (  # noqa: E402
-    BenchError, _pdeathsig, copy_logs, locate_udm, make_tmpdir, markdown_table,
-    prepare_out_dir, remove_tmp, run, stop_daemon, tmp_base, trap_signals, write_results,
+    BenchError, _pdeathsig, copy_logs, locate_udm, make_tmpdir, prepare_out_dir, remove_tmp, run,
+    stop_daemon, tmp_base, trap_signals,
 )
 from foundation import (  # noqa: E402
-    NbdRefused, Service, Udm, Workload, check_export, fill_backing_file, find_udm, human_size,
-    nbd_handshake, parse_fio_json, start_service, wait_for_socket,
+    NbdRefused, Service, Udm, Workload, check_export, fill_backing_file, find_udm, nbd_handshake,
+    parse_fio_json, start_service, wait_for_socket,
+)
+from report import (  # noqa: E402
+    human_size, markdown_table, table_footer, write_results,
 )
 
 
@@ -469,7 +472,7 @@ def build_report(meta: dict, runs: dict, fl: dict | None, args) -> tuple[str, di
                + " (· reported, not judged)")
     summary["_bars"] = [{"text": t, "ok": ok} for t, ok in bars]
     summary["_bars_met"] = met
-    common.table_footer(out, meta, [])
+    table_footer(out, meta, [])
     return "\n".join(out) + "\n", summary
 
 

@@ -8,8 +8,6 @@
 
 mod buffer;
 mod checked;
-pub mod conformance;
-mod crash;
 mod device;
 mod error;
 mod export;
@@ -19,7 +17,6 @@ mod memory;
 
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
-pub use crash::{CrashDevice, PowerSwitch};
 pub use device::{
     clamp_extents, merge_extents, push_extent, write_zeroes_by_writing, BlockDevice, Capabilities,
     Extent, WriteFlags, ZeroFlags, EXTENT_HOLE, EXTENT_ZERO,
@@ -27,5 +24,5 @@ pub use device::{
 pub use error::{BlockError, Result};
 pub use export::{Export, ExportCatalog};
 pub use file::{FileDevice, OpenMode};
-pub use map::{MapOp, MappedFile, Mapping, Piece, Place};
+pub use map::{MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
 pub use memory::MemoryDevice;

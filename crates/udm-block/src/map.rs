@@ -93,6 +93,9 @@ pub struct Piece {
     pub place: Place,
 }
 
+/// Told, when a mapped request completes, whether it succeeded (a device's I/O statistics).
+pub type OnComplete = Box<dyn FnOnce(bool) + Send>;
+
 /// Where a whole request lives, and what must be held until every piece has completed.
 #[derive(Default)]
 pub struct Mapping {
@@ -100,6 +103,10 @@ pub struct Mapping {
     /// Dropped when the request completes: a device's place in its suspend gate, so that
     /// suspend waits for mapped I/O as it waits for synchronous I/O.
     pub holds: Vec<Box<dyn Any + Send>>,
+    /// Called by whoever executes the mapping once the request has completed, before the
+    /// holds are released. A mapping dropped unused (a probe, a request that went the
+    /// synchronous way after all) calls none of them.
+    pub on_complete: Vec<OnComplete>,
 }
 
 impl Mapping {
@@ -111,7 +118,7 @@ impl Mapping {
     pub fn single(len: u64, place: Place) -> Self {
         Mapping {
             pieces: vec![Piece { at: 0, len, place }],
-            holds: Vec::new(),
+            ..Mapping::default()
         }
     }
 
@@ -123,10 +130,17 @@ impl Mapping {
                 ..piece
             }));
         self.holds.extend(lower.holds);
+        self.on_complete.extend(lower.on_complete);
     }
 
     pub fn hold(mut self, hold: impl Any + Send) -> Self {
         self.holds.push(Box::new(hold));
+        self
+    }
+
+    /// Adds a callback told how the request went (see [`Mapping::on_complete`]).
+    pub fn when_complete(mut self, callback: impl FnOnce(bool) + Send + 'static) -> Self {
+        self.on_complete.push(Box::new(callback));
         self
     }
 
@@ -153,5 +167,23 @@ mod tests {
         assert_eq!(ats, vec![(0, 4096), (4096, 512)]);
         assert_eq!(whole.len(), 4608);
         assert_eq!(whole.holds.len(), 1);
+    }
+
+    #[test]
+    fn appending_keeps_the_lower_completion_callbacks() {
+        let told = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let record = |tag: u32| {
+            let told = told.clone();
+            move |ok: bool| told.lock().unwrap().push((tag, ok))
+        };
+        let mut whole = Mapping::new().when_complete(record(1));
+        whole.append(
+            0,
+            Mapping::single(512, Place::Zero).when_complete(record(2)),
+        );
+        for callback in whole.on_complete {
+            callback(true);
+        }
+        assert_eq!(*told.lock().unwrap(), [(1, true), (2, true)]);
     }
 }

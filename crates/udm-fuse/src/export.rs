@@ -1,12 +1,13 @@
 //! The export as a whole: mount, choose the transport (io_uring or /dev/fuse), start its
 //! threads, and tear it all down again.
 
+use parking_lot::{Condvar, Mutex};
 use std::fmt;
 use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -145,13 +146,13 @@ impl Running {
     /// Waits until every worker has ended or `limit` has passed; true if they all ended.
     fn wait(&self, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
-        let mut count = self.count.lock().unwrap();
+        let mut count = self.count.lock();
         while *count > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
             }
-            count = self.changed.wait_timeout(count, left).unwrap().0;
+            self.changed.wait_for(&mut count, left);
         }
         true
     }
@@ -162,7 +163,7 @@ struct RunningGuard(Arc<Running>);
 
 impl Drop for RunningGuard {
     fn drop(&mut self) {
-        *self.0.count.lock().unwrap() -= 1;
+        *self.0.count.lock() -= 1;
         self.0.changed.notify_all();
     }
 }
@@ -338,7 +339,7 @@ impl FuseExport {
 
     /// Starts a thread that counts as running until it ends.
     fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) -> Result<(), FuseError> {
-        *self.running.count.lock().unwrap() += 1;
+        *self.running.count.lock() += 1;
         let guard = RunningGuard(self.running.clone());
         let spawned = std::thread::Builder::new().name(name).spawn(move || {
             let _guard = guard;

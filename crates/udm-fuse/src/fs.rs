@@ -1,9 +1,10 @@
 //! The filesystem the export shows: one flat directory with a regular file per device of the
 //! catalog, and the tables that tie the kernel's inode numbers and file handles to devices.
 
+use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 
 use udm_block::{BlockDevice, Checked, Export, ExportCatalog};
 
@@ -66,7 +67,7 @@ impl Fs {
     }
 
     fn ino_for(&self, name: &str) -> u64 {
-        let mut inodes = self.inodes.lock().unwrap();
+        let mut inodes = self.inodes.lock();
         if let Some(&ino) = inodes.by_name.get(name) {
             return ino;
         }
@@ -77,7 +78,7 @@ impl Fs {
     }
 
     fn name_of(&self, ino: u64) -> Option<String> {
-        self.inodes.lock().unwrap().names.get(&ino).cloned()
+        self.inodes.lock().names.get(&ino).cloned()
     }
 
     pub fn root_attr(&self) -> Attr {
@@ -156,17 +157,17 @@ impl Fs {
             device,
             _export: export,
         };
-        self.files.write().unwrap().insert(fh, Arc::new(open));
+        self.files.write().insert(fh, Arc::new(open));
         Ok(fh)
     }
 
     pub fn file(&self, fh: u64) -> Option<Arc<OpenDevice>> {
-        self.files.read().unwrap().get(&fh).cloned()
+        self.files.read().get(&fh).cloned()
     }
 
     pub fn release(&self, fh: u64) {
         // The export (and the device's open count) goes when the last request using it ends.
-        self.files.write().unwrap().remove(&fh);
+        self.files.write().remove(&fh);
     }
 
     pub fn opendir(&self, ino: u64) -> Result<u64, Errno> {
@@ -195,18 +196,18 @@ impl Fs {
         });
         let listing: Arc<[DirEntry]> = dots.chain(devices).collect();
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.dirs.lock().unwrap().insert(fh, listing);
+        self.dirs.lock().insert(fh, listing);
         Ok(fh)
     }
 
     /// The listing taken when the directory handle was opened: offsets stay meaningful across
     /// the READDIR calls of one listing even while devices come and go.
     pub fn listing(&self, fh: u64) -> Option<Arc<[DirEntry]>> {
-        self.dirs.lock().unwrap().get(&fh).cloned()
+        self.dirs.lock().get(&fh).cloned()
     }
 
     pub fn releasedir(&self, fh: u64) {
-        self.dirs.lock().unwrap().remove(&fh);
+        self.dirs.lock().remove(&fh);
     }
 
     pub fn device_count(&self) -> u64 {

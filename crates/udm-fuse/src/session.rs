@@ -2,7 +2,7 @@
 //! kernel at INIT, and how the INIT handshake went (which decides whether requests come
 //! through /dev/fuse or through io_uring).
 
-use std::sync::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex};
 use std::time::Duration;
 
 use crate::fs::Fs;
@@ -38,18 +38,16 @@ impl Session {
     /// INIT has been answered (the kernel has processed the reply when the write returns),
     /// with FUSE over io_uring agreed or not.
     pub fn handshake_done(&self, uring: bool) {
-        *self.handshake.lock().unwrap() = Some(uring);
+        *self.handshake.lock() = Some(uring);
         self.answered.notify_all();
     }
 
     /// Waits up to `limit` for INIT to be answered; whether io_uring was agreed, or None if
     /// the kernel never sent INIT in that time.
     pub fn wait_handshake(&self, limit: Duration) -> Option<bool> {
-        let guard = self.handshake.lock().unwrap();
-        let (guard, _) = self
-            .answered
-            .wait_timeout_while(guard, limit, |h| h.is_none())
-            .unwrap();
+        let mut guard = self.handshake.lock();
+        self.answered
+            .wait_while_for(&mut guard, |h| h.is_none(), limit);
         *guard
     }
 }

@@ -3,7 +3,6 @@
 //! unmounts. Needs root and /dev/fuse (skipped without them). Every loop device and mount is
 //! undone by a guard, also when a test fails.
 
-use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
@@ -11,14 +10,15 @@ use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use udm_block::{
-    AlignedBuf, BlockDevice, Export, ExportCatalog, FileDevice, MapOp, Mapping, MemoryDevice,
-    OpenMode, WriteFlags, ZeroFlags,
+    AlignedBuf, BlockDevice, ExportCatalog, FileDevice, MapOp, Mapping, MemoryDevice, OpenMode,
+    WriteFlags, ZeroFlags,
 };
 use udm_fuse::{recover_stale_mount, FuseConfig, FuseError, FuseExport, Transport, UringMode};
+use udm_testkit::{pattern, Devices, TempDir};
 
 pub const MIB: u64 = 1 << 20;
 
@@ -50,99 +50,6 @@ pub fn can_run() -> bool {
     root && fuse
 }
 
-/// Counts the devices opened through the export and not yet released.
-pub struct OpenGuard(Arc<AtomicUsize>);
-
-impl Drop for OpenGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// Devices by name, changeable while mounted, like the daemon's registry.
-/// A device and whether it is exported read-only.
-type Entry = (Arc<dyn BlockDevice>, bool);
-
-#[derive(Default)]
-pub struct TestCatalog {
-    devices: Mutex<BTreeMap<String, Entry>>,
-    pub opens: Arc<AtomicUsize>,
-}
-
-impl TestCatalog {
-    pub fn add(&self, name: &str, device: Arc<dyn BlockDevice>, read_only: bool) {
-        self.devices
-            .lock()
-            .unwrap()
-            .insert(name.into(), (device, read_only));
-    }
-
-    pub fn add_memory(&self, name: &str, size: u64) -> Arc<MemoryDevice> {
-        let device = Arc::new(MemoryDevice::new(size));
-        self.add(name, device.clone(), false);
-        device
-    }
-
-    pub fn remove(&self, name: &str) {
-        self.devices.lock().unwrap().remove(name);
-    }
-
-    /// Waits for every open of the export to be released (RELEASE arrives asynchronously
-    /// after close).
-    pub fn wait_closed(&self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.opens.load(Ordering::SeqCst) != 0 {
-            assert!(Instant::now() < deadline, "opens never released");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl ExportCatalog for TestCatalog {
-    fn open(&self, name: &str) -> Option<Export> {
-        let (device, read_only) = self.devices.lock().unwrap().get(name).cloned()?;
-        self.opens.fetch_add(1, Ordering::SeqCst);
-        Some(Export {
-            device,
-            read_only,
-            description: String::new(),
-            open_guard: Box::new(OpenGuard(self.opens.clone())),
-        })
-    }
-
-    fn list(&self) -> Vec<(String, String)> {
-        let devices = self.devices.lock().unwrap();
-        devices.keys().map(|n| (n.clone(), String::new())).collect()
-    }
-}
-
-/// A scratch directory, removed on drop (after whatever was mounted in it is gone: declare it
-/// before the guards of those mounts).
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> TempDir {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "udm-fuse-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Runs a check once over /dev/fuse and once over io_uring (if the tests can run at all).
 pub fn each_transport(check: impl Fn(UringMode)) {
     if !can_run() {
@@ -154,7 +61,7 @@ pub fn each_transport(check: impl Fn(UringMode)) {
     }
 }
 
-pub fn mount(dir: &TempDir, catalog: &Arc<TestCatalog>, mode: UringMode) -> FuseExport {
+pub fn mount(dir: &TempDir, catalog: &Arc<Devices>, mode: UringMode) -> FuseExport {
     mount_with(
         dir,
         catalog,
@@ -166,7 +73,7 @@ pub fn mount(dir: &TempDir, catalog: &Arc<TestCatalog>, mode: UringMode) -> Fuse
 }
 
 /// Mounts, and checks that requests come the way `config.io_uring` asked for.
-pub fn mount_with(dir: &TempDir, catalog: &Arc<TestCatalog>, config: FuseConfig) -> FuseExport {
+pub fn mount_with(dir: &TempDir, catalog: &Arc<Devices>, config: FuseConfig) -> FuseExport {
     let mode = config.io_uring;
     let export = FuseExport::mount(&dir.path("mnt"), catalog.clone(), config).expect("mount");
     let transport = export.transport();
@@ -243,19 +150,6 @@ pub fn fallocate(file: &std::fs::File, mode: i32, offset: u64, len: u64) -> std:
     }
 }
 
-/// Bytes that differ at every offset and between calls with different seeds.
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 /// A memory device that records the largest requests and the flushes it saw.
 struct Recording {
     inner: MemoryDevice,
@@ -319,7 +213,7 @@ fn listing(dir: &Path) -> Vec<String> {
 fn devices_are_files_with_their_size_and_mode() {
     each_transport(|mode| {
         let dir = TempDir::new("attrs");
-        let catalog = Arc::new(TestCatalog::default());
+        let catalog = Arc::new(Devices::default());
         catalog.add_memory("vol", 8 * MIB);
         catalog.add("ro", Arc::new(MemoryDevice::new(MIB)), true);
         let export = mount(&dir, &catalog, mode);
@@ -360,7 +254,7 @@ fn devices_are_files_with_their_size_and_mode() {
 fn aligned_and_unaligned_reads_and_writes() {
     each_transport(|mode| {
         let dir = TempDir::new("rw");
-        let catalog = Arc::new(TestCatalog::default());
+        let catalog = Arc::new(Devices::default());
         let device = Recording::new(4 * MIB);
         catalog.add("vol", device.clone(), false);
         let export = mount(&dir, &catalog, mode);
@@ -372,12 +266,12 @@ fn aligned_and_unaligned_reads_and_writes() {
             file.write_all_at(data, offset as u64).unwrap();
             model[offset..offset + data.len()].copy_from_slice(data);
         };
-        write(&file, 0, &pattern(1, 64 * 1024));
-        write(&file, MIB as usize, &pattern(2, MIB as usize));
+        write(&file, 0, &pattern(64 * 1024, 1));
+        write(&file, MIB as usize, &pattern(MIB as usize, 2));
         // Unaligned: within one sector, across a boundary, long with both ends partial.
         write(&file, 1000, b"abc");
         write(&file, 510, b"across");
-        write(&file, 3 * MIB as usize + 77, &pattern(3, 100_000));
+        write(&file, 3 * MIB as usize + 77, &pattern(100_000, 3));
         // Byte by byte, like dd bs=1.
         for (i, b) in b"one byte at a time".iter().enumerate() {
             write(&file, 2 * MIB as usize + 511 + i, &[*b]);
@@ -420,7 +314,7 @@ fn aligned_and_unaligned_reads_and_writes() {
 fn fallocate_punches_and_zeroes() {
     each_transport(|mode| {
         let dir = TempDir::new("falloc");
-        let catalog = Arc::new(TestCatalog::default());
+        let catalog = Arc::new(Devices::default());
         catalog.add_memory("vol", MIB);
         let export = mount(&dir, &catalog, mode);
         let file = open_rw(&export.mountpoint().join("vol")).unwrap();
@@ -464,7 +358,7 @@ fn fallocate_punches_and_zeroes() {
 fn writes_stop_at_the_end_and_the_size_cannot_change() {
     each_transport(|mode| {
         let dir = TempDir::new("end");
-        let catalog = Arc::new(TestCatalog::default());
+        let catalog = Arc::new(Devices::default());
         catalog.add_memory("vol", MIB);
         let export = mount(&dir, &catalog, mode);
         let path = export.mountpoint().join("vol");
@@ -494,7 +388,7 @@ fn writes_stop_at_the_end_and_the_size_cannot_change() {
 fn read_only_devices_refuse_writes() {
     each_transport(|mode| {
         let dir = TempDir::new("ro");
-        let catalog = Arc::new(TestCatalog::default());
+        let catalog = Arc::new(Devices::default());
         let device = Arc::new(MemoryDevice::new(MIB));
         device.write(0, &[5u8; 512], WriteFlags::default()).unwrap();
         catalog.add("ro", device, true);
@@ -516,7 +410,7 @@ fn read_only_devices_refuse_writes() {
 fn devices_come_and_go_with_the_catalog() {
     each_transport(|mode| {
         let dir = TempDir::new("catalog");
-        let catalog = Arc::new(TestCatalog::default());
+        let catalog = Arc::new(Devices::default());
         catalog.add_memory("a", MIB);
         let export = mount(&dir, &catalog, mode);
         let mnt = export.mountpoint().to_path_buf();
@@ -557,7 +451,7 @@ fn devices_come_and_go_with_the_catalog() {
 fn large_requests_arrive_whole() {
     each_transport(|mode| {
         let dir = TempDir::new("large");
-        let catalog = Arc::new(TestCatalog::default());
+        let catalog = Arc::new(Devices::default());
         let device = Recording::new(8 * MIB);
         catalog.add("vol", device.clone(), false);
         let export = mount(&dir, &catalog, mode);
@@ -569,7 +463,7 @@ fn large_requests_arrive_whole() {
             .unwrap();
         // Page-aligned user memory: 256 pages, one request.
         let mut buf = AlignedBuf::zeroed(MIB as usize);
-        buf.copy_from_slice(&pattern(9, MIB as usize));
+        buf.copy_from_slice(&pattern(MIB as usize, 9));
         file.write_all_at(&buf, MIB).unwrap();
         file.read_exact_at(&mut buf, MIB).unwrap();
         assert_eq!(device.largest_write.load(Ordering::SeqCst), MIB);
@@ -585,7 +479,7 @@ fn ext4_on_a_loop_device() {
         let dir = TempDir::new("ext4");
         let backing = dir.path("backing.img");
         File::create(&backing).unwrap().set_len(128 * MIB).unwrap();
-        let catalog = Arc::new(TestCatalog::default());
+        let catalog = Arc::new(Devices::default());
         let device = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
         catalog.add("vol", Arc::new(device), false);
         let export = mount(&dir, &catalog, mode);
@@ -596,7 +490,7 @@ fn ext4_on_a_loop_device() {
             .map(|i| {
                 (
                     format!("file{i}"),
-                    pattern(100 + i, 1000 + i as usize * 37_777),
+                    pattern(1000 + i as usize * 37_777, 100 + i).to_vec(),
                 )
             })
             .collect();
@@ -629,7 +523,7 @@ fn ext4_on_a_loop_device() {
 fn fio_verify_on_a_loop_device() {
     each_transport(|mode| {
         let dir = TempDir::new("fio");
-        let catalog = Arc::new(TestCatalog::default());
+        let catalog = Arc::new(Devices::default());
         catalog.add_memory("vol", 64 * MIB);
         let export = mount(&dir, &catalog, mode);
         let lo = LoopDevice::attach(&export.mountpoint().join("vol"));
@@ -662,7 +556,7 @@ fn child_mounts_and_waits_to_be_killed() {
     let Some(mnt) = std::env::var_os(CHILD_MOUNT) else {
         return;
     };
-    let catalog = Arc::new(TestCatalog::default());
+    let catalog = Arc::new(Devices::default());
     catalog.add_memory("vol", MIB);
     let export = FuseExport::mount(Path::new(&mnt), catalog, FuseConfig::default()).unwrap();
     let mut out = std::io::stdout();
@@ -733,7 +627,7 @@ fn dead_mounts_are_recovered() {
     // Twice dead, stacked; mount clears both by itself.
     leave_dead_mount(&mnt);
     leave_dead_mount(&mnt);
-    let catalog = Arc::new(TestCatalog::default());
+    let catalog = Arc::new(Devices::default());
     catalog.add_memory("fresh", MIB);
     let export = mount(&dir, &catalog, UringMode::Auto);
     assert_eq!(listing(&mnt), ["fresh"]);
@@ -751,7 +645,7 @@ fn dead_mounts_are_recovered() {
 fn a_busy_mount_is_detached_then_aborted() {
     each_transport(|mode| {
         let dir = TempDir::new("busy");
-        let catalog = Arc::new(TestCatalog::default());
+        let catalog = Arc::new(Devices::default());
         catalog.add_memory("vol", MIB);
         let export = mount(&dir, &catalog, mode);
         let held = File::open(export.mountpoint().join("vol")).unwrap();
@@ -771,7 +665,7 @@ fn a_busy_mount_is_detached_then_aborted() {
 #[test]
 fn bad_configurations_are_refused() {
     let dir = TempDir::new("config");
-    let catalog: Arc<dyn ExportCatalog> = Arc::new(TestCatalog::default());
+    let catalog: Arc<dyn ExportCatalog> = Arc::new(Devices::default());
     for config in [
         FuseConfig {
             workers: 0,
@@ -869,12 +763,12 @@ fn over_io_uring_mapped_requests_go_to_the_engine() {
     let backing = dir.path("backing.img");
     File::create(&backing).unwrap().set_len(8 * MIB).unwrap();
     let file = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
-    let catalog = Arc::new(TestCatalog::default());
+    let catalog = Arc::new(Devices::default());
     catalog.add("vol", Arc::new(MapOnly(file)), false);
     let export = mount(&dir, &catalog, UringMode::On);
     let vol = open_direct(&export.mountpoint().join("vol"));
     let mut buf = AlignedBuf::zeroed(MIB as usize);
-    buf.copy_from_slice(&pattern(21, MIB as usize));
+    buf.copy_from_slice(&pattern(MIB as usize, 21));
     vol.write_all_at(&buf[..4096], 4096).unwrap();
     vol.write_all_at(&buf, 2 * MIB).unwrap();
     vol.sync_all().unwrap();
@@ -965,7 +859,7 @@ fn over_io_uring_a_slow_device_does_not_hold_up_a_fast_one() {
     let dir = TempDir::new("slow");
     let backing = dir.path("fast.img");
     File::create(&backing).unwrap().set_len(4 * MIB).unwrap();
-    let catalog = Arc::new(TestCatalog::default());
+    let catalog = Arc::new(Devices::default());
     let slow = Slow::new(MIB, Duration::from_secs(3));
     catalog.add("slow", slow.clone(), false);
     let fast = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
@@ -1012,7 +906,7 @@ fn unmount_with_requests_in_flight_ends_in_bounded_time() {
         let dir = TempDir::new("inflight");
         let backing = dir.path("fast.img");
         File::create(&backing).unwrap().set_len(4 * MIB).unwrap();
-        let catalog = Arc::new(TestCatalog::default());
+        let catalog = Arc::new(Devices::default());
         // Longer than the grace a busy mount is served after it is detached.
         let slow = Slow::new(MIB, Duration::from_secs(5));
         catalog.add("slow", slow.clone(), false);
@@ -1023,10 +917,14 @@ fn unmount_with_requests_in_flight_ends_in_bounded_time() {
         let readers = read_in_background(&mnt.join("slow"), 3);
         // And the fast device busy with a stream of requests.
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // The streamer must have its file open before the unmount, or the open itself fails
+        // (it did, on a loaded machine, when the thread started late).
+        let (opened, is_open) = std::sync::mpsc::channel();
         let streamer = {
             let (path, stop) = (mnt.join("fast"), stop.clone());
             std::thread::spawn(move || {
                 let file = open_direct(&path);
+                opened.send(()).unwrap();
                 let mut buf = AlignedBuf::zeroed(4096);
                 let mut served = 0u64;
                 while !stop.load(Ordering::SeqCst) {
@@ -1038,6 +936,7 @@ fn unmount_with_requests_in_flight_ends_in_bounded_time() {
                 (served, None)
             })
         };
+        is_open.recv().unwrap();
         slow.wait_reading(3);
         let started = Instant::now();
         export.unmount();

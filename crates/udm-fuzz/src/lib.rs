@@ -5,8 +5,9 @@
 use std::io::{Read, Write};
 use std::sync::Arc;
 
-use udm_block::{BlockDevice, Export, ExportCatalog, MemoryDevice, OpenMode, WriteFlags};
-use udm_targets::{Resolver, Table, TargetError};
+use udm_block::{BlockDevice, MemoryDevice, WriteFlags};
+use udm_targets::Table;
+use udm_testkit::Devices;
 
 /// A client byte stream: reads the fuzz input, swallows the server's replies.
 struct Scripted<'a> {
@@ -28,26 +29,11 @@ impl Write for Scripted<'_> {
     }
 }
 
-struct OneExport;
-
-impl ExportCatalog for OneExport {
-    fn open(&self, name: &str) -> Option<Export> {
-        (name == "vol").then(|| Export {
-            device: Arc::new(MemoryDevice::new(1 << 20)),
-            read_only: false,
-            description: "fuzz".into(),
-            open_guard: Box::new(()),
-        })
-    }
-    fn list(&self) -> Vec<(String, String)> {
-        vec![("vol".into(), "fuzz".into())]
-    }
-}
-
 /// The NBD handshake, from the client's first bytes to the chosen export.
 pub fn nbd_handshake(data: &[u8]) {
     let mut stream = Scripted { input: data };
-    if let Ok(negotiated) = udm_nbd::handshake::negotiate(&mut stream, &OneExport) {
+    let catalog = Devices::memory(&[("vol", 1 << 20)]);
+    if let Ok(negotiated) = udm_nbd::handshake::negotiate(&mut stream, &catalog) {
         assert_eq!(negotiated.export.device.size(), 1 << 20);
     }
 }
@@ -66,25 +52,15 @@ pub fn nbd_request(data: &[u8]) {
     let _ = parse_meta_context_request(data);
 }
 
-struct MemoryDevices;
-
-impl Resolver for MemoryDevices {
-    fn open(&self, reference: &str, _mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        match reference {
-            "a" | "b" | "meta" => Ok(Arc::new(MemoryDevice::new(4 << 20))),
-            other => Err(TargetError::new(format!("no device '{other}'"))),
-        }
-    }
-}
-
 /// Table text: builds or says why not; what builds prints back to an equal table.
 pub fn table(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    if let Ok(table) = Table::build("test", text, &MemoryDevices, Arc::new(|| {})) {
+    let devices = Devices::memory(&[("a", 4 << 20), ("b", 4 << 20), ("meta", 4 << 20)]);
+    if let Ok(table) = Table::build("test", text, &devices, Arc::new(|| {})) {
         let printed = table.lines().join("\n");
-        let again = Table::build("test", &printed, &MemoryDevices, Arc::new(|| {}))
+        let again = Table::build("test", &printed, &devices, Arc::new(|| {}))
             .unwrap_or_else(|e| panic!("printed table {printed:?} does not parse back: {e}"));
         assert_eq!(again.lines().join("\n"), printed);
         let _ = table.status_lines();
@@ -170,8 +146,11 @@ pub fn write_log(data: &[u8]) {
     }
 }
 
+/// What a fuzz target checks, given its input.
+pub type Property = fn(&[u8]);
+
 /// Every target by name, for the corpus replay.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Property)] = &[
     ("nbd_handshake", nbd_handshake),
     ("nbd_request", nbd_request),
     ("table", table),

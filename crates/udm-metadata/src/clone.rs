@@ -13,11 +13,24 @@
 //! writes the other slot's superblock with the next transaction id, and flushes again. A crash
 //! at any point leaves the current slot and its area untouched, so the last durable commit is
 //! always readable; a torn superblock fails its checksum and the older slot wins.
+//!
+//! Concurrency contract ([`CloneMetadata`] is shared by every request and copy thread):
+//! - `is_hydrated`, `hydrated_count` and `next_unhydrated` read atomics, without a lock, on
+//!   every request.
+//! - `set_hydrated` and `load` change the bits and their count together under one lock: the
+//!   count always equals the bits set. A caller sets a region's bit only once the region's
+//!   data is on the destination.
+//! - `commit` runs one at a time. It takes the changed blocks, then encodes them and flushes
+//!   the data device before writing them, so a bit set while it runs is in this commit or the
+//!   next, never described before its data is durable.
+//! - `load` replaces the bits with the last commit's, dropping what was set since: the caller
+//!   stops whatever sets bits it would lose (the clone goes read-only first).
 
+use parking_lot::Mutex;
 use std::collections::BTreeSet;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use udm_block::{AlignedBuf, BlockDevice, BlockError, WriteFlags, SECTOR_SIZE};
 
@@ -204,31 +217,30 @@ impl CloneMetadata {
     }
 
     pub fn transaction(&self) -> u64 {
-        self.state.lock().unwrap().transaction
+        self.state.lock().transaction
     }
 
     /// Marks regions hydrated (their data must already be on the destination). Returns how
     /// many were not hydrated before.
     pub fn set_hydrated(&self, regions: Range<u64>) -> u64 {
+        // Under the state lock, so that a reload never replaces the bits between a bit being
+        // set and its count.
+        let mut st = self.state.lock();
         let mut newly = 0;
-        let mut touched_blocks = BTreeSet::new();
         for region in regions {
             let word = region / 64;
             let bit = 1u64 << (region % 64);
             if self.bits[word as usize].fetch_or(bit, Ordering::AcqRel) & bit == 0 {
                 newly += 1;
-                touched_blocks.insert(word / WORDS_PER_BLOCK);
+                st.dirty.insert(word / WORDS_PER_BLOCK);
             }
         }
-        if newly > 0 {
-            self.hydrated.fetch_add(newly, Ordering::AcqRel);
-            self.state.lock().unwrap().dirty.extend(touched_blocks);
-        }
+        self.hydrated.fetch_add(newly, Ordering::AcqRel);
         newly
     }
 
     pub fn is_dirty(&self) -> bool {
-        !self.state.lock().unwrap().dirty.is_empty()
+        !self.state.lock().dirty.is_empty()
     }
 
     /// The first unhydrated region at or after `from`, wrapping around once.
@@ -262,9 +274,9 @@ impl CloneMetadata {
         &self,
         flush_data: &dyn Fn() -> Result<(), BlockError>,
     ) -> Result<CommitOutcome, MetadataError> {
-        let _one_at_a_time = self.commit_lock.lock().unwrap();
+        let _one_at_a_time = self.commit_lock.lock();
         let (committing, blocks, transaction, slot) = {
-            let mut st = self.state.lock().unwrap();
+            let mut st = self.state.lock();
             if st.dirty.is_empty() {
                 return Ok(CommitOutcome::NothingToCommit);
             }
@@ -273,7 +285,7 @@ impl CloneMetadata {
             (committing, blocks, st.transaction + 1, 1 - st.slot)
         };
         let result = self.write_commit(&blocks, transaction, slot, flush_data);
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state.lock();
         match result {
             Ok(()) => {
                 st.previous = committing;
@@ -373,7 +385,7 @@ impl CloneMetadata {
         let sb = self.encode_superblock(0, 1, 0);
         self.dev.write(0, &sb, WriteFlags::default())?;
         self.dev.flush()?;
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state.lock();
         st.transaction = 1;
         st.slot = 0;
         // Area B has never been written: the first commit must write all of it.
@@ -385,7 +397,7 @@ impl CloneMetadata {
     /// Reads the last durable commit into memory (at open, and to abort after a failed
     /// commit). Changes since that commit are dropped.
     pub fn load(&self) -> Result<(), MetadataError> {
-        *self.fallback.lock().unwrap() = None;
+        *self.fallback.lock() = None;
         let supers = read_blocks(&*self.dev, 0, SUPERBLOCKS)?;
         let parsed: Vec<_> = (0..SUPERBLOCKS)
             .map(|slot| {
@@ -420,12 +432,34 @@ impl CloneMetadata {
                 self.geometry.target_sectors
             )));
         }
+        let other_valid = parsed[(1 - slot) as usize].is_ok();
+        let (words, previous) = self.read_area(slot, other_valid)?;
+        // The bits and their count change together, under the lock `set_hydrated` takes.
+        let mut st = self.state.lock();
+        for (word, value) in self.bits.iter().zip(&words) {
+            word.store(*value, Ordering::Release);
+        }
+        let hydrated = words.iter().map(|w| w.count_ones() as u64).sum();
+        self.hydrated.store(hydrated, Ordering::Release);
+        st.transaction = current.transaction;
+        st.slot = slot;
+        st.previous = previous;
+        st.dirty.clear();
+        Ok(())
+    }
+
+    /// The bitmap words of the area `slot` names, and the blocks the other area lacks (all of
+    /// them when the other slot is not valid): the next commit writes the other area.
+    fn read_area(
+        &self,
+        slot: u64,
+        other_valid: bool,
+    ) -> Result<(Vec<u64>, BTreeSet<u64>), MetadataError> {
         let blocks = self.geometry.bitmap_blocks();
         let area = read_blocks(&*self.dev, self.geometry.area_start(slot), blocks)?;
-        let other_valid = parsed[(1 - slot) as usize].is_ok();
         let other = read_blocks(&*self.dev, self.geometry.area_start(1 - slot), blocks)?;
         let mut previous = BTreeSet::new();
-        let mut hydrated = 0;
+        let mut words = Vec::with_capacity(self.bits.len());
         let regions = self.regions();
         for b in 0..blocks {
             let range = (b as usize) * BLOCK_SIZE..(b as usize + 1) * BLOCK_SIZE;
@@ -440,26 +474,19 @@ impl CloneMetadata {
             }
             for i in 0..WORDS_PER_BLOCK {
                 let index = b * WORDS_PER_BLOCK + i;
-                let Some(word) = self.bits.get(index as usize) else {
+                if index as usize >= self.bits.len() {
                     break;
-                };
+                }
                 let mut value = read_u64(block, HEADER_SIZE + i as usize * 8);
                 // Bits past the last region carry no meaning; keep them clear.
                 let first_region = index * 64;
                 if first_region + 64 > regions {
                     value &= (1u64 << (regions - first_region)) - 1;
                 }
-                hydrated += value.count_ones() as u64;
-                word.store(value, Ordering::Release);
+                words.push(value);
             }
         }
-        self.hydrated.store(hydrated, Ordering::Release);
-        let mut st = self.state.lock().unwrap();
-        st.transaction = current.transaction;
-        st.slot = slot;
-        st.previous = previous;
-        st.dirty.clear();
-        Ok(())
+        Ok((words, previous))
     }
 }
 
@@ -491,13 +518,13 @@ impl CloneMetadata {
             reason: why.to_string(),
         };
         log::warn!("clone metadata: {fallback}");
-        *self.fallback.lock().unwrap() = Some(fallback);
+        *self.fallback.lock() = Some(fallback);
         current
     }
 
     /// Set when the last open or reload had to use the older superblock slot.
     pub fn fallback(&self) -> Option<SuperblockFallback> {
-        self.fallback.lock().unwrap().clone()
+        self.fallback.lock().clone()
     }
 }
 
@@ -556,6 +583,35 @@ mod tests {
 
     fn no_data() -> Result<(), BlockError> {
         Ok(())
+    }
+
+    /// A reload racing with regions being marked must keep the count equal to the bits set:
+    /// a count above them would make an unfinished clone look complete.
+    #[test]
+    fn the_count_matches_the_bits_whatever_a_reload_races_with() {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(4 << 20));
+        let regions = 20_000;
+        let meta = CloneMetadata::open(dev, geometry(regions)).unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let most = std::thread::scope(|s| {
+            let marker = s.spawn(|| {
+                let mut most = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    meta.set_hydrated(0..regions);
+                    most = most.max(meta.hydrated_count());
+                }
+                most
+            });
+            let started = std::time::Instant::now();
+            while started.elapsed() < std::time::Duration::from_millis(500) {
+                meta.load().unwrap();
+            }
+            stop.store(true, Ordering::Relaxed);
+            marker.join().unwrap()
+        });
+        assert!(most <= regions, "counted {most} of {regions} regions");
+        let set = (0..regions).filter(|&r| meta.is_hydrated(r)).count() as u64;
+        assert_eq!(meta.hydrated_count(), set);
     }
 
     #[test]

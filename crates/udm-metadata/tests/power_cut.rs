@@ -5,17 +5,11 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
-use udm_block::{BlockDevice, CrashDevice, PowerSwitch, WriteFlags};
+use udm_block::{BlockDevice, WriteFlags};
 use udm_metadata::log::{EntryKind, LogReader, LogWriter};
 use udm_metadata::snapshot::{ExceptionStore, PersistentStore, Record};
 use udm_metadata::{CloneGeometry, CloneMetadata};
-
-fn next(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
+use udm_testkit::{CrashDevice, PowerSwitch, Rng};
 
 #[test]
 fn clone_metadata_survives_a_power_cut_at_every_write() {
@@ -31,12 +25,12 @@ fn clone_metadata_survives_a_power_cut_at_every_write() {
             let dev = Arc::new(CrashDevice::new(1 << 20, cut_at, cut_at * 31 + seed));
             let mut committed = BTreeSet::new();
             let mut ever_set = BTreeSet::new();
-            let mut rng = cut_at.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
+            let mut rng = Rng::new(cut_at);
             if let Ok(meta) = CloneMetadata::open(dev.clone(), geometry) {
                 for _ in 0..20 {
-                    for _ in 0..(next(&mut rng) % 50) {
-                        let first = next(&mut rng) % 40_000;
-                        let len = 1 + next(&mut rng) % 8;
+                    for _ in 0..(rng.below(50)) {
+                        let first = rng.below(40_000);
+                        let len = 1 + rng.below(8);
                         let range = first..(first + len).min(40_000);
                         ever_set.extend(range.clone());
                         meta.set_hydrated(range);
@@ -152,17 +146,13 @@ fn the_write_log_survives_a_power_cut_at_every_write() {
 /// The data a snapshot saved for origin chunk `old` (4 KiB chunks).
 fn saved_chunk(old: u64) -> Vec<u8> {
     let mut data = vec![0u8; 4096];
-    let mut x = old.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for word in data.chunks_mut(8) {
-        word.copy_from_slice(&next(&mut x).to_le_bytes());
-    }
+    Rng::new(old).fill(&mut data);
     data
 }
 
 /// Saves exceptions in batches (each chunk's data durable first, as the targets write it),
 /// then merges them all back into an origin on the same power: after a cut at any write, the
-/// store
-/// opens, and every origin chunk that was ever committed reads as its saved data, from the
+/// store opens, and every origin chunk that was ever committed reads as its saved data, from the
 /// COW device if its record survived or from the origin if a merge took it back.
 #[test]
 fn the_snapshot_store_survives_a_power_cut_at_every_write() {
@@ -175,14 +165,14 @@ fn the_snapshot_store_survives_a_power_cut_at_every_write() {
             let cow = Arc::new(CrashDevice::on_power(2 << 20, power.clone(), seed + cut_at));
             let origin = Arc::new(CrashDevice::on_power(CHUNKS * 4096, power.clone(), seed));
             let mut committed = BTreeSet::new();
-            let mut rng = (cut_at * 7 + seed) | 1;
+            let mut rng = Rng::new(cut_at * 7 + seed);
             let mut run = || -> Result<(), String> {
                 let store = PersistentStore::open(cow.clone(), 8)
                     .map_err(|e| e.to_string())?
                     .store;
                 let mut olds: Vec<u64> = (0..CHUNKS).collect();
                 while !olds.is_empty() {
-                    let take = (1 + next(&mut rng) % 24).min(olds.len() as u64) as usize;
+                    let take = (1 + rng.below(24)).min(olds.len() as u64) as usize;
                     let mut batch = Vec::new();
                     for old in olds.drain(..take) {
                         let new = store.allocate().map_err(|e| e.to_string())?;
@@ -196,7 +186,7 @@ fn the_snapshot_store_survives_a_power_cut_at_every_write() {
                 }
                 loop {
                     let batch = store
-                        .merge_batch(1 + (next(&mut rng) % 40) as usize)
+                        .merge_batch(1 + rng.below(40) as usize)
                         .map_err(|e| e.to_string())?;
                     if batch.is_empty() {
                         return Ok(());

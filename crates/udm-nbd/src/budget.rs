@@ -12,8 +12,9 @@
 //! ones. A request larger than the whole budget waits until no other buffer is lent out and
 //! is then served alone: the budget is exceeded by that one request, never refused.
 
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use udm_block::AlignedBuf;
 
@@ -91,7 +92,7 @@ impl BufferBudget {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock()
     }
 
     /// A buffer of `len` bytes, waiting for room in the budget if needed. Its contents are
@@ -120,7 +121,7 @@ impl BufferBudget {
                 }
             }
             st.waiting += 1;
-            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+            self.changed.wait(&mut st);
             st.waiting -= 1;
         };
         st.serving += 1;

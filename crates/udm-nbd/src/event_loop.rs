@@ -11,13 +11,14 @@
 //! (`try_take`); a connection that finds no room stops reading until buffers come back. Each
 //! connection also has at most `queue_depth` requests parsed and not yet replied to.
 
+use parking_lot::Mutex;
 use std::any::Any;
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
@@ -81,17 +82,14 @@ struct Mailbox {
 
 impl Mailbox {
     fn post(&self, message: Message) {
-        self.messages
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(message);
+        self.messages.lock().push(message);
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a u64 to our eventfd.
         unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
 
     fn take(&self) -> Vec<Message> {
-        std::mem::take(&mut *self.messages.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *self.messages.lock())
     }
 }
 

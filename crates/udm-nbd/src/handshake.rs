@@ -181,7 +181,8 @@ impl<S: Read + Write> Handshake<'_, S> {
         self.reply(option, reply, message.as_bytes())
     }
 
-    /// Handles one option; `Some` when the client has picked an export.
+    /// Handles one option; `Some` when the client has picked an export. One arm per option,
+    /// as the protocol lists them: long for that reason.
     fn option(&mut self) -> Result<Option<Negotiated>, HandshakeEnd> {
         let magic = read_u64(self.stream)?;
         if magic != IHAVEOPT {
@@ -405,9 +406,8 @@ impl<S: Read + Write> Handshake<'_, S> {
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
-    use std::sync::Arc;
 
-    use udm_block::MemoryDevice;
+    use udm_testkit::Devices;
 
     use super::*;
 
@@ -430,22 +430,6 @@ mod tests {
         }
         fn flush(&mut self) -> io::Result<()> {
             Ok(())
-        }
-    }
-
-    struct OneExport;
-
-    impl ExportCatalog for OneExport {
-        fn open(&self, name: &str) -> Option<Export> {
-            (name == "vol").then(|| Export {
-                device: Arc::new(MemoryDevice::new(1 << 20)),
-                read_only: false,
-                description: String::new(),
-                open_guard: Box::new(()),
-            })
-        }
-        fn list(&self) -> Vec<(String, String)> {
-            vec![("vol".into(), String::new())]
         }
     }
 
@@ -492,7 +476,8 @@ mod tests {
             required,
             upgrade: &upgrade,
         });
-        let result = negotiate_with_tls(&mut stream, &OneExport, tls);
+        let catalog = Devices::memory(&[("vol", 1 << 20)]);
+        let result = negotiate_with_tls(&mut stream, &catalog, tls);
         (result, replies(&stream.output), upgrades.get())
     }
 

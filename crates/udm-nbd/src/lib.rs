@@ -27,7 +27,7 @@ mod transmission;
 
 pub use client::{ClientError, ClientOptions, NbdClient};
 pub use protocol::nbd_error;
-pub use server::{remove_stale_socket, Engine, NbdServer, ServerConfig};
+pub use server::{remove_stale_socket, socket_path_fits, Engine, NbdServer, ServerConfig};
 pub use stream::Stream;
 pub use tls::{TlsError, TlsMode, TlsServer};
 pub use udm_block::{Export, ExportCatalog};

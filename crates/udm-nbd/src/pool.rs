@@ -5,8 +5,9 @@
 //! Threads start when work arrives and no thread is free, up to the bound, and end after a
 //! while without work, so an idle daemon (or one whose devices all remap) keeps none.
 
+use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use log::warn;
@@ -40,11 +41,12 @@ impl Pool {
     }
 
     pub fn submit(self: &Arc<Self>, job: Job) {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = self.state.lock();
         state.queue.push_back(job);
         if state.idle >= state.queue.len() || state.threads >= self.max_threads {
             drop(state);
-            return self.ready.notify_one();
+            self.ready.notify_one();
+            return;
         }
         state.threads += 1;
         drop(state);
@@ -55,20 +57,16 @@ impl Pool {
         if let Err(e) = started {
             // The queued job waits for a running thread; with none, the next submit tries again.
             warn!("nbd: cannot start a pool thread: {e}");
-            self.state.lock().unwrap_or_else(|e| e.into_inner()).threads -= 1;
+            self.state.lock().threads -= 1;
         }
     }
 
     fn work(&self) {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = self.state.lock();
         loop {
             let Some(job) = state.queue.pop_front() else {
                 state.idle += 1;
-                let (next, waited) = self
-                    .ready
-                    .wait_timeout(state, IDLE)
-                    .unwrap_or_else(|e| e.into_inner());
-                state = next;
+                let waited = self.ready.wait_for(&mut state, IDLE);
                 state.idle -= 1;
                 if waited.timed_out() && state.queue.is_empty() {
                     state.threads -= 1;
@@ -82,7 +80,7 @@ impl Pool {
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
                 warn!("nbd: a pool job panicked");
             }
-            state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            state = self.state.lock();
         }
     }
 }
@@ -100,16 +98,16 @@ mod tests {
         for i in 0..5 {
             let (tx, gate) = (tx.clone(), gate.clone());
             pool.submit(Box::new(move || {
-                let mut open = gate.0.lock().unwrap();
+                let mut open = gate.0.lock();
                 while !*open {
-                    open = gate.1.wait(open).unwrap();
+                    gate.1.wait(&mut open);
                 }
                 tx.send(i).unwrap();
             }));
         }
         std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(pool.state.lock().unwrap().threads, 2);
-        *gate.0.lock().unwrap() = true;
+        assert_eq!(pool.state.lock().threads, 2);
+        *gate.0.lock() = true;
         gate.1.notify_all();
         let mut done: Vec<i32> = (0..5).map(|_| rx.recv_timeout(IDLE).unwrap()).collect();
         done.sort();

@@ -1,11 +1,12 @@
 //! Listeners: accept connections on Unix and TCP sockets and give each its own threads.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::{TcpListener, ToSocketAddrs};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use log::{debug, info, warn};
@@ -104,7 +105,7 @@ struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = self.counts.lock();
         counts.total -= 1;
         if let Some(n) = counts.per_client.get_mut(&self.key) {
             *n -= 1;
@@ -140,13 +141,7 @@ impl NbdServer {
                 Err(why) => return Err(std::io::Error::other(why)),
             },
         };
-        if loops.is_none() {
-            info!(
-                "nbd: engine: threads ({} per connection)",
-                config.workers_per_connection
-            );
-        }
-        Ok(NbdServer {
+        let server = NbdServer {
             catalog,
             budget,
             config,
@@ -154,7 +149,26 @@ impl NbdServer {
             refusing: Arc::default(),
             tls: None,
             loops,
-        })
+        };
+        if server.loops.is_none() {
+            info!("nbd: engine: {}", server.engine());
+        }
+        Ok(server)
+    }
+
+    /// Which engine serves this server's connections, as `udm info` and the log name it.
+    pub fn engine(&self) -> String {
+        match &self.loops {
+            Some(_) => format!(
+                "io_uring ({} event loops, {} pool threads)",
+                self.config.loop_threads.max(1),
+                self.config.pool_threads.max(1)
+            ),
+            None => format!(
+                "threads ({} per connection)",
+                self.config.workers_per_connection
+            ),
+        }
     }
 
     fn start_loops(config: &ServerConfig, budget: &Arc<BufferBudget>) -> Result<Loops, String> {
@@ -184,7 +198,7 @@ impl NbdServer {
     /// Connections open now (in the handshake or transmission).
     #[cfg(test)]
     fn connections(&self) -> usize {
-        self.counts.lock().unwrap_or_else(|e| e.into_inner()).total
+        self.counts.lock().total
     }
 
     /// Listens on a Unix socket (a stale socket is replaced; any other file is not).
@@ -230,7 +244,7 @@ impl NbdServer {
 
     /// Counts the connection in, or says why it is refused.
     fn admit(&self, key: ClientKey) -> Result<Slot, String> {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = self.counts.lock();
         let from_client = counts.per_client.get(&key).copied().unwrap_or(0);
         if counts.total >= self.config.max_connections {
             return Err(format!(
@@ -324,10 +338,32 @@ impl NbdServer {
     }
 }
 
+/// The longest path a Unix socket address holds (sun_path's 108 bytes, less the NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// Checks that `path` fits in a Unix socket address, saying so in bytes when it does not (the
+/// standard library's error names a C macro instead).
+pub fn socket_path_fits(path: &Path) -> std::io::Result<()> {
+    let len = path.as_os_str().len();
+    if len <= MAX_SOCKET_PATH {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!(
+            "socket path {} is {len} bytes; a Unix socket path holds at most {MAX_SOCKET_PATH} \
+             (use a shorter directory)",
+            path.display()
+        ),
+    ))
+}
+
 /// Removes a leftover Unix socket at `path` so it can be bound again, refusing to delete
-/// anything that is not a socket, or a socket some process still answers on.
+/// anything that is not a socket, or a socket some process still answers on; first checks
+/// that the path fits in a socket address at all.
 pub fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::FileTypeExt;
+    socket_path_fits(path)?;
     match std::fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => {
             if std::os::unix::net::UnixStream::connect(path).is_ok() {
@@ -350,9 +386,19 @@ pub fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ClientOptions, Export, NbdClient};
+    use crate::{ClientOptions, NbdClient};
+
+    #[test]
+    fn a_socket_path_too_long_is_refused_in_bytes() {
+        let long = std::path::PathBuf::from(format!("/tmp/{}/s.sock", "d".repeat(120)));
+        let e = remove_stale_socket(&long).unwrap_err().to_string();
+        assert!(e.contains("at most 107"), "{e}");
+        assert!(!e.contains("SUN_LEN"), "{e}");
+        socket_path_fits(std::path::Path::new(&"x".repeat(107))).unwrap();
+    }
     use std::time::Instant;
     use udm_block::{BlockDevice, BlockError, WriteFlags};
+    use udm_testkit::Devices;
 
     /// A device with a bug: reads at offset 0 panic.
     struct PanicsOnRead;
@@ -374,22 +420,6 @@ mod tests {
         }
     }
 
-    struct Catalog;
-
-    impl ExportCatalog for Catalog {
-        fn open(&self, _: &str) -> Option<Export> {
-            Some(Export {
-                device: Arc::new(PanicsOnRead),
-                read_only: false,
-                description: String::new(),
-                open_guard: Box::new(()),
-            })
-        }
-        fn list(&self) -> Vec<(String, String)> {
-            vec![("vol".into(), String::new())]
-        }
-    }
-
     #[test]
     fn a_panicking_request_gets_eio_and_its_connection_slot_comes_back() {
         panicking_request_with(Engine::Uring);
@@ -401,8 +431,10 @@ mod tests {
             std::env::temp_dir().join(format!("udm-nbd-panic-{}-{engine:?}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("nbd.sock");
+        let catalog = Devices::default();
+        catalog.add("vol", Arc::new(PanicsOnRead), false);
         let server = NbdServer::new(
-            Arc::new(Catalog),
+            Arc::new(catalog),
             ServerConfig {
                 engine,
                 max_connections: 1,

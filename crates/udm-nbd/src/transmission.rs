@@ -1,8 +1,9 @@
 //! The transmission phase: requests in, replies out, many in flight.
 
+use parking_lot::Mutex;
 use std::io::{self, BufRead, BufReader, Read};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::{info, warn};
@@ -116,7 +117,7 @@ impl<'c> Connection<'c> {
     fn worker(&'c self) {
         loop {
             let next = {
-                let mut reader = self.reader.lock().unwrap();
+                let mut reader = self.reader.lock();
                 if self.closing.load(Ordering::Acquire) {
                     return;
                 }
@@ -135,7 +136,7 @@ impl<'c> Connection<'c> {
                         self.idle_timeout.unwrap_or_default()
                     );
                     self.closing.store(true, Ordering::Release);
-                    return self.writer.lock().unwrap().shutdown();
+                    return self.writer.lock().shutdown();
                 }
                 Err(e) => return self.abort(&format!("reading a request: {e}")),
             };
@@ -153,7 +154,7 @@ impl<'c> Connection<'c> {
                 self.session.name
             );
         }
-        self.writer.lock().unwrap().shutdown();
+        self.writer.lock().shutdown();
     }
 
     fn touch(&self) {
@@ -257,9 +258,6 @@ impl<'c> Connection<'c> {
             self.session.execute(&r, payload.as_deref_mut())
         });
         let reply = self.session.reply(&r, result, payload);
-        self.writer
-            .lock()
-            .unwrap()
-            .write_all_vectored(&mut reply.slices())
+        self.writer.lock().write_all_vectored(&mut reply.slices())
     }
 }

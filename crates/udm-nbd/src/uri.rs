@@ -60,7 +60,7 @@ impl FromStr for NbdUri {
 
     /// Accepts `nbd://HOST[:PORT]/EXPORT` (HOST may be `[IPv6]`) and
     /// `nbd+unix:///EXPORT?socket=PATH`. Percent-escapes in the export and the socket path are
-    /// decoded.
+    /// decoded. Long: both forms and their errors in one pass over the text.
     fn from_str(uri: &str) -> Result<Self, UriError> {
         let malformed = |what: String| UriError::Malformed {
             uri: uri.to_string(),

@@ -1,23 +1,22 @@
 //! The NBD client against real servers: nbdkit, qemu-nbd and udm's own, over Unix sockets in
 //! a temporary directory. Every server process is killed when its guard is dropped.
 
+use parking_lot::Mutex;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use udm_block::conformance::{self, pattern};
 use udm_block::{
     AlignedBuf, BlockDevice, Extent, MemoryDevice, WriteFlags, ZeroFlags, EXTENT_HOLE, EXTENT_ZERO,
 };
 use udm_nbd::protocol::*;
-use udm_nbd::{
-    ClientError, ClientOptions, Export, ExportCatalog, NbdClient, NbdServer, ServerConfig,
-};
+use udm_nbd::{ClientError, ClientOptions, NbdClient, NbdServer, ServerConfig};
+use udm_testkit::{conformance, pattern, Devices, Rng, TempDir};
 
 const MIB: u64 = 1 << 20;
 
@@ -35,47 +34,26 @@ impl log::Log for TestLog {
     fn flush(&self) {}
 }
 
-/// A scratch directory removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    /// Every test starts here, so this is also where the log is set up.
-    fn new(tag: &str) -> TempDir {
-        use std::sync::atomic::AtomicU64;
-        if log::set_logger(&TestLog).is_ok() {
-            log::set_max_level(log::LevelFilter::Debug);
-        }
-        static N: AtomicU64 = AtomicU64::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "udm-nbd-client-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
+/// A scratch directory for one test; every test starts here, so this is also where the log
+/// is set up.
+fn scratch(tag: &str) -> TempDir {
+    if log::set_logger(&TestLog).is_ok() {
+        log::set_max_level(log::LevelFilter::Debug);
     }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.path("nbd.sock")
-    }
-
-    fn uri(&self) -> String {
-        self.uri_for("")
-    }
-
-    fn uri_for(&self, export: &str) -> String {
-        format!("nbd+unix:///{export}?socket={}", self.socket().display())
-    }
+    TempDir::new(&format!("nbd-client-{tag}"))
 }
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// The socket servers listen on in `dir`.
+fn socket(dir: &TempDir) -> PathBuf {
+    dir.path("nbd.sock")
+}
+
+fn uri(dir: &TempDir) -> String {
+    uri_for(dir, "")
+}
+
+fn uri_for(dir: &TempDir, export: &str) -> String {
+    format!("nbd+unix:///{export}?socket={}", socket(dir).display())
 }
 
 /// A server process; killed (SIGKILL, like a crash) and reaped on drop.
@@ -84,7 +62,7 @@ struct Server(Child);
 impl Server {
     fn start(dir: &TempDir, program: &str, args: &[&str]) -> Server {
         // A socket left by a killed server would make the next one fail to bind.
-        let _ = std::fs::remove_file(dir.socket());
+        let _ = std::fs::remove_file(socket(dir));
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -110,7 +88,7 @@ impl Drop for Server {
 
 /// nbdkit in the foreground (so the child is the server) on the directory's socket.
 fn nbdkit(dir: &TempDir, args: &[&str]) -> Server {
-    let socket = dir.socket();
+    let socket = socket(dir);
     let mut all = vec!["-f", "--exit-with-parent", "-U", socket.to_str().unwrap()];
     all.extend_from_slice(args);
     Server::start(dir, "nbdkit", &all)
@@ -175,35 +153,20 @@ fn map(dev: &dyn BlockDevice, offset: u64, len: u64) -> Vec<Extent> {
     out
 }
 
-/// A catalog of one in-memory device, for udm's own server.
-struct OneDevice(Arc<dyn BlockDevice>);
-
-impl ExportCatalog for OneDevice {
-    fn open(&self, name: &str) -> Option<Export> {
-        (name == "vol").then(|| Export {
-            device: self.0.clone(),
-            read_only: false,
-            description: String::new(),
-            open_guard: Box::new(()),
-        })
-    }
-    fn list(&self) -> Vec<(String, String)> {
-        vec![("vol".into(), String::new())]
-    }
-}
-
 /// udm's server in this process, serving `device` as `vol`; returns the export's URI.
 fn udm_server(dir: &TempDir, device: Arc<dyn BlockDevice>) -> String {
-    let server = NbdServer::new(Arc::new(OneDevice(device)), ServerConfig::default()).unwrap();
-    server.listen_unix(&dir.socket()).unwrap();
-    format!("nbd+unix:///vol?socket={}", dir.socket().display())
+    let devices = Devices::default();
+    devices.add("vol", device, false);
+    let server = NbdServer::new(Arc::new(devices), ServerConfig::default()).unwrap();
+    server.listen_unix(&socket(dir)).unwrap();
+    format!("nbd+unix:///vol?socket={}", socket(dir).display())
 }
 
 #[test]
 fn conformance_against_nbdkit_memory() {
-    let dir = TempDir::new("memory");
+    let dir = scratch("memory");
     let _server = nbdkit(&dir, &["memory", "64M"]);
-    let client = connect(&dir.uri(), ClientOptions::default());
+    let client = connect(&uri(&dir), ClientOptions::default());
     assert_eq!(client.size(), 64 * MIB);
     let caps = client.capabilities();
     assert!(caps.native_fua && caps.discard && caps.fast_zero && !caps.read_only);
@@ -215,9 +178,9 @@ fn conformance_against_nbdkit_memory() {
 #[test]
 fn conformance_against_nbdkit_without_structured_replies() {
     // Simple replies only: read data follows the reply header, and there is no block status.
-    let dir = TempDir::new("no-sr");
+    let dir = scratch("no-sr");
     let _server = nbdkit(&dir, &["--no-sr", "memory", "64M"]);
-    let client = connect(&dir.uri(), ClientOptions::default());
+    let client = connect(&uri(&dir), ClientOptions::default());
     conformance::run_all(&client);
     assert_eq!(
         client.block_status(0, 8 * MIB).unwrap(),
@@ -227,13 +190,13 @@ fn conformance_against_nbdkit_without_structured_replies() {
 
 #[test]
 fn conformance_against_qemu_nbd() {
-    let dir = TempDir::new("qemu");
+    let dir = scratch("qemu");
     let image = dir.path("disk.img");
     std::fs::File::create(&image)
         .unwrap()
         .set_len(64 * MIB)
         .unwrap();
-    let socket = dir.socket();
+    let socket = socket(&dir);
     let _server = Server::start(
         &dir,
         "qemu-nbd",
@@ -249,14 +212,14 @@ fn conformance_against_qemu_nbd() {
             image.to_str().unwrap(),
         ],
     );
-    let client = connect(&dir.uri(), ClientOptions::default());
+    let client = connect(&uri(&dir), ClientOptions::default());
     assert_eq!(client.size(), 64 * MIB);
     conformance::run_all(&client);
 }
 
 #[test]
 fn conformance_against_udm_server() {
-    let dir = TempDir::new("udm");
+    let dir = scratch("udm");
     let uri = udm_server(&dir, Arc::new(MemoryDevice::new(64 * MIB)));
     let client = connect(&uri, ClientOptions::default());
     assert_eq!(client.size(), 64 * MIB);
@@ -265,9 +228,9 @@ fn conformance_against_udm_server() {
 
 #[test]
 fn tcp_and_ipv6_addresses_reach_the_server() {
-    let _dir = TempDir::new("tcp");
+    let _dir = scratch("tcp");
     let server = NbdServer::new(
-        Arc::new(OneDevice(Arc::new(MemoryDevice::new(8 * MIB)))),
+        Arc::new(Devices::memory(&[("vol", 8 * MIB)])),
         ServerConfig::default(),
     )
     .unwrap();
@@ -295,7 +258,7 @@ fn block_status_tells_holes_from_data() {
     };
 
     // qemu-nbd over a sparse file answers from SEEK_DATA/SEEK_HOLE.
-    let dir = TempDir::new("map");
+    let dir = scratch("map");
     let image = dir.path("sparse.img");
     let mut file = std::fs::File::create(&image).unwrap();
     file.set_len(4 * MIB).unwrap();
@@ -303,7 +266,7 @@ fn block_status_tells_holes_from_data() {
     std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(MIB)).unwrap();
     file.write_all(&data).unwrap();
     drop(file);
-    let socket = dir.socket();
+    let socket = socket(&dir);
     let _server = Server::start(
         &dir,
         "qemu-nbd",
@@ -317,7 +280,7 @@ fn block_status_tells_holes_from_data() {
             image.to_str().unwrap(),
         ],
     );
-    let client = connect(&dir.uri(), ClientOptions::default());
+    let client = connect(&uri(&dir), ClientOptions::default());
     assert!(client.capabilities().read_only);
     assert_eq!(
         map(&client, 0, 4 * MIB),
@@ -327,7 +290,7 @@ fn block_status_tells_holes_from_data() {
     assert!(read(&client, 0, 65536).iter().all(|&b| b == 0));
 
     // udm's server over a memory device: unwritten pages are holes.
-    let dir = TempDir::new("map-udm");
+    let dir = scratch("map-udm");
     let uri = udm_server(&dir, Arc::new(MemoryDevice::new(4 * MIB)));
     let client = connect(&uri, ClientOptions::default());
     client
@@ -349,21 +312,18 @@ fn many_requests_in_flight_from_many_threads() {
     const THREADS: u64 = 8;
     const WRITES: usize = 200;
     const REGION: u64 = 8 * MIB;
-    let dir = TempDir::new("threads");
+    let dir = scratch("threads");
     let _server = nbdkit(&dir, &["memory", "64M"]);
-    let client = connect(&dir.uri(), ClientOptions::default());
+    let client = connect(&uri(&dir), ClientOptions::default());
     std::thread::scope(|s| {
         for t in 0..THREADS {
             let client = &client;
             s.spawn(move || {
                 let base = t * REGION;
-                let mut rng = t.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+                let mut rng = Rng::new(t);
                 let mut written = std::collections::HashMap::new();
                 for i in 0..WRITES {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
-                    let block = rng % (REGION / 4096);
+                    let block = rng.below(REGION / 4096);
                     let seed = t << 32 | i as u64;
                     client
                         .write(
@@ -387,7 +347,7 @@ fn many_requests_in_flight_from_many_threads() {
 
 #[test]
 fn requests_beyond_the_servers_maximum_are_split() {
-    let dir = TempDir::new("split");
+    let dir = scratch("split");
     let _server = nbdkit(
         &dir,
         &[
@@ -398,7 +358,7 @@ fn requests_beyond_the_servers_maximum_are_split() {
             "blocksize-error-policy=error",
         ],
     );
-    let client = connect(&dir.uri(), ClientOptions::default());
+    let client = connect(&uri(&dir), ClientOptions::default());
     let data = pattern(MIB as usize + 4096, 3);
     client.write(4096, &data, WriteFlags { fua: true }).unwrap();
     assert!(read(&client, 4096, data.len())[..] == data[..]);
@@ -414,7 +374,7 @@ fn requests_beyond_the_servers_maximum_are_split() {
 
 #[test]
 fn reconnects_and_resends_after_the_server_restarts() {
-    let dir = TempDir::new("reconnect");
+    let dir = scratch("reconnect");
     let image = dir.path("disk.img");
     let data = pattern(4 * MIB as usize, 11);
     std::fs::write(&image, &data[..]).unwrap();
@@ -422,7 +382,7 @@ fn reconnects_and_resends_after_the_server_restarts() {
     // Reads take 300 ms, so one can be caught in flight when the server dies.
     let args = ["--filter=delay", "file", &file_arg, "delay-read=300ms"];
     let server = nbdkit(&dir, &args);
-    let client = Arc::new(connect(&dir.uri(), options(Duration::from_secs(10))));
+    let client = Arc::new(connect(&uri(&dir), options(Duration::from_secs(10))));
     assert!(read(&*client, 0, 4096)[..] == data[..4096]);
 
     let spawn_read = |offset: u64| {
@@ -464,10 +424,10 @@ fn reconnects_and_resends_after_the_server_restarts() {
 
 #[test]
 fn a_server_that_stays_away_fails_requests_after_io_timeout() {
-    let dir = TempDir::new("away");
+    let dir = scratch("away");
     let server = nbdkit(&dir, &["memory", "64M"]);
     // nbdkit serves any export name; this one names the client's thread "nbd-client-away".
-    let client = connect(&dir.uri_for("away"), options(Duration::from_secs(1)));
+    let client = connect(&uri_for(&dir, "away"), options(Duration::from_secs(1)));
     // The thread names itself once it runs.
     wait_until("the client's thread runs", Duration::from_secs(2), || {
         thread_named("nbd-client-away")
@@ -493,9 +453,9 @@ fn a_server_that_stays_away_fails_requests_after_io_timeout() {
 #[test]
 fn a_server_that_stops_answering_is_dropped_and_redialled() {
     // Reads hang for 20 s; writes are immediate.
-    let dir = TempDir::new("stalled");
+    let dir = scratch("stalled");
     let _server = nbdkit(&dir, &["--filter=delay", "memory", "64M", "delay-read=20"]);
-    let client = connect(&dir.uri(), options(Duration::from_secs(1)));
+    let client = connect(&uri(&dir), options(Duration::from_secs(1)));
     let start = Instant::now();
     let mut buf = AlignedBuf::zeroed(4096);
     let err = client.read(0, &mut buf).unwrap_err();
@@ -510,9 +470,9 @@ fn a_server_that_stops_answering_is_dropped_and_redialled() {
 
 #[test]
 fn an_export_that_comes_back_with_another_size_fails_the_device() {
-    let dir = TempDir::new("resized");
+    let dir = scratch("resized");
     let server = nbdkit(&dir, &["memory", "64M"]);
-    let client = connect(&dir.uri(), options(Duration::from_secs(5)));
+    let client = connect(&uri(&dir), options(Duration::from_secs(5)));
     drop(server);
     wait_until(
         "the client sees the server gone",
@@ -533,13 +493,13 @@ fn an_export_that_comes_back_with_another_size_fails_the_device() {
 
 #[test]
 fn a_client_made_disconnected_connects_once_the_server_is_there() {
-    let dir = TempDir::new("later");
+    let dir = scratch("later");
     let image = dir.path("disk.img");
     let data = pattern(4 * MIB as usize, 21);
     std::fs::write(&image, &data[..]).unwrap();
     let file_arg = format!("file={}", image.display());
     let client = Arc::new(
-        NbdClient::disconnected(&dir.uri(), options(Duration::from_secs(10)), 4 * MIB).unwrap(),
+        NbdClient::disconnected(&uri(&dir), options(Duration::from_secs(10)), 4 * MIB).unwrap(),
     );
     assert_eq!(client.size(), 4 * MIB);
     assert!(!client.is_connected());
@@ -562,7 +522,7 @@ fn a_client_made_disconnected_connects_once_the_server_is_there() {
 
     // The size it was made with is checked against the server's.
     let wrong =
-        NbdClient::disconnected(&dir.uri(), options(Duration::from_secs(5)), 8 * MIB).unwrap();
+        NbdClient::disconnected(&uri(&dir), options(Duration::from_secs(5)), 8 * MIB).unwrap();
     let mut buf = AlignedBuf::zeroed(4096);
     let err = wrong.read(0, &mut buf).unwrap_err();
     assert_eq!(err.errno(), libc::EIO);
@@ -572,7 +532,7 @@ fn a_client_made_disconnected_connects_once_the_server_is_there() {
 #[test]
 fn a_server_shutting_down_is_let_go_and_its_successor_serves_the_request() {
     for structured in [true, false] {
-        let dir = TempDir::new("eshutdown");
+        let dir = scratch("eshutdown");
         let image = dir.path("disk.img");
         let data = pattern(4 * MIB as usize, 22);
         std::fs::write(&image, &data[..]).unwrap();
@@ -584,7 +544,7 @@ fn a_server_shutting_down_is_let_go_and_its_successor_serves_the_request() {
             args.insert(0, "--no-sr");
         }
         let mut server = nbdkit(&dir, &args);
-        let client = Arc::new(connect(&dir.uri(), options(Duration::from_secs(20))));
+        let client = Arc::new(connect(&uri(&dir), options(Duration::from_secs(20))));
         let in_flight = {
             let client = client.clone();
             std::thread::spawn(move || {
@@ -614,9 +574,9 @@ fn a_server_shutting_down_is_let_go_and_its_successor_serves_the_request() {
 
 #[test]
 fn closing_fails_waiting_requests_at_once() {
-    let dir = TempDir::new("close");
+    let dir = scratch("close");
     let server = nbdkit(&dir, &["memory", "64M"]);
-    let client = Arc::new(connect(&dir.uri(), options(Duration::from_secs(30))));
+    let client = Arc::new(connect(&uri(&dir), options(Duration::from_secs(30))));
     drop(server);
     let waiting = {
         let client = client.clone();
@@ -640,13 +600,13 @@ fn closing_fails_waiting_requests_at_once() {
 
 #[test]
 fn a_read_only_client_does_not_wait_for_a_dead_server_to_flush() {
-    let dir = TempDir::new("ro-flush");
+    let dir = scratch("ro-flush");
     let server = nbdkit(&dir, &["memory", "64M"]);
     let options = ClientOptions {
         read_only: true,
         ..options(Duration::from_secs(30))
     };
-    let client = connect(&dir.uri(), options);
+    let client = connect(&uri(&dir), options);
     drop(server);
     let start = Instant::now();
     client.flush().unwrap();
@@ -660,7 +620,7 @@ fn a_read_only_client_does_not_wait_for_a_dead_server_to_flush() {
 #[test]
 fn server_errors_reach_the_caller_with_their_errno() {
     for structured in [true, false] {
-        let dir = TempDir::new("errors");
+        let dir = scratch("errors");
         let mut args = vec![
             "--filter=error",
             "memory",
@@ -678,7 +638,7 @@ fn server_errors_reach_the_caller_with_their_errno() {
             args.insert(0, "--no-sr");
         }
         let _server = nbdkit(&dir, &args);
-        let client = connect(&dir.uri(), ClientOptions::default());
+        let client = connect(&uri(&dir), ClientOptions::default());
         let mut buf = AlignedBuf::zeroed(4096);
         let errno = |r: udm_block::Result<()>| r.unwrap_err().errno();
         assert_eq!(errno(client.read(0, &mut buf)), libc::EIO);
@@ -699,18 +659,18 @@ fn server_errors_reach_the_caller_with_their_errno() {
 
 #[test]
 fn read_only_exports_and_clients_refuse_writes() {
-    let dir = TempDir::new("ro");
+    let dir = scratch("ro");
     let _server = nbdkit(&dir, &["-r", "memory", "64M"]);
-    let client = connect(&dir.uri(), ClientOptions::default());
+    let client = connect(&uri(&dir), ClientOptions::default());
     assert!(client.capabilities().read_only);
     let buf = AlignedBuf::zeroed(4096);
     let err = client.write(0, &buf, WriteFlags::default()).unwrap_err();
     assert_eq!(err.errno(), libc::EPERM);
 
-    let dir = TempDir::new("ro-option");
+    let dir = scratch("ro-option");
     let _server = nbdkit(&dir, &["memory", "64M"]);
     let client = connect(
-        &dir.uri(),
+        &uri(&dir),
         ClientOptions {
             read_only: true,
             ..ClientOptions::default()
@@ -730,15 +690,15 @@ fn read_only_exports_and_clients_refuse_writes() {
 
 #[test]
 fn connect_reports_what_went_wrong() {
-    let dir = TempDir::new("connect");
-    let missing = NbdClient::connect(&dir.uri(), ClientOptions::default());
+    let dir = scratch("connect");
+    let missing = NbdClient::connect(&uri(&dir), ClientOptions::default());
     assert!(matches!(missing, Err(ClientError::Connect { .. })));
 
     let bad = NbdClient::connect("nbd://host:99999/x", ClientOptions::default());
     assert!(matches!(bad, Err(ClientError::Uri(_))));
 
-    let uri = udm_server(&dir, Arc::new(MemoryDevice::new(4 * MIB)));
-    let unknown = uri.replace("///vol", "///nope");
+    let unknown =
+        udm_server(&dir, Arc::new(MemoryDevice::new(4 * MIB))).replace("///vol", "///nope");
     match NbdClient::connect(&unknown, ClientOptions::default()) {
         Err(ClientError::Refused {
             export, message, ..
@@ -749,11 +709,11 @@ fn connect_reports_what_went_wrong() {
         other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
     }
 
-    let dir = TempDir::new("oldstyle");
+    let dir = scratch("oldstyle");
     let _server = nbdkit(&dir, &["-o", "memory", "4M"]);
     let deadline = Instant::now() + Duration::from_secs(10);
     let err = loop {
-        match NbdClient::connect(&dir.uri(), ClientOptions::default()) {
+        match NbdClient::connect(&uri(&dir), ClientOptions::default()) {
             Err(ClientError::Connect { .. }) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(20))
             }
@@ -777,7 +737,7 @@ struct MinimalServer {
 
 impl MinimalServer {
     fn start(dir: &TempDir, garbage_first: bool) -> (Arc<MinimalServer>, JoinHandle<()>) {
-        let listener = UnixListener::bind(dir.socket()).unwrap();
+        let listener = UnixListener::bind(socket(dir)).unwrap();
         let server = Arc::new(MinimalServer {
             disk: Mutex::new(vec![0u8; 4 * MIB as usize]),
             garbage_first,
@@ -815,7 +775,7 @@ impl MinimalServer {
             let mut data = vec![0u8; len as usize];
             s.read_exact(&mut data).unwrap();
             if option == OPT_EXPORT_NAME {
-                let size = self.disk.lock().unwrap().len() as u64;
+                let size = self.disk.lock().len() as u64;
                 let mut reply = size.to_be_bytes().to_vec();
                 reply.extend_from_slice(&(TF_HAS_FLAGS | TF_SEND_FLUSH).to_be_bytes());
                 reply.extend_from_slice(&[0u8; 124]);
@@ -841,11 +801,11 @@ impl MinimalServer {
             match r.command {
                 CMD_READ => {
                     let mut reply = simple_reply(r.cookie, 0).to_vec();
-                    reply.extend_from_slice(&self.disk.lock().unwrap()[range]);
+                    reply.extend_from_slice(&self.disk.lock()[range]);
                     s.write_all(&reply).unwrap();
                 }
                 CMD_WRITE => {
-                    s.read_exact(&mut self.disk.lock().unwrap()[range]).unwrap();
+                    s.read_exact(&mut self.disk.lock()[range]).unwrap();
                     s.write_all(&simple_reply(r.cookie, 0)).unwrap();
                 }
                 CMD_FLUSH => s.write_all(&simple_reply(r.cookie, 0)).unwrap(),
@@ -861,15 +821,15 @@ impl MinimalServer {
 
 #[test]
 fn a_server_without_options_is_reached_through_export_name() {
-    let dir = TempDir::new("minimal");
+    let dir = scratch("minimal");
     let (server, thread) = MinimalServer::start(&dir, false);
-    let client = NbdClient::connect(&dir.uri(), ClientOptions::default()).unwrap();
+    let client = NbdClient::connect(&uri(&dir), ClientOptions::default()).unwrap();
     let caps = client.capabilities();
     assert!(!caps.native_fua && !caps.discard && !caps.fast_zero);
     let data = pattern(65536, 8);
     client.write(8192, &data, WriteFlags { fua: true }).unwrap();
     assert!(read(&client, 8192, 65536)[..] == data[..]);
-    assert!(server.disk.lock().unwrap()[8192..8192 + 65536] == data[..]);
+    assert!(server.disk.lock()[8192..8192 + 65536] == data[..]);
     // No WRITE_ZEROES, TRIM, CACHE or block status: emulated or answered locally.
     client
         .write_zeroes(8192, 4096, ZeroFlags::default())
@@ -891,10 +851,10 @@ fn a_server_without_options_is_reached_through_export_name() {
 
 #[test]
 fn a_protocol_error_from_the_server_means_reconnect_and_resend() {
-    let dir = TempDir::new("garbage");
+    let dir = scratch("garbage");
     let (server, thread) = MinimalServer::start(&dir, true);
-    server.disk.lock().unwrap()[..4096].copy_from_slice(&pattern(4096, 4));
-    let client = NbdClient::connect(&dir.uri(), options(Duration::from_secs(5))).unwrap();
+    server.disk.lock()[..4096].copy_from_slice(&pattern(4096, 4));
+    let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
     assert!(read(&client, 0, 4096)[..] == pattern(4096, 4)[..]);
     assert_eq!(server.connections.load(Ordering::Acquire), 2);
     drop(client);

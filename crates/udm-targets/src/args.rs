@@ -1,5 +1,9 @@
-//! Reading table arguments one token at a time, with errors that name the token.
+//! Reading arguments one token at a time, with errors that name the token: a table line's
+//! arguments, a target's messages, and the line itself. Every number udm reads from a table or
+//! a message is parsed here.
 
+use std::fmt::Display;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use udm_block::{BlockDevice, OpenMode, SECTOR_SIZE};
@@ -7,28 +11,32 @@ use udm_block::{BlockDevice, OpenMode, SECTOR_SIZE};
 use crate::target::{TargetContext, TargetError};
 
 pub struct Args<'a> {
+    /// Named at the start of every error ("linear: …"); empty for none.
     target: &'a str,
-    tokens: &'a [String],
+    tokens: Vec<&'a str>,
     next: usize,
 }
 
 impl<'a> Args<'a> {
-    pub fn new(target: &'a str, tokens: &'a [String]) -> Self {
+    pub fn new<S: AsRef<str>>(target: &'a str, tokens: &'a [S]) -> Self {
         Args {
             target,
-            tokens,
+            tokens: tokens.iter().map(AsRef::as_ref).collect(),
             next: 0,
         }
     }
 
-    /// An error about this target's arguments.
-    pub fn error(&self, message: impl std::fmt::Display) -> TargetError {
+    /// An error about these arguments.
+    pub fn error(&self, message: impl Display) -> TargetError {
+        if self.target.is_empty() {
+            return TargetError::new(message.to_string());
+        }
         TargetError::new(format!("{}: {message}", self.target))
     }
 
-    /// Every token of the line's arguments, as given.
-    pub fn tokens(&self) -> &'a [String] {
-        self.tokens
+    /// Every token, as given.
+    pub fn tokens(&self) -> &[&'a str] {
+        &self.tokens
     }
 
     pub fn remaining(&self) -> usize {
@@ -36,7 +44,7 @@ impl<'a> Args<'a> {
     }
 
     pub fn word(&mut self, what: &str) -> Result<&'a str, TargetError> {
-        let token = self
+        let token = *self
             .tokens
             .get(self.next)
             .ok_or_else(|| self.error(format!("missing argument <{what}>")))?;
@@ -44,11 +52,39 @@ impl<'a> Args<'a> {
         Ok(token)
     }
 
-    pub fn number<T: std::str::FromStr>(&mut self, what: &str) -> Result<T, TargetError> {
+    /// The tokens not read yet, which are then read.
+    pub fn rest(&mut self) -> &[&'a str] {
+        let rest = &self.tokens[self.next..];
+        self.next = self.tokens.len();
+        rest
+    }
+
+    pub fn number<T: FromStr>(&mut self, what: &str) -> Result<T, TargetError> {
         let token = self.word(what)?;
         token
             .parse()
             .map_err(|_| self.error(format!("invalid <{what}> '{token}': expected a number")))
+    }
+
+    /// A number of at least `min`.
+    pub fn number_at_least<T: FromStr + PartialOrd + Display>(
+        &mut self,
+        what: &str,
+        min: T,
+    ) -> Result<T, TargetError> {
+        let n: T = self.number(what)?;
+        if n < min {
+            return Err(self.error(format!("invalid <{what}> {n}: must be at least {min}")));
+        }
+        Ok(n)
+    }
+
+    /// A number if there is a token left, `None` otherwise.
+    pub fn optional_number<T: FromStr>(&mut self, what: &str) -> Result<Option<T>, TargetError> {
+        if self.remaining() == 0 {
+            return Ok(None);
+        }
+        self.number(what).map(Some)
     }
 
     /// A sector count, returned in bytes.

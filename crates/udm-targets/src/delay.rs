@@ -136,7 +136,9 @@ impl Target for Delay {
 mod tests {
     use crate::testing::{build, memory_resolver};
     use std::time::Instant;
-    use udm_block::{conformance, BlockDevice, WriteFlags};
+    use udm_block::{BlockDevice, WriteFlags};
+
+    use udm_testkit::conformance;
 
     #[test]
     fn passes_the_conformance_suite() {

@@ -4,9 +4,10 @@
 //! `disable`, `quiet`. A write to a bad block repairs it (after failing `write failures`
 //! times), as a disk remaps a sector on write.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use udm_block::{BlockError, OpenMode, Result};
 
@@ -45,10 +46,9 @@ impl Dust {
         offset / self.block_size..=(offset + len.max(1) - 1) / self.block_size
     }
 
-    fn block_number(&self, word: &str) -> Result<u64, TargetError> {
-        let block: u64 = word
-            .parse()
-            .map_err(|_| TargetError::new(format!("dust: invalid block number '{word}'")))?;
+    /// The block number a message names, in range.
+    fn block(&self, args: &mut Args) -> Result<u64, TargetError> {
+        let block: u64 = args.number("block")?;
         let blocks = self.lower.len / self.block_size;
         if block >= blocks {
             return Err(TargetError::new(format!(
@@ -68,7 +68,7 @@ impl Filter for Dust {
         if !self.enabled.load(Ordering::Relaxed) || kind == OpKind::Flush {
             return Ok(true);
         }
-        let mut bad = self.bad_blocks.lock().unwrap();
+        let mut bad = self.bad_blocks.lock();
         let hit: Vec<u64> = bad
             .range(self.blocks(offset, len))
             .map(|(b, _)| *b)
@@ -128,7 +128,7 @@ impl Target for Filtered<Dust> {
         if d.quiet.load(Ordering::Relaxed) {
             messages.push("quiet".into());
         }
-        for (block, failures) in d.bad_blocks.lock().unwrap().iter() {
+        for (block, failures) in d.bad_blocks.lock().iter() {
             messages.push(format!("addbadblock {block} {failures}"));
         }
         messages
@@ -136,7 +136,7 @@ impl Target for Filtered<Dust> {
 
     fn message(&self, words: &[&str]) -> Result<String, TargetError> {
         let d = &self.0;
-        let mut bad = d.bad_blocks.lock().unwrap();
+        let mut bad = d.bad_blocks.lock();
         let lowered: Vec<String> = words.iter().map(|w| w.to_ascii_lowercase()).collect();
         let lowered: Vec<&str> = lowered.iter().map(String::as_str).collect();
         match lowered.as_slice() {
@@ -168,14 +168,10 @@ impl Target for Filtered<Dust> {
                 .map(u64::to_string)
                 .collect::<Vec<_>>()
                 .join("\n")),
-            ["addbadblock", block, rest @ ..] if rest.len() <= 1 => {
-                let block = d.block_number(block)?;
-                let failures = match rest.first() {
-                    Some(w) => w.parse().map_err(|_| {
-                        TargetError::new(format!("dust: invalid write failure count '{w}'"))
-                    })?,
-                    None => 0,
-                };
+            ["addbadblock", _] | ["addbadblock", _, _] => {
+                let mut args = Args::new("dust", &words[1..]);
+                let block = d.block(&mut args)?;
+                let failures = args.optional_number("write failures")?.unwrap_or(0);
                 if bad.insert(block, failures).is_some() {
                     return Err(TargetError::new(format!(
                         "dust_add_block: block {block} already in badblocklist"
@@ -183,8 +179,8 @@ impl Target for Filtered<Dust> {
                 }
                 Ok(format!("dust_add_block: badblock added at block {block}"))
             }
-            ["removebadblock", block] => {
-                let block = d.block_number(block)?;
+            ["removebadblock", _] => {
+                let block = d.block(&mut Args::new("dust", &words[1..]))?;
                 match bad.remove(&block) {
                     Some(_) => Ok(format!(
                         "dust_remove_block: badblock removed at block {block}"
@@ -194,8 +190,8 @@ impl Target for Filtered<Dust> {
                     ))),
                 }
             }
-            ["queryblock", block] => {
-                let block = d.block_number(block)?;
+            ["queryblock", _] => {
+                let block = d.block(&mut Args::new("dust", &words[1..]))?;
                 let found = if bad.contains_key(&block) {
                     "found"
                 } else {
@@ -220,7 +216,9 @@ impl Target for Filtered<Dust> {
 #[cfg(test)]
 mod tests {
     use crate::testing::{build, memory_resolver};
-    use udm_block::{conformance, BlockDevice, WriteFlags};
+    use udm_block::{BlockDevice, WriteFlags};
+
+    use udm_testkit::conformance;
 
     #[test]
     fn passes_the_conformance_suite_when_enabled_without_bad_blocks() {

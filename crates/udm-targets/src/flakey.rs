@@ -57,12 +57,9 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
                 args.remaining()
             )));
         }
-        let mut words = Vec::new();
-        for _ in 0..count {
-            words.push(args.word("feature")?);
-        }
+        let words = args.rest().to_vec();
         feature_words = words.iter().map(|w| w.to_string()).collect();
-        features = parse_features(args, &words)?;
+        features = parse_features(&mut Args::new("flakey", &words))?;
     }
     if !features.drop_writes
         && !features.error_writes
@@ -85,59 +82,41 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     })))
 }
 
-fn parse_features(args: &Args, words: &[&str]) -> Result<Features, TargetError> {
+fn parse_features(args: &mut Args) -> Result<Features, TargetError> {
     let mut f = Features::default();
-    let mut i = 0;
-    let number = |i: usize, what: &str| -> Result<u64, TargetError> {
-        let token = words
-            .get(i)
-            .ok_or_else(|| args.error(format!("missing <{what}>")))?;
-        token
-            .parse()
-            .map_err(|_| args.error(format!("invalid <{what}> '{token}'")))
-    };
-    while i < words.len() {
-        match words[i].to_ascii_lowercase().as_str() {
+    while args.remaining() > 0 {
+        match args.word("feature")?.to_ascii_lowercase().as_str() {
             "drop_writes" if !f.drop_writes => f.drop_writes = true,
             "error_writes" if !f.error_writes => f.error_writes = true,
             "error_reads" if !f.error_reads => f.error_reads = true,
             "corrupt_bio_byte" if f.corrupt_byte.is_none() => {
-                let nth = number(i + 1, "corrupt byte")?;
-                if nth == 0 {
-                    return Err(args.error("corrupt_bio_byte: <Nth byte> counts from 1"));
-                }
-                let writes = match words.get(i + 2).copied() {
-                    Some("r") => false,
-                    Some("w") => true,
+                let nth = args.number_at_least("corrupt byte", 1)?;
+                let writes = match args.word("direction")? {
+                    "r" => false,
+                    "w" => true,
                     other => {
                         return Err(args.error(format!(
-                            "corrupt_bio_byte: direction must be r or w, got '{}'",
-                            other.unwrap_or("")
+                            "corrupt_bio_byte: direction must be r or w, got '{other}'"
                         )))
                     }
                 };
-                let value = number(i + 3, "corrupt value")?;
-                let value = u8::try_from(value)
-                    .map_err(|_| args.error(format!("corrupt_bio_byte: value {value} > 255")))?;
-                number(i + 4, "bio flags")?;
-                f.corrupt_byte = Some((nth as usize, writes, value));
-                i += 4;
+                let value: u8 = args.number("corrupt value")?;
+                args.number::<u64>("bio flags")?;
+                f.corrupt_byte = Some((nth, writes, value));
             }
-            "random_read_corrupt" | "random_write_corrupt" => {
-                let p = number(i + 1, "probability")?;
+            which @ ("random_read_corrupt" | "random_write_corrupt") => {
+                let p: u64 = args.number("probability")?;
                 if p > PROBABILITY_SCALE {
                     return Err(args.error(format!("probability {p} exceeds {PROBABILITY_SCALE}")));
                 }
-                if words[i].eq_ignore_ascii_case("random_read_corrupt") {
+                if which == "random_read_corrupt" {
                     f.random_read_corrupt = p;
                 } else {
                     f.random_write_corrupt = p;
                 }
-                i += 1;
             }
             word => return Err(args.error(format!("unknown or repeated feature '{word}'"))),
         }
-        i += 1;
     }
     if f.drop_writes && f.error_writes {
         return Err(args.error("drop_writes and error_writes are mutually exclusive"));
@@ -235,7 +214,9 @@ impl Target for Filtered<Flakey> {
 #[cfg(test)]
 mod tests {
     use crate::testing::{build, memory_resolver};
-    use udm_block::{conformance, BlockDevice, WriteFlags};
+    use udm_block::{BlockDevice, WriteFlags};
+
+    use udm_testkit::conformance;
 
     #[test]
     fn up_passes_the_conformance_suite() {

@@ -8,6 +8,8 @@
 mod args;
 mod filter;
 mod pacing;
+mod reference;
+mod registry;
 mod rendezvous;
 mod table;
 mod target;
@@ -15,7 +17,7 @@ mod target;
 mod clone;
 mod delay;
 mod dust;
-mod error;
+mod error_target;
 mod flakey;
 mod linear;
 mod log_writes;
@@ -25,9 +27,11 @@ mod zero;
 
 pub use args::Args;
 pub use filter::{Filter, Filtered, Lower, OpKind};
+pub use reference::Reference;
+pub use registry::{construct, TARGET_TYPES};
 pub use rendezvous::{device_key, Rendezvous};
 pub use table::{Segment, Table, TableLine};
-pub use target::{construct, Resolver, Target, TargetContext, TargetError, TARGET_TYPES};
+pub use target::{Resolver, Target, TargetContext, TargetError};
 
 #[cfg(test)]
 pub(crate) mod testing;

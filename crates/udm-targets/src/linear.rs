@@ -43,7 +43,9 @@ impl Target for Filtered<Linear> {
 #[cfg(test)]
 mod tests {
     use crate::testing::{build, memory_resolver};
-    use udm_block::{conformance, BlockDevice};
+    use udm_block::BlockDevice;
+
+    use udm_testkit::{conformance, pattern};
 
     #[test]
     fn passes_the_conformance_suite_at_an_offset() {
@@ -54,7 +56,7 @@ mod tests {
         let lower = resolver.get("a");
         let mut buf = vec![0u8; 512];
         lower.read(4 << 20, &mut buf).unwrap();
-        assert_eq!(&buf[..], &conformance::pattern(512, 1)[..]);
+        assert_eq!(&buf[..], &pattern(512, 1)[..]);
     }
 
     #[test]

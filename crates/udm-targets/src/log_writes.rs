@@ -8,7 +8,8 @@
 //! logged, an event raised, the status line says `log full` and the log itself records that it
 //! was cut off, so `udm replay-log` says so.
 
-use std::sync::{Arc, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
+use std::sync::Arc;
 
 use log::warn;
 
@@ -69,7 +70,7 @@ impl LogWrites {
         data: Option<&[u8]>,
         mark: &str,
     ) -> Result<Appended> {
-        let mut log = self.log.lock().unwrap();
+        let mut log = self.log.lock();
         let was_cut_off = log.is_cut_off();
         let appended = log
             .append(kind, fua, offset, len, data, mark)
@@ -112,7 +113,7 @@ impl BlockDevice for LogWrites {
         self.dev.read(offset, buf)
     }
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
-        let _shared = self.order.read().unwrap();
+        let _shared = self.order.read();
         self.dev.write(offset, buf, flags)?;
         self.log_io(
             EntryKind::Write,
@@ -123,17 +124,17 @@ impl BlockDevice for LogWrites {
         )
     }
     fn flush(&self) -> Result<()> {
-        let _alone = self.order.write().unwrap();
+        let _alone = self.order.write();
         self.dev.flush()?;
         self.log_io(EntryKind::Flush, false, 0, 0, None)
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        let _shared = self.order.read().unwrap();
+        let _shared = self.order.read();
         self.dev.discard(offset, len)?;
         self.log_io(EntryKind::Discard, false, offset, len, None)
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        let _shared = self.order.read().unwrap();
+        let _shared = self.order.read();
         self.dev.write_zeroes(offset, len, flags)?;
         self.log_io(EntryKind::WriteZeroes, flags.fua, offset, len, None)
     }
@@ -152,7 +153,7 @@ impl Target for LogWrites {
     fn status(&self) -> String {
         // As the kernel: entries logged, and the last log sector used; then whether the log
         // filled up.
-        let log = self.log.lock().unwrap();
+        let log = self.log.lock();
         format!(
             "{} {}{}",
             log.entries(),
@@ -163,7 +164,7 @@ impl Target for LogWrites {
     fn message(&self, words: &[&str]) -> Result<String, TargetError> {
         match words {
             [mark, text] if mark.eq_ignore_ascii_case("mark") => {
-                let _alone = self.order.write().unwrap();
+                let _alone = self.order.write();
                 match self.append(EntryKind::Mark, false, 0, 0, None, text) {
                     Ok(Appended::Logged) => Ok(String::new()),
                     Ok(Appended::CutOff) => Err(TargetError::new(format!(
@@ -188,8 +189,10 @@ impl Target for LogWrites {
 mod tests {
     use std::sync::Arc;
 
-    use udm_block::{conformance, BlockDevice, WriteFlags};
+    use udm_block::{BlockDevice, WriteFlags};
+
     use udm_metadata::log::{EntryKind, LogReader};
+    use udm_testkit::conformance;
 
     use crate::testing::{build, build_counting_events, memory_resolver};
 

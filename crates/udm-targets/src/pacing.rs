@@ -1,9 +1,10 @@
 //! Pacing background copies (a clone's hydration, a snapshot merge) against the user's I/O:
 //! how busy the user is, a bandwidth cap, and the copy rate for progress bars.
 
+use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// User I/O this recent counts as "the user is busy".
@@ -137,7 +138,7 @@ pub struct Throughput {
 impl Throughput {
     /// Records that `done` bytes are done by now.
     pub fn sample(&self, done: u64) {
-        let mut samples = self.samples.lock().unwrap();
+        let mut samples = self.samples.lock();
         samples.push_back((Instant::now(), done));
         if samples.len() > RATE_WINDOW {
             samples.pop_front();
@@ -146,7 +147,7 @@ impl Throughput {
 
     /// Bytes per second over the window, once there are two samples.
     pub fn bytes_per_second(&self) -> Option<f64> {
-        let samples = self.samples.lock().unwrap();
+        let samples = self.samples.lock();
         let (first, last) = (samples.front()?, samples.back()?);
         let seconds = last.0.duration_since(first.0).as_secs_f64();
         (seconds > 0.0).then(|| last.1.saturating_sub(first.1) as f64 / seconds)

@@ -7,9 +7,12 @@
 //! hash. It holds only weak references, so an entry lives exactly as long as the targets
 //! using it and a removed device leaves nothing behind.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
+
+use crate::Reference;
 
 /// A process-wide map from a key naming a shared device to the object targets share on it.
 pub struct Rendezvous<T: ?Sized> {
@@ -26,7 +29,7 @@ impl<T: ?Sized> Rendezvous<T> {
 
     /// The live object under `key`, if any target still holds it.
     pub fn get(&self, key: &str) -> Option<Arc<T>> {
-        let entries = self.entries.lock().unwrap();
+        let entries = self.entries.lock();
         entries.as_ref()?.get(key)?.upgrade()
     }
 
@@ -37,7 +40,7 @@ impl<T: ?Sized> Rendezvous<T> {
         key: &str,
         make: impl FnOnce() -> Result<Arc<T>, E>,
     ) -> Result<Arc<T>, E> {
-        let mut entries = self.entries.lock().unwrap();
+        let mut entries = self.entries.lock();
         let entries = entries.get_or_insert_with(HashMap::new);
         // Entries whose targets are all gone are dropped here rather than by the targets,
         // which cannot tell whether they held the last reference.
@@ -61,9 +64,8 @@ impl<T: ?Sized> Default for Rendezvous<T> {
 /// `./origin.img` and `/abs/origin.img` meet), other references (udm device names, URIs) are
 /// used as written.
 pub fn device_key(reference: &str) -> String {
-    let path = Path::new(reference);
-    if reference.starts_with('/') || reference.starts_with("./") || reference.starts_with("../") {
-        if let Ok(canonical) = path.canonicalize() {
+    if let Reference::Path(path) = Reference::parse(reference) {
+        if let Ok(canonical) = Path::new(path).canonicalize() {
             return canonical.to_string_lossy().into_owned();
         }
     }
@@ -93,7 +95,7 @@ mod tests {
         let third = shared
             .get_or_try_insert::<()>("pool", || Ok(Arc::new(Mutex::new(3))))
             .unwrap();
-        assert_eq!(*third.lock().unwrap(), 3);
+        assert_eq!(*third.lock(), 3);
     }
 
     #[test]

@@ -39,7 +39,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             chunk / SECTOR_SIZE
         )));
     }
-    if ctx.len % (chunk * count) != 0 {
+    if !ctx.len.is_multiple_of(chunk * count) {
         return Err(args.error(format!(
             "target length {} is not a multiple of chunk size {} x {count} stripes",
             ctx.len / SECTOR_SIZE,
@@ -264,7 +264,9 @@ impl Target for Striped {
 #[cfg(test)]
 mod tests {
     use crate::testing::{build, memory_resolver};
-    use udm_block::{conformance, BlockDevice, Extent};
+    use udm_block::{BlockDevice, Extent};
+
+    use udm_testkit::{conformance, pattern};
 
     #[test]
     fn block_status_joins_chunks_into_runs() {
@@ -300,7 +302,7 @@ mod tests {
         let table = build(&resolver, "0 16384 striped 2 16 a 0 b 2048").unwrap();
         conformance::run_all(&table);
         // Chunk 1 (bytes 8192..16384) is the first chunk on b, 1 MiB in.
-        let data = conformance::pattern(8192, 5);
+        let data = pattern(8192, 5);
         table.write(8192, &data, Default::default()).unwrap();
         let mut buf = vec![0u8; 8192];
         resolver.get("b").read(1 << 20, &mut buf).unwrap();

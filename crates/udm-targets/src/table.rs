@@ -7,7 +7,9 @@ use udm_block::{
     WriteFlags, ZeroFlags, SECTOR_SIZE,
 };
 
-use crate::target::{construct, EventSink, Resolver, Target, TargetContext, TargetError};
+use crate::args::Args;
+use crate::registry::construct;
+use crate::target::{EventSink, Resolver, Target, TargetContext, TargetError};
 
 /// One line of a table, as text: `START LEN TYPE ARGS…` (sectors).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,27 +41,15 @@ impl TableLine {
     }
 
     pub fn parse(line: &str) -> Result<TableLine, TargetError> {
-        let mut tokens = line.split_whitespace();
-        let mut number = |what: &str| -> Result<u64, TargetError> {
-            let token = tokens
-                .next()
-                .ok_or_else(|| TargetError::new(format!("missing <{what}>")))?;
-            token.parse().map_err(|_| {
-                TargetError::new(format!(
-                    "invalid <{what}> '{token}': expected a number of sectors"
-                ))
-            })
-        };
-        let start = number("start")?;
-        let len = number("length")?;
+        let tokens: Vec<&str> = line.split_whitespace().collect();
+        let mut args = Args::new("", &tokens);
+        let start = args.number("start")?;
+        let len = args.number("length")?;
         if len == 0 {
             return Err(TargetError::new("<length> must not be zero"));
         }
-        let type_name = tokens
-            .next()
-            .ok_or_else(|| TargetError::new("missing <target type>"))?
-            .to_string();
-        let args = tokens.map(str::to_string).collect();
+        let type_name = args.word("target type")?.to_string();
+        let args = args.rest().iter().map(|t| t.to_string()).collect();
         Ok(TableLine {
             start,
             len,
@@ -347,7 +337,7 @@ impl BlockDevice for Table {
 mod tests {
     use super::*;
     use crate::testing::{build, memory_resolver};
-    use udm_block::conformance;
+    use udm_testkit::conformance;
 
     #[test]
     fn lines_print_back_exactly() {
@@ -378,7 +368,7 @@ mod tests {
             ("8 8 zero", "line 1: segment starts at sector 8"),
             ("0 0 zero", "line 1: <length> must not be zero"),
             ("0 x zero", "line 1: invalid <length> 'x'"),
-            ("0 8", "line 1: missing <target type>"),
+            ("0 8", "line 1: missing argument <target type>"),
             ("0 8 frobnicate", "line 1: unknown target type 'frobnicate'"),
             (
                 "0 8 zero\n\n# c\n8 8 zero extra",
@@ -436,12 +426,11 @@ mod tests {
 
 #[cfg(test)]
 mod map_tests {
-    use std::collections::HashMap;
     use std::sync::Arc;
 
     use udm_block::{BlockDevice, FileDevice, MapOp, OpenMode, Place};
 
-    use crate::testing::{build, AnyResolver};
+    use crate::testing::{build, Devices};
 
     fn file(tag: &str) -> (std::path::PathBuf, Arc<dyn BlockDevice>) {
         let path = std::env::temp_dir().join(format!("udm-map-{tag}-{}", std::process::id()));
@@ -457,13 +446,13 @@ mod map_tests {
     fn linear_over_striped_over_two_files_maps_to_file_extents() {
         let (a_path, a) = file("a");
         let (b_path, b) = file("b");
-        let files = AnyResolver(HashMap::from([("a".to_string(), a), ("b".to_string(), b)]));
+        let files = Devices::default();
+        files.add("a", a, false);
+        files.add("b", b, false);
         // 8 KiB chunks, alternating a and b; then a linear 4 KiB into it, and a zero tail.
         let striped = build(&files, "0 2048 striped 2 16 a 0 b 0").unwrap();
-        let stacked = AnyResolver(HashMap::from([(
-            "s".to_string(),
-            Arc::new(striped) as Arc<dyn BlockDevice>,
-        )]));
+        let stacked = Devices::default();
+        stacked.add("s", Arc::new(striped), false);
         let top = build(&stacked, "0 24 linear s 8\n24 64 zero").unwrap();
         // The linear part is striped bytes 4096..16384: a 4096..8192, then b 0..8192.
         let mapping = top.map(MapOp::Read, 0, 16384).unwrap();

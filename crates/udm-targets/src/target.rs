@@ -1,11 +1,10 @@
-//! What a target is, and the registry that builds one from a table line.
+//! What a target is and what its constructor gets; the list of target types is in
+//! `registry.rs`.
 
 use std::sync::Arc;
 
 use thiserror::Error;
 use udm_block::{BlockDevice, OpenMode, SECTOR_SIZE};
-
-use crate::args::Args;
 
 /// A table line or message that cannot be accepted. The text names the offending token.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -113,44 +112,4 @@ pub trait Target: BlockDevice {
     /// the first resume, never while they sit in an inactive table.
     fn suspend(&self) {}
     fn resume(&self) {}
-}
-
-type Constructor = fn(&mut Args, &TargetContext) -> Result<Arc<dyn Target>, TargetError>;
-
-/// Every target type udm knows, as `dmsetup targets` lists them.
-pub const TARGET_TYPES: &[(&str, Constructor)] = &[
-    ("linear", crate::linear::construct),
-    ("striped", crate::striped::construct),
-    ("zero", crate::zero::construct),
-    ("error", crate::error::construct),
-    ("delay", crate::delay::construct),
-    ("flakey", crate::flakey::construct),
-    ("dust", crate::dust::construct),
-    ("clone", crate::clone::construct),
-    ("log-writes", crate::log_writes::construct),
-    ("snapshot-origin", crate::snapshot::construct_origin),
-    ("snapshot", crate::snapshot::construct_snapshot),
-    ("snapshot-merge", crate::snapshot::construct_merge),
-];
-
-/// Builds the target of one table line.
-pub fn construct(
-    type_name: &str,
-    args: &[String],
-    ctx: &TargetContext,
-) -> Result<Arc<dyn Target>, TargetError> {
-    let (_, constructor) = TARGET_TYPES
-        .iter()
-        .find(|(name, _)| *name == type_name)
-        .ok_or_else(|| {
-            let known: Vec<_> = TARGET_TYPES.iter().map(|(name, _)| *name).collect();
-            TargetError::new(format!(
-                "unknown target type '{type_name}' (known: {})",
-                known.join(", ")
-            ))
-        })?;
-    let mut args = Args::new(type_name, args);
-    let target = constructor(&mut args, ctx)?;
-    args.finish()?;
-    Ok(target)
 }

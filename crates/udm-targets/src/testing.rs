@@ -1,38 +1,28 @@
-//! Helpers for the targets' own tests: tables over named in-memory devices.
+//! Helpers for the targets' own tests: tables over udm-testkit's [`Devices`].
+//!
+//! udm-testkit is built on this crate, so in these unit tests its `Devices` implements the
+//! other copy of [`Resolver`] (the library's, not the one under test); the impl here is for
+//! this one.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use udm_block::{BlockDevice, BlockError, MemoryDevice, OpenMode, WriteFlags, ZeroFlags};
+use udm_block::{BlockDevice, OpenMode};
+pub use udm_testkit::{Devices, Switchable};
 
 use crate::table::Table;
 use crate::target::{Resolver, TargetError};
 
-pub struct MemoryResolver(HashMap<String, Arc<MemoryDevice>>);
-
-impl MemoryResolver {
-    pub fn get(&self, name: &str) -> Arc<MemoryDevice> {
-        self.0[name].clone()
-    }
-}
-
-impl Resolver for MemoryResolver {
+impl Resolver for Devices {
     fn open(&self, reference: &str, _mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        self.0
-            .get(reference)
-            .map(|d| d.clone() as Arc<dyn BlockDevice>)
+        self.find(reference)
             .ok_or_else(|| TargetError::new(format!("no device named '{reference}'")))
     }
 }
 
-pub fn memory_resolver(devices: &[(&str, u64)]) -> MemoryResolver {
-    MemoryResolver(
-        devices
-            .iter()
-            .map(|(n, size)| (n.to_string(), Arc::new(MemoryDevice::new(*size))))
-            .collect(),
-    )
+/// In-memory devices of the given sizes, by name.
+pub fn memory_resolver(devices: &[(&str, u64)]) -> Devices {
+    Devices::memory(devices)
 }
 
 /// Builds a table and makes it live, as the daemon does.
@@ -42,7 +32,7 @@ pub fn build(resolver: &dyn Resolver, text: &str) -> Result<Table, TargetError> 
     Ok(table)
 }
 
-/// Builds a table whose events are counted.
+/// Builds a table whose events are counted, and makes it live.
 pub fn build_counting_events(
     resolver: &dyn Resolver,
     text: &str,
@@ -59,72 +49,4 @@ pub fn build_counting_events(
     )?;
     table.resume();
     Ok((table, events))
-}
-
-/// A device that can be told to fail reads or writes, and counts what reaches it.
-pub struct Switchable {
-    pub inner: MemoryDevice,
-    pub fail_reads: AtomicBool,
-    pub fail_writes: AtomicBool,
-    pub reads: AtomicU64,
-    pub writes: AtomicU64,
-}
-
-impl Switchable {
-    pub fn new(size: u64) -> Self {
-        Switchable {
-            inner: MemoryDevice::new(size),
-            fail_reads: AtomicBool::new(false),
-            fail_writes: AtomicBool::new(false),
-            reads: AtomicU64::new(0),
-            writes: AtomicU64::new(0),
-        }
-    }
-
-    fn check(&self, fail: &AtomicBool, count: &AtomicU64) -> udm_block::Result<()> {
-        count.fetch_add(1, Ordering::SeqCst);
-        if fail.load(Ordering::SeqCst) {
-            return Err(BlockError::Io("switched off".into()));
-        }
-        Ok(())
-    }
-}
-
-impl BlockDevice for Switchable {
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn read(&self, offset: u64, buf: &mut [u8]) -> udm_block::Result<()> {
-        self.check(&self.fail_reads, &self.reads)?;
-        self.inner.read(offset, buf)
-    }
-    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> udm_block::Result<()> {
-        self.check(&self.fail_writes, &self.writes)?;
-        self.inner.write(offset, buf, flags)
-    }
-    fn flush(&self) -> udm_block::Result<()> {
-        self.check(&self.fail_writes, &AtomicU64::new(0))
-    }
-    fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> udm_block::Result<()> {
-        self.check(&self.fail_writes, &self.writes)?;
-        self.inner.write_zeroes(offset, len, flags)
-    }
-    fn discard(&self, offset: u64, len: u64) -> udm_block::Result<()> {
-        self.inner.discard(offset, len)
-    }
-    fn block_status(&self, offset: u64, len: u64) -> udm_block::Result<Vec<udm_block::Extent>> {
-        self.inner.block_status(offset, len)
-    }
-}
-
-/// Resolves names to devices given as trait objects.
-pub struct AnyResolver(pub HashMap<String, Arc<dyn BlockDevice>>);
-
-impl Resolver for AnyResolver {
-    fn open(&self, reference: &str, _mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        self.0
-            .get(reference)
-            .cloned()
-            .ok_or_else(|| TargetError::new(format!("no device named '{reference}'")))
-    }
 }

@@ -73,6 +73,6 @@ mod tests {
     #[test]
     fn passes_the_zero_conformance_checks() {
         let table = build(&memory_resolver(&[]), "0 2048 zero").unwrap();
-        udm_block::conformance::reads_zero_and_drops_writes(&table);
+        udm_testkit::conformance::reads_zero_and_drops_writes(&table);
     }
 }

@@ -21,7 +21,7 @@ use std::any::Any;
 use std::sync::Arc;
 
 use io_uring::{opcode, squeue, types};
-use udm_block::{BlockError, MapOp, MappedFile, Mapping, Place};
+use udm_block::{BlockError, MapOp, MappedFile, Mapping, OnComplete, Place};
 
 /// Set in the `user_data` of every entry the engine submits; the ring's owner keeps it clear
 /// in its own.
@@ -72,6 +72,8 @@ struct Request {
     remaining: usize,
     error: Option<BlockError>,
     owner: u64,
+    /// Told the outcome when the request completes (the device's I/O statistics).
+    on_complete: Vec<OnComplete>,
     /// Released (the suspend gate, a clone's user I/O count) when the request completes.
     _holds: Vec<Box<dyn Any + Send>>,
 }
@@ -145,6 +147,7 @@ impl Engine {
             }
         }
         if pieces.is_empty() {
+            mapping.on_complete.into_iter().for_each(|told| told(true));
             return Some(Ok(()));
         }
         let request = Request {
@@ -154,6 +157,7 @@ impl Engine {
             pieces,
             error: None,
             owner,
+            on_complete: mapping.on_complete,
             _holds: mapping.holds,
         };
         let slot = match self.free.pop() {
@@ -206,8 +210,10 @@ impl Engine {
         if request.remaining > 0 {
             return None;
         }
-        let request = self.requests[slot].take().expect("present");
+        let mut request = self.requests[slot].take().expect("present");
         self.free.push(slot);
+        let ok = request.error.is_none();
+        request.on_complete.drain(..).for_each(|told| told(ok));
         Some((request.owner, request.error.map_or(Ok(()), Err)))
     }
 }

@@ -96,7 +96,7 @@ fn pieces_on_two_files_and_a_zero_run_read_and_write_as_one_request() {
             },
             on(&fb, 8192, 8192, 0),
         ],
-        holds: Vec::new(),
+        ..Mapping::default()
     };
     let mut data = AlignedBuf::zeroed(16384);
     data.iter_mut()
@@ -143,7 +143,7 @@ fn a_write_o_direct_refuses_goes_through_the_buffered_descriptor() {
     data.fill(0x5a);
     let mapping = Mapping {
         pieces: vec![on(&mapped, 0, 4096, 4096)],
-        holds: Vec::new(),
+        ..Mapping::default()
     };
     run(MapOp::Write { fua: false }, mapping, &mut data).unwrap();
     let mut check = vec![0u8; 4096];
@@ -163,7 +163,7 @@ fn a_read_past_the_end_of_a_shrunk_file_reads_zeroes() {
     buf.fill(0xee);
     let mapping = Mapping {
         pieces: vec![on(&mapped, 0, 8192, 0)],
-        holds: Vec::new(),
+        ..Mapping::default()
     };
     run(MapOp::Read, mapping, &mut buf).unwrap();
     assert!(buf[..4096].iter().all(|&b| b == 3));
@@ -178,7 +178,7 @@ fn a_failed_piece_fails_the_request_with_the_file_named() {
     let mut data = AlignedBuf::zeroed(4096);
     let mapping = Mapping {
         pieces: vec![on(&mapped, 0, 4096, 0)],
-        holds: Vec::new(),
+        ..Mapping::default()
     };
     let err = run(MapOp::Write { fua: false }, mapping, &mut data).unwrap_err();
     assert_eq!(err.errno(), libc::EBADF);
@@ -197,6 +197,7 @@ fn a_flush_syncs_each_file_once_and_releases_its_holds_at_completion() {
     let mapping = Mapping {
         pieces: vec![flush(&fa), flush(&fb), flush(&fa)],
         holds: vec![Box::new(held.clone())],
+        ..Mapping::default()
     };
     let mut ring = IoUring::new(8).unwrap();
     let mut engine = Engine::new();
@@ -240,4 +241,40 @@ fn a_request_of_zero_pieces_only_completes_at_once() {
     };
     assert!(matches!(done, Some(Ok(()))));
     assert!(buf.iter().all(|&b| b == 0));
+}
+
+#[test]
+fn the_completion_callbacks_hear_how_the_request_went() {
+    let a = TempFile::new("told", 8192);
+    let told = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = || {
+        let told = told.clone();
+        move |ok: bool| told.lock().unwrap().push(ok)
+    };
+    let good = Mapping::single(4096, Place::Zero).when_complete(record());
+    run(MapOp::Read, good, &mut AlignedBuf::zeroed(4096)).unwrap();
+    let mapping = Mapping {
+        pieces: vec![on(&a.mapped(), 0, 4096, 0)],
+        ..Mapping::default()
+    };
+    run(
+        MapOp::Read,
+        mapping.when_complete(record()),
+        &mut AlignedBuf::zeroed(4096),
+    )
+    .unwrap();
+    // A descriptor opened for writing only: the read fails with EBADF.
+    let write_only = OpenOptions::new().write(true).open(&a.path).unwrap();
+    let file = Arc::new(MappedFile::new(a.path.clone(), None, write_only));
+    let bad = Mapping {
+        pieces: vec![on(&file, 0, 4096, 0)],
+        ..Mapping::default()
+    };
+    run(
+        MapOp::Read,
+        bad.when_complete(record()),
+        &mut AlignedBuf::zeroed(4096),
+    )
+    .unwrap_err();
+    assert_eq!(*told.lock().unwrap(), [true, true, false]);
 }

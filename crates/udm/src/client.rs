@@ -7,9 +7,11 @@ use std::path::{Component, Path, PathBuf};
 use anyhow::{bail, Context};
 
 use udm::control::{Envelope, Request, Response, PROTOCOL_VERSION};
+use udm_targets::Reference;
 
 pub fn call(socket: &Path, request: Request) -> anyhow::Result<Response> {
-    let mut stream = UnixStream::connect(socket).with_context(|| {
+    let reached = udm_nbd::socket_path_fits(socket).and_then(|()| UnixStream::connect(socket));
+    let mut stream = reached.with_context(|| {
         format!(
             "cannot reach the udm daemon at {} (is `udm daemon` running?)",
             socket.display()
@@ -45,7 +47,7 @@ pub fn absolutize_table(text: &str) -> anyhow::Result<String> {
         .map(|line| {
             line.split_whitespace()
                 .map(|token| {
-                    if token.starts_with("./") || token.starts_with("../") {
+                    if Reference::is_relative_path(token) {
                         normalize(&cwd.join(token)).display().to_string()
                     } else {
                         token.to_string()

@@ -5,6 +5,8 @@ use serde::{Deserialize, Serialize};
 
 pub const PROTOCOL_VERSION: u32 = 1;
 
+/// Every request names a device by its name or its UUID. Fields added since version 1 first
+/// spoke are optional, so older clients' requests mean what they meant.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "command", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
@@ -13,18 +15,25 @@ pub enum Request {
         table: String,
         #[serde(default)]
         read_only: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        uuid: Option<String>,
     },
     Load {
         name: String,
         table: String,
         #[serde(default)]
         force: bool,
+        /// The device is read-only once this table is live.
+        #[serde(default)]
+        read_only: bool,
     },
     Clear {
         name: String,
     },
     Suspend {
         name: String,
+        #[serde(default)]
+        noflush: bool,
     },
     Resume {
         name: String,
@@ -34,25 +43,62 @@ pub enum Request {
         sector: u64,
         words: Vec<String>,
     },
+    /// Without a name: every device.
     Status {
-        name: String,
+        #[serde(default)]
+        name: Option<String>,
+        /// Only segments of this target type.
+        #[serde(default)]
+        target: Option<String>,
     },
+    /// Without a name: every device.
     Table {
-        name: String,
+        #[serde(default)]
+        name: Option<String>,
+        #[serde(default)]
+        target: Option<String>,
+        /// The inactive table instead of the live one.
+        #[serde(default)]
+        inactive: bool,
     },
+    /// Without a name: every device (`data` is then a list).
     Info {
-        name: String,
+        #[serde(default)]
+        name: Option<String>,
     },
     Ls {
         #[serde(default)]
         tree: bool,
     },
+    /// Without a name: every device.
+    Deps {
+        #[serde(default)]
+        name: Option<String>,
+    },
     Wait {
         name: String,
         event_nr: Option<u64>,
     },
+    /// A new name, or (`uuid`) a UUID for a device that has none.
+    Rename {
+        name: String,
+        #[serde(default)]
+        new_name: Option<String>,
+        #[serde(default)]
+        uuid: Option<String>,
+    },
     Remove {
         name: String,
+        #[serde(default)]
+        force: bool,
+        /// Wait longer for clients to let go (dmsetup's `--retry`).
+        #[serde(default)]
+        retry: bool,
+        /// Remove once nothing uses the device any more.
+        #[serde(default)]
+        deferred: bool,
+    },
+    RemoveAll {
         #[serde(default)]
         force: bool,
     },
@@ -60,6 +106,9 @@ pub enum Request {
         name: String,
     },
     Targets,
+    Version,
+    /// Stop the daemon as SIGTERM does; the answer (`data`: pid, state_dir) comes first.
+    Stop,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -18,7 +18,10 @@ impl Log for StderrLogger {
                 Level::Debug => "debug",
                 Level::Trace => "trace",
             };
-            eprintln!("udm[{}]: {level}: {}", std::process::id(), record.args());
+            // One event, one line: a message that spans lines (a table, an error chain)
+            // would read as several events, or as a line of no event at all.
+            let message = record.args().to_string().replace('\n', "; ");
+            eprintln!("udm[{}]: {level}: {message}", std::process::id());
         }
     }
 

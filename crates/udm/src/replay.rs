@@ -50,15 +50,37 @@ pub struct ReplayOptions {
     verbose: bool,
 }
 
+/// Whether the log holds a mark with this text. Looked for before replaying anything, so that
+/// a mistyped mark does not replay the whole log onto the target instead of part of it.
+fn has_mark(log: &Arc<dyn BlockDevice>, mark: &str) -> anyhow::Result<bool> {
+    let mut reader = LogReader::open(log.clone()).context("reading the log")?;
+    while let Some((entry, _)) = reader.next_entry().context("reading the log")? {
+        if entry.kind == EntryKind::Mark && entry.mark == mark {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 fn is_point(point: CheckPoint, kind: EntryKind, fua: bool) -> bool {
     kind == EntryKind::Flush || (point == CheckPoint::Fua && fua)
 }
 
+/// Replays the log entry by entry, checking at each point asked for. Long: the replay loop and
+/// its stop conditions read in order.
 pub fn run(o: ReplayOptions) -> anyhow::Result<()> {
     let log: Arc<dyn BlockDevice> = Arc::new(
         FileDevice::open(&o.log, OpenMode::ReadOnly)
             .with_context(|| format!("log {}", o.log.display()))?,
     );
+    for mark in [&o.end_mark, &o.check_after_mark].into_iter().flatten() {
+        if !has_mark(&log, mark)? {
+            bail!(
+                "the log has no mark '{mark}' (`udm message NAME 0 mark TEXT` sets one); \
+                 nothing was replayed"
+            );
+        }
+    }
     let target = FileDevice::open(&o.replay, OpenMode::ReadWrite)
         .with_context(|| format!("replay target {}", o.replay.display()))?;
     let mut reader = LogReader::open(log).context("reading the log")?;

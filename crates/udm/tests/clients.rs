@@ -93,7 +93,7 @@ fn unknown_export_is_refused_cleanly() {
 fn qemu_img_convert_in_and_out_and_compare() {
     let (daemon, _) = linear_over_file("qemu-img", 32 * MIB);
     let source = daemon.dir.path("source.raw");
-    random_file(&source, 32 * MIB as usize, 11);
+    pattern_file(&source, 32 * MIB as usize, 11);
     let src = source.to_str().unwrap();
     tool(
         "qemu-img",
@@ -191,7 +191,7 @@ fn qemu_io_write_zeroes_discard_fua_and_flush() {
 fn nbdcopy_in_and_out_with_multi_conn() {
     let (daemon, _) = linear_over_file("nbdcopy", 64 * MIB);
     let source = daemon.dir.path("source.raw");
-    random_file(&source, 48 * MIB as usize, 3);
+    pattern_file(&source, 48 * MIB as usize, 3);
     std::fs::OpenOptions::new()
         .write(true)
         .open(&source)

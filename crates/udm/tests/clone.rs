@@ -52,7 +52,7 @@ fn clone_of(daemon: &Daemon, source: &Path, region_sectors: u64, extra: &str) ->
 fn fio_stomps_the_clone_while_it_hydrates_and_everything_verifies() {
     let daemon = Daemon::start("clone-stomp");
     let source = daemon.dir.path("source.img");
-    random_file(&source, 64 * MIB as usize, 21);
+    pattern_file(&source, 64 * MIB as usize, 21);
     clone_of(
         &daemon,
         &source,
@@ -108,7 +108,7 @@ fn an_ext4_source_reads_file_by_file_through_the_clone_before_and_after_hydratio
                 _ => "sub/deeper",
             })
             .join(format!("file{i}"));
-        random_file(&path, (i as usize * 37_813) % 900_000 + 1, i + 1);
+        pattern_file(&path, (i as usize * 37_813) % 900_000 + 1, i + 1);
         files.push(path);
     }
     let source = daemon.dir.path("source.img");
@@ -158,7 +158,7 @@ fn an_ext4_source_reads_file_by_file_through_the_clone_before_and_after_hydratio
 fn discarded_space_is_never_copied() {
     let daemon = Daemon::start("clone-discard");
     let source = daemon.dir.path("source.img");
-    random_file(&source, 32 * MIB as usize, 5);
+    pattern_file(&source, 32 * MIB as usize, 5);
     clone_of(
         &daemon,
         &source,
@@ -235,7 +235,7 @@ fn block_status_on_the_clone_lets_clients_skip_zeroes() {
 fn hydration_complete_raises_an_event_for_wait() {
     let daemon = Daemon::start("clone-event");
     let source = daemon.dir.path("source.img");
-    random_file(&source, 4 * MIB as usize, 9);
+    pattern_file(&source, 4 * MIB as usize, 9);
     clone_of(
         &daemon,
         &source,
@@ -262,7 +262,7 @@ fn hydration_complete_raises_an_event_for_wait() {
 fn a_remote_source_goes_away_and_comes_back_while_the_clone_hydrates() {
     let daemon = Daemon::start_with("clone-remote", &["--remote-timeout", "2"]);
     let source = daemon.dir.path("source.img");
-    random_file(&source, 32 * MIB as usize, 44);
+    pattern_file(&source, 32 * MIB as usize, 44);
     let socket = daemon.dir.path("nbdkit.sock");
     let serve = || {
         Peer::start(
@@ -330,4 +330,62 @@ fn a_remote_source_goes_away_and_comes_back_while_the_clone_hydrates() {
     );
     assert!(got[..65536].iter().all(|&b| b == 5));
     assert!(got[65536..] == want[65536..]);
+}
+
+/// A paused hydration says so (in `status --json` and in the progress line) instead of
+/// showing a rate and an ETA it does not have; starting, pausing, resuming and completing
+/// are one log line each.
+#[test]
+fn a_paused_hydration_says_so_and_every_step_is_logged() {
+    let daemon = Daemon::start("clone-paused");
+    let source = daemon.dir.path("source.img");
+    pattern_file(&source, 8 * MIB as usize, 5);
+    clone_of(&daemon, &source, 8, "1 no_hydration");
+    let d = details(&daemon, "vol");
+    assert_eq!(
+        (&d["state"], &d["paused_by"]),
+        (&"paused".into(), &"disable_hydration".into())
+    );
+    assert!(
+        d["copy_rate_bytes_per_second"].is_null() && d["eta_seconds"].is_null(),
+        "{d}"
+    );
+
+    // The progress line (not a terminal: one line per second) says paused and why.
+    let mut wait = std::process::Command::new(UDM)
+        .args(["wait", "vol", "--progress"])
+        .env("UDM_CONTROL", daemon.control())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(wait.stdout.take().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    wait.kill().unwrap();
+    wait.wait().unwrap();
+    assert!(first.contains("  paused (disable_hydration)"), "{first}");
+    assert!(!first.contains("ETA") && !first.contains("/s"), "{first}");
+
+    daemon.udm(&["message", "vol", "0", "hydration_threshold", "64"]);
+    daemon.udm(&["message", "vol", "0", "enable_hydration"]);
+    wait_hydrated(&daemon, "vol");
+    let log = daemon.log();
+    for expected in [
+        "clone 'vol': hydration paused (disable_hydration); 0 of 2048 regions on the destination",
+        "clone 'vol': hydration resumed at 0 of 2048 regions",
+        "clone 'vol': hydration complete: all 2048 regions on the destination",
+    ] {
+        assert_eq!(log.matches(expected).count(), 1, "{expected}\n{log}");
+    }
+    daemon.udm(&["finalize", "vol"]);
+    let log = daemon.log();
+    let finalized: Vec<&str> = log.lines().filter(|l| l.contains("finalized")).collect();
+    assert_eq!(finalized.len(), 1, "{log}");
+    assert!(
+        finalized[0].contains("its table is now: 0 16384 linear /"),
+        "{log}"
+    );
 }

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
+use udm_testkit::{pattern, Rng};
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 4096;
@@ -28,16 +29,8 @@ fn rounds() -> u64 {
 }
 
 /// A deterministic block for (block, version).
-fn block_data(block: u64, version: u64) -> Vec<u8> {
-    let mut data = vec![0u8; BLOCK as usize];
-    let mut x = (block << 32 | version) | 1;
-    for chunk in data.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        chunk.copy_from_slice(&x.to_le_bytes());
-    }
-    data
+fn block_data(block: u64, version: u64) -> udm_block::AlignedBuf {
+    pattern(BLOCK as usize, block << 32 | version)
 }
 
 fn read_all(client: &mut RawClient) -> Vec<u8> {
@@ -83,7 +76,7 @@ impl Model {
                 if v == 0 {
                     got == &original[range.clone()]
                 } else {
-                    got == block_data(block, v).as_slice()
+                    got == &block_data(block, v)[..]
                 }
             });
             let Some(version) = found else {
@@ -98,19 +91,15 @@ impl Model {
 }
 
 /// Runs the workload until the daemon dies under it.
-fn workload_until_killed(
-    client: &mut RawClient,
-    model: &mut Model,
-    random: &mut impl FnMut() -> u64,
-) {
+fn workload_until_killed(client: &mut RawClient, model: &mut Model, random: &mut Rng) {
     let start = Instant::now();
     let mut unflushed: Vec<(u64, u64)> = Vec::new();
     while start.elapsed() < Duration::from_secs(10) {
         for _ in 0..8 {
-            let block = random() % (SIZE / BLOCK);
+            let block = random.below(SIZE / BLOCK);
             model.version += 1;
             let version = model.version;
-            let fua = random() % 8 == 0;
+            let fua = random.below(8) == 0;
             // A write may land even if its reply never comes.
             model.allowed.get_mut(&block).unwrap().push(version);
             let flags = if fua { FUA } else { 0 };
@@ -153,22 +142,16 @@ fn crash_rounds(
 ) {
     let mut daemon = Daemon::start(tag);
     let original_path = daemon.dir.path("original.img");
-    random_file(&original_path, SIZE as usize, 77);
+    pattern_file(&original_path, SIZE as usize, 77);
     let original = std::fs::read(&original_path).unwrap();
     setup(&daemon, &original_path);
     let mut model = Model::new();
-    let mut seed = 0x1234_5678_9abc_def1u64 ^ tag.len() as u64;
-    let mut random = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut random = Rng::new(tag.len() as u64);
     let rounds = rounds();
     for round in 0..rounds {
         let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
         let pid = daemon.pid();
-        let kill_after = Duration::from_millis(20 + random() % 250);
+        let kill_after = Duration::from_millis(20 + random.below(250));
         let killer = std::thread::spawn(move || {
             std::thread::sleep(kill_after);
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };

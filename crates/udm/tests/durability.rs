@@ -21,7 +21,7 @@ fn clone_files(daemon: &Daemon, size: u64, seed: u64) -> (PathBuf, PathBuf, Path
     );
     sparse_file(&meta, 4 * MIB);
     sparse_file(&dest, size);
-    random_file(&source, size as usize, seed);
+    pattern_file(&source, size as usize, seed);
     (meta, dest, source)
 }
 
@@ -48,7 +48,7 @@ fn read_file_at(path: &Path, offset: u64, len: usize) -> Vec<u8> {
 fn requests_queued_across_a_shrink_fail_whole() {
     let daemon = Daemon::start("shrink-queued");
     let disk = daemon.dir.path("disk.img");
-    random_file(&disk, 64 * MIB as usize, 7);
+    pattern_file(&disk, 64 * MIB as usize, 7);
     let d = disk.to_str().unwrap();
     daemon.udm(&[
         "create",

@@ -3,8 +3,8 @@
 
 mod common;
 
+use parking_lot::{Mutex, MutexGuard};
 use std::io::Read;
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -12,7 +12,7 @@ use common::*;
 /// One test at a time: one of them turns io_uring off for the whole machine for a moment.
 fn serial() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    SERIAL.lock()
 }
 
 /// Writes a block, pipelined with a read of another, on one raw connection.
@@ -81,6 +81,14 @@ fn a_slow_target_does_not_stall_remapped_io_on_the_same_loop() {
         "--table",
         &format!("0 16384 delay {} 0 2000", disk.display()),
     ]);
+    // `udm info` says which devices the engine remaps and which take their requests.
+    assert!(
+        daemon
+            .udm(&["info", "slow"])
+            .contains("Data path:         through the targets (worker threads)"),
+        "{}",
+        daemon.udm(&["info", "slow"])
+    );
     let mut slow = RawClient::connect(&daemon.nbd_socket(), "slow");
     for cookie in 0..8 {
         slow.send(0, NBD_CMD_READ, cookie, cookie * 4096, 4096, &[]);
@@ -119,8 +127,19 @@ fn both_engines_serve_the_same_bytes_to_real_clients() {
             )),
             "{log}"
         );
+        let info = daemon.udm(&["info", "vol"]);
+        let expected = if engine == "uring" {
+            "NBD engine:        io_uring ("
+        } else {
+            "NBD engine:        threads ("
+        };
+        assert!(info.contains(expected), "{engine}: {info}");
+        assert!(
+            info.contains("Data path:         remapped onto files (io_uring)"),
+            "{info}"
+        );
         let source = daemon.dir.path("source.raw");
-        random_file(&source, 32 << 20, 7);
+        pattern_file(&source, 32 << 20, 7);
         let uri = daemon.uri("vol");
         tool("nbdcopy", &[source.to_str().unwrap(), &uri]);
         let back = daemon.dir.path("back.raw");

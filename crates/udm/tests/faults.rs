@@ -19,7 +19,7 @@ struct Rig {
 fn rig(tag: &str, region_sectors: u64) -> Rig {
     let daemon = Daemon::start(tag);
     let source = daemon.dir.path("source.img");
-    random_file(&source, 8 * MIB as usize, 3);
+    pattern_file(&source, 8 * MIB as usize, 3);
     let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
     sparse_file(&dest, 8 * MIB);
     sparse_file(&meta, MIB);

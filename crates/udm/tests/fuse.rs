@@ -533,7 +533,7 @@ fn xfs_made_on_a_clone_while_it_hydrates() {
     // An old, unrelated volume as the source: the new filesystem overwrites it while the
     // clone copies it underneath.
     let source = daemon.dir.path("source.img");
-    random_file(&source, 512 * MIB as usize, 8);
+    pattern_file(&source, 512 * MIB as usize, 8);
     let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
     sparse_file(&dest, 512 * MIB);
     sparse_file(&meta, 4 * MIB);

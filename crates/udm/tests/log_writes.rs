@@ -82,6 +82,16 @@ fn replay_rebuilds_the_device_at_marks_flushes_and_the_end() {
     // Up to the mark: both writes.
     assert!(replay(&["--end-mark", "second-write"]).status.success());
     assert!(replayed()[65536..131072].iter().all(|&b| b == 0x22));
+    // A mark the log does not hold is an error, and nothing is replayed (not the whole log
+    // in place of part of it).
+    let out = replay(&["--end-mark", "secnod-write"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("the log has no mark 'secnod-write'"), "{err}");
+    assert!(
+        replayed().iter().all(|&b| b == 0),
+        "replayed despite the error"
+    );
     // Everything, checking at each FLUSH and FUA: the same bytes as the logged device.
     let out = replay(&["--check", "fua", "--fsck", "true", "--verbose"]);
     assert!(out.status.success(), "{out:?}");

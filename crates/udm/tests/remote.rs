@@ -72,7 +72,7 @@ fn a_clone_whose_remote_is_down_at_restart_comes_back_and_hydrates_once_it_retur
         daemon.dir.path("source.img"),
         daemon.dir.path("nbdkit.sock"),
     );
-    random_file(&source, 16 * MIB as usize, 61);
+    pattern_file(&source, 16 * MIB as usize, 61);
     let peer = nbdkit(&socket, &source, None);
     create_clone(&daemon, &remote(&socket), 16 * MIB, "1 no_hydration");
     let (ok, out) = qemu_io(&daemon.uri("vol"), "write -P 0x5 0 64k");
@@ -129,7 +129,7 @@ fn a_remote_shutting_down_cleanly_is_let_go_and_io_resumes_on_its_successor() {
         daemon.dir.path("source.img"),
         daemon.dir.path("nbdkit.sock"),
     );
-    random_file(&source, 16 * MIB as usize, 62);
+    pattern_file(&source, 16 * MIB as usize, 62);
     let mut data = std::fs::read(&source).unwrap();
     data[8 * MIB as usize..][..65536].fill(0x5a);
     std::fs::write(&source, &data).unwrap();
@@ -171,7 +171,7 @@ fn removing_a_clone_whose_remote_is_dead_does_not_wait_for_the_remote_timeout() 
         daemon.dir.path("source.img"),
         daemon.dir.path("nbdkit.sock"),
     );
-    random_file(&source, 16 * MIB as usize, 63);
+    pattern_file(&source, 16 * MIB as usize, 63);
     let peer = nbdkit(&socket, &source, None);
     // Slow hydration (1 MiB/s), so copies are under way when the remote dies.
     create_clone(

@@ -215,7 +215,7 @@ fn tls_require_refuses_plaintext_and_serves_tls_clients() {
     // A TLS client writes (nbdcopy) and another reads back (qemu-img): same bytes, and they
     // reached the backing file.
     let source = dir.path("source.raw");
-    random_file(&source, 32 << 20, 7);
+    pattern_file(&source, 32 << 20, 7);
     tool(
         "nbdcopy",
         &[source.to_str().unwrap(), &nbds(port, "vol", &pki.anonymous)],
@@ -242,7 +242,7 @@ fn tls_on_serves_plaintext_and_tls_clients() {
     let threads = || daemon.threads().0;
     let idle = threads();
     let source = dir.path("source.raw");
-    random_file(&source, 8 << 20, 11);
+    pattern_file(&source, 8 << 20, 11);
     tool(
         "qemu-img",
         &[

@@ -14,7 +14,7 @@ const MIB: u64 = 1 << 20;
 /// a copy of the original bytes to compare snapshots with.
 fn origin_of(daemon: &Daemon, size: u64) -> (PathBuf, PathBuf) {
     let origin = daemon.dir.path("origin.img");
-    random_file(&origin, size as usize, 7);
+    pattern_file(&origin, size as usize, 7);
     let original = daemon.dir.path("original.img");
     std::fs::copy(&origin, &original).unwrap();
     daemon.udm(&[
@@ -226,7 +226,7 @@ fn a_full_cow_invalidates_with_an_event_and_the_origin_keeps_working() {
     );
     // PO: writes to the snapshot overflow it, reads go on.
     let (origin2, _) = (daemon.dir.path("o2.img"), ());
-    random_file(&origin2, 4 * MIB as usize, 3);
+    pattern_file(&origin2, 4 * MIB as usize, 3);
     snapshot(&daemon, "po", &origin2, 64 * 1024, "PO 8");
     let out = std::process::Command::new("qemu-io")
         .args(["-f", "raw", "-c", "write -P 1 0 1M", &daemon.uri("po")])
@@ -529,7 +529,7 @@ fn truncated_and_corrupt_cow_devices_are_refused_and_nothing_is_written() {
 fn reloads_without_suspend_under_fio_and_an_origin_that_is_a_udm_device() {
     let daemon = Daemon::start("snap-reload");
     let real = daemon.dir.path("real.img");
-    random_file(&real, 32 * MIB as usize, 5);
+    pattern_file(&real, 32 * MIB as usize, 5);
     let original = daemon.dir.path("original.img");
     std::fs::copy(&real, &original).unwrap();
     // The origin is itself a udm device.

@@ -349,3 +349,362 @@ fn abandoned_waits_leave_no_daemon_threads_behind() {
     }
     daemon.udm(&["info", "z"]);
 }
+
+/// `nbdinfo … && udm remove vol`: the client has hung up, but the server has not yet read the
+/// hang-up when the remove arrives. Such a client must not make the remove fail with "open
+/// by 1 client".
+#[test]
+fn remove_right_after_a_client_hangs_up_succeeds() {
+    let daemon = Daemon::start("remove-after-hangup");
+    let mut refused = Vec::new();
+    for i in 0..100 {
+        let created = daemon.control_request(serde_json::json!({
+            "command": "create", "name": "vol", "table": "0 2048 zero",
+        }));
+        assert_eq!(created["ok"], true, "{created}");
+        let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
+        client.send(0, NBD_CMD_READ, 1, 0, 4096, &[]);
+        let mut reply = [0u8; 16 + 4096];
+        std::io::Read::read_exact(&mut client.stream, &mut reply).unwrap();
+        client.send(0, NBD_CMD_DISC, 2, 0, 0, &[]);
+        drop(client);
+        let removed = daemon.control_request(serde_json::json!({
+            "command": "remove", "name": "vol",
+        }));
+        if removed["ok"] != true {
+            refused.push(format!("{i}: {}", removed["error"]));
+            daemon.udm(&["remove", "vol", "--force"]);
+        }
+    }
+    assert!(refused.is_empty(), "refused: {refused:?}");
+}
+
+/// dmsetup's listings: without a name, every device, each line prefixed `NAME: `; `info -c`
+/// columns; `deps`; `--target`, `--inactive`; `ls --json`; `version`.
+#[test]
+fn listings_without_a_name_cover_every_device_in_dmsetups_formats() {
+    let daemon = Daemon::start("listings");
+    assert_eq!(daemon.udm(&["status"]), "No devices found");
+    assert_eq!(daemon.udm(&["info"]), "No devices found");
+    let disk = daemon.create_linear("base", "base.img", MIB);
+    let d = disk.display();
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--uuid",
+        "UDM-vol-1",
+        "--table",
+        "0 1024 linear base 0\n1024 1024 dust base 1024 512",
+    ]);
+    assert_eq!(
+        daemon.udm(&["table"]),
+        format!(
+            "base: 0 2048 linear {d} 0\nvol: 0 1024 linear base 0\nvol: 1024 1024 dust base 1024 512"
+        )
+    );
+    assert_eq!(
+        daemon.udm(&["status"]),
+        "base: 0 2048 linear\nvol: 0 1024 linear\nvol: 1024 1024 dust base bypass verbose"
+    );
+    assert_eq!(
+        daemon.udm(&["status", "--target", "dust"]),
+        "vol: 1024 1024 dust base bypass verbose"
+    );
+    assert_eq!(
+        daemon.udm(&["table", "vol", "--target", "linear"]),
+        "0 1024 linear base 0"
+    );
+    // Blocks separated by a blank line; the UUID where it is set.
+    let info = daemon.udm(&["info"]);
+    let blocks: Vec<&str> = info.split("\n\n").collect();
+    assert_eq!(blocks.len(), 2, "{info}");
+    assert!(blocks[0].starts_with("Name:              base\n"), "{info}");
+    assert!(blocks[1].contains("\nUUID: UDM-vol-1"), "{info}");
+    assert!(blocks[1].contains("\nNumber of targets: 2\n"), "{info}");
+
+    daemon.udm(&["load", "vol", "--table", "0 2048 zero"]);
+    daemon.udm(&["suspend", "vol"]);
+    assert_eq!(daemon.udm(&["table", "vol", "--inactive"]), "0 2048 zero");
+    assert_eq!(daemon.udm(&["table", "base", "--inactive"]), "");
+    assert_eq!(
+        daemon.udm(&["info", "-c"]),
+        "Name             Stat Open Targ Event  UUID\n\
+         base             L--w    1    1      0\n\
+         vol              LIsw    0    2      0 UDM-vol-1"
+    );
+    assert_eq!(
+        daemon.udm(&["info", "-c", "--noheadings", "-o", "name,attr,open"]),
+        "base:L--w:1\nvol:LIsw:0"
+    );
+    assert_eq!(
+        daemon.udm(&[
+            "info",
+            "UDM-vol-1",
+            "-c",
+            "-o",
+            "name,sectors",
+            "--separator",
+            ","
+        ]),
+        "Name,Sectors\nvol,2048"
+    );
+    let err = daemon.udm_err(&["info", "-c", "-o", "name,major"]);
+    assert!(err.contains("field 'major'"), "{err}");
+    daemon.udm(&["resume", "vol"]);
+
+    // `vol` is all zero now: it depends on nothing.
+    assert_eq!(
+        daemon.udm(&["deps"]),
+        format!("base: 1 dependencies\t: ({d})\nvol: 0 dependencies\t:")
+    );
+    daemon.udm(&["load", "vol", "--table", "0 2048 linear base 0"]);
+    daemon.udm(&["resume", "vol"]);
+    assert_eq!(daemon.udm(&["deps", "vol"]), "1 dependencies\t: (base)");
+
+    let ls: serde_json::Value = serde_json::from_str(&daemon.udm(&["ls", "--json"])).unwrap();
+    assert_eq!(ls[1]["name"], "vol");
+    assert_eq!(ls[1]["uuid"], "UDM-vol-1");
+    assert_eq!(ls[1]["sectors"], 2048);
+    assert_eq!(ls[1]["dependencies"][0], "base");
+    assert_eq!(
+        daemon.udm(&["ls"]),
+        "base\t(2048 sectors)\nvol\t(2048 sectors)\tUDM-vol-1"
+    );
+
+    let version = daemon.udm(&["version"]);
+    let lines: Vec<&str> = version.lines().collect();
+    assert!(lines[0].starts_with("Library version:   udm "), "{version}");
+    assert!(
+        lines[1].starts_with("Driver version:    udm daemon "),
+        "{version}"
+    );
+}
+
+/// `rename` keeps the device (and its clients) and serves it under the new name; a UUID
+/// names the device wherever a name does; read-only is a property of each loaded table.
+#[test]
+fn rename_uuids_and_read_only_loads() {
+    let daemon = Daemon::start("rename");
+    daemon.create_linear("vol", "vol.img", MIB);
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
+    daemon.udm(&["rename", "vol", "data"]);
+    let err = daemon.udm_err(&["info", "vol"]);
+    assert!(err.contains("device 'vol' does not exist"), "{err}");
+    // The connected client goes on; new clients find the new name.
+    client.send(0, NBD_CMD_READ, 1, 0, 512, &[]);
+    let mut reply = [0u8; 16 + 512];
+    std::io::Read::read_exact(&mut client.stream, &mut reply).unwrap();
+    tool("nbdinfo", &["--size", &daemon.uri("data")]);
+    drop(client);
+
+    daemon.udm(&["rename", "data", "--setuuid", "UDM-data"]);
+    let err = daemon.udm_err(&["rename", "data", "--setuuid", "UDM-other"]);
+    assert!(err.contains("has UUID UDM-data already"), "{err}");
+    for verb in [
+        &["info", "UDM-data"][..],
+        &["table", "UDM-data"],
+        &["status", "UDM-data"],
+    ] {
+        daemon.udm(verb);
+    }
+    assert!(daemon
+        .udm(&["info", "UDM-data"])
+        .starts_with("Name:              data\n"));
+    let err = daemon.udm_err(&["create", "UDM-data", "--table", "0 8 zero"]);
+    assert!(err.contains("already exists"), "{err}");
+
+    // A table loaded --readonly makes the device read-only once live, and back.
+    let table = daemon.udm(&["table", "data"]);
+    daemon.udm(&["reload", "UDM-data", "--readonly", "--table", &table]);
+    daemon.udm(&["resume", "data"]);
+    assert!(daemon.udm(&["info", "data"]).contains("ACTIVE (READ-ONLY)"));
+    assert!(tool("nbdinfo", &[&daemon.uri("data")]).contains("is_read_only: true"));
+    daemon.udm(&["load", "data", "--table", &table]);
+    daemon.udm(&["resume", "data"]);
+    assert!(!daemon.udm(&["info", "data"]).contains("READ-ONLY"));
+    tool(
+        "qemu-io",
+        &["-f", "raw", "-c", "write 0 4k", &daemon.uri("data")],
+    );
+
+    // A device others are built on keeps its name: their tables name it.
+    daemon.udm(&["create", "top", "--table", "0 8 linear data 0"]);
+    let err = daemon.udm_err(&["rename", "data", "base"]);
+    assert!(err.contains("used by top"), "{err}");
+
+    // All of it survives a restart.
+    let mut daemon = daemon;
+    daemon.stop(libc::SIGKILL);
+    daemon.launch();
+    assert_eq!(
+        daemon.udm(&["ls"]),
+        "data\t(2048 sectors)\tUDM-data\ntop\t(8 sectors)"
+    );
+}
+
+/// `remove --deferred` removes a device once its last client and the last device on it let
+/// go; `@cancel_deferred_remove` takes it back; `remove_all` removes from the top down.
+#[test]
+fn deferred_removal_and_remove_all() {
+    let mut daemon = Daemon::start("deferred");
+    daemon.udm(&["create", "vol", "--table", "0 2048 zero"]);
+    // Not in use: removed at once.
+    daemon.udm(&["remove", "--deferred", "vol"]);
+    assert_eq!(daemon.udm(&["ls"]), "No devices found");
+
+    daemon.udm(&["create", "vol", "--table", "0 2048 zero"]);
+    let client = RawClient::connect(&daemon.nbd_socket(), "vol");
+    let said = daemon.udm(&["remove", "--deferred", "vol"]);
+    assert!(said.contains("will be removed once unused"), "{said}");
+    assert!(daemon.udm(&["info", "vol"]).contains("(DEFERRED REMOVE)"));
+    daemon.udm(&["message", "vol", "0", "@cancel_deferred_remove"]);
+    assert!(!daemon.udm(&["info", "vol"]).contains("DEFERRED"));
+    daemon.udm(&["remove", "--deferred", "vol"]);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(daemon.udm(&["ls"]).starts_with("vol"), "removed while open");
+    drop(client);
+    wait_for(
+        || daemon.udm(&["ls"]) == "No devices found",
+        "the deferred removal",
+    );
+
+    // Asked while in use, then the daemon restarts: nothing uses it any more, so it goes.
+    daemon.udm(&["create", "vol", "--table", "0 2048 zero"]);
+    let client = RawClient::connect(&daemon.nbd_socket(), "vol");
+    daemon.udm(&["remove", "--deferred", "vol"]);
+    daemon.stop(libc::SIGKILL);
+    drop(client);
+    daemon.launch();
+    wait_for(
+        || daemon.udm(&["ls"]) == "No devices found",
+        "the deferred removal after the restart",
+    );
+
+    // remove_all: tops first; an open device (and what it is built on) stays unless --force.
+    daemon.udm(&["create", "base", "--table", "0 2048 zero"]);
+    daemon.udm(&["create", "mid", "--table", "0 2048 linear base 0"]);
+    daemon.udm(&["create", "top", "--table", "0 2048 linear mid 0"]);
+    daemon.udm(&["create", "other", "--table", "0 2048 zero"]);
+    let _client = RawClient::connect(&daemon.nbd_socket(), "mid");
+    let err = daemon.udm_err(&["remove_all"]);
+    assert!(
+        err.contains("removed 2 device(s)")
+            && err.contains("device 'mid' is busy: open by 1 client(s)")
+            && err.contains("device 'base' is used by mid"),
+        "{err}"
+    );
+    assert_eq!(
+        daemon.udm(&["ls"]),
+        "base\t(2048 sectors)\nmid\t(2048 sectors)"
+    );
+    daemon.udm(&["remove-all", "--force"]);
+    assert_eq!(daemon.udm(&["ls"]), "No devices found");
+}
+
+/// A bad command line is one line on stderr with exit status 1, like every other error, and
+/// says where to read more.
+#[test]
+fn bad_command_lines_are_one_line_errors_with_status_1() {
+    let daemon = Daemon::start("command-lines");
+    for args in [
+        &["create"][..],
+        &["create", "x", "--bogus"],
+        &["frobnicate"],
+        &["message", "x"],
+        &["info", "-c", "-o"],
+    ] {
+        // With $UDM_CONTROL set, as run_udm does: clap's usage line used to show --control
+        // as required then.
+        let out = daemon.run_udm(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "udm {args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "udm {args:?}: {err}");
+        assert!(err.starts_with("udm: ") && err.contains("--help`"), "{err}");
+        assert!(!err.contains("--control"), "{err}");
+    }
+    let help = daemon.udm(&["replay-log", "--help"]);
+    assert!(!help.contains("--control"), "{help}");
+    assert!(daemon
+        .udm(&["--help"])
+        .contains("NAME is a device's name or its UUID"));
+
+    // finalize on a device with nothing to finalize (a second finalize) is not an error.
+    daemon.udm(&["create", "vol", "--table", "0 8 zero"]);
+    let said = daemon.udm(&["finalize", "vol"]);
+    assert!(said.contains("nothing to finalize"), "{said}");
+}
+
+/// The daemon's log lets an operator reconstruct what happened: one line per change, each a
+/// whole line of the logger's, naming the device.
+#[test]
+fn every_change_is_one_line_in_the_log() {
+    let mut daemon = Daemon::start("log-lines");
+    let disk = daemon.create_linear("base", "base.img", MIB);
+    daemon.udm(&["create", "bad", "--table", "0 2048 dust base 0 512"]);
+    daemon.udm(&["message", "bad", "0", "addbadblock", "1"]);
+    daemon.udm(&["load", "bad", "--table", "0 1024 zero"]);
+    daemon.udm(&["suspend", "bad"]);
+    daemon.udm(&["resume", "bad"]);
+    daemon.udm(&["rename", "bad", "good"]);
+    let _client = RawClient::connect(&daemon.nbd_socket(), "good");
+    daemon.udm(&["remove", "--force", "good"]);
+    daemon.stop(libc::SIGTERM);
+    daemon.launch();
+    let log = daemon.log();
+    let pid_prefix = |line: &str| line.starts_with("udm[") && line.contains("]: ");
+    for line in log.lines() {
+        assert!(pid_prefix(line), "a line split in two: {line:?}\n{log}");
+    }
+    for expected in [
+        "created device 'base' (2048 sectors: linear)".to_string(),
+        "created device 'bad' (2048 sectors: dust)".into(),
+        "device 'bad': message to sector 0: addbadblock 1".into(),
+        "device 'bad': inactive table loaded (1024 sectors: zero); resume makes it live".into(),
+        "device 'bad': suspended (in-flight I/O drained in ".into(),
+        "device 'bad': resumed with its new table live (1024 sectors: zero)".into(),
+        "renamed device 'bad' to 'good'".into(),
+        "removed device 'good' by force: 1 client(s) had it open and their I/O now fails".into(),
+        "restored device 'base' (2048 sectors: linear)".into(),
+        "restored 1 device(s)".into(),
+    ] {
+        assert_eq!(log.matches(&expected).count(), 1, "{expected}\n{log}");
+    }
+    drop(disk);
+}
+
+/// Errors of a daemon that cannot start: one line, each cause once, limits in plain words.
+#[test]
+fn a_daemon_that_cannot_start_says_why_in_one_line() {
+    let dir = TempDir::new("start-errors");
+    let file = dir.path("a-file");
+    std::fs::write(&file, b"").unwrap();
+    let control = dir.path("c.sock");
+    let long = dir.path(&"d".repeat(100)).join("control.sock");
+    let under_a_file = format!("{}/mnt", file.display());
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &[
+                "--control",
+                control.to_str().unwrap(),
+                "--fuse",
+                &under_a_file,
+            ],
+            "Not a directory (os error 20)",
+        ),
+        (&["--control", long.to_str().unwrap()], "holds at most 107"),
+    ];
+    for (args, expected) in cases {
+        let mut command = std::process::Command::new(UDM);
+        command
+            .args(["daemon", "--state-dir"])
+            .arg(dir.path("state"))
+            .args(*args);
+        let out = command.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.trim_end().lines().last().unwrap_or("");
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(last.starts_with("udm: "), "{err}");
+        assert_eq!(last.matches(expected).count(), 1, "{last}");
+        assert!(!last.contains("SUN_LEN"), "{last}");
+    }
+}

@@ -4,9 +4,10 @@
 //! A thread takes a job (a slot holding a request), leaves the reply in the slot, and posts
 //! the slot back to its queue, whose ring waits on the mailbox's eventfd.
 
+use parking_lot::Mutex;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::error::FuseError;
 use crate::session::Session;
@@ -31,7 +32,7 @@ pub(crate) fn jobs() -> (Sender<Job>, Jobs) {
 pub(crate) fn run(session: Arc<Session>, jobs: Jobs) {
     let mut server = SlotServer::new(&session);
     loop {
-        let job = match jobs.lock().unwrap().recv() {
+        let job = match jobs.lock().recv() {
             Ok(job) => job,
             Err(_) => return,
         };
@@ -68,7 +69,7 @@ impl Mailbox {
     }
 
     fn post(&self, slot: u16) {
-        self.served.lock().unwrap().push(slot);
+        self.served.lock().push(slot);
         let one = 1u64.to_ne_bytes();
         // SAFETY: writes 8 bytes from a local. It cannot fail short of the counter reaching
         // u64::MAX - 1, which a queue reading it never lets happen.
@@ -81,6 +82,6 @@ impl Mailbox {
         let mut count = [0u8; 8];
         // SAFETY: reads 8 bytes into a local; EAGAIN (nothing posted) is fine.
         unsafe { libc::read(self.eventfd.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
-        std::mem::take(&mut *self.served.lock().unwrap())
+        std::mem::take(&mut *self.served.lock())
     }
 }

@@ -21,7 +21,8 @@
 //! an earlier, interrupted commit that lie past the terminator; so at open, an area with
 //! anything after its terminator is rewritten clean before anything else happens.
 
-use std::sync::{Arc, Condvar, Mutex};
+use parking_lot::{Condvar, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use log::warn;
@@ -35,7 +36,9 @@ use super::{CommitStats, ExceptionStore, StoreError, Usage};
 
 pub struct PersistentStore {
     shared: Arc<Shared>,
-    committer: Option<JoinHandle<()>>,
+    /// Started by the first submission: a table that is built and never used (an inactive
+    /// one, a COW device only read) runs no thread.
+    committer: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// What [`PersistentStore::open`] found on the device.
@@ -148,7 +151,7 @@ impl PersistentStore {
             found.current_area,
             found.header.valid,
         );
-        store.shared.state.lock().unwrap().next_free = next_free;
+        store.shared.state.lock().next_free = next_free;
         if found.stale_tail {
             store.rewrite_current_area()?;
         }
@@ -186,16 +189,22 @@ impl PersistentStore {
             done: [Condvar::new(), Condvar::new()],
             io: Mutex::new(()),
         });
-        let committer = {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name("snapshot-commit".into())
-                .spawn(move || shared.committer())
-                .expect("spawn snapshot committer")
-        };
         PersistentStore {
             shared,
-            committer: Some(committer),
+            committer: Mutex::new(None),
+        }
+    }
+
+    fn start_committer(&self) {
+        let mut committer = self.committer.lock();
+        if committer.is_none() {
+            let shared = self.shared.clone();
+            *committer = Some(
+                std::thread::Builder::new()
+                    .name("snapshot-commit".into())
+                    .spawn(move || shared.committer())
+                    .expect("spawn snapshot committer"),
+            );
         }
     }
 
@@ -228,9 +237,9 @@ impl PersistentStore {
     /// Rewrites the current area from the table in memory: its records, then zeroes.
     fn rewrite_current_area(&self) -> Result<(), StoreError> {
         let g = self.shared.geometry;
-        let _io = self.shared.io.lock().unwrap();
+        let _io = self.shared.io.lock();
         let (area, image) = {
-            let st = self.shared.state.lock().unwrap();
+            let st = self.shared.state.lock();
             let first = (st.current_area * g.per_area()) as usize;
             (st.current_area, area_image(&g, &st.records[first..]))
         };
@@ -242,9 +251,9 @@ impl Shared {
     fn committer(&self) {
         loop {
             let (batch, ticket, area, current) = {
-                let mut st = self.state.lock().unwrap();
+                let mut st = self.state.lock();
                 while st.queue.is_empty() && !st.shutdown {
-                    st = self.work.wait(st).unwrap();
+                    self.work.wait(&mut st);
                 }
                 if st.queue.is_empty() {
                     return;
@@ -264,10 +273,10 @@ impl Shared {
                 (batch, ticket, st.current_area, st.records[first..].to_vec())
             };
             let result = {
-                let _io = self.io.lock().unwrap();
+                let _io = self.io.lock();
                 self.write_commit(&batch, area, &current)
             };
-            let mut st = self.state.lock().unwrap();
+            let mut st = self.state.lock();
             match result {
                 Ok(area) => {
                     st.stats.commits += 1;
@@ -340,7 +349,7 @@ impl ExceptionStore for PersistentStore {
     /// also needs room for the next area, which a commit that fills this one zeroes.
     fn allocate(&self) -> Result<u64, StoreError> {
         let g = &self.shared.geometry;
-        let mut st = self.shared.state.lock().unwrap();
+        let mut st = self.shared.state.lock();
         if !st.valid {
             return Err(StoreError::Invalid);
         }
@@ -357,7 +366,8 @@ impl ExceptionStore for PersistentStore {
     }
 
     fn submit(&self, records: &[Record]) -> Result<u64, StoreError> {
-        let mut st = self.shared.state.lock().unwrap();
+        self.start_committer();
+        let mut st = self.shared.state.lock();
         if !st.valid {
             return Err(StoreError::Invalid);
         }
@@ -370,9 +380,9 @@ impl ExceptionStore for PersistentStore {
     }
 
     fn wait(&self, ticket: u64) -> Result<(), StoreError> {
-        let mut st = self.shared.state.lock().unwrap();
+        let mut st = self.shared.state.lock();
         while st.done < ticket {
-            st = self.shared.done[ticket as usize % 2].wait(st).unwrap();
+            self.shared.done[ticket as usize % 2].wait(&mut st);
         }
         match &st.failure {
             Some((first, e)) if ticket >= *first => Err(e.clone()),
@@ -384,13 +394,13 @@ impl ExceptionStore for PersistentStore {
     /// saving its chunk relies on the snapshot never being read again.
     fn invalidate(&self) -> Result<(), StoreError> {
         {
-            let mut st = self.shared.state.lock().unwrap();
+            let mut st = self.shared.state.lock();
             if !st.valid {
                 return Ok(());
             }
             st.valid = false;
         }
-        let _io = self.shared.io.lock().unwrap();
+        let _io = self.shared.io.lock();
         write_durable(
             &*self.shared.dev,
             0,
@@ -403,7 +413,7 @@ impl ExceptionStore for PersistentStore {
 
     fn usage(&self) -> Usage {
         let g = &self.shared.geometry;
-        let st = self.shared.state.lock().unwrap();
+        let st = self.shared.state.lock();
         Usage {
             allocated: st.next_free * g.chunk_sectors,
             total: self.shared.dev.size() / SECTOR_SIZE,
@@ -412,12 +422,12 @@ impl ExceptionStore for PersistentStore {
     }
 
     fn stats(&self) -> CommitStats {
-        self.shared.state.lock().unwrap().stats
+        self.shared.state.lock().stats
     }
 
     /// The last `max` records, across areas if need be.
     fn merge_batch(&self, max: usize) -> Result<Vec<Record>, StoreError> {
-        let st = self.shared.state.lock().unwrap();
+        let st = self.shared.state.lock();
         if !st.valid {
             return Err(StoreError::Invalid);
         }
@@ -432,9 +442,9 @@ impl ExceptionStore for PersistentStore {
     fn commit_merge(&self, n: usize) -> Result<(), StoreError> {
         let g = self.shared.geometry;
         let per_area = g.per_area() as usize;
-        let _io = self.shared.io.lock().unwrap();
+        let _io = self.shared.io.lock();
         let (writes, keep) = {
-            let st = self.shared.state.lock().unwrap();
+            let st = self.shared.state.lock();
             if n > st.records.len() {
                 return Err(StoreError::Unsupported(format!(
                     "cannot merge {n} records: the table holds {}",
@@ -456,7 +466,7 @@ impl ExceptionStore for PersistentStore {
         for (area, image) in writes {
             write_durable(&*self.shared.dev, g.offset(g.area_chunk(area)), &image)?;
         }
-        let mut st = self.shared.state.lock().unwrap();
+        let mut st = self.shared.state.lock();
         st.records.truncate(keep);
         // The area holding the last record left (the kernel's merge steps back onto it).
         st.current_area = (keep.saturating_sub(1) / per_area) as u64;
@@ -468,9 +478,9 @@ impl ExceptionStore for PersistentStore {
 impl Drop for PersistentStore {
     /// Commits what is queued, then stops the committer.
     fn drop(&mut self) {
-        self.shared.state.lock().unwrap().shutdown = true;
+        self.shared.state.lock().shutdown = true;
         self.shared.work.notify_all();
-        if let Some(committer) = self.committer.take() {
+        if let Some(committer) = self.committer.get_mut().take() {
             let _ = committer.join();
         }
     }

@@ -2,10 +2,11 @@
 //! flight by cookie, the writer the callers take turns on, the handle that shuts the socket
 //! down, and what a slot holds once its reply is in.
 
+use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Write};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
 use udm_block::{BlockError, Extent};
 
@@ -92,7 +93,7 @@ impl Conn {
 
     /// Files the slot under `cookie`; false if the connection died meanwhile.
     pub(super) fn register(&self, cookie: u64, slot: &Arc<Slot>) -> bool {
-        let mut in_flight = self.in_flight.lock().unwrap();
+        let mut in_flight = self.in_flight.lock();
         if in_flight.broken {
             return false;
         }
@@ -101,11 +102,11 @@ impl Conn {
     }
 
     pub(super) fn slot(&self, cookie: u64) -> Option<Arc<Slot>> {
-        self.in_flight.lock().unwrap().slots.get(&cookie).cloned()
+        self.in_flight.lock().slots.get(&cookie).cloned()
     }
 
     pub(super) fn send(&self, header: &[u8; REQUEST_HEADER_LEN], data: &[u8]) -> io::Result<()> {
-        let mut writer = self.writer.lock().unwrap();
+        let mut writer = self.writer.lock();
         if data.is_empty() {
             writer.write_all(header)
         } else {

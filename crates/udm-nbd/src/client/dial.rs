@@ -124,7 +124,10 @@ impl Target {
 
     fn open_socket(&self) -> io::Result<Stream> {
         match &self.address {
-            NbdAddress::Unix { path } => UnixStream::connect(path).map(Stream::Unix),
+            NbdAddress::Unix { path } => {
+                crate::socket_path_fits(path)?;
+                UnixStream::connect(path).map(Stream::Unix)
+            }
             NbdAddress::Tcp { host, port } => {
                 let mut last = None;
                 for addr in (host.as_str(), *port).to_socket_addrs()? {

@@ -28,9 +28,10 @@ mod reconnect;
 mod reply;
 mod request;
 
+use parking_lot::{Condvar, Mutex};
 use std::io;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -183,11 +184,11 @@ impl NbdClient {
     /// Whether the connection is up. Background work (hydration) can pause while it is not;
     /// requests made meanwhile wait for it, up to `io_timeout`.
     pub fn is_connected(&self) -> bool {
-        self.shared.state.lock().unwrap().conn.is_some()
+        self.shared.state.lock().conn.is_some()
     }
 
     fn info(&self) -> ExportInfo {
-        self.shared.state.lock().unwrap().info
+        self.shared.state.lock().info
     }
 
     fn read_only(&self, info: &ExportInfo) -> bool {
@@ -360,7 +361,7 @@ impl BlockDevice for NbdClient {
     /// background thread stops redialling.
     fn close(&self) {
         let conn = {
-            let mut state = self.shared.state.lock().unwrap();
+            let mut state = self.shared.state.lock();
             state.closing = true;
             state.conn.take()
         };
@@ -368,7 +369,7 @@ impl BlockDevice for NbdClient {
         if let Some(conn) = conn {
             // A writer stuck on a server that stopped reading must not hold us up: the goodbye
             // is skipped then.
-            if let Ok(mut writer) = conn.writer.try_lock() {
+            if let Some(mut writer) = conn.writer.try_lock() {
                 disconnect(&mut writer);
             }
             // Breaks the reader's wait; the requests it had in flight are then resent, find

@@ -2,8 +2,9 @@
 //! the connection breaks, marks the connection lost (its requests are then resent), and
 //! redials with backoff; a server that comes back with another export size fails the device.
 
+use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
@@ -44,7 +45,7 @@ impl Shared {
     /// wakes the reconnect loop. Idempotent.
     pub(super) fn connection_lost(&self, conn: &Arc<Conn>, why: &str) {
         let slots = {
-            let mut in_flight = conn.in_flight.lock().unwrap();
+            let mut in_flight = conn.in_flight.lock();
             if in_flight.broken {
                 return;
             }
@@ -53,13 +54,13 @@ impl Shared {
         };
         conn.control.shutdown();
         for (cookie, slot) in slots {
-            let mut st = slot.state.lock().unwrap();
+            let mut st = slot.state.lock();
             if st.cookie == cookie && st.outcome.is_none() {
                 st.outcome = Some(Outcome::Lost);
                 slot.wake.notify_all();
             }
         }
-        let mut state = self.state.lock().unwrap();
+        let mut state = self.state.lock();
         if state.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
             state.conn = None;
             if !state.closing {
@@ -101,17 +102,15 @@ impl Shared {
     /// Sleeps for `delay` (less if the client closes) and doubles it; false once the client
     /// is closing or the device has failed.
     fn pause(&self, delay: &mut Duration) -> bool {
-        let state = self.state.lock().unwrap();
-        let (state, _) = self
-            .changed
-            .wait_timeout_while(state, *delay, |s| !s.closing)
-            .unwrap();
+        let mut state = self.state.lock();
+        self.changed
+            .wait_while_for(&mut state, |s| !s.closing, *delay);
         *delay = (*delay * 2).min(MAX_BACKOFF);
         !state.closing && state.failed.is_none()
     }
 
     fn stopped(&self) -> bool {
-        let state = self.state.lock().unwrap();
+        let state = self.state.lock();
         state.closing || state.failed.is_some()
     }
 
@@ -142,7 +141,7 @@ impl Shared {
         reader: Stream,
         attempts: u32,
     ) -> Option<(Arc<Conn>, Stream)> {
-        let mut state = self.state.lock().unwrap();
+        let mut state = self.state.lock();
         // The partial sector at the end is never used, so only a change beyond it matters.
         if usable(conn.info.size) != usable(self.size) {
             let why = format!(
@@ -155,7 +154,7 @@ impl Shared {
         if state.closing || state.failed.is_some() {
             drop(state);
             self.changed.notify_all();
-            disconnect(&mut conn.writer.lock().unwrap());
+            disconnect(&mut conn.writer.lock());
             return None;
         }
         state.conn = Some(conn.clone());

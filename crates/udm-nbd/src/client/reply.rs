@@ -51,6 +51,9 @@ pub(super) fn read_replies(conn: &Conn, reader: Stream) -> String {
     }
 }
 
+/// Reads one simple reply or structured chunk and delivers it to the request in flight it
+/// answers. Long: every chunk type and its checks, kept together so that the order of checks
+/// is visible.
 fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
     let mut header = [0u8; CHUNK_HEADER_LEN];
     r.read_exact(&mut header[..SIMPLE_REPLY_LEN])?;
@@ -102,7 +105,7 @@ fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
             let (context, descriptors) = parse_block_status(&payload(r, chunk.length)?)?;
             // Only the context we asked for counts; a server may describe others too.
             if Some(context) == conn.info.base_allocation {
-                let mut st = slot.state.lock().unwrap();
+                let mut st = slot.state.lock();
                 if st.cookie == chunk.cookie {
                     st.extents
                         .extend(descriptors.into_iter().filter(|(len, _)| *len > 0).map(
@@ -183,7 +186,7 @@ fn fill(
     zero: bool,
 ) -> io::Result<()> {
     let dest = {
-        let mut st = slot.state.lock().unwrap();
+        let mut st = slot.state.lock();
         match st.dest {
             Some(dest) if st.cookie == cookie => {
                 st.filling = true;
@@ -209,7 +212,7 @@ fn fill(
     } else {
         r.read_exact(buf)
     };
-    let mut st = slot.state.lock().unwrap();
+    let mut st = slot.state.lock();
     st.filling = false;
     if result.is_ok() {
         st.received += len as u64;
@@ -219,15 +222,15 @@ fn fill(
 }
 
 fn set_error(slot: &Slot, cookie: u64, error: BlockError) {
-    let mut st = slot.state.lock().unwrap();
+    let mut st = slot.state.lock();
     if st.cookie == cookie && st.error.is_none() {
         st.error = Some(error);
     }
 }
 
 fn complete(conn: &Conn, slot: &Slot, cookie: u64) {
-    conn.in_flight.lock().unwrap().slots.remove(&cookie);
-    let mut st = slot.state.lock().unwrap();
+    conn.in_flight.lock().slots.remove(&cookie);
+    let mut st = slot.state.lock();
     if st.cookie == cookie && st.outcome.is_none() {
         st.outcome = Some(Outcome::Done);
         slot.wake.notify_all();
@@ -256,7 +259,7 @@ fn block_error(code: u32, message: &str) -> BlockError {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Condvar, Mutex};
+    use parking_lot::{Condvar, Mutex};
 
     use super::*;
     use crate::client::connection::SlotState;

@@ -2,8 +2,9 @@
 //! slot, sent again when the connection breaks first, and failed once `io_timeout` has passed
 //! (dropping a connection whose server stopped answering on the way).
 
+use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use udm_block::{BlockError, Extent};
@@ -58,7 +59,7 @@ impl NbdClient {
         loop {
             let conn = shared.wait_connected(deadline)?;
             let cookie = shared.next_cookie.fetch_add(1, Ordering::Relaxed);
-            slot.state.lock().unwrap().cookie = cookie;
+            slot.state.lock().cookie = cookie;
             if !conn.register(cookie, &slot) {
                 continue;
             }
@@ -91,7 +92,7 @@ impl Shared {
 
     /// The live connection, waiting for one until `deadline`.
     fn wait_connected(&self, deadline: Instant) -> udm_block::Result<Arc<Conn>> {
-        let mut state = self.state.lock().unwrap();
+        let mut state = self.state.lock();
         loop {
             if let Some(why) = &state.failed {
                 return Err(BlockError::Io(why.clone()));
@@ -106,7 +107,7 @@ impl Shared {
             if now >= deadline {
                 return Err(self.unreachable("no connection"));
             }
-            state = self.changed.wait_timeout(state, deadline - now).unwrap().0;
+            self.changed.wait_for(&mut state, deadline - now);
         }
     }
 
@@ -119,7 +120,7 @@ impl Shared {
         deadline: Instant,
         replies_before: u64,
     ) -> Option<udm_block::Result<Vec<Extent>>> {
-        let mut st = slot.state.lock().unwrap();
+        let mut st = slot.state.lock();
         loop {
             if !st.filling {
                 match st.outcome.take() {
@@ -139,7 +140,7 @@ impl Shared {
             if now >= deadline {
                 break;
             }
-            st = slot.wake.wait_timeout(st, deadline - now).unwrap().0;
+            slot.wake.wait_for(&mut st, deadline - now);
         }
         // Timed out. A server that sent nothing at all since this request went out, or that
         // stalls in the middle of our data, is taken for gone: drop the connection so the
@@ -147,9 +148,9 @@ impl Shared {
         if st.filling || conn.replies.load(Ordering::Acquire) == replies_before {
             drop(st);
             self.connection_lost(conn, "the server stopped answering");
-            st = slot.state.lock().unwrap();
+            st = slot.state.lock();
             while st.filling {
-                st = slot.wake.wait(st).unwrap();
+                slot.wake.wait(&mut st);
             }
         }
         // Detach: a late reply finds no buffer and no cookie and is dropped.

@@ -3,21 +3,159 @@
 //! while the user's I/O is in flight. A committer thread commits the bitmap once a second and
 //! samples progress for the copy rate.
 
-use std::sync::{Arc, MutexGuard};
+use parking_lot::MutexGuard;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use log::warn;
+use log::{info, warn};
 
-use super::{Inner, Mode, Settings};
+use super::commit::Mode;
+use super::regions::Claim;
+use super::Inner;
 
 /// Copy threads; `hydration_threshold` and `hydration_batch_size` decide how many of them
 /// copy at once (threshold / batch size, at least one).
 const WORKERS: usize = 16;
-/// The longest pause after a batch while the user is busy: hydration keeps moving.
+/// User I/O this recent counts as "the user is busy".
+const USER_QUIET: Duration = Duration::from_millis(5);
+/// While the user is busy, each batch is followed by a pause this many times as long as the
+/// batch took, so copying gets at most 1/(1+N) of the devices' time and the user the rest.
+const YIELD_FACTOR: u32 = 8;
 const MAX_YIELD: Duration = Duration::from_millis(50);
 const ERROR_BACKOFF: Duration = Duration::from_millis(500);
+const RATE_WINDOW: usize = 10;
 
+/// What the user steers, with the table line's core arguments and with messages.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Settings {
+    pub hydration_enabled: bool,
+    /// Regions copied at once, at most.
+    pub threshold: u64,
+    /// Contiguous regions one worker claims and copies together.
+    pub batch_size: u64,
+    /// KiB per second for background copying; 0 = unlimited.
+    pub max_rate_kib: u64,
+}
+
+impl Default for Settings {
+    /// The kernel's defaults.
+    fn default() -> Self {
+        Settings {
+            hydration_enabled: true,
+            threshold: 1,
+            batch_size: 1,
+            max_rate_kib: 0,
+        }
+    }
+}
+
+/// The background copy: the settings that steer it and where it stands, under one lock (and
+/// one condition variable, [`Inner::wake`]) so that a worker sees both change together.
+pub(super) struct Hydration {
+    pub settings: Settings,
+    /// Regions the workers are copying.
+    in_flight: u64,
+    /// Where the next batch starts looking.
+    cursor: u64,
+    /// The rate limiter's next free moment.
+    next_copy_at: Instant,
+    /// Nothing is copied until the table goes live, nor while it is suspended.
+    paused: bool,
+    shutdown: bool,
+}
+
+impl Hydration {
+    pub(super) fn new(settings: Settings) -> Self {
+        Hydration {
+            settings,
+            in_flight: 0,
+            cursor: 0,
+            next_copy_at: Instant::now(),
+            // An inactive table must not touch what the live one is using.
+            paused: true,
+            shutdown: false,
+        }
+    }
+
+    /// Regions being copied right now.
+    pub(super) fn in_flight(&self) -> u64 {
+        self.in_flight
+    }
+
+    /// Why no copy is starting while regions remain, if something holds it back: the user
+    /// (`disable_hydration`, `hydration_threshold 0`) or the device (suspended, or this table
+    /// not live yet).
+    pub(super) fn paused_by(&self) -> Option<&'static str> {
+        if !self.settings.hydration_enabled {
+            Some("disable_hydration")
+        } else if self.settings.threshold == 0 {
+            Some("hydration_threshold 0")
+        } else if self.paused {
+            Some("the device is suspended")
+        } else {
+            None
+        }
+    }
+
+    pub(super) fn set_max_rate(&mut self, kib: u64) {
+        self.settings.max_rate_kib = kib;
+        // The new rate applies from now, not after what the old one had booked.
+        self.next_copy_at = Instant::now();
+    }
+}
+
+impl Inner {
+    /// One line when the table first goes live: where hydration starts from and how.
+    pub(super) fn log_start(&self) {
+        let state = self.hydration.lock();
+        let (hydrated, regions) = (self.meta.hydrated_count(), self.meta.regions());
+        let what = if hydrated >= regions {
+            "nothing left to hydrate".to_string()
+        } else if let Some(why) = state.paused_by() {
+            format!("hydration paused ({why})")
+        } else {
+            let s = state.settings;
+            let cap = match s.max_rate_kib {
+                0 => "no rate cap".to_string(),
+                kib => format!("at most {kib} KiB/s"),
+            };
+            format!(
+                "hydration started (hydration_threshold {}, hydration_batch_size {}, {cap})",
+                s.threshold, s.batch_size
+            )
+        };
+        info!(
+            "clone '{}': {what}; {hydrated} of {regions} regions on the destination",
+            self.device
+        );
+    }
+
+    /// One line when the user pauses or resumes hydration (a message changed the settings).
+    pub(super) fn log_pause_change(&self, was: Option<&'static str>) {
+        let now = self.hydration.lock().paused_by();
+        if now == was || self.is_complete() {
+            return;
+        }
+        let (hydrated, regions) = (self.meta.hydrated_count(), self.meta.regions());
+        match now {
+            Some(why) => info!(
+                "clone '{}': hydration paused ({why}) at {hydrated} of {regions} regions",
+                self.device
+            ),
+            None => {
+                self.progress.lock().clear();
+                info!(
+                    "clone '{}': hydration resumed at {hydrated} of {regions} regions",
+                    self.device
+                )
+            }
+        }
+    }
+}
+
+/// Starts the workers and the committer; they run until [`stop`].
 pub(super) fn start(inner: &Arc<Inner>) -> Vec<JoinHandle<()>> {
     let mut threads = Vec::new();
     for i in 0..WORKERS {
@@ -41,104 +179,119 @@ pub(super) fn start(inner: &Arc<Inner>) -> Vec<JoinHandle<()>> {
 
 /// Pausing waits for the batches in flight to finish.
 pub(super) fn pause(inner: &Inner, paused: bool) {
-    let mut settings = inner.settings.lock().unwrap();
-    settings.paused = paused;
+    let mut state = inner.hydration.lock();
+    if !paused && state.paused {
+        // The rate is measured from here, not across the time nothing was copied.
+        inner.progress.lock().clear();
+    }
+    state.paused = paused;
     inner.wake.notify_all();
-    while paused && settings.in_flight > 0 {
-        settings = inner.wake.wait(settings).unwrap();
+    while paused && state.in_flight > 0 {
+        inner.wake.wait(&mut state);
     }
 }
 
 pub(super) fn stop(inner: &Inner) {
-    inner.settings.lock().unwrap().shutdown = true;
+    inner.hydration.lock().shutdown = true;
     inner.wake.notify_all();
 }
 
-fn may_copy(inner: &Inner, s: &Settings) -> bool {
-    s.hydration_enabled
+/// Bytes per second hydrated over the last few seconds, once there are two samples.
+pub(super) fn rate_bytes_per_second(inner: &Inner) -> Option<f64> {
+    let samples = inner.progress.lock();
+    let (first, last) = (samples.front()?, samples.back()?);
+    let seconds = last.0.duration_since(first.0).as_secs_f64();
+    (seconds > 0.0).then(|| (last.1 - first.1) as f64 * inner.region as f64 / seconds)
+}
+
+fn user_busy(inner: &Inner) -> bool {
+    let last = Duration::from_nanos(inner.last_user_io.load(Ordering::Acquire));
+    inner.user_in_flight.load(Ordering::Acquire) > 0
+        || inner.started.elapsed().saturating_sub(last) < USER_QUIET
+}
+
+fn may_copy(inner: &Inner, s: &Hydration) -> bool {
+    s.settings.hydration_enabled
         && !s.paused
-        && s.in_flight < s.threshold
+        && s.in_flight < s.settings.threshold
         && inner.mode() == Mode::Write
         && !inner.is_complete()
         // While the user is busy, one batch at a time.
-        && (s.in_flight == 0 || !inner.activity.busy())
+        && (s.in_flight == 0 || !user_busy(inner))
 }
 
 fn worker(inner: &Inner) {
-    let mut settings = inner.settings.lock().unwrap();
+    let mut state = inner.hydration.lock();
     loop {
-        if settings.shutdown {
+        if state.shutdown {
             return;
         }
-        if !may_copy(inner, &settings) {
-            settings = inner
-                .wake
-                .wait_timeout(settings, Duration::from_millis(100))
-                .unwrap()
-                .0;
+        if !may_copy(inner, &state) {
+            inner.wake.wait_for(&mut state, Duration::from_millis(100));
             continue;
         }
         // Wait out the bandwidth cap before claiming anything: a claimed region holds up the
         // user's I/O to it and a suspend, so claims are only ever held while copying. A rate
         // change or a pause wakes the wait.
-        if let Some(wait) = settings.rate.wait() {
-            settings = inner.wake.wait_timeout(settings, wait).unwrap().0;
+        if let Some(wait) = rate_wait(&state) {
+            inner.wake.wait_for(&mut state, wait);
             continue;
         }
-        let claims = claim_batch(inner, &mut settings);
+        let claims = claim_batch(inner, &mut state);
         if claims.is_empty() {
             // Everything left is being copied by someone else right now.
-            settings = inner
-                .wake
-                .wait_timeout(settings, Duration::from_millis(20))
-                .unwrap()
-                .0;
+            inner.wake.wait_for(&mut state, Duration::from_millis(20));
             continue;
         }
         let count = claims.len() as u64;
-        settings.in_flight += count;
-        settings.rate.reserve(count * inner.region);
-        drop(settings);
+        state.in_flight += count;
+        // Booked whole before copying, so that workers starting together do not burst past
+        // the cap; what the source turns out not to need reading is given back below.
+        reserve_bandwidth(&mut state, count * inner.region);
+        drop(state);
 
         let first = claims[0].region;
         let started = Instant::now();
         let result = inner.copy_claimed(claims);
 
-        settings = inner.settings.lock().unwrap();
-        settings.in_flight -= count;
+        state = inner.hydration.lock();
+        state.in_flight -= count;
+        // The cap counts what was read from the source: ranges the source reports as zero
+        // cost it nothing, and a sparse source must not be held to the rate of a full one.
+        if let Ok(read) = &result {
+            refund_bandwidth(&mut state, (count * inner.region).saturating_sub(*read));
+        }
         inner.wake.notify_all();
         let pause = match &result {
             // A copy cut short because the table is going away is not worth a warning.
-            Err(_) if settings.shutdown => Duration::ZERO,
+            Err(_) if state.shutdown => Duration::ZERO,
             Err(e) => {
                 warn!(
-                    "clone: hydrating regions {first}..{}: {e}; will retry",
+                    "clone '{}': hydrating regions {first}..{}: {e}; will retry",
+                    inner.device,
                     first + count
                 );
                 ERROR_BACKOFF
             }
-            Ok(()) => inner.activity.pause_after(started.elapsed(), MAX_YIELD),
+            Ok(_) if user_busy(inner) => (started.elapsed() * YIELD_FACTOR).min(MAX_YIELD),
+            Ok(_) => Duration::ZERO,
         };
         if !pause.is_zero() {
             // Sleep holding nothing, and only until a pause or stop asks for attention.
-            settings = inner
+            inner
                 .wake
-                .wait_timeout_while(settings, pause, |s| !s.paused && !s.shutdown)
-                .unwrap()
-                .0;
+                .wait_while_for(&mut state, |s| !s.paused && !s.shutdown, pause);
         }
     }
 }
 
 /// Claims up to a batch of contiguous unhydrated regions from the cursor on.
-fn claim_batch<'a>(
-    inner: &'a Inner,
-    settings: &mut MutexGuard<'_, Settings>,
-) -> Vec<super::regions::Claim<'a>> {
-    let allowed = settings
+fn claim_batch<'a>(inner: &'a Inner, state: &mut MutexGuard<'_, Hydration>) -> Vec<Claim<'a>> {
+    let allowed = state
+        .settings
         .batch_size
-        .min(settings.threshold - settings.in_flight);
-    let Some(first) = inner.meta.next_unhydrated(settings.cursor) else {
+        .min(state.settings.threshold - state.in_flight);
+    let Some(first) = inner.meta.next_unhydrated(state.cursor) else {
         return Vec::new();
     };
     let mut claims = Vec::new();
@@ -161,49 +314,89 @@ fn claim_batch<'a>(
         claims.push(claim);
         region += 1;
     }
-    settings.cursor = if claims.is_empty() { first + 1 } else { region };
+    state.cursor = if claims.is_empty() { first + 1 } else { region };
     claims
 }
 
-/// A test's way into the gap between checking a region and claiming it.
-#[cfg(test)]
-pub(super) mod tests_hook {
-    use std::sync::Mutex;
-
-    type Hook = Box<dyn Fn(&super::Inner, u64) + Send>;
-    pub static HOOK: Mutex<Option<Hook>> = Mutex::new(None);
-
-    pub fn between_check_and_claim(inner: &super::Inner, region: u64) {
-        if let Some(hook) = &*HOOK.lock().unwrap() {
-            hook(inner, region);
-        }
+/// How long the bandwidth cap wants the next copy to wait, if at all.
+fn rate_wait(state: &Hydration) -> Option<Duration> {
+    if state.settings.max_rate_kib == 0 {
+        return None;
     }
+    state
+        .next_copy_at
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+}
+
+/// Books `bytes` of the bandwidth cap: the next copy may start once they would have taken.
+fn reserve_bandwidth(state: &mut Hydration, bytes: u64) {
+    let kib = state.settings.max_rate_kib;
+    if kib == 0 {
+        return;
+    }
+    let at = state.next_copy_at.max(Instant::now());
+    state.next_copy_at = at + Duration::from_secs_f64(bytes as f64 / (kib as f64 * 1024.0));
+}
+
+/// Gives back `bytes` booked but not read: the next copy may start that much earlier (never
+/// earlier than now, so no credit builds up).
+fn refund_bandwidth(state: &mut Hydration, bytes: u64) {
+    let kib = state.settings.max_rate_kib;
+    if kib == 0 || bytes == 0 {
+        return;
+    }
+    let refund = Duration::from_secs_f64(bytes as f64 / (kib as f64 * 1024.0));
+    let now = Instant::now();
+    state.next_copy_at = state
+        .next_copy_at
+        .checked_sub(refund)
+        .map_or(now, |at| at.max(now));
 }
 
 fn committer(inner: &Inner) {
     let mut next_tick = Instant::now() + Duration::from_secs(1);
     loop {
         {
-            let mut settings = inner.settings.lock().unwrap();
+            let mut state = inner.hydration.lock();
             loop {
-                if settings.shutdown {
+                if state.shutdown {
                     return;
                 }
                 let Some(left) = next_tick.checked_duration_since(Instant::now()) else {
                     break;
                 };
-                settings = inner.wake.wait_timeout(settings, left).unwrap().0;
+                inner.wake.wait_for(&mut state, left);
             }
         }
         next_tick += Duration::from_secs(1);
-        inner
-            .progress
-            .sample(inner.meta.hydrated_count() * inner.region);
+        {
+            let mut samples = inner.progress.lock();
+            samples.push_back((Instant::now(), inner.meta.hydrated_count()));
+            if samples.len() > RATE_WINDOW {
+                samples.pop_front();
+            }
+        }
         if inner.mode() == Mode::Write && inner.meta.is_dirty() {
             if let Err(e) = inner.commit() {
-                warn!("clone: periodic commit: {e}");
+                warn!("clone '{}': periodic commit: {e}", inner.device);
             }
         }
         inner.announce_if_complete();
+    }
+}
+
+/// A test's way into the gap between checking a region and claiming it.
+#[cfg(test)]
+pub(super) mod tests_hook {
+    use parking_lot::Mutex;
+
+    type Hook = Box<dyn Fn(&super::Inner, u64) + Send>;
+    pub static HOOK: Mutex<Option<Hook>> = Mutex::new(None);
+
+    pub fn between_check_and_claim(inner: &super::Inner, region: u64) {
+        if let Some(hook) = &*HOOK.lock() {
+            hook(inner, region);
+        }
     }
 }

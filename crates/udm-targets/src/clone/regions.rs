@@ -5,8 +5,8 @@
 //! is signalled only when somebody is actually waiting, so the common, uncontended case
 //! costs no system call.
 
+use parking_lot::{Condvar, Mutex};
 use std::collections::HashSet;
-use std::sync::{Condvar, Mutex};
 
 #[derive(Default)]
 struct Busy {
@@ -29,10 +29,10 @@ pub struct Claim<'a> {
 impl RegionClaims {
     /// Claims `region`, waiting while someone else holds it.
     pub fn claim(&self, region: u64) -> Claim<'_> {
-        let mut busy = self.busy.lock().unwrap();
+        let mut busy = self.busy.lock();
         while busy.regions.contains(&region) {
             busy.waiters += 1;
-            busy = self.released.wait(busy).unwrap();
+            self.released.wait(&mut busy);
             busy.waiters -= 1;
         }
         busy.regions.insert(region);
@@ -44,7 +44,7 @@ impl RegionClaims {
 
     /// Claims `region` if nobody holds it.
     pub fn try_claim(&self, region: u64) -> Option<Claim<'_>> {
-        let mut busy = self.busy.lock().unwrap();
+        let mut busy = self.busy.lock();
         busy.regions.insert(region).then(|| Claim {
             claims: self,
             region,
@@ -53,13 +53,13 @@ impl RegionClaims {
 
     /// Regions claimed right now (the status line's "hydrating").
     pub fn count(&self) -> usize {
-        self.busy.lock().unwrap().regions.len()
+        self.busy.lock().regions.len()
     }
 }
 
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
-        let mut busy = self.claims.busy.lock().unwrap();
+        let mut busy = self.claims.busy.lock();
         busy.regions.remove(&self.region);
         if busy.waiters > 0 {
             self.claims.released.notify_all();

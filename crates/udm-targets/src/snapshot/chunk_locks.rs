@@ -7,8 +7,9 @@
 //! never wait for each other. A waiting exclusive holder keeps new shared ones out, so a
 //! stream of reads cannot starve an origin write.
 
+use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
 const SHARDS: usize = 64;
 
@@ -53,7 +54,7 @@ impl ChunkLocks {
 
     pub fn exclusive(self: &Arc<Self>, chunk: u64) -> ChunkGuard {
         let shard = self.shard(chunk);
-        let mut chunks = shard.chunks.lock().unwrap();
+        let mut chunks = shard.chunks.lock();
         let mut queued = false;
         loop {
             let entry = chunks.entry(chunk).or_default();
@@ -70,14 +71,14 @@ impl ChunkLocks {
                 entry.waiting += 1;
                 queued = true;
             }
-            chunks = shard.released.wait(chunks).unwrap();
+            shard.released.wait(&mut chunks);
         }
         self.guard(chunk, true)
     }
 
     pub fn shared(self: &Arc<Self>, chunk: u64) -> ChunkGuard {
         let shard = self.shard(chunk);
-        let mut chunks = shard.chunks.lock().unwrap();
+        let mut chunks = shard.chunks.lock();
         let mut queued = false;
         loop {
             let entry = chunks.entry(chunk).or_default();
@@ -92,14 +93,14 @@ impl ChunkLocks {
                 entry.waiting += 1;
                 queued = true;
             }
-            chunks = shard.released.wait(chunks).unwrap();
+            shard.released.wait(&mut chunks);
         }
         self.guard(chunk, false)
     }
 
     /// Holds `chunk` shared if that needs no waiting (for the non-blocking mapped path).
     pub fn try_shared(self: &Arc<Self>, chunk: u64) -> Option<ChunkGuard> {
-        let mut chunks = self.shard(chunk).chunks.lock().unwrap();
+        let mut chunks = self.shard(chunk).chunks.lock();
         let entry = chunks.entry(chunk).or_default();
         if entry.exclusive || entry.exclusive_waiting > 0 {
             return None;
@@ -120,17 +121,14 @@ impl ChunkLocks {
     /// Chunks held or waited for right now.
     #[cfg(test)]
     fn busy(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.chunks.lock().unwrap().len())
-            .sum()
+        self.shards.iter().map(|s| s.chunks.lock().len()).sum()
     }
 }
 
 impl Drop for ChunkGuard {
     fn drop(&mut self) {
         let shard = self.locks.shard(self.chunk);
-        let mut chunks = shard.chunks.lock().unwrap();
+        let mut chunks = shard.chunks.lock();
         let entry = chunks
             .get_mut(&self.chunk)
             .expect("a held chunk has an entry");

@@ -2,9 +2,9 @@
 //! request. Sharded by chunk so that lookups for different chunks never contend, and only
 //! ever holding exceptions whose commit is durable.
 
+use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
 
 use udm_metadata::snapshot::Record;
 
@@ -32,17 +32,17 @@ impl ExceptionTable {
     }
 
     pub fn get(&self, old: u64) -> Option<u64> {
-        self.shard(old).read().unwrap().get(&old).copied()
+        self.shard(old).read().get(&old).copied()
     }
 
     pub fn insert(&self, old: u64, new: u64) {
-        if self.shard(old).write().unwrap().insert(old, new).is_none() {
+        if self.shard(old).write().insert(old, new).is_none() {
             self.count.fetch_add(1, Ordering::AcqRel);
         }
     }
 
     pub fn remove(&self, old: u64) {
-        if self.shard(old).write().unwrap().remove(&old).is_some() {
+        if self.shard(old).write().remove(&old).is_some() {
             self.count.fetch_sub(1, Ordering::AcqRel);
         }
     }

@@ -7,8 +7,9 @@
 //! `_origins` hash). Name the origin the same way everywhere: a udm device and the file under
 //! it are different keys.
 
+use parking_lot::{Condvar, Mutex, RwLock};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use udm_block::BlockDevice;
@@ -45,7 +46,7 @@ pub struct RoleGuard {
 
 impl Drop for RoleGuard {
     fn drop(&mut self) {
-        self.hub.roles.lock().unwrap().retain(|r| r.id != self.id);
+        self.hub.roles.lock().retain(|r| r.id != self.id);
     }
 }
 
@@ -69,7 +70,7 @@ impl Hub {
 
     fn add_role(self: &Arc<Self>, owner: &str, merging: Option<String>) -> RoleGuard {
         let id = self.next_role.fetch_add(1, Ordering::Relaxed);
-        self.roles.lock().unwrap().push(Role {
+        self.roles.lock().push(Role {
             id,
             owner: owner.to_string(),
             merging,
@@ -84,7 +85,7 @@ impl Hub {
     /// into this origin, since its writes would go straight to chunks the merge has yet to
     /// copy back.
     pub fn serve_origin(self: &Arc<Self>, owner: &str) -> Result<RoleGuard, String> {
-        let roles = self.roles.lock().unwrap();
+        let roles = self.roles.lock();
         if let Some(merge) = roles
             .iter()
             .find(|r| r.merging.is_some() && r.owner != owner)
@@ -102,7 +103,7 @@ impl Hub {
     /// The device merging a snapshot into this origin, if one is: the origin file is then
     /// half rolled back, no moment to take a new snapshot of.
     pub fn merged_by(&self) -> Option<String> {
-        let roles = self.roles.lock().unwrap();
+        let roles = self.roles.lock();
         roles
             .iter()
             .find(|r| r.merging.is_some())
@@ -113,7 +114,7 @@ impl Hub {
     /// `snapshot-origin`, so it is refused while another device serves the origin or merges
     /// another snapshot into it.
     pub fn serve_merge(self: &Arc<Self>, owner: &str, cow_key: &str) -> Result<RoleGuard, String> {
-        let roles = self.roles.lock().unwrap();
+        let roles = self.roles.lock();
         for role in roles.iter() {
             match &role.merging {
                 Some(other) if other != cow_key => {
@@ -143,7 +144,7 @@ impl Hub {
     pub fn activate(&self, snap: &Arc<Snap>, prepare: impl FnOnce()) {
         let _frozen = self.gate.freeze();
         prepare();
-        let mut snaps = self.snaps.write().unwrap();
+        let mut snaps = self.snaps.write();
         if !snaps.iter().any(|s| Arc::ptr_eq(s, snap)) {
             snaps.push(snap.clone());
             snaps.sort_by_key(|s| s.id);
@@ -151,10 +152,7 @@ impl Hub {
     }
 
     pub fn deactivate(&self, snap: &Snap) {
-        self.snaps
-            .write()
-            .unwrap()
-            .retain(|s| !std::ptr::eq(&**s, snap));
+        self.snaps.write().retain(|s| !std::ptr::eq(&**s, snap));
     }
 
     /// An origin write is starting; held until it has landed.
@@ -170,7 +168,6 @@ impl Hub {
     fn targets(&self) -> Vec<Arc<Snap>> {
         self.snaps
             .read()
-            .unwrap()
             .iter()
             .filter(|s| s.takes_copy_outs())
             .cloned()
@@ -182,7 +179,6 @@ impl Hub {
     pub fn all_saved(&self, offset: u64, len: u64) -> bool {
         self.snaps
             .read()
-            .unwrap()
             .iter()
             .all(|s| !s.takes_copy_outs() || s.has_all(offset, len))
     }
@@ -241,32 +237,21 @@ impl WriteGate {
             if let Some(guard) = self.try_enter() {
                 return guard;
             }
-            let lock = self.lock.lock().unwrap();
+            let mut lock = self.lock.lock();
             if self.frozen.load(Ordering::SeqCst) {
-                let _ = self
-                    .changed
-                    .wait_timeout(lock, Duration::from_millis(10))
-                    .unwrap();
+                self.changed.wait_for(&mut lock, Duration::from_millis(10));
             }
         }
     }
 
     fn freeze(&self) -> Frozen<'_> {
-        let mut lock = self.lock.lock().unwrap();
+        let mut lock = self.lock.lock();
         // One activation at a time; a second waits for the first to thaw.
         while self.frozen.swap(true, Ordering::SeqCst) {
-            lock = self
-                .changed
-                .wait_timeout(lock, Duration::from_millis(10))
-                .unwrap()
-                .0;
+            self.changed.wait_for(&mut lock, Duration::from_millis(10));
         }
         while self.in_flight.load(Ordering::SeqCst) > 0 {
-            lock = self
-                .changed
-                .wait_timeout(lock, Duration::from_millis(10))
-                .unwrap()
-                .0;
+            self.changed.wait_for(&mut lock, Duration::from_millis(10));
         }
         Frozen(self)
     }
@@ -277,7 +262,7 @@ impl Drop for GateGuard {
         if self.0.in_flight.fetch_sub(1, Ordering::SeqCst) == 1
             && self.0.frozen.load(Ordering::SeqCst)
         {
-            let _lock = self.0.lock.lock().unwrap();
+            let _lock = self.0.lock.lock();
             self.0.changed.notify_all();
         }
     }
@@ -285,7 +270,7 @@ impl Drop for GateGuard {
 
 impl Drop for Frozen<'_> {
     fn drop(&mut self) {
-        let _lock = self.0.lock.lock().unwrap();
+        let _lock = self.0.lock.lock();
         self.0.frozen.store(false, Ordering::SeqCst);
         self.0.changed.notify_all();
     }

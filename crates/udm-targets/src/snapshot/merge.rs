@@ -11,8 +11,9 @@
 //! udm adds the message `max_merge_rate <KiB/s>` (0 = no cap), and the merge yields to user
 //! I/O as a clone's hydration does.
 
+use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -66,6 +67,7 @@ struct Inner {
 
 pub struct Merge {
     inner: Arc<Inner>,
+    /// The background merge, from the first resume on.
     worker: Mutex<Option<JoinHandle<()>>>,
     _role: RoleGuard,
 }
@@ -107,16 +109,9 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         progress: Throughput::default(),
         raise_event: ctx.raise_event.clone(),
     });
-    let worker = {
-        let inner = inner.clone();
-        std::thread::Builder::new()
-            .name("snapshot-merge".into())
-            .spawn(move || inner.run())
-            .expect("spawn merge worker")
-    };
     Ok(Arc::new(Merge {
         inner,
-        worker: Mutex::new(Some(worker)),
+        worker: Mutex::new(None),
         _role: role,
     }))
 }
@@ -138,7 +133,7 @@ impl Inner {
         let mut last_sample = Instant::now();
         loop {
             let batch_bytes = {
-                let mut control = self.control.lock().unwrap();
+                let mut control = self.control.lock();
                 loop {
                     if control.shutdown {
                         return;
@@ -152,7 +147,9 @@ impl Inner {
                         control.rate.wait()
                     };
                     match wait {
-                        Some(wait) => control = self.wake.wait_timeout(control, wait).unwrap().0,
+                        Some(wait) => {
+                            self.wake.wait_for(&mut control, wait);
+                        }
                         None => break,
                     }
                 }
@@ -171,7 +168,7 @@ impl Inner {
             };
             let started = Instant::now();
             let result = self.merge_batch(batch_bytes);
-            let mut control = self.control.lock().unwrap();
+            let mut control = self.control.lock();
             control.in_batch = false;
             self.wake.notify_all();
             if last_sample.elapsed() >= Duration::from_secs(1) {
@@ -191,9 +188,8 @@ impl Inner {
                     control.rate.reserve(chunks as u64 * self.snap().chunk);
                     let pause = self.activity.pause_after(started.elapsed(), MAX_YIELD);
                     if !pause.is_zero() {
-                        let _ = self
-                            .wake
-                            .wait_timeout_while(control, pause, |c| !c.paused && !c.shutdown);
+                        self.wake
+                            .wait_while_for(&mut control, |c| !c.paused && !c.shutdown, pause);
                     }
                 }
                 Err(e) => {
@@ -293,11 +289,11 @@ impl Inner {
     }
 
     fn pause(&self, paused: bool) {
-        let mut control = self.control.lock().unwrap();
+        let mut control = self.control.lock();
         control.paused = paused;
         self.wake.notify_all();
         while paused && control.in_batch {
-            control = self.wake.wait(control).unwrap();
+            self.wake.wait(&mut control);
         }
     }
 
@@ -495,7 +491,7 @@ impl Target for Merge {
                         "snapshot-merge: invalid value '{rate}' for max_merge_rate (KiB/s)"
                     ))
                 })?;
-                self.inner.control.lock().unwrap().rate.set(rate);
+                self.inner.control.lock().rate.set(rate);
                 self.inner.wake.notify_all();
                 Ok(String::new())
             }
@@ -509,7 +505,7 @@ impl Target for Merge {
     fn settings_messages(&self) -> Vec<String> {
         vec![format!(
             "max_merge_rate {}",
-            self.inner.control.lock().unwrap().rate.kib_per_second()
+            self.inner.control.lock().rate.kib_per_second()
         )]
     }
 
@@ -539,10 +535,21 @@ impl Target for Merge {
     }
 
     /// The first resume hands the snapshot over to the merge: origin writes stop saving
-    /// chunks into it, and the worker starts.
+    /// chunks into it, and the worker starts (an inactive table has none).
     fn resume(&self) {
         let s = &self.inner;
         let handle = &s.args.handle;
+        let mut worker = self.worker.lock();
+        if worker.is_none() {
+            let inner = s.clone();
+            *worker = Some(
+                std::thread::Builder::new()
+                    .name("snapshot-merge".into())
+                    .spawn(move || inner.run())
+                    .expect("spawn merge worker"),
+            );
+        }
+        drop(worker);
         if !handle.snap.is_merging() {
             handle.hub.activate(&handle.snap, || {
                 handle.snap.set_merging();
@@ -560,9 +567,9 @@ impl Target for Merge {
 
 impl Drop for Merge {
     fn drop(&mut self) {
-        self.inner.control.lock().unwrap().shutdown = true;
+        self.inner.control.lock().shutdown = true;
         self.inner.wake.notify_all();
-        if let Some(worker) = self.worker.lock().unwrap().take() {
+        if let Some(worker) = self.worker.lock().take() {
             let _ = worker.join();
         }
     }

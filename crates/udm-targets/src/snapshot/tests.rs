@@ -1,17 +1,17 @@
 //! The snapshot targets against in-memory devices: points in time, copy-out, locking,
 //! overflow, merging, reloads, and power cuts at every write.
 
+use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use udm_block::{
-    conformance, AlignedBuf, BlockDevice, CrashDevice, MemoryDevice, PowerSwitch, WriteFlags,
-};
+use udm_block::{AlignedBuf, BlockDevice, MemoryDevice, WriteFlags};
+use udm_testkit::{conformance, pattern, CrashDevice, PowerSwitch};
 
 use crate::table::Table;
-use crate::testing::{AnyResolver, Switchable};
+use crate::testing::{Devices, Switchable};
 use crate::Target;
 
 const MIB: u64 = 1 << 20;
@@ -24,7 +24,7 @@ fn unique(tag: &str) -> String {
 
 /// Named devices and tables over them, each table owned by a device name of its own.
 struct Rig {
-    devices: HashMap<String, Arc<dyn BlockDevice>>,
+    devices: Devices,
     events: Arc<AtomicU64>,
     origin: String,
 }
@@ -34,33 +34,34 @@ impl Rig {
     fn new(size: u64) -> Rig {
         let origin = unique("origin");
         let dev = Arc::new(MemoryDevice::new(size));
-        dev.write(
-            0,
-            &conformance::pattern(size as usize, 1),
-            WriteFlags::default(),
-        )
-        .unwrap();
-        let mut rig = Rig {
-            devices: HashMap::new(),
+        dev.write(0, &pattern(size as usize, 1), WriteFlags::default())
+            .unwrap();
+        let rig = Rig {
+            devices: Devices::default(),
             events: Arc::new(AtomicU64::new(0)),
             origin: origin.clone(),
         };
-        rig.devices.insert(origin, dev);
+        rig.devices.add(&origin, dev, false);
         rig
     }
 
-    fn add(&mut self, tag: &str, dev: Arc<dyn BlockDevice>) -> String {
+    fn add(&self, tag: &str, dev: Arc<dyn BlockDevice>) -> String {
         let name = unique(tag);
-        self.devices.insert(name.clone(), dev);
+        self.devices.add(&name, dev, false);
         name
     }
 
-    fn cow(&mut self, size: u64) -> String {
+    /// Puts `dev` in the origin's place.
+    fn set_origin(&self, dev: Arc<dyn BlockDevice>) {
+        self.devices.add(&self.origin, dev, false);
+    }
+
+    fn cow(&self, size: u64) -> String {
         self.add("cow", Arc::new(MemoryDevice::new(size)))
     }
 
-    fn device(&self, name: &str) -> &Arc<dyn BlockDevice> {
-        &self.devices[name]
+    fn device(&self, name: &str) -> Arc<dyn BlockDevice> {
+        self.devices.get(name)
     }
 
     fn origin_size(&self) -> u64 {
@@ -73,7 +74,7 @@ impl Rig {
         let table = Table::build(
             owner,
             &text,
-            &AnyResolver(self.devices.clone()),
+            &self.devices,
             Arc::new(move || {
                 events.fetch_add(1, Ordering::SeqCst);
             }),
@@ -111,28 +112,24 @@ fn read(dev: &dyn BlockDevice, offset: u64, len: usize) -> AlignedBuf {
 }
 
 fn write(dev: &dyn BlockDevice, offset: u64, len: usize, seed: u64) {
-    dev.write(
-        offset,
-        &conformance::pattern(len, seed),
-        WriteFlags::default(),
-    )
-    .unwrap();
+    dev.write(offset, &pattern(len, seed), WriteFlags::default())
+        .unwrap();
 }
 
 fn original(size: u64) -> AlignedBuf {
-    conformance::pattern(size as usize, 1)
+    pattern(size as usize, 1)
 }
 
 #[test]
 fn a_snapshot_keeps_reading_what_the_origin_held_when_it_was_taken() {
-    let mut rig = Rig::new(4 * MIB);
+    let rig = Rig::new(4 * MIB);
     let cow = rig.cow(4 * MIB);
     let origin = rig.origin_table();
     let snap = rig.snapshot(&cow, "P 16");
     write(&origin, 8192, 4096, 2);
     write(&origin, 3 * MIB + 512, 1024, 3);
     assert!(read(&snap, 0, 4 * MIB as usize)[..] == original(4 * MIB)[..]);
-    assert!(read(&origin, 8192, 4096)[..] == conformance::pattern(4096, 2)[..]);
+    assert!(read(&origin, 8192, 4096)[..] == pattern(4096, 2)[..]);
     // Two chunks of 8 KiB saved: header + area + 2 data chunks of 16 sectors allocated.
     assert_eq!(target(&snap).status(), "64/8192 32");
     // Writing the same chunks again saves nothing more.
@@ -144,7 +141,7 @@ fn a_snapshot_keeps_reading_what_the_origin_held_when_it_was_taken() {
 
 #[test]
 fn passes_the_conformance_suite_as_origin_snapshot_and_merge() {
-    let mut rig = Rig::new(8 * MIB);
+    let rig = Rig::new(8 * MIB);
     let cows = [rig.cow(16 * MIB), rig.cow(16 * MIB)];
     let origin = rig.origin_table();
     let snap = rig.snapshot(&cows[0], "P 8");
@@ -163,7 +160,7 @@ fn passes_the_conformance_suite_as_origin_snapshot_and_merge() {
 
 #[test]
 fn four_snapshots_each_keep_their_own_point_in_time() {
-    let mut rig = Rig::new(2 * MIB);
+    let rig = Rig::new(2 * MIB);
     let origin = rig.origin_table();
     let mut snaps = Vec::new();
     let mut expected = Vec::new();
@@ -188,13 +185,13 @@ fn four_snapshots_each_keep_their_own_point_in_time() {
 
 #[test]
 fn writes_to_the_snapshot_stay_there_and_whole_chunks_skip_the_origin_read() {
-    let mut rig = Rig::new(4 * MIB);
+    let rig = Rig::new(4 * MIB);
     let counted = Arc::new(Switchable::new(4 * MIB));
     counted
         .inner
         .write(0, &original(4 * MIB), WriteFlags::default())
         .unwrap();
-    rig.devices.insert(rig.origin.clone(), counted.clone());
+    rig.set_origin(counted.clone());
     let cow = rig.cow(4 * MIB);
     let snap = rig.snapshot(&cow, "P 16");
     let reads = || counted.reads.load(Ordering::SeqCst);
@@ -206,15 +203,15 @@ fn writes_to_the_snapshot_stay_there_and_whole_chunks_skip_the_origin_read() {
     assert_eq!(reads(), 1);
     let chunk = read(&snap, 65536, 8192);
     assert!(chunk[..1024] == original(4 * MIB)[65536..65536 + 1024]);
-    assert!(chunk[1024..1536] == conformance::pattern(512, 6)[..]);
+    assert!(chunk[1024..1536] == pattern(512, 6)[..]);
     assert!(chunk[1536..] == original(4 * MIB)[65536 + 1536..65536 + 8192]);
-    assert!(read(&snap, 16384, 8192)[..] == conformance::pattern(8192, 5)[..]);
+    assert!(read(&snap, 16384, 8192)[..] == pattern(8192, 5)[..]);
     assert!(read(&*counted, 0, 4 * MIB as usize)[..] == original(4 * MIB)[..]);
 }
 
 #[test]
 fn a_full_cow_invalidates_the_snapshot_and_the_origin_keeps_working() {
-    let mut rig = Rig::new(4 * MIB);
+    let rig = Rig::new(4 * MIB);
     // Header, area and 6 data chunks of 4 KiB.
     let cow = rig.cow(8 * 4096);
     let origin = rig.origin_table();
@@ -241,9 +238,9 @@ fn a_full_cow_invalidates_the_snapshot_and_the_origin_keeps_working() {
     );
     // The origin goes on, and no longer saves anything for the dropped snapshot.
     write(&origin, 7 * 65536, 4096, 21);
-    assert!(read(&origin, 7 * 65536, 4096)[..] == conformance::pattern(4096, 21)[..]);
+    assert!(read(&origin, 7 * 65536, 4096)[..] == pattern(4096, 21)[..]);
     // The invalidation is on disk: `valid` is 0 in the header.
-    assert_eq!(read(&**rig.device(&cow), 4, 4)[..], [0, 0, 0, 0]);
+    assert_eq!(read(&*rig.device(&cow), 4, 4)[..], [0, 0, 0, 0]);
     drop(snap);
     let again = rig.snapshot(&cow, "P 8");
     assert_eq!(target(&again).status(), "Invalid");
@@ -251,22 +248,22 @@ fn a_full_cow_invalidates_the_snapshot_and_the_origin_keeps_working() {
 
 #[test]
 fn po_overflows_on_snapshot_writes_and_keeps_reading() {
-    let mut rig = Rig::new(4 * MIB);
+    let rig = Rig::new(4 * MIB);
     let cow = rig.cow(4 * 4096);
     let snap = rig.snapshot(&cow, "PO 8");
     write(&snap, 0, 4096, 3);
     write(&snap, 4096, 4096, 4);
     let err = snap
-        .write(8192, &conformance::pattern(4096, 5), WriteFlags::default())
+        .write(8192, &pattern(4096, 5), WriteFlags::default())
         .unwrap_err();
     assert_eq!(err.errno(), libc::EIO);
     assert_eq!(target(&snap).status(), "Overflow");
-    assert!(read(&snap, 0, 4096)[..] == conformance::pattern(4096, 3)[..]);
+    assert!(read(&snap, 0, 4096)[..] == pattern(4096, 3)[..]);
     assert!(read(&snap, 8192, 4096)[..] == original(4 * MIB)[8192..12288]);
     // Even chunks it has fail to write now, as in the kernel.
     assert!(snap.write(0, &[0u8; 4096], WriteFlags::default()).is_err());
     assert_eq!(
-        read(&**rig.device(&cow), 4, 4)[..],
+        read(&*rig.device(&cow), 4, 4)[..],
         [1, 0, 0, 0],
         "still valid on disk"
     );
@@ -289,9 +286,9 @@ impl BlockDevice for Gated {
     fn read(&self, offset: u64, buf: &mut [u8]) -> udm_block::Result<()> {
         if offset == self.blocked {
             self.waiting.store(true, Ordering::SeqCst);
-            let mut open = self.open.lock().unwrap();
+            let mut open = self.open.lock();
             while !*open {
-                open = self.opened.wait(open).unwrap();
+                self.opened.wait(&mut open);
             }
         }
         self.inner.read(offset, buf)
@@ -306,7 +303,7 @@ impl BlockDevice for Gated {
 
 #[test]
 fn origin_writes_to_different_chunks_never_wait_for_each_other() {
-    let mut rig = Rig::new(MIB);
+    let rig = Rig::new(MIB);
     let gated = Arc::new(Gated {
         inner: MemoryDevice::new(MIB),
         blocked: 0,
@@ -314,7 +311,7 @@ fn origin_writes_to_different_chunks_never_wait_for_each_other() {
         opened: Condvar::new(),
         waiting: AtomicBool::new(false),
     });
-    rig.devices.insert(rig.origin.clone(), gated.clone());
+    rig.set_origin(gated.clone());
     let cow = rig.cow(4 * MIB);
     let origin = rig.origin_table();
     let snap = rig.snapshot(&cow, "P 8");
@@ -332,7 +329,7 @@ fn origin_writes_to_different_chunks_never_wait_for_each_other() {
         assert!(read(&snap, 4096, 4096)[..] == [0u8; 4096][..]);
         assert!(t.elapsed() < Duration::from_secs(2));
         assert!(!stuck.is_finished(), "chunk 0's write waits for its copy");
-        *gated.open.lock().unwrap() = true;
+        *gated.open.lock() = true;
         gated.opened.notify_all();
         stuck.join().unwrap();
     });
@@ -341,7 +338,7 @@ fn origin_writes_to_different_chunks_never_wait_for_each_other() {
 
 #[test]
 fn concurrent_first_writes_share_commits() {
-    let mut rig = Rig::new(16 * MIB);
+    let rig = Rig::new(16 * MIB);
     let cow = rig.cow(32 * MIB);
     let origin = rig.origin_table();
     let snap = rig.snapshot(&cow, "P 8");
@@ -364,7 +361,7 @@ fn concurrent_first_writes_share_commits() {
 
 #[test]
 fn bad_tables_are_refused_naming_the_problem() {
-    let mut rig = Rig::new(4 * MIB);
+    let rig = Rig::new(4 * MIB);
     let cow = rig.cow(4 * MIB);
     let tiny = rig.cow(8192);
     let o = rig.origin.clone();
@@ -403,7 +400,7 @@ fn bad_tables_are_refused_naming_the_problem() {
 
 #[test]
 fn one_merge_per_origin_and_never_beside_another_devices_snapshot_origin() {
-    let mut rig = Rig::new(4 * MIB);
+    let rig = Rig::new(4 * MIB);
     let (a, b) = (rig.cow(4 * MIB), rig.cow(4 * MIB));
     let o = rig.origin.clone();
     let origin = rig.origin_table();
@@ -467,7 +464,7 @@ fn wait_merged(merge: &Table, events: &AtomicU64, events_before: u64) {
 
 #[test]
 fn a_merge_rolls_the_origin_back_while_writes_go_on_and_resumes_after_a_restart() {
-    let mut rig = Rig::new(8 * MIB);
+    let rig = Rig::new(8 * MIB);
     let cow = rig.cow(16 * MIB);
     let o = rig.origin.clone();
     let origin = rig.origin_table();
@@ -504,7 +501,7 @@ fn a_merge_rolls_the_origin_back_while_writes_go_on_and_resumes_after_a_restart(
     let mut expected = snapshot_view;
     for i in 0..200u64 {
         let at = (i * 7919 * 4096 + 512) % (8 * MIB - 8192);
-        let data = conformance::pattern(6144, 5000 + i);
+        let data = pattern(6144, 5000 + i);
         merge.write(at, &data, WriteFlags::default()).unwrap();
         expected[at as usize..at as usize + 6144].copy_from_slice(&data);
     }
@@ -514,7 +511,7 @@ fn a_merge_rolls_the_origin_back_while_writes_go_on_and_resumes_after_a_restart(
     let (allocated, metadata) = parse_status(&status);
     assert_eq!(allocated, metadata, "merged: {status}");
     assert!(read(&merge, 0, 8 * MIB as usize)[..] == expected[..]);
-    assert!(read(&**rig.device(&o), 0, 8 * MIB as usize)[..] == expected[..]);
+    assert!(read(&*rig.device(&o), 0, 8 * MIB as usize)[..] == expected[..]);
     assert_eq!(
         target(&merge).replacement().unwrap().unwrap(),
         format!("snapshot-origin {o}")
@@ -529,7 +526,7 @@ fn parse_status(status: &str) -> (u64, u64) {
 
 #[test]
 fn a_reload_keeps_the_snapshot_and_a_transient_one_asks_to_be_dropped_after_a_restart() {
-    let mut rig = Rig::new(4 * MIB);
+    let rig = Rig::new(4 * MIB);
     let (cow, scratch) = (rig.cow(4 * MIB), rig.cow(4 * MIB));
     let origin = rig.origin_table();
     let owner = format!("snap-{cow}");
@@ -559,15 +556,18 @@ fn a_power_cut_at_any_write_keeps_the_snapshot_exact() {
     loop {
         // The first write (the origin's contents) is not one to cut at.
         let power = PowerSwitch::new(cut_at + 1);
-        // Well-mixed seeds: which unflushed sectors survive should look random.
-        let seed = cut_at.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let seed = cut_at;
         let origin_dev = Arc::new(CrashDevice::on_power(SIZE, power.clone(), seed));
         origin_dev
             .write(0, &original(SIZE), WriteFlags { fua: true })
             .unwrap();
-        let cow_dev = Arc::new(CrashDevice::on_power(4 * MIB, power.clone(), seed ^ 0xabcd));
-        let mut rig = Rig::new(SIZE);
-        rig.devices.insert(rig.origin.clone(), origin_dev.clone());
+        let cow_dev = Arc::new(CrashDevice::on_power(
+            4 * MIB,
+            power.clone(),
+            seed + 1_000_000,
+        ));
+        let rig = Rig::new(SIZE);
+        rig.set_origin(origin_dev.clone());
         let cow = rig.add("cow", cow_dev.clone());
         let mut flushed: HashMap<u64, u64> = HashMap::new();
         let mut unflushed: Vec<(u64, u64)> = Vec::new();
@@ -583,11 +583,7 @@ fn a_power_cut_at_any_write_keeps_the_snapshot_exact() {
                 // A write in flight at the cut may land, in part.
                 unflushed.push((block, 100 + i));
                 origin
-                    .write(
-                        block * 4096,
-                        &conformance::pattern(4096, 100 + i),
-                        WriteFlags::default(),
-                    )
+                    .write(block * 4096, &pattern(4096, 100 + i), WriteFlags::default())
                     .map_err(|e| e.to_string())?;
                 if i % 5 == 4 {
                     origin.flush().map_err(|e| e.to_string())?;
@@ -602,10 +598,8 @@ fn a_power_cut_at_any_write_keeps_the_snapshot_exact() {
             break;
         }
         cuts += 1;
-        let mut after = Rig::new(SIZE);
-        after
-            .devices
-            .insert(after.origin.clone(), Arc::new(origin_dev.after_power_cut()));
+        let after = Rig::new(SIZE);
+        after.set_origin(Arc::new(origin_dev.after_power_cut()));
         let cow = after.add("cow", Arc::new(cow_dev.after_power_cut()));
         let snap = after
             .try_table("snap-dev", &format!("snapshot {} {cow} P 8", after.origin))
@@ -614,12 +608,12 @@ fn a_power_cut_at_any_write_keeps_the_snapshot_exact() {
             read(&snap, 0, SIZE as usize)[..] == original(SIZE)[..],
             "cut at write {cut_at}: the snapshot changed"
         );
-        let origin = read(&**after.device(&after.origin), 0, SIZE as usize);
+        let origin = read(&*after.device(&after.origin), 0, SIZE as usize);
         for (block, seed) in &flushed {
             let at = (*block * 4096) as usize;
             let newer = unflushed.iter().any(|(b, _)| b == block);
             assert!(
-                newer || origin[at..at + 4096] == conformance::pattern(4096, *seed)[..],
+                newer || origin[at..at + 4096] == pattern(4096, *seed)[..],
                 "cut at write {cut_at}: flushed origin block {block} lost"
             );
         }
@@ -635,16 +629,14 @@ fn a_power_cut_at_any_write_keeps_the_snapshot_exact() {
 #[test]
 fn remapping_goes_straight_to_the_files_only_where_nothing_needs_saving() {
     use udm_block::{FileDevice, MapOp, OpenMode};
-    let dir = std::env::temp_dir().join(unique("udm-snapshot-map-"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = udm_testkit::TempDir::new("snapshot-map");
     let file = |name: &str, size: u64| {
-        let path = dir.join(name);
+        let path = dir.path(name);
         std::fs::File::create(&path).unwrap().set_len(size).unwrap();
         Arc::new(FileDevice::open(&path, OpenMode::ReadWrite).unwrap()) as Arc<dyn BlockDevice>
     };
-    let mut rig = Rig::new(MIB);
-    rig.devices
-        .insert(rig.origin.clone(), file("origin.img", MIB));
+    let rig = Rig::new(MIB);
+    rig.set_origin(file("origin.img", MIB));
     let cow = rig.add("cow", file("cow.img", 4 * MIB));
     let origin = rig.origin_table();
     let snap = rig.snapshot(&cow, "P 8");
@@ -682,7 +674,6 @@ fn remapping_goes_straight_to_the_files_only_where_nothing_needs_saving() {
         "a new exception is not a remap"
     );
     assert!(read(&snap, 8192, 4096).iter().all(|&b| b == 0));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 fn write_pattern(dev: &dyn BlockDevice, offset: u64) {
@@ -721,11 +712,8 @@ impl BlockDevice for Slow {
 /// 4 ms (read, copy, commit, write); 8 writers get at least 6 times as far as one.
 #[test]
 fn first_writes_scale_with_the_writers() {
-    let mut rig = Rig::new(256 * MIB);
-    rig.devices.insert(
-        rig.origin.clone(),
-        Arc::new(Slow(MemoryDevice::new(256 * MIB))),
-    );
+    let rig = Rig::new(256 * MIB);
+    rig.set_origin(Arc::new(Slow(MemoryDevice::new(256 * MIB))));
     let cow = rig.add("cow", Arc::new(Slow(MemoryDevice::new(512 * MIB))));
     let origin = rig.origin_table();
     let _snap = rig.snapshot(&cow, "P 8");

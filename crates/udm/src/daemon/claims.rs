@@ -10,12 +10,13 @@
 //! for a shared one — on one byte far past any data ([`LOCK_BYTE`]), so udm processes exclude
 //! each other without conflicting with the byte-range locks qemu takes on the same images.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use udm_block::{
     BlockDevice, Capabilities, Extent, MapOp, Mapping, Result as IoResult, WriteFlags, ZeroFlags,
@@ -33,6 +34,8 @@ enum Key {
 }
 
 struct Holder {
+    /// Which guard holds this claim (owners may hold several, and may be renamed).
+    id: u64,
     owner: String,
     exclusive: bool,
 }
@@ -47,14 +50,14 @@ struct Entry {
 #[derive(Default)]
 pub struct Claims {
     entries: Mutex<HashMap<Key, Entry>>,
+    next_id: std::sync::atomic::AtomicU64,
 }
 
 /// Keeps a claim until dropped (with the device handle it was taken for).
 pub struct ClaimGuard {
     claims: Arc<Claims>,
     key: Key,
-    owner: String,
-    exclusive: bool,
+    id: u64,
 }
 
 impl Claims {
@@ -76,6 +79,19 @@ impl Claims {
         )
     }
 
+    /// Device `old` is now called `new`: its claims go with it.
+    pub fn rename_owner(&self, old: &str, new: &str) {
+        let mut entries = self.entries.lock();
+        for entry in entries.values_mut() {
+            for holder in entry.holders.iter_mut().filter(|h| h.owner == old) {
+                holder.owner = new.to_string();
+            }
+        }
+        if let Some(entry) = entries.remove(&Key::Device(old.into())) {
+            entries.insert(Key::Device(new.into()), entry);
+        }
+    }
+
     /// Claims the udm device `name` for device `owner`.
     pub fn claim_device(
         self: &Arc<Self>,
@@ -93,7 +109,7 @@ impl Claims {
         exclusive: bool,
         path: Option<&Path>,
     ) -> Result<ClaimGuard, String> {
-        let mut entries = self.entries.lock().unwrap();
+        let mut entries = self.entries.lock();
         let entry = entries.entry(key.clone()).or_insert_with(|| Entry {
             holders: Vec::new(),
             lock: None,
@@ -118,8 +134,12 @@ impl Claims {
                 None => Ok(()),
             },
         };
+        let id = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match result {
             Ok(()) => entry.holders.push(Holder {
+                id,
                 owner: owner.into(),
                 exclusive,
             }),
@@ -133,8 +153,7 @@ impl Claims {
         Ok(ClaimGuard {
             claims: self.clone(),
             key,
-            owner: owner.into(),
-            exclusive,
+            id,
         })
     }
 }
@@ -192,17 +211,11 @@ fn set_lock(file: &File, kind: libc::c_int) -> std::io::Result<()> {
 
 impl Drop for ClaimGuard {
     fn drop(&mut self) {
-        let mut entries = self.claims.entries.lock().unwrap();
+        let mut entries = self.claims.entries.lock();
         let Some(entry) = entries.get_mut(&self.key) else {
             return;
         };
-        if let Some(i) = entry
-            .holders
-            .iter()
-            .position(|h| h.owner == self.owner && h.exclusive == self.exclusive)
-        {
-            entry.holders.remove(i);
-        }
+        entry.holders.retain(|h| h.id != self.id);
         if entry.holders.is_empty() {
             // Closing the descriptor drops the lock.
             entries.remove(&self.key);
@@ -300,6 +313,23 @@ mod tests {
         assert!(err.contains("needs it for itself"), "{err}");
         drop(a);
         assert!(claims.claim_device("base", "c", true).is_err());
+    }
+
+    #[test]
+    fn a_renamed_owner_keeps_its_claims_and_releases_them_under_its_new_name() {
+        let claims = Arc::new(Claims::default());
+        let path = temp_file("rename");
+        let live = claims.claim_file(&path, "old", true).unwrap();
+        claims.rename_owner("old", "new");
+        // Its next table, built under the new name, shares the claim...
+        let reload = claims.claim_file(&path, "new", true).unwrap();
+        // ...and nobody else gets it, the old name included.
+        let err = claims.claim_file(&path, "old", true).err().unwrap();
+        assert!(err.contains("in use by device 'new'"), "{err}");
+        drop(live);
+        drop(reload);
+        claims.claim_file(&path, "other", true).unwrap();
+        std::fs::remove_file(path).unwrap();
     }
 
     #[test]

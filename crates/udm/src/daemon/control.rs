@@ -3,35 +3,29 @@
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use log::{debug, warn};
 use serde_json::json;
-use udm_block::{BlockDevice, SECTOR_SIZE};
 use udm_targets::TARGET_TYPES;
 
 use super::registry::Registry;
-use udm::control::{Envelope, Request, Response, PROTOCOL_VERSION};
+use super::removal::{CLOSING_GRACE, RETRY_WAIT};
+use super::report::{self, Exports};
+use crate::control::{Envelope, Request, Response, PROTOCOL_VERSION};
+
+/// dmsetup's message that takes back a deferred removal.
+const CANCEL_DEFERRED_REMOVE: &str = "@cancel_deferred_remove";
 
 /// Longest request line accepted; a table of thousands of lines still fits.
 const MAX_REQUEST: u64 = 4 << 20;
 /// How often a `wait` looks whether its client is still there.
 const WAIT_SLICE: Duration = Duration::from_millis(200);
 
-/// Where devices are also served as files, and how the FUSE requests come.
-pub struct FuseFiles {
-    pub dir: PathBuf,
-    pub transport: String,
-}
-
-pub fn listen(
-    path: &Path,
-    registry: Arc<Registry>,
-    fuse_files: Option<FuseFiles>,
-) -> std::io::Result<()> {
-    let fuse_files = Arc::new(fuse_files);
+pub fn listen(path: &Path, registry: Arc<Registry>, exports: Exports) -> std::io::Result<()> {
+    let exports = Arc::new(exports);
     udm_nbd::remove_stale_socket(path)?;
     let listener = UnixListener::bind(path)?;
     std::thread::Builder::new()
@@ -41,10 +35,10 @@ pub fn listen(
                 match stream {
                     Ok(s) => {
                         let registry = registry.clone();
-                        let fuse_files = fuse_files.clone();
+                        let exports = exports.clone();
                         let _ = std::thread::Builder::new()
                             .name("control".into())
-                            .spawn(move || serve(s, &registry, fuse_files.as_ref().as_ref()));
+                            .spawn(move || serve(s, &registry, &exports));
                     }
                     Err(e) => warn!("control: accept failed: {e}"),
                 }
@@ -53,7 +47,7 @@ pub fn listen(
     Ok(())
 }
 
-fn serve(stream: UnixStream, registry: &Registry, fuse_files: Option<&FuseFiles>) {
+fn serve(stream: UnixStream, registry: &Arc<Registry>, exports: &Exports) {
     let Ok(writer) = stream.try_clone() else {
         return;
     };
@@ -81,7 +75,18 @@ fn serve(stream: UnixStream, registry: &Registry, fuse_files: Option<&FuseFiles>
                 "control protocol version {} not supported (this daemon speaks {PROTOCOL_VERSION})",
                 envelope.version
             )),
-            Ok(envelope) => execute(registry, envelope.request, fuse_files, &writer),
+            Ok(envelope) => {
+                let stop = matches!(envelope.request, Request::Stop);
+                let response = execute(registry, envelope.request, exports, &writer);
+                if stop {
+                    let _ = reply(&mut writer, &response);
+                    // The main thread collects it and stops in order, as for `kill`.
+                    // SAFETY: sends a signal to this process.
+                    unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+                    return;
+                }
+                response
+            }
             Err(e) => Response::error(format!("malformed request: {e}")),
         };
         if reply(&mut writer, &response).is_err() {
@@ -110,37 +115,53 @@ fn hung_up(client: &UnixStream) -> bool {
     ready > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
 
-/// `client` is the requester's connection, watched by requests that block.
+/// `client` is the requester's connection, watched by requests that block. Devices are named
+/// by name or UUID; the registry is asked under the device's name.
 fn execute(
-    registry: &Registry,
+    registry: &Arc<Registry>,
     request: Request,
-    fuse_files: Option<&FuseFiles>,
+    exports: &Exports,
     client: &UnixStream,
 ) -> Response {
+    let named = |name: &str| registry.resolve(name).map(|d| d.name());
     let result: Result<Response, Box<dyn std::error::Error>> = (|| {
         Ok(match request {
             Request::Create {
                 name,
                 table,
                 read_only,
+                uuid,
             } => {
-                registry.create(&name, &table, read_only)?;
+                registry.create(&name, &table, read_only, uuid.as_deref())?;
                 Response::text("")
             }
-            Request::Load { name, table, force } => {
-                registry.load(&name, &table, force)?;
+            Request::Load {
+                name,
+                table,
+                force,
+                read_only,
+            } => {
+                registry.load(&named(&name)?, &table, force, read_only)?;
                 Response::text("")
             }
             Request::Clear { name } => {
-                registry.clear(&name)?;
+                registry.clear(&named(&name)?)?;
                 Response::text("")
             }
-            Request::Suspend { name } => {
-                registry.suspend(&name)?;
+            Request::Suspend { name, noflush } => {
+                registry.suspend(&named(&name)?, noflush)?;
                 Response::text("")
             }
             Request::Resume { name } => {
-                registry.resume(&name)?;
+                registry.resume(&named(&name)?)?;
+                Response::text("")
+            }
+            Request::Message {
+                name,
+                sector: _,
+                words,
+            } if words.len() == 1 && words[0] == CANCEL_DEFERRED_REMOVE => {
+                registry.cancel_deferred_remove(&named(&name)?)?;
                 Response::text("")
             }
             Request::Message {
@@ -149,16 +170,21 @@ fn execute(
                 words,
             } => {
                 let words: Vec<&str> = words.iter().map(String::as_str).collect();
-                Response::text(registry.message(&name, sector, &words)?)
+                Response::text(registry.message(&named(&name)?, sector, &words)?)
             }
-            Request::Status { name } => status(registry, &name)?,
-            Request::Table { name } => {
-                Response::text(registry.get(&name)?.live().lines().join("\n"))
+            Request::Status { name, target } => {
+                report::status(registry, name.as_deref(), target.as_deref())?
             }
-            Request::Info { name } => info(registry, &name, fuse_files)?,
-            Request::Ls { tree } => ls(registry, tree),
+            Request::Table {
+                name,
+                target,
+                inactive,
+            } => report::table(registry, name.as_deref(), target.as_deref(), inactive)?,
+            Request::Info { name } => report::info(registry, name.as_deref(), exports)?,
+            Request::Deps { name } => report::deps(registry, name.as_deref())?,
+            Request::Ls { tree } => report::ls(registry, tree),
             Request::Wait { name, event_nr } => {
-                let device = registry.get(&name)?;
+                let device = registry.resolve(&name)?;
                 let after = event_nr.unwrap_or_else(|| device.events().current());
                 // In slices, so that the wait ends (and its thread with it) when the device
                 // goes away or nobody waits for the answer any more.
@@ -167,17 +193,59 @@ fn execute(
                     if now > after {
                         break Response::text(now.to_string());
                     }
-                    registry.get(&name)?;
+                    registry.get(&device.name())?;
                     if hung_up(client) {
                         return Err("the client went away".into());
                     }
                 }
             }
-            Request::Remove { name, force } => {
-                registry.remove(&name, force)?;
+            Request::Rename {
+                name,
+                new_name,
+                uuid,
+            } => {
+                let name = named(&name)?;
+                match (new_name, uuid) {
+                    (Some(new_name), None) => registry.rename(&name, &new_name)?,
+                    (None, Some(uuid)) => registry.set_uuid(&name, &uuid)?,
+                    _ => return Err("rename takes either a new name or a UUID".into()),
+                }
                 Response::text("")
             }
-            Request::Finalize { name } => Response::text(registry.finalize(&name)?),
+            Request::Remove {
+                name,
+                deferred: true,
+                ..
+            } => {
+                let name = named(&name)?;
+                match registry.remove_deferred(&name)? {
+                    true => Response::text(""),
+                    false => Response::text(format!(
+                        "device '{name}' is in use: it will be removed once unused"
+                    )),
+                }
+            }
+            Request::Remove {
+                name, force, retry, ..
+            } => {
+                let wait = if retry { RETRY_WAIT } else { CLOSING_GRACE };
+                registry.remove(&named(&name)?, force, wait)?;
+                Response::text("")
+            }
+            Request::RemoveAll { force } => {
+                registry.remove_all(force)?;
+                Response::text("")
+            }
+            Request::Finalize { name } => {
+                let name = named(&name)?;
+                match registry.finalize(&name)? {
+                    Some(table) => Response::text(table),
+                    None => Response::text(format!(
+                        "device '{name}' has no target with an end state (a clone): nothing \
+                         to finalize"
+                    )),
+                }
+            }
             Request::Targets => Response::text(
                 TARGET_TYPES
                     .iter()
@@ -185,113 +253,25 @@ fn execute(
                     .collect::<Vec<_>>()
                     .join("\n"),
             ),
+            Request::Stop => {
+                log::info!("stop requested over the control socket");
+                Response {
+                    data: Some(json!({
+                        "pid": std::process::id(), "state_dir": registry.state_dir,
+                    })),
+                    ..Response::text("")
+                }
+            }
+            Request::Version => Response {
+                data: Some(json!({
+                    "version": env!("CARGO_PKG_VERSION"), "protocol": PROTOCOL_VERSION,
+                })),
+                ..Response::text(format!(
+                    "udm daemon {} (control protocol {PROTOCOL_VERSION})",
+                    env!("CARGO_PKG_VERSION")
+                ))
+            },
         })
     })();
     result.unwrap_or_else(Response::error)
-}
-
-fn status(registry: &Registry, name: &str) -> Result<Response, Box<dyn std::error::Error>> {
-    let device = registry.get(name)?;
-    let table = device.live();
-    let lines = table.status_lines();
-    let targets: Vec<_> = table
-        .segments()
-        .iter()
-        .map(|s| {
-            json!({
-                "start": s.start / SECTOR_SIZE,
-                "length": s.len / SECTOR_SIZE,
-                "type": s.target.type_name(),
-                "status": s.target.status(),
-                "details": s.target.status_details(),
-            })
-        })
-        .collect();
-    Ok(Response {
-        data: Some(json!({ "name": name, "targets": targets })),
-        ..Response::text(lines.join("\n"))
-    })
-}
-
-fn info(
-    registry: &Registry,
-    name: &str,
-    fuse_files: Option<&FuseFiles>,
-) -> Result<Response, Box<dyn std::error::Error>> {
-    let device = registry.get(name)?;
-    let state = if device.is_suspended() {
-        "SUSPENDED"
-    } else {
-        "ACTIVE"
-    };
-    let tables = if device.inactive().is_some() {
-        "LIVE & INACTIVE"
-    } else {
-        "LIVE"
-    };
-    let opens = device.open_count() + registry.holders(name).len();
-    let access = if device.read_only() {
-        " (READ-ONLY)"
-    } else {
-        ""
-    };
-    let fuse_file = fuse_files.map(|f| f.dir.join(name));
-    let mut text = format!(
-        "Name:              {name}\nState:             {state}{access}\n\
-         Tables present:    {tables}\nOpen count:        {opens}\n\
-         Event number:      {}\nSize:              {} sectors",
-        device.events().current(),
-        device.size() / SECTOR_SIZE
-    );
-    if let (Some(file), Some(files)) = (&fuse_file, fuse_files) {
-        text += &format!("\nFUSE file:         {}", file.display());
-        text += &format!("\nFUSE transport:    {}", files.transport);
-    }
-    Ok(Response {
-        data: Some(json!({
-            "name": name, "state": state, "read_only": device.read_only(),
-            "inactive_table": device.inactive().is_some(), "open_count": opens,
-            "event_nr": device.events().current(), "sectors": device.size() / SECTOR_SIZE,
-            "fuse_file": fuse_file, "fuse_transport": fuse_files.map(|f| &f.transport),
-        })),
-        ..Response::text(text)
-    })
-}
-
-fn ls(registry: &Registry, tree: bool) -> Response {
-    let devices = registry.all();
-    if devices.is_empty() {
-        return Response::text("No devices found");
-    }
-    if !tree {
-        let lines: Vec<_> = devices
-            .iter()
-            .map(|d| format!("{}\t({} sectors)", d.name(), d.size() / SECTOR_SIZE))
-            .collect();
-        return Response::text(lines.join("\n"));
-    }
-    // Like `dmsetup ls --tree`: each device not used by another is a root, with what it is
-    // built on below it, devices and backing files alike.
-    let mut out = Vec::new();
-    for device in devices
-        .iter()
-        .filter(|d| registry.holders(d.name()).is_empty())
-    {
-        out.push(device.name().to_string());
-        tree_below(registry, device.name(), "", &mut out);
-    }
-    Response::text(out.join("\n"))
-}
-
-fn tree_below(registry: &Registry, name: &str, indent: &str, out: &mut Vec<String>) {
-    let Ok(device) = registry.get(name) else {
-        return;
-    };
-    let refs = device.live().references();
-    for (i, r) in refs.iter().enumerate() {
-        let last = i + 1 == refs.len();
-        out.push(format!("{indent}{}{r}", if last { " └─" } else { " ├─" }));
-        let deeper = format!("{indent}{}", if last { "   " } else { " │ " });
-        tree_below(registry, r, &deeper, out);
-    }
 }

@@ -1,18 +1,24 @@
-//! A udm device: a name, a live table and an inactive one, the suspend gate, events and the
-//! open count.
+//! A udm device: a name (and optional UUID), a live table and an inactive one, the suspend
+//! gate, events, the open count and I/O statistics.
 
+use parking_lot::{Condvar, Mutex, RwLock};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use udm_block::{
     BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, Result, WriteFlags, ZeroFlags,
 };
 use udm_targets::Table;
 
+use super::stats::{IoStats, Op};
+
 struct Tables {
     live: Arc<Table>,
     inactive: Option<Arc<Table>>,
+    /// Whether the device is read-only once the inactive table goes live (dmsetup's
+    /// `load --readonly`: read-only is a property of each loaded table).
+    inactive_read_only: bool,
 }
 
 /// The suspend gate. The I/O path touches only atomics: a request counts itself in, then
@@ -29,8 +35,11 @@ struct Gate {
 }
 
 pub struct Device {
-    name: String,
-    read_only: bool,
+    /// Changed by `rename`.
+    name: RwLock<String>,
+    /// Set at create, or once later (`rename --setuuid`).
+    uuid: RwLock<Option<String>>,
+    read_only: AtomicBool,
     tables: RwLock<Tables>,
     /// The live table's size, read on every request.
     size: AtomicU64,
@@ -43,6 +52,12 @@ pub struct Device {
     /// Of those, opens of its file in the FUSE mount: a loop device or a mounted filesystem
     /// that must not lose the device under it when the daemon is asked to stop.
     file_opens: AtomicUsize,
+    /// Woken when the last open handle goes (a `remove` waiting out a client that is
+    /// disconnecting, a deferred removal).
+    released: (Mutex<()>, Condvar),
+    /// `remove --deferred`: remove once nothing uses the device any more.
+    deferred_remove: AtomicBool,
+    stats: Arc<IoStats>,
 }
 
 impl Gate {
@@ -61,7 +76,7 @@ impl Gate {
         if self.in_flight.fetch_sub(1, Ordering::SeqCst) == 1
             && self.suspended.load(Ordering::SeqCst)
         {
-            let _sleep = self.sleep.lock().unwrap();
+            let _sleep = self.sleep.lock();
             self.wake.notify_all();
         }
     }
@@ -87,37 +102,93 @@ impl Drop for MappedInFlight {
 
 impl Device {
     /// `events` is the counter the table's targets were given to raise events on.
-    pub fn new(name: String, read_only: bool, live: Table, events: Arc<Events>) -> Self {
+    pub fn new(
+        name: String,
+        uuid: Option<String>,
+        read_only: bool,
+        live: Table,
+        events: Arc<Events>,
+    ) -> Self {
         live.resume();
         Device {
-            name,
-            read_only,
+            name: RwLock::new(name),
+            uuid: RwLock::new(uuid),
+            read_only: AtomicBool::new(read_only),
             size: AtomicU64::new(live.size()),
             tables: RwLock::new(Tables {
                 live: Arc::new(live),
                 inactive: None,
+                inactive_read_only: false,
             }),
             gate: Arc::default(),
             events,
             opens: AtomicUsize::new(0),
             file_opens: AtomicUsize::new(0),
+            released: (Mutex::new(()), Condvar::new()),
+            deferred_remove: AtomicBool::new(false),
+            stats: Arc::default(),
         }
     }
 
-    pub fn name(&self) -> &str {
-        &self.name
+    pub fn name(&self) -> String {
+        self.name.read().clone()
+    }
+
+    /// Only the registry renames, under its lock, with the device's other records.
+    pub(super) fn set_name(&self, name: &str) {
+        *self.name.write() = name.to_string();
+    }
+
+    pub fn uuid(&self) -> Option<String> {
+        self.uuid.read().clone()
+    }
+
+    pub(super) fn set_uuid(&self, uuid: &str) {
+        *self.uuid.write() = Some(uuid.to_string());
     }
 
     pub fn read_only(&self) -> bool {
-        self.read_only
+        self.read_only.load(Ordering::Acquire)
+    }
+
+    /// Whether the inactive table, if any, was loaded read-only.
+    pub fn inactive_read_only(&self) -> bool {
+        self.tables.read().inactive_read_only
+    }
+
+    pub fn stats(&self) -> &Arc<IoStats> {
+        &self.stats
+    }
+
+    pub fn deferred_remove(&self) -> bool {
+        self.deferred_remove.load(Ordering::Acquire)
+    }
+
+    pub(super) fn set_deferred_remove(&self, deferred: bool) {
+        self.deferred_remove.store(deferred, Ordering::Release);
+    }
+
+    /// Waits up to `timeout` for every open handle to go; returns the open count then.
+    pub fn wait_released(&self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        let (lock, released) = &self.released;
+        let mut guard = lock.lock();
+        loop {
+            let opens = self.open_count();
+            let left = deadline.saturating_duration_since(Instant::now());
+            if opens == 0 || left.is_zero() {
+                return opens;
+            }
+            released.wait_for(&mut guard, left);
+        }
     }
 
     pub fn live(&self) -> Arc<Table> {
-        self.tables.read().unwrap().live.clone()
+        self.tables.read().live.clone()
     }
 
     pub fn inactive(&self) -> Option<Arc<Table>> {
-        self.tables.read().unwrap().inactive.clone()
+        self.tables.read().inactive.clone()
     }
 
     pub fn is_suspended(&self) -> bool {
@@ -153,9 +224,9 @@ impl Device {
                 return (self.live(), InFlight(gate));
             }
             // Suspended: sleep until resumed.
-            let mut sleep = gate.sleep.lock().unwrap();
+            let mut sleep = gate.sleep.lock();
             while gate.suspended.load(Ordering::SeqCst) {
-                sleep = gate.wake.wait(sleep).unwrap();
+                gate.wake.wait(&mut sleep);
             }
         }
     }
@@ -166,9 +237,9 @@ impl Device {
         if gate.suspended.swap(true, Ordering::SeqCst) {
             return;
         }
-        let mut sleep = gate.sleep.lock().unwrap();
+        let mut sleep = gate.sleep.lock();
         while gate.in_flight.load(Ordering::SeqCst) > 0 {
-            sleep = gate.wake.wait(sleep).unwrap();
+            gate.wake.wait(&mut sleep);
         }
         drop(sleep);
         self.live().suspend();
@@ -186,37 +257,44 @@ impl Device {
             self.suspend();
         }
         let (replaced, live) = {
-            let mut t = self.tables.write().unwrap();
+            let mut t = self.tables.write();
             let replaced = t
                 .inactive
                 .take()
                 .map(|new| std::mem::replace(&mut t.live, new));
+            if replaced.is_some() {
+                self.read_only
+                    .store(t.inactive_read_only, Ordering::Release);
+            }
             self.size.store(t.live.size(), Ordering::SeqCst);
             (replaced, t.live.clone())
         };
         if self.is_suspended() || replaced.is_some() {
             live.resume();
         }
-        let _sleep = self.gate.sleep.lock().unwrap();
+        let _sleep = self.gate.sleep.lock();
         self.gate.suspended.store(false, Ordering::SeqCst);
         self.gate.wake.notify_all();
         replaced
     }
 
-    /// Fills the inactive slot (dm's load); the live table is untouched until resume.
-    pub fn load(&self, table: Table) {
-        self.tables.write().unwrap().inactive = Some(Arc::new(table));
+    /// Fills the inactive slot (dm's load); the live table is untouched until resume, which
+    /// also makes the device read-only or read-write as `read_only` says.
+    pub fn load(&self, table: Table, read_only: bool) {
+        let mut tables = self.tables.write();
+        tables.inactive = Some(Arc::new(table));
+        tables.inactive_read_only = read_only;
     }
 
     /// Drops the inactive table, if any.
     pub fn clear_inactive(&self) {
-        self.tables.write().unwrap().inactive = None;
+        self.tables.write().inactive = None;
     }
 
-    /// Replaces the live table at once: suspend, swap, resume.
+    /// Replaces the live table at once (suspend, swap, resume), keeping read-only as it is.
     pub fn replace_live(&self, table: Table) {
         self.suspend();
-        self.load(table);
+        self.load(table, self.read_only());
         self.resume();
     }
 
@@ -235,21 +313,19 @@ pub struct Events {
 
 impl Events {
     pub fn current(&self) -> u64 {
-        *self.counter.lock().unwrap()
+        *self.counter.lock()
     }
 
     pub fn raise(&self) {
-        *self.counter.lock().unwrap() += 1;
+        *self.counter.lock() += 1;
         self.raised.notify_all();
     }
 
     /// Blocks until the counter passes `after`, or `timeout` elapses; returns it.
     pub fn wait(&self, after: u64, timeout: Duration) -> u64 {
-        let counter = self.counter.lock().unwrap();
-        let (counter, _) = self
-            .raised
-            .wait_timeout_while(counter, timeout, |n| *n <= after)
-            .unwrap();
+        let mut counter = self.counter.lock();
+        self.raised
+            .wait_while_for(&mut counter, |n| *n <= after, timeout);
         *counter
     }
 }
@@ -263,9 +339,13 @@ pub struct OpenHandle {
 
 impl Drop for OpenHandle {
     fn drop(&mut self) {
-        self.device.opens.fetch_sub(1, Ordering::AcqRel);
+        let device = &self.device;
         if self.as_file {
-            self.device.file_opens.fetch_sub(1, Ordering::AcqRel);
+            device.file_opens.fetch_sub(1, Ordering::AcqRel);
+        }
+        if device.opens.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _lock = device.released.0.lock();
+            device.released.1.notify_all();
         }
     }
 }
@@ -277,35 +357,40 @@ impl BlockDevice for Device {
     fn capabilities(&self) -> Capabilities {
         let caps = self.live().capabilities();
         Capabilities {
-            read_only: caps.read_only || self.read_only,
+            read_only: caps.read_only || self.read_only(),
             ..caps
         }
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let io = self.stats.start(Op::Read, buf.len() as u64);
         let (table, _in) = self.enter();
-        table.read(offset, buf)
+        io.finish(table.read(offset, buf))
     }
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
-        if self.read_only {
-            return Err(BlockError::ReadOnly(format!(
+        let io = self.stats.start(Op::Write, buf.len() as u64);
+        if self.read_only() {
+            return io.finish(Err(BlockError::ReadOnly(format!(
                 "device {} is read-only",
-                self.name
-            )));
+                self.name()
+            ))));
         }
         let (table, _in) = self.enter();
-        table.write(offset, buf, flags)
+        io.finish(table.write(offset, buf, flags))
     }
     fn flush(&self) -> Result<()> {
+        let io = self.stats.start(Op::Flush, 0);
         let (table, _in) = self.enter();
-        table.flush()
+        io.finish(table.flush())
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        let io = self.stats.start(Op::Discard, len);
         let (table, _in) = self.enter();
-        table.discard(offset, len)
+        io.finish(table.discard(offset, len))
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        let io = self.stats.start(Op::WriteZeroes, len);
         let (table, _in) = self.enter();
-        table.write_zeroes(offset, len, flags)
+        io.finish(table.write_zeroes(offset, len, flags))
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         let (table, _in) = self.enter();
@@ -316,17 +401,164 @@ impl BlockDevice for Device {
         table.cache(offset, len)
     }
     /// Never waits: a suspended device's requests take the synchronous way and wait there.
+    /// A request mapped here is counted when the engine completes it; one that is not
+    /// mapped after all is counted by the synchronous call it then becomes.
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
-        if self.read_only && op.is_write() {
+        if self.read_only() && op.is_write() {
             return None;
         }
         if !self.gate.try_enter() {
             return None;
         }
         let hold = MappedInFlight(self.gate.clone());
-        Some(self.live().map(op, offset, len)?.hold(hold))
+        let io = self.stats.start(op.into(), len);
+        let mapping = self.live().map(op, offset, len)?;
+        Some(mapping.hold(hold).when_complete(move |ok| io.record(ok)))
     }
     fn suspended(&self) -> bool {
         self.is_suspended()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+
+    use udm_block::{AlignedBuf, BlockDevice, MapOp};
+    use udm_testkit::TempDir;
+
+    use super::*;
+    use crate::daemon::Registry;
+
+    /// Every read of `slow` takes this long.
+    const SLOW: Duration = Duration::from_millis(300);
+
+    /// A registry with `base` (a zero device) and `slow` (a delay over it).
+    fn registry(dir: &TempDir) -> Registry {
+        let registry = Registry::new(&dir.path("state"), Duration::from_secs(1)).unwrap();
+        registry.create("base", "0 2048 zero", false, None).unwrap();
+        let table = format!("0 2048 delay base 0 {}", SLOW.as_millis());
+        registry.create("slow", &table, false, None).unwrap();
+        registry
+    }
+
+    fn read(device: &Device) -> Result<()> {
+        device.read(0, &mut AlignedBuf::zeroed(4096))
+    }
+
+    /// Runs `op` while a read of `device` is in flight (it has passed the gate); returns how
+    /// long `op` took.
+    fn with_a_read_in_flight(device: &Arc<Device>, op: impl FnOnce()) -> Duration {
+        std::thread::scope(|s| {
+            let reader = s.spawn(|| read(device));
+            while device.gate.in_flight.load(Ordering::SeqCst) == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let started = Instant::now();
+            op();
+            let took = started.elapsed();
+            reader
+                .join()
+                .unwrap()
+                .expect("the read in flight completes");
+            took
+        })
+    }
+
+    #[test]
+    fn suspend_waits_for_the_requests_in_flight() {
+        let dir = TempDir::new("gate-drain");
+        let slow = registry(&dir).get("slow").unwrap();
+        let took = with_a_read_in_flight(&slow, || slow.suspend());
+        assert!(took >= SLOW / 3, "suspend returned after {took:?}");
+        assert!(slow.is_suspended());
+    }
+
+    #[test]
+    fn requests_wait_at_a_suspended_device_until_resume() {
+        let dir = TempDir::new("gate-hold");
+        let base = registry(&dir).get("base").unwrap();
+        base.suspend();
+        let (done, finished) = mpsc::channel();
+        let held = base.clone();
+        let reader = std::thread::spawn(move || done.send(read(&held)).unwrap());
+        assert!(
+            finished.recv_timeout(Duration::from_millis(200)).is_err(),
+            "a read went through a suspended device"
+        );
+        base.resume();
+        finished
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap()
+            .expect("the held read succeeds after resume");
+        reader.join().unwrap();
+    }
+
+    #[test]
+    fn a_mapped_request_holds_its_place_until_it_completes_and_never_waits() {
+        let dir = TempDir::new("gate-map");
+        let base = registry(&dir).get("base").unwrap();
+        let mapping = base.map(MapOp::Read, 0, 4096).expect("zero maps reads");
+        std::thread::scope(|s| {
+            let suspender = s.spawn(|| base.suspend());
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(
+                !suspender.is_finished(),
+                "suspend did not wait for a mapped request"
+            );
+            drop(mapping);
+            suspender.join().unwrap();
+        });
+        // Suspended: mapping declines (the request takes the synchronous way and waits there).
+        assert!(base.map(MapOp::Read, 0, 4096).is_none());
+        base.resume();
+        assert!(base.map(MapOp::Read, 0, 4096).is_some());
+    }
+
+    #[test]
+    fn resume_with_an_inactive_table_drains_the_old_one_first() {
+        let dir = TempDir::new("gate-swap");
+        let registry = registry(&dir);
+        let slow = registry.get("slow").unwrap();
+        registry.load("slow", "0 4096 zero", false, false).unwrap();
+        // No suspend before: as dmsetup's reload + resume, the resume suspends first.
+        let took = with_a_read_in_flight(&slow, || {
+            slow.resume().expect("a table was replaced");
+        });
+        assert!(took >= SLOW / 3, "the swap did not wait: {took:?}");
+        assert!(!slow.is_suspended());
+        assert_eq!(slow.live().lines(), ["0 4096 zero"]);
+        assert_eq!(slow.size(), 4096 * 512);
+        assert!(slow.inactive().is_none());
+    }
+
+    #[test]
+    fn events_wake_a_waiter_and_time_out_otherwise() {
+        let events = Arc::new(Events::default());
+        let start = events.current();
+        assert_eq!(events.wait(start, Duration::from_millis(20)), start);
+        let raiser = {
+            let events = events.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                events.raise();
+            })
+        };
+        assert_eq!(events.wait(start, Duration::from_secs(10)), start + 1);
+        raiser.join().unwrap();
+    }
+
+    #[test]
+    fn open_handles_count_and_release_their_device() {
+        let dir = TempDir::new("opens");
+        let base = registry(&dir).get("base").unwrap();
+        let nbd = base.open(false);
+        let file = base.open(true);
+        assert_eq!((base.open_count(), base.file_open_count()), (2, 1));
+        drop(file);
+        assert_eq!((base.open_count(), base.file_open_count()), (1, 0));
+        drop(nbd);
+        assert_eq!(base.open_count(), 0);
     }
 }

@@ -1,20 +1,21 @@
-//! The device registry: names → devices, the dmsetup verbs, stacking, and persistence.
+//! The device registry: names → devices, the dmsetup verbs, stacking and cycle checks, and the
+//! resolver that opens what a table names (persistence is in `persist.rs`, removal in
+//! `removal.rs`, renaming in `rename.rs`).
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use log::{info, warn};
-use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use udm_block::{BlockDevice, FileDevice, OpenMode, SECTOR_SIZE};
-use udm_targets::{Resolver, Table, TargetError};
+use udm_targets::{Reference, Resolver, Table, TargetError};
 
 use super::claims::{Claimed, Claims};
 use super::device::{Device, Events};
 use super::remotes::Remotes;
-use super::write_durably;
 
 #[derive(Debug, Error)]
 pub enum RegistryError {
@@ -24,60 +25,33 @@ pub enum RegistryError {
     Exists(String),
     #[error("invalid device name '{0}': {1}")]
     InvalidName(String, &'static str),
+    #[error("invalid UUID '{0}': {1}")]
+    InvalidUuid(String, &'static str),
     #[error("{0}")]
     Table(#[from] TargetError),
     #[error("device '{0}' is busy: {1}")]
     Busy(String, String),
+    /// Part of a request on many devices failed; says what was done and what was not.
+    #[error("{0}")]
+    Incomplete(String),
     #[error("cannot save the state of '{0}': {1}")]
     Persist(String, std::io::Error),
 }
 
 type Result<T, E = RegistryError> = std::result::Result<T, E>;
 
-/// What the state dir keeps per device: enough to bring it back after a restart as it was —
-/// its tables, whether it was suspended, and what messages changed.
-#[derive(Serialize, Deserialize)]
-struct SavedDevice {
-    name: String,
-    read_only: bool,
-    table: Vec<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    inactive: Option<Vec<String>>,
-    #[serde(default)]
-    suspended: bool,
-    /// Per segment of the live table (by start sector), the messages that restore its
-    /// targets' settings.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    settings: Vec<SavedSettings>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct SavedSettings {
-    sector: u64,
-    messages: Vec<String>,
-}
-
 pub struct Registry {
     devices: Mutex<BTreeMap<String, Arc<Device>>>,
     /// Serialises the verbs that change tables, so checks (name free, no cycle, not busy)
     /// cannot race with each other. I/O never takes it.
-    changes: Mutex<()>,
-    state_dir: PathBuf,
+    pub(super) changes: Mutex<()>,
+    pub(super) state_dir: PathBuf,
     /// Opens remote (NBD) references; knows their sizes for restoring while they are down.
-    remotes: Remotes,
-    claims: Arc<Claims>,
+    pub(super) remotes: Remotes,
+    pub(super) claims: Arc<Claims>,
 }
 
-/// Is `reference` a path (as opposed to a URI or a device name)?
-pub fn is_path(reference: &str) -> bool {
-    reference.starts_with('/') || reference.starts_with("./") || reference.starts_with("../")
-}
-
-pub fn is_uri(reference: &str) -> bool {
-    reference.starts_with("nbd://") || reference.starts_with("nbd+unix://")
-}
-
-fn check_name(name: &str) -> Result<()> {
+pub(super) fn check_name(name: &str) -> Result<()> {
     let bad = |why| Err(RegistryError::InvalidName(name.to_string(), why));
     if name.is_empty() || name.len() > 127 {
         return bad("names are 1 to 127 characters");
@@ -94,6 +68,34 @@ fn check_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// UUIDs are dm's: up to 128 printable characters, without spaces.
+pub(super) fn check_uuid(uuid: &str) -> Result<()> {
+    let bad = |why| Err(RegistryError::InvalidUuid(uuid.to_string(), why));
+    if uuid.is_empty() || uuid.len() > 128 {
+        return bad("UUIDs are 1 to 128 characters");
+    }
+    if !uuid.chars().all(|c| c.is_ascii_graphic()) {
+        return bad("use printable ASCII characters without spaces");
+    }
+    Ok(())
+}
+
+/// "2048 sectors: linear, dust" — a table in a few words, for the log.
+pub(super) fn describe(table: &Table) -> String {
+    let mut types: Vec<&str> = Vec::new();
+    for segment in table.segments() {
+        let name = segment.target.type_name();
+        if !types.contains(&name) {
+            types.push(name);
+        }
+    }
+    format!(
+        "{} sectors: {}",
+        table.size() / SECTOR_SIZE,
+        types.join(", ")
+    )
+}
+
 impl Registry {
     pub fn new(state_dir: &Path, remote_timeout: Duration) -> std::io::Result<Self> {
         std::fs::create_dir_all(state_dir.join("devices"))?;
@@ -106,8 +108,8 @@ impl Registry {
         })
     }
 
-    fn map(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Device>>> {
-        self.devices.lock().unwrap()
+    pub(super) fn map(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Device>>> {
+        self.devices.lock()
     }
 
     pub fn get(&self, name: &str) -> Result<Arc<Device>> {
@@ -115,6 +117,28 @@ impl Registry {
             .get(name)
             .cloned()
             .ok_or_else(|| RegistryError::NoSuchDevice(name.into()))
+    }
+
+    /// The device called `name_or_uuid`, or else the one with that UUID (names and UUIDs
+    /// never collide: `create` and `rename` see to it).
+    pub fn resolve(&self, name_or_uuid: &str) -> Result<Arc<Device>> {
+        let map = self.map();
+        if let Some(device) = map.get(name_or_uuid) {
+            return Ok(device.clone());
+        }
+        map.values()
+            .find(|d| d.uuid().as_deref() == Some(name_or_uuid))
+            .cloned()
+            .ok_or_else(|| RegistryError::NoSuchDevice(name_or_uuid.into()))
+    }
+
+    /// Refuses a name or UUID that is already some device's name or UUID.
+    pub(super) fn check_unused(&self, word: &str) -> Result<()> {
+        let map = self.map();
+        if map.contains_key(word) || map.values().any(|d| d.uuid().as_deref() == Some(word)) {
+            return Err(RegistryError::Exists(word.into()));
+        }
+        Ok(())
     }
 
     pub fn all(&self) -> Vec<Arc<Device>> {
@@ -165,7 +189,7 @@ impl Registry {
         false
     }
 
-    fn build(&self, owner: &str, text: &str, events: &Arc<Events>) -> Result<Table> {
+    pub(super) fn build(&self, owner: &str, text: &str, events: &Arc<Events>) -> Result<Table> {
         let resolver = TableResolver {
             registry: self,
             owner,
@@ -179,53 +203,78 @@ impl Registry {
         )?)
     }
 
-    pub fn create(&self, name: &str, text: &str, read_only: bool) -> Result<Arc<Device>> {
+    pub fn create(
+        &self,
+        name: &str,
+        text: &str,
+        read_only: bool,
+        uuid: Option<&str>,
+    ) -> Result<Arc<Device>> {
         check_name(name)?;
-        let _changes = self.changes.lock().unwrap();
-        let device = self.build_device(name, text, read_only, |_| {})?;
+        if let Some(uuid) = uuid {
+            check_uuid(uuid)?;
+        }
+        let _changes = self.changes.lock();
+        let device = self.build_device(name, uuid, text, read_only, |_| {})?;
         self.save(&device)?;
         self.map().insert(name.to_string(), device.clone());
         info!(
-            "created device '{name}' ({} sectors)",
-            device.size() / SECTOR_SIZE
+            "created device '{name}' ({}{}{})",
+            describe(&device.live()),
+            uuid.map(|u| format!(", UUID {u}")).unwrap_or_default(),
+            if read_only { ", read-only" } else { "" }
         );
         Ok(device)
     }
 
     /// Builds a device; `before_live` sees its table before it becomes live (and its
     /// targets start any background work).
-    fn build_device(
+    pub(super) fn build_device(
         &self,
         name: &str,
+        uuid: Option<&str>,
         text: &str,
         read_only: bool,
         before_live: impl FnOnce(&Table),
     ) -> Result<Arc<Device>> {
-        if self.map().contains_key(name) {
-            return Err(RegistryError::Exists(name.into()));
+        self.check_unused(name)?;
+        if let Some(uuid) = uuid {
+            self.check_unused(uuid)?;
         }
         let events = Arc::new(Events::default());
         let table = self.build(name, text, &events)?;
         before_live(&table);
         Ok(Arc::new(Device::new(
             name.to_string(),
+            uuid.map(str::to_string),
             read_only,
             table,
             events,
         )))
     }
 
-    /// Fills the inactive slot. A table smaller than what a device built on this one reaches
-    /// into is refused, naming that device, unless `force`d.
-    pub fn load(&self, name: &str, text: &str, force: bool) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
+    /// Fills the inactive slot; `read_only` says whether the device is read-only once it goes
+    /// live. A table smaller than what a device built on this one reaches into is refused,
+    /// naming that device, unless `force`d.
+    pub fn load(&self, name: &str, text: &str, force: bool, read_only: bool) -> Result<()> {
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         let table = self.build(name, text, device.events())?;
         if !force {
             self.check_holders_fit(name, table.size())?;
         }
-        device.load(table);
+        let what = describe(&table);
+        device.load(table, read_only);
         self.save(&device)?;
+        info!(
+            "device '{name}': inactive table loaded ({what}{}{}); resume makes it live",
+            if read_only { ", read-only" } else { "" },
+            if force {
+                ", forced past its users' needs"
+            } else {
+                ""
+            }
+        );
         Ok(())
     }
 
@@ -254,24 +303,53 @@ impl Registry {
 
     /// Drops the inactive table (dmsetup clear).
     pub fn clear(&self, name: &str) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
+        let had = device.inactive().is_some();
         device.clear_inactive();
-        self.save(&device)
+        self.save(&device)?;
+        if had {
+            info!("device '{name}': inactive table dropped");
+        }
+        Ok(())
     }
 
-    pub fn suspend(&self, name: &str) -> Result<()> {
+    /// Holds new I/O and waits for what is in flight. `noflush` is dmsetup's: udm has no
+    /// target that queues I/O to push back (the kernel's flag matters for multipath), so
+    /// requests in flight complete either way; it only shows in the log.
+    pub fn suspend(&self, name: &str, noflush: bool) -> Result<()> {
         let device = self.get(name)?;
+        let was = device.is_suspended();
+        let started = Instant::now();
         device.suspend();
-        let _changes = self.changes.lock().unwrap();
-        self.save(&device)
+        let _changes = self.changes.lock();
+        self.save(&device)?;
+        if !was {
+            info!(
+                "device '{name}': suspended{} (in-flight I/O drained in {} ms)",
+                if noflush { " (noflush)" } else { "" },
+                started.elapsed().as_millis()
+            );
+        }
+        Ok(())
     }
 
     pub fn resume(&self, name: &str) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
-        if device.resume().is_some() {
-            info!("device '{name}': new table is live");
+        let was = device.is_suspended();
+        match device.resume() {
+            Some(_) => info!(
+                "device '{name}': resumed with its new table live ({}{})",
+                describe(&device.live()),
+                if device.read_only() {
+                    ", read-only"
+                } else {
+                    ""
+                }
+            ),
+            None if was => info!("device '{name}': resumed"),
+            None => {}
         }
         self.save(&device)
     }
@@ -292,8 +370,12 @@ impl Registry {
             )));
         }
         let answer = target.message(words)?;
+        info!(
+            "device '{name}': message to sector {sector}: {}",
+            words.join(" ")
+        );
         if !target.settings_messages().is_empty() {
-            let _changes = self.changes.lock().unwrap();
+            let _changes = self.changes.lock();
             self.save(&device)?;
         }
         Ok(answer)
@@ -301,8 +383,10 @@ impl Registry {
 
     /// Swaps every target that has finished its job for its replacement (a hydrated clone
     /// for `linear <destination> 0`) with suspend, load and resume: clients stay connected.
-    pub fn finalize(&self, name: &str) -> Result<String> {
-        let _changes = self.changes.lock().unwrap();
+    /// Returns the new table, or `None` when no target has such an end (a device finalized
+    /// already): nothing to do.
+    pub fn finalize(&self, name: &str) -> Result<Option<String>> {
+        let _changes = self.changes.lock();
         let device = self.get(name)?;
         // Finalizing swaps tables itself; it must not resume a device the user suspended, nor
         // replace a table the user loaded.
@@ -334,164 +418,17 @@ impl Registry {
             }
         }
         if replaced == 0 {
-            return Err(RegistryError::Table(TargetError::new(format!(
-                "device '{name}' has no target to finalize (e.g. a clone)"
-            ))));
+            return Ok(None);
         }
         let text = lines.join("\n");
         let table = self.build(name, &text, device.events())?;
         device.replace_live(table);
         self.save(&device)?;
-        info!("device '{name}': finalized to\n{text}");
-        Ok(text)
-    }
-
-    /// Removes a device. A device another device's table uses is never removed; one a client
-    /// has open only with `force`, which first swaps in an all-error table so the client's
-    /// I/O fails instead of reaching the old targets.
-    pub fn remove(&self, name: &str, force: bool) -> Result<()> {
-        let _changes = self.changes.lock().unwrap();
-        let device = self.get(name)?;
-        let holders = self.holders(name);
-        if !holders.is_empty() {
-            return Err(RegistryError::Busy(
-                name.into(),
-                format!("used by {}", holders.join(", ")),
-            ));
-        }
-        let opens = device.open_count();
-        if opens > 0 {
-            if !force {
-                return Err(RegistryError::Busy(
-                    name.into(),
-                    format!("open by {opens} client(s); use --force to fail their I/O and remove"),
-                ));
-            }
-            let sectors = device.size() / SECTOR_SIZE;
-            let error_table = self.build(name, &format!("0 {sectors} error"), device.events())?;
-            device.replace_live(error_table);
-        }
-        self.map().remove(name);
-        if let Err(e) = device.live().flush() {
-            warn!("removing '{name}': flushing: {e}");
-        }
-        let path = self.state_path(name);
-        if let Err(e) = std::fs::remove_file(&path) {
-            warn!("removing {}: {e}", path.display());
-        }
-        info!("removed device '{name}'");
-        Ok(())
-    }
-
-    fn state_path(&self, name: &str) -> PathBuf {
-        self.state_dir.join("devices").join(format!("{name}.json"))
-    }
-
-    /// Writes the device's live table to the state dir: temp file, fsync, rename, fsync dir,
-    /// so a crash leaves either the old or the new record.
-    fn save(&self, device: &Device) -> Result<()> {
-        let live = device.live();
-        let settings = live
-            .segments()
-            .iter()
-            .map(|segment| SavedSettings {
-                sector: segment.start / SECTOR_SIZE,
-                messages: segment.target.settings_messages(),
-            })
-            .filter(|saved| !saved.messages.is_empty())
-            .collect();
-        let saved = SavedDevice {
-            name: device.name().to_string(),
-            read_only: device.read_only(),
-            table: live.lines(),
-            inactive: device.inactive().map(|t| t.lines()),
-            suspended: device.is_suspended(),
-            settings,
-        };
-        let json = serde_json::to_vec_pretty(&saved).expect("serialisable");
-        write_durably(&self.state_path(device.name()), &json)
-            .map_err(|e| RegistryError::Persist(device.name().into(), e))
-    }
-
-    /// Brings back the devices of the state dir, each as it was: live table and its targets'
-    /// settings, inactive table, suspended or not. Devices built on other devices wait until
-    /// those exist; what cannot be built is logged and left in the state dir. Suspending comes
-    /// last, so that devices built on a suspended one are constructed first.
-    pub fn restore(&self) -> std::io::Result<usize> {
-        let mut pending: Vec<SavedDevice> = Vec::new();
-        for entry in std::fs::read_dir(self.state_dir.join("devices"))? {
-            let path = entry?.path();
-            if path.extension().is_some_and(|e| e == "json") {
-                match std::fs::read(&path).map(|b| serde_json::from_slice::<SavedDevice>(&b)) {
-                    Ok(Ok(saved)) => pending.push(saved),
-                    Ok(Err(e)) => warn!("ignoring {}: {e}", path.display()),
-                    Err(e) => warn!("ignoring {}: {e}", path.display()),
-                }
-            }
-        }
-        let mut restored = Vec::new();
-        let _restoring = self.remotes.restoring();
-        loop {
-            let before = pending.len();
-            let mut failures = Vec::new();
-            pending.retain(|saved| match self.restore_one(saved) {
-                Ok(device) => {
-                    restored.push((device, saved.suspended));
-                    false
-                }
-                Err(e) => {
-                    failures.push(format!("'{}': {e}", saved.name));
-                    true
-                }
-            });
-            if pending.is_empty() || pending.len() == before {
-                for failure in failures {
-                    warn!("cannot restore device {failure}");
-                }
-                break;
-            }
-        }
-        for (device, _) in restored.iter().filter(|(_, suspended)| *suspended) {
-            device.suspend();
-            info!("device '{}' restored suspended, as it was", device.name());
-        }
-        Ok(restored.len())
-    }
-
-    fn restore_one(&self, saved: &SavedDevice) -> Result<Arc<Device>> {
-        let _changes = self.changes.lock().unwrap();
-        let name = &saved.name;
-        let restore_settings = |table: &Table| {
-            for settings in &saved.settings {
-                let Some(target) = table.target_at(settings.sector) else {
-                    warn!(
-                        "'{name}': no segment at sector {} for saved settings",
-                        settings.sector
-                    );
-                    continue;
-                };
-                for message in &settings.messages {
-                    let words: Vec<&str> = message.split_whitespace().collect();
-                    if let Err(e) = target.message(&words) {
-                        warn!("'{name}': restoring setting '{message}': {e}");
-                    }
-                }
-            }
-        };
-        let device = self.build_device(
-            name,
-            &saved.table.join("\n"),
-            saved.read_only,
-            restore_settings,
-        )?;
-        if let Some(inactive) = &saved.inactive {
-            match self.build(name, &inactive.join("\n"), device.events()) {
-                Ok(table) => device.load(table),
-                Err(e) => warn!("'{name}': its inactive table cannot be restored: {e}"),
-            }
-        }
-        self.map().insert(name.clone(), device.clone());
-        Ok(device)
+        info!(
+            "device '{name}': finalized; its table is now: {}",
+            lines.join("; ")
+        );
+        Ok(Some(text))
     }
 
     /// Flushes every device (at shutdown). A suspended device is left alone: its I/O was
@@ -518,47 +455,150 @@ struct TableResolver<'a> {
 
 impl Resolver for TableResolver<'_> {
     fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        let claims = &self.registry.claims;
-        let exclusive = mode == OpenMode::Exclusive;
-        if is_path(reference) {
-            let claim = match mode {
-                OpenMode::ReadOnly => None,
-                _ => Some(
-                    claims
-                        .claim_file(Path::new(reference), self.owner, exclusive)
-                        .map_err(TargetError::new)?,
-                ),
-            };
-            let dev: Arc<dyn BlockDevice> = Arc::new(
-                FileDevice::open(Path::new(reference), mode)
-                    .map_err(|e| TargetError::new(e.to_string()))?,
-            );
-            return Ok(match claim {
-                Some(claim) => Arc::new(Claimed::new(dev, claim)),
-                None => dev,
-            });
+        match Reference::parse(reference) {
+            Reference::Path(path) => self.open_file(Path::new(path), mode),
+            Reference::Remote(uri) => self.registry.remotes.open(uri, mode),
+            Reference::Device(name) => self.open_device(name, mode),
         }
-        if is_uri(reference) {
-            return self.registry.remotes.open(reference, mode);
-        }
-        if reference == self.owner || self.registry.depends_on(reference, self.owner) {
+    }
+}
+
+impl TableResolver<'_> {
+    /// A file or block device, claimed unless opened read-only.
+    fn open_file(&self, path: &Path, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        let claim = match mode {
+            OpenMode::ReadOnly => None,
+            _ => Some(
+                self.registry
+                    .claims
+                    .claim_file(path, self.owner, mode == OpenMode::Exclusive)
+                    .map_err(TargetError::new)?,
+            ),
+        };
+        let dev: Arc<dyn BlockDevice> =
+            Arc::new(FileDevice::open(path, mode).map_err(|e| TargetError::new(e.to_string()))?);
+        Ok(match claim {
+            Some(claim) => Arc::new(Claimed::new(dev, claim)),
+            None => dev,
+        })
+    }
+
+    /// Another udm device, unless that would make a cycle; claimed unless opened read-only.
+    fn open_device(&self, name: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        if name == self.owner || self.registry.depends_on(name, self.owner) {
             return Err(TargetError::new(format!(
-                "using device '{reference}' would make '{}' depend on itself",
+                "using device '{name}' would make '{}' depend on itself",
                 self.owner
             )));
         }
-        let device = self.registry.get(reference).map_err(|_| {
+        let device = self.registry.get(name).map_err(|_| {
             TargetError::new(format!(
-                "no device named '{reference}' (paths start with / or ./, remote exports \
+                "no device named '{name}' (paths start with / or ./, remote exports \
                  with nbd:// or nbd+unix://)"
             ))
         })?;
         if mode == OpenMode::ReadOnly {
             return Ok(device);
         }
-        let claim = claims
-            .claim_device(reference, self.owner, exclusive)
+        let claim = self
+            .registry
+            .claims
+            .claim_device(name, self.owner, mode == OpenMode::Exclusive)
             .map_err(TargetError::new)?;
         Ok(Arc::new(Claimed::new(device, claim)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use udm_block::{AlignedBuf, BlockDevice};
+    use udm_testkit::TempDir;
+
+    use super::*;
+
+    fn registry(dir: &TempDir) -> Registry {
+        Registry::new(&dir.path("state"), Duration::from_secs(1)).unwrap()
+    }
+
+    fn error(result: Result<impl Sized>) -> String {
+        match result {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn no_device_may_come_to_depend_on_itself() {
+        let dir = TempDir::new("cycles");
+        let r = registry(&dir);
+        r.create("a", "0 2048 zero", false, None).unwrap();
+        r.create("b", "0 2048 linear a 0", false, None).unwrap();
+        r.create("c", "0 2048 linear b 0", false, None).unwrap();
+        for (text, through) in [
+            ("0 2048 linear a 0", "a"),
+            ("0 2048 linear b 0", "b"),
+            ("0 2048 linear c 0", "c"),
+        ] {
+            let e = error(r.load("a", text, false, false));
+            assert!(
+                e.contains(&format!(
+                    "using device '{through}' would make 'a' depend on itself"
+                )),
+                "{e}"
+            );
+        }
+        // An inactive table counts as a use too: once loaded it may become live.
+        r.create("d", "0 2048 zero", false, None).unwrap();
+        r.load("d", "0 2048 linear c 0", false, false).unwrap();
+        let e = error(r.load("a", "0 2048 linear d 0", false, false));
+        assert!(e.contains("depend on itself"), "{e}");
+        assert!(r.get("a").unwrap().inactive().is_none());
+    }
+
+    #[test]
+    fn a_device_in_use_is_neither_removed_nor_shrunk_under_its_users() {
+        let dir = TempDir::new("holders");
+        let r = registry(&dir);
+        r.create("base", "0 2048 zero", false, None).unwrap();
+        r.create("top", "0 1024 linear base 1024", false, None)
+            .unwrap();
+        assert_eq!(r.holders("base"), ["top"]);
+        let e = error(r.remove("base", true, Duration::ZERO));
+        assert!(e.contains("used by top"), "{e}");
+        let e = error(r.load("base", "0 2047 zero", false, false));
+        assert!(e.contains("'top' uses 2048 sectors of it"), "{e}");
+        r.load("base", "0 2048 error", false, false).unwrap();
+        r.load("base", "0 1024 zero", true, false).unwrap();
+        r.remove("top", false, Duration::ZERO).unwrap();
+        r.remove("base", false, Duration::ZERO).unwrap();
+        assert!(r.all().is_empty());
+    }
+
+    #[test]
+    fn a_forced_remove_fails_the_io_of_whoever_still_has_it_open() {
+        let dir = TempDir::new("force");
+        let r = registry(&dir);
+        let device = r.create("vol", "0 2048 zero", false, None).unwrap();
+        let handle = device.open(false);
+        let e = error(r.remove("vol", false, Duration::ZERO));
+        assert!(e.contains("open by 1 client(s)"), "{e}");
+        r.remove("vol", true, Duration::ZERO).unwrap();
+        let err = device.read(0, &mut AlignedBuf::zeroed(4096)).unwrap_err();
+        assert_eq!(err.errno(), libc::EIO);
+        drop(handle);
+        assert!(r.get("vol").is_err());
+    }
+
+    #[test]
+    fn names_are_checked() {
+        let dir = TempDir::new("names");
+        let r = registry(&dir);
+        for bad in ["", ".hidden", "-x", "a/b", "a b", &"n".repeat(128)] {
+            let e = error(r.create(bad, "0 8 zero", false, None));
+            assert!(e.contains("invalid device name"), "{bad}: {e}");
+        }
+        r.create("ok_1.2+3-4:5@6", "0 8 zero", false, None).unwrap();
+        let e = error(r.create("ok_1.2+3-4:5@6", "0 8 zero", false, None));
+        assert!(e.contains("already exists"), "{e}");
     }
 }

@@ -4,10 +4,11 @@
 //! built without the remote's size; a new table on an unreachable remote is refused as dm
 //! refuses a table whose device is missing.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use log::warn;
@@ -81,7 +82,7 @@ impl Remotes {
         if !self.restoring.load(Ordering::Acquire) {
             return Err(TargetError::new(error.to_string()));
         }
-        let Some(size) = self.sizes.lock().unwrap().get(uri).copied() else {
+        let Some(size) = self.sizes.lock().get(uri).copied() else {
             return Err(TargetError::new(format!(
                 "{error} (and its size was never recorded, so the device cannot come back without it)"
             )));
@@ -96,7 +97,7 @@ impl Remotes {
     }
 
     fn remember(&self, uri: &str, size: u64) {
-        let mut sizes = self.sizes.lock().unwrap();
+        let mut sizes = self.sizes.lock();
         if sizes.insert(uri.to_string(), size) == Some(size) {
             return;
         }

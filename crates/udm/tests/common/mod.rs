@@ -12,34 +12,8 @@ use std::time::{Duration, Instant};
 
 pub const UDM: &str = env!("CARGO_BIN_EXE_udm");
 
-/// A scratch directory removed on drop.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> Self {
-        let base = std::env::var_os("UDM_TEST_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        let dir = base.join(format!("udm-{tag}-{}-{}", std::process::id(), unique()));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn unique() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Ordering::Relaxed)
-}
+#[allow(unused_imports)] // as above
+pub use udm_testkit::{pattern_file, TempDir};
 
 /// A running daemon with one Unix NBD listener.
 pub struct Daemon {
@@ -48,6 +22,8 @@ pub struct Daemon {
     extra_args: Vec<String>,
     /// Started with io_uring denied (see [`deny_io_uring`]).
     no_io_uring: bool,
+    /// Environment variables the daemon is started with.
+    env: Vec<(String, String)>,
 }
 
 impl Daemon {
@@ -67,19 +43,31 @@ impl Daemon {
     }
 
     fn start_configured(tag: &str, extra_args: &[&str], no_io_uring: bool) -> Daemon {
+        let mut daemon = Self::prepare(tag, extra_args);
+        daemon.no_io_uring = no_io_uring;
+        daemon.launch();
+        daemon
+    }
+
+    /// A daemon set up but not started: [`Daemon::launch`] starts it.
+    pub fn prepare(tag: &str, extra_args: &[&str]) -> Daemon {
         let dir = TempDir::new(tag);
         let extra_args = extra_args
             .iter()
             .map(|a| a.replace("{dir}", &dir.0.display().to_string()))
             .collect();
-        let mut daemon = Daemon {
+        Daemon {
             dir,
             child: None,
             extra_args,
-            no_io_uring,
-        };
-        daemon.launch();
-        daemon
+            no_io_uring: false,
+            env: Vec::new(),
+        }
+    }
+
+    /// Sets an environment variable for the next [`Daemon::launch`].
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.push((key.to_string(), value.to_string()));
     }
 
     pub fn control(&self) -> PathBuf {
@@ -117,6 +105,7 @@ impl Daemon {
             .arg("--nbd")
             .arg(format!("unix:{}", self.nbd_socket().display()))
             .args(&self.extra_args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env("UDM_LOG", "debug")
             .stdout(Stdio::null())
             .stderr(log)
@@ -195,6 +184,19 @@ impl Daemon {
             .env("UDM_CONTROL", self.control())
             .output()
             .unwrap()
+    }
+
+    /// Sends one request over the control socket as a script would (no `udm` process in
+    /// between, so nothing slows the request down); returns the answer.
+    pub fn control_request(&self, request: serde_json::Value) -> serde_json::Value {
+        use std::io::{BufRead, BufReader};
+        let mut request = request;
+        request["version"] = 1.into();
+        let mut stream = UnixStream::connect(self.control()).unwrap();
+        stream.write_all(format!("{request}\n").as_bytes()).unwrap();
+        let mut answer = String::new();
+        BufReader::new(stream).read_line(&mut answer).unwrap();
+        serde_json::from_str(&answer).unwrap()
     }
 
     fn udm_ok(&self, args: &[&str]) -> bool {
@@ -305,19 +307,6 @@ pub fn ext4_image_of(tree: &Path, image: &Path, size: u64) {
 /// `qemu-img compare` of two raw images (files or NBD URIs); fails the test if they differ.
 pub fn same_content(a: &str, b: &str) {
     tool("qemu-img", &["compare", "-f", "raw", "-F", "raw", a, b]);
-}
-
-/// A file of `len` bytes of deterministic pseudo-random data.
-pub fn random_file(path: &Path, len: usize, seed: u64) {
-    let mut x = seed | 1;
-    let mut data = vec![0u8; len];
-    for chunk in data.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
-    }
-    std::fs::write(path, data).unwrap();
 }
 
 pub fn sparse_file(path: &Path, len: u64) {

@@ -6,13 +6,16 @@
 //! Devices built on one [`PowerSwitch`] lose power together, at the n-th write to any of
 //! them: what a crash does to a snapshot's origin and COW device at once.
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use crate::device::{BlockDevice, Capabilities, WriteFlags, ZeroFlags};
-use crate::error::{BlockError, Result};
-use crate::memory::MemoryDevice;
-use crate::SECTOR_SIZE;
+use udm_block::{
+    write_zeroes_by_writing, BlockDevice, BlockError, Capabilities, MemoryDevice, Result,
+    WriteFlags, ZeroFlags, SECTOR_SIZE,
+};
+
+use crate::Rng;
 
 /// The power supply of one or more [`CrashDevice`]s.
 pub struct PowerSwitch {
@@ -75,10 +78,7 @@ impl CrashDevice {
             durable,
             volatile: Mutex::new(Vec::new()),
             power,
-            // Mixed, so that small seeds (1, 2, 3…) still pick sectors at random: the low
-            // bit of xorshift from a small seed stays 1 for a long while, which kept every
-            // unflushed sector and hid missing flushes.
-            seed: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
+            seed,
         }
     }
 
@@ -109,13 +109,10 @@ impl CrashDevice {
             }
             pos += n as u64;
         }
-        let mut x = self.seed;
-        for (offset, data) in self.volatile.lock().unwrap().iter() {
+        let mut survives = Rng::new(self.seed);
+        for (offset, data) in self.volatile.lock().iter() {
             for (i, sector) in data.chunks(SECTOR_SIZE as usize).enumerate() {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                if x & 1 == 1 {
+                if survives.next() & 1 == 1 {
                     let at = offset + i as u64 * SECTOR_SIZE;
                     image
                         .write(at, sector, WriteFlags::default())
@@ -123,11 +120,7 @@ impl CrashDevice {
                 }
             }
         }
-        CrashDevice::from_image(
-            image,
-            PowerSwitch::new(0),
-            self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        )
+        CrashDevice::from_image(image, PowerSwitch::new(0), survives.next())
     }
 }
 
@@ -148,7 +141,7 @@ impl BlockDevice for CrashDevice {
         self.check_power()?;
         self.durable.read(offset, buf)?;
         let end = offset + buf.len() as u64;
-        for (at, data) in self.volatile.lock().unwrap().iter() {
+        for (at, data) in self.volatile.lock().iter() {
             let (w_start, w_end) = (*at, at + data.len() as u64);
             let (start, stop) = (w_start.max(offset), w_end.min(end));
             if start < stop {
@@ -163,27 +156,27 @@ impl BlockDevice for CrashDevice {
         self.check_power()?;
         if self.power.goes_now() {
             // The write was in flight: part of it may have reached the media.
-            self.volatile.lock().unwrap().push((offset, buf.to_vec()));
+            self.volatile.lock().push((offset, buf.to_vec()));
             return Err(BlockError::Io("power cut".into()));
         }
         if flags.fua {
             self.durable.write(offset, buf, flags)
         } else {
-            self.volatile.lock().unwrap().push((offset, buf.to_vec()));
+            self.volatile.lock().push((offset, buf.to_vec()));
             Ok(())
         }
     }
 
     fn flush(&self) -> Result<()> {
         self.check_power()?;
-        for (offset, data) in self.volatile.lock().unwrap().drain(..) {
+        for (offset, data) in self.volatile.lock().drain(..) {
             self.durable.write(offset, &data, WriteFlags::default())?;
         }
         Ok(())
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        crate::write_zeroes_by_writing(
+        write_zeroes_by_writing(
             self,
             offset,
             len,
@@ -213,7 +206,7 @@ mod tests {
             "a running system reads its own writes"
         );
         assert!(
-            dev.write(131072, &[3u8; 512], WriteFlags::default())
+            dev.write(1 << 19, &[3u8; 512], WriteFlags::default())
                 .is_err(),
             "third write: power cut"
         );

@@ -7,19 +7,19 @@ use udm_block::{BlockDevice, BlockError, Extent, Result, WriteFlags, ZeroFlags};
 use crate::args::Args;
 use crate::target::{Target, TargetContext, TargetError};
 
-pub struct Error {
+pub struct ErrorTarget {
     len: u64,
 }
 
 pub fn construct(_args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
-    Ok(Arc::new(Error { len: ctx.len }))
+    Ok(Arc::new(ErrorTarget { len: ctx.len }))
 }
 
 fn fail<T>() -> Result<T> {
     Err(BlockError::Io("error target".into()))
 }
 
-impl BlockDevice for Error {
+impl BlockDevice for ErrorTarget {
     fn size(&self) -> u64 {
         self.len
     }
@@ -43,7 +43,7 @@ impl BlockDevice for Error {
     }
 }
 
-impl Target for Error {
+impl Target for ErrorTarget {
     fn type_name(&self) -> &'static str {
         "error"
     }
@@ -62,6 +62,6 @@ mod tests {
     #[test]
     fn passes_the_error_conformance_checks() {
         let table = build(&memory_resolver(&[]), "0 2048 error").unwrap();
-        udm_block::conformance::fails_every_request(&table);
+        udm_testkit::conformance::fails_every_request(&table);
     }
 }

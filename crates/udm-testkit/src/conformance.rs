@@ -4,21 +4,9 @@
 //! Devices that store data run [`run_all`]; targets that by design do not (zero, error) run
 //! the checks for their behaviour ([`reads_zero_and_drops_writes`], [`fails_every_request`]).
 
-use crate::device::{BlockDevice, WriteFlags, ZeroFlags, EXTENT_ZERO};
-use crate::AlignedBuf;
+use udm_block::{AlignedBuf, BlockDevice, WriteFlags, ZeroFlags, EXTENT_ZERO};
 
-/// A buffer whose bytes depend on `seed` and the position, so misplaced data is caught.
-pub fn pattern(len: usize, seed: u64) -> AlignedBuf {
-    let mut buf = AlignedBuf::zeroed(len);
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for chunk in buf.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
-    }
-    buf
-}
+use crate::pattern;
 
 fn read_back(dev: &dyn BlockDevice, offset: u64, len: usize) -> AlignedBuf {
     let mut buf = AlignedBuf::zeroed(len);
@@ -157,7 +145,7 @@ pub fn reads_zero_and_drops_writes(dev: &dyn BlockDevice) {
 /// For the `error` target: every request fails with EIO.
 pub fn fails_every_request(dev: &dyn BlockDevice) {
     let mut buf = AlignedBuf::zeroed(4096);
-    let eio = |r: crate::Result<()>| assert_eq!(r.unwrap_err().errno(), libc::EIO);
+    let eio = |r: udm_block::Result<()>| assert_eq!(r.unwrap_err().errno(), libc::EIO);
     eio(dev.read(0, &mut buf));
     eio(dev.write(0, &buf, WriteFlags::default()));
     eio(dev.flush());

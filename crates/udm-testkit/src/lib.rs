@@ -1,0 +1,23 @@
+//! What udm's tests share, so that each crate's tests say what they check and not how to set
+//! it up. A dev-dependency only (and of the fuzzers' harness): nothing here is part of udm.
+//!
+//! - [`TempDir`]: a scratch directory removed on drop.
+//! - [`Rng`], [`pattern`], [`pattern_file`]: deterministic data, different at every offset.
+//! - [`Devices`]: block devices by name, as a catalog of exports and as a table resolver.
+//! - [`Switchable`]: a memory device that fails, counts and calls back on command.
+//! - [`conformance`]: what every device that stores data must do.
+//! - [`CrashDevice`]: durable and volatile writes, and a power cut at any write; devices on
+//!   one [`PowerSwitch`] lose power together.
+
+pub mod conformance;
+mod crash;
+mod devices;
+mod pattern;
+mod switchable;
+mod temp_dir;
+
+pub use crash::{CrashDevice, PowerSwitch};
+pub use devices::Devices;
+pub use pattern::{pattern, pattern_file, Rng};
+pub use switchable::Switchable;
+pub use temp_dir::TempDir;

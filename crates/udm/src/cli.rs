@@ -1,0 +1,648 @@
+//! The command line: verbs, their arguments and their help. Every positional argument and
+//! flag says what it is, since `udm VERB --help` is where an admin looks first.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::client;
+use crate::columns;
+use crate::replay;
+
+const DEFAULT_CONTROL: &str = "/run/udm/control.sock";
+
+#[derive(Parser)]
+#[command(
+    name = "udm",
+    version,
+    about = "A device-mapper in user space",
+    after_help = "NAME is a device's name or its UUID. Every verb but `daemon`, `detach` and \
+                  `replay-log` talks to the daemon at --control (or $UDM_CONTROL)."
+)]
+pub struct Cli {
+    /// The control socket, given before the verb as older versions of udm took it.
+    #[arg(long = "control", value_name = "PATH", hide = true)]
+    pub control: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Where the daemon answers the verbs.
+#[derive(Args)]
+pub struct Control {
+    /// The daemon's control socket [default: $UDM_CONTROL, else /run/udm/control.sock].
+    #[arg(long = "control", value_name = "PATH")]
+    path: Option<PathBuf>,
+}
+
+impl Control {
+    /// The socket: given after the verb, else before it, else $UDM_CONTROL, else the default.
+    pub fn socket(&self, before_verb: Option<&Path>) -> PathBuf {
+        control_socket(self.path.as_deref(), before_verb)
+    }
+}
+
+fn control_socket(after_verb: Option<&Path>, before_verb: Option<&Path>) -> PathBuf {
+    after_verb
+        .or(before_verb)
+        .map(Path::to_path_buf)
+        .or_else(|| {
+            std::env::var_os("UDM_CONTROL")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        })
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_CONTROL))
+}
+
+#[derive(Args)]
+pub struct TableSource {
+    /// A table line `START LEN TARGET ARGS…` in 512-byte sectors (repeat for more lines).
+    #[arg(long = "table", value_name = "LINE", conflicts_with = "table_file")]
+    lines: Vec<String>,
+    /// A file with the table, one line per segment (`-` for standard input).
+    #[arg(long, value_name = "FILE")]
+    table_file: Option<PathBuf>,
+}
+
+impl TableSource {
+    pub fn text(&self) -> anyhow::Result<String> {
+        let text = match &self.table_file {
+            Some(path) if path.as_os_str() == "-" => std::io::read_to_string(std::io::stdin())?,
+            Some(path) => std::fs::read_to_string(path)
+                .with_context(|| format!("reading table file {}", path.display()))?,
+            None if self.lines.is_empty() => bail!("give the table with --table or --table-file"),
+            None => self.lines.join("\n"),
+        };
+        client::absolutize_table(&text)
+    }
+}
+
+#[derive(Args)]
+pub struct DaemonArgs {
+    /// Where the daemon listens for the verbs, its control socket [default: $UDM_CONTROL,
+    /// else /run/udm/control.sock].
+    #[arg(long = "control", value_name = "PATH")]
+    control: Option<PathBuf>,
+    /// Where device tables are kept across restarts.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: PathBuf,
+    /// Run in the background: return once every device is restored and the sockets listen
+    /// (the log still goes to stderr; `udm stop` stops it).
+    #[arg(long)]
+    pub fork: bool,
+    /// NBD listener: unix:PATH, tcp:PORT (binds 127.0.0.1), tcp:HOST:PORT, then options:
+    /// `,export=NAME` (repeatable: only these devices are listed and served there) and
+    /// `,read-only`. Repeatable.
+    #[arg(long, value_name = "LISTENER")]
+    pub nbd: Vec<udm::daemon::Listener>,
+    /// Serve Prometheus metrics at http://ADDRESS/metrics: tcp:PORT (binds 127.0.0.1) or
+    /// tcp:HOST:PORT.
+    #[arg(long, value_name = "ADDRESS")]
+    pub metrics: Option<udm::daemon::MetricsAddress>,
+    /// TLS on the TCP listeners: off; on (offered, plaintext clients served too); require
+    /// (a client gets nothing before STARTTLS).
+    #[arg(long, value_enum, default_value_t = TlsArg::Off)]
+    pub tls: TlsArg,
+    /// Directory with server-cert.pem, server-key.pem and, for --tls-verify-peer,
+    /// ca-cert.pem (the layout qemu and nbdkit use).
+    #[arg(long, value_name = "DIR")]
+    pub tls_certificates: Option<PathBuf>,
+    /// Serve only clients whose certificate is signed by the CA in ca-cert.pem.
+    #[arg(long)]
+    pub tls_verify_peer: bool,
+    /// Expose every device as a file under this FUSE mount point.
+    #[arg(long, value_name = "MOUNTPOINT")]
+    pub fuse: Option<PathBuf>,
+    /// What serves NBD connections: io_uring event loops (uring), a thread per request in
+    /// progress (threads), or io_uring when it works here and threads otherwise (auto).
+    /// The log says which serves.
+    #[arg(long, value_enum, default_value_t = NbdEngineArg::Auto)]
+    pub nbd_engine: NbdEngineArg,
+    /// Event-loop threads serving every NBD connection (io_uring engine; default: one per
+    /// CPU).
+    #[arg(long, value_name = "N")]
+    pub nbd_loops: Option<usize>,
+    /// Threads running the NBD requests a device cannot remap onto its files (io_uring
+    /// engine): delays, partial clone writes, remote sources, discards.
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub nbd_pool_threads: usize,
+    /// Requests one NBD connection may have read and not yet answered (io_uring engine).
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    pub nbd_queue_depth: usize,
+    /// Threads per NBD connection, each with one request in progress (threads engine).
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    pub nbd_threads: usize,
+    /// Memory all NBD connections together may hold in request buffers (K, M, G suffixes);
+    /// requests wait for room. One larger than the budget waits until it can be served
+    /// alone.
+    #[arg(long, default_value = "256M", value_parser = parse_size, value_name = "SIZE")]
+    pub nbd_buffer_budget: usize,
+    /// NBD connections one client may have open (a Unix socket peer's uid, a TCP peer's
+    /// address); more are refused with an error in the handshake.
+    #[arg(long, default_value_t = 64, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub nbd_max_connections_per_client: u32,
+    /// Close an NBD connection with no request in flight after this long without a
+    /// request (300, 300s, 5m, 500ms; 0 never).
+    #[arg(long, default_value = "300s", value_parser = parse_duration, value_name = "TIME")]
+    pub nbd_idle_timeout: std::time::Duration,
+    /// Threads serving FUSE requests synchronously: every request over /dev/fuse; over
+    /// io_uring, those the io_uring engine cannot take (devices that cannot say where
+    /// their data lives, partial sectors, fallocate).
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub fuse_threads: usize,
+    /// How FUSE requests reach the daemon: auto (io_uring where the kernel offers it,
+    /// turning the fuse module's enable_uring on when root; else /dev/fuse, saying why
+    /// in the log), on (io_uring or refuse to start), off (/dev/fuse).
+    #[arg(long, value_enum, default_value_t = FuseUringArg::Auto)]
+    pub fuse_uring: FuseUringArg,
+    /// Seconds a request to a remote (nbd://) backend waits for an unreachable server
+    /// before failing with EIO; meanwhile the client reconnects with backoff.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub remote_timeout: u64,
+}
+
+impl DaemonArgs {
+    pub fn control(&self, before_verb: Option<&Path>) -> PathBuf {
+        control_socket(self.control.as_deref(), before_verb)
+    }
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Run the daemon in the foreground (logs to stderr; UDM_LOG=debug for more; tells
+    /// systemd READY=1 through $NOTIFY_SOCKET once every device is restored).
+    Daemon(Box<DaemonArgs>),
+    /// Create a device from a table and make it live.
+    Create {
+        /// The new device's name (letters, digits and _ . + - : @).
+        name: String,
+        #[command(flatten)]
+        table: TableSource,
+        /// Refuse writes to the device.
+        #[arg(long)]
+        readonly: bool,
+        /// A unique identifier that names the device as well as its name does (up to 128
+        /// printable characters).
+        #[arg(long, short = 'u', value_name = "UUID")]
+        uuid: Option<String>,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Load a table into the inactive slot (made live by `resume`).
+    #[command(visible_alias = "reload")]
+    Load {
+        /// The device's name or UUID.
+        name: String,
+        #[command(flatten)]
+        table: TableSource,
+        /// Make the device read-only when this table goes live (without it, the device is
+        /// writable then, as with dmsetup).
+        #[arg(long)]
+        readonly: bool,
+        /// Load a smaller table even though devices built on this one reach past its end
+        /// (their I/O there then fails with EIO).
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Drop the inactive table (dmsetup clear).
+    Clear {
+        /// The device's name or UUID.
+        name: String,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Hold new I/O and wait for I/O in flight.
+    Suspend {
+        /// The device's name or UUID.
+        name: String,
+        /// Accepted for dmsetup's scripts: udm has no target that queues I/O, so requests
+        /// in flight complete either way.
+        #[arg(long)]
+        noflush: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Make the inactive table live (if loaded) and let I/O flow.
+    Resume {
+        /// The device's name or UUID.
+        name: String,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Send a message to the target at SECTOR.
+    Message {
+        /// The device's name or UUID.
+        name: String,
+        /// A sector inside the segment whose target gets the message (0 for the first).
+        sector: u64,
+        /// The message: the target's words (`addbadblock 10`, `hydration_threshold 64`), or
+        /// `@cancel_deferred_remove`.
+        #[arg(required = true, num_args = 1.., allow_hyphen_values = true)]
+        words: Vec<String>,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Print the status line of each target (of every device without NAME, each line
+    /// prefixed with `NAME: `).
+    Status {
+        /// The device's name or UUID; every device without it.
+        name: Option<String>,
+        /// Only segments of this target type.
+        #[arg(long, value_name = "TYPE")]
+        target: Option<String>,
+        /// Print the status as JSON, with details (hydration progress, rate, ETA).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Print the live table (of every device without NAME, each line prefixed with `NAME: `).
+    Table {
+        /// The device's name or UUID; every device without it.
+        name: Option<String>,
+        /// Only segments of this target type.
+        #[arg(long, value_name = "TYPE")]
+        target: Option<String>,
+        /// The inactive table (loaded, not yet resumed) instead of the live one.
+        #[arg(long)]
+        inactive: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Print the state, tables present, open count, event number and UUID (of every device
+    /// without NAME).
+    Info {
+        /// The device's name or UUID; every device without it.
+        name: Option<String>,
+        #[command(flatten)]
+        columns: ColumnsArgs,
+        /// Print the information as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Print what each device is built on, as `dmsetup deps -o devname` does: files, remote
+    /// exports and other devices in parentheses.
+    Deps {
+        /// The device's name or UUID; every device without it.
+        name: Option<String>,
+        /// Print the dependencies as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// List devices: name, size in sectors and UUID.
+    Ls {
+        /// Show what each device is built on.
+        #[arg(long)]
+        tree: bool,
+        /// Print the list as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Wait until the device's event number passes EVENT_NR (default: the current one).
+    Wait {
+        /// The device's name or UUID.
+        name: String,
+        /// The event number to wait past.
+        event_nr: Option<u64>,
+        /// Instead, show the progress (rate, ETA) of the background copies (clone hydration,
+        /// snapshot merge) until they are done.
+        #[arg(long, conflicts_with = "event_nr")]
+        progress: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Rename a device, or give it a UUID (`--setuuid`).
+    Rename {
+        /// The device's name or UUID.
+        name: String,
+        /// The new name, or with --setuuid the UUID.
+        new: String,
+        /// Set the device's UUID (once; a device that has one keeps it).
+        #[arg(long)]
+        setuuid: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Remove a device.
+    Remove {
+        /// The device's name or UUID.
+        name: String,
+        /// Remove even while clients have it open (their I/O then fails).
+        #[arg(long, short = 'f')]
+        force: bool,
+        /// Wait up to 5 s (instead of 1 s) for clients to let go before refusing.
+        #[arg(long)]
+        retry: bool,
+        /// If the device is in use, remove it once its last client and the last device
+        /// built on it let go (`message NAME 0 @cancel_deferred_remove` takes it back).
+        #[arg(long, conflicts_with = "force")]
+        deferred: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Remove every device, those built on others first (open ones stay unless --force).
+    #[command(name = "remove_all", visible_alias = "remove-all")]
+    RemoveAll {
+        /// Remove devices clients have open too (their I/O then fails).
+        #[arg(long, short = 'f')]
+        force: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Attach the device's FUSE file to a loop device (direct I/O) and print its path.
+    Attach {
+        /// The device's name or UUID.
+        name: String,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Detach a loop device made by `attach` (one whose file is in a udm FUSE mount; any
+    /// other loop device is refused).
+    Detach {
+        /// The loop device, e.g. /dev/loop0.
+        loop_device: PathBuf,
+    },
+    /// Swap finished targets for their end state, live (a hydrated clone becomes
+    /// `linear <destination> 0`).
+    Finalize {
+        /// The device's name or UUID.
+        name: String,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// List the target types.
+    Targets {
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Stop the daemon (as SIGTERM does: every device flushed) and wait until it has exited.
+    Stop {
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Print the versions of this client and of the daemon.
+    Version {
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Replay a log-writes log onto a device, checking it at flush points (no daemon needed).
+    ReplayLog(replay::ReplayOptions),
+}
+
+/// `info -c` and its options, as dmsetup's.
+#[derive(Args)]
+pub struct ColumnsArgs {
+    /// One line per device in columns, as `dmsetup info -c`.
+    #[arg(short = 'c', short_alias = 'C', long)]
+    columns: bool,
+    /// The columns (implies -c): name, uuid, attr, tables_loaded, suspended, readonly,
+    /// open, segments, events, sectors; `+FIELDS` adds to the default
+    /// name,attr,open,segments,events,uuid.
+    #[arg(short = 'o', long = "options", value_name = "FIELDS")]
+    fields: Option<String>,
+    /// No heading line; fields separated by `:` and not aligned (as dmsetup; implies -c).
+    #[arg(long)]
+    noheadings: bool,
+    /// Separate the fields with SEP instead of aligning them (implies -c).
+    #[arg(long, value_name = "SEP")]
+    separator: Option<String>,
+}
+
+impl ColumnsArgs {
+    /// Whether the columns were asked for at all.
+    pub fn wanted(&self) -> bool {
+        self.columns || self.fields.is_some() || self.noheadings || self.separator.is_some()
+    }
+
+    pub fn layout(&self) -> columns::Layout<'_> {
+        columns::Layout {
+            fields: self.fields.as_deref(),
+            headings: !self.noheadings,
+            separator: self.separator.as_deref().or(self.noheadings.then_some(":")),
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum NbdEngineArg {
+    Auto,
+    Uring,
+    Threads,
+}
+
+impl From<NbdEngineArg> for udm_nbd::Engine {
+    fn from(arg: NbdEngineArg) -> Self {
+        match arg {
+            NbdEngineArg::Auto => udm_nbd::Engine::Auto,
+            NbdEngineArg::Uring => udm_nbd::Engine::Uring,
+            NbdEngineArg::Threads => udm_nbd::Engine::Threads,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum TlsArg {
+    Off,
+    On,
+    Require,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum FuseUringArg {
+    Auto,
+    On,
+    Off,
+}
+
+impl From<FuseUringArg> for udm_fuse::UringMode {
+    fn from(arg: FuseUringArg) -> Self {
+        match arg {
+            FuseUringArg::Auto => udm_fuse::UringMode::Auto,
+            FuseUringArg::On => udm_fuse::UringMode::On,
+            FuseUringArg::Off => udm_fuse::UringMode::Off,
+        }
+    }
+}
+
+/// A command line clap refused, as one line: what is wrong (and clap's tip), then where to
+/// look. Clap's own rendering spans several lines and prints a usage line that shows options
+/// from the environment ($UDM_CONTROL) as if they were required.
+pub fn one_line(error: &clap::Error) -> String {
+    let rendered = error.render().to_string();
+    let mut what = Vec::new();
+    let mut tips = Vec::new();
+    let mut verb = String::from("udm");
+    for line in rendered.lines().map(str::trim) {
+        if let Some(usage) = line.strip_prefix("Usage: ") {
+            // "udm create [OPTIONS] <NAME>" → "udm create"
+            verb = usage
+                .split_whitespace()
+                .take_while(|w| !w.starts_with(['[', '<', '-']))
+                .collect::<Vec<_>>()
+                .join(" ");
+            break;
+        }
+        if let Some(tip) = line.strip_prefix("tip: ") {
+            tips.push(tip.to_string());
+        } else if !line.is_empty() {
+            what.push(line.strip_prefix("error: ").unwrap_or(line).to_string());
+        }
+    }
+    let mut out = what.join(" ");
+    for tip in tips {
+        out += &format!(" ({tip})");
+    }
+    format!("{out}; see `{verb} --help`")
+}
+
+/// `256M`, `1G`, `4096`: bytes, or binary K, M, G.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let (digits, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, ""),
+    };
+    let shift = match unit {
+        "" => 0,
+        "K" | "k" => 10,
+        "M" | "m" => 20,
+        "G" | "g" => 30,
+        _ => {
+            return Err(format!(
+                "'{s}': expected a size such as 256M (bytes, K, M or G)"
+            ))
+        }
+    };
+    digits
+        .parse::<usize>()
+        .ok()
+        .filter(|&n| n > 0)
+        .and_then(|n| n.checked_mul(1 << shift))
+        .ok_or_else(|| format!("'{s}': expected a size above zero such as 256M"))
+}
+
+/// `300` or `300s` (seconds), `5m`, `500ms`.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let (digits, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("'{s}': expected a time such as 300s, 5m or 500ms"))?;
+    match unit {
+        "ms" => Ok(std::time::Duration::from_millis(n)),
+        "s" => Ok(std::time::Duration::from_secs(n)),
+        "m" => Ok(std::time::Duration::from_secs(n * 60)),
+        _ => Err(format!("'{s}': expected a time such as 300s, 5m or 500ms")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn sizes_and_times_parse_or_say_what_is_wrong() {
+        assert_eq!(parse_size("256M"), Ok(256 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("1g"), Ok(1 << 30));
+        for bad in ["", "0", "M", "12X", "-1", "99999999999999999999G"] {
+            assert!(
+                parse_size(bad).unwrap_err().contains(&format!("'{bad}'")),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            parse_duration("300"),
+            Ok(std::time::Duration::from_secs(300))
+        );
+        assert_eq!(
+            parse_duration("5m"),
+            Ok(std::time::Duration::from_secs(300))
+        );
+        assert_eq!(
+            parse_duration("500ms"),
+            Ok(std::time::Duration::from_millis(500))
+        );
+        assert_eq!(parse_duration("0"), Ok(std::time::Duration::ZERO));
+        for bad in ["", "s", "5h", "1.5s"] {
+            assert!(
+                parse_duration(bad)
+                    .unwrap_err()
+                    .contains(&format!("'{bad}'")),
+                "{bad}"
+            );
+        }
+    }
+
+    /// `udm VERB --help` describes every argument: none is left with an empty line.
+    #[test]
+    fn every_argument_and_flag_is_described() {
+        let mut missing = Vec::new();
+        let udm = Cli::command();
+        let mut verbs = vec![udm.clone()];
+        verbs.extend(udm.get_subcommands().cloned());
+        for verb in &verbs {
+            for arg in verb.get_arguments() {
+                let id = arg.get_id().as_str();
+                if arg.get_help().is_none() && !["help", "version"].contains(&id) {
+                    missing.push(format!("{} {id}", verb.get_name()));
+                }
+            }
+        }
+        assert!(missing.is_empty(), "undescribed: {missing:?}");
+    }
+
+    #[test]
+    fn the_control_socket_may_come_before_or_after_the_verb_and_after_wins() {
+        let socket = |args: &[&str]| {
+            let cli = Cli::try_parse_from(args).unwrap();
+            let Command::Ls { control, .. } = cli.command else {
+                panic!("not ls")
+            };
+            control.socket(cli.control.as_deref())
+        };
+        assert_eq!(
+            socket(&["udm", "--control", "/a", "ls"]),
+            PathBuf::from("/a")
+        );
+        assert_eq!(
+            socket(&["udm", "ls", "--control", "/b"]),
+            PathBuf::from("/b")
+        );
+        assert_eq!(
+            socket(&["udm", "--control", "/a", "ls", "--control", "/b"]),
+            PathBuf::from("/b")
+        );
+        // Detach and replay-log talk to no daemon: one given before them is ignored.
+        Cli::try_parse_from(["udm", "--control", "/a", "detach", "/dev/loop0"]).unwrap();
+    }
+
+    #[test]
+    fn a_bad_command_line_is_one_line_naming_the_verb() {
+        for (args, expected) in [
+            (&["udm", "create"][..], "<NAME>"),
+            (&["udm", "create", "x", "--bogus"], "'--bogus'"),
+            (&["udm", "frobnicate"], "'frobnicate'"),
+        ] {
+            let error = Cli::try_parse_from(args).err().unwrap();
+            let line = one_line(&error);
+            assert!(!line.contains('\n'), "{line}");
+            assert!(line.contains(expected), "{line}");
+            assert!(line.ends_with("--help`"), "{line}");
+        }
+        let line = one_line(&Cli::try_parse_from(["udm", "create"]).err().unwrap());
+        assert!(line.contains("see `udm create --help`"), "{line}");
+    }
+}

@@ -1,0 +1,360 @@
+//! Persistence: each device is `STATE_DIR/devices/NAME.json`, rewritten durably at every
+//! change, and brought back in dependency order when the daemon starts.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use log::{info, warn};
+use serde::{Deserialize, Serialize};
+use udm_block::SECTOR_SIZE;
+use udm_targets::Table;
+
+use super::device::Device;
+use super::registry::{describe, Registry, RegistryError};
+use super::write_durably;
+
+type Result<T, E = RegistryError> = std::result::Result<T, E>;
+
+/// What the state dir keeps per device: enough to bring it back after a restart as it was —
+/// its tables, whether it was suspended, and what messages changed.
+#[derive(Serialize, Deserialize)]
+struct SavedDevice {
+    /// The device's name; the file's name follows it (see [`Registry::rename_record`]).
+    name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    uuid: Option<String>,
+    read_only: bool,
+    table: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    inactive: Option<Vec<String>>,
+    /// Whether the device is read-only once the inactive table goes live.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    inactive_read_only: bool,
+    #[serde(default)]
+    suspended: bool,
+    /// `remove --deferred` was asked: the device goes once nothing uses it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    deferred_remove: bool,
+    /// Per segment of the live table (by start sector), the messages that restore its
+    /// targets' settings.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    settings: Vec<SavedSettings>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SavedSettings {
+    sector: u64,
+    messages: Vec<String>,
+}
+
+impl Registry {
+    pub(super) fn state_path(&self, name: &str) -> PathBuf {
+        self.state_dir.join("devices").join(format!("{name}.json"))
+    }
+
+    /// Writes the device's record to the state dir: temp file, fsync, rename, fsync dir, so a
+    /// crash leaves either the old or the new record.
+    pub(super) fn save(&self, device: &Device) -> Result<()> {
+        write_durably(&self.state_path(&device.name()), &record(device))
+            .map_err(|e| RegistryError::Persist(device.name(), e))
+    }
+
+    /// Moves a renamed device's record from `old`'s file to its new name's in two atomic
+    /// steps: the record names the device anew, then the file is renamed. A crash in between
+    /// leaves a record whose name is not its file's, which [`Registry::restore`] finishes.
+    pub(super) fn rename_record(&self, device: &Device, old: &str) -> std::io::Result<()> {
+        let from = self.state_path(old);
+        write_durably(&from, &record(device))?;
+        finish_rename(&from, &self.state_path(&device.name()))
+    }
+
+    /// Brings back the devices of the state dir, each as it was: live table and its targets'
+    /// settings, inactive table, suspended or not. Devices built on other devices wait until
+    /// those exist; what cannot be built is logged and left in the state dir. Suspending comes
+    /// last, so that devices built on a suspended one are constructed first. A device whose
+    /// removal was deferred is removed as soon as nothing uses it. Each device restored is
+    /// one line in the log.
+    pub fn restore(self: &Arc<Self>) -> std::io::Result<usize> {
+        let mut pending: Vec<SavedDevice> = Vec::new();
+        for entry in std::fs::read_dir(self.state_dir.join("devices"))? {
+            let path = entry?.path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            let saved = match std::fs::read(&path).map(|b| serde_json::from_slice(&b)) {
+                Ok(Ok(saved)) => saved,
+                Ok(Err(e)) => {
+                    warn!("ignoring {}: {e}", path.display());
+                    continue;
+                }
+                Err(e) => {
+                    warn!("ignoring {}: {e}", path.display());
+                    continue;
+                }
+            };
+            finish_interrupted_rename(&path, &saved, &self.state_path(&saved.name))?;
+            pending.push(saved);
+        }
+        let mut restored = Vec::new();
+        let _restoring = self.remotes.restoring();
+        loop {
+            let before = pending.len();
+            let mut failures = Vec::new();
+            pending.retain(|saved| match self.restore_one(saved) {
+                Ok(device) => {
+                    restored.push((device, saved.suspended));
+                    false
+                }
+                Err(e) => {
+                    failures.push(format!("'{}': {e}", saved.name));
+                    true
+                }
+            });
+            if pending.is_empty() || pending.len() == before {
+                for failure in failures {
+                    warn!("cannot restore device {failure}");
+                }
+                break;
+            }
+        }
+        for (device, suspended) in &restored {
+            if *suspended {
+                device.suspend();
+            }
+            info!(
+                "restored device '{}' ({}{}{}{})",
+                device.name(),
+                describe(&device.live()),
+                if device.inactive().is_some() {
+                    ", with an inactive table"
+                } else {
+                    ""
+                },
+                if *suspended {
+                    ", suspended as it was"
+                } else {
+                    ""
+                },
+                if device.deferred_remove() {
+                    ", to be removed once unused"
+                } else {
+                    ""
+                },
+            );
+        }
+        for (device, _) in restored.iter().filter(|(d, _)| d.deferred_remove()) {
+            self.watch_deferred(device.clone());
+        }
+        Ok(restored.len())
+    }
+
+    fn restore_one(&self, saved: &SavedDevice) -> Result<Arc<Device>> {
+        let _changes = self.changes.lock();
+        let name = &saved.name;
+        let restore_settings = |table: &Table| {
+            for settings in &saved.settings {
+                let Some(target) = table.target_at(settings.sector) else {
+                    warn!(
+                        "'{name}': no segment at sector {} for saved settings",
+                        settings.sector
+                    );
+                    continue;
+                };
+                for message in &settings.messages {
+                    let words: Vec<&str> = message.split_whitespace().collect();
+                    if let Err(e) = target.message(&words) {
+                        warn!("'{name}': restoring setting '{message}': {e}");
+                    }
+                }
+            }
+        };
+        let device = self.build_device(
+            name,
+            saved.uuid.as_deref(),
+            &saved.table.join("\n"),
+            saved.read_only,
+            restore_settings,
+        )?;
+        if let Some(inactive) = &saved.inactive {
+            match self.build(name, &inactive.join("\n"), device.events()) {
+                Ok(table) => device.load(table, saved.inactive_read_only),
+                Err(e) => warn!("'{name}': its inactive table cannot be restored: {e}"),
+            }
+        }
+        device.set_deferred_remove(saved.deferred_remove);
+        self.map().insert(name.clone(), device.clone());
+        Ok(device)
+    }
+}
+
+/// The device's record, as JSON.
+fn record(device: &Device) -> Vec<u8> {
+    let live = device.live();
+    let settings = live
+        .segments()
+        .iter()
+        .map(|segment| SavedSettings {
+            sector: segment.start / SECTOR_SIZE,
+            messages: segment.target.settings_messages(),
+        })
+        .filter(|saved| !saved.messages.is_empty())
+        .collect();
+    let saved = SavedDevice {
+        name: device.name(),
+        uuid: device.uuid(),
+        read_only: device.read_only(),
+        table: live.lines(),
+        inactive: device.inactive().map(|t| t.lines()),
+        inactive_read_only: device.inactive_read_only(),
+        suspended: device.is_suspended(),
+        deferred_remove: device.deferred_remove(),
+        settings,
+    };
+    serde_json::to_vec_pretty(&saved).expect("serialisable")
+}
+
+/// A record at `path` that names another device than its file does is the first half of a
+/// rename cut short by a crash (see [`Registry::rename_record`]): moves it to `named`.
+fn finish_interrupted_rename(
+    path: &Path,
+    saved: &SavedDevice,
+    named: &Path,
+) -> std::io::Result<()> {
+    if path == named {
+        return Ok(());
+    }
+    warn!(
+        "{} holds device '{}': finishing its rename",
+        path.display(),
+        saved.name
+    );
+    finish_rename(path, named)
+}
+
+/// Renames a record's file and makes the rename durable.
+fn finish_rename(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::rename(from, to)?;
+    std::fs::File::open(to.parent().expect("a file in a directory"))?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use udm_block::{AlignedBuf, BlockDevice};
+    use udm_testkit::TempDir;
+
+    use super::*;
+
+    fn registry(dir: &TempDir) -> Arc<Registry> {
+        Arc::new(Registry::new(&dir.path("state"), Duration::from_secs(1)).unwrap())
+    }
+
+    /// What a device looks like from outside, to compare before and after a restart.
+    fn describe(r: &Registry, name: &str) -> (Vec<String>, Option<Vec<String>>, bool, bool) {
+        let d = r.get(name).unwrap();
+        let inactive = d.inactive().map(|t| t.lines());
+        (d.live().lines(), inactive, d.is_suspended(), d.read_only())
+    }
+
+    #[test]
+    fn a_restart_brings_every_device_back_as_it_was() {
+        let dir = TempDir::new("restore");
+        let names = ["base", "bad", "mid", "top", "ro"];
+        let before = {
+            let r = registry(&dir);
+            // Names sort against the stack (top < mid < base would be read first), so the
+            // restore has to wait for lower devices whatever order it reads the records in.
+            r.create("base", "0 4096 zero", false, None).unwrap();
+            r.create("bad", "0 4096 dust base 0 512", false, None)
+                .unwrap();
+            r.create("mid", "0 4096 linear bad 0", false, None).unwrap();
+            r.create("top", "0 2048 linear mid 2048", false, None)
+                .unwrap();
+            r.create("ro", "0 8 zero", true, None).unwrap();
+            r.create("gone", "0 8 zero", false, None).unwrap();
+            r.remove("gone", false, Duration::ZERO).unwrap();
+            r.message("bad", 0, &["addbadblock", "3"]).unwrap();
+            r.message("bad", 0, &["enable"]).unwrap();
+            r.load("top", "0 1024 linear base 0", false, false).unwrap();
+            r.suspend("mid", false).unwrap();
+            names.map(|n| describe(&r, n))
+        };
+        let r = registry(&dir);
+        assert_eq!(r.restore().unwrap(), names.len());
+        assert_eq!(names.map(|n| describe(&r, n)), before);
+        assert!(r.get("gone").is_err());
+        // The message's settings came back with the table: block 3 is bad again.
+        let bad = r.get("bad").unwrap();
+        let mut buf = AlignedBuf::zeroed(512);
+        assert!(bad.read(3 * 512, &mut buf).is_err());
+        bad.read(2 * 512, &mut buf).unwrap();
+        assert_eq!(
+            bad.live().segments()[0].target.settings_messages()[0],
+            "enable"
+        );
+    }
+
+    #[test]
+    fn a_damaged_record_is_skipped_and_the_rest_restored() {
+        let dir = TempDir::new("damaged");
+        {
+            let r = registry(&dir);
+            r.create("good", "0 8 zero", false, None).unwrap();
+            r.create("lost", "0 8 zero", false, None).unwrap();
+        }
+        std::fs::write(dir.path("state/devices/lost.json"), b"{ torn").unwrap();
+        // A record whose lower device never comes back cannot be built; it stays on disk.
+        let orphan = br#"{"name":"orphan","read_only":false,"table":["0 8 linear nowhere 0"]}"#;
+        std::fs::write(dir.path("state/devices/orphan.json"), orphan).unwrap();
+        let r = registry(&dir);
+        assert_eq!(r.restore().unwrap(), 1);
+        assert_eq!(r.all().len(), 1);
+        assert!(dir.path("state/devices/orphan.json").exists());
+    }
+
+    /// A device is suspended only once everything built on it is back: building a table reads
+    /// its lower devices (a clone's metadata here), and a read of a suspended device waits
+    /// for a resume that would never come.
+    #[test]
+    fn devices_built_on_a_suspended_device_are_built_before_it_is_suspended() {
+        let dir = TempDir::new("restore-suspended");
+        for file in ["meta.img", "dest.img"] {
+            let f = std::fs::File::create(dir.path(file)).unwrap();
+            f.set_len(1 << 20).unwrap();
+        }
+        {
+            let r = registry(&dir);
+            let meta = dir.path("meta.img");
+            let dest = dir.path("dest.img");
+            r.create(
+                "meta",
+                &format!("0 2048 linear {} 0", meta.display()),
+                false,
+                None,
+            )
+            .unwrap();
+            r.create("source", "0 2048 zero", false, None).unwrap();
+            // No background copy: it would commit to the suspended metadata device.
+            let clone = format!(
+                "0 2048 clone meta {} source 8 1 no_hydration",
+                dest.display()
+            );
+            r.create("clone", &clone, false, None).unwrap();
+            r.suspend("meta", false).unwrap();
+        }
+        let (done, restored) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let r = registry(&dir);
+            done.send(r.restore().unwrap()).unwrap();
+            // Keep the devices (and their files) until the test has its answer.
+            std::thread::sleep(Duration::from_secs(1));
+            drop(r);
+            drop(dir);
+        });
+        let count = restored
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the restore hung on a suspended device");
+        assert_eq!(count, 3);
+    }
+}

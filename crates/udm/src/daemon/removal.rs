@@ -1,0 +1,195 @@
+//! Removing devices: at once, after the clients that are disconnecting have gone, when the
+//! last user lets go (`--deferred`), or all of them (`remove_all`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use log::{info, warn};
+use udm_block::{BlockDevice, SECTOR_SIZE};
+
+use super::device::Device;
+use super::registry::{Registry, RegistryError};
+
+type Result<T, E = RegistryError> = std::result::Result<T, E>;
+
+/// How long a plain `remove` waits for a device's clients to let go before refusing. A client
+/// that has just disconnected (`nbdinfo … && udm remove vol`) still counts until the server
+/// has read its hang-up, which is milliseconds away; a client that stays connected costs the
+/// caller this long before the refusal.
+pub const CLOSING_GRACE: Duration = Duration::from_secs(1);
+
+/// How long `remove --retry` waits (dmsetup retries for about as long).
+pub const RETRY_WAIT: Duration = Duration::from_secs(5);
+
+/// How often a deferred removal looks again whether devices built on it have gone.
+const DEFERRED_POLL: Duration = Duration::from_millis(200);
+
+impl Registry {
+    /// Removes a device. A device another device's table uses is never removed; one a client
+    /// has open, after waiting up to `wait` for its clients to let go, only with `force`,
+    /// which first swaps in an all-error table so the clients' I/O fails instead of reaching
+    /// the old targets.
+    pub fn remove(&self, name: &str, force: bool, wait: Duration) -> Result<()> {
+        let device = self.get(name)?;
+        self.refuse_if_held(name)?;
+        if !force && device.open_count() > 0 {
+            device.wait_released(wait);
+        }
+        let _changes = self.changes.lock();
+        let device = self.get(name)?;
+        self.refuse_if_held(name)?;
+        let opens = device.open_count();
+        if opens > 0 {
+            if !force {
+                return Err(RegistryError::Busy(
+                    name.into(),
+                    format!("open by {opens} client(s); use --force to fail their I/O and remove"),
+                ));
+            }
+            let sectors = device.size() / SECTOR_SIZE;
+            let error_table = self.build(name, &format!("0 {sectors} error"), device.events())?;
+            device.replace_live(error_table);
+        }
+        self.map().remove(name);
+        if let Err(e) = device.live().flush() {
+            warn!("removing '{name}': flushing: {e}");
+        }
+        let path = self.state_path(name);
+        if let Err(e) = std::fs::remove_file(&path) {
+            warn!("removing {}: {e}", path.display());
+        }
+        if opens > 0 {
+            info!(
+                "removed device '{name}' by force: {opens} client(s) had it open and their I/O \
+                 now fails"
+            );
+        } else {
+            info!("removed device '{name}'");
+        }
+        Ok(())
+    }
+
+    fn refuse_if_held(&self, name: &str) -> Result<()> {
+        let holders = self.holders(name);
+        if holders.is_empty() {
+            return Ok(());
+        }
+        Err(RegistryError::Busy(
+            name.into(),
+            format!("used by {}", holders.join(", ")),
+        ))
+    }
+
+    /// dmsetup's `remove --deferred`: removes the device now if nothing uses it, otherwise
+    /// once its last client lets go and no device is built on it any more. Until then it
+    /// works as before; `message NAME 0 @cancel_deferred_remove` takes the request back.
+    /// Returns whether it was removed at once.
+    pub fn remove_deferred(self: &Arc<Self>, name: &str) -> Result<bool> {
+        let device = self.get(name)?;
+        if device.open_count() == 0 && self.holders(name).is_empty() {
+            self.remove(name, false, Duration::ZERO)?;
+            return Ok(true);
+        }
+        {
+            let _changes = self.changes.lock();
+            device.set_deferred_remove(true);
+            self.save(&device)?;
+        }
+        info!(
+            "device '{name}': will be removed once unused ({} client(s) and {} device(s) use it)",
+            device.open_count(),
+            self.holders(name).len()
+        );
+        self.watch_deferred(device);
+        Ok(false)
+    }
+
+    /// Takes back a deferred removal.
+    pub fn cancel_deferred_remove(&self, name: &str) -> Result<()> {
+        let _changes = self.changes.lock();
+        let device = self.get(name)?;
+        if !device.deferred_remove() {
+            return Err(RegistryError::Busy(
+                name.into(),
+                "no deferred removal to cancel".into(),
+            ));
+        }
+        device.set_deferred_remove(false);
+        self.save(&device)?;
+        info!("device '{name}': deferred removal cancelled");
+        Ok(())
+    }
+
+    /// Removes `device` once nothing uses it, unless the removal is cancelled or the device
+    /// goes some other way first.
+    pub(super) fn watch_deferred(self: &Arc<Self>, device: Arc<Device>) {
+        let registry = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("deferred-remove".into())
+            .spawn(move || loop {
+                device.wait_released(DEFERRED_POLL);
+                let name = device.name();
+                let still_ours = registry
+                    .get(&name)
+                    .is_ok_and(|current| Arc::ptr_eq(&current, &device));
+                if !still_ours || !device.deferred_remove() {
+                    return;
+                }
+                if device.open_count() > 0 || !registry.holders(&name).is_empty() {
+                    std::thread::sleep(DEFERRED_POLL);
+                    continue;
+                }
+                match registry.remove(&name, false, Duration::ZERO) {
+                    Ok(()) => return info!("device '{name}': deferred removal done"),
+                    // A client came back between the look and the removal: wait again.
+                    Err(RegistryError::Busy(..)) => continue,
+                    Err(e) => return warn!("device '{name}': deferred removal failed: {e}"),
+                }
+            });
+        if let Err(e) = spawned {
+            warn!("cannot watch a deferred removal: {e}");
+        }
+    }
+
+    /// dmsetup's `remove_all`: removes every device, those built on others first. Devices
+    /// clients hold open are left (with `force`, their clients' I/O fails and they go too),
+    /// and so are those below them; the error names each device left and why.
+    pub fn remove_all(&self, force: bool) -> Result<usize> {
+        let mut removed = 0;
+        let mut refused: Vec<(String, String)> = Vec::new();
+        loop {
+            let tops: Vec<String> = self
+                .all()
+                .iter()
+                .map(|d| d.name())
+                .filter(|n| self.holders(n).is_empty() && !refused.iter().any(|(r, _)| r == n))
+                .collect();
+            if tops.is_empty() {
+                break;
+            }
+            for name in tops {
+                match self.remove(&name, force, Duration::ZERO) {
+                    Ok(()) => removed += 1,
+                    Err(e) => refused.push((name, e.to_string())),
+                }
+            }
+        }
+        let mut left: Vec<String> = refused.into_iter().map(|(_, why)| why).collect();
+        for device in self.all() {
+            let name = device.name();
+            if !self.holders(&name).is_empty() {
+                left.push(format!(
+                    "device '{name}' is used by {}",
+                    self.holders(&name).join(", ")
+                ));
+            }
+        }
+        if left.is_empty() {
+            return Ok(removed);
+        }
+        Err(RegistryError::Incomplete(format!(
+            "removed {removed} device(s); left {}",
+            left.join("; ")
+        )))
+    }
+}

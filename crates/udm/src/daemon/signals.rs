@@ -1,0 +1,38 @@
+//! SIGTERM and SIGINT, collected by the main thread alone so that it shuts down in order.
+
+use std::time::Duration;
+
+/// Blocks SIGTERM and SIGINT in every thread started after this (threads inherit the mask),
+/// so that only [`wait_for_signal`] sees them.
+pub fn block_shutdown_signals() -> libc::sigset_t {
+    // SAFETY: plain signal-mask calls on a set we own.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+/// Waits for one of the blocked signals, or `timeout`; returns the signal.
+pub fn wait_for_signal(signals: &libc::sigset_t, timeout: Option<Duration>) -> Option<i32> {
+    let signal = match timeout {
+        // SAFETY: waits for one of the blocked signals.
+        None => unsafe {
+            let mut signal = 0;
+            libc::sigwait(signals, &mut signal);
+            signal
+        },
+        Some(timeout) => {
+            let timeout = libc::timespec {
+                tv_sec: timeout.as_secs() as libc::time_t,
+                tv_nsec: timeout.subsec_nanos() as libc::c_long,
+            };
+            // SAFETY: as above, with a timeout; -1 (EAGAIN) when it expires.
+            unsafe { libc::sigtimedwait(signals, std::ptr::null_mut(), &timeout) }
+        }
+    };
+    (signal > 0).then_some(signal)
+}

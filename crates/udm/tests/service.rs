@@ -1,0 +1,349 @@
+//! End to end: udm as a service — the unit file's command line runs as written, the daemon
+//! tells systemd READY=1 only once its devices are back and STOPPING=1 when it stops, and
+//! `/metrics` counts what fio did.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixDatagram;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+const UNIT: &str = include_str!("../../../packaging/udm.service");
+
+/// The unit's ExecStart, with the binary under test and `dir` in place of /var/lib and /run.
+fn exec_start(dir: &Path) -> Vec<String> {
+    let line = UNIT
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("the unit has an ExecStart");
+    line.split_whitespace()
+        .map(|word| {
+            word.replace("/usr/local/bin/udm", UDM)
+                .replace("/var/lib/udm", &dir.join("state").display().to_string())
+                .replace("/run/udm", &dir.join("run").display().to_string())
+        })
+        .collect()
+}
+
+/// `udm` verbs against the daemon started from the unit.
+fn udm(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(UDM)
+        .args(args)
+        .env("UDM_CONTROL", dir.join("run/control.sock"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "udm {args:?}: {out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn receive(socket: &UnixDatagram) -> String {
+    let mut buf = [0u8; 512];
+    let n = socket
+        .recv(&mut buf)
+        .expect("a notification within the timeout");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[test]
+fn the_unit_starts_the_daemon_which_tells_systemd_when_ready_and_when_stopping() {
+    let dir = TempDir::new("unit");
+    // systemd makes the RuntimeDirectory; here the test does.
+    std::fs::create_dir_all(dir.path("run")).unwrap();
+    let command = exec_start(&dir.0);
+    let start = || {
+        let mut daemon = Command::new(&command[0]);
+        daemon
+            .args(&command[1..])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path("daemon.log")).unwrap());
+        daemon
+    };
+
+    // Devices to restore: made on a first run, which has no NOTIFY_SOCKET.
+    let mut first = start().spawn().unwrap();
+    wait_for(
+        || dir.path("run/control.sock").exists(),
+        "the first daemon's control socket",
+    );
+    for i in 0..40 {
+        udm(
+            &dir.0,
+            &["create", &format!("vol{i:02}"), "--table", "0 2048 zero"],
+        );
+    }
+    unsafe { libc::kill(first.id() as i32, libc::SIGTERM) };
+    assert!(first.wait().unwrap().success());
+
+    let notify = UnixDatagram::bind(dir.path("notify.sock")).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut daemon = start()
+        .env("NOTIFY_SOCKET", dir.path("notify.sock"))
+        .spawn()
+        .unwrap();
+    let ready = receive(&notify);
+    // Asked at once: READY=1 promises that every device is back and the verbs are answered.
+    let listed = udm(&dir.0, &["ls"]);
+    assert_eq!(ready, "READY=1\nSTATUS=serving 40 restored device(s)");
+    assert_eq!(listed.lines().count(), 40, "{listed}");
+    let log = std::fs::read_to_string(dir.path("daemon.log")).unwrap();
+    assert!(log.contains("restored 40 device(s)"), "{log}");
+
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
+    let stopping = receive(&notify);
+    assert!(stopping.starts_with("STOPPING=1\n"), "{stopping}");
+    assert!(daemon.wait().unwrap().success());
+    // Nothing more after the stop began, and the sockets are gone.
+    notify
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    assert!(notify.recv(&mut [0u8; 64]).is_err());
+    assert!(!dir.path("run/control.sock").exists());
+}
+
+#[test]
+fn systemd_accepts_the_unit() {
+    if Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("systemd-analyze is not installed: the unit is not verified");
+        return;
+    }
+    let dir = TempDir::new("unit-verify");
+    let unit = dir.path("udm.service");
+    std::fs::write(&unit, UNIT.replace("/usr/local/bin/udm", UDM)).unwrap();
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&unit)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && said.trim().is_empty(), "{said}");
+}
+
+/// `GET /metrics` over plain HTTP: the body.
+fn scrape(port: u16) -> String {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");
+    assert!(
+        head.contains("Content-Type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    body.to_string()
+}
+
+/// One sample's value: `family{labels}` as written in the exposition.
+fn value(body: &str, sample: &str) -> f64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {sample} in\n{body}"))
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn metrics_count_exactly_what_fio_did() {
+    let daemon = Daemon::start_with("metrics", &["--metrics", "tcp:0"]);
+    let port: u16 = daemon
+        .log()
+        .lines()
+        .find_map(|l| l.split_once("metrics: http://127.0.0.1:"))
+        .and_then(|(_, rest)| rest.split_once('/'))
+        .map(|(port, _)| port.parse().unwrap())
+        .expect("the metrics address in the log");
+    daemon.create_linear("vol", "vol.img", 64 << 20);
+    let before = scrape(port);
+    assert_eq!(value(&before, "udm_reads_total{device=\"vol\"}"), 0.0);
+
+    let fio = Command::new("fio")
+        .args([
+            "--name=metrics",
+            "--ioengine=nbd",
+            &format!("--uri={}", daemon.uri("vol")),
+            "--rw=randrw",
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=64M",
+            "--time_based",
+            "--runtime=3",
+            "--output-format=json",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("fio");
+    // While fio runs, the counters move and its connection counts as an open.
+    let mut reads = Vec::new();
+    let mut saw_in_flight = false;
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(500));
+        let body = scrape(port);
+        reads.push(value(&body, "udm_reads_total{device=\"vol\"}"));
+        saw_in_flight |= value(&body, "udm_in_flight{device=\"vol\"}") > 0.0;
+        assert_eq!(value(&body, "udm_open_count{device=\"vol\"}"), 1.0);
+    }
+    let out = fio.wait_with_output().unwrap();
+    assert!(out.status.success(), "fio failed");
+    assert!(
+        reads.windows(2).all(|w| w[1] > w[0]),
+        "reads did not move while fio ran: {reads:?}"
+    );
+    assert!(saw_in_flight, "no request in flight in any scrape");
+
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout[stdout.find('{').unwrap()..]).unwrap();
+    let job = &json["jobs"][0];
+    let after = scrape(port);
+    for (op, family, bytes) in [
+        ("read", "udm_reads_total", "udm_read_bytes_total"),
+        ("write", "udm_writes_total", "udm_written_bytes_total"),
+    ] {
+        let ios = job[op]["total_ios"].as_f64().unwrap();
+        let io_bytes = job[op]["io_bytes"].as_f64().unwrap();
+        assert!(ios > 1000.0, "{op}: fio did only {ios} I/Os");
+        let sample = |family: &str| value(&after, &format!("{family}{{device=\"vol\"}}"));
+        assert_eq!(sample(family), ios, "{op} requests");
+        assert_eq!(sample(bytes), io_bytes, "{op} bytes");
+        let count = value(
+            &after,
+            &format!("udm_request_duration_seconds_count{{device=\"vol\",op=\"{op}\"}}"),
+        );
+        assert_eq!(count, ios, "{op} latencies");
+        let errors = value(
+            &after,
+            &format!("udm_errors_total{{device=\"vol\",op=\"{op}\"}}"),
+        );
+        assert_eq!(errors, 0.0);
+    }
+    assert_eq!(value(&after, "udm_in_flight{device=\"vol\"}"), 0.0);
+    wait_for(
+        || value(&scrape(port), "udm_open_count{device=\"vol\"}") == 0.0,
+        "fio's connection to close",
+    );
+}
+
+#[test]
+fn metrics_show_a_clone_hydrating_to_the_end() {
+    let daemon = Daemon::start_with("metrics-clone", &["--metrics", "tcp:0"]);
+    let port: u16 = daemon
+        .log()
+        .lines()
+        .find_map(|l| l.split_once("metrics: http://127.0.0.1:"))
+        .and_then(|(_, rest)| rest.split_once('/'))
+        .map(|(port, _)| port.parse().unwrap())
+        .expect("the metrics address in the log");
+    let source = daemon.dir.path("source.img");
+    pattern_file(&source, 4 << 20, 7);
+    let (meta, dest) = (daemon.dir.path("meta.img"), daemon.dir.path("dest.img"));
+    sparse_file(&meta, 1 << 20);
+    sparse_file(&dest, 4 << 20);
+    let table = format!(
+        "0 8192 clone {} {} {} 8 1 no_hydration",
+        meta.display(),
+        dest.display(),
+        source.display()
+    );
+    daemon.udm(&["create", "vol", "--table", &table]);
+    let body = scrape(port);
+    assert_eq!(
+        value(&body, "udm_clone_size_bytes{device=\"vol\"}"),
+        4194304.0
+    );
+    assert_eq!(
+        value(&body, "udm_clone_hydrated_bytes{device=\"vol\"}"),
+        0.0
+    );
+    assert_eq!(
+        value(&body, "udm_clone_hydration_complete{device=\"vol\"}"),
+        0.0
+    );
+    daemon.udm(&["message", "vol", "0", "hydration_threshold", "64"]);
+    daemon.udm(&["message", "vol", "0", "enable_hydration"]);
+    wait_for(
+        || {
+            value(
+                &scrape(port),
+                "udm_clone_hydration_complete{device=\"vol\"}",
+            ) == 1.0
+        },
+        "the clone to hydrate",
+    );
+    let body = scrape(port);
+    assert_eq!(
+        value(&body, "udm_clone_hydrated_bytes{device=\"vol\"}"),
+        4194304.0
+    );
+    // Devices without a clone have no clone metrics.
+    daemon.create_linear("plain", "plain.img", 1 << 20);
+    assert!(!scrape(port).contains("udm_clone_size_bytes{device=\"plain\"}"));
+}
+
+/// `udm daemon --fork` returns once the daemon answers and its devices are back; `udm stop`
+/// returns once it has exited, so the next start on the same state dir never races it.
+#[test]
+fn fork_returns_when_ready_and_stop_when_stopped() {
+    let dir = TempDir::new("fork");
+    let control = dir.path("control.sock");
+    let start = || {
+        Command::new(UDM)
+            .args(["daemon", "--fork", "--state-dir"])
+            .arg(dir.path("state"))
+            .arg("--control")
+            .arg(&control)
+            .stderr(std::fs::File::create(dir.path("daemon.log")).unwrap())
+            .status()
+            .unwrap()
+    };
+    let udm = |args: &[&str]| {
+        Command::new(UDM)
+            .args(args)
+            .env("UDM_CONTROL", &control)
+            .output()
+            .unwrap()
+    };
+    assert!(start().success());
+    assert!(udm(&["create", "vol", "--table", "0 8 zero"])
+        .status
+        .success());
+    for round in 0..5 {
+        assert!(udm(&["stop"]).status.success(), "round {round}");
+        assert!(
+            start().success(),
+            "round {round}: {}",
+            std::fs::read_to_string(dir.path("daemon.log")).unwrap()
+        );
+        let ls = udm(&["ls"]);
+        assert_eq!(
+            String::from_utf8_lossy(&ls.stdout),
+            "vol\t(8 sectors)\n",
+            "round {round}"
+        );
+    }
+    // A second daemon on the same state dir fails, and --fork says so with its status.
+    let second = Command::new(UDM)
+        .args(["daemon", "--fork", "--state-dir"])
+        .arg(dir.path("state"))
+        .arg("--control")
+        .arg(dir.path("other.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(second.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(err.contains("udm daemon already running"), "{err}");
+    assert!(udm(&["stop"]).status.success());
+    let log = std::fs::read_to_string(dir.path("daemon.log")).unwrap();
+    assert!(!log.contains("warning"), "{log}");
+}
