@@ -85,33 +85,29 @@ impl Drop for MappedUserIo {
     }
 }
 
-/// A bandwidth cap in KiB/s (0 = none): each copy books its bytes, and the next may start
-/// once they would have taken at the cap.
+/// A bandwidth cap in KiB/s (0 = none), which the caller keeps with its settings: each copy
+/// books its bytes, and the next may start once they would have taken at the cap.
 pub struct RateLimit {
-    kib_per_second: u64,
     next_at: Instant,
 }
 
-impl RateLimit {
-    pub fn new(kib_per_second: u64) -> Self {
+impl Default for RateLimit {
+    fn default() -> Self {
         RateLimit {
-            kib_per_second,
             next_at: Instant::now(),
         }
     }
+}
 
-    pub fn kib_per_second(&self) -> u64 {
-        self.kib_per_second
-    }
-
+impl RateLimit {
     /// A new cap applies from now, not after what the old one had booked.
-    pub fn set(&mut self, kib_per_second: u64) {
-        *self = RateLimit::new(kib_per_second);
+    pub fn reset(&mut self) {
+        self.next_at = Instant::now();
     }
 
-    /// How long the cap wants the next copy to wait, if at all.
-    pub fn wait(&self) -> Option<Duration> {
-        if self.kib_per_second == 0 {
+    /// How long a cap of `kib` KiB/s wants the next copy to wait, if at all.
+    pub fn wait(&self, kib: u64) -> Option<Duration> {
+        if kib == 0 {
             return None;
         }
         self.next_at
@@ -119,13 +115,30 @@ impl RateLimit {
             .filter(|d| !d.is_zero())
     }
 
-    pub fn reserve(&mut self, bytes: u64) {
-        if self.kib_per_second == 0 {
+    /// Books `bytes` at `kib` KiB/s.
+    pub fn reserve(&mut self, kib: u64, bytes: u64) {
+        if kib == 0 {
             return;
         }
         let at = self.next_at.max(Instant::now());
-        self.next_at =
-            at + Duration::from_secs_f64(bytes as f64 / (self.kib_per_second as f64 * 1024.0));
+        self.next_at = at + Self::duration(kib, bytes);
+    }
+
+    /// Gives back `bytes` booked but not copied: the next copy may start that much earlier
+    /// (never earlier than now, so no credit builds up).
+    pub fn refund(&mut self, kib: u64, bytes: u64) {
+        if kib == 0 || bytes == 0 {
+            return;
+        }
+        let now = Instant::now();
+        self.next_at = self
+            .next_at
+            .checked_sub(Self::duration(kib, bytes))
+            .map_or(now, |at| at.max(now));
+    }
+
+    fn duration(kib: u64, bytes: u64) -> Duration {
+        Duration::from_secs_f64(bytes as f64 / (kib as f64 * 1024.0))
     }
 }
 
@@ -136,6 +149,12 @@ pub struct Throughput {
 }
 
 impl Throughput {
+    /// Forgets the samples: the rate is measured from now (after a pause, say), not across
+    /// a time nothing was copied.
+    pub fn clear(&self) {
+        self.samples.lock().clear();
+    }
+
     /// Records that `done` bytes are done by now.
     pub fn sample(&self, done: u64) {
         let mut samples = self.samples.lock();
@@ -210,14 +229,20 @@ mod tests {
     }
 
     #[test]
-    fn the_cap_spaces_copies_by_their_size() {
-        let mut cap = RateLimit::new(1024);
-        assert!(cap.wait().is_none());
-        cap.reserve(512 * 1024);
-        let wait = cap.wait().unwrap();
+    fn the_cap_spaces_copies_by_their_size_and_takes_back_what_was_not_copied() {
+        let mut cap = RateLimit::default();
+        assert!(cap.wait(1024).is_none());
+        cap.reserve(1024, 512 * 1024);
+        let wait = cap.wait(1024).unwrap();
         assert!(wait > Duration::from_millis(400) && wait <= Duration::from_millis(500));
-        cap.set(0);
-        cap.reserve(1 << 30);
-        assert!(cap.wait().is_none());
+        cap.refund(1024, 256 * 1024);
+        let wait = cap.wait(1024).unwrap();
+        assert!(wait > Duration::from_millis(150) && wait <= Duration::from_millis(250));
+        cap.refund(1024, 1 << 30);
+        assert!(cap.wait(1024).is_none(), "no credit builds up");
+        assert!(cap.wait(0).is_none());
+        cap.reserve(1024, 1 << 20);
+        cap.reset();
+        assert!(cap.wait(1024).is_none());
     }
 }

@@ -47,7 +47,9 @@ struct Control {
     paused: bool,
     shutdown: bool,
     in_batch: bool,
-    rate: RateLimit,
+    /// `max_merge_rate`, KiB/s (0: none).
+    rate_kib: u64,
+    limit: RateLimit,
 }
 
 struct Inner {
@@ -99,7 +101,8 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             paused: true,
             shutdown: false,
             in_batch: false,
-            rate: RateLimit::new(0),
+            rate_kib: 0,
+            limit: RateLimit::default(),
         }),
         wake: Condvar::new(),
         failed: AtomicBool::new(false),
@@ -144,7 +147,7 @@ impl Inner {
                     let wait = if idle {
                         Some(Duration::from_secs(1))
                     } else {
-                        control.rate.wait()
+                        control.limit.wait(control.rate_kib)
                     };
                     match wait {
                         Some(wait) => {
@@ -156,7 +159,7 @@ impl Inner {
                 control.in_batch = true;
                 // Under a cap, a quarter of a second's worth at a time, so that the cap is
                 // kept smoothly (and from the first batch after a restart).
-                let most = match control.rate.kib_per_second() {
+                let most = match control.rate_kib {
                     0 => BATCH_BYTES,
                     kib => (kib * 1024 / 4).min(BATCH_BYTES),
                 };
@@ -185,7 +188,10 @@ impl Inner {
                     (self.raise_event)();
                 }
                 Ok(chunks) => {
-                    control.rate.reserve(chunks as u64 * self.snap().chunk);
+                    let kib = control.rate_kib;
+                    control
+                        .limit
+                        .reserve(kib, chunks as u64 * self.snap().chunk);
                     let pause = self.activity.pause_after(started.elapsed(), MAX_YIELD);
                     if !pause.is_zero() {
                         self.wake
@@ -491,7 +497,10 @@ impl Target for Merge {
                         "snapshot-merge: invalid value '{rate}' for max_merge_rate (KiB/s)"
                     ))
                 })?;
-                self.inner.control.lock().rate.set(rate);
+                let mut control = self.inner.control.lock();
+                control.rate_kib = rate;
+                control.limit.reset();
+                drop(control);
                 self.inner.wake.notify_all();
                 Ok(String::new())
             }
@@ -505,7 +514,7 @@ impl Target for Merge {
     fn settings_messages(&self) -> Vec<String> {
         vec![format!(
             "max_merge_rate {}",
-            self.inner.control.lock().rate.kib_per_second()
+            self.inner.control.lock().rate_kib
         )]
     }
 
