@@ -2,6 +2,8 @@
 //! panics only when udm misbehaves: every input must get an error or a result, never a crash,
 //! a hang or an inconsistency.
 
+pub mod thin;
+
 use std::io::{Read, Write};
 use std::sync::Arc;
 
@@ -158,4 +160,5 @@ pub const TARGETS: &[(&str, Property)] = &[
     ("clone_metadata", clone_metadata),
     ("write_log", write_log),
     ("snapshot_cow", snapshot_cow),
+    ("thin_metadata", thin::thin_metadata),
 ];

@@ -11,6 +11,8 @@ pub mod block;
 mod clone;
 pub mod log;
 pub mod snapshot;
+pub mod thin;
 
 pub use block::{BlockType, MetadataError, BLOCK_SIZE};
 pub use clone::{CloneGeometry, CloneMetadata, CommitOutcome, SuperblockFallback};
+pub use thin::{DeviceInfo, Mapping, ThinError, ThinMetadata, Usage};

@@ -2,14 +2,16 @@
 //! opens, everything committed before the cut is there, and nothing that was never written
 //! appears.
 
-use std::collections::{BTreeSet, HashMap};
+mod tpt;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use udm_block::{BlockDevice, WriteFlags};
 use udm_metadata::log::{EntryKind, LogReader, LogWriter};
 use udm_metadata::snapshot::{ExceptionStore, PersistentStore, Record};
-use udm_metadata::{CloneGeometry, CloneMetadata};
-use udm_testkit::{CrashDevice, PowerSwitch, Rng};
+use udm_metadata::{CloneGeometry, CloneMetadata, ThinMetadata};
+use udm_testkit::{CrashDevice, PowerSwitch, Rng, TempDir};
 
 #[test]
 fn clone_metadata_survives_a_power_cut_at_every_write() {
@@ -141,6 +143,148 @@ fn the_write_log_survives_a_power_cut_at_every_write() {
     }
     assert!(cuts >= 50, "only {cuts} cut points exercised");
     eprintln!("write log: {cuts} power-cut points checked");
+}
+
+type ThinModel = BTreeMap<u32, BTreeMap<u64, u64>>;
+
+/// One round of a thin pool's work: new devices, snapshots, deletes, writes (each to a new
+/// data block, as the pool breaks sharing) and discards, decided by `rng` alone.
+fn thin_round(
+    meta: &mut ThinMetadata,
+    model: &mut ThinModel,
+    rng: &mut Rng,
+    next_id: &mut u32,
+) -> Result<(), udm_metadata::ThinError> {
+    let ids: Vec<u32> = model.keys().copied().collect();
+    let pick = |rng: &mut Rng| ids[rng.below(ids.len() as u64) as usize];
+    match rng.below(6) {
+        0 => {
+            meta.create_thin(*next_id)?;
+            model.insert(*next_id, BTreeMap::new());
+            *next_id += 1;
+        }
+        1 => {
+            let origin = pick(rng);
+            meta.create_snap(*next_id, origin)?;
+            model.insert(*next_id, model[&origin].clone());
+            *next_id += 1;
+        }
+        2 if ids.len() > 2 => {
+            let id = pick(rng);
+            meta.delete(id)?;
+            model.remove(&id);
+        }
+        _ => {}
+    }
+    let ids: Vec<u32> = model.keys().copied().collect();
+    for _ in 0..40 {
+        let id = ids[rng.below(ids.len() as u64) as usize];
+        let vblock = rng.below(3000);
+        if rng.below(5) == 0 {
+            meta.remove(id, vblock)?;
+            model.get_mut(&id).unwrap().remove(&vblock);
+        } else {
+            let b = meta.alloc_data_block()?.expect("data space");
+            meta.insert(id, vblock, b)?;
+            model.get_mut(&id).unwrap().insert(vblock, b);
+        }
+    }
+    Ok(())
+}
+
+fn thin_view(meta: &mut ThinMetadata) -> ThinModel {
+    tpt::udm_view(meta)
+        .into_iter()
+        .map(|(id, (_, maps))| (id, maps))
+        .collect()
+}
+
+#[test]
+fn thin_metadata_survives_a_power_cut_at_every_write() {
+    let scratch = TempDir::new("thin-powercut");
+    let image_path = scratch.path("image");
+    let mut cuts = 0;
+    for seed in 0..3u64 {
+        let mut cut_at = 1;
+        loop {
+            let dev = Arc::new(CrashDevice::new(2 << 20, cut_at, cut_at * 131 + seed));
+            let mut rng = Rng::new(seed);
+            // The last commit that returned, and the one in progress at the cut (which may
+            // or may not have become durable).
+            let mut committed = None;
+            let mut attempted = ThinModel::new();
+            if let Ok(mut meta) = ThinMetadata::open(dev.clone(), 128, 20_000) {
+                committed = Some(ThinModel::new());
+                let mut model = ThinModel::new();
+                let mut next_id = 2;
+                let started = meta.create_thin(1).map(|_| {
+                    model.insert(1, BTreeMap::new());
+                });
+                if started.is_ok() {
+                    for _ in 0..30 {
+                        if thin_round(&mut meta, &mut model, &mut rng, &mut next_id).is_err() {
+                            break;
+                        }
+                        attempted = model.clone();
+                        if meta.commit().is_err() {
+                            break;
+                        }
+                        committed = Some(model.clone());
+                        // Now and then a metadata snapshot is taken or dropped (it changes
+                        // no mapping; the next commit records it).
+                        if rng.below(4) == 0 {
+                            let toggled = match meta.held_root() {
+                                Some(_) => meta.release_metadata_snap(),
+                                None => meta.reserve_metadata_snap(),
+                            };
+                            if toggled.is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            if !dev.is_cut() {
+                break;
+            }
+            cuts += 1;
+            let image: Arc<dyn BlockDevice> = Arc::new(dev.after_power_cut());
+            let mut meta = ThinMetadata::open(image.clone(), 128, 20_000).unwrap_or_else(|e| {
+                panic!("seed {seed}, cut at write {cut_at}: the pool does not reopen: {e}")
+            });
+            let found = thin_view(&mut meta);
+            let ok = match &committed {
+                // Cut before the format was durable: a new, empty pool.
+                None => found.is_empty(),
+                Some(c) => found == *c || found == attempted,
+            };
+            assert!(
+                ok,
+                "seed {seed}, cut at write {cut_at}: the pool is neither the last commit nor \
+                 the one in progress"
+            );
+            tpt::save(image.as_ref(), &image_path);
+            tpt::check(&image_path, &format!("seed {seed}, cut at write {cut_at}"));
+            // The reopened pool takes more work, and stays clean.
+            let mut model = found;
+            if model.is_empty() {
+                meta.create_thin(1).unwrap();
+                model.insert(1, BTreeMap::new());
+            }
+            let mut next_id = 1000;
+            thin_round(&mut meta, &mut model, &mut rng, &mut next_id).unwrap();
+            meta.commit().unwrap();
+            assert_eq!(thin_view(&mut meta), model);
+            tpt::save(image.as_ref(), &image_path);
+            tpt::check(
+                &image_path,
+                &format!("seed {seed}, cut at write {cut_at}, after more work"),
+            );
+            cut_at += 1;
+        }
+    }
+    assert!(cuts >= 150, "only {cuts} cut points exercised");
+    eprintln!("thin metadata: {cuts} power-cut points checked with thin_check");
 }
 
 /// The data a snapshot saved for origin chunk `old` (4 KiB chunks).

@@ -103,11 +103,22 @@ impl<'a> Args<'a> {
         mode: OpenMode,
     ) -> Result<(String, Arc<dyn BlockDevice>), TargetError> {
         let reference = self.word(what)?;
-        let dev = ctx
-            .resolver
-            .open(reference, mode)
-            .map_err(|e| self.error(format!("cannot open <{what}> '{reference}': {e}")))?;
+        let dev = self.open(ctx, what, reference, mode)?;
         Ok((reference.to_string(), dev))
+    }
+
+    /// Opens a device reference read earlier (targets that check every token before opening
+    /// anything, as the kernel's thin-pool does).
+    pub fn open(
+        &self,
+        ctx: &TargetContext,
+        what: &str,
+        reference: &str,
+        mode: OpenMode,
+    ) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        ctx.resolver
+            .open(reference, mode)
+            .map_err(|e| self.error(format!("cannot open <{what}> '{reference}': {e}")))
     }
 
     /// Fails if tokens are left over.

@@ -23,6 +23,7 @@ mod linear;
 mod log_writes;
 mod snapshot;
 mod striped;
+mod thin;
 mod zero;
 
 pub use args::Args;
@@ -32,6 +33,7 @@ pub use registry::{construct, TARGET_TYPES};
 pub use rendezvous::{device_key, Rendezvous};
 pub use table::{Segment, Table, TableLine};
 pub use target::{Resolver, Target, TargetContext, TargetError};
+pub use thin::set_no_space_timeout;
 
 #[cfg(test)]
 pub(crate) mod testing;

@@ -22,6 +22,8 @@ pub const TARGET_TYPES: &[(&str, Constructor)] = &[
     ("snapshot-origin", crate::snapshot::construct_origin),
     ("snapshot", crate::snapshot::construct_snapshot),
     ("snapshot-merge", crate::snapshot::construct_merge),
+    ("thin-pool", crate::thin::construct_pool),
+    ("thin", crate::thin::construct_thin),
 ];
 
 /// Builds the target of one table line.

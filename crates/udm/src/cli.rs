@@ -161,6 +161,11 @@ pub struct DaemonArgs {
     /// before failing with EIO; meanwhile the client reconnects with backoff.
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub remote_timeout: u64,
+    /// How long writes to a thin pool that is out of data space wait for space (the data
+    /// device grown, blocks freed) before failing with ENOSPC (60s like the kernel's
+    /// no_space_timeout; 0 waits for ever; error_if_no_space fails at once).
+    #[arg(long, default_value = "60s", value_parser = parse_duration, value_name = "TIME")]
+    pub no_space_timeout: std::time::Duration,
 }
 
 impl DaemonArgs {
@@ -395,8 +400,27 @@ pub enum Command {
         #[command(flatten)]
         control: Control,
     },
+    /// Thin pools: `udm thin ls POOL` lists its thin devices and what they hold.
+    Thin {
+        #[command(subcommand)]
+        command: ThinCommand,
+    },
     /// Replay a log-writes log onto a device, checking it at flush points (no daemon needed).
     ReplayLog(replay::ReplayOptions),
+}
+
+#[derive(Subcommand)]
+pub enum ThinCommand {
+    /// The pool's thin devices: mapped, exclusive and shared blocks (like thin_ls).
+    Ls {
+        /// The thin-pool device's name or UUID.
+        pool: String,
+        /// Print the numbers as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        control: Control,
+    },
 }
 
 /// `info -c` and its options, as dmsetup's.

@@ -9,6 +9,7 @@ mod logger;
 mod loop_device;
 mod progress;
 mod replay;
+mod thin_ls;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,7 +18,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use serde_json::Value;
 
-use cli::{Cli, Command, DaemonArgs, TlsArg};
+use cli::{Cli, Command, DaemonArgs, ThinCommand, TlsArg};
 use udm::control::Request;
 use udm::daemon;
 
@@ -91,6 +92,7 @@ fn tls_server(
 }
 
 fn daemon(args: DaemonArgs, control: PathBuf) -> anyhow::Result<()> {
+    udm_targets::set_no_space_timeout(args.no_space_timeout);
     let defaults = udm_nbd::ServerConfig::default();
     let nbd_config = udm_nbd::ServerConfig {
         engine: args.nbd_engine.into(),
@@ -148,6 +150,14 @@ fn run(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Resul
         } => return progress::show(&control.socket(before_verb), &name),
         Command::Version { control } => return version(&control.socket(before_verb)),
         Command::Stop { control } => return background::stop(&control.socket(before_verb)),
+        Command::Thin {
+            command:
+                ThinCommand::Ls {
+                    pool,
+                    json,
+                    control,
+                },
+        } => return thin_ls::show(&control.socket(before_verb), &pool, json),
         Command::Create {
             name,
             table,

@@ -205,6 +205,40 @@ fn linear_survives_kill_9() {
     );
 }
 
+/// A thin volume whose external origin is the original data: 4 KiB writes into 64 KiB
+/// blocks copy the rest of each block from the origin as they provision it. After every
+/// restart the pool's metadata must pass thin_check.
+#[test]
+fn thin_survives_kill_9_while_provisioning() {
+    crash_rounds(
+        "crash-thin",
+        vol(|daemon, original| {
+            let (meta, data) = (daemon.dir.path("pool.meta"), daemon.dir.path("pool.data"));
+            sparse_file(&meta, 4 * MIB);
+            sparse_file(&data, 2 * SIZE);
+            let pool = format!(
+                "0 {} thin-pool {} {} 128 0",
+                2 * SIZE / 512,
+                meta.display(),
+                data.display()
+            );
+            daemon.udm(&["create", "pool", "--table", &pool]);
+            daemon.udm(&["message", "pool", "0", "create_thin", "1"]);
+            format!("0 {} thin pool 1 {}", SIZE / 512, original.display())
+        }),
+        |daemon, _, _| {
+            daemon.udm(&["suspend", "vol"]);
+            daemon.udm(&["suspend", "pool"]);
+            tool(
+                "thin_check",
+                &[daemon.dir.path("pool.meta").to_str().unwrap()],
+            );
+            daemon.udm(&["resume", "pool"]);
+            daemon.udm(&["resume", "vol"]);
+        },
+    );
+}
+
 #[test]
 fn clone_survives_kill_9_while_hydrating() {
     crash_rounds(

@@ -313,6 +313,89 @@ fn ext4_on_a_clone_while_it_hydrates_and_fstrim_skips_unused_space() {
     fsck("ext4", dest.to_str().unwrap());
 }
 
+/// Used data blocks of a thin pool, from its status line.
+fn thin_pool_used(daemon: &Daemon, pool: &str) -> u64 {
+    let status = daemon.udm(&["status", pool]);
+    let used = status.split(' ').nth(5).unwrap();
+    used.split('/').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn ext4_on_a_thin_volume_with_a_snapshot_taken_while_mounted() {
+    let daemon = fuse_daemon("fuse-thin");
+    let tarball = real_tarball(&daemon.dir.0);
+    let (meta, data) = (daemon.dir.path("pool.meta"), daemon.dir.path("pool.data"));
+    sparse_file(&meta, 16 * MIB);
+    sparse_file(&data, 512 * MIB);
+    let pool = format!(
+        "0 {} thin-pool {} {} 128 0",
+        512 * MIB / 512,
+        meta.display(),
+        data.display()
+    );
+    daemon.udm(&["create", "pool", "--table", &pool]);
+    daemon.udm(&["message", "pool", "0", "create_thin", "1"]);
+    let volume = |name: &str, id: u32| {
+        let table = format!("0 {} thin pool {id}", 384 * MIB / 512);
+        daemon.udm(&["create", name, "--table", &table]);
+    };
+    volume("vol", 1);
+    let dev = Loop::attach(&daemon, "vol");
+    mkfs("ext4", &dev.0);
+    let mnt = daemon.dir.path("mnt");
+    let mounted = Mounted::new(&dev.0, &mnt);
+    tar_in(&mnt, "-xf", &tarball);
+    tool("sync", &[]);
+    // A snapshot of the mounted filesystem, frozen and its volume suspended meanwhile (what
+    // lvcreate --snapshot does).
+    tool("fsfreeze", &["-f", mnt.to_str().unwrap()]);
+    daemon.udm(&["suspend", "vol"]);
+    daemon.udm(&["message", "pool", "0", "create_snap", "2", "1"]);
+    daemon.udm(&["resume", "vol"]);
+    tool("fsfreeze", &["-u", mnt.to_str().unwrap()]);
+    // The origin changes: files go, others come; a big file written after the snapshot and
+    // deleted gives its blocks back to the pool through fstrim.
+    churn(&mnt);
+    tool("rm", &["-rf", mnt.join("linux").to_str().unwrap()]);
+    tool(
+        "dd",
+        &[
+            "if=/dev/urandom",
+            &format!("of={}", mnt.join("big").display()),
+            "bs=1M",
+            "count=64",
+            "conv=fsync",
+        ],
+    );
+    let with_big = thin_pool_used(&daemon, "pool");
+    tool("rm", &[mnt.join("big").to_str().unwrap()]);
+    // ext4 trims only blocks whose release is committed to its journal.
+    tool("sync", &[]);
+    tool("fstrim", &[mnt.to_str().unwrap()]);
+    let trimmed = thin_pool_used(&daemon, "pool");
+    // At least 60 of the file's 64 MiB (its ends share thin blocks with other data).
+    assert!(
+        trimmed + 60 * MIB / (64 * 1024) <= with_big,
+        "fstrim gave back too little: {with_big} blocks used before, {trimmed} after"
+    );
+    mounted.unmount();
+    fsck("ext4", &dev.0);
+    drop(dev);
+    remove_once_released(&daemon, "vol");
+    // The snapshot is the filesystem as it was frozen: clean, every file of the tarball.
+    volume("snap", 2);
+    let snap = Loop::attach(&daemon, "snap");
+    fsck("ext4", &snap.0);
+    let snap_mnt = daemon.dir.path("snap-mnt");
+    let mounted = Mounted::new(&snap.0, &snap_mnt);
+    tar_matches(&snap_mnt, &tarball);
+    mounted.unmount();
+    drop(snap);
+    remove_once_released(&daemon, "snap");
+    daemon.udm(&["suspend", "pool"]);
+    tool("thin_check", &[meta.to_str().unwrap()]);
+}
+
 #[test]
 fn fio_verifies_a_file_in_the_filesystem_across_live_table_swaps_over_io_uring() {
     fio_across_live_table_swaps("on");
