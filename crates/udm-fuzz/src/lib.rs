@@ -98,6 +98,38 @@ pub fn clone_metadata(data: &[u8]) {
     }
 }
 
+/// A COW device holding arbitrary bytes: the snapshot store refuses it cleanly, or loads
+/// records that each name a data chunk on the device, once; a commit then lands and reads
+/// back.
+pub fn snapshot_cow(data: &[u8]) {
+    use udm_metadata::snapshot::{ExceptionStore, PersistentStore, Record};
+    let dev = Arc::new(MemoryDevice::new(64 << 10));
+    let len = data.len().min(64 << 10);
+    dev.write(0, &data[..len], WriteFlags::default())
+        .expect("memory write");
+    let Ok(opened) = PersistentStore::open(dev.clone(), 8) else {
+        return;
+    };
+    let geometry = opened.store.geometry();
+    let mut news = std::collections::HashSet::new();
+    for r in &opened.records {
+        assert!(r.new < geometry.chunks && !geometry.is_metadata(r.new));
+        assert!(news.insert(r.new));
+    }
+    let olds: std::collections::HashSet<u64> = opened.records.iter().map(|r| r.old).collect();
+    let old = (0..)
+        .find(|o| !olds.contains(o))
+        .expect("a free origin chunk");
+    if let Ok(new) = opened.store.allocate() {
+        let record = Record { old, new };
+        let ticket = opened.store.submit(&[record]).expect("submit");
+        opened.store.wait(ticket).expect("commit");
+        drop(opened);
+        let again = PersistentStore::open(dev, 8).expect("reopen after a commit");
+        assert_eq!(again.records.last(), Some(&record));
+    }
+}
+
 /// A log device holding arbitrary bytes: the reader stops cleanly.
 pub fn write_log(data: &[u8]) {
     let dev = MemoryDevice::new(64 << 10);
@@ -127,5 +159,6 @@ pub const TARGETS: &[(&str, Property)] = &[
     ("control", control),
     ("clone_metadata", clone_metadata),
     ("write_log", write_log),
+    ("snapshot_cow", snapshot_cow),
     ("thin_metadata", thin::thin_metadata),
 ];

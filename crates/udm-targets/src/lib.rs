@@ -7,6 +7,7 @@
 
 mod args;
 mod filter;
+mod pacing;
 mod reference;
 mod registry;
 mod rendezvous;
@@ -20,6 +21,7 @@ mod error_target;
 mod flakey;
 mod linear;
 mod log_writes;
+mod snapshot;
 mod striped;
 mod thin;
 mod zero;

@@ -19,6 +19,9 @@ pub const TARGET_TYPES: &[(&str, Constructor)] = &[
     ("dust", crate::dust::construct),
     ("clone", crate::clone::construct),
     ("log-writes", crate::log_writes::construct),
+    ("snapshot-origin", crate::snapshot::construct_origin),
+    ("snapshot", crate::snapshot::construct_snapshot),
+    ("snapshot-merge", crate::snapshot::construct_merge),
     ("thin-pool", crate::thin::construct_pool),
     ("thin", crate::thin::construct_thin),
 ];

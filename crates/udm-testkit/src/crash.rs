@@ -2,9 +2,13 @@
 //! and the power can be cut at any write. After the cut, [`CrashDevice::after_power_cut`]
 //! gives the image a restart would see: the durable data plus an arbitrary subset of the
 //! volatile sectors (writes not yet flushed may be torn and reordered, as on real disks).
+//!
+//! Devices built on one [`PowerSwitch`] lose power together, at the n-th write to any of
+//! them: what a crash does to a snapshot's origin and COW device at once.
 
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use udm_block::{
     write_zeroes_by_writing, BlockDevice, BlockError, Capabilities, MemoryDevice, Result,
@@ -13,13 +17,47 @@ use udm_block::{
 
 use crate::Rng;
 
+/// The power supply of one or more [`CrashDevice`]s.
+pub struct PowerSwitch {
+    /// Writes left before the power goes; 0 = never.
+    writes_left: AtomicU64,
+    cut: AtomicBool,
+}
+
+impl PowerSwitch {
+    /// Power that goes at write number `cut_at` to any device on it (1 = the first write;
+    /// 0 = never).
+    pub fn new(cut_at: u64) -> Arc<Self> {
+        Arc::new(PowerSwitch {
+            writes_left: AtomicU64::new(cut_at),
+            cut: AtomicBool::new(false),
+        })
+    }
+
+    pub fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::SeqCst)
+    }
+
+    /// Counts a write; true if the power goes during it.
+    fn goes_now(&self) -> bool {
+        self.writes_left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+                left.checked_sub(1)
+            })
+            .is_ok_and(|left| {
+                if left == 1 {
+                    self.cut.store(true, Ordering::SeqCst);
+                }
+                left == 1
+            })
+    }
+}
+
 pub struct CrashDevice {
     durable: MemoryDevice,
     /// Writes since the last flush, in order: (offset, data).
     volatile: Mutex<Vec<(u64, Vec<u8>)>>,
-    /// Writes left before the power goes; 0 = never.
-    writes_left: AtomicU64,
-    cut: AtomicBool,
+    power: Arc<PowerSwitch>,
     /// Seed for which volatile sectors survive.
     seed: u64,
 }
@@ -27,21 +65,25 @@ pub struct CrashDevice {
 impl CrashDevice {
     /// A device whose power is cut at write number `cut_at` (1 = the first write; 0 = never).
     pub fn new(size: u64, cut_at: u64, seed: u64) -> Self {
-        Self::from_image(MemoryDevice::new(size), cut_at, seed)
+        Self::on_power(size, PowerSwitch::new(cut_at), seed)
     }
 
-    fn from_image(durable: MemoryDevice, cut_at: u64, seed: u64) -> Self {
+    /// A device on `power`, which it may share with others.
+    pub fn on_power(size: u64, power: Arc<PowerSwitch>, seed: u64) -> Self {
+        Self::from_image(MemoryDevice::new(size), power, seed)
+    }
+
+    fn from_image(durable: MemoryDevice, power: Arc<PowerSwitch>, seed: u64) -> Self {
         CrashDevice {
             durable,
             volatile: Mutex::new(Vec::new()),
-            writes_left: AtomicU64::new(cut_at),
-            cut: AtomicBool::new(false),
+            power,
             seed,
         }
     }
 
     pub fn is_cut(&self) -> bool {
-        self.cut.load(Ordering::SeqCst)
+        self.power.is_cut()
     }
 
     fn check_power(&self) -> Result<()> {
@@ -49,20 +91,6 @@ impl CrashDevice {
             return Err(BlockError::Io("power cut".into()));
         }
         Ok(())
-    }
-
-    /// Counts a write; true if the power goes during it.
-    fn power_goes_now(&self) -> bool {
-        let left = self.writes_left.load(Ordering::SeqCst);
-        if left == 0 {
-            return false;
-        }
-        self.writes_left.store(left - 1, Ordering::SeqCst);
-        if left == 1 {
-            self.cut.store(true, Ordering::SeqCst);
-            return true;
-        }
-        false
     }
 
     /// The image after the power cut (or now): durable data plus, sector by sector, a
@@ -92,7 +120,7 @@ impl CrashDevice {
                 }
             }
         }
-        CrashDevice::from_image(image, 0, survives.next())
+        CrashDevice::from_image(image, PowerSwitch::new(0), survives.next())
     }
 }
 
@@ -126,7 +154,7 @@ impl BlockDevice for CrashDevice {
 
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
         self.check_power()?;
-        if self.power_goes_now() {
+        if self.power.goes_now() {
             // The write was in flight: part of it may have reached the media.
             self.volatile.lock().push((offset, buf.to_vec()));
             return Err(BlockError::Io("power cut".into()));
@@ -201,5 +229,18 @@ mod tests {
             kept > 0 && lost > 0,
             "a torn write keeps some sectors: kept {kept}"
         );
+    }
+
+    #[test]
+    fn devices_on_one_switch_lose_power_together() {
+        let power = PowerSwitch::new(3);
+        let a = CrashDevice::on_power(1 << 20, power.clone(), 1);
+        let b = CrashDevice::on_power(1 << 20, power.clone(), 2);
+        a.write(0, &[1u8; 512], WriteFlags::default()).unwrap();
+        b.write(0, &[1u8; 512], WriteFlags::default()).unwrap();
+        assert!(a.write(512, &[1u8; 512], WriteFlags::default()).is_err());
+        assert!(power.is_cut() && a.is_cut() && b.is_cut());
+        assert!(b.flush().is_err());
+        assert!(!b.after_power_cut().is_cut());
     }
 }

@@ -6,7 +6,8 @@
 //! - [`Devices`]: block devices by name, as a catalog of exports and as a table resolver.
 //! - [`Switchable`]: a memory device that fails, counts and calls back on command.
 //! - [`conformance`]: what every device that stores data must do.
-//! - [`CrashDevice`]: durable and volatile writes, and a power cut at any write.
+//! - [`CrashDevice`]: durable and volatile writes, and a power cut at any write; devices on
+//!   one [`PowerSwitch`] lose power together.
 
 pub mod conformance;
 mod crash;
@@ -15,7 +16,7 @@ mod pattern;
 mod switchable;
 mod temp_dir;
 
-pub use crash::CrashDevice;
+pub use crash::{CrashDevice, PowerSwitch};
 pub use devices::Devices;
 pub use pattern::{pattern, pattern_file, Rng};
 pub use switchable::Switchable;

@@ -319,7 +319,8 @@ pub enum Command {
         name: String,
         /// The event number to wait past.
         event_nr: Option<u64>,
-        /// Instead, show hydration progress (rate, ETA) until every clone target is done.
+        /// Instead, show the progress (rate, ETA) of the background copies (clone hydration,
+        /// snapshot merge) until they are done.
         #[arg(long, conflicts_with = "event_nr")]
         progress: bool,
         #[command(flatten)]

@@ -1,6 +1,7 @@
-//! `udm wait NAME --progress`: a live progress bar for hydration, from `status --json`. The
-//! line fits the terminal (narrower ones drop the ETA, then the rate, then the sizes, then the
-//! bar), and a paused hydration says so instead of showing a rate and an ETA it does not have.
+//! `udm wait NAME --progress`: a live progress bar for a device's background copies (a clone's
+//! hydration, a snapshot merge), from `status --json`. The line fits the terminal (narrower ones
+//! drop the ETA, then the rate, then the sizes, then the bar), and a paused hydration says so
+//! instead of showing a rate and an ETA it does not have.
 
 use std::io::{IsTerminal, Write};
 use std::os::fd::AsRawFd;
@@ -28,9 +29,15 @@ struct Progress {
     mode: String,
     /// What holds hydration back, when every clone that has regions left is paused.
     paused_by: Option<String>,
+    /// Why a merge stopped short, if one did.
+    stopped: Option<String>,
+    /// What completes: "hydration", "merge", or both.
+    label: String,
 }
 
-/// Sums the clone targets of the device's status.
+/// Sums the clone and snapshot-merge targets of the device's status. A merge reports its
+/// progress in a `progress` object (label, done and total bytes, rate, ETA, complete, why it
+/// stopped).
 fn sample(control: &Path, name: &str) -> anyhow::Result<Progress> {
     let response = client::call(
         control,
@@ -48,15 +55,35 @@ fn sample(control: &Path, name: &str) -> anyhow::Result<Progress> {
         complete: true,
         mode: "write".into(),
         paused_by: None,
+        stopped: None,
+        label: String::new(),
     };
-    let mut found = false;
+    let mut labels: Vec<&str> = Vec::new();
     let mut hydrating = false;
     for target in data["targets"].as_array().into_iter().flatten() {
         let d = &target["details"];
+        let job = &d["progress"];
+        if job.is_object() {
+            labels.push(job["label"].as_str().unwrap_or("copy"));
+            p.hydrated += job["done_bytes"].as_u64().unwrap_or(0);
+            p.total += job["total_bytes"].as_u64().unwrap_or(0);
+            p.complete &= job["complete"].as_bool().unwrap_or(false);
+            if let Some(r) = job["rate_bytes_per_second"].as_f64() {
+                p.rate = Some(p.rate.unwrap_or(0.0) + r);
+            }
+            if let Some(e) = job["eta_seconds"].as_f64() {
+                p.eta = Some(p.eta.unwrap_or(0.0).max(e));
+            }
+            if let Some(why) = job["stopped"].as_str() {
+                p.stopped = Some(why.to_string());
+            }
+            hydrating = true;
+            continue;
+        }
         if target["type"] != "clone" || d.is_null() {
             continue;
         }
-        found = true;
+        labels.push("hydration");
         p.hydrated += d["hydrated_bytes"].as_u64().unwrap_or(0);
         p.total += d["total_bytes"].as_u64().unwrap_or(0);
         p.complete &= d["complete"].as_bool().unwrap_or(false);
@@ -79,9 +106,11 @@ fn sample(control: &Path, name: &str) -> anyhow::Result<Progress> {
             _ => {}
         }
     }
-    if !found {
-        bail!("device '{name}' has no clone target to wait for");
+    if labels.is_empty() {
+        bail!("device '{name}' has no clone or snapshot-merge target to wait for");
     }
+    labels.dedup();
+    p.label = labels.join(" and ");
     if hydrating {
         p.paused_by = None;
     } else if p.paused_by.is_some() {
@@ -187,11 +216,15 @@ pub fn show(control: &Path, name: &str) -> anyhow::Result<()> {
                 p.mode
             );
         }
+        if let Some(why) = &p.stopped {
+            writeln!(out)?;
+            bail!("{why}");
+        }
         if p.complete {
             if terminal {
                 writeln!(out)?;
             }
-            writeln!(out, "hydration complete")?;
+            writeln!(out, "{} complete", p.label)?;
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(if terminal { 250 } else { 1000 }));
@@ -211,6 +244,8 @@ mod tests {
             complete: false,
             mode: "write".into(),
             paused_by: paused_by.map(str::to_string),
+            stopped: None,
+            label: "hydration".into(),
         }
     }
 

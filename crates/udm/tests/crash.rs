@@ -10,6 +10,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -131,19 +132,19 @@ fn workload_until_killed(client: &mut RawClient, model: &mut Model, random: &mut
     panic!("the daemon was not killed within 10 s");
 }
 
-/// `table` sets up what the device needs and returns its table; `after_restart` checks
-/// whatever else must hold after each restart.
+/// Kills the daemon under the workload on `vol` again and again. `setup` creates `vol` (and
+/// whatever else) over a copy of the original data it is given the path of; after each
+/// restart `check` may look at the other devices.
 fn crash_rounds(
     tag: &str,
-    table: impl Fn(&Daemon, &str) -> String,
-    after_restart: impl Fn(&Daemon),
+    setup: impl FnOnce(&Daemon, &Path),
+    check: impl Fn(&Daemon, &[u8], &str),
 ) {
     let mut daemon = Daemon::start(tag);
     let original_path = daemon.dir.path("original.img");
     pattern_file(&original_path, SIZE as usize, 77);
     let original = std::fs::read(&original_path).unwrap();
-    let table = table(&daemon, original_path.to_str().unwrap());
-    daemon.udm(&["create", "vol", "--table", &table]);
+    setup(&daemon, &original_path);
     let mut model = Model::new();
     let mut random = Rng::new(tag.len() as u64);
     let rounds = rounds();
@@ -160,12 +161,9 @@ fn crash_rounds(
         daemon.reap();
         daemon.launch();
         let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
-        model.check(
-            &read_all(&mut client),
-            &original,
-            &format!("{tag} round {round}"),
-        );
-        after_restart(&daemon);
+        let what = format!("{tag} round {round}");
+        model.check(&read_all(&mut client), &original, &what);
+        check(&daemon, &original, &what);
     }
     assert!(
         model.durable_writes > rounds,
@@ -178,17 +176,32 @@ fn crash_rounds(
     );
 }
 
+fn no_check(_: &Daemon, _: &[u8], _: &str) {}
+
+/// Creates `vol` from a table over a copy of the original data.
+fn vol(table: impl FnOnce(&Daemon, &Path) -> String) -> impl FnOnce(&Daemon, &Path) {
+    move |daemon, original| {
+        let table = table(daemon, original);
+        daemon.udm(&["create", "vol", "--table", &table]);
+    }
+}
+
+fn copy_of_original(daemon: &Daemon, original: &Path, name: &str) -> PathBuf {
+    let disk = daemon.dir.path(name);
+    std::fs::copy(original, &disk).unwrap();
+    disk
+}
+
 #[test]
 fn linear_survives_kill_9() {
     crash_rounds(
         "crash-linear",
-        |daemon, original| {
+        vol(|daemon, original| {
             // The device starts as a copy of the original data.
-            let disk = daemon.dir.path("disk.img");
-            std::fs::copy(original, &disk).unwrap();
+            let disk = copy_of_original(daemon, original, "disk.img");
             format!("0 {} linear {} 0", SIZE / 512, disk.display())
-        },
-        |_| {},
+        }),
+        no_check,
     );
 }
 
@@ -199,7 +212,7 @@ fn linear_survives_kill_9() {
 fn thin_survives_kill_9_while_provisioning() {
     crash_rounds(
         "crash-thin",
-        |daemon, original| {
+        vol(|daemon, original| {
             let (meta, data) = (daemon.dir.path("pool.meta"), daemon.dir.path("pool.data"));
             sparse_file(&meta, 4 * MIB);
             sparse_file(&data, 2 * SIZE);
@@ -211,9 +224,9 @@ fn thin_survives_kill_9_while_provisioning() {
             );
             daemon.udm(&["create", "pool", "--table", &pool]);
             daemon.udm(&["message", "pool", "0", "create_thin", "1"]);
-            format!("0 {} thin pool 1 {original}", SIZE / 512)
-        },
-        |daemon| {
+            format!("0 {} thin pool 1 {}", SIZE / 512, original.display())
+        }),
+        |daemon, _, _| {
             daemon.udm(&["suspend", "vol"]);
             daemon.udm(&["suspend", "pool"]);
             tool(
@@ -230,19 +243,118 @@ fn thin_survives_kill_9_while_provisioning() {
 fn clone_survives_kill_9_while_hydrating() {
     crash_rounds(
         "crash-clone",
-        |daemon, original| {
+        vol(|daemon, original| {
             let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
             sparse_file(&dest, SIZE);
             sparse_file(&meta, MIB);
             // 8 KiB regions, so 4 KiB writes copy half a region first; hydration capped at
             // 2 MiB/s so the kills land in the middle of it for many rounds.
             format!(
-            "0 {} clone {} {} {original} 16 0 6 hydration_threshold 32 hydration_batch_size 4 max_hydration_rate 2048",
-            SIZE / 512,
-            meta.display(),
-            dest.display()
-        )
+                "0 {} clone {} {} {} 16 0 6 hydration_threshold 32 hydration_batch_size 4 max_hydration_rate 2048",
+                SIZE / 512,
+                meta.display(),
+                dest.display(),
+                original.display()
+            )
+        }),
+        no_check,
+    );
+}
+
+/// The origin under its writes, and after every kill a snapshot taken before the first
+/// write that still reads exactly the original data.
+#[test]
+fn a_snapshot_origin_survives_kill_9_and_its_snapshot_stays_exact() {
+    crash_rounds(
+        "crash-snapshot",
+        |daemon, original| {
+            let disk = copy_of_original(daemon, original, "disk.img");
+            let cow = daemon.dir.path("snap.cow");
+            sparse_file(&cow, 2 * SIZE);
+            let sectors = SIZE / 512;
+            daemon.udm(&[
+                "create",
+                "vol",
+                "--table",
+                &format!("0 {sectors} snapshot-origin {}", disk.display()),
+            ]);
+            daemon.udm(&[
+                "create",
+                "snap",
+                "--table",
+                &format!(
+                    "0 {sectors} snapshot {} {} P 8",
+                    disk.display(),
+                    cow.display()
+                ),
+            ]);
         },
-        |_| {},
+        |daemon, original, what| {
+            let mut client = RawClient::connect(&daemon.nbd_socket(), "snap");
+            assert!(
+                read_all(&mut client) == original,
+                "{what}: the snapshot changed"
+            );
+        },
+    );
+}
+
+/// A merge rolling the origin back to a snapshot (the original data) while the workload
+/// writes through it and the daemon is killed again and again: the device always reads as
+/// the snapshot plus every write made durable since, whether the merge has reached a chunk
+/// yet or not.
+#[test]
+fn a_merge_survives_kill_9_while_it_rolls_back() {
+    crash_rounds(
+        "crash-merge",
+        |daemon, original| {
+            let disk = copy_of_original(daemon, original, "disk.img");
+            let cow = daemon.dir.path("snap.cow");
+            sparse_file(&cow, 2 * SIZE);
+            let sectors = SIZE / 512;
+            daemon.udm(&[
+                "create",
+                "vol",
+                "--table",
+                &format!("0 {sectors} snapshot-origin {}", disk.display()),
+            ]);
+            daemon.udm(&[
+                "create",
+                "snap",
+                "--table",
+                &format!(
+                    "0 {sectors} snapshot {} {} P 8",
+                    disk.display(),
+                    cow.display()
+                ),
+            ]);
+            // Change every chunk of the origin, then merge the snapshot back.
+            tool(
+                "qemu-io",
+                &["-f", "raw", "-c", "write -P 0x5c 0 16M", &daemon.uri("vol")],
+            );
+            daemon.udm(&["suspend", "vol"]);
+            daemon.udm(&["remove", "snap"]);
+            daemon.udm(&[
+                "load",
+                "vol",
+                "--table",
+                &format!(
+                    "0 {sectors} snapshot-merge {} {} P 8",
+                    disk.display(),
+                    cow.display()
+                ),
+            ]);
+            daemon.udm(&["resume", "vol"]);
+            // Slow, so that the kills land in the middle of it for many rounds (the setting
+            // is saved with the device and survives the restarts).
+            daemon.udm(&["message", "vol", "0", "max_merge_rate", "256"]);
+        },
+        |daemon, _, what| {
+            // Still merging, or merged: never failed or dropped.
+            let status = daemon.udm(&["status", "vol"]);
+            let usage = status.rsplit_once("snapshot-merge ").unwrap().1;
+            assert!(usage.contains('/'), "{what}: {status}");
+        },
     );
 }

@@ -4,7 +4,6 @@
 //! samples progress for the copy rate.
 
 use parking_lot::MutexGuard;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -14,18 +13,15 @@ use log::{info, warn};
 use super::commit::Mode;
 use super::regions::Claim;
 use super::Inner;
+use crate::pacing::RateLimit;
 
 /// Copy threads; `hydration_threshold` and `hydration_batch_size` decide how many of them
 /// copy at once (threshold / batch size, at least one).
 const WORKERS: usize = 16;
-/// User I/O this recent counts as "the user is busy".
-const USER_QUIET: Duration = Duration::from_millis(5);
-/// While the user is busy, each batch is followed by a pause this many times as long as the
-/// batch took, so copying gets at most 1/(1+N) of the devices' time and the user the rest.
-const YIELD_FACTOR: u32 = 8;
+/// The longest pause after a batch while the user is busy (see `pacing`): hydration keeps
+/// moving.
 const MAX_YIELD: Duration = Duration::from_millis(50);
 const ERROR_BACKOFF: Duration = Duration::from_millis(500);
-const RATE_WINDOW: usize = 10;
 
 /// What the user steers, with the table line's core arguments and with messages.
 #[derive(Debug, Clone, Copy)]
@@ -59,8 +55,8 @@ pub(super) struct Hydration {
     in_flight: u64,
     /// Where the next batch starts looking.
     cursor: u64,
-    /// The rate limiter's next free moment.
-    next_copy_at: Instant,
+    /// The bandwidth cap's bookings (the cap is `settings.max_rate_kib`).
+    limit: RateLimit,
     /// Nothing is copied until the table goes live, nor while it is suspended.
     paused: bool,
     shutdown: bool,
@@ -72,7 +68,7 @@ impl Hydration {
             settings,
             in_flight: 0,
             cursor: 0,
-            next_copy_at: Instant::now(),
+            limit: RateLimit::default(),
             // An inactive table must not touch what the live one is using.
             paused: true,
             shutdown: false,
@@ -101,8 +97,7 @@ impl Hydration {
 
     pub(super) fn set_max_rate(&mut self, kib: u64) {
         self.settings.max_rate_kib = kib;
-        // The new rate applies from now, not after what the old one had booked.
-        self.next_copy_at = Instant::now();
+        self.limit.reset();
     }
 }
 
@@ -145,7 +140,7 @@ impl Inner {
                 self.device
             ),
             None => {
-                self.progress.lock().clear();
+                self.progress.clear();
                 info!(
                     "clone '{}': hydration resumed at {hydrated} of {regions} regions",
                     self.device
@@ -182,7 +177,7 @@ pub(super) fn pause(inner: &Inner, paused: bool) {
     let mut state = inner.hydration.lock();
     if !paused && state.paused {
         // The rate is measured from here, not across the time nothing was copied.
-        inner.progress.lock().clear();
+        inner.progress.clear();
     }
     state.paused = paused;
     inner.wake.notify_all();
@@ -196,20 +191,6 @@ pub(super) fn stop(inner: &Inner) {
     inner.wake.notify_all();
 }
 
-/// Bytes per second hydrated over the last few seconds, once there are two samples.
-pub(super) fn rate_bytes_per_second(inner: &Inner) -> Option<f64> {
-    let samples = inner.progress.lock();
-    let (first, last) = (samples.front()?, samples.back()?);
-    let seconds = last.0.duration_since(first.0).as_secs_f64();
-    (seconds > 0.0).then(|| (last.1 - first.1) as f64 * inner.region as f64 / seconds)
-}
-
-fn user_busy(inner: &Inner) -> bool {
-    let last = Duration::from_nanos(inner.last_user_io.load(Ordering::Acquire));
-    inner.user_in_flight.load(Ordering::Acquire) > 0
-        || inner.started.elapsed().saturating_sub(last) < USER_QUIET
-}
-
 fn may_copy(inner: &Inner, s: &Hydration) -> bool {
     s.settings.hydration_enabled
         && !s.paused
@@ -217,7 +198,7 @@ fn may_copy(inner: &Inner, s: &Hydration) -> bool {
         && inner.mode() == Mode::Write
         && !inner.is_complete()
         // While the user is busy, one batch at a time.
-        && (s.in_flight == 0 || !user_busy(inner))
+        && (s.in_flight == 0 || !inner.activity.busy())
 }
 
 fn worker(inner: &Inner) {
@@ -233,7 +214,7 @@ fn worker(inner: &Inner) {
         // Wait out the bandwidth cap before claiming anything: a claimed region holds up the
         // user's I/O to it and a suspend, so claims are only ever held while copying. A rate
         // change or a pause wakes the wait.
-        if let Some(wait) = rate_wait(&state) {
+        if let Some(wait) = state.limit.wait(state.settings.max_rate_kib) {
             inner.wake.wait_for(&mut state, wait);
             continue;
         }
@@ -247,7 +228,8 @@ fn worker(inner: &Inner) {
         state.in_flight += count;
         // Booked whole before copying, so that workers starting together do not burst past
         // the cap; what the source turns out not to need reading is given back below.
-        reserve_bandwidth(&mut state, count * inner.region);
+        let kib = state.settings.max_rate_kib;
+        state.limit.reserve(kib, count * inner.region);
         drop(state);
 
         let first = claims[0].region;
@@ -259,7 +241,10 @@ fn worker(inner: &Inner) {
         // The cap counts what was read from the source: ranges the source reports as zero
         // cost it nothing, and a sparse source must not be held to the rate of a full one.
         if let Ok(read) = &result {
-            refund_bandwidth(&mut state, (count * inner.region).saturating_sub(*read));
+            let kib = state.settings.max_rate_kib;
+            state
+                .limit
+                .refund(kib, (count * inner.region).saturating_sub(*read));
         }
         inner.wake.notify_all();
         let pause = match &result {
@@ -273,8 +258,7 @@ fn worker(inner: &Inner) {
                 );
                 ERROR_BACKOFF
             }
-            Ok(_) if user_busy(inner) => (started.elapsed() * YIELD_FACTOR).min(MAX_YIELD),
-            Ok(_) => Duration::ZERO,
+            Ok(_) => inner.activity.pause_after(started.elapsed(), MAX_YIELD),
         };
         if !pause.is_zero() {
             // Sleep holding nothing, and only until a pause or stop asks for attention.
@@ -318,42 +302,6 @@ fn claim_batch<'a>(inner: &'a Inner, state: &mut MutexGuard<'_, Hydration>) -> V
     claims
 }
 
-/// How long the bandwidth cap wants the next copy to wait, if at all.
-fn rate_wait(state: &Hydration) -> Option<Duration> {
-    if state.settings.max_rate_kib == 0 {
-        return None;
-    }
-    state
-        .next_copy_at
-        .checked_duration_since(Instant::now())
-        .filter(|d| !d.is_zero())
-}
-
-/// Books `bytes` of the bandwidth cap: the next copy may start once they would have taken.
-fn reserve_bandwidth(state: &mut Hydration, bytes: u64) {
-    let kib = state.settings.max_rate_kib;
-    if kib == 0 {
-        return;
-    }
-    let at = state.next_copy_at.max(Instant::now());
-    state.next_copy_at = at + Duration::from_secs_f64(bytes as f64 / (kib as f64 * 1024.0));
-}
-
-/// Gives back `bytes` booked but not read: the next copy may start that much earlier (never
-/// earlier than now, so no credit builds up).
-fn refund_bandwidth(state: &mut Hydration, bytes: u64) {
-    let kib = state.settings.max_rate_kib;
-    if kib == 0 || bytes == 0 {
-        return;
-    }
-    let refund = Duration::from_secs_f64(bytes as f64 / (kib as f64 * 1024.0));
-    let now = Instant::now();
-    state.next_copy_at = state
-        .next_copy_at
-        .checked_sub(refund)
-        .map_or(now, |at| at.max(now));
-}
-
 fn committer(inner: &Inner) {
     let mut next_tick = Instant::now() + Duration::from_secs(1);
     loop {
@@ -370,13 +318,9 @@ fn committer(inner: &Inner) {
             }
         }
         next_tick += Duration::from_secs(1);
-        {
-            let mut samples = inner.progress.lock();
-            samples.push_back((Instant::now(), inner.meta.hydrated_count()));
-            if samples.len() > RATE_WINDOW {
-                samples.pop_front();
-            }
-        }
+        inner
+            .progress
+            .sample(inner.meta.hydrated_count() * inner.region);
         if inner.mode() == Mode::Write && inner.meta.is_dirty() {
             if let Err(e) = inner.commit() {
                 warn!("clone '{}': periodic commit: {e}", inner.device);

@@ -2,9 +2,6 @@
 //! served by the destination; the rest by the source for reads, and for writes by copying the
 //! region first (or not at all when the write covers it whole).
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-
 use udm_block::{
     BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, Result, WriteFlags, ZeroFlags,
 };
@@ -13,37 +10,7 @@ use super::commit::Mode;
 use super::copy::{COPY_BUFFER, COPY_CHUNK};
 use super::{CloneTarget, Inner};
 
-/// Counts a synchronous request as the user's I/O while it runs (background copying steps
-/// back meanwhile).
-pub(super) struct UserIo<'a>(&'a Inner);
-
-impl Drop for UserIo<'_> {
-    fn drop(&mut self) {
-        self.0.user_io_done();
-    }
-}
-
-/// A mapped request's [`UserIo`], held by the request until its pieces complete.
-struct MappedUserIo(Arc<Inner>);
-
-impl Drop for MappedUserIo {
-    fn drop(&mut self) {
-        self.0.user_io_done();
-    }
-}
-
 impl Inner {
-    pub(super) fn user_io(&self) -> UserIo<'_> {
-        self.user_in_flight.fetch_add(1, Ordering::AcqRel);
-        UserIo(self)
-    }
-
-    fn user_io_done(&self) {
-        self.user_in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.last_user_io
-            .store(self.started.elapsed().as_nanos() as u64, Ordering::Release);
-    }
-
     pub(super) fn regions_of(&self, offset: u64, len: u64) -> std::ops::Range<u64> {
         offset / self.region..(offset + len).div_ceil(self.region)
     }
@@ -185,7 +152,7 @@ impl BlockDevice for CloneTarget {
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let s = &self.inner;
-        let _io = s.user_io();
+        let _io = s.activity.begin();
         s.check_not_failed()?;
         s.each_run(offset, buf.len() as u64, |hydrated, at, len, range| {
             if hydrated {
@@ -203,7 +170,7 @@ impl BlockDevice for CloneTarget {
 
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
         let s = &self.inner;
-        let _io = s.user_io();
+        let _io = s.activity.begin();
         if s.write_merged(offset, buf, flags.fua)? {
             return Ok(());
         }
@@ -214,7 +181,7 @@ impl BlockDevice for CloneTarget {
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         let s = &self.inner;
-        let _io = s.user_io();
+        let _io = s.activity.begin();
         s.write_through(offset, len, flags.fua, || {
             s.dest.write_zeroes(
                 offset,
@@ -228,7 +195,7 @@ impl BlockDevice for CloneTarget {
     }
 
     fn flush(&self) -> Result<()> {
-        let _io = self.inner.user_io();
+        let _io = self.inner.activity.begin();
         self.inner.commit()
     }
 
@@ -245,14 +212,13 @@ impl BlockDevice for CloneTarget {
         if !usable || !s.regions_of(offset, len).all(|r| s.meta.is_hydrated(r)) {
             return None;
         }
-        s.user_in_flight.fetch_add(1, Ordering::AcqRel);
-        let hold = MappedUserIo(s.clone());
+        let hold = s.activity.begin_mapped();
         Some(s.dest.map(op, offset, len)?.hold(hold))
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         let s = &self.inner;
-        let _io = s.user_io();
+        let _io = s.activity.begin();
         s.check_not_failed()?;
         if s.mode() != Mode::Write {
             return Ok(());

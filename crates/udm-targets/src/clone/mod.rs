@@ -28,17 +28,16 @@ mod regions;
 mod status;
 
 use parking_lot::{Condvar, Mutex};
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU8};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
 
 use log::{info, warn};
 use udm_block::BlockDevice;
 use udm_metadata::CloneMetadata;
 
 use crate::args::Args;
+use crate::pacing::{Throughput, UserActivity};
 use crate::target::{EventSink, Target, TargetContext, TargetError};
 use commit::Mode;
 use hydration::Hydration;
@@ -62,14 +61,12 @@ struct Inner {
     wake: Condvar,
     discard_passdown: bool,
     hydrate_on_read: bool,
-    user_in_flight: AtomicUsize,
-    /// Nanoseconds since `started` of the last user request, for yielding.
-    last_user_io: AtomicU64,
-    started: Instant,
+    /// The user's I/O, which background copying yields to.
+    activity: Arc<UserActivity>,
     raise_event: EventSink,
     completion_announced: AtomicBool,
-    /// (time, hydrated regions) once a second, for the copy rate.
-    progress: Mutex<VecDeque<(Instant, u64)>>,
+    /// Hydrated bytes once a second, for the copy rate.
+    progress: Throughput,
 }
 
 /// The `clone` target.
@@ -98,12 +95,10 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         wake: Condvar::new(),
         discard_passdown: parsed.discard_passdown,
         hydrate_on_read: parsed.hydrate_on_read,
-        user_in_flight: AtomicUsize::new(0),
-        last_user_io: AtomicU64::new(0),
-        started: Instant::now(),
+        activity: Arc::default(),
         raise_event: ctx.raise_event.clone(),
         completion_announced: AtomicBool::new(false),
-        progress: Mutex::default(),
+        progress: Throughput::default(),
     });
     Ok(Arc::new(CloneTarget {
         inner,

@@ -5,7 +5,7 @@
 use udm_block::SECTOR_SIZE;
 
 use super::commit::Mode;
-use super::{hydration, CloneTarget};
+use super::CloneTarget;
 use crate::args::Args;
 use crate::target::TargetError;
 
@@ -71,15 +71,12 @@ impl CloneTarget {
             (false, Mode::Write, Some(_)) => "paused",
             (false, ..) => "stopped",
         };
-        let rate = match state {
-            "hydrating" => hydration::rate_bytes_per_second(s),
-            _ => None,
-        };
-        let remaining = s.len - hydrated_bytes;
-        let eta = match rate {
-            _ if remaining == 0 => Some(0.0),
-            Some(r) if r > 0.0 => Some((remaining as f64 / r).round()),
-            _ => None,
+        let (rate, eta) = match state {
+            "hydrating" => (
+                s.progress.bytes_per_second(),
+                s.progress.eta_seconds(s.len - hydrated_bytes),
+            ),
+            _ => (None, (hydrated_bytes == s.len).then_some(0.0)),
         };
         serde_json::json!({
             "state": state,

@@ -1,0 +1,185 @@
+//! Per-chunk locks of one snapshot.
+//!
+//! Whoever creates an exception for a chunk (an origin write copying it out, a write to the
+//! snapshot) or merges it back holds the chunk exclusively; whoever relies on the chunk
+//! staying as it is while it reads or writes elsewhere (a snapshot read from the origin, a
+//! write into a chunk a merge has yet to copy) holds it shared. Requests to different chunks
+//! never wait for each other. A waiting exclusive holder keeps new shared ones out, so a
+//! stream of reads cannot starve an origin write.
+
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+const SHARDS: usize = 64;
+
+#[derive(Default)]
+struct Entry {
+    shared: u32,
+    exclusive: bool,
+    exclusive_waiting: u32,
+    waiting: u32,
+}
+
+#[derive(Default)]
+struct Shard {
+    chunks: Mutex<HashMap<u64, Entry>>,
+    released: Condvar,
+}
+
+pub struct ChunkLocks {
+    shards: Vec<Shard>,
+}
+
+impl Default for ChunkLocks {
+    fn default() -> Self {
+        ChunkLocks {
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+        }
+    }
+}
+
+/// A chunk held shared or exclusively until dropped. Owns a reference to its locks, so a
+/// mapped request can carry it until its I/O completes.
+pub struct ChunkGuard {
+    locks: Arc<ChunkLocks>,
+    chunk: u64,
+    exclusive: bool,
+}
+
+impl ChunkLocks {
+    fn shard(&self, chunk: u64) -> &Shard {
+        &self.shards[chunk as usize % SHARDS]
+    }
+
+    pub fn exclusive(self: &Arc<Self>, chunk: u64) -> ChunkGuard {
+        let shard = self.shard(chunk);
+        let mut chunks = shard.chunks.lock();
+        let mut queued = false;
+        loop {
+            let entry = chunks.entry(chunk).or_default();
+            if !entry.exclusive && entry.shared == 0 {
+                entry.exclusive = true;
+                if queued {
+                    entry.exclusive_waiting -= 1;
+                    entry.waiting -= 1;
+                }
+                break;
+            }
+            if !queued {
+                entry.exclusive_waiting += 1;
+                entry.waiting += 1;
+                queued = true;
+            }
+            shard.released.wait(&mut chunks);
+        }
+        self.guard(chunk, true)
+    }
+
+    pub fn shared(self: &Arc<Self>, chunk: u64) -> ChunkGuard {
+        let shard = self.shard(chunk);
+        let mut chunks = shard.chunks.lock();
+        let mut queued = false;
+        loop {
+            let entry = chunks.entry(chunk).or_default();
+            if !entry.exclusive && entry.exclusive_waiting == 0 {
+                entry.shared += 1;
+                if queued {
+                    entry.waiting -= 1;
+                }
+                break;
+            }
+            if !queued {
+                entry.waiting += 1;
+                queued = true;
+            }
+            shard.released.wait(&mut chunks);
+        }
+        self.guard(chunk, false)
+    }
+
+    /// Holds `chunk` shared if that needs no waiting (for the non-blocking mapped path).
+    pub fn try_shared(self: &Arc<Self>, chunk: u64) -> Option<ChunkGuard> {
+        let mut chunks = self.shard(chunk).chunks.lock();
+        let entry = chunks.entry(chunk).or_default();
+        if entry.exclusive || entry.exclusive_waiting > 0 {
+            return None;
+        }
+        entry.shared += 1;
+        drop(chunks);
+        Some(self.guard(chunk, false))
+    }
+
+    fn guard(self: &Arc<Self>, chunk: u64, exclusive: bool) -> ChunkGuard {
+        ChunkGuard {
+            locks: self.clone(),
+            chunk,
+            exclusive,
+        }
+    }
+
+    /// Chunks held or waited for right now.
+    #[cfg(test)]
+    fn busy(&self) -> usize {
+        self.shards.iter().map(|s| s.chunks.lock().len()).sum()
+    }
+}
+
+impl Drop for ChunkGuard {
+    fn drop(&mut self) {
+        let shard = self.locks.shard(self.chunk);
+        let mut chunks = shard.chunks.lock();
+        let entry = chunks
+            .get_mut(&self.chunk)
+            .expect("a held chunk has an entry");
+        if self.exclusive {
+            entry.exclusive = false;
+        } else {
+            entry.shared -= 1;
+        }
+        if entry.waiting > 0 {
+            shard.released.notify_all();
+        } else if entry.shared == 0 && !entry.exclusive {
+            chunks.remove(&self.chunk);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn exclusive_waits_for_shared_and_keeps_new_shared_out() {
+        let locks = Arc::new(ChunkLocks::default());
+        let reader = locks.shared(5);
+        assert!(locks.try_shared(5).is_some(), "shared holders share");
+        std::thread::scope(|s| {
+            let writer = s.spawn(|| {
+                let t = Instant::now();
+                let _held = locks.exclusive(5);
+                t.elapsed()
+            });
+            std::thread::sleep(Duration::from_millis(30));
+            assert!(
+                locks.try_shared(5).is_none(),
+                "a waiting writer keeps new readers out"
+            );
+            assert!(locks.try_shared(6).is_some(), "other chunks are free");
+            drop(reader);
+            assert!(writer.join().unwrap() >= Duration::from_millis(25));
+        });
+        assert_eq!(locks.busy(), 0, "idle chunks leave nothing behind");
+    }
+
+    #[test]
+    fn different_chunks_never_wait() {
+        let locks = Arc::new(ChunkLocks::default());
+        let held: Vec<_> = (0..200).map(|c| locks.exclusive(c)).collect();
+        let t = Instant::now();
+        let _other = locks.exclusive(1000);
+        assert!(t.elapsed() < Duration::from_millis(10));
+        drop(held);
+    }
+}

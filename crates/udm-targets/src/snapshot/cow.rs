@@ -1,0 +1,340 @@
+//! A COW device in use: its exception store, the table of completed exceptions, the chunk
+//! locks, and whether the snapshot is still valid. One [`Snap`] per COW device, shared by
+//! every table of the device that uses it (a reload keeps the same one, as the kernel's
+//! exception handover does), found through a [`Rendezvous`] keyed by the COW device.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use log::{error, warn};
+use udm_block::{AlignedBuf, BlockDevice, BlockError, WriteFlags, SECTOR_SIZE};
+use udm_metadata::snapshot::{ExceptionStore, Record, StoreError};
+
+use super::chunk_locks::{ChunkGuard, ChunkLocks};
+use super::exceptions::ExceptionTable;
+use super::hub::Hub;
+use crate::rendezvous::Rendezvous;
+use crate::target::EventSink;
+
+static COWS: Rendezvous<SnapHandle> = Rendezvous::new();
+/// Activation order, which is the order origin writes lock snapshots in.
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// One chunk buffer per thread for origin chunks being saved.
+    static CHUNK_BUFFER: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AlignedBuf::new());
+}
+
+pub struct Snap {
+    pub id: u64,
+    pub cow_key: String,
+    pub cow: Arc<dyn BlockDevice>,
+    pub store: Box<dyn ExceptionStore>,
+    pub persistent: bool,
+    /// Chunk size in bytes.
+    pub chunk: u64,
+    pub exceptions: ExceptionTable,
+    pub locks: Arc<ChunkLocks>,
+    valid: AtomicBool,
+    /// A `PO` snapshot whose COW device filled up on a write to the snapshot: writes to it
+    /// fail, reads go on.
+    overflow: AtomicBool,
+    merging: AtomicBool,
+    active: AtomicBool,
+    raise_event: EventSink,
+}
+
+/// A snapshot registered with its origin's hub for as long as a table uses its COW device.
+pub struct SnapHandle {
+    pub snap: Arc<Snap>,
+    pub hub: Arc<Hub>,
+}
+
+impl Drop for SnapHandle {
+    fn drop(&mut self) {
+        self.hub.deactivate(&self.snap);
+    }
+}
+
+/// How a table wants to use a COW device.
+pub struct CowUse<'a> {
+    pub cow_key: String,
+    pub cow: Arc<dyn BlockDevice>,
+    pub persistent: bool,
+    pub hub: Arc<Hub>,
+    pub raise_event: &'a EventSink,
+}
+
+impl SnapHandle {
+    /// The snapshot on `cow`: the one a table of this device already uses, or one opened
+    /// from the device by `open` (which reads the exception store).
+    pub fn get(
+        using: CowUse,
+        open: impl FnOnce() -> Result<(Box<dyn ExceptionStore>, Vec<Record>, bool), String>,
+    ) -> Result<Arc<SnapHandle>, String> {
+        let handle = COWS.get_or_try_insert::<String>(&using.cow_key, || {
+            let (store, records, valid) = open()?;
+            let chunk = store.chunk_sectors() * SECTOR_SIZE;
+            Ok(Arc::new(SnapHandle {
+                snap: Arc::new(Snap {
+                    id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                    cow_key: using.cow_key.clone(),
+                    cow: using.cow.clone(),
+                    store,
+                    persistent: using.persistent,
+                    chunk,
+                    exceptions: ExceptionTable::new(&records),
+                    locks: Arc::default(),
+                    valid: AtomicBool::new(valid),
+                    overflow: AtomicBool::new(false),
+                    merging: AtomicBool::new(false),
+                    active: AtomicBool::new(false),
+                    raise_event: using.raise_event.clone(),
+                }),
+                hub: using.hub.clone(),
+            }))
+        })?;
+        if !Arc::ptr_eq(&handle.hub, &using.hub) {
+            return Err(format!(
+                "COW device '{}' holds a snapshot of '{}', not of '{}'",
+                using.cow_key,
+                handle.hub.key(),
+                using.hub.key()
+            ));
+        }
+        if handle.snap.persistent != using.persistent {
+            return Err(format!(
+                "COW device '{}' is in use as a {} store",
+                using.cow_key,
+                if handle.snap.persistent {
+                    "persistent"
+                } else {
+                    "transient"
+                }
+            ));
+        }
+        Ok(handle)
+    }
+}
+
+impl Snap {
+    pub fn is_valid(&self) -> bool {
+        self.valid.load(Ordering::Acquire)
+    }
+
+    pub fn is_overflowed(&self) -> bool {
+        self.overflow.load(Ordering::Acquire)
+    }
+
+    pub fn is_merging(&self) -> bool {
+        self.merging.load(Ordering::Acquire)
+    }
+
+    pub fn is_active(&self) -> bool {
+        self.active.load(Ordering::Acquire)
+    }
+
+    pub fn set_active(&self) {
+        self.active.store(true, Ordering::Release);
+    }
+
+    pub fn set_merging(&self) {
+        self.merging.store(true, Ordering::Release);
+    }
+
+    /// Origin writes save their chunks here: an active, valid snapshot that is not being
+    /// merged back.
+    pub fn takes_copy_outs(&self) -> bool {
+        self.is_active() && self.is_valid() && !self.is_merging()
+    }
+
+    pub fn chunks(&self, offset: u64, len: u64) -> std::ops::Range<u64> {
+        offset / self.chunk..(offset + len).div_ceil(self.chunk)
+    }
+
+    pub fn has_all(&self, offset: u64, len: u64) -> bool {
+        self.chunks(offset, len)
+            .all(|c| self.exceptions.get(c).is_some())
+    }
+
+    /// Where byte `offset` of the origin lives in COW chunk `new`.
+    pub fn cow_offset(&self, new: u64, offset: u64) -> u64 {
+        new * self.chunk + offset % self.chunk
+    }
+
+    /// The bytes of origin chunk `chunk` on an origin of `origin_size` (the last chunk may
+    /// be short).
+    pub fn chunk_range(&self, chunk: u64, origin_size: u64) -> (u64, u64) {
+        let start = chunk * self.chunk;
+        (start, (start + self.chunk).min(origin_size))
+    }
+
+    /// Drops the snapshot: durably marked invalid, so that origin writes no longer need to
+    /// save anything for it, and an event. `why` says what happened.
+    pub fn invalidate(&self, why: &str) {
+        if !self.valid.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        error!("snapshot on '{}': invalidating it: {why}", self.cow_key);
+        if let Err(e) = self.store.invalidate() {
+            error!(
+                "snapshot on '{}': marking the COW device invalid failed: {e}; after a \
+                 restart it may be read as valid although the origin has moved on",
+                self.cow_key
+            );
+        }
+        (self.raise_event)();
+    }
+
+    /// A `PO` snapshot whose COW device filled up on a write to the snapshot.
+    pub fn set_overflowed(&self) {
+        if !self.overflow.swap(true, Ordering::AcqRel) {
+            warn!(
+                "snapshot on '{}': the COW device is full; writes to the snapshot fail from \
+                 now on (Overflow)",
+                self.cow_key
+            );
+            (self.raise_event)();
+        }
+    }
+
+    /// Saves `data` (origin chunk `chunk` as the snapshot must see it) in a new COW chunk;
+    /// the caller holds the chunk and submits the record. A persistent store's record may
+    /// only be committed once its data is durable: written with FUA, so that the writes of
+    /// concurrent copies become durable together rather than one device flush per commit.
+    pub fn save_chunk(&self, chunk: u64, data: &[u8]) -> Result<Record, StoreError> {
+        let new = self.store.allocate()?;
+        self.cow.write(
+            new * self.chunk,
+            data,
+            WriteFlags {
+                fua: self.persistent,
+            },
+        )?;
+        Ok(Record { old: chunk, new })
+    }
+
+    /// Commits `records` (their data saved) and makes them visible.
+    pub fn commit(&self, records: &[Record]) -> Result<(), StoreError> {
+        let ticket = self.store.submit(records)?;
+        self.complete(records, ticket)
+    }
+
+    fn complete(&self, records: &[Record], ticket: u64) -> Result<(), StoreError> {
+        self.store.wait(ticket)?;
+        for record in records {
+            self.exceptions.insert(record.old, record.new);
+        }
+        Ok(())
+    }
+
+    /// The first half of an origin write's copy-out: holds and saves every chunk of the
+    /// ranges this snapshot lacks, and submits their records. `None` when there is nothing
+    /// to save or the snapshot had to be dropped.
+    pub fn begin_copy_out<'s>(
+        &'s self,
+        origin: &mut OriginCache,
+        ranges: &[(u64, u64)],
+    ) -> Option<Saving<'s>> {
+        let mut guards = Vec::new();
+        let mut records = Vec::new();
+        // Ascending and each once: two ranges may fall in one chunk of this snapshot, and
+        // holding a chunk twice would wait for ourselves.
+        let mut chunks: Vec<u64> = ranges
+            .iter()
+            .flat_map(|&(offset, len)| self.chunks(offset, len))
+            .collect();
+        chunks.sort_unstable();
+        chunks.dedup();
+        for chunk in chunks {
+            if self.exceptions.get(chunk).is_some() {
+                continue;
+            }
+            let guard = self.locks.exclusive(chunk);
+            if self.exceptions.get(chunk).is_some() {
+                continue;
+            }
+            if !self.is_valid() {
+                return None;
+            }
+            let saved = origin
+                .chunk(self, chunk)
+                .map_err(StoreError::from)
+                .and_then(|data| self.save_chunk(chunk, data));
+            match saved {
+                Ok(record) => {
+                    records.push(record);
+                    guards.push(guard);
+                }
+                Err(e) => {
+                    self.invalidate(&format!("saving origin chunk {chunk}: {e}"));
+                    return None;
+                }
+            }
+        }
+        if records.is_empty() {
+            return None;
+        }
+        match self.store.submit(&records) {
+            Ok(ticket) => Some(Saving {
+                snap: self,
+                records,
+                ticket,
+                _guards: guards,
+            }),
+            Err(e) => {
+                self.invalidate(&format!("committing exceptions: {e}"));
+                None
+            }
+        }
+    }
+}
+
+/// Chunks saved and submitted, held until their commit is durable.
+pub struct Saving<'s> {
+    snap: &'s Snap,
+    records: Vec<Record>,
+    ticket: u64,
+    _guards: Vec<ChunkGuard>,
+}
+
+impl Saving<'_> {
+    /// Waits for the commit; the chunks are let go when this returns.
+    pub fn finish(self) {
+        if let Err(e) = self.snap.complete(&self.records, self.ticket) {
+            self.snap.invalidate(&format!("committing exceptions: {e}"));
+        }
+    }
+}
+
+/// The origin chunk last read for a copy-out, so that snapshots with the same chunk size
+/// share one read.
+pub struct OriginCache<'a> {
+    origin: &'a dyn BlockDevice,
+    buf: &'a mut AlignedBuf,
+    held: Option<(u64, u64)>,
+}
+
+impl<'a> OriginCache<'a> {
+    pub fn with<T>(origin: &dyn BlockDevice, f: impl FnOnce(&mut OriginCache) -> T) -> T {
+        CHUNK_BUFFER.with_borrow_mut(|buf| {
+            f(&mut OriginCache {
+                origin,
+                buf,
+                held: None,
+            })
+        })
+    }
+
+    /// Origin chunk `chunk` as `snap` cuts chunks.
+    fn chunk(&mut self, snap: &Snap, chunk: u64) -> Result<&[u8], BlockError> {
+        let (start, end) = snap.chunk_range(chunk, self.origin.size());
+        if self.held != Some((start, end)) {
+            self.held = None;
+            self.buf.resize((end - start) as usize);
+            self.origin.read(start, self.buf)?;
+            self.held = Some((start, end));
+        }
+        Ok(self.buf)
+    }
+}
