@@ -20,6 +20,7 @@ mod error_target;
 mod flakey;
 mod linear;
 mod log_writes;
+mod multipath;
 mod striped;
 mod zero;
 

@@ -19,6 +19,7 @@ pub const TARGET_TYPES: &[(&str, Constructor)] = &[
     ("dust", crate::dust::construct),
     ("clone", crate::clone::construct),
     ("log-writes", crate::log_writes::construct),
+    ("multipath", crate::multipath::construct),
 ];
 
 /// Builds the target of one table line.
