@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 pub const UDM: &str = env!("CARGO_BIN_EXE_udm");
 
 #[allow(unused_imports)] // as above
-pub use udm_testkit::{pattern_file, TempDir};
+pub use udm_testkit::{pattern_file, Netns, TempDir};
 
 /// A running daemon with one Unix NBD listener.
 pub struct Daemon {
@@ -22,6 +22,8 @@ pub struct Daemon {
     extra_args: Vec<String>,
     /// Started with io_uring denied (see [`deny_io_uring`]).
     no_io_uring: bool,
+    /// Runs in this network namespace (a "host" of the test's own).
+    netns: Option<String>,
 }
 
 impl Daemon {
@@ -40,7 +42,22 @@ impl Daemon {
         Self::start_configured(tag, extra_args, true)
     }
 
+    /// [`Daemon::start_with`] inside a network namespace; its control and Unix NBD sockets
+    /// are files, reachable from outside it as from anywhere.
+    pub fn start_in(netns: &Netns, tag: &str, extra_args: &[&str]) -> Daemon {
+        Self::start_configured_in(tag, extra_args, false, Some(netns.name().to_string()))
+    }
+
     fn start_configured(tag: &str, extra_args: &[&str], no_io_uring: bool) -> Daemon {
+        Self::start_configured_in(tag, extra_args, no_io_uring, None)
+    }
+
+    fn start_configured_in(
+        tag: &str,
+        extra_args: &[&str],
+        no_io_uring: bool,
+        netns: Option<String>,
+    ) -> Daemon {
         let dir = TempDir::new(tag);
         let extra_args = extra_args
             .iter()
@@ -51,6 +68,7 @@ impl Daemon {
             child: None,
             extra_args,
             no_io_uring,
+            netns,
         };
         daemon.launch();
         daemon
@@ -78,7 +96,14 @@ impl Daemon {
             .append(true)
             .open(self.dir.path("daemon.log"))
             .unwrap();
-        let mut command = Command::new(UDM);
+        let mut command = match &self.netns {
+            Some(netns) => {
+                let mut command = Command::new("ip");
+                command.args(["netns", "exec", netns, UDM]);
+                command
+            }
+            None => Command::new(UDM),
+        };
         if self.no_io_uring {
             deny_io_uring(&mut command);
         }
