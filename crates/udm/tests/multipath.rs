@@ -400,3 +400,68 @@ fn a_write_abandoned_on_a_cut_link_does_not_land_when_the_link_returns() {
         block[0]
     );
 }
+
+/// Two paths to one export of a peer daemon on this host (its two Unix listeners): no
+/// namespaces needed to kill both at once.
+fn peer_and_multipath(tag: &str, features: &str) -> (Daemon, Daemon, String) {
+    let peer = Daemon::start_with(&format!("{tag}-peer"), &["--nbd", "unix:{dir}/second.sock"]);
+    peer.create_linear("vol", "disk.img", 16 * MIB);
+    let paths = ["nbd.sock", "second.sock"]
+        .map(|s| format!("nbd+unix:///vol?socket={} 1", peer.dir.path(s).display()));
+    let a = Daemon::start(tag);
+    let table = format!(
+        "0 {} multipath {features} 0 1 1 round-robin 0 2 1 {}",
+        16 * MIB / 512,
+        paths.join(" ")
+    );
+    a.udm(&["create", "mp", "--table", &table]);
+    (peer, a, table)
+}
+
+#[test]
+fn a_suspend_a_remove_and_a_shutdown_never_wait_for_a_path() {
+    let (mut peer, mut a, table) = peer_and_multipath("mp-stop", "1 queue_if_no_path");
+    // The table and the queueing setting come back after a restart.
+    a.udm(&["message", "mp", "0", "fail_if_no_path"]);
+    a.stop(libc::SIGTERM);
+    a.launch();
+    let without = table.replace("multipath 1 queue_if_no_path", "multipath 0");
+    assert_eq!(a.udm(&["table", "mp"]), without);
+    a.udm(&["message", "mp", "0", "queue_if_no_path"]);
+    assert_eq!(a.udm(&["table", "mp"]), table);
+
+    // A write not flushed yet, then the server dies: a read waits for a path. (A raw client:
+    // qemu-io would flush on its way out, and that flush would wait for a path too.)
+    let mut client = RawClient::connect(&a.nbd_socket(), "mp");
+    client.send(0, NBD_CMD_WRITE, 1, 0, 4096, &[7; 4096]);
+    assert_eq!(client.reply().unwrap(), (0, 1));
+    peer.stop(libc::SIGKILL);
+    client.send(0, NBD_CMD_READ, 2, 0, 4096, &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !a.udm(&["status", "mp"]).contains("multipath 2 1 ") {
+        assert!(Instant::now() < deadline, "the read does not queue");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // A suspend fails it rather than wait for a path that may never come.
+    let suspend = Command::new("timeout")
+        .args(["5", UDM, "suspend", "mp"])
+        .env("UDM_CONTROL", a.control())
+        .status()
+        .unwrap();
+    assert!(suspend.success(), "udm suspend waited for a path");
+    assert_eq!(client.reply().unwrap(), (libc::EIO as u32, 2));
+    a.udm(&["resume", "mp"]);
+
+    // The daemon stops, though the flush it owes the dead paths has nowhere to go.
+    let started = Instant::now();
+    a.stop(libc::SIGTERM);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(a.log().contains("flushing 'mp' at shutdown"), "{}", a.log());
+    // Back with its paths still down (their sizes were recorded), and removed at once.
+    a.launch();
+    assert_eq!(a.udm(&["table", "mp"]), table);
+    let started = Instant::now();
+    a.udm(&["remove", "mp"]);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    peer.launch();
+}
