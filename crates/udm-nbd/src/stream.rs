@@ -104,6 +104,30 @@ impl Stream {
         };
     }
 
+    /// Shuts the connection down for good, discarding what it has not delivered yet: a TCP
+    /// socket is reset when closed (SO_LINGER 0) instead of sending its queue and a FIN. A
+    /// request given up on (and sent again elsewhere) must not reach the server later, when a
+    /// cut link comes back, and overwrite what was written since.
+    pub fn abort(&self) {
+        if let Stream::Tcp(s) = self {
+            let linger = libc::linger {
+                l_onoff: 1,
+                l_linger: 0,
+            };
+            // SAFETY: SO_LINGER reads a linger of the size passed.
+            unsafe {
+                libc::setsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&linger as *const libc::linger).cast(),
+                    std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                )
+            };
+        }
+        self.shutdown();
+    }
+
     /// Writes every byte of every slice, in as few system calls as the kernel allows.
     pub fn write_all_vectored(&mut self, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
         IoSlice::advance_slices(&mut slices, 0);

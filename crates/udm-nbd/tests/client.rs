@@ -423,6 +423,51 @@ fn reconnects_and_resends_after_the_server_restarts() {
 }
 
 #[test]
+fn a_fail_fast_client_fails_requests_when_the_connection_breaks_and_serves_once_back() {
+    let dir = scratch("fail-fast");
+    let image = dir.path("disk.img");
+    let data = pattern(4 * MIB as usize, 13);
+    std::fs::write(&image, &data[..]).unwrap();
+    let file_arg = format!("file={}", image.display());
+    // Reads take 2 s, so one is in flight when the server dies.
+    let args = ["--filter=delay", "file", &file_arg, "delay-read=2"];
+    let server = nbdkit(&dir, &args);
+    let options = ClientOptions {
+        fail_fast: true,
+        ..options(Duration::from_secs(30))
+    };
+    let client = Arc::new(connect(&uri(&dir), options));
+    let in_flight = {
+        let client = client.clone();
+        std::thread::spawn(move || {
+            let mut buf = AlignedBuf::zeroed(4096);
+            let started = Instant::now();
+            (client.read(0, &mut buf), started.elapsed())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    drop(server);
+    // Not resent, not waited for: the io_timeout (30 s) plays no part.
+    let (result, took) = in_flight.join().unwrap();
+    let err = result.unwrap_err();
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    assert!(err.to_string().contains("connection broke"), "{err}");
+    assert!(took < Duration::from_secs(2), "failed after {took:?}");
+    // While there is no connection, a request fails at once.
+    let started = Instant::now();
+    let mut buf = AlignedBuf::zeroed(4096);
+    let err = client.read(0, &mut buf).unwrap_err();
+    assert!(err.to_string().contains("not connected"), "{err}");
+    assert!(started.elapsed() < Duration::from_millis(100));
+    // The client redials by itself; requests succeed again once it has.
+    let _server = nbdkit(&dir, &["file", &file_arg]);
+    wait_until("the client is back", Duration::from_secs(10), || {
+        client.is_connected()
+    });
+    assert!(read(&*client, MIB, 4096)[..] == data[MIB as usize..][..4096]);
+}
+
+#[test]
 fn a_server_that_stays_away_fails_requests_after_io_timeout() {
     let dir = scratch("away");
     let server = nbdkit(&dir, &["memory", "64M"]);

@@ -79,6 +79,36 @@ impl<'a> Args<'a> {
         Ok(n)
     }
 
+    /// A number within `range`.
+    pub fn number_in<T: FromStr + PartialOrd + Display>(
+        &mut self,
+        what: &str,
+        range: std::ops::RangeInclusive<T>,
+    ) -> Result<T, TargetError> {
+        let n: T = self.number(what)?;
+        if !range.contains(&n) {
+            return Err(self.error(format!(
+                "invalid <{what}> {n}: must be between {} and {}",
+                range.start(),
+                range.end()
+            )));
+        }
+        Ok(n)
+    }
+
+    /// The next `n` tokens, which a count before them announced as `what`.
+    pub fn take(&mut self, n: usize, what: &str) -> Result<Vec<&'a str>, TargetError> {
+        if n > self.remaining() {
+            return Err(self.error(format!(
+                "{what}: {n} announced but only {} argument(s) follow",
+                self.remaining()
+            )));
+        }
+        let taken = self.tokens[self.next..self.next + n].to_vec();
+        self.next += n;
+        Ok(taken)
+    }
+
     /// A number if there is a token left, `None` otherwise.
     pub fn optional_number<T: FromStr>(&mut self, what: &str) -> Result<Option<T>, TargetError> {
         if self.remaining() == 0 {
@@ -102,8 +132,18 @@ impl<'a> Args<'a> {
         what: &str,
         mode: OpenMode,
     ) -> Result<(String, Arc<dyn BlockDevice>), TargetError> {
+        self.device_by(what, |reference| ctx.resolver.open(reference, mode))
+    }
+
+    /// A device reference and the handle `open` gives for it.
+    pub fn device_by(
+        &mut self,
+        what: &str,
+        open: impl FnOnce(&str) -> Result<Arc<dyn BlockDevice>, TargetError>,
+    ) -> Result<(String, Arc<dyn BlockDevice>), TargetError> {
         let reference = self.word(what)?;
-        let dev = self.open(ctx, what, reference, mode)?;
+        let dev = open(reference)
+            .map_err(|e| self.error(format!("cannot open <{what}> '{reference}': {e}")))?;
         Ok((reference.to_string(), dev))
     }
 

@@ -21,6 +21,7 @@ mod error_target;
 mod flakey;
 mod linear;
 mod log_writes;
+mod multipath;
 mod snapshot;
 mod striped;
 mod thin;

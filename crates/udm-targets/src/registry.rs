@@ -24,6 +24,7 @@ pub const TARGET_TYPES: &[(&str, Constructor)] = &[
     ("snapshot-merge", crate::snapshot::construct_merge),
     ("thin-pool", crate::thin::construct_pool),
     ("thin", crate::thin::construct_thin),
+    ("multipath", crate::multipath::construct),
 ];
 
 /// Builds the target of one table line.

@@ -205,6 +205,10 @@ impl Table {
         self.segment_index(offset).map(|i| &self.segments[i].target)
     }
 
+    pub fn presuspend(&self) {
+        self.segments.iter().for_each(|s| s.target.presuspend());
+    }
+
     pub fn suspend(&self) {
         self.segments.iter().for_each(|s| s.target.suspend());
     }

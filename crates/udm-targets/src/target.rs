@@ -2,6 +2,7 @@
 //! `registry.rs`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use thiserror::Error;
 use udm_block::{BlockDevice, OpenMode, SECTOR_SIZE};
@@ -21,6 +22,19 @@ impl TargetError {
 /// backends, NBD URIs remote clients, other words udm devices.
 pub trait Resolver {
     fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError>;
+
+    /// Opens a multipath's path: a device whose failures have somewhere else to go. A remote
+    /// export then fails a request as soon as its connection breaks, and after `timeout` when
+    /// its server stops answering, instead of waiting up to the daemon's `--remote-timeout`
+    /// for it to come back. Anything else opens as with [`Resolver::open`].
+    fn open_path(
+        &self,
+        reference: &str,
+        mode: OpenMode,
+        _timeout: Duration,
+    ) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        self.open(reference, mode)
+    }
 }
 
 /// Raises a device event (hydration done, mode change, path failed…) for `udm wait`.
@@ -106,6 +120,13 @@ pub trait Target: BlockDevice {
 
     /// The device references this target uses (for `ls --tree` and cycle checks).
     fn references(&self) -> Vec<String>;
+
+    /// Called when a suspend begins, before the requests in flight are waited for: a target
+    /// holding requests that wait for something that may never come (a multipath queueing
+    /// with no usable path) lets them fail now, as the kernel's presuspend does, so that the
+    /// suspend cannot wait forever. Also before a device is removed and when the daemon stops.
+    /// `resume` undoes it.
+    fn presuspend(&self) {}
 
     /// Called when the device is suspended (I/O already drained) and when the table is
     /// resumed, which includes first becoming live. Targets with background work start it at

@@ -8,16 +8,20 @@
 //! - [`conformance`]: what every device that stores data must do.
 //! - [`CrashDevice`]: durable and volatile writes, and a power cut at any write; devices on
 //!   one [`PowerSwitch`] lose power together.
+//! - [`Netns`]: network namespaces joined by links that can be cut, for servers on other
+//!   "hosts".
 
 pub mod conformance;
 mod crash;
 mod devices;
+mod netns;
 mod pattern;
 mod switchable;
 mod temp_dir;
 
 pub use crash::{CrashDevice, PowerSwitch};
 pub use devices::Devices;
+pub use netns::Netns;
 pub use pattern::{pattern, pattern_file, Rng};
 pub use switchable::Switchable;
 pub use temp_dir::TempDir;

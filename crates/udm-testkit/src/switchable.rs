@@ -2,6 +2,7 @@
 
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use udm_block::{BlockDevice, BlockError, Extent, MemoryDevice, Result, WriteFlags, ZeroFlags};
 
@@ -9,24 +10,32 @@ use udm_block::{BlockDevice, BlockError, Extent, MemoryDevice, Result, WriteFlag
 pub type ReadHook = Box<dyn Fn() + Send + Sync>;
 
 /// A memory device that can be told to fail reads or writes (flushes fail with writes), counts
-/// what reaches it, and can call a test back at every read.
+/// what reaches it, and can call a test back at every read. Several can share one memory
+/// device ([`Switchable::over`]): routes to one disk that fail apart, a multipath's paths.
 pub struct Switchable {
-    pub inner: MemoryDevice,
+    pub inner: Arc<MemoryDevice>,
     pub fail_reads: AtomicBool,
     pub fail_writes: AtomicBool,
     pub reads: AtomicU64,
     pub writes: AtomicU64,
+    pub flushes: AtomicU64,
     pub on_read: Mutex<Option<ReadHook>>,
 }
 
 impl Switchable {
     pub fn new(size: u64) -> Self {
+        Self::over(Arc::new(MemoryDevice::new(size)))
+    }
+
+    /// A switchable route to `inner`.
+    pub fn over(inner: Arc<MemoryDevice>) -> Self {
         Switchable {
-            inner: MemoryDevice::new(size),
+            inner,
             fail_reads: AtomicBool::new(false),
             fail_writes: AtomicBool::new(false),
             reads: AtomicU64::new(0),
             writes: AtomicU64::new(0),
+            flushes: AtomicU64::new(0),
             on_read: Mutex::default(),
         }
     }
@@ -58,7 +67,7 @@ impl BlockDevice for Switchable {
         self.inner.write(offset, buf, flags)
     }
     fn flush(&self) -> Result<()> {
-        self.check(&self.fail_writes, None)
+        self.check(&self.fail_writes, Some(&self.flushes))
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         self.check(&self.fail_writes, Some(&self.writes))?;

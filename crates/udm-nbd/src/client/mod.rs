@@ -7,7 +7,8 @@
 //! The same thread, when the connection breaks, redials with backoff. Requests in flight
 //! then are not failed: their callers resend them once the connection is back (reads, writes,
 //! flushes and the rest are all idempotent), and only a request older than `io_timeout`
-//! fails, so nothing waits forever on a server that stays away. A server that answers
+//! fails, so nothing waits forever on a server that stays away. With `fail_fast` (a
+//! multipath's path) they fail at once instead, for the multipath to send elsewhere. A server that answers
 //! ESHUTDOWN is going away cleanly: that counts as a broken connection too, and closing ours
 //! lets it exit.
 //!
@@ -66,6 +67,11 @@ pub struct ClientOptions {
     pub io_timeout: Duration,
     /// Bounds each connection attempt: dialling and the handshake.
     pub connect_timeout: Duration,
+    /// A request fails as soon as its connection breaks, or at once when there is none,
+    /// instead of waiting up to `io_timeout` to be resent on the next one: for a multipath's
+    /// path, whose requests have another path to go to. The client still redials in the
+    /// background, and requests made once it is back succeed.
+    pub fail_fast: bool,
 }
 
 impl Default for ClientOptions {
@@ -74,6 +80,7 @@ impl Default for ClientOptions {
             read_only: false,
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
+            fail_fast: false,
         }
     }
 }

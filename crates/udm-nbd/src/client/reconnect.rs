@@ -41,8 +41,9 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    /// Marks `conn` dead: shuts its socket, tells every request in flight to resend, and
-    /// wakes the reconnect loop. Idempotent.
+    /// Marks `conn` dead: aborts its socket (what it had not delivered is dropped, never sent
+    /// later), tells every request in flight to resend, and wakes the reconnect loop.
+    /// Idempotent.
     pub(super) fn connection_lost(&self, conn: &Arc<Conn>, why: &str) {
         let slots = {
             let mut in_flight = conn.in_flight.lock();
@@ -52,7 +53,7 @@ impl Shared {
             in_flight.broken = true;
             std::mem::take(&mut in_flight.slots)
         };
-        conn.control.shutdown();
+        conn.control.abort();
         for (cookie, slot) in slots {
             let mut st = slot.state.lock();
             if st.cookie == cookie && st.outcome.is_none() {

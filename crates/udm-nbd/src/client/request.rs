@@ -1,6 +1,7 @@
 //! A caller's request: sent on the live connection under a fresh cookie, waited for in its
-//! slot, sent again when the connection breaks first, and failed once `io_timeout` has passed
-//! (dropping a connection whose server stopped answering on the way).
+//! slot, sent again when the connection breaks first (failed then, with `fail_fast`), and
+//! failed once `io_timeout` has passed (dropping a connection whose server stopped answering
+//! on the way).
 
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::Ordering;
@@ -78,6 +79,9 @@ impl NbdClient {
             if let Some(result) = shared.wait_reply(&slot, &conn, deadline, replies_before) {
                 return result;
             }
+            if shared.target.options.fail_fast {
+                return Err(shared.unreachable_now("the connection broke"));
+            }
         }
     }
 }
@@ -90,7 +94,15 @@ impl Shared {
         ))
     }
 
-    /// The live connection, waiting for one until `deadline`.
+    /// For a `fail_fast` client: the request fails now rather than wait for a connection.
+    fn unreachable_now(&self, why: &str) -> BlockError {
+        BlockError::Io(format!(
+            "nbd server {} unreachable: {why}",
+            self.target.address
+        ))
+    }
+
+    /// The live connection, waiting for one until `deadline` (not at all with `fail_fast`).
     fn wait_connected(&self, deadline: Instant) -> udm_block::Result<Arc<Conn>> {
         let mut state = self.state.lock();
         loop {
@@ -102,6 +114,9 @@ impl Shared {
             }
             if let Some(conn) = &state.conn {
                 return Ok(conn.clone());
+            }
+            if self.target.options.fail_fast {
+                return Err(self.unreachable_now("not connected"));
             }
             let now = Instant::now();
             if now >= deadline {

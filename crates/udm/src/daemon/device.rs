@@ -237,6 +237,7 @@ impl Device {
         if gate.suspended.swap(true, Ordering::SeqCst) {
             return;
         }
+        self.live().presuspend();
         let mut sleep = gate.sleep.lock();
         while gate.in_flight.load(Ordering::SeqCst) > 0 {
             gate.wake.wait(&mut sleep);

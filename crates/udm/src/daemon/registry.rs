@@ -440,6 +440,8 @@ impl Registry {
                 info!("'{}' is suspended: nothing to flush", device.name());
                 continue;
             }
+            // The daemon is stopping: nothing may wait for a path that never comes back.
+            device.live().presuspend();
             if let Err(e) = device.flush() {
                 warn!("flushing '{}' at shutdown: {e}", device.name());
             }
@@ -459,6 +461,18 @@ impl Resolver for TableResolver<'_> {
             Reference::Path(path) => self.open_file(Path::new(path), mode),
             Reference::Remote(uri) => self.registry.remotes.open(uri, mode),
             Reference::Device(name) => self.open_device(name, mode),
+        }
+    }
+
+    fn open_path(
+        &self,
+        reference: &str,
+        mode: OpenMode,
+        timeout: Duration,
+    ) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        match Reference::parse(reference) {
+            Reference::Remote(uri) => self.registry.remotes.open_path(uri, mode, timeout),
+            _ => self.open(reference, mode),
         }
     }
 }

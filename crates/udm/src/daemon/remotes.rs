@@ -66,11 +66,37 @@ impl Remotes {
     }
 
     pub fn open(&self, uri: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        self.open_with(uri, Self::options(mode, self.timeout))
+    }
+
+    /// A multipath's path: it fails requests at once when its connection breaks, and after
+    /// `timeout` when the server stops answering, for the multipath to send them elsewhere.
+    pub fn open_path(
+        &self,
+        uri: &str,
+        mode: OpenMode,
+        timeout: Duration,
+    ) -> Result<Arc<dyn BlockDevice>, TargetError> {
         let options = ClientOptions {
-            read_only: mode == OpenMode::ReadOnly,
-            io_timeout: self.timeout,
-            ..ClientOptions::default()
+            fail_fast: true,
+            ..Self::options(mode, timeout)
         };
+        self.open_with(uri, options)
+    }
+
+    fn options(mode: OpenMode, io_timeout: Duration) -> ClientOptions {
+        ClientOptions {
+            read_only: mode == OpenMode::ReadOnly,
+            io_timeout,
+            ..ClientOptions::default()
+        }
+    }
+
+    fn open_with(
+        &self,
+        uri: &str,
+        options: ClientOptions,
+    ) -> Result<Arc<dyn BlockDevice>, TargetError> {
         let error = match NbdClient::connect(uri, options.clone()) {
             Ok(client) => {
                 self.remember(uri, client.size());

@@ -51,6 +51,8 @@ impl Registry {
             device.replace_live(error_table);
         }
         self.map().remove(name);
+        // Nothing may wait for a path that never comes back now.
+        device.live().presuspend();
         if let Err(e) = device.live().flush() {
             warn!("removing '{name}': flushing: {e}");
         }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 pub const UDM: &str = env!("CARGO_BIN_EXE_udm");
 
 #[allow(unused_imports)] // as above
-pub use udm_testkit::{pattern_file, TempDir};
+pub use udm_testkit::{pattern_file, Netns, TempDir};
 
 /// A running daemon with one Unix NBD listener.
 pub struct Daemon {
@@ -24,6 +24,8 @@ pub struct Daemon {
     no_io_uring: bool,
     /// Environment variables the daemon is started with.
     env: Vec<(String, String)>,
+    /// Runs in this network namespace (a "host" of the test's own).
+    netns: Option<String>,
 }
 
 impl Daemon {
@@ -42,9 +44,25 @@ impl Daemon {
         Self::start_configured(tag, extra_args, true)
     }
 
+    /// [`Daemon::start_with`] inside a network namespace; its control and Unix NBD sockets
+    /// are files, reachable from outside it as from anywhere.
+    pub fn start_in(netns: &Netns, tag: &str, extra_args: &[&str]) -> Daemon {
+        Self::start_configured_in(tag, extra_args, false, Some(netns.name().to_string()))
+    }
+
     fn start_configured(tag: &str, extra_args: &[&str], no_io_uring: bool) -> Daemon {
+        Self::start_configured_in(tag, extra_args, no_io_uring, None)
+    }
+
+    fn start_configured_in(
+        tag: &str,
+        extra_args: &[&str],
+        no_io_uring: bool,
+        netns: Option<String>,
+    ) -> Daemon {
         let mut daemon = Self::prepare(tag, extra_args);
         daemon.no_io_uring = no_io_uring;
+        daemon.netns = netns;
         daemon.launch();
         daemon
     }
@@ -62,6 +80,7 @@ impl Daemon {
             extra_args,
             no_io_uring: false,
             env: Vec::new(),
+            netns: None,
         }
     }
 
@@ -92,7 +111,14 @@ impl Daemon {
             .append(true)
             .open(self.dir.path("daemon.log"))
             .unwrap();
-        let mut command = Command::new(UDM);
+        let mut command = match &self.netns {
+            Some(netns) => {
+                let mut command = Command::new("ip");
+                command.args(["netns", "exec", netns, UDM]);
+                command
+            }
+            None => Command::new(UDM),
+        };
         if self.no_io_uring {
             deny_io_uring(&mut command);
         }
