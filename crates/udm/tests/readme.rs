@@ -103,19 +103,23 @@ fn the_readme_tour_runs_as_written() {
     }
     std::fs::write(dir.path("tour.sh"), &script).unwrap();
     let _cleanup = Cleanup(&scratch);
-    let out = Command::new("timeout")
+    // Output goes to a file, not a pipe: a daemon the tour started keeps the descriptors it
+    // inherited, so a tour that fails before `udm stop` would leave a pipe open and the test
+    // waiting for its end for ever.
+    let output = std::fs::File::create(dir.path("tour.out")).unwrap();
+    let status = Command::new("timeout")
         .args(["600", "bash"])
         .arg(dir.path("tour.sh"))
         .current_dir(&dir.0)
-        .output()
+        .stdout(output.try_clone().unwrap())
+        .stderr(output)
+        .status()
         .unwrap();
     let log = std::fs::read_to_string(scratch.join("udm.log")).unwrap_or_default();
     assert!(
-        out.status.success(),
-        "the tour failed ({}):\n{}\n{}\ndaemon log:\n{log}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        status.success(),
+        "the tour failed ({status}):\n{}\ndaemon log:\n{log}",
+        std::fs::read_to_string(dir.path("tour.out")).unwrap_or_default()
     );
     let printed = |i: usize| {
         std::fs::read_to_string(scratch.join(format!("checks/{i}")))
