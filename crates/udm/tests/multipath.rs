@@ -275,21 +275,6 @@ fn with_both_servers_gone_io_queues_and_resumes_when_one_returns() {
     assert!(lab.status().contains("multipath 2 0 "));
 }
 
-/// qemu-io `command` on `uri`: (succeeded, output).
-fn qemu_io(uri: &str, command: &str) -> (bool, String) {
-    let out = Command::new("qemu-io")
-        .args(["-f", "raw", "-c", command, uri])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // qemu-io reports a failed command on its output and still exits 0.
-    (out.status.success() && !text.contains("error"), text)
-}
-
 #[test]
 fn with_both_servers_gone_no_path_retry_fails_io_after_its_bound() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -4,7 +4,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -43,21 +42,6 @@ fn create_clone(daemon: &Daemon, remote: &str, size: u64, options: &str) {
             dest.display()
         ),
     ]);
-}
-
-/// Runs qemu-io commands on `uri`: (succeeded, output).
-fn qemu_io(uri: &str, command: &str) -> (bool, String) {
-    let out = Command::new("qemu-io")
-        .args(["-f", "raw", "-c", command, uri])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // qemu-io reports a failed command on its output and still exits 0.
-    (out.status.success() && !text.contains("error"), text)
 }
 
 fn wait_hydrated(daemon: &Daemon) {

@@ -154,16 +154,21 @@ fn value(body: &str, sample: &str) -> f64 {
         .unwrap()
 }
 
-#[test]
-fn metrics_count_exactly_what_fio_did() {
-    let daemon = Daemon::start_with("metrics", &["--metrics", "tcp:0"]);
-    let port: u16 = daemon
+/// The port the daemon's metrics endpoint took (`--metrics tcp:0`), from its log.
+fn metrics_port(daemon: &Daemon) -> u16 {
+    daemon
         .log()
         .lines()
         .find_map(|l| l.split_once("metrics: http://127.0.0.1:"))
         .and_then(|(_, rest)| rest.split_once('/'))
         .map(|(port, _)| port.parse().unwrap())
-        .expect("the metrics address in the log");
+        .expect("the metrics address in the log")
+}
+
+#[test]
+fn metrics_count_exactly_what_fio_did() {
+    let daemon = Daemon::start_with("metrics", &["--metrics", "tcp:0"]);
+    let port = metrics_port(&daemon);
     daemon.create_linear("vol", "vol.img", 64 << 20);
     let before = scrape(port);
     assert_eq!(value(&before, "udm_reads_total{device=\"vol\"}"), 0.0);
@@ -238,13 +243,7 @@ fn metrics_count_exactly_what_fio_did() {
 #[test]
 fn metrics_show_a_clone_hydrating_to_the_end() {
     let daemon = Daemon::start_with("metrics-clone", &["--metrics", "tcp:0"]);
-    let port: u16 = daemon
-        .log()
-        .lines()
-        .find_map(|l| l.split_once("metrics: http://127.0.0.1:"))
-        .and_then(|(_, rest)| rest.split_once('/'))
-        .map(|(port, _)| port.parse().unwrap())
-        .expect("the metrics address in the log");
+    let port = metrics_port(&daemon);
     let source = daemon.dir.path("source.img");
     pattern_file(&source, 4 << 20, 7);
     let (meta, dest) = (daemon.dir.path("meta.img"), daemon.dir.path("dest.img"));

@@ -523,3 +523,18 @@ pub fn deny_io_uring(command: &mut Command) {
         })
     };
 }
+
+/// qemu-io `command` on `uri`: (succeeded, output).
+pub fn qemu_io(uri: &str, command: &str) -> (bool, String) {
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", command, uri])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // qemu-io reports a failed command on its output and still exits 0.
+    (out.status.success() && !text.contains("error"), text)
+}
