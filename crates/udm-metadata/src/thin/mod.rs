@@ -11,6 +11,7 @@
 mod btree;
 mod cache;
 pub mod checksum;
+mod delta;
 mod details;
 mod error;
 mod mapping;
@@ -38,6 +39,7 @@ use self::superblock::{
 };
 use self::transaction::{metadata_reserve, Tm};
 
+pub use self::delta::{DeltaRun, Side};
 pub use self::details::DeviceInfo;
 pub use self::error::ThinError;
 
@@ -852,6 +854,24 @@ mod tests {
             assert_eq!(meta.lookup(1, vb).unwrap().is_some(), vb % 2 == 0);
         }
         assert_eq!(meta.disk_reads(), warm, "warm lookups went to the disk");
+    }
+
+    #[test]
+    fn a_tree_of_three_levels_splits_its_inner_nodes() {
+        // 200,000 mappings fill more than 252 × 252 / 2 leaves' worth: the inner nodes under
+        // the root fill up and split (an empty new inner node was once refused as corrupt).
+        let dev = Arc::new(MemoryDevice::new(64 << 20));
+        let mut meta = ThinMetadata::open(dev.clone(), 128, 400_000).unwrap();
+        meta.create_thin(1).unwrap();
+        let blocks: Vec<u64> = (0..200_000).map(|vb| map_new(&mut meta, 1, vb)).collect();
+        meta.commit().unwrap();
+        let mut meta = ThinMetadata::open(dev, 128, 400_000).unwrap();
+        for (vb, block) in blocks.iter().enumerate() {
+            assert_eq!(
+                meta.lookup(1, vb as u64).unwrap().unwrap().data_block,
+                *block
+            );
+        }
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! everything below it ([`shadow_node`] increments its children). Deleting a tree stops at
 //! shared nodes, which only lose one reference ([`del_tree`]).
 
+pub mod diff;
 pub mod insert;
 pub mod lookup;
 pub mod node;
