@@ -34,6 +34,7 @@ pub use registry::{construct, TARGET_TYPES};
 pub use rendezvous::{device_key, Rendezvous};
 pub use table::{Segment, Table, TableLine};
 pub use target::{Resolver, Target, TargetContext, TargetError};
+pub use thin::replica;
 pub use thin::set_no_space_timeout;
 
 #[cfg(test)]

@@ -5,3 +5,4 @@
 
 pub mod control;
 pub mod daemon;
+pub mod replication;

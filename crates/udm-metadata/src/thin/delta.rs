@@ -105,7 +105,7 @@ mod tests {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             let vb = (seed >> 33) % 160_000;
-            if vb % 5 == 0 {
+            if vb.is_multiple_of(5) {
                 meta.remove(1, vb).unwrap();
             } else {
                 let b = meta.alloc_data_block().unwrap().unwrap();

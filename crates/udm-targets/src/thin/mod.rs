@@ -17,6 +17,7 @@ mod gate;
 mod mapcache;
 mod messages;
 mod pool;
+pub mod replica;
 mod space;
 mod status;
 mod usage;
