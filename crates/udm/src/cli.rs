@@ -166,6 +166,10 @@ pub struct DaemonArgs {
     /// no_space_timeout; 0 waits for ever; error_if_no_space fails at once).
     #[arg(long, default_value = "60s", value_parser = parse_duration, value_name = "TIME")]
     pub no_space_timeout: std::time::Duration,
+    /// Take replication streams from other hosts' `udm send … --to` here: tcp:PORT (binds
+    /// 127.0.0.1) or tcp:HOST:PORT. Anyone who reaches it can add thin devices to pools.
+    #[arg(long, value_name = "ADDRESS")]
+    pub replication: Option<udm::daemon::MetricsAddress>,
 }
 
 impl DaemonArgs {
@@ -407,10 +411,82 @@ pub enum Command {
     },
     /// Replay a log-writes log onto a device, checking it at flush points (no daemon needed).
     ReplayLog(replay::ReplayOptions),
+    /// Write a stream of thin device ID of POOL (a snapshot): every mapped block, or with
+    /// --from only what differs from that older snapshot. To stdout, or to a remote daemon
+    /// with --to (docs/replication-stream.md).
+    Send(Box<SendArgs>),
+    /// Apply a stream from stdin (`udm send`'s) as new thin device ID of POOL. It appears once
+    /// the whole stream has arrived and checked out; until then the pool is as it was.
+    Receive {
+        /// The thin-pool device's name or UUID.
+        pool: String,
+        /// The new thin device's id.
+        id: u32,
+        /// The local thin device holding the stream's base (by default, the one received as
+        /// that snapshot).
+        #[arg(long, value_name = "ID")]
+        base: Option<u32>,
+        /// Keep what arrived if the stream is cut or refused, and continue a receive kept
+        /// before (from the record the stream starts at, if this receive has it).
+        #[arg(long)]
+        resume: bool,
+        /// Print the summary as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Progress lines on stderr even when it is not a terminal.
+        #[arg(long)]
+        progress: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+}
+
+#[derive(Args)]
+pub struct SendArgs {
+    /// The thin-pool device's name or UUID.
+    pub pool: String,
+    /// The thin device to send (a snapshot no writable table uses).
+    pub id: u32,
+    /// Send only what differs from this older snapshot (which the receiver holds).
+    #[arg(long, value_name = "ID")]
+    pub from: Option<u32>,
+    /// Send to the --replication listener of a remote daemon: tcp:HOST:PORT/POOL[/ID] (ID
+    /// defaults to the id sent).
+    #[arg(long, value_name = "DESTINATION")]
+    pub to: Option<String>,
+    /// With --to: keep what arrives if the transfer breaks, and continue a transfer kept by
+    /// the receiver from where it stopped.
+    #[arg(long)]
+    pub resume: bool,
+    /// Start the stream at record N (what a `udm receive --resume` that stopped asks for).
+    #[arg(long, value_name = "N")]
+    pub resume_at: Option<u64>,
+    /// Print the summary as JSON (on stderr when the stream goes to stdout).
+    #[arg(long)]
+    pub json: bool,
+    /// Progress lines on stderr even when it is not a terminal.
+    #[arg(long)]
+    pub progress: bool,
+    #[command(flatten)]
+    pub control: Control,
 }
 
 #[derive(Subcommand)]
 pub enum ThinCommand {
+    /// The blocks that differ between thin devices FROM and TO of a pool (as thin_delta):
+    /// `BEGIN LENGTH KIND` per run, in data blocks; KIND is different, left_only (only FROM
+    /// maps it) or right_only.
+    Delta {
+        /// The thin-pool device's name or UUID.
+        pool: String,
+        from: u32,
+        to: u32,
+        /// Print the runs as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        control: Control,
+    },
     /// The pool's thin devices: mapped, exclusive and shared blocks (like thin_ls).
     Ls {
         /// The thin-pool device's name or UUID.

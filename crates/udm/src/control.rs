@@ -107,6 +107,37 @@ pub enum Request {
     },
     Targets,
     Version,
+    /// What differs between two thin devices of a pool (`from` None: everything `to` maps).
+    ThinDelta {
+        pool: String,
+        #[serde(default)]
+        from: Option<u32>,
+        to: u32,
+    },
+    /// Streams thin device `id` of `pool` (what changed since `from`): the answer (`data`:
+    /// what the stream holds) is followed by the stream's bytes, from record `start_at` on,
+    /// and the connection ends with them.
+    Send {
+        pool: String,
+        id: u32,
+        #[serde(default)]
+        from: Option<u32>,
+        #[serde(default)]
+        start_at: u64,
+    },
+    /// Receives a stream into new thin device `id` of `pool`: the first answer (`data`: a
+    /// receive kept for resuming, or null) is followed by the stream from the client, then
+    /// a second answer says how it went, and the connection ends.
+    Receive {
+        pool: String,
+        id: u32,
+        /// The local device that holds the stream's base (found by default).
+        #[serde(default)]
+        base: Option<u32>,
+        /// Keep a failed receive for resuming, and continue one kept before.
+        #[serde(default)]
+        resume: bool,
+    },
     /// Stop the daemon as SIGTERM does; the answer (`data`: pid, state_dir) comes first.
     Stop,
 }

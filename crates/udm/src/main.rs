@@ -9,6 +9,7 @@ mod logger;
 mod loop_device;
 mod progress;
 mod replay;
+mod replicate;
 mod thin_ls;
 
 use std::path::PathBuf;
@@ -116,6 +117,7 @@ fn daemon(args: DaemonArgs, control: PathBuf) -> anyhow::Result<()> {
         fuse_threads: args.fuse_threads,
         fuse_uring: args.fuse_uring.into(),
         remote_timeout: std::time::Duration::from_secs(args.remote_timeout),
+        replication: args.replication,
     })?)
 }
 
@@ -158,6 +160,45 @@ fn run(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Resul
                     control,
                 },
         } => return thin_ls::show(&control.socket(before_verb), &pool, json),
+        Command::Thin {
+            command:
+                ThinCommand::Delta {
+                    pool,
+                    from,
+                    to,
+                    json,
+                    control,
+                },
+        } => (
+            control,
+            Request::ThinDelta {
+                pool,
+                from: Some(from),
+                to,
+            },
+            if json { Print::Json } else { Print::Text },
+        ),
+        Command::Send(args) => {
+            let control = args.control.socket(before_verb);
+            return replicate::send(&control, *args);
+        }
+        Command::Receive {
+            pool,
+            id,
+            base,
+            resume,
+            json,
+            progress,
+            control,
+        } => {
+            let options = replicate::ReceiveOptions {
+                base,
+                resume,
+                json,
+                progress,
+            };
+            return replicate::receive(&control.socket(before_verb), &pool, id, options);
+        }
         Command::Create {
             name,
             table,

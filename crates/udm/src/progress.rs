@@ -6,7 +6,7 @@
 use std::io::{IsTerminal, Write};
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::bail;
 
@@ -188,12 +188,88 @@ fn line(p: &Progress, width: usize) -> String {
     )
 }
 
-/// The terminal's width in columns, if stdout is one that says.
-fn terminal_width() -> Option<usize> {
+/// The terminal's width in columns, if `fd` is one that says.
+fn terminal_width(fd: i32) -> Option<usize> {
     let mut size: libc::winsize = unsafe { std::mem::zeroed() };
     // SAFETY: TIOCGWINSZ fills a winsize we own.
-    let ok = unsafe { libc::ioctl(std::io::stdout().as_raw_fd(), libc::TIOCGWINSZ, &mut size) };
+    let ok = unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut size) };
     (ok == 0 && size.ws_col > 0).then_some(size.ws_col as usize)
+}
+
+/// A transfer's progress bar on stderr (`udm send`, `udm receive`, whose stdout may be the
+/// stream): redrawn at most four times a second on a terminal; one line a second elsewhere
+/// when asked for; nothing otherwise.
+pub struct Meter {
+    done: u64,
+    total: u64,
+    started: Instant,
+    drawn: Option<Instant>,
+    terminal: bool,
+    shown: bool,
+}
+
+impl Meter {
+    pub fn new(total: u64, asked: bool) -> Meter {
+        let terminal = std::io::stderr().is_terminal();
+        Meter {
+            done: 0,
+            total,
+            started: Instant::now(),
+            drawn: None,
+            terminal,
+            shown: terminal || asked,
+        }
+    }
+
+    pub fn add(&mut self, bytes: u64) {
+        self.done += bytes;
+        let every = Duration::from_millis(if self.terminal { 250 } else { 1000 });
+        if self.shown && self.drawn.is_none_or(|d| d.elapsed() >= every) {
+            self.draw();
+        }
+    }
+
+    /// Bytes per second so far.
+    pub fn rate(&self) -> f64 {
+        self.done as f64 / self.started.elapsed().as_secs_f64().max(1e-6)
+    }
+
+    pub fn seconds(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    fn draw(&mut self) {
+        let rate = self.rate();
+        let p = Progress {
+            hydrated: self.done.min(self.total),
+            total: self.total,
+            rate: Some(rate),
+            eta: (rate > 0.0).then(|| self.total.saturating_sub(self.done) as f64 / rate),
+            complete: false,
+            mode: "write".into(),
+            paused_by: None,
+            stopped: None,
+            label: String::new(),
+        };
+        let mut err = std::io::stderr();
+        let _ = if self.terminal {
+            let width = terminal_width(err.as_raw_fd()).unwrap_or(80);
+            write!(err, "\r{}\x1b[K", line(&p, width))
+        } else {
+            writeln!(err, "{}", line(&p, UNLIMITED))
+        };
+        self.drawn = Some(Instant::now());
+    }
+
+    /// The last line, ended.
+    pub fn finish(mut self) {
+        if self.shown {
+            self.draw();
+            if self.terminal {
+                let _ = writeln!(std::io::stderr());
+            }
+        }
+    }
 }
 
 pub fn show(control: &Path, name: &str) -> anyhow::Result<()> {
@@ -203,7 +279,7 @@ pub fn show(control: &Path, name: &str) -> anyhow::Result<()> {
         let p = sample(control, name)?;
         if terminal {
             // Asked each time: the terminal may have been resized.
-            let width = terminal_width().unwrap_or(80);
+            let width = terminal_width(out.as_raw_fd()).unwrap_or(80);
             write!(out, "\r{}\x1b[K", line(&p, width))?;
         } else {
             writeln!(out, "{}", line(&p, UNLIMITED))?;

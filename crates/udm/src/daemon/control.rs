@@ -9,11 +9,13 @@ use std::time::Duration;
 
 use log::{debug, warn};
 use serde_json::json;
+use udm_metadata::thin::Side;
 use udm_targets::TARGET_TYPES;
 
 use super::registry::Registry;
 use super::removal::{CLOSING_GRACE, RETRY_WAIT};
 use super::report::{self, Exports};
+use super::transfer;
 use crate::control::{Envelope, Request, Response, PROTOCOL_VERSION};
 
 /// dmsetup's message that takes back a deferred removal.
@@ -75,6 +77,25 @@ fn serve(stream: UnixStream, registry: &Arc<Registry>, exports: &Exports) {
                 "control protocol version {} not supported (this daemon speaks {PROTOCOL_VERSION})",
                 envelope.version
             )),
+            Ok(envelope) if matches!(envelope.request, Request::Send { .. }) => {
+                return transfer::send(registry, envelope.request, &mut writer);
+            }
+            Ok(envelope) if matches!(envelope.request, Request::Receive { .. }) => {
+                reader.get_mut().set_limit(u64::MAX);
+                let closer = writer.try_clone();
+                let shutdown = move || {
+                    if let Ok(s) = &closer {
+                        let _ = s.shutdown(std::net::Shutdown::Write);
+                    }
+                };
+                return transfer::receive(
+                    registry,
+                    envelope.request,
+                    &mut reader,
+                    &mut writer,
+                    &shutdown,
+                );
+            }
             Ok(envelope) => {
                 let stop = matches!(envelope.request, Request::Stop);
                 let response = execute(registry, envelope.request, exports, &writer);
@@ -253,6 +274,10 @@ fn execute(
                     .collect::<Vec<_>>()
                     .join("\n"),
             ),
+            Request::ThinDelta { pool, from, to } => thin_delta(&named(&pool)?, from, to)?,
+            Request::Send { .. } | Request::Receive { .. } => {
+                unreachable!("streams are served by transfer.rs")
+            }
             Request::Stop => {
                 log::info!("stop requested over the control socket");
                 Response {
@@ -274,4 +299,27 @@ fn execute(
         })
     })();
     result.unwrap_or_else(Response::error)
+}
+
+/// `thin delta`: runs of blocks that differ, named as thin_delta names them.
+fn thin_delta(pool: &str, from: Option<u32>, to: u32) -> Result<Response, String> {
+    let handle = udm_targets::replica::pool(pool).map_err(|e| e.to_string())?;
+    let runs = handle.delta(from, to).map_err(|e| e.to_string())?;
+    let kind = |side: Side| match side {
+        Side::LeftOnly => "left_only",
+        Side::RightOnly => "right_only",
+        Side::Different => "different",
+    };
+    let text: Vec<String> = runs
+        .iter()
+        .map(|r| format!("{} {} {}", r.begin, r.len, kind(r.side)))
+        .collect();
+    let data: Vec<serde_json::Value> = runs
+        .iter()
+        .map(|r| json!({"begin": r.begin, "length": r.len, "kind": kind(r.side)}))
+        .collect();
+    Ok(Response {
+        data: Some(json!({ "block_bytes": handle.block_bytes(), "runs": data })),
+        ..Response::text(text.join("\n"))
+    })
 }

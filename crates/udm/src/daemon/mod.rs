@@ -14,14 +14,18 @@ mod listener;
 mod metrics;
 pub mod notify;
 mod persist;
+mod receive;
+mod received;
 mod registry;
 mod remotes;
 mod removal;
 mod rename;
 mod report;
+mod send;
 mod signals;
 mod state_dir;
 mod stats;
+mod transfer;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -55,6 +59,8 @@ pub struct DaemonOptions {
     pub fuse_threads: usize,
     pub fuse_uring: UringMode,
     pub remote_timeout: Duration,
+    /// Where to take replication streams from other hosts (`udm send … --to tcp:…`).
+    pub replication: Option<MetricsAddress>,
 }
 
 /// Why the daemon could not start; each names what it was setting up, and its `source()` says
@@ -112,6 +118,11 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
     if let Some(address) = &options.metrics {
         metrics::serve(address, registry.clone())
             .map_err(DaemonError::io(format!("metrics on tcp:{}", address.0)))?;
+    }
+
+    if let Some(address) = &options.replication {
+        transfer::listen(address, registry.clone())
+            .map_err(DaemonError::io(format!("replication on tcp:{}", address.0)))?;
     }
 
     let fuse = match &options.fuse {

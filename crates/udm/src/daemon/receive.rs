@@ -1,0 +1,377 @@
+//! The receiving side of replication: a stream applied into a live pool. The records go to a
+//! hidden staging device (a snapshot of the base the stream names, or a new thin device for a
+//! full stream) through a private `thin` table, with the progress made durable every 64 MiB
+//! or second; only at a trailer that checks out does the staging device become thin device
+//! `id`, in one metadata commit. A stream that is refused, or cut, leaves the pool's devices as
+//! they were — except that with `resume` a cut or refused receive keeps its staging device and
+//! progress, for a later stream to continue from the last durable record.
+
+use std::collections::BTreeSet;
+use std::io::Read;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use log::{info, warn};
+use parking_lot::Mutex;
+use serde_json::json;
+use udm_block::{BlockDevice, WriteFlags, ZeroFlags};
+use udm_metadata::thin::MAX_DEV_ID;
+use udm_targets::replica::{self, PoolHandle};
+use udm_targets::Table;
+
+use super::device::Events;
+use super::received::{Mark, Partial, PoolState, Snapshot};
+use super::registry::Registry;
+use crate::replication::stream::{Event, Header, Kind, Layout, Reader, StreamError};
+
+/// Progress becomes durable at least this often (bytes applied, or time).
+const CHECKPOINT_BYTES: u64 = 64 << 20;
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+
+/// Receives running now, by (pool, id): two into one device would share its staging device.
+static RECEIVING: Mutex<BTreeSet<(String, u32)>> = Mutex::new(BTreeSet::new());
+
+struct Busy((String, u32));
+
+impl Busy {
+    fn take(pool: &str, id: u32) -> Result<Busy, String> {
+        let key = (pool.to_string(), id);
+        if !RECEIVING.lock().insert(key.clone()) {
+            return Err(format!(
+                "a receive into thin device {id} of pool '{pool}' is running"
+            ));
+        }
+        Ok(Busy(key))
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        RECEIVING.lock().remove(&self.0);
+    }
+}
+
+pub struct Request {
+    pub pool: String,
+    pub id: u32,
+    /// The local device the stream's base is, when the caller says so (else it is found by
+    /// what each device was received as).
+    pub base: Option<u32>,
+    /// Keep a failed receive for resuming, and continue one kept before.
+    pub resume: bool,
+}
+
+/// What the sender may want to know before it starts: a receive kept for resuming (its
+/// snapshot and the first record it lacks).
+pub fn partial_of(registry: &Registry, req: &Request) -> Result<serde_json::Value, String> {
+    let pool = replica::pool(&req.pool).map_err(|e| e.to_string())?;
+    let state =
+        PoolState::load(&registry.state_dir, &req.pool, &pool).map_err(|e| e.to_string())?;
+    Ok(match state.partial.get(&req.id) {
+        Some(p) => json!({
+            "to": p.to.id, "from": p.from.as_ref().map(|f| f.id), "source": p.to.source,
+            "next_record": p.next_record, "layout": p.layout,
+        }),
+        None => serde_json::Value::Null,
+    })
+}
+
+/// Why applying a stream stopped: the stream, or this side.
+#[derive(Debug, thiserror::Error)]
+enum Failure {
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    #[error("{0}")]
+    Local(String),
+}
+
+impl From<std::io::Error> for Failure {
+    fn from(e: std::io::Error) -> Self {
+        Failure::Local(format!("replication state: {e}"))
+    }
+}
+
+/// How a receive ended: applied, or refused and why.
+pub type Outcome = Result<serde_json::Value, String>;
+
+/// Applies the stream on `input` into thin device `req.id` of pool `req.pool`.
+pub fn receive(registry: &Registry, req: &Request, input: &mut dyn Read) -> Outcome {
+    let _busy = Busy::take(&req.pool, req.id)?;
+    let pool = replica::pool(&req.pool).map_err(|e| e.to_string())?;
+    if pool.device(req.id).is_some() {
+        return Err(format!(
+            "thin device {} exists in pool '{}': receive into a new id (or delete it first)",
+            req.id, req.pool
+        ));
+    }
+    let header = Header::read(input).map_err(|e| e.to_string())?;
+    let mut run = Receive::start(registry, req, pool, header)?;
+    let started = Instant::now();
+    let result = run.apply(input);
+    match result {
+        Ok(()) => {
+            let seconds = started.elapsed().as_secs_f64();
+            info!(
+                "received {} into thin device {} of pool '{}': {} records from record {}, {} bytes of data in {seconds:.1} s",
+                run.to, req.id, req.pool, run.header.records, run.first, run.data_bytes
+            );
+            Ok(json!({
+                "pool": req.pool, "id": req.id, "snapshot": run.to.id, "source": run.to.source,
+                "records": run.header.records, "resumed_from": run.first,
+                "data_bytes": run.data_bytes, "applied_bytes": run.applied_bytes,
+                "volume_bytes": run.header.volume_bytes, "seconds": seconds,
+            }))
+        }
+        Err(e) => Err(run.fail(e)),
+    }
+}
+
+struct Receive<'a> {
+    registry: &'a Registry,
+    req: &'a Request,
+    pool: PoolHandle,
+    header: Header,
+    to: Snapshot,
+    partial: Partial,
+    table: Option<Table>,
+    /// The first record this stream applies (records before it were durable already).
+    first: u64,
+    data_bytes: u64,
+    applied_bytes: u64,
+}
+
+impl<'a> Receive<'a> {
+    /// Finds the base, then continues the kept receive of this very stream (with `resume`)
+    /// or starts a staging device afresh.
+    fn start(
+        registry: &'a Registry,
+        req: &'a Request,
+        pool: PoolHandle,
+        header: Header,
+    ) -> Result<Self, String> {
+        let state_dir = &registry.state_dir;
+        let io = |e: std::io::Error| format!("replication state of pool '{}': {e}", req.pool);
+        let state = PoolState::load(state_dir, &req.pool, &pool).map_err(io)?;
+        let to = Snapshot::to_of(&header);
+        let from = Snapshot::from_of(&header);
+        let base = match (&from, req.base) {
+            (None, Some(base)) => {
+                return Err(format!("a full stream has no base (--base {base} given)"))
+            }
+            (None, None) => None,
+            (Some(from), Some(base)) => match state.received.get(&base) {
+                Some(mark) if mark.snapshot == *from => Some(base),
+                Some(mark) => {
+                    return Err(format!(
+                        "wrong base: the stream is incremental from {from}, and thin device {base} \
+                         holds {}",
+                        mark.snapshot
+                    ))
+                }
+                None => {
+                    return Err(format!(
+                        "wrong base: the stream is incremental from {from}, and thin device {base} \
+                         was not received as any snapshot"
+                    ))
+                }
+            },
+            (Some(from), None) => Some(state.holder_of(from).ok_or_else(|| {
+                format!(
+                    "wrong base: the stream is incremental from {from}, which pool '{}' does \
+                     not hold (receive a full stream first)",
+                    req.pool
+                )
+            })?),
+        };
+        let kept = state.partial.get(&req.id).cloned();
+        let partial = match kept {
+            Some(p) if req.resume && p.to == to && p.from == from => p,
+            other => {
+                if let Some(old) = other {
+                    drop_staging(registry, &pool, &req.pool, req.id, &old);
+                }
+                let staging = free_id(&pool)?;
+                pool.create(staging, base).map_err(|e| e.to_string())?;
+                let staging_time = pool.device(staging).map_or(0, |d| d.creation_time);
+                let p = Partial {
+                    to: to.clone(),
+                    from,
+                    staging,
+                    staging_time,
+                    next_record: 0,
+                    layout: 0,
+                };
+                let kept = p.clone();
+                PoolState::update(state_dir, &req.pool, &pool, |s| {
+                    drop(s.partial.insert(req.id, kept))
+                })
+                .map_err(io)?;
+                p
+            }
+        };
+        let table = match header.volume_bytes {
+            0 => None,
+            bytes => {
+                let owner = format!(".receive-{}-{}", req.pool, req.id);
+                let text = format!("0 {} thin {} {}", bytes / 512, req.pool, partial.staging);
+                Some(
+                    registry
+                        .build(&owner, &text, &Arc::new(Events::default()))
+                        .map_err(|e| e.to_string())?,
+                )
+            }
+        };
+        Ok(Receive {
+            registry,
+            req,
+            pool,
+            first: partial.next_record,
+            header,
+            to,
+            partial,
+            table,
+            data_bytes: 0,
+            applied_bytes: 0,
+        })
+    }
+
+    fn apply(&mut self, input: &mut dyn Read) -> Result<(), Failure> {
+        let mut reader = Reader::new(
+            input,
+            self.header.clone(),
+            self.partial.next_record,
+            Layout(self.partial.layout),
+        );
+        let (mut since_bytes, mut since) = (0u64, Instant::now());
+        loop {
+            match reader.next_event()? {
+                Event::Record {
+                    kind,
+                    place,
+                    payload,
+                } => {
+                    if place.seq < self.partial.next_record {
+                        continue;
+                    }
+                    let table = self.table.as_ref().expect("records lie inside the volume");
+                    let done = match kind {
+                        Kind::Data => table.write(place.offset, payload, WriteFlags::default()),
+                        Kind::Zero | Kind::Unmapped => table.write_zeroes(
+                            place.offset,
+                            place.len as u64,
+                            ZeroFlags {
+                                may_unmap: true,
+                                ..ZeroFlags::default()
+                            },
+                        ),
+                    };
+                    done.map_err(|e| Failure::Local(format!("writing the staging device: {e}")))?;
+                    if kind == Kind::Data {
+                        self.data_bytes += place.len as u64;
+                    }
+                    self.applied_bytes += place.len as u64;
+                    since_bytes += place.len as u64;
+                    self.partial.next_record = place.seq + 1;
+                    self.partial.layout = reader.layout().0;
+                    if since_bytes >= CHECKPOINT_BYTES || since.elapsed() >= CHECKPOINT_EVERY {
+                        self.checkpoint()?;
+                        (since_bytes, since) = (0, Instant::now());
+                    }
+                }
+                Event::End => return self.publish(),
+            }
+        }
+    }
+
+    /// Makes the records applied so far durable, then says so.
+    fn checkpoint(&mut self) -> Result<(), Failure> {
+        if let Some(table) = &self.table {
+            table
+                .flush()
+                .map_err(|e| Failure::Local(format!("flushing the staging device: {e}")))?;
+        }
+        let kept = self.partial.clone();
+        PoolState::update(&self.registry.state_dir, &self.req.pool, &self.pool, |s| {
+            drop(s.partial.insert(self.req.id, kept))
+        })?;
+        Ok(())
+    }
+
+    /// The trailer checked out: the staging device becomes `id`, and is marked as the
+    /// snapshot received.
+    fn publish(&mut self) -> Result<(), Failure> {
+        let other = Failure::Local;
+        if let Some(table) = self.table.take() {
+            table
+                .flush()
+                .map_err(|e| other(format!("flushing the staging device: {e}")))?;
+        }
+        self.pool
+            .publish(self.partial.staging, self.req.id)
+            .map_err(|e| other(e.to_string()))?;
+        let mark = Mark {
+            snapshot: self.to.clone(),
+            local_time: self.pool.device(self.req.id).map_or(0, |d| d.creation_time),
+            volume_bytes: self.header.volume_bytes,
+        };
+        PoolState::update(&self.registry.state_dir, &self.req.pool, &self.pool, |s| {
+            s.partial.remove(&self.req.id);
+            s.received.insert(self.req.id, mark);
+        })?;
+        Ok(())
+    }
+
+    /// After a failure: with `resume`, what was applied is kept (made durable); otherwise the
+    /// staging device goes. The error, saying how to go on.
+    fn fail(mut self, e: Failure) -> String {
+        let id = self.req.id;
+        if self.req.resume {
+            let kept = match self.checkpoint() {
+                Ok(()) => self.partial.next_record,
+                Err(e) => {
+                    warn!("keeping the partial receive into thin device {id}: {e}");
+                    self.first
+                }
+            };
+            return format!(
+                "{e}; {kept} of {} records are kept: resume with `udm receive --resume` and a \
+                 stream from record {kept} or earlier (`udm send … --resume-at {kept}`)",
+                self.header.records
+            );
+        }
+        self.table = None;
+        drop_staging(self.registry, &self.pool, &self.req.pool, id, &self.partial);
+        format!("{e}; nothing was received (thin device {id} not created)")
+    }
+}
+
+/// Deletes a kept receive's staging device and forgets it.
+fn drop_staging(
+    registry: &Registry,
+    pool: &PoolHandle,
+    pool_name: &str,
+    id: u32,
+    partial: &Partial,
+) {
+    if let Err(e) = pool.delete(partial.staging) {
+        warn!(
+            "deleting staging thin device {} of pool '{pool_name}': {e}",
+            partial.staging
+        );
+    }
+    let result = PoolState::update(&registry.state_dir, pool_name, pool, |s| {
+        drop(s.partial.remove(&id))
+    });
+    if let Err(e) = result {
+        warn!("replication state of pool '{pool_name}': {e}");
+    }
+}
+
+/// The highest free device id: staging devices stay out of the way of ids users pick.
+fn free_id(pool: &PoolHandle) -> Result<u32, String> {
+    let used: BTreeSet<u32> = pool.devices().iter().map(|d| d.id).collect();
+    (0..=MAX_DEV_ID)
+        .rev()
+        .find(|id| !used.contains(id))
+        .ok_or_else(|| "the pool has no free device id".to_string())
+}

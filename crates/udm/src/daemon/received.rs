@@ -1,0 +1,138 @@
+//! What a daemon remembers of the snapshots it received, per pool, in
+//! `STATE_DIR/replication/POOL.json`: which local thin device is which source snapshot (so
+//! that an incremental stream finds its base, and one onto the wrong base is refused), and
+//! the receives in progress that may resume (their hidden staging device, and the records it
+//! holds durably).
+//!
+//! Entries name local thin devices by id and creation time: one whose device was deleted, or
+//! whose id was reused since, no longer counts.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use udm_targets::replica::PoolHandle;
+
+use super::state_dir::write_durably;
+use crate::replication::stream::Header;
+
+/// A source snapshot: the source pool, and the snapshot's id and creation time there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub source: String,
+    pub id: u32,
+    pub time: u32,
+}
+
+impl Snapshot {
+    pub fn to_of(h: &Header) -> Snapshot {
+        Snapshot {
+            source: h.source.clone(),
+            id: h.to_id,
+            time: h.to_time,
+        }
+    }
+
+    pub fn from_of(h: &Header) -> Option<Snapshot> {
+        (!h.is_full()).then(|| Snapshot {
+            source: h.source.clone(),
+            id: h.from_id,
+            time: h.from_time,
+        })
+    }
+}
+
+impl std::fmt::Display for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "snapshot {} (time {}) of {}",
+            self.id, self.time, self.source
+        )
+    }
+}
+
+/// A local thin device that holds a received snapshot.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Mark {
+    pub snapshot: Snapshot,
+    /// The local device's creation time when it was received.
+    pub local_time: u32,
+    pub volume_bytes: u64,
+}
+
+/// A receive in progress into thin device `id` (the map's key).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Partial {
+    pub to: Snapshot,
+    pub from: Option<Snapshot>,
+    /// The hidden device the records go to, and its creation time.
+    pub staging: u32,
+    pub staging_time: u32,
+    /// Records before this one are durable in the staging device.
+    pub next_record: u64,
+    /// The layout checksum of those records.
+    pub layout: u32,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct PoolState {
+    #[serde(default)]
+    pub received: BTreeMap<u32, Mark>,
+    #[serde(default)]
+    pub partial: BTreeMap<u32, Partial>,
+}
+
+/// Serialises changes to the files (receives into different devices of a pool may run at once).
+static WRITING: Mutex<()> = Mutex::new(());
+
+fn path(state_dir: &Path, pool: &str) -> PathBuf {
+    state_dir.join("replication").join(format!("{pool}.json"))
+}
+
+impl PoolState {
+    /// The pool's state, without entries whose local devices are gone or were made again.
+    pub fn load(state_dir: &Path, pool_name: &str, pool: &PoolHandle) -> std::io::Result<Self> {
+        let mut state: PoolState = match std::fs::read(path(state_dir, pool_name)) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(std::io::Error::other)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => PoolState::default(),
+            Err(e) => return Err(e),
+        };
+        let created = |id: u32| pool.device(id).map(|d| d.creation_time);
+        state
+            .received
+            .retain(|id, mark| created(*id) == Some(mark.local_time));
+        state
+            .partial
+            .retain(|_, p| created(p.staging) == Some(p.staging_time));
+        Ok(state)
+    }
+
+    /// Changes the pool's state on disk with `change` (read again under the lock, so that
+    /// concurrent receives into other devices are kept).
+    pub fn update(
+        state_dir: &Path,
+        pool_name: &str,
+        pool: &PoolHandle,
+        change: impl FnOnce(&mut PoolState),
+    ) -> std::io::Result<()> {
+        let _writing = WRITING.lock();
+        let mut state = Self::load(state_dir, pool_name, pool)?;
+        change(&mut state);
+        let file = path(state_dir, pool_name);
+        std::fs::create_dir_all(file.parent().expect("in a directory"))?;
+        write_durably(
+            &file,
+            &serde_json::to_vec_pretty(&state).expect("serialisable"),
+        )
+    }
+
+    /// The local device holding `snapshot`, if one does.
+    pub fn holder_of(&self, snapshot: &Snapshot) -> Option<u32> {
+        self.received
+            .iter()
+            .find(|(_, mark)| mark.snapshot == *snapshot)
+            .map(|(id, _)| *id)
+    }
+}

@@ -1,0 +1,284 @@
+//! The sending side of replication: the stream of what differs from one snapshot of a live
+//! pool to another (everything mapped, for a full stream), its data read through a private
+//! read-only `thin` table on the snapshot. The plan of records follows from the delta alone,
+//! so a resumed stream (`start_at`) has the same records as the first one had.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use log::info;
+use serde_json::json;
+use udm_block::{AlignedBuf, BlockDevice};
+use udm_metadata::thin::Side;
+use udm_targets::replica::{self, PoolHandle};
+
+use super::device::Events;
+use super::registry::Registry;
+use crate::replication::stream::{
+    Header, Kind, Layout, Place, Writer, MAX_DATA, MAX_EMPTY, NO_BASE,
+};
+
+/// One record to send: data (read from the snapshot; zeroes become a zero record) or a range
+/// the snapshot does not map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Planned {
+    pub place: Place,
+    pub changed: bool,
+}
+
+/// Splits the delta's runs into records.
+pub fn plan(runs: &[udm_metadata::thin::DeltaRun], block_bytes: u64) -> Vec<Planned> {
+    let mut out = Vec::new();
+    for run in runs {
+        let changed = run.side != Side::LeftOnly;
+        let most = if changed { MAX_DATA } else { MAX_EMPTY } as u64;
+        let (mut at, end) = (run.begin * block_bytes, (run.begin + run.len) * block_bytes);
+        while at < end {
+            let len = (end - at).min(most);
+            out.push(Planned {
+                place: Place {
+                    seq: out.len() as u64,
+                    offset: at,
+                    len: len as u32,
+                },
+                changed,
+            });
+            at += len;
+        }
+    }
+    out
+}
+
+/// Names the private tables of concurrent sends apart.
+static SENDS: AtomicU64 = AtomicU64::new(0);
+
+/// The source pool's name in streams: this host's, and the pool device's.
+pub fn source_name(pool: &str) -> String {
+    let mut host = [0u8; 256];
+    // SAFETY: gethostname writes at most host.len() bytes into our buffer.
+    let ok = unsafe { libc::gethostname(host.as_mut_ptr().cast(), host.len()) } == 0;
+    let end = host.iter().position(|&b| b == 0).unwrap_or(host.len());
+    let host = if ok {
+        String::from_utf8_lossy(&host[..end]).into_owned()
+    } else {
+        "localhost".into()
+    };
+    format!("{host}/{pool}")
+}
+
+/// A prepared send: the header and the records, checked against the pool.
+pub struct Send {
+    pool_name: String,
+    pub header: Header,
+    plan: Vec<Planned>,
+}
+
+/// Refuses a thin device that a writable table uses: a snapshot being written is no
+/// consistent point, and a base that changes no longer matches what the receiver holds.
+fn check_still(
+    registry: &Registry,
+    pool: &PoolHandle,
+    pool_name: &str,
+    id: u32,
+) -> Result<(), String> {
+    if pool.device(id).is_none() {
+        return Err(format!(
+            "thin device {id} does not exist in pool '{pool_name}'"
+        ));
+    }
+    for user in pool.users_of(id) {
+        if registry.get(&user).is_ok_and(|d| !d.read_only()) {
+            return Err(format!(
+                "thin device {id} is active in '{user}', writable: send a snapshot (udm message \
+                 {pool_name} 0 create_snap NEW {id}), or remove '{user}' or load it read-only"
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl Send {
+    pub fn prepare(
+        registry: &Registry,
+        pool_name: &str,
+        id: u32,
+        from: Option<u32>,
+    ) -> Result<Send, String> {
+        let pool = replica::pool(pool_name).map_err(|e| e.to_string())?;
+        check_still(registry, &pool, pool_name, id)?;
+        if let Some(from) = from {
+            check_still(registry, &pool, pool_name, from)?;
+            if from == id {
+                return Err(format!("--from {from} is the snapshot sent"));
+            }
+        }
+        let block = pool.block_bytes();
+        let runs = pool.delta(from, id).map_err(|e| e.to_string())?;
+        let plan = plan(&runs, block);
+        let mapped_end = pool
+            .highest_mapped(id)
+            .map_err(|e| e.to_string())?
+            .map_or(0, |b| (b + 1) * block);
+        let plan_end = plan
+            .last()
+            .map_or(0, |p| p.place.offset + p.place.len as u64);
+        let used_as: u64 = pool
+            .users_of(id)
+            .iter()
+            .filter_map(|u| registry.get(u).ok())
+            .map(|d| d.live().size())
+            .max()
+            .unwrap_or(0);
+        let time = |id: u32| pool.device(id).map_or(0, |d| d.creation_time);
+        let header = Header {
+            block_bytes: block as u32,
+            to_id: id,
+            to_time: time(id),
+            from_id: from.unwrap_or(NO_BASE),
+            from_time: from.map_or(0, time),
+            volume_bytes: mapped_end.max(plan_end).max(used_as),
+            records: plan.len() as u64,
+            changed_bytes: plan
+                .iter()
+                .filter(|p| p.changed)
+                .map(|p| p.place.len as u64)
+                .sum(),
+            source: source_name(pool_name),
+        };
+        Ok(Send {
+            pool_name: pool_name.to_string(),
+            header,
+            plan,
+        })
+    }
+
+    /// The layout checksum of the records before `start_at`.
+    fn layout_before(&self, start_at: u64) -> Layout {
+        let mut layout = Layout::default();
+        for p in self.plan.iter().take(start_at as usize) {
+            layout.add(p.place);
+        }
+        layout
+    }
+
+    /// What the client hears before a stream from record `start_at`.
+    pub fn summary(&self, start_at: u64) -> serde_json::Value {
+        let h = &self.header;
+        json!({
+            "source": h.source, "to": h.to_id, "from": (!h.is_full()).then_some(h.from_id),
+            "records": h.records, "changed_bytes": h.changed_bytes,
+            "volume_bytes": h.volume_bytes, "block_bytes": h.block_bytes,
+            "layout_before": self.layout_before(start_at).0,
+        })
+    }
+
+    /// Writes the stream from record `start_at` on (the header always).
+    pub fn write(
+        &self,
+        registry: &Registry,
+        start_at: u64,
+        out: &mut dyn Write,
+    ) -> Result<(), String> {
+        let h = &self.header;
+        let owner = format!(
+            ".send-{}-{}-{}",
+            self.pool_name,
+            h.to_id,
+            SENDS.fetch_add(1, Ordering::Relaxed)
+        );
+        let table = match h.volume_bytes {
+            0 => None,
+            bytes => Some(
+                registry
+                    .build(
+                        &owner,
+                        &format!("0 {} thin {} {}", bytes / 512, self.pool_name, h.to_id),
+                        &Arc::new(Events::default()),
+                    )
+                    .map_err(|e| e.to_string())?,
+            ),
+        };
+        let io = |e: std::io::Error| format!("writing the stream: {e}");
+        out.write_all(&h.encode()).map_err(io)?;
+        let start = (start_at as usize).min(self.plan.len());
+        let mut w = Writer::new(out, self.layout_before(start_at));
+        let mut buf = AlignedBuf::zeroed(MAX_DATA as usize);
+        for p in &self.plan[start..] {
+            if !p.changed {
+                w.record(Kind::Unmapped, p.place, &[]).map_err(io)?;
+                continue;
+            }
+            let data = &mut buf[..p.place.len as usize];
+            let table = table.as_ref().expect("data lies inside the volume");
+            table.read(p.place.offset, data).map_err(|e| {
+                format!(
+                    "reading thin device {} at byte {}: {e}",
+                    h.to_id, p.place.offset
+                )
+            })?;
+            match data.iter().all(|&b| b == 0) {
+                true => w.record(Kind::Zero, p.place, &[]),
+                false => w.record(Kind::Data, p.place, data),
+            }
+            .map_err(io)?;
+        }
+        w.finish(h.records).map_err(io)?;
+        info!(
+            "sent thin device {} of pool '{}'{} from record {start_at}: {} records",
+            h.to_id,
+            self.pool_name,
+            if h.is_full() {
+                String::new()
+            } else {
+                format!(" (from {})", h.from_id)
+            },
+            h.records
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use udm_metadata::thin::DeltaRun;
+
+    #[test]
+    fn runs_become_records_of_bounded_size_in_order() {
+        let runs = [
+            DeltaRun {
+                begin: 0,
+                len: 20,
+                side: Side::RightOnly,
+            },
+            DeltaRun {
+                begin: 20,
+                len: 1,
+                side: Side::Different,
+            },
+            DeltaRun {
+                begin: 30,
+                len: 40_000,
+                side: Side::LeftOnly,
+            },
+        ];
+        let p = plan(&runs, 65536);
+        let sizes: Vec<(u64, u32, bool)> = p
+            .iter()
+            .map(|p| (p.place.offset, p.place.len, p.changed))
+            .collect();
+        assert_eq!(
+            sizes,
+            [
+                (0, 1 << 20, true),
+                (1 << 20, 4 << 16, true),
+                (20 << 16, 1 << 16, true),
+                (30 << 16, 1 << 30, false),
+                ((30 << 16) + (1 << 30), 1 << 30, false),
+                ((30 << 16) + (2 << 30), (40_000 << 16) - (2 << 30), false),
+            ]
+        );
+        assert!(p.iter().enumerate().all(|(i, p)| p.place.seq == i as u64));
+    }
+}
