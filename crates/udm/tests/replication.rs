@@ -422,6 +422,21 @@ fn cut_corrupt_truncated_reordered_and_wrong_base_streams_leave_the_replica_as_i
     succeeded(receive(&b, 4, &inc2, &[]), "second incremental receive");
     same_snapshot(&a, &b, 3);
     same_snapshot(&a, &b, 4);
+    // Two receives of one stream at once, into two new devices: each gets its own staging.
+    let (b_ref, inc2) = (&b, &inc2);
+    std::thread::scope(|s| {
+        let twins = [5, 6].map(|id| s.spawn(move || receive(b_ref, id, inc2, &["--base", "3"])));
+        for twin in twins {
+            succeeded(twin.join().unwrap(), "concurrent receive");
+        }
+    });
+    for twin in [5, 6] {
+        with_thin(&b, "twin", twin, || {
+            with_thin(&b, "four", 4, || {
+                same_content(&b.uri("twin"), &b.uri("four"))
+            })
+        });
+    }
     thin_check(&b, &b_pool);
 }
 

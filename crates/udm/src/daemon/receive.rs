@@ -190,23 +190,7 @@ impl<'a> Receive<'a> {
                 if let Some(old) = other {
                     drop_staging(registry, &pool, &req.pool, req.id, &old);
                 }
-                let staging = free_id(&pool)?;
-                pool.create(staging, base).map_err(|e| e.to_string())?;
-                let staging_time = pool.device(staging).map_or(0, |d| d.creation_time);
-                let p = Partial {
-                    to: to.clone(),
-                    from,
-                    staging,
-                    staging_time,
-                    next_record: 0,
-                    layout: 0,
-                };
-                let kept = p.clone();
-                PoolState::update(state_dir, &req.pool, &pool, |s| {
-                    drop(s.partial.insert(req.id, kept))
-                })
-                .map_err(io)?;
-                p
+                new_staging(registry, &pool, req, to.clone(), from, base)?
             }
         };
         let table = match header.volume_bytes {
@@ -214,11 +198,15 @@ impl<'a> Receive<'a> {
             bytes => {
                 let owner = format!(".receive-{}-{}", req.pool, req.id);
                 let text = format!("0 {} thin {} {}", bytes / 512, req.pool, partial.staging);
-                Some(
-                    registry
-                        .build(&owner, &text, &Arc::new(Events::default()))
-                        .map_err(|e| e.to_string())?,
-                )
+                match registry.build(&owner, &text, &Arc::new(Events::default())) {
+                    Ok(table) => Some(table),
+                    Err(e) => {
+                        if !req.resume {
+                            drop_staging(registry, &pool, &req.pool, req.id, &partial);
+                        }
+                        return Err(e.to_string());
+                    }
+                }
             }
         };
         Ok(Receive {
@@ -343,6 +331,50 @@ impl<'a> Receive<'a> {
         drop_staging(self.registry, &self.pool, &self.req.pool, id, &self.partial);
         format!("{e}; nothing was received (thin device {id} not created)")
     }
+}
+
+/// Staging devices are chosen and made one at a time (two receives would pick the same id).
+static CHOOSING: Mutex<()> = Mutex::new(());
+
+/// A new staging device for a receive, a snapshot of `base` (or empty). Recorded before it is
+/// made, so that a crash in between leaves no device that nothing names.
+fn new_staging(
+    registry: &Registry,
+    pool: &PoolHandle,
+    req: &Request,
+    to: Snapshot,
+    from: Option<Snapshot>,
+    base: Option<u32>,
+) -> Result<Partial, String> {
+    let _choosing = CHOOSING.lock();
+    let io = |e: std::io::Error| format!("replication state of pool '{}': {e}", req.pool);
+    let mut partial = Partial {
+        to,
+        from,
+        staging: free_id(pool)?,
+        staging_time: None,
+        next_record: 0,
+        layout: 0,
+    };
+    let record = |p: &Partial| {
+        let p = p.clone();
+        PoolState::update(&registry.state_dir, &req.pool, pool, |s| {
+            drop(s.partial.insert(req.id, p))
+        })
+    };
+    record(&partial).map_err(io)?;
+    if let Err(e) = pool.create(partial.staging, base) {
+        let _ = PoolState::update(&registry.state_dir, &req.pool, pool, |s| {
+            drop(s.partial.remove(&req.id))
+        });
+        return Err(e.to_string());
+    }
+    partial.staging_time = pool.device(partial.staging).map(|d| d.creation_time);
+    if let Err(e) = record(&partial) {
+        drop_staging(registry, pool, &req.pool, req.id, &partial);
+        return Err(io(e));
+    }
+    Ok(partial)
 }
 
 /// Deletes a kept receive's staging device and forgets it.

@@ -67,9 +67,10 @@ pub struct Mark {
 pub struct Partial {
     pub to: Snapshot,
     pub from: Option<Snapshot>,
-    /// The hidden device the records go to, and its creation time.
+    /// The hidden device the records go to, and its creation time (None: recorded before
+    /// it was made, which a crash may have stopped).
     pub staging: u32,
-    pub staging_time: u32,
+    pub staging_time: Option<u32>,
     /// Records before this one are durable in the staging device.
     pub next_record: u64,
     /// The layout checksum of those records.
@@ -103,9 +104,16 @@ impl PoolState {
         state
             .received
             .retain(|id, mark| created(*id) == Some(mark.local_time));
+        // A staging device recorded just before it was made is the device of that id, if
+        // the pool has one.
+        for p in state.partial.values_mut() {
+            if p.staging_time.is_none() {
+                p.staging_time = created(p.staging);
+            }
+        }
         state
             .partial
-            .retain(|_, p| created(p.staging) == Some(p.staging_time));
+            .retain(|_, p| p.staging_time.is_some() && created(p.staging) == p.staging_time);
         Ok(state)
     }
 

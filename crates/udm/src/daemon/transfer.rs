@@ -20,6 +20,8 @@ use crate::control::{Envelope, Request, Response, PROTOCOL_VERSION};
 /// How long a refused receive still reads what the sender had in flight, so that its answer
 /// is not lost to a reset connection.
 const DRAIN: Duration = Duration::from_secs(2);
+/// A replication connection silent this long is closed.
+const IDLE: Duration = Duration::from_secs(60);
 /// Longest request line on the replication listener.
 const MAX_REQUEST: u64 = 64 << 10;
 
@@ -152,6 +154,9 @@ pub fn listen(address: &MetricsAddress, registry: Arc<Registry>) -> std::io::Res
 
 fn serve_tcp(stream: TcpStream, registry: &Registry) {
     let _ = stream.set_nodelay(true);
+    // A peer that says nothing, or stops in the middle, is let go (its receive kept for
+    // resuming if it asked for that).
+    let _ = stream.set_read_timeout(Some(IDLE));
     let Ok(mut out) = stream.try_clone() else {
         return;
     };
