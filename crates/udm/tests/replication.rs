@@ -551,3 +551,60 @@ fn a_transfer_cut_mid_stream_resumes_where_the_receiver_stopped() {
     same_snapshot(&h.a, &h.b, 2);
     thin_check(&h.b, &h.b_pool);
 }
+
+/// Blocks by kind, from `BEGIN LENGTH KIND` lines or thin_delta's XML.
+fn blocks_of(
+    runs: impl Iterator<Item = (u64, u64, String)>,
+) -> std::collections::BTreeMap<u64, String> {
+    let mut map = std::collections::BTreeMap::new();
+    for (begin, length, kind) in runs.filter(|(_, _, kind)| kind != "same") {
+        for block in begin..begin + length {
+            map.insert(block, kind.clone());
+        }
+    }
+    map
+}
+
+#[test]
+fn udm_thin_delta_equals_thin_delta_on_a_metadata_snapshot_of_the_live_pool() {
+    let (a, _b, _) = two_daemons("delta");
+    write(&a, "vol", &["write -P 0x11 0 40M", "write -P 0x12 900M 8M"]);
+    snapshot(&a, 2);
+    write(
+        &a,
+        "vol",
+        &[
+            "write -P 0x13 1M 3M",
+            "discard 900M 4M",
+            "write -P 0x14 500M 64k",
+        ],
+    );
+    snapshot(&a, 3);
+    let ours = a.udm(&["thin", "delta", "pool", "2", "3"]);
+    let ours = blocks_of(ours.lines().map(|l| {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        (
+            w[0].parse().unwrap(),
+            w[1].parse().unwrap(),
+            w[2].to_string(),
+        )
+    }));
+    assert!(ours.len() > 100, "{ours:?}");
+    a.udm(&["message", "pool", "0", "reserve_metadata_snap"]);
+    let meta = a.dir.path("pool.meta");
+    let xml = tool(
+        "thin_delta",
+        &["-m", "--snap1", "2", "--snap2", "3", meta.to_str().unwrap()],
+    );
+    a.udm(&["message", "pool", "0", "release_metadata_snap"]);
+    let theirs = blocks_of(xml.lines().filter_map(|line| {
+        let line = line.trim();
+        let kind = line.strip_prefix('<')?.split(' ').next()?.to_string();
+        let field = |name: &str| -> Option<u64> {
+            let at = line.find(&format!("{name}=\""))? + name.len() + 2;
+            line[at..].split('"').next()?.parse().ok()
+        };
+        Some((field("begin")?, field("length")?, kind))
+    }));
+    assert_eq!(ours, theirs);
+}
