@@ -96,7 +96,7 @@ fn thin_check(daemon: &Daemon, pool: &Pool) {
 
 /// What a pool holds, as `udm thin ls --json` says, without who uses what, and without the
 /// time of each device's last snapshot: a receive that was refused made a snapshot of its
-/// base and deleted it again, which moves that on (as any snapshot does; docs/replication.md).
+/// base and deleted it again, which moves that on (as any snapshot does; docs/replication-stream.md).
 fn devices(daemon: &Daemon) -> Value {
     let mut details: Value =
         serde_json::from_str(&daemon.udm(&["thin", "ls", "pool", "--json"])).unwrap();
