@@ -183,7 +183,11 @@ pub fn send(control: &Path, args: SendArgs) -> anyhow::Result<()> {
             {
                 start_at = kept["next_record"].as_u64().unwrap_or(0);
             }
-            Some((stream, answers))
+            // The last answer is read as soon as it comes: a receiver that refuses the stream
+            // half way answers and closes, and the answer must not be lost to the reset that
+            // the bytes still in flight then cause.
+            let last = std::thread::spawn(move || answer(&mut answers, "the receiver"));
+            Some((stream, last))
         }
         None => None,
     };
@@ -208,9 +212,9 @@ pub fn send(control: &Path, args: SendArgs) -> anyhow::Result<()> {
         ),
     };
     let received = match remote {
-        Some((stream, mut answers)) => {
+        Some((stream, last)) => {
             let _ = stream.shutdown(Shutdown::Write);
-            Some(answer(&mut answers, "the receiver"))
+            Some(last.join().expect("the answer's reader does not panic"))
         }
         None => None,
     };

@@ -550,6 +550,16 @@ fn a_transfer_cut_mid_stream_resumes_where_the_receiver_stopped() {
     assert!(started < summary["sent"]["records"].as_u64().unwrap());
     same_snapshot(&h.a, &h.b, 2);
     thin_check(&h.b, &h.b_pool);
+    // Refused while the sender still has most of a long stream to send (8 s of it on this
+    // link): the reason reaches it, and it does not have to send the rest first.
+    let t = Instant::now();
+    let again = h.send(2, None, &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        !again.status.success() && err.contains("thin device 2 exists"),
+        "{err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 }
 
 /// Blocks by kind, from `BEGIN LENGTH KIND` lines or thin_delta's XML.

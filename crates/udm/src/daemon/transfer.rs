@@ -6,7 +6,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::{debug, info, warn};
 use serde_json::json;
@@ -120,10 +120,11 @@ pub fn receive(
     let _ = answer(out, &last);
     if outcome.is_err() {
         shutdown();
-        // What the sender still had in flight, so that closing does not reset the
-        // connection under the answer.
+        // A moment's worth of what the sender still had in flight, so that closing does not
+        // reset the connection before the answer is read; not the rest of a long stream.
+        let deadline = Instant::now() + DRAIN;
         let mut sink = [0u8; 64 << 10];
-        while matches!(input.read(&mut sink), Ok(n) if n > 0) {}
+        while Instant::now() < deadline && matches!(input.read(&mut sink), Ok(n) if n > 0) {}
     }
 }
 
