@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use log::{info, warn};
 use parking_lot::Mutex;
 use serde_json::json;
-use udm_block::{BlockDevice, WriteFlags, ZeroFlags};
+use udm_block::{AlignedBuf, BlockDevice, WriteFlags, ZeroFlags};
 use udm_metadata::thin::MAX_DEV_ID;
 use udm_targets::replica::{self, PoolHandle};
 use udm_targets::Table;
@@ -22,8 +22,10 @@ use udm_targets::Table;
 use super::device::Events;
 use super::received::{Mark, Partial, PoolState, Snapshot};
 use super::registry::Registry;
-use crate::replication::stream::{Event, Header, Kind, Layout, Reader, StreamError};
+use crate::replication::stream::{Event, Header, Kind, Layout, Place, Reader, StreamError};
 
+/// Records written at once (they never overlap).
+const APPLY_AHEAD: usize = 8;
 /// Progress becomes durable at least this often (bytes applied, or time).
 const CHECKPOINT_BYTES: u64 = 64 << 20;
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
@@ -230,9 +232,12 @@ impl<'a> Receive<'a> {
             self.partial.next_record,
             Layout(self.partial.layout),
         );
+        let mut bufs: Vec<AlignedBuf> = (0..APPLY_AHEAD).map(|_| AlignedBuf::new()).collect();
+        let mut batch: Vec<(Kind, Place)> = Vec::with_capacity(APPLY_AHEAD);
+        let mut batch_layout = Layout::default();
         let (mut since_bytes, mut since) = (0u64, Instant::now());
         loop {
-            match reader.next_event()? {
+            let end = match reader.next_event()? {
                 Event::Record {
                     kind,
                     place,
@@ -241,34 +246,74 @@ impl<'a> Receive<'a> {
                     if place.seq < self.partial.next_record {
                         continue;
                     }
-                    let table = self.table.as_ref().expect("records lie inside the volume");
-                    let done = match kind {
-                        Kind::Data => table.write(place.offset, payload, WriteFlags::default()),
-                        Kind::Zero | Kind::Unmapped => table.write_zeroes(
-                            place.offset,
-                            place.len as u64,
-                            ZeroFlags {
-                                may_unmap: true,
-                                ..ZeroFlags::default()
-                            },
-                        ),
-                    };
-                    done.map_err(|e| Failure::Local(format!("writing the staging device: {e}")))?;
-                    if kind == Kind::Data {
-                        self.data_bytes += place.len as u64;
-                    }
-                    self.applied_bytes += place.len as u64;
-                    since_bytes += place.len as u64;
-                    self.partial.next_record = place.seq + 1;
-                    self.partial.layout = reader.layout().0;
-                    if since_bytes >= CHECKPOINT_BYTES || since.elapsed() >= CHECKPOINT_EVERY {
-                        self.checkpoint()?;
-                        (since_bytes, since) = (0, Instant::now());
-                    }
+                    let buf = &mut bufs[batch.len()];
+                    buf.resize(payload.len());
+                    buf.copy_from_slice(payload);
+                    batch.push((kind, place));
+                    batch_layout = reader.layout();
+                    false
                 }
-                Event::End => return self.publish(),
+                Event::End => true,
+            };
+            if batch.len() == APPLY_AHEAD || (end && !batch.is_empty()) {
+                since_bytes += self.apply_batch(&batch, &bufs)?;
+                let last = batch.last().expect("not empty").1;
+                self.partial.next_record = last.seq + 1;
+                self.partial.layout = batch_layout.0;
+                batch.clear();
+                if since_bytes >= CHECKPOINT_BYTES || since.elapsed() >= CHECKPOINT_EVERY {
+                    self.checkpoint()?;
+                    (since_bytes, since) = (0, Instant::now());
+                }
+            }
+            if end {
+                return self.publish();
             }
         }
+    }
+
+    /// Writes a batch of records (disjoint ranges) in parallel; the bytes they cover.
+    fn apply_batch(
+        &mut self,
+        batch: &[(Kind, Place)],
+        bufs: &[AlignedBuf],
+    ) -> Result<u64, Failure> {
+        let table = self.table.as_ref().expect("records lie inside the volume");
+        let apply = |kind: Kind, place: Place, buf: &AlignedBuf| match kind {
+            Kind::Data => table.write(
+                place.offset,
+                &buf[..place.len as usize],
+                WriteFlags::default(),
+            ),
+            Kind::Zero | Kind::Unmapped => table.write_zeroes(
+                place.offset,
+                place.len as u64,
+                ZeroFlags {
+                    may_unmap: true,
+                    ..ZeroFlags::default()
+                },
+            ),
+        };
+        std::thread::scope(|s| {
+            let writers: Vec<_> = batch
+                .iter()
+                .zip(bufs)
+                .map(|(&(kind, place), buf)| s.spawn(move || apply(kind, place, buf)))
+                .collect();
+            writers
+                .into_iter()
+                .try_for_each(|w| w.join().expect("a writer does not panic"))
+        })
+        .map_err(|e| Failure::Local(format!("writing the staging device: {e}")))?;
+        let mut covered = 0;
+        for &(kind, place) in batch {
+            if kind == Kind::Data {
+                self.data_bytes += place.len as u64;
+            }
+            covered += place.len as u64;
+        }
+        self.applied_bytes += covered;
+        Ok(covered)
     }
 
     /// Makes the records applied so far durable, then says so.

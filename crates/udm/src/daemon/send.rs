@@ -50,6 +50,9 @@ pub fn plan(runs: &[udm_metadata::thin::DeltaRun], block_bytes: u64) -> Vec<Plan
     out
 }
 
+/// Records read at once.
+const READ_AHEAD: usize = 8;
+
 /// Names the private tables of concurrent sends apart.
 static SENDS: AtomicU64 = AtomicU64::new(0);
 
@@ -203,11 +206,11 @@ impl Send {
         out.write_all(&h.encode()).map_err(io)?;
         let start = (start_at as usize).min(self.plan.len());
         let mut w = Writer::new(out, self.layout_before(start_at));
-        let mut buf = AlignedBuf::zeroed(MAX_DATA as usize);
-        for p in &self.plan[start..] {
+        // Records are read READ_AHEAD at a time in parallel, while the batch before is
+        // written: one synchronous 1 MiB read at a time leaves the data device idle between.
+        let read = |p: &Planned, buf: &mut AlignedBuf| -> Result<Kind, String> {
             if !p.changed {
-                w.record(Kind::Unmapped, p.place, &[]).map_err(io)?;
-                continue;
+                return Ok(Kind::Unmapped);
             }
             let data = &mut buf[..p.place.len as usize];
             let table = table.as_ref().expect("data lies inside the volume");
@@ -217,11 +220,43 @@ impl Send {
                     h.to_id, p.place.offset
                 )
             })?;
-            match data.iter().all(|&b| b == 0) {
-                true => w.record(Kind::Zero, p.place, &[]),
-                false => w.record(Kind::Data, p.place, data),
-            }
-            .map_err(io)?;
+            Ok(match data.iter().all(|&b| b == 0) {
+                true => Kind::Zero,
+                false => Kind::Data,
+            })
+        };
+        let mut bufs: Vec<AlignedBuf> = (0..2 * READ_AHEAD)
+            .map(|_| AlignedBuf::zeroed(MAX_DATA as usize))
+            .collect();
+        let (mut front, mut back) = bufs.split_at_mut(READ_AHEAD);
+        let mut ready: Vec<(Planned, Kind)> = Vec::new();
+        let batches = self.plan[start..].chunks(READ_AHEAD).chain([&[][..]]);
+        for batch in batches {
+            let read_now = std::thread::scope(|s| {
+                let readers: Vec<_> = batch
+                    .iter()
+                    .zip(back.iter_mut())
+                    .map(|(p, buf)| s.spawn(|| read(p, buf)))
+                    .collect();
+                let written = ready
+                    .iter()
+                    .zip(front.iter())
+                    .try_for_each(|((p, kind), buf)| {
+                        let payload = if *kind == Kind::Data {
+                            &buf[..p.place.len as usize]
+                        } else {
+                            &[]
+                        };
+                        w.record(*kind, p.place, payload).map_err(io)
+                    });
+                let kinds: Result<Vec<Kind>, String> = readers
+                    .into_iter()
+                    .map(|r| r.join().expect("a reader does not panic"))
+                    .collect();
+                written.and(kinds)
+            })?;
+            ready = batch.iter().copied().zip(read_now).collect();
+            std::mem::swap(&mut front, &mut back);
         }
         w.finish(h.records).map_err(io)?;
         info!(
