@@ -471,6 +471,10 @@ fn a_receiver_killed_mid_stream_keeps_its_pool_and_resumes() {
             .unwrap_or(0)
     };
     wait_for(|| kept() > 0, "durable progress of the receive");
+    // A staging device being written is no snapshot to send.
+    let staging = state(&b)["partial"]["3"]["staging"].to_string();
+    let err = b.udm_err(&["send", "pool", &staging]);
+    assert!(err.contains("staging device of a receive"), "{err}");
     b.stop(libc::SIGKILL);
     drop(stdin);
     let _ = child.wait();

@@ -24,6 +24,9 @@ use super::received::{Mark, Partial, PoolState, Snapshot};
 use super::registry::Registry;
 use crate::replication::stream::{Event, Header, Kind, Layout, Place, Reader, StreamError};
 
+/// How the private tables of receives are named (never a device's name: those do not start
+/// with a dot).
+pub const RECEIVING_PREFIX: &str = ".receive-";
 /// Records written at once (they never overlap).
 const APPLY_AHEAD: usize = 8;
 /// Progress becomes durable at least this often (bytes applied, or time).
@@ -198,7 +201,7 @@ impl<'a> Receive<'a> {
         let table = match header.volume_bytes {
             0 => None,
             bytes => {
-                let owner = format!(".receive-{}-{}", req.pool, req.id);
+                let owner = format!("{RECEIVING_PREFIX}{}-{}", req.pool, req.id);
                 let text = format!("0 {} thin {} {}", bytes / 512, req.pool, partial.staging);
                 match registry.build(&owner, &text, &Arc::new(Events::default())) {
                     Ok(table) => Some(table),

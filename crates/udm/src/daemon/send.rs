@@ -14,6 +14,7 @@ use udm_metadata::thin::Side;
 use udm_targets::replica::{self, PoolHandle};
 
 use super::device::Events;
+use super::receive::RECEIVING_PREFIX;
 use super::registry::Registry;
 use crate::replication::stream::{
     Header, Kind, Layout, Place, Writer, MAX_DATA, MAX_EMPTY, NO_BASE,
@@ -91,6 +92,11 @@ fn check_still(
         ));
     }
     for user in pool.users_of(id) {
+        if user.starts_with(RECEIVING_PREFIX) {
+            return Err(format!(
+                "thin device {id} is the staging device of a receive into pool '{pool_name}'"
+            ));
+        }
         if registry.get(&user).is_ok_and(|d| !d.read_only()) {
             return Err(format!(
                 "thin device {id} is active in '{user}', writable: send a snapshot (udm message \
