@@ -22,7 +22,7 @@ pub use device::{
     Extent, WriteFlags, ZeroFlags, EXTENT_HOLE, EXTENT_ZERO,
 };
 pub use error::{BlockError, Result};
-pub use export::{Export, ExportCatalog};
+pub use export::{Export, ExportCatalog, MetaContext};
 pub use file::{FileDevice, OpenMode};
 pub use map::{MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
 pub use memory::MemoryDevice;

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use log::warn;
 use udm_block::{
-    merge_extents, BlockDevice, BlockError, Checked, Extent, MapOp, WriteFlags, ZeroFlags,
+    merge_extents, BlockDevice, BlockError, Checked, Extent, MapOp, MetaContext, WriteFlags,
+    ZeroFlags,
 };
 
 use crate::budget::Payload;
@@ -23,6 +24,8 @@ pub(crate) struct Session {
     pub device: Arc<Device>,
     pub structured: bool,
     pub base_allocation: bool,
+    /// Other meta contexts selected, with their ids.
+    pub contexts: Vec<(u32, Arc<dyn MetaContext>)>,
 }
 
 /// A successful command's result.
@@ -30,7 +33,8 @@ pub(crate) enum Outcome {
     Done,
     /// The data is in the request's buffer.
     Read,
-    Extents(Vec<Extent>),
+    /// Per meta context selected: its id and extents.
+    Extents(Vec<(u32, Vec<Extent>)>),
 }
 
 /// A reply ready to send: its header (and any small payload), then the read data.
@@ -62,9 +66,11 @@ impl Session {
             CMD_FLUSH if offset != 0 || len != 0 => Err(BlockError::InvalidArgument(format!(
                 "flush with offset {offset} and length {len} (both must be 0)"
             ))),
-            CMD_BLOCK_STATUS if !self.base_allocation => Err(BlockError::InvalidArgument(
-                "block status without a negotiated meta context".into(),
-            )),
+            CMD_BLOCK_STATUS if !self.base_allocation && self.contexts.is_empty() => {
+                Err(BlockError::InvalidArgument(
+                    "block status without a negotiated meta context".into(),
+                ))
+            }
             CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_CACHE | CMD_WRITE_ZEROES
             | CMD_BLOCK_STATUS => Ok(()),
             other => Err(BlockError::InvalidArgument(format!(
@@ -149,11 +155,33 @@ impl Session {
             CMD_BLOCK_STATUS => {
                 // Checked keeps the total within the request, whose length is a u32, so every
                 // merged extent fits the wire format.
-                let mut extents = merge_extents(device.block_status(offset, len)?);
-                if r.flags & CMD_FLAG_REQ_ONE != 0 {
-                    extents.truncate(1);
+                let mut all = Vec::with_capacity(1 + self.contexts.len());
+                if self.base_allocation {
+                    all.push((BASE_ALLOCATION_ID, device.block_status(offset, len)?));
                 }
-                return Ok(Outcome::Extents(extents));
+                for (id, context) in &self.contexts {
+                    let mut extents = context.extents(offset, len)?;
+                    // Within the request, whatever the context answered.
+                    let mut left = len;
+                    extents.retain_mut(|e| {
+                        e.len = e.len.min(left);
+                        left -= e.len;
+                        e.len > 0
+                    });
+                    if extents.is_empty() {
+                        return Err(BlockError::Io(format!(
+                            "meta context {id} answered nothing"
+                        )));
+                    }
+                    all.push((*id, extents));
+                }
+                for (_, extents) in &mut all {
+                    *extents = merge_extents(std::mem::take(extents));
+                    if r.flags & CMD_FLAG_REQ_ONE != 0 {
+                        extents.truncate(1);
+                    }
+                }
+                return Ok(Outcome::Extents(all));
             }
             other => unreachable!("command {other} passed validation"),
         }
@@ -219,20 +247,28 @@ impl Session {
         }
     }
 
-    fn reply_block_status(&self, r: &Request, extents: &[Extent]) -> Reply {
-        let mut payload = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
-        for e in extents {
-            payload.extend_from_slice(&(e.len as u32).to_be_bytes());
-            payload.extend_from_slice(&e.flags.to_be_bytes());
+    /// One chunk per meta context, the last one marked done.
+    fn reply_block_status(&self, r: &Request, contexts: &[(u32, Vec<Extent>)]) -> Reply {
+        let mut head = Vec::new();
+        for (i, (id, extents)) in contexts.iter().enumerate() {
+            let mut payload = id.to_be_bytes().to_vec();
+            for e in extents {
+                payload.extend_from_slice(&(e.len as u32).to_be_bytes());
+                payload.extend_from_slice(&e.flags.to_be_bytes());
+            }
+            let done = if i + 1 == contexts.len() {
+                CHUNK_FLAG_DONE
+            } else {
+                0
+            };
+            head.extend_from_slice(&chunk_header(
+                done,
+                CHUNK_BLOCK_STATUS,
+                r.cookie,
+                payload.len() as u32,
+            ));
+            head.extend_from_slice(&payload);
         }
-        let mut head = chunk_header(
-            CHUNK_FLAG_DONE,
-            CHUNK_BLOCK_STATUS,
-            r.cookie,
-            payload.len() as u32,
-        )
-        .to_vec();
-        head.extend_from_slice(&payload);
         Reply { head, data: None }
     }
 

@@ -387,6 +387,7 @@ impl EventLoop {
             export,
             structured,
             base_allocation,
+            contexts,
         } = negotiated;
         // Timeouts are the loop's now; the socket's own would only confuse io_uring.
         let _ = stream.set_read_timeout(None);
@@ -396,6 +397,7 @@ impl EventLoop {
             device: Arc::new(Checked::new(export.device.clone(), export.read_only)),
             structured,
             base_allocation,
+            contexts,
         });
         let conn = Conn {
             session,

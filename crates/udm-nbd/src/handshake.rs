@@ -2,11 +2,13 @@
 //! EXPORT_NAME), aborts, or breaks the protocol.
 
 use std::io::{self, Read, Write};
+use std::sync::Arc;
 
 use log::debug;
 
 use crate::protocol::*;
 use crate::{Export, ExportCatalog};
+use udm_block::MetaContext;
 
 /// Options larger than this are refused with ERR_TOO_BIG (names are at most 4 KiB; a meta
 /// context request with many queries stays far below).
@@ -22,6 +24,8 @@ pub struct Negotiated {
     pub export: Export,
     pub structured: bool,
     pub base_allocation: bool,
+    /// Other meta contexts selected, with their ids.
+    pub contexts: Vec<(u32, Arc<dyn MetaContext>)>,
 }
 
 /// Why the handshake ended without an export.
@@ -89,6 +93,9 @@ struct Handshake<'a, S> {
     catalog: &'a dyn ExportCatalog,
     structured: bool,
     base_allocation: bool,
+    /// Meta contexts other than base:allocation selected by SET_META_CONTEXT, for the export
+    /// named first.
+    contexts: Option<(String, Vec<(u32, Arc<dyn MetaContext>)>)>,
     no_zeroes: bool,
     tls: Option<StartTls<'a, S>>,
     tls_active: bool,
@@ -160,6 +167,7 @@ pub fn negotiate_with_tls<'a, S: Read + Write>(
         catalog,
         structured: false,
         base_allocation: false,
+        contexts: None,
         no_zeroes: client_flags & CLIENT_NO_ZEROES != 0,
         tls,
         tls_active: false,
@@ -291,6 +299,7 @@ impl<S: Read + Write> Handshake<'_, S> {
             // chosen it (the spec asks servers to forget such state).
             self.structured = false;
             self.base_allocation = false;
+            self.contexts = None;
         }
         Ok(None)
     }
@@ -313,10 +322,15 @@ impl<S: Read + Write> Handshake<'_, S> {
 
     fn negotiated(&self, name: String, export: Export) -> Negotiated {
         Negotiated {
-            name,
             export,
             structured: self.structured,
             base_allocation: self.structured && self.base_allocation,
+            // Contexts chosen for another export mean nothing for this one.
+            contexts: match &self.contexts {
+                Some((export, contexts)) if self.structured && *export == name => contexts.clone(),
+                _ => Vec::new(),
+            },
+            name,
         }
     }
 
@@ -380,23 +394,49 @@ impl<S: Read + Write> Handshake<'_, S> {
                 &format!("no export named '{name}'"),
             );
         }
-        let listing_all = option == OPT_LIST_META_CONTEXT && queries.is_empty();
+        let listing = option == OPT_LIST_META_CONTEXT;
+        let listing_all = listing && queries.is_empty();
         let selected = listing_all
             || queries
                 .iter()
-                .any(|q| q == BASE_ALLOCATION || (option == OPT_LIST_META_CONTEXT && q == "base:"));
-        if option == OPT_SET_META_CONTEXT {
+                .any(|q| q == BASE_ALLOCATION || (listing && q == "base:"));
+        if !listing {
             self.base_allocation = selected;
         }
+        // Ids mean something only for SET; LIST answers 0, as the protocol asks.
+        let mut answers: Vec<(u32, String)> = Vec::new();
         if selected {
-            // Ids mean something only for SET; LIST answers 0, as the protocol asks.
-            let id = if option == OPT_SET_META_CONTEXT {
-                BASE_ALLOCATION_ID
-            } else {
-                0
-            };
+            answers.push((
+                if listing { 0 } else { BASE_ALLOCATION_ID },
+                BASE_ALLOCATION.into(),
+            ));
+        }
+        let mut contexts = Vec::new();
+        for query in queries.iter().filter(|q| !q.starts_with("base:")) {
+            if listing && (query.is_empty() || query.ends_with(':')) {
+                for found in self.catalog.meta_contexts(&name, query) {
+                    answers.push((0, found));
+                }
+            } else if let Some(context) = self.catalog.meta_context(&name, query) {
+                let id = BASE_ALLOCATION_ID + 1 + contexts.len() as u32;
+                answers.push((if listing { 0 } else { id }, query.clone()));
+                contexts.push((id, context));
+            }
+        }
+        if listing_all {
+            answers.extend(
+                self.catalog
+                    .meta_contexts(&name, "")
+                    .into_iter()
+                    .map(|c| (0, c)),
+            );
+        }
+        if !listing {
+            self.contexts = Some((name.clone(), contexts));
+        }
+        for (id, context) in answers {
             let mut reply = id.to_be_bytes().to_vec();
-            reply.extend_from_slice(BASE_ALLOCATION.as_bytes());
+            reply.extend_from_slice(context.as_bytes());
             self.reply(option, REP_META_CONTEXT, &reply)?;
         }
         self.reply(option, REP_ACK, &[])

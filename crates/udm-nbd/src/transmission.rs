@@ -46,6 +46,7 @@ pub fn serve(
         export,
         structured,
         base_allocation,
+        contexts,
     } = negotiated;
     // The idle timeout is the socket's: a read waiting for the next request wakes up then.
     stream.set_read_timeout(config.idle_timeout)?;
@@ -57,6 +58,7 @@ pub fn serve(
             device: Arc::new(Checked::new(export.device.clone(), export.read_only)),
             structured,
             base_allocation,
+            contexts,
         },
         closing: AtomicBool::new(false),
         budget,

@@ -271,25 +271,6 @@ fn a_flood_of_connections_does_not_take_the_daemon_down() {
     assert!(daemon.is_running());
 }
 
-/// Runs `nbdsh -c SCRIPT`; returns (success, stdout + stderr). Debian's python3-libnbd is
-/// built for the system python, so /usr/bin comes first on PATH.
-fn nbdsh(script: &str) -> (bool, String) {
-    let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
-    let out = std::process::Command::new("nbdsh")
-        .args(["-c", script])
-        .env("PATH", path)
-        .output()
-        .expect("nbdsh (python3-libnbd; scripts/install-deps.sh installs it)");
-    (
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
-}
-
 #[test]
 fn invalid_flags_and_writes_past_the_end_get_nbdkits_errors() {
     let daemon = daemon_with_volume("hostile-strict");

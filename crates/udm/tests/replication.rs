@@ -611,6 +611,56 @@ fn udm_thin_delta_equals_thin_delta_on_a_metadata_snapshot_of_the_live_pool() {
         &["-m", "--snap1", "2", "--snap2", "3", meta.to_str().unwrap()],
     );
     a.udm(&["message", "pool", "0", "release_metadata_snap"]);
+    // The same delta as an NBD meta context of the snapshot's export, seen by libnbd's nbdinfo.
+    let map = with_thin(&a, "three", 3, || {
+        let uri = a.uri("three");
+        let contexts = tool("nbdinfo", &["--list", &uri]);
+        assert!(contexts.contains("udm:delta:2"), "{contexts}");
+        tool("nbdinfo", &["--map=udm:delta:2", &uri])
+    });
+    let block = 64 * 1024;
+    let mut mapped = std::collections::BTreeMap::new();
+    for line in map.lines() {
+        let w: Vec<u64> = line
+            .split_whitespace()
+            .take(3)
+            .map(|f| f.parse().unwrap())
+            .collect();
+        assert_eq!((w[0] % block, w[1] % block), (0, 0), "{line}");
+        if w[2] == 1 {
+            for b in w[0] / block..(w[0] + w[1]) / block {
+                mapped.insert(b, ());
+            }
+        }
+    }
+    assert!(
+        mapped.keys().eq(ours.keys()),
+        "nbdinfo --map=udm:delta:2:\n{map}"
+    );
+    // Both contexts in one request: one block-status chunk each (libnbd's nbdsh).
+    let both = with_thin(&a, "three", 3, || {
+        nbdsh(&format!(
+            "h.add_meta_context('base:allocation'); h.add_meta_context('udm:delta:2')\n\
+             h.connect_uri('{}')\n\
+             seen = {{}}\n\
+             def cb(context, offset, entries, err):\n    seen[context] = entries\n    return 0\n\
+             h.block_status(8 << 20, 1 << 20, cb)\n\
+             print(sorted(seen.items()))",
+            a.uri("three")
+        ))
+    });
+    assert!(both.0, "{}", both.1);
+    // From 1 MiB: 3 MiB written since snapshot 2 (changed), then 5 MiB not; all of it data.
+    assert!(
+        both.1.contains("('base:allocation', [8388608, 0])"),
+        "{}",
+        both.1
+    );
+    assert!(
+        both.1.contains("('udm:delta:2', [3145728, 1, 5242880, 0])"),
+        "{}",
+        both.1
+    );
     let theirs = blocks_of(xml.lines().filter_map(|line| {
         let line = line.trim();
         let kind = line.strip_prefix('<')?.split(' ').next()?.to_string();

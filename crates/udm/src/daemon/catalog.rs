@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use udm_block::{Export, ExportCatalog};
+use udm_block::{Export, ExportCatalog, MetaContext};
+
+use super::delta_context;
 
 use super::Registry;
 
@@ -30,5 +32,13 @@ impl ExportCatalog for Catalog {
             .iter()
             .map(|d| (d.name().to_string(), format!("udm device {}", d.name())))
             .collect()
+    }
+
+    fn meta_context(&self, name: &str, context: &str) -> Option<Arc<dyn MetaContext>> {
+        delta_context::find(&self.registry, name, context)
+    }
+
+    fn meta_contexts(&self, name: &str, prefix: &str) -> Vec<String> {
+        delta_context::list(&self.registry, name, prefix)
     }
 }

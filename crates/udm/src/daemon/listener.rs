@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use udm_block::{Export, ExportCatalog};
+use udm_block::{Export, ExportCatalog, MetaContext};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Address {
@@ -116,6 +116,19 @@ impl ExportCatalog for Restricted {
         let mut list = self.all.list();
         list.retain(|(name, _)| self.allows(name));
         list
+    }
+
+    fn meta_context(&self, name: &str, context: &str) -> Option<Arc<dyn MetaContext>> {
+        self.allows(name)
+            .then(|| self.all.meta_context(name, context))
+            .flatten()
+    }
+
+    fn meta_contexts(&self, name: &str, prefix: &str) -> Vec<String> {
+        match self.allows(name) {
+            true => self.all.meta_contexts(name, prefix),
+            false => Vec::new(),
+        }
     }
 }
 

@@ -9,6 +9,7 @@
 mod catalog;
 mod claims;
 mod control;
+mod delta_context;
 mod device;
 mod listener;
 mod metrics;

@@ -538,3 +538,22 @@ pub fn qemu_io(uri: &str, command: &str) -> (bool, String) {
     // qemu-io reports a failed command on its output and still exits 0.
     (out.status.success() && !text.contains("error"), text)
 }
+
+/// Runs `nbdsh -c SCRIPT`; returns (success, stdout + stderr). Debian's python3-libnbd is
+/// built for the system python, so /usr/bin comes first on PATH.
+pub fn nbdsh(script: &str) -> (bool, String) {
+    let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
+    let out = std::process::Command::new("nbdsh")
+        .args(["-c", script])
+        .env("PATH", path)
+        .output()
+        .expect("nbdsh (python3-libnbd; scripts/install-deps.sh installs it)");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
