@@ -8,12 +8,11 @@ use std::sync::Arc;
 
 use log::warn;
 use udm_block::{
-    merge_extents, BlockDevice, BlockError, Checked, Extent, MapOp, MetaContext, WriteFlags,
-    ZeroFlags,
+    merge_extents, BlockDevice, BlockError, Checked, Extent, MapOp, WriteFlags, ZeroFlags,
 };
 
 use crate::budget::Payload;
-use crate::handshake::MAX_PAYLOAD;
+use crate::handshake::{Contexts, MAX_PAYLOAD};
 use crate::protocol::*;
 
 pub(crate) type Device = Checked<Arc<dyn BlockDevice>>;
@@ -25,7 +24,7 @@ pub(crate) struct Session {
     pub structured: bool,
     pub base_allocation: bool,
     /// Other meta contexts selected, with their ids.
-    pub contexts: Vec<(u32, Arc<dyn MetaContext>)>,
+    pub contexts: Contexts,
 }
 
 /// A successful command's result.

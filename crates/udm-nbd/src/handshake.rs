@@ -19,13 +19,16 @@ pub const MIN_BLOCK: u32 = 512;
 pub const PREFERRED_BLOCK: u32 = 4096;
 pub const MAX_PAYLOAD: u32 = 32 << 20;
 
+/// Meta contexts selected besides base:allocation, with the ids the client knows them by.
+pub type Contexts = Vec<(u32, Arc<dyn MetaContext>)>;
+
 pub struct Negotiated {
     pub name: String,
     pub export: Export,
     pub structured: bool,
     pub base_allocation: bool,
     /// Other meta contexts selected, with their ids.
-    pub contexts: Vec<(u32, Arc<dyn MetaContext>)>,
+    pub contexts: Contexts,
 }
 
 /// Why the handshake ended without an export.
@@ -95,7 +98,7 @@ struct Handshake<'a, S> {
     base_allocation: bool,
     /// Meta contexts other than base:allocation selected by SET_META_CONTEXT, for the export
     /// named first.
-    contexts: Option<(String, Vec<(u32, Arc<dyn MetaContext>)>)>,
+    contexts: Option<(String, Contexts)>,
     no_zeroes: bool,
     tls: Option<StartTls<'a, S>>,
     tls_active: bool,
