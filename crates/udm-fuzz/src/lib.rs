@@ -151,6 +151,39 @@ pub fn write_log(data: &[u8]) {
 /// What a fuzz target checks, given its input.
 pub type Property = fn(&[u8]);
 
+/// A replication stream as a receiver reads it (from another host: hostile): refused or read
+/// record by record, never a panic; and what reads back writes out as the same bytes.
+pub fn replication_stream(data: &[u8]) {
+    use udm::replication::stream::{Event, Header, Layout, Reader, Writer};
+    let mut input = data;
+    let Ok(header) = Header::read(&mut input) else {
+        return;
+    };
+    let mut reader = Reader::new(input, header.clone(), 0, Layout::default());
+    let mut again = Writer::new(header.encode(), Layout::default());
+    loop {
+        match reader.next_event() {
+            Ok(Event::Record {
+                kind,
+                place,
+                payload,
+            }) => again
+                .record(kind, place, payload)
+                .expect("writes to memory"),
+            Ok(Event::End) => {
+                let written = again.finish(header.records).expect("writes to memory");
+                assert_eq!(
+                    written,
+                    data[..written.len()],
+                    "a stream that reads back differs"
+                );
+                return;
+            }
+            Err(_) => return,
+        }
+    }
+}
+
 /// Every target by name, for the corpus replay.
 pub const TARGETS: &[(&str, Property)] = &[
     ("nbd_handshake", nbd_handshake),
@@ -161,4 +194,5 @@ pub const TARGETS: &[(&str, Property)] = &[
     ("write_log", write_log),
     ("snapshot_cow", snapshot_cow),
     ("thin_metadata", thin::thin_metadata),
+    ("replication_stream", replication_stream),
 ];
