@@ -32,6 +32,8 @@ const APPLY_AHEAD: usize = 8;
 /// Progress becomes durable at least this often (bytes applied, or time).
 const CHECKPOINT_BYTES: u64 = 64 << 20;
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// How often a receive logs its progress.
+const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
 /// Receives running now, by (pool, id): two into one device would share its staging device.
 static RECEIVING: Mutex<BTreeSet<(String, u32)>> = Mutex::new(BTreeSet::new());
@@ -239,6 +241,7 @@ impl<'a> Receive<'a> {
         let mut batch: Vec<(Kind, Place)> = Vec::with_capacity(APPLY_AHEAD);
         let mut batch_layout = Layout::default();
         let (mut since_bytes, mut since) = (0u64, Instant::now());
+        let (started, mut told) = (Instant::now(), Instant::now());
         loop {
             let end = match reader.next_event()? {
                 Event::Record {
@@ -267,6 +270,10 @@ impl<'a> Receive<'a> {
                 if since_bytes >= CHECKPOINT_BYTES || since.elapsed() >= CHECKPOINT_EVERY {
                     self.checkpoint()?;
                     (since_bytes, since) = (0, Instant::now());
+                }
+                if told.elapsed() >= PROGRESS_EVERY {
+                    self.tell_progress(started);
+                    told = Instant::now();
                 }
             }
             if end {
@@ -317,6 +324,24 @@ impl<'a> Receive<'a> {
         }
         self.applied_bytes += covered;
         Ok(covered)
+    }
+
+    /// A log line with how far the receive is, its rate and ETA (the receiving side of
+    /// `udm send --to` has no terminal to draw a bar on).
+    fn tell_progress(&self, started: Instant) {
+        let rate = self.applied_bytes as f64 / started.elapsed().as_secs_f64().max(1e-3);
+        let left = self.header.changed_bytes.saturating_sub(self.applied_bytes) as f64;
+        info!(
+            "receiving {} into thin device {} of pool '{}': record {} of {}, {:.1} MiB/s, \
+             ETA {:.0} s",
+            self.to,
+            self.req.id,
+            self.req.pool,
+            self.partial.next_record,
+            self.header.records,
+            rate / (1 << 20) as f64,
+            if rate > 0.0 { left / rate } else { 0.0 }
+        );
     }
 
     /// Makes the records applied so far durable, then says so.
