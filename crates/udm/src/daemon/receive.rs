@@ -140,7 +140,8 @@ struct Receive<'a> {
     header: Header,
     to: Snapshot,
     partial: Partial,
-    table: Option<Table>,
+    /// Shared with the thread writing a batch.
+    table: Option<Arc<Table>>,
     /// The first record this stream applies (records before it were durable already).
     first: u64,
     data_bytes: u64,
@@ -206,7 +207,7 @@ impl<'a> Receive<'a> {
                 let owner = format!("{RECEIVING_PREFIX}{}-{}", req.pool, req.id);
                 let text = format!("0 {} thin {} {}", bytes / 512, req.pool, partial.staging);
                 match registry.build(&owner, &text, &Arc::new(Events::default())) {
-                    Ok(table) => Some(table),
+                    Ok(table) => Some(Arc::new(table)),
                     Err(e) => {
                         if !req.resume {
                             drop_staging(registry, &pool, &req.pool, req.id, &partial);
@@ -237,9 +238,28 @@ impl<'a> Receive<'a> {
             self.partial.next_record,
             Layout(self.partial.layout),
         );
-        let mut bufs: Vec<AlignedBuf> = (0..APPLY_AHEAD).map(|_| AlignedBuf::new()).collect();
-        let mut batch: Vec<(Kind, Place)> = Vec::with_capacity(APPLY_AHEAD);
-        let mut batch_layout = Layout::default();
+        let mut in_flight = None;
+        let result = self.pump(&mut reader, &mut in_flight);
+        // Whatever stopped the stream, the batch being written finishes first (and counts,
+        // if it was written).
+        if let Some(writing) = in_flight.take() {
+            let finished = self.finish_batch(writing);
+            if result.is_ok() {
+                finished?;
+            }
+        }
+        result?;
+        self.publish()
+    }
+
+    /// Reads the records up to the trailer, writing each batch while the next one arrives.
+    fn pump(
+        &mut self,
+        reader: &mut Reader<&mut dyn Read>,
+        in_flight: &mut Option<Writing>,
+    ) -> Result<(), Failure> {
+        let mut filling = Batch::default();
+        let mut spare = Batch::default();
         let (mut since_bytes, mut since) = (0u64, Instant::now());
         let (started, mut told) = (Instant::now(), Instant::now());
         loop {
@@ -249,81 +269,67 @@ impl<'a> Receive<'a> {
                     place,
                     payload,
                 } => {
-                    if place.seq < self.partial.next_record {
-                        continue;
+                    if place.seq >= self.partial.next_record {
+                        filling.add(kind, place, payload);
+                        filling.layout = reader.layout();
                     }
-                    let buf = &mut bufs[batch.len()];
-                    buf.resize(payload.len());
-                    buf.copy_from_slice(payload);
-                    batch.push((kind, place));
-                    batch_layout = reader.layout();
                     false
                 }
                 Event::End => true,
             };
-            if batch.len() == APPLY_AHEAD || (end && !batch.is_empty()) {
-                since_bytes += self.apply_batch(&batch, &bufs)?;
-                let last = batch.last().expect("not empty").1;
-                self.partial.next_record = last.seq + 1;
-                self.partial.layout = batch_layout.0;
-                batch.clear();
-                if since_bytes >= CHECKPOINT_BYTES || since.elapsed() >= CHECKPOINT_EVERY {
-                    self.checkpoint()?;
-                    (since_bytes, since) = (0, Instant::now());
+            // A batch goes when it is full, or at the trailer.
+            let full = filling.records.len() == APPLY_AHEAD;
+            if filling.records.is_empty() || !(full || end) {
+                if end {
+                    return Ok(());
                 }
-                if told.elapsed() >= PROGRESS_EVERY {
-                    self.tell_progress(started);
-                    told = Instant::now();
-                }
+                continue;
+            }
+            if let Some(writing) = in_flight.take() {
+                spare = self.finish_batch(writing)?;
+                since_bytes += spare.covered();
+                spare.records.clear();
+            }
+            *in_flight =
+                Some(self.start_batch(std::mem::replace(&mut filling, std::mem::take(&mut spare))));
+            if since_bytes >= CHECKPOINT_BYTES || since.elapsed() >= CHECKPOINT_EVERY {
+                self.checkpoint()?;
+                (since_bytes, since) = (0, Instant::now());
+            }
+            if told.elapsed() >= PROGRESS_EVERY {
+                self.tell_progress(started);
+                told = Instant::now();
             }
             if end {
-                return self.publish();
+                return Ok(());
             }
         }
     }
 
-    /// Writes a batch of records (disjoint ranges) in parallel; the bytes they cover.
-    fn apply_batch(
-        &mut self,
-        batch: &[(Kind, Place)],
-        bufs: &[AlignedBuf],
-    ) -> Result<u64, Failure> {
-        let table = self.table.as_ref().expect("records lie inside the volume");
-        let apply = |kind: Kind, place: Place, buf: &AlignedBuf| match kind {
-            Kind::Data => table.write(
-                place.offset,
-                &buf[..place.len as usize],
-                WriteFlags::default(),
-            ),
-            Kind::Zero | Kind::Unmapped => table.write_zeroes(
-                place.offset,
-                place.len as u64,
-                ZeroFlags {
-                    may_unmap: true,
-                    ..ZeroFlags::default()
-                },
-            ),
-        };
-        std::thread::scope(|s| {
-            let writers: Vec<_> = batch
-                .iter()
-                .zip(bufs)
-                .map(|(&(kind, place), buf)| s.spawn(move || apply(kind, place, buf)))
-                .collect();
-            writers
-                .into_iter()
-                .try_for_each(|w| w.join().expect("a writer does not panic"))
+    /// Writes a batch of records (disjoint ranges, so in parallel) on a thread of its own.
+    fn start_batch(&self, batch: Batch) -> Writing {
+        let table = self.table.clone().expect("records lie inside the volume");
+        std::thread::spawn(move || {
+            let written = batch.write(&table);
+            (batch, written)
         })
-        .map_err(|e| Failure::Local(format!("writing the staging device: {e}")))?;
-        let mut covered = 0;
-        for &(kind, place) in batch {
+    }
+
+    /// Waits for a batch; counts it as applied (the progress a checkpoint records); gives its
+    /// buffers back.
+    fn finish_batch(&mut self, writing: Writing) -> Result<Batch, Failure> {
+        let (batch, written) = writing.join().expect("a batch writer does not panic");
+        written.map_err(|e| Failure::Local(format!("writing the staging device: {e}")))?;
+        let last = batch.records.last().expect("batches are not empty").1;
+        self.partial.next_record = last.seq + 1;
+        self.partial.layout = batch.layout.0;
+        for &(kind, place) in &batch.records {
             if kind == Kind::Data {
                 self.data_bytes += place.len as u64;
             }
-            covered += place.len as u64;
         }
-        self.applied_bytes += covered;
-        Ok(covered)
+        self.applied_bytes += batch.covered();
+        Ok(batch)
     }
 
     /// A log line with how far the receive is, its rate and ETA (the receiving side of
@@ -448,6 +454,63 @@ fn new_staging(
         return Err(io(e));
     }
     Ok(partial)
+}
+
+/// Records read and waiting to be written, with their data, and the layout checksum up to
+/// the last of them.
+#[derive(Default)]
+struct Batch {
+    records: Vec<(Kind, Place)>,
+    bufs: Vec<AlignedBuf>,
+    layout: Layout,
+}
+
+/// A batch being written, and how that went.
+type Writing = std::thread::JoinHandle<(Batch, udm_block::Result<()>)>;
+
+impl Batch {
+    fn add(&mut self, kind: Kind, place: Place, payload: &[u8]) {
+        let n = self.records.len();
+        if self.bufs.len() == n {
+            self.bufs.push(AlignedBuf::new());
+        }
+        self.bufs[n].resize(payload.len());
+        self.bufs[n].copy_from_slice(payload);
+        self.records.push((kind, place));
+    }
+
+    fn covered(&self) -> u64 {
+        self.records.iter().map(|(_, p)| p.len as u64).sum()
+    }
+
+    fn write(&self, table: &Table) -> udm_block::Result<()> {
+        let write = |&(kind, place): &(Kind, Place), buf: &AlignedBuf| match kind {
+            Kind::Data => table.write(
+                place.offset,
+                &buf[..place.len as usize],
+                WriteFlags::default(),
+            ),
+            Kind::Zero | Kind::Unmapped => table.write_zeroes(
+                place.offset,
+                place.len as u64,
+                ZeroFlags {
+                    may_unmap: true,
+                    ..ZeroFlags::default()
+                },
+            ),
+        };
+        std::thread::scope(|s| {
+            let writers: Vec<_> = self
+                .records
+                .iter()
+                .zip(&self.bufs)
+                .map(|(record, buf)| s.spawn(move || write(record, buf)))
+                .collect();
+            writers
+                .into_iter()
+                .try_for_each(|w| w.join().expect("a writer does not panic"))
+        })
+    }
 }
 
 /// Deletes a kept receive's staging device and forgets it.
