@@ -17,8 +17,11 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// The request being mapped. Discard, write-zeroes, block status and cache are never
-/// mapped: they are rare and some targets give them meaning of their own.
+/// The request being mapped. Block status and cache are never mapped. Discard and
+/// write-zeroes are mapped only by devices that say so (files, and `linear`, `striped`,
+/// tables and `zero` above them): other targets give them meaning of their own (a thin
+/// device unmaps blocks, a clone skips hydrating regions) and return `None` for them
+/// ([`MapOp::is_fill`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MapOp {
     Read,
@@ -28,11 +31,40 @@ pub enum MapOp {
     },
     /// Every completed write durable. Mapped to the files to sync (pieces of length 0).
     Flush,
+    /// Deallocate the range (a hint: a file that cannot punch holes keeps its data); `fua`:
+    /// durable when it completes.
+    Discard {
+        fua: bool,
+    },
+    /// Make the range read zeroes: `may_unmap`, by deallocating it; `fast_only`, fail with
+    /// NotSupported rather than write zero buffers; `fua`, durable when it completes.
+    WriteZeroes {
+        may_unmap: bool,
+        fast_only: bool,
+        fua: bool,
+    },
 }
 
 impl MapOp {
+    /// True for operations that change data: writes, discards and write-zeroes.
     pub fn is_write(self) -> bool {
-        matches!(self, MapOp::Write { .. })
+        matches!(
+            self,
+            MapOp::Write { .. } | MapOp::Discard { .. } | MapOp::WriteZeroes { .. }
+        )
+    }
+
+    /// Discard and write-zeroes: mapped only by devices that say so (see [`MapOp`]).
+    pub fn is_fill(self) -> bool {
+        matches!(self, MapOp::Discard { .. } | MapOp::WriteZeroes { .. })
+    }
+
+    /// The request must be durable when it completes.
+    pub fn fua(self) -> bool {
+        match self {
+            MapOp::Write { fua } | MapOp::Discard { fua } | MapOp::WriteZeroes { fua, .. } => fua,
+            MapOp::Read | MapOp::Flush => false,
+        }
     }
 }
 

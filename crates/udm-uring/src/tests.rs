@@ -16,9 +16,40 @@ struct TempFile {
 
 impl TempFile {
     fn new(tag: &str, len: u64) -> Self {
-        let path = std::env::temp_dir().join(format!("udm-uring-{tag}-{}", std::process::id()));
+        Self::new_in(&std::env::temp_dir(), tag, len)
+    }
+
+    fn new_in(dir: &std::path::Path, tag: &str, len: u64) -> Self {
+        let path = dir.join(format!("udm-uring-{tag}-{}", std::process::id()));
         File::create(&path).unwrap().set_len(len).unwrap();
         TempFile { path }
+    }
+
+    /// `len` bytes of 0xaa from 0, then the file's data read back.
+    fn filled(&self, len: usize) {
+        File::options()
+            .write(true)
+            .open(&self.path)
+            .unwrap()
+            .write_all_at(&vec![0xaa; len], 0)
+            .unwrap();
+    }
+
+    fn contents(&self) -> Vec<u8> {
+        std::fs::read(&self.path).unwrap()
+    }
+
+    /// Where the first data at or after `offset` is (SEEK_DATA).
+    fn next_data(&self, offset: u64) -> i64 {
+        let file = File::open(&self.path).unwrap();
+        // SAFETY: lseek on a descriptor we own.
+        unsafe {
+            libc::lseek(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                offset as i64,
+                libc::SEEK_DATA,
+            )
+        }
     }
 
     fn mapped(&self) -> Arc<MappedFile> {
@@ -277,4 +308,82 @@ fn the_completion_callbacks_hear_how_the_request_went() {
     )
     .unwrap_err();
     assert_eq!(*told.lock().unwrap(), [true, true, false]);
+}
+
+#[test]
+fn discard_punches_a_hole_and_write_zeroes_zeroes_each_way_it_is_asked() {
+    let file = TempFile::new("fill", 64 << 10);
+    file.filled(64 << 10);
+    let f = file.mapped();
+    let one = |offset| Mapping {
+        pieces: vec![on(&f, 0, 4096, offset)],
+        ..Mapping::default()
+    };
+    run(MapOp::Discard { fua: false }, one(8192), &mut []).unwrap();
+    let unmap = MapOp::WriteZeroes {
+        may_unmap: true,
+        fast_only: false,
+        fua: false,
+    };
+    run(unmap, one(20480), &mut []).unwrap();
+    let in_place = MapOp::WriteZeroes {
+        may_unmap: false,
+        fast_only: true,
+        fua: true,
+    };
+    run(in_place, one(32768), &mut []).unwrap();
+    let data = file.contents();
+    for (at, byte) in data.iter().enumerate() {
+        let zeroed = [8192, 20480, 32768]
+            .iter()
+            .any(|&z| (z..z + 4096).contains(&at));
+        assert_eq!(*byte, if zeroed { 0 } else { 0xaa }, "byte {at}");
+    }
+    // Discard and may-unmap punched holes: the file has no data there any more.
+    assert_eq!(file.next_data(8192), 12288);
+    assert_eq!(file.next_data(20480), 24576);
+}
+
+#[test]
+fn write_zeroes_where_the_file_cannot_zero_a_range_writes_zeroes_unless_only_fast_will_do() {
+    // tmpfs punches holes but has no ZERO_RANGE.
+    let shm = std::path::Path::new("/dev/shm");
+    if !shm.is_dir() {
+        eprintln!("skipped: no /dev/shm");
+        return;
+    }
+    let file = TempFile::new_in(shm, "fill-slow", 3 << 20);
+    file.filled(3 << 20);
+    let f = file.mapped();
+    // Longer than the shared zero buffer: written in several pieces.
+    let range = || Mapping {
+        pieces: vec![on(&f, 0, (2 << 20) + 4096, 4096)],
+        ..Mapping::default()
+    };
+    let fast = MapOp::WriteZeroes {
+        may_unmap: false,
+        fast_only: true,
+        fua: false,
+    };
+    let err = run(fast, range(), &mut []).unwrap_err();
+    assert!(matches!(err, BlockError::NotSupported(_)), "{err}");
+    assert!(
+        file.contents().iter().all(|&b| b == 0xaa),
+        "a failed fast zero changed data"
+    );
+    let slow = MapOp::WriteZeroes {
+        may_unmap: false,
+        fast_only: false,
+        fua: true,
+    };
+    run(slow, range(), &mut []).unwrap();
+    let data = file.contents();
+    let zeroed = 4096..(2 << 20) + 8192;
+    for (at, byte) in data.iter().enumerate() {
+        assert_eq!(
+            *byte,
+            if zeroed.contains(&at) { 0 } else { 0xaa },
+            "byte {at}"
+        );
+    }
 }

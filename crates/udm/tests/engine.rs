@@ -5,6 +5,7 @@ mod common;
 
 use parking_lot::{Mutex, MutexGuard};
 use std::io::{Read, Write};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -353,4 +354,62 @@ fn large_writes_arriving_in_pieces_or_cut_off_are_stored_whole_or_not_at_all() {
     after.stream.read_exact(&mut back).unwrap();
     assert!(back.iter().all(|&b| b == 0), "a cut-off write was stored");
     exercise(&mut after, 0, 10);
+}
+
+/// The daemon's pool threads (started for requests the device does not remap).
+fn pool_threads(daemon: &Daemon) -> usize {
+    std::fs::read_dir(format!("/proc/{}/task", daemon.pid()))
+        .unwrap()
+        .filter(|task| {
+            let comm = task.as_ref().unwrap().path().join("comm");
+            std::fs::read_to_string(comm)
+                .unwrap_or_default()
+                .starts_with("nbd-pool")
+        })
+        .count()
+}
+
+#[test]
+fn discards_and_write_zeroes_on_linear_go_to_the_file_on_the_engine() {
+    let _serial = serial();
+    let daemon = Daemon::start_with("engine-fill", &["--nbd-engine", "uring"]);
+    daemon.create_linear("vol", "disk.img", 16 << 20);
+    let uri = daemon.uri("vol");
+    let io = |command: &str| {
+        let (ok, out) = qemu_io(&uri, command);
+        assert!(ok, "{command}: {out}");
+    };
+    io("write -P 0xaa 0 8M");
+    io("discard 1M 1M");
+    io("write -z -u 3M 1M"); // may unmap: punched
+    io("write -z 5M 1M"); // no hole: zeroed in place
+    for zero in ["1M", "3M", "5M"] {
+        io(&format!("read -P 0 {zero} 1M"));
+    }
+    for kept in ["0", "2M", "4M", "6M"] {
+        io(&format!("read -P 0xaa {kept} 1M"));
+    }
+    // None of it needed a pool thread: the event loop did it on io_uring.
+    assert_eq!(pool_threads(&daemon), 0, "{}", daemon.log());
+    // The punched ranges are holes in the file, which block status reports.
+    let out = Command::new("nbdinfo")
+        .args(["--map", &uri])
+        .output()
+        .unwrap();
+    let map = String::from_utf8_lossy(&out.stdout);
+    let holes: Vec<(u64, u64)> = map
+        .lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.get(2) == Some(&"3")).then(|| (f[0].parse().unwrap(), f[1].parse().unwrap()))
+        })
+        .collect();
+    for start in [1u64 << 20, 3 << 20] {
+        assert!(
+            holes
+                .iter()
+                .any(|&(s, l)| s <= start && start + (1 << 20) <= s + l),
+            "{start} is not a hole: {map}"
+        );
+    }
 }

@@ -172,6 +172,10 @@ impl BlockDevice for Multipath {
     /// path. An error of a mapped request is not retried on another path: files are trusted
     /// as `linear` trusts them, and fail by message.
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        // Discards and write-zeroes mean something of their own here: the synchronous way.
+        if op.is_fill() {
+            return None;
+        }
         let inner = &self.inner;
         if !inner.maps {
             return None;
