@@ -413,3 +413,41 @@ fn discards_and_write_zeroes_on_linear_go_to_the_file_on_the_engine() {
         );
     }
 }
+
+#[test]
+fn a_discard_over_many_stripes_goes_the_synchronous_way_and_a_short_one_does_not() {
+    let _serial = serial();
+    let daemon = Daemon::start_with("engine-fill-striped", &["--nbd-engine", "uring"]);
+    let dir = daemon.control().parent().unwrap().to_path_buf();
+    for f in ["a.img", "b.img"] {
+        std::fs::File::create(dir.join(f))
+            .unwrap()
+            .set_len(32 << 20)
+            .unwrap();
+    }
+    // 4 KiB chunks: a 64 MiB device has 16,384 of them.
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--table",
+        &format!(
+            "0 131072 striped 2 8 {} 0 {} 0",
+            dir.join("a.img").display(),
+            dir.join("b.img").display()
+        ),
+    ]);
+    let uri = daemon.uri("vol");
+    let io = |command: &str| {
+        let (ok, out) = qemu_io(&uri, command);
+        assert!(ok, "{command}: {out}");
+    };
+    io("write -P 0xaa 0 64M");
+    io("discard 0 1M"); // 256 chunks: mapped
+    assert_eq!(pool_threads(&daemon), 0, "a short discard needed the pool");
+    io("discard 8M 48M"); // 12,288 chunks: synchronous
+    assert!(pool_threads(&daemon) > 0, "a long discard was mapped");
+    io("read -P 0 0 1M");
+    io("read -P 0xaa 1M 7M");
+    io("read -P 0 8M 48M");
+    io("read -P 0xaa 56M 8M");
+}
