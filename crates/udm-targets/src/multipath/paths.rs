@@ -193,6 +193,10 @@ impl State {
         self.usable_count > 0
     }
 
+    pub fn usable_count(&self) -> usize {
+        self.usable_count
+    }
+
     /// The status letter of a group: D bypassed, A current, E enabled.
     pub fn group_state(&self, group: usize) -> char {
         if self.bypassed[group] {

@@ -525,8 +525,9 @@ fn requests_map_onto_the_chosen_file_and_count_until_they_complete() {
     assert_eq!(file_of(&second), b);
     drop((first, second));
     assert!(target(&table).status().ends_with("a A 0 0 b A 0 0"));
-    // A flush maps onto every usable path; a failed path takes nothing.
-    assert_eq!(table.map(MapOp::Flush, 0, 0).unwrap().pieces.len(), 2);
+    // A flush with several usable paths goes the synchronous way (one down each path at
+    // once, each failure failing its own path); with one, it maps onto it.
+    assert!(table.map(MapOp::Flush, 0, 0).is_none());
     message(&table, "fail_path a").unwrap();
     for _ in 0..3 {
         assert_eq!(file_of(&table.map(MapOp::Read, 8192, 4096).unwrap()), b);
@@ -540,4 +541,82 @@ fn requests_map_onto_the_chosen_file_and_count_until_they_complete() {
     let rig = Rig::new();
     let (table, _) = rig.build(TWO_PATHS);
     assert!(table.map(MapOp::Read, 0, 4096).is_none());
+}
+
+/// Two names of one 4 MiB file as the paths `a` and `b` of a round-robin multipath.
+fn file_paths(dir: &udm_testkit::TempDir) -> Table {
+    use udm_block::{FileDevice, OpenMode};
+    let (a, b) = (dir.path("a.img"), dir.path("b.img"));
+    std::fs::File::create(&a).unwrap().set_len(4 * MIB).unwrap();
+    std::fs::hard_link(&a, &b).unwrap();
+    let files = Devices::default();
+    for (name, path) in [("a", &a), ("b", &b)] {
+        let file = FileDevice::open(path, OpenMode::ReadWrite).unwrap();
+        files.add(name, Arc::new(file), false);
+    }
+    build(&files, &format!("0 {SECTORS} multipath {TWO_PATHS}")).unwrap()
+}
+
+#[test]
+fn a_mapped_request_that_fails_fails_its_path_and_is_retried_the_synchronous_way() {
+    use udm_block::{Completed, MapOp};
+    let dir = udm_testkit::TempDir::new("mp-retry");
+    let table = file_paths(&dir);
+    let eio = BlockError::Os {
+        context: "read".into(),
+        errno: libc::EIO,
+    };
+    // Round-robin: the first request goes down a.
+    let mapping = table.map(MapOp::Read, 0, 4096).unwrap();
+    assert!(mapping.retry_on_error, "a failure would reach the client");
+    for told in mapping.on_complete {
+        told(Completed::Retried(&eio));
+    }
+    assert!(target(&table).status().ends_with("a F 1 b A 0"));
+    // The retry (the synchronous read) goes down b.
+    read(&table, 0).unwrap();
+    // An error any path would give (no space) does not fail the path; the retry returns it.
+    let enospc = BlockError::Os {
+        context: "write".into(),
+        errno: libc::ENOSPC,
+    };
+    let mapping = table.map(MapOp::Write { fua: false }, 0, 4096).unwrap();
+    for told in mapping.on_complete {
+        told(Completed::Retried(&enospc));
+    }
+    assert!(target(&table).status().ends_with("a F 1 b A 0"));
+}
+
+#[test]
+fn flushes_to_several_paths_run_at_once() {
+    let rig = Rig::new();
+    let (table, _) = rig.build("0 0 1 1 round-robin 0 3 1 a 1 b 1 c 1");
+    let now = Arc::new(AtomicU64::new(0));
+    let most = Arc::new(AtomicU64::new(0));
+    for route in &rig.routes {
+        let (now, most) = (now.clone(), most.clone());
+        *route.on_flush.lock() = Some(Box::new(move || {
+            most.fetch_max(now.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(200));
+            now.fetch_sub(1, Ordering::SeqCst);
+        }));
+    }
+    for i in 0..3 {
+        table
+            .write(i * 4096, &pattern(4096, 9), WriteFlags::default())
+            .unwrap();
+    }
+    let started = Instant::now();
+    table.flush().unwrap();
+    assert_eq!(most.load(Ordering::SeqCst), 3, "flushes one after another");
+    assert!(started.elapsed() < Duration::from_millis(550));
+    // One failing among them fails its path alone; its writes are covered down another.
+    for i in 0..3 {
+        table
+            .write(i * 4096, &pattern(4096, 10), WriteFlags::default())
+            .unwrap();
+    }
+    rig.routes[1].fail_writes.store(true, Ordering::SeqCst);
+    table.flush().unwrap();
+    assert!(target(&table).status().ends_with("a A 0 b F 1 c A 0"));
 }
