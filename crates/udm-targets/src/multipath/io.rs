@@ -137,7 +137,10 @@ impl Inner {
 
 /// `op` for each of `items` at once: the first on this thread, the others on threads of
 /// their own (on this thread too, after the first, when no thread can be made).
-fn each_at_once<T: Send>(items: &[usize], op: impl Fn(usize) -> T + Sync) -> Vec<(usize, T)> {
+pub(super) fn each_at_once<T: Send>(
+    items: &[usize],
+    op: impl Fn(usize) -> T + Sync,
+) -> Vec<(usize, T)> {
     let Some((&first, rest)) = items.split_first() else {
         return Vec::new();
     };

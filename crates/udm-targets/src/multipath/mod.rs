@@ -10,8 +10,9 @@
 //! at once, a server that stops answering fails them after `path_timeout`) instead of waiting
 //! for its server like a clone's source does.
 //!
-//! udm adds multipathd's path checker: a thread that reads a little from every failed path
-//! each `checker_interval` and reinstates those that answer.
+//! udm adds multipathd's path checker: a thread that reads a little from every path each
+//! `checker_interval`, fails the active paths that do not answer and reinstates the failed
+//! ones that do; and multipathd's `failback immediate` as a feature.
 //!
 //! A FLUSH goes to every path that took writes since the last one. A path that cannot take it
 //! any more (it failed since) is covered by a flush down a usable path, on the kernel's
@@ -154,15 +155,23 @@ impl Inner {
         (self.raise_event)();
     }
 
-    /// Puts a path back in use (an event) and wakes requests waiting for one.
+    /// Puts a path back in use (an event) and wakes requests waiting for one; with
+    /// `failback immediate`, I/O goes back to the first group that can take it.
     fn reinstate_path(&self, path: usize, why: &str) {
-        if !self.state.lock().reinstate(path) {
-            return;
-        }
+        let failed_back = {
+            let mut state = self.state.lock();
+            if !state.reinstate(path) {
+                return;
+            }
+            self.spec.features.failback_immediate() && state.fail_back(&self.groups)
+        };
         info!(
             "multipath: reinstating path {}: {why}",
             self.paths[path].reference
         );
+        if failed_back {
+            info!("multipath: failing back to the first group with a usable path");
+        }
         self.changed.notify_all();
         (self.raise_event)();
     }

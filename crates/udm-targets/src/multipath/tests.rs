@@ -620,3 +620,53 @@ fn flushes_to_several_paths_run_at_once() {
     table.flush().unwrap();
     assert!(target(&table).status().ends_with("a A 0 b F 1 c A 0"));
 }
+
+#[test]
+fn the_checker_fails_an_active_path_that_stops_answering_before_io_finds_it() {
+    let rig = Rig::new();
+    let (table, events) = rig.build(&format!("2 checker_interval 1 {}", &TWO_PATHS[2..]));
+    rig.down(0, true);
+    let started = Instant::now();
+    wait_for("the checker to fail a", || {
+        target(&table).status().contains("a F 1")
+    });
+    assert!(started.elapsed() < Duration::from_millis(1500));
+    assert_eq!(events.load(Ordering::SeqCst), 1);
+    // No request went down a to find it dead: only probes read it.
+    let probes = rig.reads(0);
+    for i in 0..4 {
+        read(&table, i * 4096).unwrap();
+    }
+    assert_eq!(rig.reads(0), probes);
+}
+
+#[test]
+fn failback_immediate_sends_io_back_to_the_first_group_when_its_path_returns() {
+    for (failback, back) in [("immediate", true), ("manual", false)] {
+        let rig = Rig::new();
+        let (table, _) = rig.build(&format!(
+            "4 checker_interval 1 failback {failback} 0 2 1 \
+             round-robin 0 1 1 a 1 round-robin 0 1 1 b 1"
+        ));
+        rig.down(0, true);
+        read(&table, 0).unwrap();
+        assert!(target(&table).status().contains("a F 1"));
+        rig.down(0, false);
+        wait_for("the checker to reinstate a", || {
+            target(&table).status().contains("a A 1")
+        });
+        let (a, b) = (rig.reads(0), rig.reads(1));
+        for i in 0..4 {
+            read(&table, i * 4096).unwrap();
+        }
+        let went_back = rig.reads(0) - a >= 4;
+        assert_eq!(went_back, back, "failback {failback}");
+        assert_eq!(rig.reads(1) - b >= 4, !back, "failback {failback}");
+        let group = if back { "2 0 0 0 2 1" } else { "2 0 0 0 2 2" };
+        assert!(
+            target(&table).status().starts_with(group),
+            "failback {failback}: {}",
+            target(&table).status()
+        );
+    }
+}
