@@ -183,7 +183,7 @@ impl Spec {
             let selector = group.selector;
             out.extend([
                 selector.name().to_string(),
-                "0".to_string(),
+                selector.print_args(),
                 group.paths.len().to_string(),
                 selector.table_args().to_string(),
             ]);
@@ -241,20 +241,9 @@ pub(super) fn parse(args: &mut Args) -> Result<Spec, TargetError> {
 
 fn parse_group(args: &mut Args) -> Result<GroupSpec, TargetError> {
     let name = args.word("selector")?;
-    let selector = Selector::parse(name).ok_or_else(|| {
-        args.error(format!(
-            "unknown path selector '{name}' (known: {})",
-            Selector::NAMES
-        ))
-    })?;
     let selector_args = args.number_in("#selector args", 0..=MAX_COUNT)?;
     let given = args.take(selector_args, "<#selector args>")?;
-    if !given.is_empty() {
-        return Err(args.error(format!(
-            "{name} takes no selector arguments, {} given",
-            given.len()
-        )));
-    }
+    let selector = Selector::parse(name, &given).map_err(|e| args.error(bare(&e)))?;
     let path_count = args.number_in("#paths", 1..=MAX_COUNT)?;
     let path_args = args.number_in("#path args", 0..=MAX_COUNT)?;
     let mut paths = Vec::with_capacity(path_count);
@@ -336,6 +325,15 @@ mod tests {
             (
                 "1 retain_attached_hw_handler 0 1 1 round-robin 0 1 1 a 1",
                 "1 retain_attached_hw_handler 0 1 1 round-robin 0 1 1 a 1",
+            ),
+            // historical-service-time's selector arguments, and its path argument printed 0.
+            (
+                "0 0 1 1 historical-service-time 0 2 1 a 3 b 1",
+                "0 0 1 1 historical-service-time 2 972 0 2 1 a 0 b 0",
+            ),
+            (
+                "0 0 1 1 historical-service-time 2 512 2 1 0 a",
+                "0 0 1 1 historical-service-time 2 512 2 1 1 a 0",
             ),
             // No groups at all: the kernel accepts it (every request queues or fails).
             ("0 0 0 0", "0 0 0 0"),
@@ -424,8 +422,12 @@ mod tests {
                 "invalid <#paths> 0: must be between 1 and 1024",
             ),
             (
-                "0 0 1 1 historical-service-time 0 1 0 a",
-                "unknown path selector 'historical-service-time' (known: round-robin",
+                "0 0 1 1 least-pending 0 1 0 a",
+                "unknown path selector 'least-pending' (known: round-robin",
+            ),
+            (
+                "0 0 1 1 historical-service-time 1 2000 1 0 a",
+                "priority group 1: historical-service-time: invalid <base_weight> 2000",
             ),
             (
                 "0 0 1 1 round-robin 1 x 1 0 a",

@@ -20,13 +20,14 @@
 //! that device's storage made them (see docs/targets.md).
 //!
 //! One file per job: `args` reads and prints the table line, `selector` chooses among a
-//! group's paths, `paths` holds the paths' and groups' state and picks the group, `io` serves
+//! group's paths (`history` measures them for historical-service-time), `paths` holds the paths' and groups' state and picks the group, `io` serves
 //! requests, `checker` probes failed paths, `messages` and `status` are what the target is
 //! told and tells. This file holds the target and its life: built inactive, the checker
 //! started at the first resume and stopped when the table is dropped.
 
 mod args;
 mod checker;
+mod history;
 mod io;
 mod messages;
 mod paths;
@@ -45,6 +46,7 @@ use crate::args::Args;
 use crate::target::{EventSink, Target, TargetContext, TargetError};
 use args::Spec;
 use paths::{Group, Path, State};
+use selector::Load;
 
 /// What requests, messages and the checker share.
 struct Inner {
@@ -74,7 +76,8 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     let spec = args::parse(args)?;
     let timeout = spec.features.path_timeout();
     let mut paths: Vec<Path> = Vec::new();
-    for (_, path) in spec.paths() {
+    for (g, path) in spec.paths() {
+        let group = &spec.groups[g];
         let reference = &path.reference;
         if paths.iter().any(|p| &p.reference == reference) {
             return Err(args.error(format!("path '{reference}' is listed twice")));
@@ -89,7 +92,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             reference: reference.clone(),
             dev,
             args: path.args,
-            load: Arc::default(),
+            load: Arc::new(Load::new(group.selector, group.paths.len())),
             dirty: AtomicBool::new(false),
         });
     }

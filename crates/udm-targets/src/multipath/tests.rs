@@ -670,3 +670,38 @@ fn failback_immediate_sends_io_back_to_the_first_group_when_its_path_returns() {
         );
     }
 }
+
+#[test]
+fn historical_service_time_sends_most_requests_down_the_path_that_serves_faster() {
+    let rig = Rig::new();
+    *rig.routes[1].on_read.lock() = Some(Box::new(|| std::thread::sleep(Duration::from_millis(3))));
+    let (table, _) = rig.build("0 0 1 1 historical-service-time 0 2 1 a 0 b 0");
+    let table = Arc::new(table);
+    let until = Instant::now() + Duration::from_millis(400);
+    let readers: Vec<_> = (0..8)
+        .map(|_| {
+            let table = table.clone();
+            std::thread::spawn(move || {
+                while Instant::now() < until {
+                    read(&table, 0).unwrap();
+                }
+            })
+        })
+        .collect();
+    for reader in readers {
+        reader.join().unwrap();
+    }
+    let (fast, slow) = (rig.reads(0), rig.reads(1));
+    assert!(fast > 10 * slow && slow > 0, "a: {fast} reads, b: {slow}");
+    // Status: the estimate (ns × 1024), requests in flight, when the path goes stale.
+    let status = target(&table).status();
+    let words: Vec<&str> = status.split_whitespace().collect();
+    assert_eq!(
+        words[..10],
+        ["2", "0", "0", "0", "1", "1", "A", "0", "2", "3"]
+    );
+    let estimate = |at: usize| words[at].parse::<u64>().unwrap() >> 10;
+    let (a_ns, b_ns) = (estimate(13), estimate(19));
+    assert!(b_ns > 3 * a_ns && b_ns > 1_000_000, "{status}");
+    assert_eq!((words[14], words[20]), ("0", "0"), "{status}");
+}
