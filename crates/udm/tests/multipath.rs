@@ -550,3 +550,27 @@ fn remapped_requests_that_fail_on_a_file_path_go_down_another_path() {
     assert_eq!(fuse_state(), "F 2", "{}", a.log());
     assert!(std::fs::read(&copy).unwrap() == std::fs::read(&disk).unwrap());
 }
+
+/// A path that is a suspended udm device is not probed (the probe would wait for the resume,
+/// and the table's removal for the probe): removing the multipath does not wait for it.
+#[test]
+fn a_multipath_over_a_suspended_device_is_removed_without_waiting_for_it() {
+    let a = Daemon::start("mp-suspended-path");
+    let disk = a.create_linear("x", "disk.img", 16 * MIB);
+    let table = format!(
+        "0 {} multipath 2 checker_interval 1 0 1 1 round-robin 0 2 1 x 1 {} 1",
+        16 * MIB / 512,
+        disk.display()
+    );
+    a.udm(&["create", "mp", "--table", &table]);
+    a.udm(&["suspend", "x"]);
+    // The checker's round comes while x is suspended.
+    std::thread::sleep(Duration::from_millis(1500));
+    let remove = Command::new("timeout")
+        .args(["5", UDM, "remove", "mp"])
+        .env("UDM_CONTROL", a.control())
+        .status()
+        .unwrap();
+    a.udm(&["resume", "x"]);
+    assert!(remove.success(), "removing the multipath waited for x");
+}

@@ -1,6 +1,6 @@
 //! The path checker, multipathd's job done in the daemon: every `checker_interval` it reads a
 //! little from every path (multipathd's `directio` checker: one aligned block at the start),
-//! all paths at once, fails the active paths that do not answer (before a request finds them
+//! many paths at once, fails the active paths that do not answer (before a request finds them
 //! dead) and reinstates the failed ones that do. For a remote path the read is also the
 //! connection check: its client redials on its own (with backoff up to 5 s) and fails
 //! requests at once while it has no connection, and one whose server stopped answering
@@ -42,7 +42,14 @@ fn run(inner: &Inner) {
             }
             every.iter().map(|&i| state.is_usable(i)).collect()
         };
-        let probed = each_at_once(&every, |index| probe(&*inner.paths[index].dev, inner.len));
+        // A suspended path (a udm device being reloaded) would hold its probe until the
+        // resume, and the table's removal with it: it is probed at the next round.
+        let awake: Vec<usize> = every
+            .iter()
+            .copied()
+            .filter(|&i| !inner.paths[i].dev.suspended())
+            .collect();
+        let probed = each_at_once(&awake, |index| probe(&*inner.paths[index].dev, inner.len));
         if inner.state.lock().stopping {
             return;
         }

@@ -135,16 +135,26 @@ impl Inner {
     }
 }
 
-/// `op` for each of `items` at once: the first on this thread, the others on threads of
-/// their own (on this thread too, after the first, when no thread can be made).
+/// How many paths [`each_at_once`] works on at a time: a table may have a thousand.
+const AT_ONCE: usize = 32;
+
+/// `op` for each of `items`, [`AT_ONCE`] at a time: the first of each batch on this thread,
+/// the others on threads of their own (on this thread too, after the first, when no thread
+/// can be made).
 pub(super) fn each_at_once<T: Send>(
     items: &[usize],
     op: impl Fn(usize) -> T + Sync,
 ) -> Vec<(usize, T)> {
+    items
+        .chunks(AT_ONCE)
+        .flat_map(|batch| batch_at_once(batch, &op))
+        .collect()
+}
+
+fn batch_at_once<T: Send>(items: &[usize], op: &(impl Fn(usize) -> T + Sync)) -> Vec<(usize, T)> {
     let Some((&first, rest)) = items.split_first() else {
         return Vec::new();
     };
-    let op = &op;
     std::thread::scope(|scope| {
         let others: Vec<_> = rest
             .iter()

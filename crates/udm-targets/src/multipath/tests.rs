@@ -705,3 +705,22 @@ fn historical_service_time_sends_most_requests_down_the_path_that_serves_faster(
     assert!(b_ns > 3 * a_ns && b_ns > 1_000_000, "{status}");
     assert_eq!((words[14], words[20]), ("0", "0"), "{status}");
 }
+
+#[test]
+fn work_for_many_paths_runs_at_once_in_bounded_batches() {
+    let now = AtomicU64::new(0);
+    let most = AtomicU64::new(0);
+    let items: Vec<usize> = (0..70).collect();
+    let results = super::io::each_at_once(&items, |i| {
+        most.fetch_max(now.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(20));
+        now.fetch_sub(1, Ordering::SeqCst);
+        i * 2
+    });
+    assert_eq!(
+        results,
+        items.iter().map(|&i| (i, i * 2)).collect::<Vec<_>>()
+    );
+    let most = most.load(Ordering::SeqCst);
+    assert!((2..=32).contains(&most), "{most} at once");
+}
