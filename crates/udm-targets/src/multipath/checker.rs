@@ -49,7 +49,9 @@ fn run(inner: &Inner) {
             .copied()
             .filter(|&i| !inner.paths[i].dev.suspended())
             .collect();
-        let probed = each_at_once(&awake, |index| probe(&*inner.paths[index].dev, inner.len));
+        let probed = each_at_once("multipath-probe", &awake, |index| {
+            probe(&*inner.paths[index].dev, inner.len)
+        });
         if inner.state.lock().stopping {
             return;
         }

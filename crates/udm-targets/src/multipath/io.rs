@@ -103,7 +103,7 @@ impl Inner {
             owed.iter().partition(|&&i| state.is_usable(i))
         };
         let mut error = None;
-        for (i, result) in each_at_once(&usable, |i| {
+        for (i, result) in each_at_once("multipath-flush", &usable, |i| {
             let path = &self.paths[i];
             let _busy = path.load.start(0);
             path.dev.flush()
@@ -139,19 +139,24 @@ impl Inner {
 const AT_ONCE: usize = 32;
 
 /// `op` for each of `items`, [`AT_ONCE`] at a time: the first of each batch on this thread,
-/// the others on threads of their own (on this thread too, after the first, when no thread
-/// can be made).
+/// the others on threads of their own, named `name` (on this thread too, after the first,
+/// when no thread can be made).
 pub(super) fn each_at_once<T: Send>(
+    name: &str,
     items: &[usize],
     op: impl Fn(usize) -> T + Sync,
 ) -> Vec<(usize, T)> {
     items
         .chunks(AT_ONCE)
-        .flat_map(|batch| batch_at_once(batch, &op))
+        .flat_map(|batch| batch_at_once(name, batch, &op))
         .collect()
 }
 
-fn batch_at_once<T: Send>(items: &[usize], op: &(impl Fn(usize) -> T + Sync)) -> Vec<(usize, T)> {
+fn batch_at_once<T: Send>(
+    name: &str,
+    items: &[usize],
+    op: &(impl Fn(usize) -> T + Sync),
+) -> Vec<(usize, T)> {
     let Some((&first, rest)) = items.split_first() else {
         return Vec::new();
     };
@@ -160,7 +165,7 @@ fn batch_at_once<T: Send>(items: &[usize], op: &(impl Fn(usize) -> T + Sync)) ->
             .iter()
             .map(|&i| {
                 let thread = std::thread::Builder::new()
-                    .name("multipath-flush".into())
+                    .name(name.into())
                     .spawn_scoped(scope, move || op(i));
                 (i, thread)
             })
@@ -230,10 +235,10 @@ impl BlockDevice for Multipath {
     /// one down each path at once and fails exactly those whose flush fails (a mapped
     /// request's failure does not say which of its files failed).
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
-        let inner = self.inner.clone();
-        if !inner.maps {
+        if !self.inner.maps {
             return None;
         }
+        let inner = self.inner.clone();
         let (index, busy) = {
             let mut state = inner.state.lock();
             if op == MapOp::Flush && state.usable_count() != 1 {

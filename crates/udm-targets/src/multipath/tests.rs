@@ -711,7 +711,7 @@ fn work_for_many_paths_runs_at_once_in_bounded_batches() {
     let now = AtomicU64::new(0);
     let most = AtomicU64::new(0);
     let items: Vec<usize> = (0..70).collect();
-    let results = super::io::each_at_once(&items, |i| {
+    let results = super::io::each_at_once("test", &items, |i| {
         most.fetch_max(now.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
         std::thread::sleep(Duration::from_millis(20));
         now.fetch_sub(1, Ordering::SeqCst);
