@@ -24,5 +24,5 @@ pub use device::{
 pub use error::{BlockError, Result};
 pub use export::{Export, ExportCatalog};
 pub use file::{FileDevice, OpenMode};
-pub use map::{MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
+pub use map::{Completed, MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
 pub use memory::MemoryDevice;

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use io_uring::{opcode, squeue, types, IoUring};
 use log::{debug, error, info, warn};
 use udm_block::{BlockDevice, BlockError, Checked};
-use udm_uring::{is_engine, Engine};
+use udm_uring::{is_engine, Engine, Outcome as MappedOutcome};
 
 use crate::budget::{BufferBudget, Payload};
 use crate::commands::{map_op, Outcome, Reply, Session};
@@ -799,7 +799,7 @@ impl EventLoop {
                             .start(op, mapping, buf, owner, &mut |e| queued.push(e))
                     };
                     match done {
-                        Some(outcome) => self.mapped_done(owner, outcome),
+                        Some(outcome) => self.mapped_done(owner, MappedOutcome::Done(outcome)),
                         None if self.queued.len() >= SUBMIT_CHUNK => self.submit_now(),
                         None => {}
                     }
@@ -808,6 +808,17 @@ impl EventLoop {
                 Ok(None) => {}
             }
         }
+        self.run_on_pool(index, session, request, payload);
+    }
+
+    /// Serves a request through the device's synchronous methods, on a pool thread.
+    fn run_on_pool(
+        &self,
+        index: usize,
+        session: Arc<Session>,
+        request: Request,
+        mut payload: Option<Payload>,
+    ) {
         let mailbox = self.mailbox.clone();
         self.pool.submit(Box::new(move || {
             let result = session.execute(&request, payload.as_deref_mut());
@@ -820,7 +831,7 @@ impl EventLoop {
         }));
     }
 
-    fn mapped_done(&mut self, owner: u64, outcome: Result<(), BlockError>) {
+    fn mapped_done(&mut self, owner: u64, outcome: MappedOutcome) {
         let index = (owner >> 32) as usize;
         let slot = (owner & 0xffff_ffff) as usize;
         let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
@@ -830,6 +841,13 @@ impl EventLoop {
             return;
         };
         conn.mapped_free.push(slot);
+        let outcome = match outcome {
+            MappedOutcome::Done(outcome) => outcome,
+            MappedOutcome::Retry => {
+                let session = conn.session.clone();
+                return self.run_on_pool(index, session, request, payload);
+            }
+        };
         let result = outcome.map(|()| {
             if request.command == CMD_READ {
                 Outcome::Read

@@ -25,7 +25,7 @@ use std::any::Any;
 use std::sync::Arc;
 
 use io_uring::{opcode, squeue, types};
-use udm_block::{zero_chunk, BlockError, MapOp, MappedFile, Mapping, OnComplete, Place};
+use udm_block::{zero_chunk, BlockError, Completed, MapOp, MappedFile, Mapping, OnComplete, Place};
 
 /// Set in the `user_data` of every entry the engine submits; the ring's owner keeps it clear
 /// in its own.
@@ -106,8 +106,10 @@ struct Request {
     owner: u64,
     /// Told the outcome when the request completes (the device's I/O statistics).
     on_complete: Vec<OnComplete>,
+    /// A failure goes back to the owner as [`Outcome::Retry`].
+    retry_on_error: bool,
     /// Released (the suspend gate, a clone's user I/O count) when the request completes.
-    _holds: Vec<Box<dyn Any + Send>>,
+    holds: Vec<Box<dyn Any + Send>>,
 }
 
 /// The requests one ring has in flight.
@@ -117,8 +119,18 @@ pub struct Engine {
     free: Vec<usize>,
 }
 
-/// What finished: the `owner` given to [`Engine::start`] and the request's outcome.
-pub type Completion = (u64, Result<(), BlockError>);
+/// How a request the engine ran ended.
+#[derive(Debug)]
+pub enum Outcome {
+    Done(Result<(), BlockError>),
+    /// It failed, and its mapping asked for a retry ([`Mapping::retry_on_error`]): the owner
+    /// runs the request again through the device's synchronous method, whose result is the
+    /// request's.
+    Retry,
+}
+
+/// What finished: the `owner` given to [`Engine::start`] and how.
+pub type Completion = (u64, Outcome);
 
 impl Engine {
     pub fn new() -> Self {
@@ -180,7 +192,10 @@ impl Engine {
             }
         }
         if pieces.is_empty() {
-            mapping.on_complete.into_iter().for_each(|told| told(true));
+            mapping
+                .on_complete
+                .into_iter()
+                .for_each(|told| told(Completed::Ok));
             return Some(Ok(()));
         }
         let request = Request {
@@ -191,7 +206,8 @@ impl Engine {
             error: None,
             owner,
             on_complete: mapping.on_complete,
-            _holds: mapping.holds,
+            retry_on_error: mapping.retry_on_error,
+            holds: mapping.holds,
         };
         let slot = match self.free.pop() {
             Some(slot) => {
@@ -243,11 +259,26 @@ impl Engine {
         if request.remaining > 0 {
             return None;
         }
-        let mut request = self.requests[slot].take().expect("present");
+        let request = self.requests[slot].take().expect("present");
         self.free.push(slot);
-        let ok = request.error.is_none();
-        request.on_complete.drain(..).for_each(|told| told(ok));
-        Some((request.owner, request.error.map_or(Ok(()), Err)))
+        let owner = request.owner;
+        let outcome = match &request.error {
+            None => Completed::Ok,
+            Some(e) if request.retry_on_error => Completed::Retried(e),
+            Some(e) => Completed::Failed(e),
+        };
+        let retry = matches!(outcome, Completed::Retried(_));
+        request
+            .on_complete
+            .into_iter()
+            .for_each(|told| told(outcome));
+        // The holds go (with the request) before the retry starts, as the callbacks said.
+        drop(request.holds);
+        Some(if retry {
+            (owner, Outcome::Retry)
+        } else {
+            (owner, Outcome::Done(request.error.map_or(Ok(()), Err)))
+        })
     }
 }
 

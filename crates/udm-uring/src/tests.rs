@@ -70,15 +70,22 @@ impl Drop for TempFile {
     }
 }
 
-/// Runs one request to completion on a ring of its own.
+/// Runs one request to completion on a ring of its own; its mapping asks for no retry.
 fn run(op: MapOp, mapping: Mapping, buf: &mut [u8]) -> Result<(), BlockError> {
+    match run_to_outcome(op, mapping, buf) {
+        Outcome::Done(result) => result,
+        Outcome::Retry => panic!("a retry no mapping asked for"),
+    }
+}
+
+fn run_to_outcome(op: MapOp, mapping: Mapping, buf: &mut [u8]) -> Outcome {
     let mut ring = IoUring::new(64).unwrap();
     let mut engine = Engine::new();
     let mut queued = Vec::new();
     let mut push = |e: squeue::Entry| queued.push(e);
     // SAFETY: buf outlives the request, which completes before this function returns.
     if let Some(done) = unsafe { engine.start(op, mapping, buf.as_mut_ptr(), 7, &mut push) } {
-        return done;
+        return Outcome::Done(done);
     }
     loop {
         for e in queued.drain(..) {
@@ -255,7 +262,7 @@ fn a_flush_syncs_each_file_once_and_releases_its_holds_at_completion() {
     for (user_data, result) in completions {
         outcome = outcome.or(engine.complete(user_data, result, &mut |_| panic!("no resubmit")));
     }
-    assert_eq!(outcome.unwrap().1.unwrap(), ());
+    assert!(matches!(outcome, Some((1, Outcome::Done(Ok(()))))));
     assert_eq!(Arc::strong_count(&held), 1, "released at completion");
 }
 
@@ -280,7 +287,13 @@ fn the_completion_callbacks_hear_how_the_request_went() {
     let told = Arc::new(std::sync::Mutex::new(Vec::new()));
     let record = || {
         let told = told.clone();
-        move |ok: bool| told.lock().unwrap().push(ok)
+        move |done: Completed| {
+            told.lock().unwrap().push(match done {
+                Completed::Ok => "ok",
+                Completed::Failed(_) => "failed",
+                Completed::Retried(_) => "retried",
+            })
+        }
     };
     let good = Mapping::single(4096, Place::Zero).when_complete(record());
     run(MapOp::Read, good, &mut AlignedBuf::zeroed(4096)).unwrap();
@@ -297,17 +310,30 @@ fn the_completion_callbacks_hear_how_the_request_went() {
     // A descriptor opened for writing only: the read fails with EBADF.
     let write_only = OpenOptions::new().write(true).open(&a.path).unwrap();
     let file = Arc::new(MappedFile::new(a.path.clone(), None, write_only));
-    let bad = Mapping {
+    let bad = || Mapping {
         pieces: vec![on(&file, 0, 4096, 0)],
         ..Mapping::default()
     };
     run(
         MapOp::Read,
-        bad.when_complete(record()),
+        bad().when_complete(record()),
         &mut AlignedBuf::zeroed(4096),
     )
     .unwrap_err();
-    assert_eq!(*told.lock().unwrap(), [true, true, false]);
+    // Asked to, the engine hands the failed request back for a retry, its holds released.
+    let held = Arc::new(());
+    let retried = bad()
+        .when_complete(record())
+        .hold(held.clone())
+        .retried_on_error();
+    let outcome = run_to_outcome(MapOp::Read, retried, &mut AlignedBuf::zeroed(4096));
+    assert!(matches!(outcome, Outcome::Retry), "{outcome:?}");
+    assert_eq!(Arc::strong_count(&held), 1);
+    // A request that succeeds is not retried, whatever its mapping asked.
+    let fine = Mapping::single(512, Place::Zero).retried_on_error();
+    let outcome = run_to_outcome(MapOp::Read, fine, &mut AlignedBuf::zeroed(512));
+    assert!(matches!(outcome, Outcome::Done(Ok(()))));
+    assert_eq!(*told.lock().unwrap(), ["ok", "ok", "failed", "retried"]);
 }
 
 #[test]

@@ -275,6 +275,9 @@ impl BlockDevice for Claimed {
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
         self.device.map(op, offset, len)
     }
+    fn suspended(&self) -> bool {
+        self.device.suspended()
+    }
 }
 
 #[cfg(test)]
