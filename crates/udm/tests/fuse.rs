@@ -15,6 +15,21 @@ use common::*;
 
 const MIB: u64 = 1 << 20;
 
+/// Two tests of `$check(uring)`: one over FUSE's io_uring transport, one over /dev/fuse.
+macro_rules! over_both_transports {
+    ($check:ident: $over_io_uring:ident, $over_dev_fuse:ident) => {
+        #[test]
+        fn $over_io_uring() {
+            $check("on");
+        }
+
+        #[test]
+        fn $over_dev_fuse() {
+            $check("off");
+        }
+    };
+}
+
 fn fuse_daemon(tag: &str) -> Daemon {
     fuse_daemon_over(tag, "auto")
 }
@@ -112,16 +127,9 @@ fn churn(mnt: &Path) {
 /// Replays `log` onto `replay`, running `e2fsck -fn` at every FUA point; returns the report.
 fn replay_checking_ext4(daemon: &Daemon, log: &Path, replay: &Path, extra: &[&str]) -> String {
     let fsck = format!("e2fsck -fn {} >/dev/null 2>&1", replay.display());
-    let mut args = vec![
-        "replay-log",
-        "--log",
-        log.to_str().unwrap(),
-        "--replay",
-        replay.to_str().unwrap(),
-    ];
-    args.extend(["--check", "fua", "--fsck", &fsck]);
+    let mut args = vec!["--check", "fua", "--fsck", &fsck];
     args.extend_from_slice(extra);
-    let out = daemon.run_udm(&args);
+    let out = daemon.replay_log(log, replay, &args);
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
@@ -192,15 +200,7 @@ fn fill_and_check(fs: &str, dev: &str, mnt: &Path, tarball: &Path) {
     mounted.unmount();
 }
 
-#[test]
-fn ext4_and_xfs_on_linear_through_fuse_over_io_uring_and_a_loop_device() {
-    ext4_and_xfs_on_linear("on");
-}
-
-#[test]
-fn ext4_and_xfs_on_linear_through_fuse_over_dev_fuse_and_a_loop_device() {
-    ext4_and_xfs_on_linear("off");
-}
+over_both_transports!(ext4_and_xfs_on_linear: ext4_and_xfs_on_linear_through_fuse_over_io_uring_and_a_loop_device, ext4_and_xfs_on_linear_through_fuse_over_dev_fuse_and_a_loop_device);
 
 fn ext4_and_xfs_on_linear(uring: &str) {
     let daemon = fuse_daemon_over(&format!("fuse-linear-{uring}"), uring);
@@ -397,15 +397,7 @@ fn ext4_on_a_thin_volume_with_a_snapshot_taken_while_mounted() {
     tool("thin_check", &[meta.to_str().unwrap()]);
 }
 
-#[test]
-fn fio_verifies_a_file_in_the_filesystem_across_live_table_swaps_over_io_uring() {
-    fio_across_live_table_swaps("on");
-}
-
-#[test]
-fn fio_verifies_a_file_in_the_filesystem_across_live_table_swaps_over_dev_fuse() {
-    fio_across_live_table_swaps("off");
-}
+over_both_transports!(fio_across_live_table_swaps: fio_verifies_a_file_in_the_filesystem_across_live_table_swaps_over_io_uring, fio_verifies_a_file_in_the_filesystem_across_live_table_swaps_over_dev_fuse);
 
 fn fio_across_live_table_swaps(uring: &str) {
     let daemon = fuse_daemon_over(&format!("fuse-fio-{uring}"), uring);
@@ -443,17 +435,7 @@ fn fio_across_live_table_swaps(uring: &str) {
         ])
         .output_async();
     std::thread::sleep(Duration::from_millis(800));
-    for i in 0..10 {
-        daemon.udm(&["suspend", "vol"]);
-        daemon.udm(&[
-            "load",
-            "vol",
-            "--table",
-            if i % 2 == 0 { &two } else { &one },
-        ]);
-        daemon.udm(&["resume", "vol"]);
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    daemon.swap_tables("vol", &one, &two, 10, Duration::from_millis(200));
     let out = fio.wait_with_output().unwrap();
     assert!(
         out.status.success(),
@@ -510,15 +492,7 @@ fn a_killed_daemon_leaves_a_dead_mount_that_the_next_daemon_recovers() {
     assert!(!file.exists());
 }
 
-#[test]
-fn ext4_under_log_writes_is_clean_at_every_fua_point_over_io_uring() {
-    ext4_under_log_writes("on");
-}
-
-#[test]
-fn ext4_under_log_writes_is_clean_at_every_fua_point_over_dev_fuse() {
-    ext4_under_log_writes("off");
-}
+over_both_transports!(ext4_under_log_writes: ext4_under_log_writes_is_clean_at_every_fua_point_over_io_uring, ext4_under_log_writes_is_clean_at_every_fua_point_over_dev_fuse);
 
 fn ext4_under_log_writes(uring: &str) {
     let daemon = fuse_daemon_over(&format!("fuse-log-writes-{uring}"), uring);
@@ -544,15 +518,7 @@ fn ext4_under_log_writes(uring: &str) {
     sparse_file(&replay, 64 * MIB);
     // Check from the end of mkfs on: before it finishes there is no filesystem to check.
     let stdout = replay_checking_ext4(&daemon, &log, &replay, &["--check-after-mark", "mkfs"]);
-    let points: u64 = stdout
-        .rsplit("entries; ")
-        .next()
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let points = replay_points(&stdout);
     assert!(points >= 5, "{stdout}");
     eprintln!("log-writes: {stdout}");
     // The end of the log is the device itself.
@@ -1070,15 +1036,7 @@ fn a_stop_with_requests_in_flight_ends_in_bounded_time(uring: &str) {
     );
 }
 
-#[test]
-fn a_stop_with_requests_in_flight_ends_in_bounded_time_over_io_uring() {
-    a_stop_with_requests_in_flight_ends_in_bounded_time("on");
-}
-
-#[test]
-fn a_stop_with_requests_in_flight_ends_in_bounded_time_over_dev_fuse() {
-    a_stop_with_requests_in_flight_ends_in_bounded_time("off");
-}
+over_both_transports!(a_stop_with_requests_in_flight_ends_in_bounded_time: a_stop_with_requests_in_flight_ends_in_bounded_time_over_io_uring, a_stop_with_requests_in_flight_ends_in_bounded_time_over_dev_fuse);
 
 #[test]
 fn without_io_uring_auto_serves_over_dev_fuse_and_on_refuses_to_start() {

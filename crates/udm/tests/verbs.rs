@@ -250,25 +250,10 @@ fn table_swaps_under_load_give_clients_no_error() {
         .spawn()
         .expect("fio");
     std::thread::sleep(Duration::from_millis(500));
-    let mut swaps = 0;
-    for i in 0..40 {
-        daemon.udm(&["suspend", "vol"]);
-        daemon.udm(&[
-            "load",
-            "vol",
-            "--table",
-            if i % 2 == 0 { &two } else { &one },
-        ]);
-        daemon.udm(&["resume", "vol"]);
-        swaps += 1;
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    daemon.swap_tables("vol", &one, &two, 40, Duration::from_millis(50));
     let out = fio.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "fio failed during {swaps} swaps: {stdout}"
-    );
+    assert!(out.status.success(), "fio failed during 40 swaps: {stdout}");
     let json: serde_json::Value =
         serde_json::from_str(&stdout[stdout.find('{').unwrap()..]).unwrap();
     for job in json["jobs"].as_array().unwrap() {

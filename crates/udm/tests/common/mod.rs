@@ -10,7 +10,7 @@ mod tools;
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -224,6 +224,19 @@ impl Daemon {
             .unwrap()
     }
 
+    /// `udm replay-log` of `log` onto `onto`, with more options `args`.
+    pub fn replay_log(&self, log: &Path, onto: &Path, args: &[&str]) -> Output {
+        let mut all = vec![
+            "replay-log",
+            "--log",
+            log.to_str().unwrap(),
+            "--replay",
+            onto.to_str().unwrap(),
+        ];
+        all.extend_from_slice(args);
+        self.run_udm(&all)
+    }
+
     /// Sends one request over the control socket as a script would (no `udm` process in
     /// between, so nothing slows the request down); returns the answer.
     pub fn control_request(&self, request: serde_json::Value) -> serde_json::Value {
@@ -258,6 +271,15 @@ impl Daemon {
         self.udm(&["suspend", name]);
         self.udm(&["load", name, "--table", table]);
         self.udm(&["resume", name]);
+    }
+
+    /// Swaps `name`'s table live `times` times, `other` and `first` in turn (so an even count
+    /// ends on `first`), pausing `pause` after each swap.
+    pub fn swap_tables(&self, name: &str, first: &str, other: &str, times: u32, pause: Duration) {
+        for i in 0..times {
+            self.reload(name, if i % 2 == 0 { other } else { first });
+            std::thread::sleep(pause);
+        }
     }
 
     /// Creates a sparse file `file` of `size` bytes in the scratch directory and a device

@@ -147,3 +147,12 @@ pub fn qemu_img_copy(from: &str, onto: &str) {
         &["convert", "-n", "-f", "raw", "-O", "raw", from, onto],
     );
 }
+
+/// The points `udm replay-log --check` checked, from its report ("… N entries; M checked …").
+pub fn replay_points(report: &str) -> u64 {
+    let after = report.rsplit("entries; ").next().unwrap();
+    let points = after.split_whitespace().next().unwrap();
+    points
+        .parse()
+        .unwrap_or_else(|_| panic!("no checked points in {report:?}"))
+}
