@@ -9,10 +9,7 @@ const MIB: u64 = 1 << 20;
 
 fn linear_over_file(tag: &str, size: u64) -> (Daemon, std::path::PathBuf) {
     let daemon = Daemon::start(tag);
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, size);
-    let table = format!("0 {} linear {} 0", size / 512, disk.display());
-    daemon.udm(&["create", "vol", "--table", &table]);
+    let disk = daemon.create_linear("vol", "disk.img", size);
     (daemon, disk)
 }
 
@@ -56,23 +53,11 @@ fn nbdinfo_sees_size_flags_block_sizes_list_and_map() {
     assert_eq!(names, ["ro", "vol"]);
 
     // Write 1 MiB at 8 MiB; the map shows it as data and the rest as holes.
-    tool(
-        "qemu-io",
-        &["-f", "raw", "-c", "write -P 0x5a 8M 1M", &daemon.uri("vol")],
-    );
-    let map = tool("nbdinfo", &["--map", &daemon.uri("vol")]);
-    let rows: Vec<Vec<&str>> = map
-        .lines()
-        .map(|l| l.split_whitespace().collect())
-        .collect();
-    assert!(
-        rows.contains(&vec!["8388608", "1048576", "0", "data"]),
-        "{map}"
-    );
-    assert!(
-        rows.iter().any(|r| r[0] == "0" && r[3] == "hole,zero"),
-        "{map}"
-    );
+    qemu_io_ok(&daemon.uri("vol"), &["write -P 0x5a 8M 1M"]);
+    let map = nbd_map(&daemon.uri("vol"));
+    assert!(map.contains(&extent(8 * MIB, MIB, "0", "data")), "{map:?}");
+    let leading_hole = map.iter().any(|r| r[0] == "0" && r[3] == "hole,zero");
+    assert!(leading_hole, "{map:?}");
 
     assert!(tool("nbdinfo", &["--map", &daemon.uri("ro")]).contains("hole,zero"));
 }
@@ -95,19 +80,7 @@ fn qemu_img_convert_in_and_out_and_compare() {
     let source = daemon.dir.path("source.raw");
     pattern_file(&source, 32 * MIB as usize, 11);
     let src = source.to_str().unwrap();
-    tool(
-        "qemu-img",
-        &[
-            "convert",
-            "-n",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            src,
-            &daemon.uri("vol"),
-        ],
-    );
+    qemu_img_copy(src, &daemon.uri("vol"));
     same_content(src, &daemon.uri("vol"));
     let back = daemon.dir.path("back.qcow2");
     tool(

@@ -140,6 +140,16 @@ pub fn nbd_map(uri: &str) -> Vec<Vec<String>> {
         .collect()
 }
 
+/// One row of [`nbd_map`], to look for.
+pub fn extent(offset: u64, len: u64, kind: &str, description: &str) -> Vec<String> {
+    vec![
+        offset.to_string(),
+        len.to_string(),
+        kind.to_string(),
+        description.to_string(),
+    ]
+}
+
 /// `qemu-img convert` of a raw image (file or URI) onto an existing raw one, in place (`-n`).
 pub fn qemu_img_copy(from: &str, onto: &str) {
     tool(
