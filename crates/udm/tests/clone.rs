@@ -221,12 +221,7 @@ fn hydration_complete_raises_an_event_for_wait() {
         8,
         "1 no_hydration 4 hydration_threshold 64 hydration_batch_size 64",
     );
-    let before: u64 = daemon
-        .udm(&["info", "vol", "--json"])
-        .parse::<serde_json::Value>()
-        .unwrap()["event_nr"]
-        .as_u64()
-        .unwrap();
+    let before = daemon.event_nr("vol");
     std::thread::scope(|s| {
         let waiter = s.spawn(|| daemon.udm(&["wait", "vol", &before.to_string()]));
         std::thread::sleep(Duration::from_millis(200));

@@ -62,15 +62,6 @@ fn status(daemon: &Daemon, name: &str) -> String {
     line.splitn(4, ' ').nth(3).unwrap_or("").to_string()
 }
 
-fn event_nr(daemon: &Daemon, name: &str) -> u64 {
-    daemon
-        .udm(&["info", name, "--json"])
-        .parse::<serde_json::Value>()
-        .unwrap()["event_nr"]
-        .as_u64()
-        .unwrap()
-}
-
 /// Chunks a snapshot or merge holds (`status --json`).
 fn exceptions(daemon: &Daemon, name: &str) -> u64 {
     let json: serde_json::Value =
@@ -205,10 +196,10 @@ fn a_full_cow_invalidates_with_an_event_and_the_origin_keeps_working() {
     let (origin, _) = origin_of(&daemon, 16 * MIB);
     // Header, area and 14 data chunks of 4 KiB.
     snapshot(&daemon, "snap", &origin, 64 * 1024, "P 8");
-    let before = event_nr(&daemon, "snap");
+    let before = daemon.event_nr("snap");
     qemu_io(&daemon.uri("base"), &["write -P 0x66 0 1M", "flush"]);
     assert_eq!(status(&daemon, "snap"), "Invalid");
-    assert!(event_nr(&daemon, "snap") > before);
+    assert!(daemon.event_nr("snap") > before);
     let out = std::process::Command::new("qemu-io")
         .args(["-f", "raw", "-c", "read 0 4k", &daemon.uri("snap")])
         .output()
@@ -355,10 +346,10 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
         "resumed mid-way: {again} left, {left} before"
     );
     daemon.udm(&["message", "base", "0", "max_merge_rate", "0"]);
-    let before = event_nr(&daemon, "base");
+    let before = daemon.event_nr("base");
     let out = daemon.udm(&["wait", "base", "--progress"]);
     assert!(out.ends_with("merge complete"), "{out}");
-    assert!(event_nr(&daemon, "base") > before, "an event at completion");
+    assert!(daemon.event_nr("base") > before, "an event at completion");
     let (allocated, _, metadata) = usage(&status(&daemon, "base"));
     assert_eq!(allocated, metadata);
     fio(

@@ -273,6 +273,13 @@ impl Daemon {
         self.udm(&["resume", name]);
     }
 
+    /// The number of `name`'s last event (`udm info`), for `udm wait`.
+    pub fn event_nr(&self, name: &str) -> u64 {
+        let info: serde_json::Value =
+            serde_json::from_str(&self.udm(&["info", name, "--json"])).unwrap();
+        info["event_nr"].as_u64().unwrap()
+    }
+
     /// Swaps `name`'s table live `times` times, `other` and `first` in turn (so an even count
     /// ends on `first`), pausing `pause` after each swap.
     pub fn swap_tables(&self, name: &str, first: &str, other: &str, times: u32, pause: Duration) {
