@@ -121,36 +121,17 @@ fn qemu_img_convert_in_and_out_and_compare() {
 fn qemu_io_write_zeroes_discard_fua_and_flush() {
     let (daemon, disk) = linear_over_file("qemu-io", 16 * MIB);
     let uri = daemon.uri("vol");
-    tool(
-        "qemu-io",
-        &["-f", "raw", "-c", "write -P 0x11 0 4M", "-c", "flush", &uri],
+    qemu_io_ok(&uri, &["write -P 0x11 0 4M", "flush"]);
+    qemu_io_ok(
+        &uri,
+        &["write -z 1M 1M", "discard 2M 1M", "write -f -P 0x22 3M 64k"],
     );
-    tool(
-        "qemu-io",
+    let out = qemu_io_ok(
+        &uri,
         &[
-            "-f",
-            "raw",
-            "-c",
-            "write -z 1M 1M",
-            "-c",
-            "discard 2M 1M",
-            "-c",
-            "write -f -P 0x22 3M 64k",
-            &uri,
-        ],
-    );
-    let out = tool(
-        "qemu-io",
-        &[
-            "-f",
-            "raw",
-            "-c",
             "read -P 0x11 0 1M",
-            "-c",
             "read -P 0 1M 1M",
-            "-c",
             "read -P 0x22 3M 64k",
-            &uri,
         ],
     );
     assert!(!out.contains("Pattern verification failed"), "{out}");
@@ -244,28 +225,9 @@ fn a_stack_of_targets_serves_data_where_the_table_says() {
     sparse_file(&a, 8 * MIB);
     sparse_file(&b, 8 * MIB);
     let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
-    daemon.udm(&[
-        "create",
-        "stripes",
-        "--table",
-        &format!("0 16384 striped 2 128 {a} 0 {b} 0"),
-    ]);
-    daemon.udm(&[
-        "create",
-        "top",
-        "--table",
-        "0 8192 linear stripes 8192\n8192 8192 zero",
-    ]);
-    tool(
-        "qemu-io",
-        &[
-            "-f",
-            "raw",
-            "-c",
-            "write -P 0x33 0 128k",
-            &daemon.uri("top"),
-        ],
-    );
+    daemon.create("stripes", &format!("0 16384 striped 2 128 {a} 0 {b} 0"));
+    daemon.create("top", "0 8192 linear stripes 8192\n8192 8192 zero");
+    qemu_io_ok(&daemon.uri("top"), &["write -P 0x33 0 128k"]);
     // top's first 64 KiB chunk lands on stripe device a at 2 MiB (chunk 64 of the stripe set).
     let a_data = std::fs::read(a).unwrap();
     assert!(a_data[2 * MIB as usize..2 * MIB as usize + 65536]

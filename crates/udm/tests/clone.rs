@@ -185,8 +185,7 @@ fn discarded_space_is_never_copied() {
 #[test]
 fn block_status_on_the_clone_lets_clients_skip_zeroes() {
     let daemon = Daemon::start("clone-map");
-    let source = daemon.dir.path("source.img");
-    sparse_file(&source, 32 * MIB);
+    let source = daemon.sparse("source.img", 32 * MIB);
     qemu_io_ok(source.to_str().unwrap(), &["write -P 0x61 4M 1M"]);
     clone_of(&daemon, &source, 8, "1 no_hydration");
     let map = nbd_map(&daemon.uri("vol"));
@@ -258,10 +257,10 @@ fn a_remote_source_goes_away_and_comes_back_while_the_clone_hydrates() {
     let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
     sparse_file(&dest, 32 * MIB);
     sparse_file(&meta, MIB);
-    daemon.udm(&["create", "vol", "--table", &format!(
+    daemon.create("vol", &format!(
         "0 65536 clone {} {} {remote} 128 1 no_hydration 4 hydration_threshold 64 hydration_batch_size 8",
         meta.display(), dest.display()
-    )]);
+    ));
     assert!(daemon.udm(&["ls", "--tree"]).contains(&remote));
     same_content(source.to_str().unwrap(), &daemon.uri("vol"));
 

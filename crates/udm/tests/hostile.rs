@@ -12,12 +12,7 @@ use common::*;
 fn daemon_with_volume(tag: &str) -> Daemon {
     let daemon = Daemon::start(tag);
     let disk = daemon.create_linear("vol", "disk.img", 8 << 20);
-    daemon.udm(&[
-        "create",
-        "slow",
-        "--table",
-        &format!("0 16384 delay {} 0 200", disk.display()),
-    ]);
+    daemon.create("slow", &format!("0 16384 delay {} 0 200", disk.display()));
     daemon
 }
 
@@ -465,14 +460,8 @@ fn one_client_at_its_connection_cap_is_refused_with_an_error_and_others_are_serv
 #[test]
 fn idle_connections_are_closed_and_busy_ones_are_not() {
     let daemon = Daemon::start_with("hostile-idle", &["--nbd-idle-timeout", "1s"]);
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 8 << 20);
-    daemon.udm(&[
-        "create",
-        "slow",
-        "--table",
-        &format!("0 16384 delay {} 0 2500", disk.display()),
-    ]);
+    let disk = daemon.sparse("disk.img", 8 << 20);
+    daemon.create("slow", &format!("0 16384 delay {} 0 2500", disk.display()));
     // Idle: closed after about a second.
     let started = std::time::Instant::now();
     let mut idle = RawClient::connect(&daemon.nbd_socket(), "slow");

@@ -310,7 +310,7 @@ fn tls_setup_errors_name_what_is_wrong() {
 #[test]
 fn listener_allow_list_hides_other_devices() {
     let (daemon, port, _) = daemon_with("allow", "tcp:0,export=vol", &[]);
-    daemon.udm(&["create", "other", "--table", "0 2048 zero"]);
+    daemon.create("other", "0 2048 zero");
     let listed = tool("nbdinfo", &["--list", &format!("nbd://127.0.0.1:{port}")]);
     assert!(listed.contains("export=\"vol\""), "{listed}");
     assert!(

@@ -17,12 +17,10 @@ fn origin_of(daemon: &Daemon, size: u64) -> (PathBuf, PathBuf) {
     pattern_file(&origin, size as usize, 7);
     let original = daemon.dir.path("original.img");
     std::fs::copy(&origin, &original).unwrap();
-    daemon.udm(&[
-        "create",
+    daemon.create(
         "base",
-        "--table",
         &format!("0 {} snapshot-origin {}", size / 512, origin.display()),
-    ]);
+    );
     (origin, original)
 }
 
@@ -31,17 +29,15 @@ fn snapshot(daemon: &Daemon, name: &str, origin: &Path, cow_size: u64, args: &st
     let cow = daemon.dir.path(&format!("{name}.cow"));
     sparse_file(&cow, cow_size);
     let size = std::fs::metadata(origin).unwrap().len();
-    daemon.udm(&[
-        "create",
+    daemon.create(
         name,
-        "--table",
         &format!(
             "0 {} snapshot {} {} {args}",
             size / 512,
             origin.display(),
             cow.display()
         ),
-    ]);
+    );
     cow
 }
 
@@ -136,14 +132,11 @@ fn fio_writes_the_origin_while_its_snapshot_keeps_the_point_in_time() {
 #[test]
 fn four_snapshots_of_one_origin_each_read_their_own_moment() {
     let daemon = Daemon::start("snap-four");
-    let origin = daemon.dir.path("origin.img");
-    sparse_file(&origin, 16 * MIB);
-    daemon.udm(&[
-        "create",
+    let origin = daemon.sparse("origin.img", 16 * MIB);
+    daemon.create(
         "base",
-        "--table",
         &format!("0 32768 snapshot-origin {}", origin.display()),
-    ]);
+    );
     let base = daemon.uri("base");
     let steps = [
         ("s0", 8, "write -P 0x11 0 4M"),
@@ -371,8 +364,7 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
 fn clear_errors_for_bad_chunk_sizes_small_cows_and_a_second_merge() {
     let daemon = Daemon::start("snap-errors");
     let (origin, _) = origin_of(&daemon, 8 * MIB);
-    let cow = daemon.dir.path("cow.img");
-    sparse_file(&cow, 8 * MIB);
+    let cow = daemon.sparse("cow.img", 8 * MIB);
     let line = |args: &str| {
         format!(
             "0 16384 snapshot {} {} {args}",
@@ -394,8 +386,7 @@ fn clear_errors_for_bad_chunk_sizes_small_cows_and_a_second_merge() {
         let err = daemon.udm_err(&["create", "bad", "--table", &line(args)]);
         assert!(err.contains(expected), "{args}: {err}");
     }
-    let tiny = daemon.dir.path("tiny.cow");
-    sparse_file(&tiny, 8192);
+    let tiny = daemon.sparse("tiny.cow", 8192);
     let err = daemon.udm_err(&[
         "create",
         "bad",
@@ -408,7 +399,7 @@ fn clear_errors_for_bad_chunk_sizes_small_cows_and_a_second_merge() {
     ]);
     assert!(err.contains("COW device too small"), "{err}");
     // A chunk size of 0 on a new COW device is the kernel's default, 32.
-    daemon.udm(&["create", "snap", "--table", &line("P 0")]);
+    daemon.create("snap", &line("P 0"));
     assert!(daemon.udm(&["table", "snap"]).ends_with(" P 32"));
     // A merge while another device serves the origin is refused, naming it.
     daemon.udm(&["remove", "snap"]);
@@ -424,18 +415,15 @@ fn clear_errors_for_bad_chunk_sizes_small_cows_and_a_second_merge() {
     ]);
     assert!(err.contains("device 'base' serves origin"), "{err}");
     // Two merges into one origin: the second is refused.
-    let other = daemon.dir.path("other.cow");
-    sparse_file(&other, 8 * MIB);
-    daemon.udm(&[
-        "create",
+    let other = daemon.sparse("other.cow", 8 * MIB);
+    daemon.create(
         "snap2",
-        "--table",
         &format!(
             "0 16384 snapshot {} {} P 8",
             origin.display(),
             other.display()
         ),
-    ]);
+    );
     daemon.udm(&["remove", "snap2"]);
     daemon.udm(&["suspend", "base"]);
     daemon.udm(&[
@@ -509,7 +497,7 @@ fn truncated_and_corrupt_cow_devices_are_refused_and_nothing_is_written() {
     assert!(err.contains("chunk size 2147483648"), "{err}");
     // Intact again, it loads, and the snapshot still shows the original data.
     std::fs::write(&cow, &full).unwrap();
-    daemon.udm(&["create", "snap", "--table", &line]);
+    daemon.create("snap", &line);
     same_content(
         daemon.dir.path("original.img").to_str().unwrap(),
         &daemon.uri("snap"),
@@ -524,22 +512,11 @@ fn reloads_without_suspend_under_fio_and_an_origin_that_is_a_udm_device() {
     let original = daemon.dir.path("original.img");
     std::fs::copy(&real, &original).unwrap();
     // The origin is itself a udm device.
-    daemon.udm(&[
-        "create",
-        "base-real",
-        "--table",
-        &format!("0 65536 linear {} 0", real.display()),
-    ]);
-    daemon.udm(&[
-        "create",
-        "base",
-        "--table",
-        "0 65536 snapshot-origin base-real",
-    ]);
-    let cow = daemon.dir.path("snap.cow");
-    sparse_file(&cow, 32 * MIB);
+    daemon.create("base-real", &format!("0 65536 linear {} 0", real.display()));
+    daemon.create("base", "0 65536 snapshot-origin base-real");
+    let cow = daemon.sparse("snap.cow", 32 * MIB);
     let snap_table = format!("0 65536 snapshot base-real {} P 16", cow.display());
-    daemon.udm(&["create", "snap", "--table", &snap_table]);
+    daemon.create("snap", &snap_table);
     std::thread::scope(|s| {
         let writer = s.spawn(|| fio(&daemon.uri("base"), &["--size=24M", "--numjobs=2"]));
         for _ in 0..5 {

@@ -12,8 +12,7 @@ const MIB: u64 = 1 << 20;
 #[test]
 fn verbs_report_state_tables_and_status() {
     let daemon = Daemon::start("verbs");
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 4 * MIB);
+    let disk = daemon.sparse("disk.img", 4 * MIB);
     let d = disk.to_str().unwrap();
     let table = format!("0 4096 linear {d} 0\n4096 4096 dust {d} 4096 512");
     let file = daemon.dir.path("vol.table");
@@ -57,16 +56,7 @@ fn verbs_report_state_tables_and_status() {
             || String::from_utf8_lossy(&out.stderr).contains("Input/output error"),
         "{out:?}"
     );
-    tool(
-        "qemu-io",
-        &[
-            "-f",
-            "raw",
-            "-c",
-            &format!("read {} 512", 2 * MIB + 4 * 512),
-            &uri,
-        ],
-    );
+    qemu_io_ok(&uri, &[&format!("read {} 512", 2 * MIB + 4 * 512)]);
 
     // Suspend and load show in info; resume makes the new table live.
     daemon.udm(&["suspend", "vol"]);
@@ -125,12 +115,12 @@ fn bad_input_gets_one_line_errors_that_name_the_problem() {
         let err = daemon.udm_err(args);
         assert!(err.contains(expected), "udm {args:?}: {err}");
     }
-    daemon.udm(&["create", "a", "--table", "0 8 zero"]);
+    daemon.create("a", "0 8 zero");
     assert!(daemon
         .udm_err(&["create", "a", "--table", "0 8 zero"])
         .contains("already exists"));
     // A device cannot come to depend on itself.
-    daemon.udm(&["create", "b", "--table", "0 8 linear a 0"]);
+    daemon.create("b", "0 8 linear a 0");
     let err = daemon.udm_err(&["load", "a", "--table", "0 8 linear b 0"]);
     assert!(err.contains("would make 'a' depend on itself"), "{err}");
     assert!(daemon.udm_err(&["remove", "a"]).contains("used by b"));
@@ -202,7 +192,7 @@ fn invalid_utf8_in_a_control_request_gets_an_error_and_the_connection_stays_usab
 #[test]
 fn remove_refuses_open_devices_unless_forced() {
     let daemon = Daemon::start("remove");
-    daemon.udm(&["create", "vol", "--table", "0 2048 zero"]);
+    daemon.create("vol", "0 2048 zero");
     let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
     assert!(daemon
         .udm(&["info", "vol"])
@@ -220,12 +210,11 @@ fn remove_refuses_open_devices_unless_forced() {
 #[test]
 fn table_swaps_under_load_give_clients_no_error() {
     let daemon = Daemon::start("swap");
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 64 * MIB);
+    let disk = daemon.sparse("disk.img", 64 * MIB);
     let d = disk.to_str().unwrap();
     let one = format!("0 131072 linear {d} 0");
     let two = format!("0 65536 linear {d} 0\n65536 65536 linear {d} 65536");
-    daemon.udm(&["create", "vol", "--table", &one]);
+    daemon.create("vol", &one);
     let uri = format!("--uri={}", daemon.uri("vol"));
     let fio = std::process::Command::new("fio")
         .args([
@@ -265,21 +254,12 @@ fn table_swaps_under_load_give_clients_no_error() {
 #[test]
 fn a_restarted_daemon_brings_every_device_back() {
     let mut daemon = Daemon::start("restart");
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 16 * MIB);
+    let disk = daemon.sparse("disk.img", 16 * MIB);
     let d = disk.to_str().unwrap();
-    daemon.udm(&[
-        "create",
-        "base",
-        "--table",
-        &format!("0 32768 linear {d} 0"),
-    ]);
-    daemon.udm(&["create", "top", "--table", "0 16384 linear base 16384"]);
+    daemon.create("base", &format!("0 32768 linear {d} 0"));
+    daemon.create("top", "0 16384 linear base 16384");
     daemon.udm(&["create", "ro", "--readonly", "--table", "0 8 zero"]);
-    tool(
-        "qemu-io",
-        &["-f", "raw", "-c", "write -P 0x77 0 1M", &daemon.uri("top")],
-    );
+    qemu_io_ok(&daemon.uri("top"), &["write -P 0x77 0 1M"]);
     for signal in [libc::SIGTERM, libc::SIGKILL] {
         daemon.stop(signal);
         daemon.launch();
@@ -289,17 +269,14 @@ fn a_restarted_daemon_brings_every_device_back() {
         );
         assert_eq!(daemon.udm(&["table", "top"]), "0 16384 linear base 16384");
         assert!(daemon.udm(&["info", "ro"]).contains("READ-ONLY"));
-        tool(
-            "qemu-io",
-            &["-f", "raw", "-c", "read -P 0x77 0 1M", &daemon.uri("top")],
-        );
+        qemu_io_ok(&daemon.uri("top"), &["read -P 0x77 0 1M"]);
     }
 }
 
 #[test]
 fn abandoned_waits_leave_no_daemon_threads_behind() {
     let daemon = Daemon::start("wait-abandoned");
-    daemon.udm(&["create", "z", "--table", "0 2048 zero"]);
+    daemon.create("z", "0 2048 zero");
     let tasks = format!("/proc/{}/task", daemon.pid());
     let threads = || std::fs::read_dir(&tasks).unwrap().count();
     // The `create` connection's thread ends once its client has gone.
@@ -507,13 +484,10 @@ fn rename_uuids_and_read_only_loads() {
     daemon.udm(&["load", "data", "--table", &table]);
     daemon.udm(&["resume", "data"]);
     assert!(!daemon.udm(&["info", "data"]).contains("READ-ONLY"));
-    tool(
-        "qemu-io",
-        &["-f", "raw", "-c", "write 0 4k", &daemon.uri("data")],
-    );
+    qemu_io_ok(&daemon.uri("data"), &["write 0 4k"]);
 
     // A device others are built on keeps its name: their tables name it.
-    daemon.udm(&["create", "top", "--table", "0 8 linear data 0"]);
+    daemon.create("top", "0 8 linear data 0");
     let err = daemon.udm_err(&["rename", "data", "base"]);
     assert!(err.contains("used by top"), "{err}");
 
@@ -532,12 +506,12 @@ fn rename_uuids_and_read_only_loads() {
 #[test]
 fn deferred_removal_and_remove_all() {
     let mut daemon = Daemon::start("deferred");
-    daemon.udm(&["create", "vol", "--table", "0 2048 zero"]);
+    daemon.create("vol", "0 2048 zero");
     // Not in use: removed at once.
     daemon.udm(&["remove", "--deferred", "vol"]);
     assert_eq!(daemon.udm(&["ls"]), "No devices found");
 
-    daemon.udm(&["create", "vol", "--table", "0 2048 zero"]);
+    daemon.create("vol", "0 2048 zero");
     let client = RawClient::connect(&daemon.nbd_socket(), "vol");
     let said = daemon.udm(&["remove", "--deferred", "vol"]);
     assert!(said.contains("will be removed once unused"), "{said}");
@@ -554,7 +528,7 @@ fn deferred_removal_and_remove_all() {
     );
 
     // Asked while in use, then the daemon restarts: nothing uses it any more, so it goes.
-    daemon.udm(&["create", "vol", "--table", "0 2048 zero"]);
+    daemon.create("vol", "0 2048 zero");
     let client = RawClient::connect(&daemon.nbd_socket(), "vol");
     daemon.udm(&["remove", "--deferred", "vol"]);
     daemon.stop(libc::SIGKILL);
@@ -566,10 +540,10 @@ fn deferred_removal_and_remove_all() {
     );
 
     // remove_all: tops first; an open device (and what it is built on) stays unless --force.
-    daemon.udm(&["create", "base", "--table", "0 2048 zero"]);
-    daemon.udm(&["create", "mid", "--table", "0 2048 linear base 0"]);
-    daemon.udm(&["create", "top", "--table", "0 2048 linear mid 0"]);
-    daemon.udm(&["create", "other", "--table", "0 2048 zero"]);
+    daemon.create("base", "0 2048 zero");
+    daemon.create("mid", "0 2048 linear base 0");
+    daemon.create("top", "0 2048 linear mid 0");
+    daemon.create("other", "0 2048 zero");
     let _client = RawClient::connect(&daemon.nbd_socket(), "mid");
     let err = daemon.udm_err(&["remove_all"]);
     assert!(
@@ -614,7 +588,7 @@ fn bad_command_lines_are_one_line_errors_with_status_1() {
         .contains("NAME is a device's name or its UUID"));
 
     // finalize on a device with nothing to finalize (a second finalize) is not an error.
-    daemon.udm(&["create", "vol", "--table", "0 8 zero"]);
+    daemon.create("vol", "0 8 zero");
     let said = daemon.udm(&["finalize", "vol"]);
     assert!(said.contains("nothing to finalize"), "{said}");
 }
@@ -625,7 +599,7 @@ fn bad_command_lines_are_one_line_errors_with_status_1() {
 fn every_change_is_one_line_in_the_log() {
     let mut daemon = Daemon::start("log-lines");
     let disk = daemon.create_linear("base", "base.img", MIB);
-    daemon.udm(&["create", "bad", "--table", "0 2048 dust base 0 512"]);
+    daemon.create("bad", "0 2048 dust base 0 512");
     daemon.udm(&["message", "bad", "0", "addbadblock", "1"]);
     daemon.udm(&["load", "bad", "--table", "0 1024 zero"]);
     daemon.udm(&["suspend", "bad"]);

@@ -16,12 +16,10 @@ fn ext4_and_xfs_on_linear(uring: &str) {
     for fs in ["ext4", "xfs"] {
         let disk = daemon.dir.path(&format!("{fs}.img"));
         sparse_file(&disk, 512 * MIB);
-        daemon.udm(&[
-            "create",
+        daemon.create(
             fs,
-            "--table",
             &format!("0 {} linear {} 0", 512 * MIB / 512, disk.display()),
-        ]);
+        );
         let info = daemon.udm(&["info", fs]);
         assert!(
             info.contains(&format!(
@@ -57,20 +55,18 @@ fn ext4_on_a_clone_while_it_hydrates_and_fstrim_skips_unused_space() {
     let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
     sparse_file(&dest, 256 * MIB);
     sparse_file(&meta, 4 * MIB);
-    daemon.udm(&[
-        "create",
+    daemon.create(
         "slow",
-        "--table",
         &format!(
             "0 524288 delay {} 0 1 {} 0 0",
             source.display(),
             source.display()
         ),
-    ]);
-    daemon.udm(&["create", "vol", "--table", &format!(
+    );
+    daemon.create("vol", &format!(
         "0 524288 clone {} {} slow 8 1 no_hydration 4 hydration_threshold 256 hydration_batch_size 64",
         meta.display(), dest.display()
-    )]);
+    ));
     let dev = Loop::attach(&daemon, "vol");
     let mnt = daemon.dir.path("mnt");
     let mounted = Mounted::new(&dev.0, &mnt);
@@ -142,11 +138,11 @@ fn ext4_on_a_thin_volume_with_a_snapshot_taken_while_mounted() {
         meta.display(),
         data.display()
     );
-    daemon.udm(&["create", "pool", "--table", &pool]);
+    daemon.create("pool", &pool);
     daemon.udm(&["message", "pool", "0", "create_thin", "1"]);
     let volume = |name: &str, id: u32| {
         let table = format!("0 {} thin pool {id}", 384 * MIB / 512);
-        daemon.udm(&["create", name, "--table", &table]);
+        daemon.create(name, &table);
     };
     volume("vol", 1);
     let dev = Loop::attach(&daemon, "vol");
@@ -213,15 +209,14 @@ over_both_transports!(
 
 fn fio_across_live_table_swaps(uring: &str) {
     let daemon = fuse_daemon_over(&format!("fuse-fio-{uring}"), uring);
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 256 * MIB);
+    let disk = daemon.sparse("disk.img", 256 * MIB);
     let one = format!("0 524288 linear {} 0", disk.display());
     let two = format!(
         "0 262144 linear {} 0\n262144 262144 linear {} 262144",
         disk.display(),
         disk.display()
     );
-    daemon.udm(&["create", "vol", "--table", &one]);
+    daemon.create("vol", &one);
     let dev = Loop::attach(&daemon, "vol");
     mkfs("ext4", &dev.0);
     let mnt = daemon.dir.path("mnt");
@@ -271,10 +266,10 @@ fn xfs_made_on_a_clone_while_it_hydrates() {
     let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
     sparse_file(&dest, 512 * MIB);
     sparse_file(&meta, 4 * MIB);
-    daemon.udm(&["create", "vol", "--table", &format!(
+    daemon.create("vol", &format!(
         "0 1048576 clone {} {} {} 16 0 6 hydration_threshold 64 hydration_batch_size 16 max_hydration_rate 65536",
         meta.display(), dest.display(), source.display()
-    )]);
+    ));
     let dev = Loop::attach(&daemon, "vol");
     mkfs("xfs", &dev.0);
     fill_and_check("xfs", &dev.0, &daemon.dir.path("mnt"), &tarball);

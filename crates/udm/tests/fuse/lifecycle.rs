@@ -52,10 +52,9 @@ fn signal_and_wait(daemon: &mut Daemon, signal: i32, within: Duration) -> bool {
 #[test]
 fn a_stop_waits_for_a_mounted_filesystem_and_a_second_signal_forces_it() {
     let mut daemon = fuse_daemon("fuse-stop");
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 64 * MIB);
+    let disk = daemon.sparse("disk.img", 64 * MIB);
     let table = format!("0 131072 linear {} 0", disk.display());
-    daemon.udm(&["create", "vol", "--table", &table]);
+    daemon.create("vol", &table);
     let dev = Loop::attach(&daemon, "vol");
     mkfs("ext4", &dev.0);
     let mnt = daemon.dir.path("mnt");
@@ -119,8 +118,7 @@ fn backing_file(dev: &str) -> Option<String> {
 #[test]
 fn detach_refuses_loop_devices_udm_did_not_make() {
     let daemon = fuse_daemon("detach");
-    let plain = daemon.dir.path("plain.img");
-    sparse_file(&plain, 4 * MIB);
+    let plain = daemon.sparse("plain.img", 4 * MIB);
     let other = Loop(
         tool("losetup", &["-f", "--show", plain.to_str().unwrap()])
             .trim()
@@ -138,7 +136,7 @@ fn detach_refuses_loop_devices_udm_did_not_make() {
     assert!(err.contains("is not a loop device"), "{err}");
 
     // udm's own loop devices detach.
-    daemon.udm(&["create", "z", "--table", "0 8192 zero"]);
+    daemon.create("z", "0 8192 zero");
     let mine = Loop::attach(&daemon, "z");
     daemon.udm(&["detach", &mine.0]);
     assert_eq!(backing_file(&mine.0), None);
@@ -177,10 +175,9 @@ fn slow_and_fast(tag: &str, args: &[&str], delay_ms: u32) -> Daemon {
     let mut all = vec!["--fuse", "{dir}/fuse"];
     all.extend_from_slice(args);
     let daemon = Daemon::start_with(tag, &all);
-    let disk = daemon.dir.path("slow.img");
-    sparse_file(&disk, 4 * MIB);
+    let disk = daemon.sparse("slow.img", 4 * MIB);
     let table = format!("0 8192 delay {} 0 {delay_ms}", disk.display());
-    daemon.udm(&["create", "slow", "--table", &table]);
+    daemon.create("slow", &table);
     daemon.create_linear("fast", "fast.img", 64 * MIB);
     daemon
 }

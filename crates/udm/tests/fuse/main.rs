@@ -54,7 +54,7 @@ fn fuse_daemon_over(tag: &str, uring: &str) -> Daemon {
 
 /// How the daemon's FUSE mount gets its requests, as `udm info` says.
 fn fuse_transport(daemon: &Daemon) -> String {
-    daemon.udm(&["create", "transport-probe", "--table", "0 8 zero"]);
+    daemon.create("transport-probe", "0 8 zero");
     let info = daemon.udm(&["info", "transport-probe", "--json"]);
     daemon.udm(&["remove", "transport-probe"]);
     let info: serde_json::Value = serde_json::from_str(&info).unwrap();
