@@ -26,7 +26,9 @@ over its own destination file, alternating, every run shown.
 Usage:  python3 bench/clone.py [--runtime 5] [--size 1G] [--regions 4,8,16,32,64,128] [--quick]
                                [--out bench/results/clone] [--hydration-size 4G] [--keep]
 
-The generic helpers (processes, fio JSON, sizes, udm verbs) come from foundation.py.
+The script is in four files, one per job: this one (the run's state, its helpers and
+main), clone_matrix.py, clone_hydration.py and clone_report.py; the generic helpers
+(processes, fio JSON, udm verbs) come from harness.py, sizes and tables from report.py.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from common import (  # noqa: E402
     BenchError, copy_logs, locate_udm, make_tmpdir, prepare_out_dir, remove_tmp, run,
     select_workloads, stop_daemon, tmp_base, tool_version, trap_signals,
 )
-from foundation import (  # noqa: E402
+from harness import (  # noqa: E402
     Service, Udm, Workload, check_export, fill_backing_file, find_udm, parse_fio_json,
     start_service, wait_for_socket,
 )
@@ -351,13 +353,7 @@ def main(argv=None) -> int:
                     help="largest hydration volume to grow to (default 16G)")
     ap.add_argument("--hydration-timeout", type=float, default=300,
                     help="seconds to wait for a background hydration to complete (default 300)")
-    common.add_run_args(
-        ap, out="bench/results/clone", out_help="output directory (default bench/results/clone)",
-        tmpdir_help="where to create the temp dir (must support O_DIRECT; default $TMPDIR "
-                    "or /tmp)",
-        keep_help="keep the temp dir",
-        udm_help="udm binary (default target/release/udm, built if missing)",
-        charts_help="skip the PNG charts")
+    common.add_run_args(ap, out="bench/results/clone")
     ap.add_argument("--nbd-threads", type=int, default=None,
                     help="pass --nbd-threads to the udm daemon (default: the daemon's default)")
     ap.add_argument("--workloads", default=None,
@@ -392,11 +388,7 @@ def main(argv=None) -> int:
     WORKLOADS[:] = select_workloads(ap, args.workloads, list(WORKLOADS))
     trap_signals()
 
-    if not shutil.which("fio"):
-        log("ERROR: `fio` not found; install the Debian package `fio`")
-        return 2
-    if run(["fio", "--enghelp=nbd"], timeout=20, check=False, quiet=True).returncode != 0:
-        log("ERROR: this fio has no nbd engine (Debian's fio package has it; it needs libnbd0)")
+    if not common.have_fio_with_nbd():
         return 2
     if not shutil.which("qemu-img"):
         log("ERROR: `qemu-img` not found (used to probe every export); apt-get install qemu-utils")

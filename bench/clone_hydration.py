@@ -18,7 +18,7 @@ from pathlib import Path
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BenchError, run  # noqa: E402
-from foundation import Workload, fill_backing_file, parse_fio_json  # noqa: E402
+from harness import Workload, fill_backing_file, parse_fio_json  # noqa: E402
 from report import human_size  # noqa: E402
 from clone_report import SECTOR, log  # noqa: E402
 

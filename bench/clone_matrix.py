@@ -18,7 +18,7 @@ from pathlib import Path
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BenchError, run  # noqa: E402
-from foundation import Udm, check_export, start_service, wait_for_socket  # noqa: E402
+from harness import Udm, check_export, start_service, wait_for_socket  # noqa: E402
 from clone_report import Res, WORKLOADS, log  # noqa: E402
 
 

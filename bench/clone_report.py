@@ -13,11 +13,11 @@ from pathlib import Path
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import foundation as fnd  # noqa: E402
-from foundation import Workload  # noqa: E402
+import harness  # noqa: E402
+from harness import Workload  # noqa: E402
 from report import human_size, markdown_table  # noqa: E402
 
-REPO = fnd.REPO
+REPO = harness.REPO
 SECTOR = 512
 META_BLOCK = 4096
 TIB = 1 << 40
@@ -27,9 +27,9 @@ def log(msg: str) -> None:
     print(f"[clone] {msg}", file=sys.stderr, flush=True)
 
 
-# common's and foundation's helpers (run, Service, fill_backing_file ...) log through their
+# common's and harness's helpers (run, Service, fill_backing_file ...) log through common's
 # module-level `log`; make them speak with this script's prefix.
-common.log = fnd.log = log
+common.log = log
 
 
 def _maybe_reexec_for_matplotlib() -> None:
@@ -41,14 +41,8 @@ def _maybe_reexec_for_matplotlib() -> None:
 # --------------------------------------------------------------------------------------------
 
 # The seed's order: latency (qd1), IOPS (qd32), bandwidth (256 KiB qd32); writes then reads.
-WORKLOADS = [
-    Workload("randwrite-4k-qd1", "randwrite 4k qd1", "randwrite", "4k", 1),
-    Workload("randread-4k-qd1", "randread 4k qd1", "randread", "4k", 1),
-    Workload("randwrite-4k-qd32", "randwrite 4k qd32", "randwrite", "4k", 32),
-    Workload("randread-4k-qd32", "randread 4k qd32", "randread", "4k", 32),
-    Workload("write-256k-qd32", "write 256k qd32", "write", "256k", 32),
-    Workload("read-256k-qd32", "read 256k qd32", "read", "256k", 32),
-]
+WORKLOADS = sorted(harness.WORKLOADS,
+                   key=lambda w: (w.bs != "4k", w.qd, w.direction == "read"))
 
 # Per-region systems, in the order they run for each (workload, region).
 REGION_SYSTEMS = ["clone", "qcow2", "cow"]
@@ -74,7 +68,7 @@ BAR_INTERFERENCE = 0.8    # user randread while hydrating >= 0.8x idle
 
 @dataclass
 class Res:
-    sample: fnd.Sample | None = None
+    sample: harness.Sample | None = None
     error: str | None = None
     extra: dict = field(default_factory=dict)
 

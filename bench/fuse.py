@@ -20,7 +20,8 @@ Bars (issue #10): udm FUSE >= 1.0x nbdfuse on every row; udm FUSE / loop on file
 Usage:  python3 bench/fuse.py [--runtime 10] [--size 1G] [--repeat 3] [--quick]
                               [--fuse-uring compare|on|off|auto] [--out bench/results/fuse]
 
-The generic helpers (processes, fio JSON, sizes, udm verbs) come from foundation.py.
+The generic helpers (processes, fio JSON, udm verbs) come from harness.py, sizes and
+tables from report.py.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ from pathlib import Path
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import foundation as fnd  # noqa: E402
+import harness  # noqa: E402
 from common import (  # noqa: E402
     BenchError, _pdeathsig, copy_logs, fio_cell, import_pyplot, locate_udm, prepare_out_dir, run,
     select_workloads, stop_daemon, tmp_base, tool_version, trap_signals,
 )
-from foundation import (  # noqa: E402
+from harness import (  # noqa: E402
     Cell, Service, Udm, Workload, check_export, direct_io_note, fill_backing_file, find_udm,
     parse_fio_json, resident_bytes, start_service, wait_for_socket,
 )
@@ -55,18 +56,18 @@ from report import (  # noqa: E402
     page_cache_note, table_footer, write_results,
 )
 
-REPO = fnd.REPO
+REPO = harness.REPO
 
 
 def log(msg: str) -> None:
     print(f"[fuse] {msg}", file=sys.stderr, flush=True)
 
 
-# common's and foundation's helpers (run, Service, fill_backing_file ...) log through their
+# common's and harness's helpers (run, Service, fill_backing_file ...) log through common's
 # module-level `log`; make them speak with this script's prefix.
-common.log = fnd.log = log
+common.log = log
 
-PACKAGES = dict(fnd.PACKAGES, nbdfuse="libnbd-bin",
+PACKAGES = dict(harness.PACKAGES, nbdfuse="libnbd-bin",
                 fusermount3="fuse3", losetup="mount", blockdev="util-linux")
 
 
@@ -79,7 +80,7 @@ def _maybe_reexec_for_matplotlib() -> None:
 # workloads and systems
 # --------------------------------------------------------------------------------------------
 
-WORKLOADS = list(fnd.WORKLOADS)   # randread/randwrite 4k qd1, qd32, write/read 256k qd32
+WORKLOADS = list(harness.WORKLOADS)   # randread/randwrite 4k qd1, qd32, write/read 256k qd32
 
 # "udm-fuse-dev" (a second daemon on /dev/fuse) joins when comparing the FUSE transports.
 SYSTEMS = ["udm-fuse", "nbdfuse", "direct"]
@@ -269,7 +270,7 @@ def device_size(device: str) -> int:
 
 def read_digest(path: str, offset: int, length: int = 1 << 20) -> str:
     """SHA-256 of `length` bytes at `offset`, read with O_DIRECT (dd iflag=direct)."""
-    # dd's output is binary: read it without text decoding (foundation's run() is text).
+    # dd's output is binary: read it without text decoding (common's run() is text).
     proc = run_group(["dd", f"if={path}", "bs=1M", f"count={length >> 20}",
                       f"skip={offset >> 20}", "iflag=direct", "status=none"],
                      timeout=60, text=False)
@@ -563,13 +564,9 @@ def main(argv=None) -> int:
                            repeat=True)
     common.add_run_args(
         ap, out="bench/results/fuse",
-        out_help="output directory (default bench/results/fuse, relative to the current "
-                 "directory)",
         tmpdir_help="where to create the temp dir (must support O_DIRECT, not tmpfs; "
                     "default $TMPDIR or /tmp)",
-        keep_help="keep the temp dir (disk image, logs); mounts and loops still go",
-        udm_help="path of the udm binary (default target/release/udm, built if missing)",
-        charts_help="skip the PNG chart")
+        keep_help="keep the temp dir (disk image, logs); mounts and loops still go")
     ap.add_argument("--connections", type=int, default=None,
                     help="nbdfuse -C N (default: nbdfuse's own default, multi-conn when the "
                          "server offers it)")

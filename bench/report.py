@@ -56,7 +56,7 @@ def fmt_ratio(r) -> str:
 
 
 def fmt_lat(cell) -> str:
-    """Mean / p99 latency of a cell (foundation.Cell), in µs."""
+    """Mean / p99 latency of a cell (harness.Cell), in µs."""
     if cell is None:
         return "—"
     m, p = cell.median("lat_mean_us"), cell.median("lat_p99_us")

@@ -21,7 +21,7 @@ Usage:  python3 bench/scale.py [--runtime 10] [--size 1G] [--repeat 3] [--quick]
                                [--connections 64] [--flood 400] [--out bench/results/scale]
 
 The generic helpers (processes, fio JSON, sizes, udm verbs, the NBD handshake) come from
-foundation.py and common.py.
+harness.py and common.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import socket
 import statistics
 import subprocess
@@ -44,12 +43,10 @@ from pathlib import Path
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import foundation as fnd  # noqa: E402
 from common import (  # noqa: E402
-    BenchError, _pdeathsig, copy_logs, locate_udm, make_tmpdir, prepare_out_dir, remove_tmp, run,
-    stop_daemon, tmp_base, trap_signals,
+    BenchError, _pdeathsig, copy_logs, remove_tmp, run, stop_daemon, trap_signals,
 )
-from foundation import (  # noqa: E402
+from harness import (  # noqa: E402
     NbdRefused, Service, Udm, Workload, check_export, fill_backing_file, find_udm, nbd_handshake,
     parse_fio_json, start_service, wait_for_socket,
 )
@@ -62,9 +59,9 @@ def log(msg: str) -> None:
     print(f"[scale] {msg}", file=sys.stderr, flush=True)
 
 
-# common's and foundation's helpers log through their module-level `log`; make them speak
+# common's and harness's helpers log through common's module-level `log`; make them speak
 # with this script's prefix.
-common.log = fnd.log = log
+common.log = log
 
 WORKLOAD = Workload("randread-4k-qd32", "randread 4k qd32", "randread", "4k", 32)
 EXPORT = "lin"
@@ -522,14 +519,8 @@ def main(argv=None) -> int:
                     "IOPS, threads, RSS, errors) and a connection flood.")
     common.add_sizing_args(ap, runtime=10, size_help="device and backing file size (default 1G)",
                            repeat=True)
-    common.add_run_args(
-        ap, out="bench/results/scale",
-        out_help="output directory (default bench/results/scale)",
-        tmpdir_help="where to create the temp dir (must support O_DIRECT; default $TMPDIR or "
-                    "/tmp)",
-        keep_help="keep the temp dir (disk image, logs)",
-        udm_help="path of the udm binary (default target/release/udm, built if missing)",
-        charts_help="(no charts here; accepted for symmetry)")
+    common.add_run_args(ap, out="bench/results/scale",
+                        charts_help="(no charts here; accepted for symmetry)")
     ap.add_argument("--connections", type=int, default=64,
                     help="fio jobs, one NBD connection each, in the many-connection runs "
                          "(default 64)")
@@ -554,20 +545,12 @@ def main(argv=None) -> int:
         ap.error("--runtime, --repeat and --connections must be at least 1, --flood at least 0")
     trap_signals()
 
-    if not shutil.which("fio"):
-        log("ERROR: `fio` not found; install the Debian package `fio`")
+    if not common.have_fio_with_nbd():
         return 2
-    if run(["fio", "--enghelp=nbd"], timeout=20, check=False, quiet=True).returncode != 0:
-        log("ERROR: this fio has no nbd engine (Debian's fio package has it; it needs libnbd0)")
+    dirs = common.run_dirs(args, find_udm, "udm-scale-", "udm.sock")
+    if dirs is None:
         return 2
-
-    out_dir = prepare_out_dir(args.out)
-    udm_bin = locate_udm(args, find_udm)
-    if udm_bin is None:
-        return 2
-    tmp = make_tmpdir(tmp_base(args), "udm-scale-", "udm.sock")
-    if tmp is None:
-        return 2
+    out_dir, udm_bin, tmp = dirs
 
     size = args.size
     disk = tmp / "disk.img"
