@@ -372,8 +372,259 @@ def draw_charts(results, systems, out_dir: Path, meta) -> list:
 # --------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
-    global WORKLOADS
+class Run:
+    """One run of the matrix: the udm daemon with its two devices, the peers beside it, and
+    what fio measured on each.  `cleanup` stops everything the run started."""
+
+    # Per workload and repeat, udm next to its peers; every other repeat runs each group in
+    # the reverse order, so that no system always goes first.
+    GROUPS = [["udm-zero", "nbdkit-null"], ["udm-linear", "qemu-nbd", "nbdkit-file", "file"]]
+
+    def __init__(self, args, udm_bin: Path, out_dir: Path, tmp: Path):
+        self.args, self.udm_bin, self.out_dir, self.tmp = args, udm_bin, out_dir, tmp
+        self.size = args.size
+        self.sectors = self.size // 512
+        self.disk = tmp / "disk.img"
+        self.ctl, self.nbd_sock = tmp / "ctl.sock", tmp / "udm.sock"
+        self.uri_zero = f"nbd+unix:///nullz?socket={self.nbd_sock}"
+        self.uri_lin = f"nbd+unix:///lin?socket={self.nbd_sock}"
+        self.tables = {"nullz": f"0 {self.sectors} zero",
+                       "lin": f"0 {self.sectors} linear {self.disk} 0"}
+        self.services: list[Service] = []
+        self.daemon: Service | None = None
+        self.udm: Udm | None = None
+        self.created: list[str] = []
+        self.results: dict = {}
+        self.notes: list = []
+        self.sysmap: dict = {}
+        self.meta = {
+            **common.base_meta(udm_bin),
+            "nbdkit_version": tool_version(["nbdkit", "--version"])
+            if shutil.which("nbdkit") else None,
+            "qemu_nbd_version": tool_version(["qemu-nbd", "--version"])
+            if shutil.which("qemu-nbd") else None,
+            "runtime": args.runtime, "size": self.size, "size_human": human_size(self.size),
+            "repeat": args.repeat, "tmpdir": str(tmp),
+        }
+
+    def note(self, text: str | None) -> None:
+        """A caveat for the report (and the log); None is nothing."""
+        if text:
+            log(f"WARNING: {text}")
+            self.notes.append(text)
+
+    def start_udm(self) -> None:
+        """The daemon with `nullz` (zero) and `lin` (linear over the disk), both checked."""
+        fill_backing_file(self.disk, self.size, timeout=max(600, self.size / (20 << 20)))
+        (self.tmp / "state").mkdir()
+        self.daemon = start_service(
+            "udm daemon",
+            [str(self.udm_bin), "daemon", "--state-dir", str(self.tmp / "state"),
+             "--control", str(self.ctl), "--nbd", f"unix:{self.nbd_sock}"],
+            self.tmp / "udm-daemon.log", env=dict(os.environ, RUST_BACKTRACE="1"))
+        self.services.append(self.daemon)
+        wait_for_socket(self.ctl, self.daemon, timeout=30)
+        self.udm = Udm(self.udm_bin, self.ctl)
+        for name, table in self.tables.items():
+            self.udm.client("create", name, "--table", table)
+            self.created.append(name)
+        wait_for_socket(self.nbd_sock, self.daemon, timeout=30)
+        check_export(self.uri_zero, self.size, "udm nullz (zero)")
+        check_export(self.uri_lin, self.size, "udm lin (linear)")
+        note = direct_io_note("udm daemon", self.daemon.proc.pid, self.disk)
+        self.meta["udm_o_direct"] = note is None
+        self.note(note)
+        systems = [
+            System("udm-zero", "udm zero", ["--ioengine=nbd", f"--uri={self.uri_zero}"],
+                   self.daemon),
+            System("nbdkit-null", "nbdkit null", []),
+            System("udm-linear", "udm linear", ["--ioengine=nbd", f"--uri={self.uri_lin}"],
+                   self.daemon),
+            System("qemu-nbd", "qemu-nbd", []),
+            System("nbdkit-file", "nbdkit file", []),
+            System("file", "fio on file",
+                   ["--ioengine=io_uring", "--direct=1", f"--filename={self.disk}"]),
+        ]
+        self.sysmap = {s.key: s for s in systems}
+
+    def start_peers(self) -> None:
+        """nbdkit null, nbdkit file and qemu-nbd, each on its own unix socket for fio's nbd
+        engine (a missing tool leaves its column empty), and how each zero device answers a
+        read (a hole chunk moves no payload)."""
+        # This nbdkit's file plugin has no O_DIRECT; cache=none is the closest: it evicts the
+        # pages each read or write went through (fadvise DONTNEED, sync_file_range).
+        nbdkit_file_args = ["file", str(self.disk), "cache=none"]
+        self.meta["nbdkit_file_args"] = " ".join(nbdkit_file_args).replace(str(self.disk),
+                                                                            "DISK")
+        peers = [
+            ("nbdkit-null", "nbdkit", "nbdkit.sock", "nbdkit.log",
+             lambda sock: ["nbdkit", "-f", "-U", sock, "--exit-with-parent", "null",
+                           str(self.size)]),
+            ("nbdkit-file", "nbdkit", "nbdkit-file.sock", "nbdkit-file.log",
+             lambda sock: ["nbdkit", "-f", "-U", sock, "--exit-with-parent",
+                           *nbdkit_file_args]),
+            ("qemu-nbd", "qemu-nbd", "qemu.sock", "qemu-nbd.log",
+             lambda sock: ["qemu-nbd", "-t", "-e", "8", "-k", sock, "-f", "raw",
+                           "--cache=none", "--aio=io_uring", str(self.disk)]),
+        ]
+        for key, tool, sockname, logname, command in peers:
+            peer = self.sysmap[key]
+            if not shutil.which(tool):
+                peer.available = False
+                peer.why_unavailable = f"{tool} missing: apt-get install {PACKAGES[tool]}"
+                continue
+            sock = self.tmp / sockname
+            svc = start_service(peer.label, command(str(sock)), self.tmp / logname)
+            self.services.append(svc)
+            svc.socket = sock
+            wait_for_socket(sock, svc)
+            uri = f"nbd+unix:///?socket={sock}"
+            check_export(uri, self.size, peer.label)
+            peer.engine_args = ["--ioengine=nbd", f"--uri={uri}"]
+            peer.service = svc
+        if self.sysmap["qemu-nbd"].available:
+            self.note(direct_io_note("qemu-nbd", self.sysmap["qemu-nbd"].service.proc.pid,
+                                     self.disk))
+        if self.sysmap["nbdkit-null"].available:
+            k_udm = read_reply_kind(self.nbd_sock, "nullz")
+            k_nbdkit = read_reply_kind(self.tmp / "nbdkit.sock", "")
+            self.meta["zero_read_reply"] = {"udm zero": k_udm, "nbdkit null": k_nbdkit}
+            if k_udm and k_nbdkit and k_udm != k_nbdkit:
+                self.notes.append(f"udm zero answers a 256 KiB read with {k_udm} chunks, "
+                                  f"nbdkit null with {k_nbdkit}: the zero pair's read rows do "
+                                  f"not move the same payload")
+
+    def restart_daemon(self) -> None:
+        """Start the daemon again on the same state dir; its devices should come back."""
+        self.daemon.socket = None
+        for p in (self.ctl, self.nbd_sock):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        self.daemon.restart()
+        wait_for_socket(self.ctl, self.daemon, timeout=30)
+        for name, uri in (("nullz", self.uri_zero), ("lin", self.uri_lin)):
+            try:
+                wait_for_socket(self.nbd_sock, self.daemon, timeout=10)
+                check_export(uri, self.size, f"udm {name} after restart")
+            except BenchError:
+                log(f"{name} did not come back from the state dir; creating it again")
+                self.udm.client("create", name, "--table", self.tables[name])
+                wait_for_socket(self.nbd_sock, self.daemon, timeout=30)
+
+    def revive(self, svc: Service, when: str) -> str | None:
+        """Before a cell: None when `svc` runs; else start it again where that is fair and
+        return why it is still down (None if it is back)."""
+        if svc.alive():
+            return None
+        msg = f"{svc.name} is not running (exit code {svc.proc.returncode})"
+        daemon = self.daemon
+        if svc is not daemon and svc.restarts < 3:
+            # A peer is not what is measured here: note it and start it again.
+            log(f"WARNING: {msg}; log tail:\n{svc.log_tail(5)}")
+            self.notes.append(f"{msg} before {when}; restarted")
+            try:
+                svc.restart()
+            except BenchError as e:
+                log(f"restart failed: {e}")
+        elif svc is daemon and daemon.restarts < 2 and daemon.proc.returncode == 0 and \
+                "signal" in daemon.log_tail(3):
+            # Stopped cleanly by a signal that was not ours (a shared machine: someone's
+            # cleanup).  A crash is never restarted.
+            log(f"WARNING: {msg} after a signal this script did not send; "
+                f"log tail:\n{daemon.log_tail(5)}")
+            self.notes.append(f"{msg} (stopped by an outside signal) before {when}; restarted")
+            try:
+                self.restart_daemon()
+            except BenchError as e:
+                log(f"daemon restart failed: {e}")
+        return None if svc.alive() else msg
+
+    def measure(self, wl: Workload, s: System, rep: int, tag: str) -> None:
+        """One fio run of `wl` on system `s`, with the server's CPU time per I/O."""
+        c = self.results.setdefault((wl.key, s.key), Cell())
+        if s.service is not None:
+            down = self.revive(s.service, f"{wl.key} {s.key} r{rep}")
+            if down:
+                c.errors.append(down)
+                log(f"{tag}: SKIPPED, {down}")
+                return
+        stem = f"{wl.key}.{s.key}.r{rep}"
+        cmd = fio_cmd(wl, s, self.args, self.out_dir / f"{stem}.json")
+        server = s.service.proc.pid if s.service is not None else None
+        cpu0 = common.proc_cpu_seconds(server) if server else None
+        fio_timeout = self.args.runtime + 60
+        smp = fio_cell(cmd, lambda cmd: run(cmd, timeout=fio_timeout, check=False, quiet=True,
+                                            cwd=self.tmp),
+                       parse_fio_json, wl, c, self.out_dir, stem, tag)
+        if smp is None:
+            return
+        if server:
+            smp.cpu_us_per_io = common.cpu_us_per_io(cpu0, common.proc_cpu_seconds(server),
+                                                     smp.ios)
+        elif smp.ios:
+            smp.cpu_us_per_io = smp.fio_cpu_s / smp.ios * 1e6
+        c.samples.append(smp)
+        unit = "IOPS" if wl.metric == "iops" else "MB/s"
+        cpu = "—" if smp.cpu_us_per_io is None else f"{smp.cpu_us_per_io:.1f}"
+        log(f"{tag}: {smp.value:>10.0f} {unit}  clat mean {smp.lat_mean_us:.0f} µs "
+            f"p99 {smp.lat_p99_us:.0f} µs  CPU {cpu} µs/IO")
+
+    def run_matrix(self) -> None:
+        """Every workload, repeat and available system, in the order GROUPS says."""
+        runs = [k for g in self.GROUPS for k in g if self.sysmap[k].available]
+        total = len(WORKLOADS) * self.args.repeat * len(runs)
+        est = total * (self.args.runtime + 1)
+        log(f"{total} fio runs of {self.args.runtime} s (about {est // 60} min {est % 60} s)")
+        n = 0
+        for wl in WORKLOADS:
+            for rep in range(1, self.args.repeat + 1):
+                order = [k for g in self.GROUPS for k in (g if rep % 2 else reversed(g))]
+                for key in order:
+                    if self.sysmap[key].available:
+                        n += 1
+                        self.measure(wl, self.sysmap[key], rep,
+                                     f"[{n}/{total}] {wl.key:<18} {key:<11} r{rep}")
+
+    def report(self, cached_before) -> int:
+        """The table, results.json and the charts; the exit status the bars give."""
+        cached_after = resident_bytes(self.disk)
+        self.meta["page_cache_bytes"] = {"before": cached_before, "after": cached_after}
+        self.note(page_cache_note(self.disk.name, self.size, cached_before, cached_after,
+                                  "system is meant to bypass it (udm's buffered fallback, "
+                                  "qemu-nbd not honouring --cache=none, or nbdkit file's "
+                                  "cache=none evicting late)"))
+        self.meta["notes"] = self.notes
+        systems = list(self.sysmap.values())
+        table, summary = build_table(self.results, systems, self.meta)
+        write_results(self.out_dir, table, {"meta": self.meta, "workloads": summary})
+        if self.args.no_charts:
+            log("charts skipped (--no-charts)")
+        else:
+            for p in draw_charts(self.results, systems, self.out_dir, self.meta):
+                log(f"chart: {p}")
+        log(f"results in {self.out_dir}")
+        return exit_code(self.results)
+
+    def cleanup(self) -> None:
+        """Peers first, then the udm devices, then the daemon; logs kept, temp dir removed."""
+        for svc in reversed(self.services):
+            if svc is not self.daemon:
+                svc.stop(grace=5)
+        if self.daemon is not None and self.daemon.alive() and self.udm is not None:
+            for name in reversed(self.created):
+                try:
+                    self.udm.client("remove", name, timeout=30, check=False)
+                except BenchError as e:
+                    log(f"udm remove {name}: {e}")
+        if self.daemon is not None:
+            stop_daemon(self.daemon, grace=15)
+        copy_logs(self.services, self.out_dir)
+        remove_tmp(self.tmp, self.args.keep)
+
+
+def parse_args(argv):
     ap = argparse.ArgumentParser(
         description="udm foundation benchmark: udm zero vs nbdkit null, udm linear vs "
                     "qemu-nbd raw and nbdkit file, and fio on the file, side by side.")
@@ -389,10 +640,14 @@ def main(argv=None) -> int:
     common.resolve_sizing(args)
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
+    # In place: build_table and draw_charts read the same list.
+    WORKLOADS[:] = select_workloads(ap, args.workloads, list(WORKLOADS))
+    return args
 
-    WORKLOADS = select_workloads(ap, args.workloads, WORKLOADS)
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     trap_signals()
-
     if not common.have_fio_with_nbd():
         return 2
     for t in ("nbdkit", "qemu-nbd", "nbdinfo"):
@@ -400,249 +655,27 @@ def main(argv=None) -> int:
             extra = " (only used for a sanity probe)" if t == "nbdinfo" else \
                     " — its column will be empty"
             log(f"WARNING: `{t}` not found; install the Debian package `{PACKAGES[t]}`{extra}")
-
     dirs = common.run_dirs(args, find_udm, "udm-foundation-", "nbdkit.sock")
     if dirs is None:
         return 2
     out_dir, udm_bin, tmp = dirs
-
-    size = args.size
-    sectors = size // 512
-    disk = tmp / "disk.img"
-    services: list[Service] = []
-    daemon: Service | None = None
-    udm: Udm | None = None
-    created: list[str] = []
-    results: dict = {}
-    notes: list = []
-    rc = 1
-    meta = {
-        **common.base_meta(udm_bin),
-        "nbdkit_version": tool_version(["nbdkit", "--version"]) if shutil.which("nbdkit") else None,
-        "qemu_nbd_version": tool_version(["qemu-nbd", "--version"])
-        if shutil.which("qemu-nbd") else None,
-        "runtime": args.runtime, "size": size, "size_human": human_size(size),
-        "repeat": args.repeat, "tmpdir": str(tmp),
-    }
+    r = Run(args, udm_bin, out_dir, tmp)
     try:
-        fill_backing_file(disk, size, timeout=max(600, size / (20 << 20)))
-
-        # ---- udm daemon and its devices
-        ctl = tmp / "ctl.sock"
-        nbd_sock = tmp / "udm.sock"
-        (tmp / "state").mkdir()
-        daemon = start_service(
-            "udm daemon",
-            [str(udm_bin), "daemon", "--state-dir", str(tmp / "state"), "--control", str(ctl),
-             "--nbd", f"unix:{nbd_sock}"],
-            tmp / "udm-daemon.log", env=dict(os.environ, RUST_BACKTRACE="1"))
-        services.append(daemon)
-        wait_for_socket(ctl, daemon, timeout=30)
-        udm = Udm(udm_bin, ctl)
-        udm.client("create", "nullz", "--table", f"0 {sectors} zero")
-        created.append("nullz")
-        udm.client("create", "lin", "--table", f"0 {sectors} linear {disk} 0")
-        created.append("lin")
-        wait_for_socket(nbd_sock, daemon, timeout=30)
-        uri_zero = f"nbd+unix:///nullz?socket={nbd_sock}"
-        uri_lin = f"nbd+unix:///lin?socket={nbd_sock}"
-        check_export(uri_zero, size, "udm nullz (zero)")
-        check_export(uri_lin, size, "udm lin (linear)")
-        note = direct_io_note("udm daemon", daemon.proc.pid, disk)
-        meta["udm_o_direct"] = note is None
-        if note:
-            log(f"WARNING: {note}")
-            notes.append(note)
-        # Every system here bypasses the page cache, so whatever of disk.img is cached after the
-        # matrix was read or written by a buffered path.
-        cached_before = resident_bytes(disk)
-
-        systems = [
-            System("udm-zero", "udm zero", ["--ioengine=nbd", f"--uri={uri_zero}"], daemon),
-            System("nbdkit-null", "nbdkit null", []),
-            System("udm-linear", "udm linear", ["--ioengine=nbd", f"--uri={uri_lin}"], daemon),
-            System("qemu-nbd", "qemu-nbd", []),
-            System("nbdkit-file", "nbdkit file", []),
-            System("file", "fio on file",
-                   ["--ioengine=io_uring", "--direct=1", f"--filename={disk}"]),
-        ]
-        sysmap = {s.key: s for s in systems}
-
-        # ---- peers: each on its own unix socket, served to fio's nbd engine
-        # This nbdkit's file plugin has no O_DIRECT; cache=none is the closest: it evicts the
-        # pages each read or write went through (fadvise DONTNEED, sync_file_range).
-        nbdkit_file_args = ["file", str(disk), "cache=none"]
-        meta["nbdkit_file_args"] = " ".join(nbdkit_file_args).replace(str(disk), "DISK")
-        peers = [
-            ("nbdkit-null", "nbdkit", "nbdkit.sock", "nbdkit.log",
-             lambda sock: ["nbdkit", "-f", "-U", sock, "--exit-with-parent", "null", str(size)]),
-            ("nbdkit-file", "nbdkit", "nbdkit-file.sock", "nbdkit-file.log",
-             lambda sock: ["nbdkit", "-f", "-U", sock, "--exit-with-parent",
-                           *nbdkit_file_args]),
-            ("qemu-nbd", "qemu-nbd", "qemu.sock", "qemu-nbd.log",
-             lambda sock: ["qemu-nbd", "-t", "-e", "8", "-k", sock, "-f", "raw",
-                           "--cache=none", "--aio=io_uring", str(disk)]),
-        ]
-        for key, tool, sockname, logname, command in peers:
-            peer = sysmap[key]
-            if not shutil.which(tool):
-                peer.available = False
-                peer.why_unavailable = f"{tool} missing: apt-get install {PACKAGES[tool]}"
-                continue
-            sock = tmp / sockname
-            svc = start_service(peer.label, command(str(sock)), tmp / logname)
-            services.append(svc)
-            svc.socket = sock
-            wait_for_socket(sock, svc)
-            uri = f"nbd+unix:///?socket={sock}"
-            check_export(uri, size, peer.label)
-            peer.engine_args = ["--ioengine=nbd", f"--uri={uri}"]
-            peer.service = svc
-        if sysmap["qemu-nbd"].available:
-            note = direct_io_note("qemu-nbd", sysmap["qemu-nbd"].service.proc.pid, disk)
-            if note:
-                log(f"WARNING: {note}")
-                notes.append(note)
-
-        # ---- how zero reads are answered (a hole chunk moves no payload)
-        if sysmap["nbdkit-null"].available:
-            k_udm = read_reply_kind(nbd_sock, "nullz")
-            k_nbdkit = read_reply_kind(tmp / "nbdkit.sock", "")
-            meta["zero_read_reply"] = {"udm zero": k_udm, "nbdkit null": k_nbdkit}
-            if k_udm and k_nbdkit and k_udm != k_nbdkit:
-                notes.append(f"udm zero answers a 256 KiB read with {k_udm} chunks, nbdkit null "
-                             f"with {k_nbdkit}: the zero pair's read rows do not move the same "
-                             f"payload")
-
-        def restart_daemon():
-            """Start the daemon again on the same state dir; its devices should come back."""
-            daemon.socket = None
-            for p in (ctl, nbd_sock):
-                try:
-                    p.unlink()
-                except FileNotFoundError:
-                    pass
-            daemon.restart()
-            wait_for_socket(ctl, daemon, timeout=30)
-            for name, table, uri in (("nullz", f"0 {sectors} zero", uri_zero),
-                                     ("lin", f"0 {sectors} linear {disk} 0", uri_lin)):
-                try:
-                    wait_for_socket(nbd_sock, daemon, timeout=10)
-                    check_export(uri, size, f"udm {name} after restart")
-                except BenchError:
-                    log(f"{name} did not come back from the state dir; creating it again")
-                    udm.client("create", name, "--table", table)
-                    wait_for_socket(nbd_sock, daemon, timeout=30)
-
-        # ---- the matrix: per workload and repeat, udm next to its peers, side by side; every
-        # other repeat runs each group in the reverse order, so no system always goes first.
-        groups = [["udm-zero", "nbdkit-null"], ["udm-linear", "qemu-nbd", "nbdkit-file", "file"]]
-        total = len(WORKLOADS) * args.repeat * sum(1 for g in groups for k in g
-                                                   if sysmap[k].available)
-        est = total * (args.runtime + 1)
-        log(f"{total} fio runs of {args.runtime} s (about {est // 60} min {est % 60} s)")
-        n = 0
-        fio_timeout = args.runtime + 60
-        for wl in WORKLOADS:
-            for rep in range(1, args.repeat + 1):
-                order = [k for g in groups for k in (g if rep % 2 else reversed(g))]
-                for key in order:
-                    s = sysmap[key]
-                    if not s.available:
-                        continue
-                    n += 1
-                    c = results.setdefault((wl.key, key), Cell())
-                    if s.service is not None and not s.service.alive():
-                        msg = (f"{s.service.name} is not running (exit code "
-                               f"{s.service.proc.returncode})")
-                        if s.service is not daemon and s.service.restarts < 3:
-                            # A peer is not what is measured here: note it and start it again.
-                            log(f"WARNING: {msg}; log tail:\n{s.service.log_tail(5)}")
-                            notes.append(f"{msg} before {wl.key} {key} r{rep}; restarted")
-                            try:
-                                s.service.restart()
-                            except BenchError as e:
-                                log(f"restart failed: {e}")
-                        elif s.service is daemon and daemon.restarts < 2 and \
-                                daemon.proc.returncode == 0 and \
-                                "signal" in daemon.log_tail(3):
-                            # Stopped cleanly by a signal that was not ours (a shared machine:
-                            # someone's cleanup).  A crash is never restarted.
-                            log(f"WARNING: {msg} after a signal this script did not send; "
-                                f"log tail:\n{daemon.log_tail(5)}")
-                            notes.append(f"{msg} (stopped by an outside signal) before "
-                                         f"{wl.key} {key} r{rep}; restarted")
-                            try:
-                                restart_daemon()
-                            except BenchError as e:
-                                log(f"daemon restart failed: {e}")
-                        if not s.service.alive():
-                            c.errors.append(msg)
-                            log(f"[{n}/{total}] {wl.key} {key} r{rep}: SKIPPED, {msg}")
-                            continue
-                    stem = f"{wl.key}.{key}.r{rep}"
-                    cmd = fio_cmd(wl, s, args, out_dir / f"{stem}.json")
-                    server = s.service.proc.pid if s.service is not None else None
-                    cpu0 = common.proc_cpu_seconds(server) if server else None
-                    smp = fio_cell(cmd, lambda cmd: run(cmd, timeout=fio_timeout, check=False,
-                                                        quiet=True, cwd=tmp),
-                                   parse_fio_json, wl, c, out_dir, stem,
-                                   f"[{n}/{total}] {wl.key} {key} r{rep}")
-                    if smp is None:
-                        continue
-                    if server:
-                        smp.cpu_us_per_io = common.cpu_us_per_io(
-                            cpu0, common.proc_cpu_seconds(server), smp.ios)
-                    elif smp.ios:
-                        smp.cpu_us_per_io = smp.fio_cpu_s / smp.ios * 1e6
-                    c.samples.append(smp)
-                    unit = "IOPS" if wl.metric == "iops" else "MB/s"
-                    cpu = "—" if smp.cpu_us_per_io is None else f"{smp.cpu_us_per_io:.1f}"
-                    log(f"[{n}/{total}] {wl.key:<18} {key:<11} r{rep}: "
-                        f"{smp.value:>10.0f} {unit}  clat mean {smp.lat_mean_us:.0f} µs "
-                        f"p99 {smp.lat_p99_us:.0f} µs  CPU {cpu} µs/IO")
-
-        cached_after = resident_bytes(disk)
-        meta["page_cache_bytes"] = {"before": cached_before, "after": cached_after}
-        note = page_cache_note(disk.name, size, cached_before, cached_after,
-                               "system is meant to bypass it (udm's buffered fallback, "
-                               "qemu-nbd not honouring --cache=none, or nbdkit file's "
-                               "cache=none evicting late)")
-        if note:
-            log(f"WARNING: {note}")
-            notes.append(note)
-        meta["notes"] = notes
-        table, summary = build_table(results, systems, meta)
-        write_results(out_dir, table, {"meta": meta, "workloads": summary})
-        if args.no_charts:
-            log("charts skipped (--no-charts)")
-        else:
-            for p in draw_charts(results, systems, out_dir, meta):
-                log(f"chart: {p}")
-        log(f"results in {out_dir}")
-        rc = exit_code(results)
+        r.start_udm()
+        r.start_peers()
+        # Every system here bypasses the page cache, so whatever of disk.img is cached after
+        # the matrix was read or written by a buffered path.
+        cached_before = resident_bytes(r.disk)
+        r.run_matrix()
+        return r.report(cached_before)
     except KeyboardInterrupt as e:
         log(f"interrupted ({e}); cleaning up")
-        rc = 130
+        return 130
     except BenchError as e:
         log(f"ERROR: {e}")
-        rc = 1
+        return 1
     finally:
-        # peers first, then the udm devices, then the daemon
-        for svc in reversed(services):
-            if svc is not daemon:
-                svc.stop(grace=5)
-        if daemon is not None and daemon.alive() and udm is not None:
-            for name in reversed(created):
-                try:
-                    udm.client("remove", name, timeout=30, check=False)
-                except BenchError as e:
-                    log(f"udm remove {name}: {e}")
-        if daemon is not None:
-            stop_daemon(daemon, grace=15)
-        copy_logs(services, out_dir)
-        remove_tmp(tmp, args.keep)
-    return rc
+        r.cleanup()
 
 
 if __name__ == "__main__":
