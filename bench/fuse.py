@@ -555,8 +555,7 @@ def transport_lines(inst: UdmFuse) -> list:
     return [ln.strip()[:300] for ln in text.splitlines() if "uring" in ln.lower()][:5]
 
 
-def main(argv=None) -> int:
-    global WORKLOADS, SYSTEMS
+def parse_args(argv):
     ap = argparse.ArgumentParser(
         description="udm FUSE benchmark: fio on a loop device over udm's FUSE file, over "
                     "nbdfuse on udm's NBD export, and straight on the file, side by side.")
@@ -580,106 +579,124 @@ def main(argv=None) -> int:
     common.resolve_sizing(args)
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
-    WORKLOADS = select_workloads(ap, args.workloads, WORKLOADS)
-    trap_signals()
+    # In place: build_table and draw_chart read the same list.
+    WORKLOADS[:] = select_workloads(ap, args.workloads, list(WORKLOADS))
+    return args
 
+
+def host_ready() -> bool:
+    """Root, the tools and /dev/fuse; an ERROR line for each that is missing."""
     if os.geteuid() != 0:
         log("ERROR: loop devices need root (losetup)")
-        return 2
+        return False
     missing = [t for t in ("fio", "nbdfuse", "fusermount3", "losetup", "blockdev", "dd")
                if not shutil.which(t)]
+    for t in missing:
+        log(f"ERROR: `{t}` not found; install the Debian package "
+            f"`{PACKAGES.get(t, 'coreutils')}`")
     if missing:
-        for t in missing:
-            log(f"ERROR: `{t}` not found; install the Debian package "
-                f"`{PACKAGES.get(t, 'coreutils')}`")
-        return 2
+        return False
     if not Path("/dev/fuse").exists():
         log("ERROR: /dev/fuse is missing (modprobe fuse)")
-        return 2
+        return False
+    return True
 
-    out_dir = prepare_out_dir(args.out)
-    udm_bin = locate_udm(args, find_udm)
-    if udm_bin is None:
-        return 2
 
+def fresh_tmpdir(args):
+    """A temp dir for this run (None after an ERROR line); loop devices an earlier, killed
+    run left on files under the same base are reported, not removed (they may belong to a
+    run in progress)."""
     base = tmp_base(args)
     stale = [(d, b) for d, b in loops_under(Path(base).resolve())
              if Path(b.split(" (deleted)")[0]).relative_to(Path(base).resolve())
              .parts[0].startswith("udm-fusebench-")]
     if stale:
-        # Only a killed (SIGKILL) run leaves these; they may also belong to a run in progress,
-        # so they are reported, not removed.
         log("WARNING: loop devices on files of an earlier (killed?) fuse.py run: "
             + ", ".join(f"{d} ({b})" for d, b in stale)
             + "; if no other run is in progress: losetup -d DEV, then fusermount3 -u -z on its "
               "mount")
-    tmp = common.make_tmpdir(base, "udm-fusebench-", "ctl-dev.sock", resolve=True)
-    if tmp is None:
-        return 2
+    return common.make_tmpdir(base, "udm-fusebench-", "ctl-dev.sock", resolve=True)
 
-    size = args.size
-    disk = tmp / "disk.img"
-    nbd_mnt = tmp / "nbdfuse"           # nbdfuse's mount: nbd_mnt/nbd
-    nbd_sock = tmp / "udm.sock"
-    uri = f"nbd+unix:///vol?socket={nbd_sock}"
-    daemon: Service | None = None
-    nbdfuse: Service | None = None
-    udms: list = []                     # UdmFuse: the main daemon, then the /dev/fuse one
-    loops: list = []
-    results: dict = {}
-    notes: list = []
-    rc = 1
-    meta = {
-        **common.base_meta(udm_bin),
-        "nbdfuse_version": tool_version(["nbdfuse", "--version"]),
-        "losetup_version": tool_version(["losetup", "--version"]),
-        "fuse_enable_uring": (Path("/sys/module/fuse/parameters/enable_uring").read_text().strip()
-                              if Path("/sys/module/fuse/parameters/enable_uring").exists()
-                              else None),
-        "runtime": args.runtime, "size": size, "size_human": human_size(size),
-        "repeat": args.repeat, "tmpdir": str(tmp), "workloads": [w.key for w in WORKLOADS],
-    }
-    # The FUSE transport: with --fuse-uring in the daemon, compare FUSE over io_uring with
-    # /dev/fuse (two daemons on the same file, alternating), or run one in the mode asked.
-    uring_args = []
-    if not fuse_uring_flag(udm_bin):
-        meta["fuse_transport"] = "the daemon's default"
-        meta["fuse_uring_not_compared"] = "this udm daemon has no --fuse-uring"
-    elif args.fuse_uring == "compare":
-        uring_args = ["--fuse-uring", "on"]
-        SYSTEMS = ["udm-fuse", "udm-fuse-dev", "nbdfuse", "direct"]
-        LABELS["udm-fuse"] = "udm FUSE (io_uring)"
-        meta["fuse_transport"] = ("`--fuse-uring on` (udm FUSE) against a second daemon with "
-                                  "`--fuse-uring off` (/dev/fuse)")
-    else:
-        uring_args = ["--fuse-uring", args.fuse_uring]
-        meta["fuse_transport"] = f"`--fuse-uring {args.fuse_uring}`"
-        meta["fuse_uring_not_compared"] = f"--fuse-uring {args.fuse_uring} was asked for"
-    try:
-        fill_backing_file(disk, size, timeout=max(600, size / (20 << 20)))
 
-        # ---- udm daemon (NBD + FUSE) and the linear device over disk.img; the /dev/fuse one
-        nbd_mnt.mkdir()
-        daemon = start_udm_fuse(udms, "udm-fuse", udm_bin, tmp, "", disk, size,
-                                ["--nbd", f"unix:{nbd_sock}", *uring_args]).daemon
-        wait_for_socket(nbd_sock, daemon, timeout=30)
-        check_export(uri, size, "udm vol (linear)")
+class Run:
+    """One run: the udm daemon(s) serving `vol` over FUSE and NBD, nbdfuse on the NBD
+    export, a loop device on each path and on the file, and what fio measured on each.
+    `finish` detaches, unmounts and stops everything the run started."""
+
+    def __init__(self, args, udm_bin: Path, out_dir: Path, tmp: Path):
+        self.args, self.udm_bin, self.out_dir, self.tmp = args, udm_bin, out_dir, tmp
+        self.size = args.size
+        self.disk = tmp / "disk.img"
+        self.nbd_mnt = tmp / "nbdfuse"           # nbdfuse's mount: nbd_mnt/nbd
+        self.nbd_sock = tmp / "udm.sock"
+        self.uri = f"nbd+unix:///vol?socket={self.nbd_sock}"
+        self.daemon: Service | None = None
+        self.nbdfuse: Service | None = None
+        self.udms: list = []                     # UdmFuse: the main daemon, then /dev/fuse's
+        self.loops: list = []
+        self.results: dict = {}
+        self.notes: list = []
+        uring = Path("/sys/module/fuse/parameters/enable_uring")
+        self.meta = {
+            **common.base_meta(udm_bin),
+            "nbdfuse_version": tool_version(["nbdfuse", "--version"]),
+            "losetup_version": tool_version(["losetup", "--version"]),
+            "fuse_enable_uring": uring.read_text().strip() if uring.exists() else None,
+            "runtime": args.runtime, "size": self.size, "size_human": human_size(self.size),
+            "repeat": args.repeat, "tmpdir": str(tmp), "workloads": [w.key for w in WORKLOADS],
+        }
+        self.uring_args = self.choose_transport()
+
+    def choose_transport(self) -> list:
+        """The FUSE transport: with --fuse-uring in the daemon, compare FUSE over io_uring
+        with /dev/fuse (two daemons on the same file, alternating), or run one in the mode
+        asked.  Returns the main daemon's options."""
+        global SYSTEMS
+        if not fuse_uring_flag(self.udm_bin):
+            self.meta["fuse_transport"] = "the daemon's default"
+            self.meta["fuse_uring_not_compared"] = "this udm daemon has no --fuse-uring"
+            return []
+        mode = self.args.fuse_uring
+        if mode == "compare":
+            SYSTEMS = ["udm-fuse", "udm-fuse-dev", "nbdfuse", "direct"]
+            LABELS["udm-fuse"] = "udm FUSE (io_uring)"
+            self.meta["fuse_transport"] = ("`--fuse-uring on` (udm FUSE) against a second "
+                                           "daemon with `--fuse-uring off` (/dev/fuse)")
+            return ["--fuse-uring", "on"]
+        self.meta["fuse_transport"] = f"`--fuse-uring {mode}`"
+        self.meta["fuse_uring_not_compared"] = f"--fuse-uring {mode} was asked for"
+        return ["--fuse-uring", mode]
+
+    def note(self, text: str | None) -> None:
+        """A caveat for the report (and the log); None is nothing."""
+        if text:
+            log(f"WARNING: {text}")
+            self.notes.append(text)
+
+    def start_daemons(self) -> None:
+        """The daemon (NBD + FUSE) with `vol`, linear over disk.img; the /dev/fuse one."""
+        meta = self.meta
+        fill_backing_file(self.disk, self.size, timeout=max(600, self.size / (20 << 20)))
+        self.nbd_mnt.mkdir()
+        self.daemon = start_udm_fuse(self.udms, "udm-fuse", self.udm_bin, self.tmp, "",
+                                     self.disk, self.size,
+                                     ["--nbd", f"unix:{self.nbd_sock}", *self.uring_args]).daemon
+        wait_for_socket(self.nbd_sock, self.daemon, timeout=30)
+        check_export(self.uri, self.size, "udm vol (linear)")
         if "udm-fuse-dev" in SYSTEMS:
-            start_udm_fuse(udms, "udm-fuse-dev", udm_bin, tmp, "-dev", disk, size,
-                           ["--fuse-uring", "off"])
-        for inst in udms:
-            note = direct_io_note(inst.daemon.name, inst.daemon.proc.pid, disk)
+            start_udm_fuse(self.udms, "udm-fuse-dev", self.udm_bin, self.tmp, "-dev",
+                           self.disk, self.size, ["--fuse-uring", "off"])
+        for inst in self.udms:
+            note = direct_io_note(inst.daemon.name, inst.daemon.proc.pid, self.disk)
             meta.setdefault("udm_o_direct", {})[inst.key] = note is None
-            if note:
-                log(f"WARNING: {note}")
-                notes.append(note)
+            self.note(note)
             meta.setdefault("fuse_transport_log", {})[inst.key] = transport_lines(inst)
         if "udm-fuse-dev" in SYSTEMS and not meta["fuse_transport_log"]["udm-fuse"]:
-            notes.append("the `--fuse-uring on` daemon's log does not mention io_uring: check in "
-                         "udm-daemon.log that it really serves FUSE over io_uring")
+            self.notes.append("the `--fuse-uring on` daemon's log does not mention io_uring: "
+                              "check in udm-daemon.log that it really serves FUSE over io_uring")
         meta["fuse_enable_uring_after_start"] = meta["fuse_enable_uring"] and \
             Path("/sys/module/fuse/parameters/enable_uring").read_text().strip()
-        cp = run(["nbdinfo", "--json", uri], timeout=30, check=False, quiet=True) \
+        cp = run(["nbdinfo", "--json", self.uri], timeout=30, check=False, quiet=True) \
             if shutil.which("nbdinfo") else None
         if cp is not None and cp.returncode == 0:
             try:
@@ -689,59 +706,64 @@ def main(argv=None) -> int:
             except (json.JSONDecodeError, IndexError, AttributeError):
                 pass
 
-        # ---- nbdfuse over the same export
-        nbd_cmd = ["nbdfuse", "-P", str(tmp / "nbdfuse.pid")]
-        if args.connections:
-            nbd_cmd += ["-C", str(args.connections)]
-        nbd_cmd += [str(nbd_mnt), uri]
-        nbdfuse = start_service("nbdfuse", nbd_cmd, tmp / "nbdfuse.log")
-        wait_for_file(tmp / "nbdfuse.pid", nbdfuse, timeout=30)
-        wait_for_file(nbd_mnt / "nbd", nbdfuse, timeout=30, size=size)
-        if args.connections:
-            meta["nbdfuse_connections"] = args.connections
-        else:
-            meta["nbdfuse_connections"] = (4 if meta.get("udm_export_can_multi_conn")
-                                           else 1)
+    def start_nbdfuse(self) -> None:
+        """nbdfuse over the same export, and how many connections it opened."""
+        nbd_cmd = ["nbdfuse", "-P", str(self.tmp / "nbdfuse.pid")]
+        if self.args.connections:
+            nbd_cmd += ["-C", str(self.args.connections)]
+        nbd_cmd += [str(self.nbd_mnt), self.uri]
+        self.nbdfuse = start_service("nbdfuse", nbd_cmd, self.tmp / "nbdfuse.log")
+        wait_for_file(self.tmp / "nbdfuse.pid", self.nbdfuse, timeout=30)
+        wait_for_file(self.nbd_mnt / "nbd", self.nbdfuse, timeout=30, size=self.size)
+        self.meta["nbdfuse_connections"] = self.args.connections or \
+            (4 if self.meta.get("udm_export_can_multi_conn") else 1)
         try:
-            meta["nbdfuse_sockets"] = sum(
-                1 for fd in Path(f"/proc/{nbdfuse.proc.pid}/fd").iterdir()
+            self.meta["nbdfuse_sockets"] = sum(
+                1 for fd in Path(f"/proc/{self.nbdfuse.proc.pid}/fd").iterdir()
                 if os.readlink(fd).startswith("socket:"))
         except OSError:
             pass
 
-        # ---- the loop devices: one per udm daemon (`udm attach`), nbdfuse's, the file's
-        for inst in udms:
+    def attach_loops(self) -> None:
+        """One loop device per udm daemon (`udm attach`), nbdfuse's and the file's, each
+        checked for its size and direct I/O."""
+        for inst in self.udms:
             cp = inst.udm.client("attach", "vol", timeout=60)
             dev = cp.stdout.strip()
             if not dev.startswith("/dev/loop"):
                 raise BenchError(f"udm attach vol printed {cp.stdout!r}")
-            loops.append(LoopDev(inst.key, dev, inst.fuse_dir / "vol", inst))
-        for system, backing in (("nbdfuse", nbd_mnt / "nbd"), ("direct", disk)):
-            loops.append(LoopDev(system, losetup_attach(backing), backing))
-        for lp in loops:
+            self.loops.append(LoopDev(inst.key, dev, inst.fuse_dir / "vol", inst))
+        for system, backing in (("nbdfuse", self.nbd_mnt / "nbd"), ("direct", self.disk)):
+            self.loops.append(LoopDev(system, losetup_attach(backing), backing))
+        for lp in self.loops:
             system, dev, backing = lp.system, lp.device, lp.backing
             got = device_size(dev)
-            if got != size:
-                raise BenchError(f"{dev} ({LABELS[system]}) is {got} bytes, expected {size}")
+            if got != self.size:
+                raise BenchError(f"{dev} ({LABELS[system]}) is {got} bytes, expected {self.size}")
             dio = loop_dio(dev)
-            meta.setdefault("loop_devices", {})[system] = {"device": dev, "backing": str(backing),
-                                                          "dio": dio}
+            self.meta.setdefault("loop_devices", {})[system] = {
+                "device": dev, "backing": str(backing), "dio": dio}
             log(f"{LABELS[system]}: {dev} on {backing} (direct I/O: {dio})")
             if dio is False:
-                note = (f"{LABELS[system]}'s loop device {dev} runs WITHOUT direct I/O (the "
-                        f"kernel refused it on {backing.name}): its figures include the page "
-                        f"cache")
-                log(f"WARNING: {note}")
-                notes.append(note)
-        bymap = {lp.system: lp for lp in loops}
+                self.note(f"{LABELS[system]}'s loop device {dev} runs WITHOUT direct I/O (the "
+                          f"kernel refused it on {backing.name}): its figures include the page "
+                          f"cache")
 
-        note = same_bytes(loops, disk, size)
-        if note:
-            raise BenchError(note + " (before any run)")
-        cached_before = resident_bytes(disk)
+    def down(self, key: str) -> str | None:
+        """Why the server behind `key`'s loop device is not running, or None."""
+        lp = next(lp for lp in self.loops if lp.system == key)
+        server = lp.owner.daemon if lp.owner else self.daemon
+        if key != "direct" and not server.alive():
+            return f"{server.name} is not running (exit code {server.proc.returncode})"
+        if key == "nbdfuse" and not self.nbdfuse.alive():
+            return f"nbdfuse is not running (exit code {self.nbdfuse.proc.returncode})"
+        return None
 
-        # ---- the matrix: per workload and repeat, every system back to back, the order
-        # reversed every other repeat.
+    def run_matrix(self) -> None:
+        """Per workload and repeat, every system back to back, the order reversed every
+        other repeat."""
+        args = self.args
+        bymap = {lp.system: lp for lp in self.loops}
         total = len(WORKLOADS) * args.repeat * len(SYSTEMS)
         est = total * (args.runtime + 1)
         log(f"{total} fio runs of {args.runtime} s (about {est // 60} min {est % 60} s)")
@@ -749,65 +771,105 @@ def main(argv=None) -> int:
         fio_timeout = args.runtime + 90
         for wl in WORKLOADS:
             for rep in range(1, args.repeat + 1):
-                order = SYSTEMS if rep % 2 else SYSTEMS[::-1]
-                for key in order:
+                for key in (SYSTEMS if rep % 2 else SYSTEMS[::-1]):
                     n += 1
-                    c = results.setdefault((wl.key, key), Cell())
-                    dead = None
-                    server = bymap[key].owner.daemon if bymap[key].owner else daemon
-                    if key != "direct" and not server.alive():
-                        dead = (f"{server.name} is not running (exit code "
-                                f"{server.proc.returncode})")
-                    elif key == "nbdfuse" and not nbdfuse.alive():
-                        dead = f"nbdfuse is not running (exit code {nbdfuse.proc.returncode})"
+                    tag = f"[{n}/{total}] {wl.key:<18} {key:<9} r{rep}"
+                    c = self.results.setdefault((wl.key, key), Cell())
+                    dead = self.down(key)
                     if dead:
                         c.errors.append(dead)
-                        if dead not in notes:
-                            notes.append(dead + f" from {wl.key} r{rep} on")
-                        log(f"[{n}/{total}] {wl.key} {key} r{rep}: SKIPPED, {dead}")
+                        if dead not in self.notes:
+                            self.notes.append(dead + f" from {wl.key} r{rep} on")
+                        log(f"{tag}: SKIPPED, {dead}")
                         continue
                     stem = f"{wl.key}.{key}.r{rep}"
-                    cmd = fio_cmd(wl, bymap[key].device, args, out_dir / f"{stem}.json")
-                    smp = fio_cell(cmd, lambda cmd: run_group(cmd, timeout=fio_timeout, cwd=tmp),
-                                   parse_fio_json, wl, c, out_dir, stem,
-                                   f"[{n}/{total}] {wl.key} {key} r{rep}")
+                    cmd = fio_cmd(wl, bymap[key].device, args, self.out_dir / f"{stem}.json")
+                    smp = fio_cell(cmd,
+                                   lambda cmd: run_group(cmd, timeout=fio_timeout, cwd=self.tmp),
+                                   parse_fio_json, wl, c, self.out_dir, stem, tag)
                     if smp is None:
                         continue
                     c.samples.append(smp)
                     unit = "IOPS" if wl.metric == "iops" else "MB/s"
-                    log(f"[{n}/{total}] {wl.key:<18} {key:<9} r{rep}: {smp.value:>10.0f} {unit}"
-                        f"  clat mean {smp.lat_mean_us:.0f} µs p99 {smp.lat_p99_us:.0f} µs")
+                    log(f"{tag}: {smp.value:>10.0f} {unit}  clat mean {smp.lat_mean_us:.0f} µs "
+                        f"p99 {smp.lat_p99_us:.0f} µs")
 
-        cached_after = resident_bytes(disk)
-        meta["page_cache_bytes"] = {"before": cached_before, "after": cached_after}
-        note = page_cache_note(disk.name, size, cached_before, cached_after,
-                               "path is meant to bypass it")
-        if note:
-            log(f"WARNING: {note}")
-            notes.append(note)
-        if all(u.daemon.alive() for u in udms) and nbdfuse.alive():
+    def check_after(self, cached_before) -> None:
+        """What the runs may have changed: the page cache, the bytes every path reads, the
+        loop devices' direct I/O."""
+        cached_after = resident_bytes(self.disk)
+        self.meta["page_cache_bytes"] = {"before": cached_before, "after": cached_after}
+        self.note(page_cache_note(self.disk.name, self.size, cached_before, cached_after,
+                                  "path is meant to bypass it"))
+        if all(u.daemon.alive() for u in self.udms) and self.nbdfuse.alive():
             try:
-                note = same_bytes(loops, disk, size)
+                note = same_bytes(self.loops, self.disk, self.size)
             except BenchError as e:
                 note = f"reading back after the runs failed: {e}"
             if note:
                 log(f"WARNING: {note} (after the runs)")
-                notes.append(note + " (after the runs: a stale cache on some path)")
-        for lp in loops:
+                self.notes.append(note + " (after the runs: a stale cache on some path)")
+        for lp in self.loops:
             dio = loop_dio(lp.device)
-            if dio is not None and dio != meta["loop_devices"][lp.system]["dio"]:
-                notes.append(f"{LABELS[lp.system]}'s loop device changed direct I/O to {dio} "
-                             f"during the run")
-        meta["notes"] = notes
-        table, summary = build_table(results, meta)
-        write_results(out_dir, table, {"meta": meta, "workloads": summary})
-        if args.no_charts:
+            if dio is not None and dio != self.meta["loop_devices"][lp.system]["dio"]:
+                self.notes.append(f"{LABELS[lp.system]}'s loop device changed direct I/O to "
+                                  f"{dio} during the run")
+
+    def report(self) -> int:
+        """The table, results.json and the chart; the exit status the bars give."""
+        self.meta["notes"] = self.notes
+        table, summary = build_table(self.results, self.meta)
+        write_results(self.out_dir, table, {"meta": self.meta, "workloads": summary})
+        if self.args.no_charts:
             log("chart skipped (--no-charts)")
         else:
-            for p in draw_chart(results, out_dir, meta):
+            for p in draw_chart(self.results, self.out_dir, self.meta):
                 log(f"chart: {p}")
-        log(f"results in {out_dir}")
-        rc = exit_code(results)
+        log(f"results in {self.out_dir}")
+        return exit_code(self.results)
+
+    def finish(self, rc: int) -> int:
+        """Cleanup, which must finish: a second Ctrl-C or SIGTERM is ignored (every step has
+        a timeout).  Returns `rc`, or 3 when a run that passed left something behind."""
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        clean = cleanup(self.tmp, self.loops, self.udms, self.nbdfuse, self.nbd_mnt)
+        copy_logs([u.daemon for u in self.udms] + [self.nbdfuse], self.out_dir)
+        if not clean:
+            log(f"WARNING: cleanup incomplete; {self.tmp} left in place (see messages above)")
+        elif self.args.keep:
+            log(f"cleaned up (loops detached, mounts gone); kept temp dir {self.tmp}")
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            log("cleaned up (loops detached, mounts gone, temp dir removed)")
+        return 3 if not clean and rc == 0 else rc
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    trap_signals()
+    if not host_ready():
+        return 2
+    out_dir = prepare_out_dir(args.out)
+    udm_bin = locate_udm(args, find_udm)
+    if udm_bin is None:
+        return 2
+    tmp = fresh_tmpdir(args)
+    if tmp is None:
+        return 2
+    r = Run(args, udm_bin, out_dir, tmp)
+    rc = 1
+    try:
+        r.start_daemons()
+        r.start_nbdfuse()
+        r.attach_loops()
+        note = same_bytes(r.loops, r.disk, r.size)
+        if note:
+            raise BenchError(note + " (before any run)")
+        cached_before = resident_bytes(r.disk)
+        r.run_matrix()
+        r.check_after(cached_before)
+        rc = r.report()
     except KeyboardInterrupt as e:
         log(f"interrupted ({e or 'Ctrl-C'}); cleaning up")
         rc = 130
@@ -815,20 +877,7 @@ def main(argv=None) -> int:
         log(f"ERROR: {e}")
         rc = 1
     finally:
-        # Cleanup must finish: a second Ctrl-C or SIGTERM is ignored (every step has a timeout).
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        clean = cleanup(tmp, loops, udms, nbdfuse, nbd_mnt)
-        copy_logs([u.daemon for u in udms] + [nbdfuse], out_dir)
-        if not clean:
-            log(f"WARNING: cleanup incomplete; {tmp} left in place (see messages above)")
-        elif args.keep:
-            log(f"cleaned up (loops detached, mounts gone); kept temp dir {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-            log("cleaned up (loops detached, mounts gone, temp dir removed)")
-        if not clean and rc == 0:
-            rc = 3
+        rc = r.finish(rc)
     return rc
 
 
