@@ -1,13 +1,7 @@
-//! End to end: the dmsetup-style verbs, table swaps under load, restarts, and the errors a
-//! user sees for bad input.
+//! What the verbs show and change: status and tables, live swaps under load, restarts,
+//! listings in dmsetup's formats, renames, deferred removal, and the log line of each change.
 
-mod common;
-
-use std::time::Duration;
-
-use common::*;
-
-const MIB: u64 = 1 << 20;
+use super::*;
 
 #[test]
 fn verbs_report_state_tables_and_status() {
@@ -69,142 +63,6 @@ fn verbs_report_state_tables_and_status() {
     daemon.udm(&["resume", "vol"]);
     assert_eq!(daemon.udm(&["table", "vol"]), "0 8192 zero");
     assert!(daemon.udm(&["targets"]).contains("striped"));
-}
-
-#[test]
-fn bad_input_gets_one_line_errors_that_name_the_problem() {
-    let daemon = Daemon::start("errors");
-    let cases: &[(&[&str], &str)] = &[
-        (
-            &["create", "a", "--table", "0 8 linear"],
-            "line 1: linear: missing argument <dev>",
-        ),
-        (
-            &["create", "a", "--table", "0 8 nosuch"],
-            "unknown target type 'nosuch'",
-        ),
-        (
-            &["create", "a", "--table", "0 8 zero\n9 8 zero"],
-            "line 2: segment starts at sector 9",
-        ),
-        (
-            &["create", "a", "--table", "0 8 linear /nonexistent/x 0"],
-            "/nonexistent/x",
-        ),
-        (
-            &["create", "a", "--table", "0 8 linear ghost 0"],
-            "no device named 'ghost'",
-        ),
-        (
-            &[
-                "create",
-                "a",
-                "--table",
-                "0 8 linear nbd+unix:///x?socket=/nonexistent/nbd.sock 0",
-            ],
-            "cannot connect to nbd server",
-        ),
-        (
-            &["create", "a/b", "--table", "0 8 zero"],
-            "invalid device name 'a/b'",
-        ),
-        (&["status", "ghost"], "device 'ghost' does not exist"),
-        (&["remove", "ghost"], "device 'ghost' does not exist"),
-    ];
-    for (args, expected) in cases {
-        let err = daemon.udm_err(args);
-        assert!(err.contains(expected), "udm {args:?}: {err}");
-    }
-    daemon.create("a", "0 8 zero");
-    assert!(daemon
-        .udm_err(&["create", "a", "--table", "0 8 zero"])
-        .contains("already exists"));
-    // A device cannot come to depend on itself.
-    daemon.create("b", "0 8 linear a 0");
-    let err = daemon.udm_err(&["load", "a", "--table", "0 8 linear b 0"]);
-    assert!(err.contains("would make 'a' depend on itself"), "{err}");
-    assert!(daemon.udm_err(&["remove", "a"]).contains("used by b"));
-    // Nothing was lost: both devices are still there and the daemon still answers.
-    assert_eq!(daemon.udm(&["ls"]), "a\t(8 sectors)\nb\t(8 sectors)");
-
-    // The daemon is not reachable: a clear error, no hang.
-    let out = std::process::Command::new(UDM)
-        .args(["ls", "--control", "/nonexistent/control.sock"])
-        .output()
-        .unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the udm daemon"));
-}
-
-#[test]
-fn malformed_control_requests_leave_the_daemon_serving() {
-    use std::io::{BufRead, BufReader, Write};
-    let daemon = Daemon::start("control");
-    for junk in [
-        "not json\n",
-        "{\"version\":1,\"command\":\"explode\"}\n",
-        "{\"version\":9,\"command\":\"targets\"}\n",
-        "{}\n",
-    ] {
-        let mut s = std::os::unix::net::UnixStream::connect(daemon.control()).unwrap();
-        s.write_all(junk.as_bytes()).unwrap();
-        let mut answer = String::new();
-        BufReader::new(s).read_line(&mut answer).unwrap();
-        let answer: serde_json::Value = serde_json::from_str(&answer).unwrap();
-        assert_eq!(answer["ok"], false, "{junk}");
-        assert!(answer["error"].as_str().unwrap().len() > 5);
-    }
-    daemon.udm(&["ls"]);
-}
-
-#[test]
-fn invalid_utf8_in_a_control_request_gets_an_error_and_the_connection_stays_usable() {
-    use std::io::{BufRead, BufReader, Write};
-    let daemon = Daemon::start("control-utf8");
-    let s = std::os::unix::net::UnixStream::connect(daemon.control()).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
-        .unwrap();
-    let mut writer = s.try_clone().unwrap();
-    let mut reader = BufReader::new(s);
-    let mut answer = |request: &[u8]| -> serde_json::Value {
-        writer.write_all(request).unwrap();
-        let mut line = String::new();
-        reader.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
-    };
-    for junk in [
-        &b"{\"version\":1,\"command\":\"table\",\"name\":\"\xff\xfe\"}\n"[..],
-        b"\xc3\x28\n",
-    ] {
-        let bad = answer(junk);
-        assert_eq!(bad["ok"], false, "{bad}");
-        assert!(
-            bad["error"]
-                .as_str()
-                .unwrap()
-                .starts_with("malformed request"),
-            "{bad}"
-        );
-    }
-    let good = answer(b"{\"version\":1,\"command\":\"ls\",\"tree\":false}\n");
-    assert_eq!(good["ok"], true, "{good}");
-}
-
-#[test]
-fn remove_refuses_open_devices_unless_forced() {
-    let daemon = Daemon::start("remove");
-    daemon.create("vol", "0 2048 zero");
-    let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
-    assert!(daemon
-        .udm(&["info", "vol"])
-        .contains("Open count:        1"));
-    let err = daemon.udm_err(&["remove", "vol"]);
-    assert!(err.contains("open by 1 client"), "{err}");
-    daemon.udm(&["remove", "vol", "--force"]);
-    // The client's I/O now fails instead of reaching the old table.
-    client.send(0, NBD_CMD_READ, 1, 0, 512, &[]);
-    let (error, cookie) = client.reply().unwrap();
-    assert_eq!((error, cookie), (5, 1));
-    assert_eq!(daemon.udm(&["ls"]), "No devices found");
 }
 
 #[test]
@@ -271,74 +129,6 @@ fn a_restarted_daemon_brings_every_device_back() {
         assert!(daemon.udm(&["info", "ro"]).contains("READ-ONLY"));
         qemu_io_ok(&daemon.uri("top"), &["read -P 0x77 0 1M"]);
     }
-}
-
-#[test]
-fn abandoned_waits_leave_no_daemon_threads_behind() {
-    let daemon = Daemon::start("wait-abandoned");
-    daemon.create("z", "0 2048 zero");
-    let tasks = format!("/proc/{}/task", daemon.pid());
-    let threads = || std::fs::read_dir(&tasks).unwrap().count();
-    // The `create` connection's thread ends once its client has gone.
-    std::thread::sleep(Duration::from_millis(300));
-    let baseline = threads();
-    // Waits that no event will ever end: only their clients going away can.
-    let mut waits: Vec<_> = (0..8)
-        .map(|_| {
-            std::process::Command::new(UDM)
-                .args(["wait", "z", &u64::MAX.to_string()])
-                .env("UDM_CONTROL", daemon.control())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    wait_for(
-        || threads() >= baseline + 8,
-        "the waits to reach the daemon",
-    );
-    for wait in &mut waits {
-        wait.kill().unwrap();
-        wait.wait().unwrap();
-    }
-    let deadline = std::time::Instant::now() + Duration::from_secs(2);
-    while threads() > baseline {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{} daemon threads 2 s after the waits' clients died (baseline {baseline})",
-            threads()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    daemon.udm(&["info", "z"]);
-}
-
-/// `nbdinfo … && udm remove vol`: the client has hung up, but the server has not yet read the
-/// hang-up when the remove arrives. Such a client must not make the remove fail with "open
-/// by 1 client".
-#[test]
-fn remove_right_after_a_client_hangs_up_succeeds() {
-    let daemon = Daemon::start("remove-after-hangup");
-    let mut refused = Vec::new();
-    for i in 0..100 {
-        let created = daemon.control_request(serde_json::json!({
-            "command": "create", "name": "vol", "table": "0 2048 zero",
-        }));
-        assert_eq!(created["ok"], true, "{created}");
-        let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
-        client.send(0, NBD_CMD_READ, 1, 0, 4096, &[]);
-        let mut reply = [0u8; 16 + 4096];
-        std::io::Read::read_exact(&mut client.stream, &mut reply).unwrap();
-        client.send(0, NBD_CMD_DISC, 2, 0, 0, &[]);
-        drop(client);
-        let removed = daemon.control_request(serde_json::json!({
-            "command": "remove", "name": "vol",
-        }));
-        if removed["ok"] != true {
-            refused.push(format!("{i}: {}", removed["error"]));
-            daemon.udm(&["remove", "vol", "--force"]);
-        }
-    }
-    assert!(refused.is_empty(), "refused: {refused:?}");
 }
 
 /// dmsetup's listings: without a name, every device, each line prefixed `NAME: `; `info -c`
@@ -560,39 +350,6 @@ fn deferred_removal_and_remove_all() {
     assert_eq!(daemon.udm(&["ls"]), "No devices found");
 }
 
-/// A bad command line is one line on stderr with exit status 1, like every other error, and
-/// says where to read more.
-#[test]
-fn bad_command_lines_are_one_line_errors_with_status_1() {
-    let daemon = Daemon::start("command-lines");
-    for args in [
-        &["create"][..],
-        &["create", "x", "--bogus"],
-        &["frobnicate"],
-        &["message", "x"],
-        &["info", "-c", "-o"],
-    ] {
-        // With $UDM_CONTROL set, as run_udm does: clap's usage line used to show --control
-        // as required then.
-        let out = daemon.run_udm(args);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "udm {args:?}: {err}");
-        assert_eq!(err.trim_end().lines().count(), 1, "udm {args:?}: {err}");
-        assert!(err.starts_with("udm: ") && err.contains("--help`"), "{err}");
-        assert!(!err.contains("--control"), "{err}");
-    }
-    let help = daemon.udm(&["replay-log", "--help"]);
-    assert!(!help.contains("--control"), "{help}");
-    assert!(daemon
-        .udm(&["--help"])
-        .contains("NAME is a device's name or its UUID"));
-
-    // finalize on a device with nothing to finalize (a second finalize) is not an error.
-    daemon.create("vol", "0 8 zero");
-    let said = daemon.udm(&["finalize", "vol"]);
-    assert!(said.contains("nothing to finalize"), "{said}");
-}
-
 /// The daemon's log lets an operator reconstruct what happened: one line per change, each a
 /// whole line of the logger's, naming the device.
 #[test]
@@ -629,41 +386,4 @@ fn every_change_is_one_line_in_the_log() {
         assert_eq!(log.matches(&expected).count(), 1, "{expected}\n{log}");
     }
     drop(disk);
-}
-
-/// Errors of a daemon that cannot start: one line, each cause once, limits in plain words.
-#[test]
-fn a_daemon_that_cannot_start_says_why_in_one_line() {
-    let dir = TempDir::new("start-errors");
-    let file = dir.path("a-file");
-    std::fs::write(&file, b"").unwrap();
-    let control = dir.path("c.sock");
-    let long = dir.path(&"d".repeat(100)).join("control.sock");
-    let under_a_file = format!("{}/mnt", file.display());
-    let cases: &[(&[&str], &str)] = &[
-        (
-            &[
-                "--control",
-                control.to_str().unwrap(),
-                "--fuse",
-                &under_a_file,
-            ],
-            "Not a directory (os error 20)",
-        ),
-        (&["--control", long.to_str().unwrap()], "holds at most 107"),
-    ];
-    for (args, expected) in cases {
-        let mut command = std::process::Command::new(UDM);
-        command
-            .args(["daemon", "--state-dir"])
-            .arg(dir.path("state"))
-            .args(*args);
-        let out = command.output().unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        let last = err.trim_end().lines().last().unwrap_or("");
-        assert_eq!(out.status.code(), Some(1), "{err}");
-        assert!(last.starts_with("udm: "), "{err}");
-        assert_eq!(last.matches(expected).count(), 1, "{last}");
-        assert!(!last.contains("SUN_LEN"), "{last}");
-    }
 }
