@@ -46,8 +46,8 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import (  # noqa: E402
-    BenchError, copy_logs, locate_udm, make_tmpdir, prepare_out_dir, remove_tmp, run,
-    select_workloads, stop_daemon, tmp_base, tool_version, trap_signals,
+    BenchError, copy_logs, remove_tmp, run, select_workloads, stop_daemon, tool_version,
+    trap_signals,
 )
 from harness import (  # noqa: E402
     Service, Udm, Workload, check_export, fill_backing_file, find_udm, parse_fio_json,
@@ -317,6 +317,21 @@ class Bench(Matrix, Hydration, Report):
 
 
 
+    def cleanup(self, rc: int) -> int:
+        """Peers first, then the udm devices (newest first), then the daemon; logs kept,
+        temp dir removed unless --keep.  Returns `rc`."""
+        for svc in list(reversed(self.services)):
+            if svc is not self.daemon:
+                svc.stop(grace=5)
+        if self.daemon is not None and self.daemon.alive() and self.udm is not None:
+            for name in list(reversed(self.created)):
+                self.udm_remove(name)
+        if self.daemon is not None:
+            stop_daemon(self.daemon, grace=15, report_exit=False)
+        copy_logs(self.services, self.out_dir)
+        remove_tmp(self.tmp, self.args.keep)
+        return rc
+
 def parse_regions(text: str) -> list:
     out = []
     for tok in text.split(","):
@@ -336,7 +351,7 @@ def parse_regions(text: str) -> list:
     return out
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(
         description="udm clone benchmark: the dm-clone seed's table (udm clone vs udm linear, "
                     "qemu qcow2 overlay and nbdkit cow over a slow source), plus hydration "
@@ -386,26 +401,85 @@ def main(argv=None) -> int:
         ap.error("--runtime must be at least 1")
     # In place: the matrix and the report read this same list.
     WORKLOADS[:] = select_workloads(ap, args.workloads, list(WORKLOADS))
-    trap_signals()
+    return args
 
+
+def tools_ready() -> bool:
+    """fio with its nbd engine and qemu-img (an ERROR line for each missing); nbdkit and
+    qemu-nbd only leave their columns empty."""
     if not common.have_fio_with_nbd():
-        return 2
+        return False
     if not shutil.which("qemu-img"):
         log("ERROR: `qemu-img` not found (used to probe every export); apt-get install qemu-utils")
-        return 2
+        return False
     for t, pkg in (("nbdkit", "nbdkit"), ("qemu-nbd", "qemu-utils")):
         if not shutil.which(t):
             log(f"WARNING: `{t}` not found; install the Debian package `{pkg}` — its column "
                 f"will be empty")
+    return True
 
-    out_dir = prepare_out_dir(args.out)
-    udm_bin = locate_udm(args, find_udm)
-    if udm_bin is None:
-        return 2
-    tmp = make_tmpdir(tmp_base(args), "udm-clone-", "nbdkit-delay.sock")
-    if tmp is None:
-        return 2
 
+def measure_all(b: Bench, meta: dict) -> int:
+    """The sources, the matrix, the hydrated clone and the extras as asked, then the report;
+    3 when a cell failed."""
+    args = b.args
+    fill_backing_file(b.src, args.size, timeout=max(600, args.size / (20 << 20)))
+    b.start_daemon()
+    s = args.size // SECTOR
+    b.udm_create("slowsrc", f"0 {s} delay {b.src} 0 1 {b.src} 0 0")
+    b.udm_create("linsrc", f"0 {s} linear {b.src} 0")
+    wait_for_socket(b.nbd_sock, b.daemon, timeout=30)
+    check_export(b.uri("slowsrc"), args.size, "udm slowsrc")
+    b.probe_peers()
+    b.notes.append("a udm NBD connection serves at most --nbd-threads requests at once "
+                   f"({args.nbd_threads or 'the daemon default, 32'}), and a delayed read "
+                   "holds its thread for the 1 ms, so the slow source (and anything read "
+                   "through it at iodepth 32) tops out near threads / 1 ms; nbdkit (16 "
+                   "threads) and qemu's nbd client are bound alike")
+    if not args.skip_matrix:
+        b.run_matrix()
+        if args.bar_repeats > 1:
+            b.repeat_bar_cells()
+    if not args.skip_hydrated:
+        b.ensure_daemon()
+        b.hydrated_vs_linear()
+    if not args.skip_extras:
+        b.ensure_daemon()
+        hsrc = b.make_hsrc(args.hydration_size)
+        b.hydration_throughput(hsrc, args.hydration_size)
+        b.hydration_interference(hsrc, args.hydration_size)
+    meta["notes"] = b.notes
+    table, bars = b.build_report(meta)
+    write_results(b.out_dir, table, {
+        "meta": meta,
+        "matrix": [{"workload": wl, "system": sk, "region_kib": kib,
+                    "iops": r.sample.iops if r.sample else None,
+                    "mbps": r.sample.mbps if r.sample else None,
+                    "lat_mean_us": r.sample.lat_mean_us if r.sample else None,
+                    "lat_p99_us": r.sample.lat_p99_us if r.sample else None,
+                    "json": r.sample.json_path.name if r.sample else None,
+                    "error": r.error, **r.extra}
+                   for (wl, sk, kib), r in b.results.items()],
+        "metadata_used_blocks": {str(k): v for k, v in b.meta_used.items()},
+        "extras": b.extras,
+        "bars": [{"text": t, "ok": ok} for t, ok in bars],
+    })
+    if not args.no_charts:
+        for p in b.draw_charts(meta):
+            log(f"chart: {p}")
+    log(f"results in {b.out_dir}")
+    return 3 if any(r.sample is None for r in b.results.values()) else 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    trap_signals()
+    if not tools_ready():
+        return 2
+    dirs = common.run_dirs(args, find_udm, "udm-clone-", "nbdkit-delay.sock")
+    if dirs is None:
+        return 2
+    out_dir, udm_bin, tmp = dirs
     b = Bench(args, udm_bin, tmp, out_dir)
     meta = {
         **common.base_meta(udm_bin),
@@ -414,76 +488,7 @@ def main(argv=None) -> int:
         "runtime": args.runtime, "size": args.size, "regions_kib": args.regions,
         "hydration_size": args.hydration_size, "tmpdir": str(tmp),
     }
-    rc = 1
-    try:
-        fill_backing_file(b.src, args.size, timeout=max(600, args.size / (20 << 20)))
-        b.start_daemon()
-        s = args.size // SECTOR
-        b.udm_create("slowsrc", f"0 {s} delay {b.src} 0 1 {b.src} 0 0")
-        b.udm_create("linsrc", f"0 {s} linear {b.src} 0")
-        wait_for_socket(b.nbd_sock, b.daemon, timeout=30)
-        check_export(b.uri("slowsrc"), args.size, "udm slowsrc")
-        b.probe_peers()
-        b.notes.append("a udm NBD connection serves at most --nbd-threads requests at once "
-                       f"({args.nbd_threads or 'the daemon default, 32'}), and a delayed read "
-                       "holds its thread for the 1 ms, so the slow source (and anything read "
-                       "through it at iodepth 32) tops out near threads / 1 ms; nbdkit (16 "
-                       "threads) and qemu's nbd client are bound alike")
-
-        if not args.skip_matrix:
-            b.run_matrix()
-            if args.bar_repeats > 1:
-                b.repeat_bar_cells()
-        if not args.skip_hydrated:
-            b.ensure_daemon()
-            b.hydrated_vs_linear()
-        if not args.skip_extras:
-            b.ensure_daemon()
-            hsrc = b.make_hsrc(args.hydration_size)
-            b.hydration_throughput(hsrc, args.hydration_size)
-            b.hydration_interference(hsrc, args.hydration_size)
-
-        meta["notes"] = b.notes
-        table, bars = b.build_report(meta)
-        write_results(out_dir, table, {
-            "meta": meta,
-            "matrix": [{"workload": wl, "system": sk, "region_kib": kib,
-                        "iops": r.sample.iops if r.sample else None,
-                        "mbps": r.sample.mbps if r.sample else None,
-                        "lat_mean_us": r.sample.lat_mean_us if r.sample else None,
-                        "lat_p99_us": r.sample.lat_p99_us if r.sample else None,
-                        "json": r.sample.json_path.name if r.sample else None,
-                        "error": r.error, **r.extra}
-                       for (wl, sk, kib), r in b.results.items()],
-            "metadata_used_blocks": {str(k): v for k, v in b.meta_used.items()},
-            "extras": b.extras,
-            "bars": [{"text": t, "ok": ok} for t, ok in bars],
-        })
-        if not args.no_charts:
-            for p in b.draw_charts(meta):
-                log(f"chart: {p}")
-        log(f"results in {out_dir}")
-        any_err = any(r.sample is None for r in b.results.values())
-        rc = 3 if any_err else 0
-    except KeyboardInterrupt as e:
-        log(f"interrupted ({e}); cleaning up")
-        rc = 130
-    except BenchError as e:
-        log(f"ERROR: {e}")
-        rc = 1
-    finally:
-        # peers first, then the udm devices (newest first), then the daemon
-        for svc in list(reversed(b.services)):
-            if svc is not b.daemon:
-                svc.stop(grace=5)
-        if b.daemon is not None and b.daemon.alive() and b.udm is not None:
-            for name in list(reversed(b.created)):
-                b.udm_remove(name)
-        if b.daemon is not None:
-            stop_daemon(b.daemon, grace=15, report_exit=False)
-        copy_logs(b.services, out_dir)
-        remove_tmp(tmp, args.keep)
-    return rc
+    return common.guarded(lambda: measure_all(b, meta), b.cleanup)
 
 
 if __name__ == "__main__":

@@ -354,3 +354,20 @@ def run_dirs(args, find_udm, prefix: str, longest_socket: str, resolve: bool = F
     if tmp is None:
         return None
     return out_dir, udm_bin, tmp
+
+
+def guarded(body, cleanup) -> int:
+    """Runs a benchmark: `body()` returns the exit status; Ctrl-C makes it 130 and a
+    BenchError 1 (logged).  `cleanup(rc)` always runs after and returns the final status."""
+    rc = 1
+    try:
+        rc = body()
+    except KeyboardInterrupt as e:
+        log(f"interrupted ({e or 'Ctrl-C'}); cleaning up")
+        rc = 130
+    except BenchError as e:
+        log(f"ERROR: {e}")
+        rc = 1
+    finally:
+        rc = cleanup(rc)
+    return rc

@@ -607,8 +607,19 @@ class Run:
         log(f"results in {self.out_dir}")
         return exit_code(self.results)
 
-    def cleanup(self) -> None:
-        """Peers first, then the udm devices, then the daemon; logs kept, temp dir removed."""
+    def measure_all(self) -> int:
+        """Everything started, the matrix, the report; the exit status."""
+        self.start_udm()
+        self.start_peers()
+        # Every system here bypasses the page cache, so whatever of disk.img is cached after
+        # the matrix was read or written by a buffered path.
+        cached_before = resident_bytes(self.disk)
+        self.run_matrix()
+        return self.report(cached_before)
+
+    def cleanup(self, rc: int) -> int:
+        """Peers first, then the udm devices, then the daemon; logs kept, temp dir removed.
+        Returns `rc`."""
         for svc in reversed(self.services):
             if svc is not self.daemon:
                 svc.stop(grace=5)
@@ -622,6 +633,7 @@ class Run:
             stop_daemon(self.daemon, grace=15)
         copy_logs(self.services, self.out_dir)
         remove_tmp(self.tmp, self.args.keep)
+        return rc
 
 
 def parse_args(argv):
@@ -660,22 +672,7 @@ def main(argv=None) -> int:
         return 2
     out_dir, udm_bin, tmp = dirs
     r = Run(args, udm_bin, out_dir, tmp)
-    try:
-        r.start_udm()
-        r.start_peers()
-        # Every system here bypasses the page cache, so whatever of disk.img is cached after
-        # the matrix was read or written by a buffered path.
-        cached_before = resident_bytes(r.disk)
-        r.run_matrix()
-        return r.report(cached_before)
-    except KeyboardInterrupt as e:
-        log(f"interrupted ({e}); cleaning up")
-        return 130
-    except BenchError as e:
-        log(f"ERROR: {e}")
-        return 1
-    finally:
-        r.cleanup()
+    return common.guarded(r.measure_all, r.cleanup)
 
 
 if __name__ == "__main__":

@@ -828,6 +828,20 @@ class Run:
         log(f"results in {self.out_dir}")
         return exit_code(self.results)
 
+    def measure_all(self) -> int:
+        """Everything started and checked, the matrix, the checks after it, the report; the
+        exit status."""
+        self.start_daemons()
+        self.start_nbdfuse()
+        self.attach_loops()
+        note = same_bytes(self.loops, self.disk, self.size)
+        if note:
+            raise BenchError(note + " (before any run)")
+        cached_before = resident_bytes(self.disk)
+        self.run_matrix()
+        self.check_after(cached_before)
+        return self.report()
+
     def finish(self, rc: int) -> int:
         """Cleanup, which must finish: a second Ctrl-C or SIGTERM is ignored (every step has
         a timeout).  Returns `rc`, or 3 when a run that passed left something behind."""
@@ -858,28 +872,7 @@ def main(argv=None) -> int:
     if tmp is None:
         return 2
     r = Run(args, udm_bin, out_dir, tmp)
-    rc = 1
-    try:
-        r.start_daemons()
-        r.start_nbdfuse()
-        r.attach_loops()
-        note = same_bytes(r.loops, r.disk, r.size)
-        if note:
-            raise BenchError(note + " (before any run)")
-        cached_before = resident_bytes(r.disk)
-        r.run_matrix()
-        r.check_after(cached_before)
-        rc = r.report()
-    except KeyboardInterrupt as e:
-        log(f"interrupted ({e or 'Ctrl-C'}); cleaning up")
-        rc = 130
-    except BenchError as e:
-        log(f"ERROR: {e}")
-        rc = 1
-    finally:
-        rc = r.finish(rc)
-    return rc
-
+    return common.guarded(r.measure_all, r.finish)
 
 def cleanup(tmp: Path, loops: list, udms: list, nbdfuse: Service | None,
             nbd_mnt: Path) -> bool:

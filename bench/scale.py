@@ -513,7 +513,7 @@ def daemon_flags(udm_bin: Path, args) -> dict:
     return flags
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(
         description="udm scale benchmark: many NBD connections against one daemon (total "
                     "IOPS, threads, RSS, errors) and a connection flood.")
@@ -543,48 +543,53 @@ def main(argv=None) -> int:
         args.per_client_limit = None
     if args.runtime < 1 or args.repeat < 1 or args.connections < 1 or args.flood < 0:
         ap.error("--runtime, --repeat and --connections must be at least 1, --flood at least 0")
-    trap_signals()
+    return args
 
-    if not common.have_fio_with_nbd():
-        return 2
-    dirs = common.run_dirs(args, find_udm, "udm-scale-", "udm.sock")
-    if dirs is None:
-        return 2
-    out_dir, udm_bin, tmp = dirs
 
-    size = args.size
-    disk = tmp / "disk.img"
-    ctl, sock = tmp / "ctl.sock", tmp / "udm.sock"
-    uri = f"nbd+unix:///{EXPORT}?socket={sock}"
-    daemon: Service | None = None
-    udm: Udm | None = None
-    runs: dict = {}
-    fl = None
-    notes: list = []
-    rc = 1
-    flags = daemon_flags(udm_bin, args)
-    meta = {**common.base_meta(udm_bin), "runtime": args.runtime, "size": size,
-            "size_human": human_size(size), "repeat": args.repeat,
-            "connections": args.connections, "flood": args.flood,
-            "daemon_flags": [x for kv in flags.items() for x in kv], "tmpdir": str(tmp),
-            "notes": notes}
-    try:
-        fill_backing_file(disk, size, timeout=max(600, size / (20 << 20)))
-        (tmp / "state").mkdir()
-        daemon = start_service(
+class Scale:
+    """One run: the daemon serving one linear device, fio over 1 and over many connections
+    (alternating), the flood, and the report.  `cleanup` removes the device and stops the
+    daemon."""
+
+    def __init__(self, args, udm_bin: Path, out_dir: Path, tmp: Path):
+        self.args, self.udm_bin, self.out_dir, self.tmp = args, udm_bin, out_dir, tmp
+        self.size = args.size
+        self.disk = tmp / "disk.img"
+        self.ctl, self.sock = tmp / "ctl.sock", tmp / "udm.sock"
+        self.uri = f"nbd+unix:///{EXPORT}?socket={self.sock}"
+        self.daemon: Service | None = None
+        self.udm: Udm | None = None
+        self.runs: dict = {}
+        self.fl = None
+        self.notes: list = []
+        self.flags = daemon_flags(udm_bin, args)
+        self.meta = {**common.base_meta(udm_bin), "runtime": args.runtime, "size": self.size,
+                     "size_human": human_size(self.size), "repeat": args.repeat,
+                     "connections": args.connections, "flood": args.flood,
+                     "daemon_flags": [x for kv in self.flags.items() for x in kv],
+                     "tmpdir": str(tmp), "notes": self.notes}
+
+    def start(self) -> None:
+        """The daemon and the device, checked; the daemon's idle threads and memory."""
+        fill_backing_file(self.disk, self.size, timeout=max(600, self.size / (20 << 20)))
+        (self.tmp / "state").mkdir()
+        self.daemon = start_service(
             "udm daemon",
-            [str(udm_bin), "daemon", "--state-dir", str(tmp / "state"), "--control", str(ctl),
-             "--nbd", f"unix:{sock}", *meta["daemon_flags"]],
-            tmp / "udm-daemon.log", env=dict(os.environ, RUST_BACKTRACE="1"))
-        wait_for_socket(ctl, daemon, timeout=30)
-        udm = Udm(udm_bin, ctl)
-        udm.client("create", EXPORT, "--table", f"0 {size // 512} linear {disk} 0")
-        wait_for_socket(sock, daemon, timeout=30)
-        check_export(uri, size, "udm lin (linear)")
-        st = proc_status(daemon.proc.pid)
-        meta["daemon_idle"] = {"threads": st.get("threads"), "rss": st.get("VmRSS")}
+            [str(self.udm_bin), "daemon", "--state-dir", str(self.tmp / "state"),
+             "--control", str(self.ctl), "--nbd", f"unix:{self.sock}",
+             *self.meta["daemon_flags"]],
+            self.tmp / "udm-daemon.log", env=dict(os.environ, RUST_BACKTRACE="1"))
+        wait_for_socket(self.ctl, self.daemon, timeout=30)
+        self.udm = Udm(self.udm_bin, self.ctl)
+        self.udm.client("create", EXPORT, "--table", f"0 {self.size // 512} linear {self.disk} 0")
+        wait_for_socket(self.sock, self.daemon, timeout=30)
+        check_export(self.uri, self.size, "udm lin (linear)")
+        st = proc_status(self.daemon.proc.pid)
+        self.meta["daemon_idle"] = {"threads": st.get("threads"), "rss": st.get("VmRSS")}
 
-        # ---- 1 connection vs many, alternating
+    def connection_runs(self) -> None:
+        """1 connection against many, alternating, `--repeat` times each."""
+        args, daemon = self.args, self.daemon
         total = 2 * args.repeat
         log(f"{total} fio runs of {args.runtime} s, then the flood")
         n = 0
@@ -594,49 +599,67 @@ def main(argv=None) -> int:
                 if not daemon.alive():
                     raise BenchError(f"udm daemon exited (code {daemon.proc.returncode}); log "
                                      f"tail:\n{daemon.log_tail()}")
-                r = fio_run(uri, jobs, args, out_dir / f"conn{jobs}.r{rep}.json", daemon, sock)
-                runs.setdefault(jobs, []).append(r)
+                r = fio_run(self.uri, jobs, args, self.out_dir / f"conn{jobs}.r{rep}.json",
+                            daemon, self.sock)
+                self.runs.setdefault(jobs, []).append(r)
                 cpu = "—" if r.cpu_us_per_io is None else f"{r.cpu_us_per_io:.1f}"
                 log(f"[{n}/{total}] {jobs:>3} connection(s) r{rep}: "
                     + (f"{r.iops:>9.0f} IOPS, p99 {r.lat_p99_us:.0f} µs" if r.iops else "no IOPS")
                     + f", CPU {cpu} µs/IO, threads {r.daemon['threads_max']}, RSS "
                     f"{mib(r.daemon['rss_max'])}" + (f", ERROR {r.error[:300]}" if r.error else ""))
 
-        # ---- the flood
-        if args.flood:
-            if not daemon.alive():
-                raise BenchError(f"udm daemon exited (code {daemon.proc.returncode})")
-            log(f"flood: {args.flood} connections while fio runs")
-            fl = flood(args, uri, daemon, sock, out_dir)
-            refused = {k.removeprefix("refused: ") for k in fl["outcome"]
-                       if k.startswith("refused: ")}
-            fl["limit_bit"] = limit_bit(refused, flags)
-            log(f"flood: {fl['outcome']}; fio error: {fl['fio']['error']}")
-        if not daemon.alive():
-            notes.append(f"the udm daemon exited (code {daemon.proc.returncode}) during the run")
+    def flood(self) -> None:
+        """`--flood` raw connections while fio runs, and which limit refused them."""
+        if not self.daemon.alive():
+            raise BenchError(f"udm daemon exited (code {self.daemon.proc.returncode})")
+        log(f"flood: {self.args.flood} connections while fio runs")
+        self.fl = flood(self.args, self.uri, self.daemon, self.sock, self.out_dir)
+        refused = {k.removeprefix("refused: ") for k in self.fl["outcome"]
+                   if k.startswith("refused: ")}
+        self.fl["limit_bit"] = limit_bit(refused, self.flags)
+        log(f"flood: {self.fl['outcome']}; fio error: {self.fl['fio']['error']}")
 
-        table, summary = build_report(meta, runs, fl, args)
-        write_results(out_dir, table, {"meta": meta, "connections": summary, "flood": fl})
-        log(f"results in {out_dir}")
-        any_err = any(r.error for rs in runs.values() for r in rs) or \
-            (fl is not None and fl["fio"]["error"] is not None)
-        rc = 3 if any_err else 0
-    except KeyboardInterrupt as e:
-        log(f"interrupted ({e}); cleaning up")
-        rc = 130
-    except BenchError as e:
-        log(f"ERROR: {e}")
-        rc = 1
-    finally:
-        if daemon is not None and daemon.alive() and udm is not None:
-            drain(sock, "removing the device")
-            udm.client("remove", EXPORT, timeout=30, check=False)
-        if daemon is not None:
-            stop_daemon(daemon, grace=15)
-        copy_logs([daemon], out_dir)
-        remove_tmp(tmp, args.keep)
-    return rc
+    def measure_all(self) -> int:
+        """Everything, then the report; 3 when a run failed."""
+        self.start()
+        self.connection_runs()
+        if self.args.flood:
+            self.flood()
+        if not self.daemon.alive():
+            self.notes.append(f"the udm daemon exited (code {self.daemon.proc.returncode}) "
+                              f"during the run")
+        table, summary = build_report(self.meta, self.runs, self.fl, self.args)
+        write_results(self.out_dir, table,
+                      {"meta": self.meta, "connections": summary, "flood": self.fl})
+        log(f"results in {self.out_dir}")
+        any_err = any(r.error for rs in self.runs.values() for r in rs) or \
+            (self.fl is not None and self.fl["fio"]["error"] is not None)
+        return 3 if any_err else 0
 
+    def cleanup(self, rc: int) -> int:
+        """The device removed once its connections are gone, the daemon stopped, its log
+        kept, the temp dir removed unless --keep.  Returns `rc`."""
+        if self.daemon is not None and self.daemon.alive() and self.udm is not None:
+            drain(self.sock, "removing the device")
+            self.udm.client("remove", EXPORT, timeout=30, check=False)
+        if self.daemon is not None:
+            stop_daemon(self.daemon, grace=15)
+        copy_logs([self.daemon], self.out_dir)
+        remove_tmp(self.tmp, self.args.keep)
+        return rc
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    trap_signals()
+    if not common.have_fio_with_nbd():
+        return 2
+    dirs = common.run_dirs(args, find_udm, "udm-scale-", "udm.sock")
+    if dirs is None:
+        return 2
+    out_dir, udm_bin, tmp = dirs
+    scale = Scale(args, udm_bin, out_dir, tmp)
+    return common.guarded(scale.measure_all, scale.cleanup)
 
 if __name__ == "__main__":
     sys.exit(main())
