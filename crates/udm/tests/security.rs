@@ -32,26 +32,27 @@ fn openssl(dir: &Path, args: &[&str]) {
     );
 }
 
+/// `openssl <command…>` making a new unencrypted P-256 key into `key`, then `rest`.
+fn new_key(work: &Path, command: &[&str], key: &str, rest: &[&str]) {
+    let mut args = command.to_vec();
+    args.extend([
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        key,
+    ]);
+    args.extend_from_slice(rest);
+    openssl(work, &args);
+}
+
 /// A P-256 key and a certificate for `subject`, signed by the CA in `work`.
 fn signed(work: &Path, name: &str, subject: &str, extensions: &str) {
     std::fs::write(work.join(format!("{name}.ext")), extensions).unwrap();
-    openssl(
-        work,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &format!("{name}-key.pem"),
-            "-out",
-            &format!("{name}.csr"),
-            "-subj",
-            subject,
-        ],
-    );
+    let (key, csr) = (format!("{name}-key.pem"), format!("{name}.csr"));
+    new_key(work, &["req"], &key, &["-out", &csr, "-subj", subject]);
     openssl(
         work,
         &[
@@ -77,26 +78,15 @@ fn signed(work: &Path, name: &str, subject: &str, extensions: &str) {
 fn make_pki(dir: &TempDir) -> Pki {
     let work = dir.path("pki");
     std::fs::create_dir_all(&work).unwrap();
-    openssl(
-        &work,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "ca-key.pem",
-            "-out",
-            "ca-cert.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=udm test CA",
-        ],
-    );
+    let ca = [
+        "-out",
+        "ca-cert.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=udm test CA",
+    ];
+    new_key(&work, &["req", "-x509"], "ca-key.pem", &ca);
     signed(
         &work,
         "server",

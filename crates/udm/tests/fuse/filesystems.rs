@@ -132,13 +132,7 @@ fn ext4_on_a_thin_volume_with_a_snapshot_taken_while_mounted() {
     let (meta, data) = (daemon.dir.path("pool.meta"), daemon.dir.path("pool.data"));
     sparse_file(&meta, 16 * MIB);
     sparse_file(&data, 512 * MIB);
-    let pool = format!(
-        "0 {} thin-pool {} {} 128 0",
-        512 * MIB / 512,
-        meta.display(),
-        data.display()
-    );
-    daemon.create("pool", &pool);
+    daemon.create("pool", &thin_pool_table(&meta, &data, 512 * MIB, "0"));
     daemon.udm(&["message", "pool", "0", "create_thin", "1"]);
     let volume = |name: &str, id: u32| {
         let table = format!("0 {} thin pool {id}", 384 * MIB / 512);

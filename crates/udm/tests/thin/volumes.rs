@@ -261,13 +261,7 @@ fn a_pool_made_by_thin_restore_serves_the_data_its_xml_maps() {
         "thin_restore",
         &["-i", xml.to_str().unwrap(), "-o", meta.to_str().unwrap()],
     );
-    let table = format!(
-        "0 {} thin-pool {} {} 128 0",
-        16 * BLOCK / 512,
-        meta.display(),
-        data.display()
-    );
-    daemon.create("pool", &table);
+    daemon.create("pool", &thin_pool_table(&meta, &data, 16 * BLOCK, "0"));
     daemon.create("vol", &format!("0 {} thin pool 1", 16 * BLOCK / 512));
     daemon.create("snap", &format!("0 {} thin pool 4", 16 * BLOCK / 512));
     let line = status(&daemon, "pool");
