@@ -20,16 +20,7 @@ struct Pki {
 }
 
 fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("cannot run openssl (install it; .ci/run does)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    udm_testkit::run_ok(Command::new("openssl").args(args).current_dir(dir));
 }
 
 /// `openssl <command…>` making a new unencrypted P-256 key into `key`, then `rest`.
@@ -153,11 +144,7 @@ fn tls_daemon(tag: &str, mode: &str, flags: &[&str]) -> (TempDir, Pki, Daemon, u
 /// Runs a client that must fail; returns what it printed.
 fn tool_fails(program: &str, args: &[&str]) -> String {
     let out = Command::new(program).args(args).output().unwrap();
-    let printed = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let printed = udm_testkit::printed(&out);
     assert!(
         !out.status.success(),
         "{program} {args:?} unexpectedly succeeded:\n{printed}"

@@ -279,7 +279,7 @@ fn ext4_on_a_loop_device() {
         let export = mount(&dir, &catalog, mode);
         let lo = LoopDevice::attach(&export.mountpoint().join("vol"));
         assert!(lo.direct_io(), "{} without direct I/O", lo.0);
-        run(Command::new("mkfs.ext4").args(["-q", "-F", &lo.0]));
+        run_ok(Command::new("mkfs.ext4").args(["-q", "-F", &lo.0]));
         let files: Vec<(String, Vec<u8>)> = (0..20)
             .map(|i| {
                 (
@@ -293,14 +293,14 @@ fn ext4_on_a_loop_device() {
             for (name, data) in &files {
                 std::fs::write(fs.0.join(name), data).unwrap();
             }
-            run(&mut Command::new("sync"));
+            run_ok(&mut Command::new("sync"));
             for (name, data) in &files {
                 assert!(std::fs::read(fs.0.join(name)).unwrap() == *data);
             }
         }
-        run(Command::new("e2fsck").args(["-fn", &lo.0]));
+        run_ok(Command::new("e2fsck").args(["-fn", &lo.0]));
         // Mounted again, the files are there (read back through the device, not a cache).
-        run(Command::new("blockdev").args(["--flushbufs", &lo.0]));
+        run_ok(Command::new("blockdev").args(["--flushbufs", &lo.0]));
         {
             let fs = Mounted::new(&lo.0, &dir.path("ext4"));
             for (name, data) in &files {
@@ -321,7 +321,7 @@ fn fio_verify_on_a_loop_device() {
         catalog.add_memory("vol", 64 * MIB);
         let export = mount(&dir, &catalog, mode);
         let lo = LoopDevice::attach(&export.mountpoint().join("vol"));
-        let out = run(Command::new("fio").current_dir(&dir.0).args([
+        let out = run_ok(Command::new("fio").current_dir(&dir.0).args([
             "--name=verify",
             &format!("--filename={}", lo.0),
             "--direct=1",

@@ -18,7 +18,7 @@ use udm_block::{
     WriteFlags, ZeroFlags,
 };
 use udm_fuse::{recover_stale_mount, FuseConfig, FuseError, FuseExport, Transport, UringMode};
-use udm_testkit::{pattern, Devices, TempDir};
+use udm_testkit::{pattern, run_ok, Devices, TempDir};
 
 mod files;
 mod lifecycle;
@@ -89,26 +89,16 @@ pub fn mount_with(dir: &TempDir, catalog: &Arc<Devices>, config: FuseConfig) -> 
     export
 }
 
-pub fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// A loop device on a file, detached on drop.
 pub struct LoopDevice(pub String);
 
 impl LoopDevice {
     pub fn attach(file: &Path) -> LoopDevice {
-        let out = run(Command::new("losetup")
-            .args(["--direct-io=on", "-f", "--show"])
-            .arg(file));
+        let out = run_ok(
+            Command::new("losetup")
+                .args(["--direct-io=on", "-f", "--show"])
+                .arg(file),
+        );
         LoopDevice(out.trim().to_string())
     }
 
@@ -133,7 +123,7 @@ pub struct Mounted(pub PathBuf);
 impl Mounted {
     pub fn new(device: &str, at: &Path) -> Mounted {
         std::fs::create_dir_all(at).unwrap();
-        run(Command::new("mount").arg(device).arg(at));
+        run_ok(Command::new("mount").arg(device).arg(at));
         Mounted(at.to_path_buf())
     }
 }

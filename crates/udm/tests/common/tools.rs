@@ -6,6 +6,8 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use udm_testkit::{printed, run_ok};
+
 pub fn wait_for(mut ready: impl FnMut() -> bool, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !ready() {
@@ -16,18 +18,7 @@ pub fn wait_for(mut ready: impl FnMut() -> bool, what: &str) {
 
 /// Runs a client tool that must succeed; returns its standard output.
 pub fn tool(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {program} (install it; .ci/run does): {e}"));
-    assert!(
-        out.status.success(),
-        "{program} {args:?} failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    run_ok(Command::new(program).args(args))
 }
 
 /// An ext4 image of `size` bytes at `image` holding the files of `tree` (made without mounting).
@@ -96,11 +87,7 @@ pub fn qemu_io_with(target: &str, options: &[&str], commands: &[&str]) -> (bool,
         .args(&args)
         .output()
         .unwrap_or_else(|e| panic!("cannot run qemu-io (install it; .ci/run does): {e}"));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = printed(&out);
     let failed = text.contains("error") || text.contains("failed");
     (out.status.success() && !failed, text)
 }

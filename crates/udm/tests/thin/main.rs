@@ -11,7 +11,6 @@ mod volumes;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -142,17 +141,7 @@ fn with_pool_still<T>(daemon: &Daemon, pool: &Pool, volumes: &[&str], f: impl Fn
 }
 
 fn thin_check(meta: &Path) {
-    let out = Command::new("thin_check")
-        .arg(meta)
-        .output()
-        .expect("thin_check");
-    assert!(
-        out.status.success(),
-        "thin_check {} failed:\n{}{}",
-        meta.display(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tool("thin_check", &[meta.to_str().unwrap()]);
 }
 
 /// The value of attribute `name` in one XML tag.
