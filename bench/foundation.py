@@ -25,7 +25,6 @@ are skipped with a note.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import sys
@@ -46,7 +45,7 @@ from harness import (  # noqa: E402,F401
     start_service, wait_for_socket,
 )
 from report import (  # noqa: E402
-    exit_code, fmt_cpu, fmt_lat, fmt_ratio, fmt_value, human_size, is_below, judge, markdown_table,
+    exit_code, fmt_cpu, geomean, fmt_lat, fmt_ratio, fmt_value, human_size, is_below, judge, markdown_table,
     page_cache_note, table_footer, write_results,
 )
 
@@ -180,21 +179,8 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
         bars += row_bars
         summary[wl.key] = {
             "metric": wl.metric,
-            "systems": {
-                s.key: None if cell(wl, s.key) is None else {
-                    "median_value": med(wl, s.key),
-                    "median_iops": med(wl, s.key, "iops"),
-                    "median_mbps": med(wl, s.key, "mbps"),
-                    "median_lat_mean_us": med(wl, s.key, "lat_mean_us"),
-                    "median_lat_p99_us": med(wl, s.key, "lat_p99_us"),
-                    "median_cpu_us_per_io": med(wl, s.key, "cpu_us_per_io"),
-                    "samples": [{"value": x.value, "iops": x.iops, "mbps": x.mbps,
-                                 "lat_mean_us": x.lat_mean_us, "lat_p99_us": x.lat_p99_us,
-                                 "ios": x.ios, "cpu_us_per_io": x.cpu_us_per_io,
-                                 "fio_cpu_s": x.fio_cpu_s,
-                                 "json": x.json_path.name} for x in cell(wl, s.key).samples],
-                    "errors": cell(wl, s.key).errors,
-                } for s in systems},
+            "systems": {s.key: None if cell(wl, s.key) is None else cell(wl, s.key).summary()
+                        for s in systems},
             "ratio_zero_vs_nbdkit": r_zero,
             "ratio_linear_vs_qemu": r_qemu,
             "ratio_linear_vs_nbdkit_file": r_nbdkit,
@@ -249,7 +235,7 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
     gm = []
     for (a, b), rs in ratios.items():
         if rs:
-            g = math.exp(sum(math.log(r) for r in rs) / len(rs))
+            g = geomean(rs)
             gm.append(f"{a} / {b}: geometric mean {g:.2f}× over {len(rs)} workloads")
             summary.setdefault("_geomean", {})[f"{a}/{b}"] = g
     if gm:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -52,7 +51,7 @@ from harness import (  # noqa: E402
     parse_fio_json, resident_bytes, start_service, wait_for_socket,
 )
 from report import (  # noqa: E402
-    exit_code, fmt_lat, fmt_ratio, fmt_value, human_size, is_below, markdown_table,
+    exit_code, fmt_lat, fmt_ratio, fmt_value, geomean, human_size, is_below, markdown_table,
     page_cache_note, table_footer, write_results,
 )
 
@@ -352,18 +351,8 @@ def build_table(results, meta) -> tuple[str, dict]:
         summary[wl.key] = {
             "metric": wl.metric,
             "systems": {
-                k: None if cell(wl, k) is None else {
-                    "label": LABELS[k],
-                    "median_value": med(wl, k),
-                    "median_iops": med(wl, k, "iops"),
-                    "median_mbps": med(wl, k, "mbps"),
-                    "median_lat_mean_us": med(wl, k, "lat_mean_us"),
-                    "median_lat_p99_us": med(wl, k, "lat_p99_us"),
-                    "samples": [{"value": x.value, "iops": x.iops, "mbps": x.mbps,
-                                 "lat_mean_us": x.lat_mean_us, "lat_p99_us": x.lat_p99_us,
-                                 "json": x.json_path.name} for x in cell(wl, k).samples],
-                    "errors": cell(wl, k).errors,
-                } for k in SYSTEMS},
+                k: None if cell(wl, k) is None else {"label": LABELS[k], **cell(wl, k).summary()}
+                for k in SYSTEMS},
             "ratio_udm_vs_nbdfuse": r_peer,
             "ratio_udm_vs_direct": r_floor,
             "ratio_uring_vs_dev_fuse": r_uring,
@@ -389,11 +378,11 @@ def build_table(results, meta) -> tuple[str, dict]:
                "latency mean / p99 in µs (fio clat).")
     out.append("")
     if r_peer_all:
-        g = math.exp(sum(math.log(r) for r in r_peer_all) / len(r_peer_all))
+        g = geomean(r_peer_all)
         summary["_geomean_udm_vs_nbdfuse"] = g
         line = f"Summary: udm FUSE / nbdfuse geometric mean {g:.2f}× over {len(r_peer_all)} rows"
         if r_floor_all:
-            gf = math.exp(sum(math.log(r) for r in r_floor_all) / len(r_floor_all))
+            gf = geomean(r_floor_all)
             summary["_geomean_udm_vs_direct"] = gf
             line += f"; udm FUSE / loop on file {gf:.2f}×"
         out.append(line + ".")

@@ -205,6 +205,19 @@ class Cell:
         vals = [v for v in vals if not (isinstance(v, float) and math.isnan(v))]
         return statistics.median(vals) if vals else None
 
+    def summary(self) -> dict:
+        """The cell as results.json holds it: the medians, every sample and the errors."""
+        attrs = ("value", "iops", "mbps", "lat_mean_us", "lat_p99_us", "cpu_us_per_io")
+        return {
+            **{f"median_{a}": self.median(a) for a in attrs},
+            "samples": [{"value": x.value, "iops": x.iops, "mbps": x.mbps,
+                         "lat_mean_us": x.lat_mean_us, "lat_p99_us": x.lat_p99_us,
+                         "ios": x.ios, "cpu_us_per_io": x.cpu_us_per_io,
+                         "fio_cpu_s": x.fio_cpu_s, "json": x.json_path.name}
+                        for x in self.samples],
+            "errors": self.errors,
+        }
+
 
 def fio_cmd(wl: Workload, system: System, args, out_json: Path) -> list:
     return [
