@@ -26,8 +26,9 @@ over its own destination file, alternating, every run shown.
 Usage:  python3 bench/clone.py [--runtime 5] [--size 1G] [--regions 4,8,16,32,64,128] [--quick]
                                [--out bench/results/clone] [--hydration-size 4G] [--keep]
 
-The script is in four files, one per job: this one (the run's state, its helpers and
-main), clone_matrix.py, clone_hydration.py and clone_report.py; the generic helpers
+The script is in five files, one per job: this one (the run's state, its helpers and
+main), clone_matrix.py, clone_hydration.py, clone_report.py and clone_charts.py; the generic
+helpers
 (processes, fio JSON, udm verbs) come from harness.py, sizes and tables from report.py.
 """
 
@@ -54,6 +55,7 @@ from harness import (  # noqa: E402
     start_service, wait_for_socket,
 )
 from report import parse_size, write_results  # noqa: E402
+from clone_charts import Charts  # noqa: E402
 from clone_hydration import Hydration  # noqa: E402
 from clone_matrix import Matrix  # noqa: E402
 from clone_report import (  # noqa: E402
@@ -67,7 +69,7 @@ from clone_report import Report  # noqa: E402
 # the run
 # --------------------------------------------------------------------------------------------
 
-class Bench(Matrix, Hydration, Report):
+class Bench(Matrix, Hydration, Report, Charts):
     def __init__(self, args, udm_bin: Path, tmp: Path, out_dir: Path):
         self.args = args
         self.udm_bin = udm_bin

@@ -29,6 +29,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -119,7 +120,9 @@ def bar_lines(wl: Workload, ratio, p99_ratio, labels: dict) -> list:
     return out
 
 
-def build_table(results, systems, meta) -> tuple[str, dict]:
+def tabulate(results, systems):
+    """Per workload: the rows of the three tables, the bars, the ratios and results.json's
+    summary; what `build_table` prints."""
     labels = {s.key: s.label for s in systems}
     keys = [s.key for s in systems]
 
@@ -188,7 +191,18 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
             "p99_ratio_linear_vs_file": p99r,
             "bars": [{"text": t, "ok": ok} for t, ok in row_bars],
         }
+    return SimpleNamespace(thr_rows=thr_rows, lat_rows=lat_rows, cpu_rows=cpu_rows,
+                           below=below, bars=bars, ratios=ratios, summary=summary,
+                           cell=cell)
 
+
+def build_table(results, systems, meta) -> tuple[str, dict]:
+    """The report: the throughput, latency and CPU tables, the bars, the summary lines and the
+    notes; and results.json's summary."""
+    labels = {s.key: s.label for s in systems}
+    keys = [s.key for s in systems]
+    t = tabulate(results, systems)
+    bars, summary, cell = t.bars, t.summary, t.cell
     out = []
     out.append(f"## udm foundation benchmark — {meta['timestamp']}")
     out.append("")
@@ -202,7 +216,7 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
     out.append(markdown_table(
         ["workload", "udm zero", "nbdkit null", "zero / null", "udm linear", "qemu-nbd",
          "nbdkit file", "fio on file", "linear / file", "linear / qemu-nbd",
-         "linear / nbdkit file"], thr_rows))
+         "linear / nbdkit file"], t.thr_rows))
     out.append("")
     out.append("4k rows in IOPS, 256k rows in MB/s (10^6 B/s). Ratio = udm / peer on IOPS or MB/s "
                "(higher is better for udm); **▼** marks a ratio to a peer below 1.0×. nbdkit "
@@ -212,11 +226,11 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
     out.append("### Completion latency, mean / p99 µs (fio clat)")
     out.append("")
     out.append(markdown_table(["workload"] + [labels[k] for k in keys]
-                              + ["linear p99 / file p99"], lat_rows))
+                              + ["linear p99 / file p99"], t.lat_rows))
     out.append("")
     out.append("### CPU per I/O, µs")
     out.append("")
-    out.append(markdown_table(["workload"] + [labels[k] for k in keys], cpu_rows))
+    out.append(markdown_table(["workload"] + [labels[k] for k in keys], t.cpu_rows))
     out.append("")
     out.append("The server process's user + system time (/proc/PID/stat utime + stime, all its "
                "threads, not its children; the udm daemon for udm zero and linear) over the run, "
@@ -233,7 +247,7 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
     out.append("")
     out.append("All bars: " + ("**met**." if met else "**not met** (✘ missed, ? not measured)."))
     gm = []
-    for (a, b), rs in ratios.items():
+    for (a, b), rs in t.ratios.items():
         if rs:
             g = geomean(rs)
             gm.append(f"{a} / {b}: geometric mean {g:.2f}× over {len(rs)} workloads")
@@ -241,9 +255,9 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
     if gm:
         out.append("")
         out.append("Summary: " + "; ".join(gm) + ".")
-    if below:
+    if t.below:
         out.append("")
-        out.append("Below 1.0× (udm slower than its peer): " + "; ".join(below) + ".")
+        out.append("Below 1.0× (udm slower than its peer): " + "; ".join(t.below) + ".")
     missing = [f"{s.label} ({s.why_unavailable})" for s in systems if not s.available]
     failed = sorted({f"{s.label}" for s in systems for wl in WORKLOADS
                      if cell(wl, s.key) and cell(wl, s.key).errors})
@@ -322,7 +336,11 @@ def draw_charts(results, systems, out_dir: Path, meta) -> list:
         plt.close(fig)
         files.append(path)
 
-    # Latency at queue depth 1: mean bars with the p99 as an error whisker.
+    files.append(draw_latency_chart(plt, by_key, med, caption, out_dir))
+    return files
+
+def draw_latency_chart(plt, by_key: dict, med, caption: str, out_dir: Path) -> Path:
+    """Latency at queue depth 1: mean bars with the p99 as an error whisker."""
     wls = [w for w in WORKLOADS if w.qd == 1]
     keys = ["udm-zero", "nbdkit-null", "udm-linear", "qemu-nbd", "nbdkit-file", "file"]
     lat_colors = {"udm-zero": "#1f77b4", "nbdkit-null": "#ff7f0e", "udm-linear": "#0d47a1",
@@ -349,8 +367,8 @@ def draw_charts(results, systems, out_dir: Path, meta) -> list:
     path = out_dir / "foundation-latency-qd1.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    files.append(path)
-    return files
+    return path
+
 
 
 # --------------------------------------------------------------------------------------------
