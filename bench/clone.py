@@ -28,8 +28,8 @@ Usage:  python3 bench/clone.py [--runtime 5] [--size 1G] [--regions 4,8,16,32,64
 
 The script is in five files, one per job: this one (the run's state, its helpers and
 main), clone_matrix.py, clone_hydration.py, clone_report.py and clone_charts.py; the generic
-helpers
-(processes, fio JSON, udm verbs) come from harness.py, sizes and tables from report.py.
+helpers (processes, fio JSON, udm verbs) come from harness.py, sizes and tables from
+report.py.
 """
 
 from __future__ import annotations
