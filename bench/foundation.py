@@ -41,7 +41,7 @@ from common import (  # noqa: E402
 )
 # Also what multipath.py and snapshot.py import from here (from before harness.py held it).
 from harness import (  # noqa: E402,F401
-    REPO, Cell, Sample, Service, System, Udm, Workload, check_export, direct_io_note,
+    REPO, Cell, Results, Sample, Service, System, Udm, Workload, check_export, direct_io_note,
     fill_backing_file, find_udm, fio_cmd, parse_fio_json, read_reply_kind, resident_bytes,
     start_service, wait_for_socket,
 )
@@ -125,19 +125,8 @@ def tabulate(results, systems):
     summary; what `build_table` prints."""
     labels = {s.key: s.label for s in systems}
     keys = [s.key for s in systems]
-
-    def cell(wl, key):
-        return results.get((wl.key, key))
-
-    def med(wl, key, attr="value"):
-        c = cell(wl, key)
-        return c.median(attr) if c else None
-
-    def ratio(wl, a, b, attr="value"):
-        va, vb = med(wl, a, attr), med(wl, b, attr)
-        if va is None or vb is None or vb == 0:
-            return None
-        return va / vb
+    r = Results(results)
+    cell, med, ratio = r.cell, r.med, r.ratio
 
     def p99_ratio(wl):
         return ratio(wl, "udm-linear", "file", "lat_p99_us")

@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,7 +48,7 @@ from common import (  # noqa: E402
     select_workloads, stop_daemon, tmp_base, tool_version, trap_signals,
 )
 from harness import (  # noqa: E402
-    Cell, Service, Udm, Workload, check_export, direct_io_note, fill_backing_file, find_udm,
+    Cell, Results, Service, Udm, Workload, check_export, direct_io_note, fill_backing_file, find_udm,
     parse_fio_json, resident_bytes, start_service, wait_for_socket,
 )
 from report import (  # noqa: E402
@@ -298,19 +299,11 @@ def same_bytes(loops: list, disk: Path, size: int) -> str | None:
 # table and chart
 # --------------------------------------------------------------------------------------------
 
-def build_table(results, meta) -> tuple[str, dict]:
-    def cell(wl, key) -> Cell | None:
-        return results.get((wl.key, key))
-
-    def med(wl, key, attr="value"):
-        c = cell(wl, key)
-        return c.median(attr) if c else None
-
-    def ratio(wl, a, b):
-        va, vb = med(wl, a), med(wl, b)
-        if va is None or vb is None or vb == 0:
-            return None
-        return va / vb
+def tabulate(results):
+    """Per workload: the table's rows, the bars, the ratios and results.json's summary; what
+    `build_table` prints."""
+    r = Results(results)
+    cell, med, ratio = r.cell, r.med, r.ratio
 
     compare = "udm-fuse-dev" in SYSTEMS
     header = ["workload"] + [LABELS[k] for k in SYSTEMS] + ["udm / nbdfuse", "udm / loop on file"]
@@ -357,7 +350,18 @@ def build_table(results, meta) -> tuple[str, dict]:
             "ratio_udm_vs_direct": r_floor,
             "ratio_uring_vs_dev_fuse": r_uring,
         }
+    return SimpleNamespace(header=header, rows=rows, below=below, r_peer_all=r_peer_all,
+                           r_floor_all=r_floor_all, summary=summary, bars=bars,
+                           missing_ratio=missing_ratio, compare=compare)
 
+
+def build_table(results, meta) -> tuple[str, dict]:
+    """The report: the table, its summary lines, the bars and the notes; and results.json's
+    summary."""
+    t = tabulate(results)
+    header, rows, below, summary, bars = t.header, t.rows, t.below, t.summary, t.bars
+    r_peer_all, r_floor_all, missing_ratio, compare = (t.r_peer_all, t.r_floor_all,
+                                                       t.missing_ratio, t.compare)
     out = [f"## udm FUSE benchmark — {meta['timestamp']}", ""]
     out.append(f"Host: {meta['host']}, {meta['cpus']} CPUs, kernel {meta['kernel']}. "
                f"udm {meta['udm_commit']}. {meta['fio_version']} on /dev/loopN "
@@ -407,7 +411,7 @@ def build_table(results, meta) -> tuple[str, dict]:
     out.append("")
     out.append("All bars: " + ("**met**." if met else "**not met** (✘ missed, ? not measured)."))
     failed = sorted({LABELS[k] for k in SYSTEMS for wl in WORKLOADS
-                     if cell(wl, k) and cell(wl, k).errors})
+                     if (wl.key, k) in results and results[(wl.key, k)].errors})
     table_footer(out, meta, failed)
     return "\n".join(out) + "\n", summary
 

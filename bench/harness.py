@@ -219,6 +219,28 @@ class Cell:
         }
 
 
+class Results:
+    """A run's cells by (workload key, system key): their medians and the ratios between
+    systems, as every table reads them."""
+
+    def __init__(self, cells: dict):
+        self.cells = cells
+
+    def cell(self, wl: Workload, key: str) -> Cell | None:
+        return self.cells.get((wl.key, key))
+
+    def med(self, wl: Workload, key: str, attr: str = "value"):
+        c = self.cell(wl, key)
+        return c.median(attr) if c else None
+
+    def ratio(self, wl: Workload, a: str, b: str, attr: str = "value"):
+        """System `a`'s median over `b`'s; None when either is missing (or `b`'s is 0)."""
+        va, vb = self.med(wl, a, attr), self.med(wl, b, attr)
+        if va is None or vb is None or vb == 0:
+            return None
+        return va / vb
+
+
 def fio_cmd(wl: Workload, system: System, args, out_json: Path) -> list:
     return [
         "fio", f"--name={wl.key}", *system.engine_args,
