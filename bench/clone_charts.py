@@ -91,76 +91,15 @@ class Charts:
         return path
 
     def draw_hydration(self, plt, meta, files) -> None:
+        """clone-hydration.png: hydration against the source (left) and user I/O while
+        hydrating (right)."""
         hy = self.extras.get("hydration") or {}
         it = self.extras.get("interference") or {}
         if hy or it:
             fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
-            kinds = list(hy)
-            xs = list(range(len(kinds)))
-            a1.bar([x - 0.2 for x in xs], [hy[k].get("source_mbps") or 0 for k in kinds], 0.4,
-                   label="source seq read (1 MiB qd8)", color="#9e9e9e")
-            b = a1.bar([x + 0.2 for x in xs], [hy[k].get("mbps") or 0 for k in kinds], 0.4,
-                       label="background hydration", color=COLORS["clone"])
-            for k, bb in zip(kinds, b):
-                f = hy[k].get("fraction")
-                if f is None:
-                    continue
-                if hy[k].get("same_disk", k != "remote"):
-                    fc = hy[k].get("fraction_of_ceiling")
-                    text = f"{f:.2f}× src" + (f"\n{fc:.2f}× ceiling" if fc is not None else "")
-                    color = "#555555"
-                else:
-                    text = f"{f:.2f}× (bar)"
-                    color = "#c62828" if f < BAR_HYDRATION else "#1b5e20"
-                a1.annotate(text, (bb.get_x() + bb.get_width() / 2, bb.get_height()),
-                            ha="center", va="bottom", fontsize=8, color=color)
-            ceil = (self.extras.get("copy_ceiling") or {}).get("read_mbps")
-            same_xs = [x for x, k in zip(xs, kinds) if hy[k].get("same_disk", k != "remote")]
-            if ceil and same_xs:
-                a1.hlines(ceil, min(same_xs) - 0.45, max(same_xs) + 0.45, color="#c62828",
-                          linestyle=":", linewidth=1.2, label="same-disk copy ceiling (read side)")
-            a1.set_xticks(xs)
-            a1.set_xticklabels([{"remote": f"remote NBD\n(rate={self.REMOTE_RATE})",
-                                 "plain": "plain file\n(same disk)",
-                                 "delayed": "delayed 1 ms\n(same disk)"}.get(k, k)
-                                for k in kinds], fontsize=8)
-            a1.set_ylabel("MB/s")
-            a1.set_title(f"Hydration, no user I/O (bar ≥ {BAR_HYDRATION}×, remote only)",
-                         fontsize=10)
-            top = max([hy[k].get(f) or 0 for k in kinds for f in ("source_mbps", "mbps")]
-                      + [ceil or 0, 1])
-            a1.set_ylim(0, top * 1.3)
-            a1.legend(fontsize=7, loc="upper center", ncol=3)
-            a1.grid(axis="y", alpha=0.3)
+            self.draw_hydration_runs(a1, hy)
             if it:
-                pairs = it.get("pairs", [])
-                labels = [f"pair {n}" for n in range(1, len(pairs) + 1)] + ["median"]
-                idle = [p.get("idle", {}).get("iops") or 0 for p in pairs] + \
-                    [it.get("median_idle_iops") or 0]
-                hyd = [p.get("hydrating", {}).get("iops") or 0 for p in pairs] + \
-                    [it.get("median_hydrating_iops") or 0]
-                xs2 = list(range(len(labels)))
-                a2.bar([x - 0.2 for x in xs2], idle, 0.4, label="idle clone", color="#9e9e9e")
-                bb = a2.bar([x + 0.2 for x in xs2], hyd, 0.4, label="while hydrating",
-                            color=COLORS["clone"])
-                fr = [p.get("fraction") for p in pairs] + [it.get("fraction")]
-                for n, (f, bar) in enumerate(zip(fr, bb)):
-                    if f is None:
-                        continue
-                    last = n == len(fr) - 1
-                    a2.annotate(f"{f:.2f}×" + (" (bar)" if last else ""),
-                                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                                ha="center", va="bottom", fontsize=8,
-                                color=("#c62828" if f < BAR_INTERFERENCE else "#1b5e20")
-                                if last else "#555555")
-                a2.set_xticks(xs2)
-                a2.set_xticklabels(labels)
-                a2.set_ylabel("IOPS")
-                a2.set_title(f"4 KiB randread qd32, median hydrating / median idle "
-                             f"(bar ≥ {BAR_INTERFERENCE}×)", fontsize=10)
-                a2.set_ylim(0, max(idle + hyd + [1]) * 1.25)
-                a2.legend(fontsize=7, loc="upper center", ncol=2)
-                a2.grid(axis="y", alpha=0.3)
+                self.draw_interference(a2, it)
             else:
                 a2.set_visible(False)
             hvol = next(iter(hy.values()))["volume_bytes"] if hy else None
@@ -176,3 +115,74 @@ class Charts:
             fig.savefig(path, dpi=100)
             plt.close(fig)
             files.append(path)
+
+    def draw_hydration_runs(self, a1, hy: dict) -> None:
+        """Per source kind: its sequential read bandwidth beside the hydration's."""
+        kinds = list(hy)
+        xs = list(range(len(kinds)))
+        a1.bar([x - 0.2 for x in xs], [hy[k].get("source_mbps") or 0 for k in kinds], 0.4,
+               label="source seq read (1 MiB qd8)", color="#9e9e9e")
+        b = a1.bar([x + 0.2 for x in xs], [hy[k].get("mbps") or 0 for k in kinds], 0.4,
+                   label="background hydration", color=COLORS["clone"])
+        for k, bb in zip(kinds, b):
+            f = hy[k].get("fraction")
+            if f is None:
+                continue
+            if hy[k].get("same_disk", k != "remote"):
+                fc = hy[k].get("fraction_of_ceiling")
+                text = f"{f:.2f}× src" + (f"\n{fc:.2f}× ceiling" if fc is not None else "")
+                color = "#555555"
+            else:
+                text = f"{f:.2f}× (bar)"
+                color = "#c62828" if f < BAR_HYDRATION else "#1b5e20"
+            a1.annotate(text, (bb.get_x() + bb.get_width() / 2, bb.get_height()),
+                        ha="center", va="bottom", fontsize=8, color=color)
+        ceil = (self.extras.get("copy_ceiling") or {}).get("read_mbps")
+        same_xs = [x for x, k in zip(xs, kinds) if hy[k].get("same_disk", k != "remote")]
+        if ceil and same_xs:
+            a1.hlines(ceil, min(same_xs) - 0.45, max(same_xs) + 0.45, color="#c62828",
+                      linestyle=":", linewidth=1.2, label="same-disk copy ceiling (read side)")
+        a1.set_xticks(xs)
+        a1.set_xticklabels([{"remote": f"remote NBD\n(rate={self.REMOTE_RATE})",
+                             "plain": "plain file\n(same disk)",
+                             "delayed": "delayed 1 ms\n(same disk)"}.get(k, k)
+                            for k in kinds], fontsize=8)
+        a1.set_ylabel("MB/s")
+        a1.set_title(f"Hydration, no user I/O (bar ≥ {BAR_HYDRATION}×, remote only)",
+                     fontsize=10)
+        top = max([hy[k].get(f) or 0 for k in kinds for f in ("source_mbps", "mbps")]
+                  + [ceil or 0, 1])
+        a1.set_ylim(0, top * 1.3)
+        a1.legend(fontsize=7, loc="upper center", ncol=3)
+        a1.grid(axis="y", alpha=0.3)
+
+    def draw_interference(self, a2, it: dict) -> None:
+        """Per pair and their medians: user IOPS on the idle clone beside while hydrating."""
+        pairs = it.get("pairs", [])
+        labels = [f"pair {n}" for n in range(1, len(pairs) + 1)] + ["median"]
+        idle = [p.get("idle", {}).get("iops") or 0 for p in pairs] + \
+            [it.get("median_idle_iops") or 0]
+        hyd = [p.get("hydrating", {}).get("iops") or 0 for p in pairs] + \
+            [it.get("median_hydrating_iops") or 0]
+        xs2 = list(range(len(labels)))
+        a2.bar([x - 0.2 for x in xs2], idle, 0.4, label="idle clone", color="#9e9e9e")
+        bb = a2.bar([x + 0.2 for x in xs2], hyd, 0.4, label="while hydrating",
+                    color=COLORS["clone"])
+        fr = [p.get("fraction") for p in pairs] + [it.get("fraction")]
+        for n, (f, bar) in enumerate(zip(fr, bb)):
+            if f is None:
+                continue
+            last = n == len(fr) - 1
+            a2.annotate(f"{f:.2f}×" + (" (bar)" if last else ""),
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8,
+                        color=("#c62828" if f < BAR_INTERFERENCE else "#1b5e20")
+                        if last else "#555555")
+        a2.set_xticks(xs2)
+        a2.set_xticklabels(labels)
+        a2.set_ylabel("IOPS")
+        a2.set_title(f"4 KiB randread qd32, median hydrating / median idle "
+                     f"(bar ≥ {BAR_INTERFERENCE}×)", fontsize=10)
+        a2.set_ylim(0, max(idle + hyd + [1]) * 1.25)
+        a2.legend(fontsize=7, loc="upper center", ncol=2)
+        a2.grid(axis="y", alpha=0.3)

@@ -59,7 +59,13 @@ class Matrix:
         return dt
 
     def probe_peers(self) -> None:
-        # -- the clone itself answers with the source's data
+        """Every system reads back what it should before anything is measured."""
+        self.probe_clone()
+        self.probe_qcow2_backing()
+        self.probe_cow()
+
+    def probe_clone(self) -> None:
+        """The clone itself answers with the source's data; the slow source's pace."""
         with self.clone(4096, "slowsrc", self.size) as name:
             dt = self.read_back("udm clone", ["-f", "raw", f"if={self.uri(name)}"])
             log(f"probe: udm clone reads back the source (256 reads of 4 KiB in {dt:.2f} s)")
@@ -68,7 +74,9 @@ class Matrix:
         log(f"probe: udm slowsrc: 256 reads of 4 KiB in {dt:.2f} s")
         self.extras["probe_slowsrc_s"] = dt
 
-        # -- qemu: nbd driver over udm's slow export as the qcow2 backing file
+    def probe_qcow2_backing(self) -> None:
+        """qemu: its nbd driver over udm's slow export as the qcow2 backing file, else over
+        nbdkit's delay filter; a note saying which."""
         if not (shutil.which("qemu-img") and shutil.which("qemu-nbd")):
             self.qcow2_available = False
             self.notes.append("qemu qcow2 not measured: qemu-img/qemu-nbd missing "
@@ -106,7 +114,8 @@ class Matrix:
                                               f"(udm: {err[:200]}; nbdkit: {err2[:200]})")
             self.notes.append(self.qcow2_source_note)
 
-        # -- nbdkit cow + delay, with cow-block-size
+    def probe_cow(self) -> None:
+        """nbdkit cow over its delay filter, with cow-block-size when this nbdkit takes it."""
         if not shutil.which("nbdkit"):
             self.cow_available = False
             self.notes.append("nbdkit cow not measured: nbdkit missing (apt-get install nbdkit)")

@@ -366,49 +366,7 @@ class Report:
                        f"8 for {self.args.runtime} s on the source's udm export (`linear` over the "
                        "file, or the `delay` device), mean of a run before and a run after.")
             out.append("")
-            rows = []
-            labels = {"remote": f"remote NBD (nbdkit rate={self.REMOTE_RATE}) — bar",
-                      "plain": "plain file (same disk)",
-                      "delayed": "delayed 1 ms/read (same disk)"}
-            for kind, e in hy.items():
-                frac = e.get("fraction")
-                same = e.get("same_disk", kind != "remote")
-                fceil = e.get("fraction_of_ceiling")
-                if not same:
-                    bars.append((f"hydration of the remote source (nbdkit rate="
-                                 f"{self.REMOTE_RATE}): "
-                                 + (f"{frac:.2f}× its sequential read bandwidth"
-                                    if frac is not None else "not measured")
-                                 + f" (bar ≥ {BAR_HYDRATION}×)",
-                                 frac is not None and round(frac, 2) >= BAR_HYDRATION))
-                elif frac is not None:
-                    bars.append((f"hydration of the {kind} source on the destination's disk: "
-                                 f"{frac:.2f}× its sequential read bandwidth"
-                                 + (f", {fceil:.2f}× the same-disk copy ceiling"
-                                    if fceil is not None else "")
-                                 + " (reported, no bar: a same-disk copy is capped by the disk)",
-                                 None))
-                if same:
-                    src_cell = ((f"{e['source_mbps']:.0f} MB/s ({e['bw_before_mbps'] or 0:.0f} / "
-                                 f"{e['bw_after_mbps'] or 0:.0f})") if e.get("source_mbps")
-                                else "—")
-                else:
-                    src_cell = (f"{e['source_mbps']:.0f} MB/s (whole volume, fresh nbdkit)"
-                                if e.get("source_mbps") else "—")
-                rows.append([
-                    labels.get(kind, kind),
-                    "error" if "error" in e else
-                    (f"{e['seconds']:.2f} s" + ("" if e.get("complete") else " (incomplete)")),
-                    f"{e['mbps']:.0f} MB/s" if e.get("mbps") else "—",
-                    f"{e['udm_reported_rate_mbps']:.0f} MB/s"
-                    if e.get("udm_reported_rate_mbps") else "—",
-                    str(e.get("max_hydrating_regions", "—")),
-                    src_cell,
-                    fmt_ratio(frac, None if same else BAR_HYDRATION),
-                    fmt_ratio(fceil) if same else "— (not same disk)",
-                    fmt_ratio(e["mbps"] / copy_ref) if same and e.get("mbps") and copy_ref
-                    else "—",
-                ])
+            rows = self.hydration_rows(hy, copy_ref, bars)
             out.append(markdown_table(["source", "time to hydrate", "hydration MB/s",
                                        "udm's copy_rate (last)", "max regions in flight",
                                        "source seq read",
@@ -430,6 +388,54 @@ class Report:
         else:
             out.append("Not measured.")
         out.append("")
+
+    def hydration_rows(self, hy: dict, copy_ref, bars: list) -> list:
+        """The hydration table's rows, one per source kind; each kind's bar (or reported
+        line) into `bars`."""
+        rows = []
+        labels = {"remote": f"remote NBD (nbdkit rate={self.REMOTE_RATE}) — bar",
+                  "plain": "plain file (same disk)",
+                  "delayed": "delayed 1 ms/read (same disk)"}
+        for kind, e in hy.items():
+            frac = e.get("fraction")
+            same = e.get("same_disk", kind != "remote")
+            fceil = e.get("fraction_of_ceiling")
+            if not same:
+                bars.append((f"hydration of the remote source (nbdkit rate="
+                             f"{self.REMOTE_RATE}): "
+                             + (f"{frac:.2f}× its sequential read bandwidth"
+                                if frac is not None else "not measured")
+                             + f" (bar ≥ {BAR_HYDRATION}×)",
+                             frac is not None and round(frac, 2) >= BAR_HYDRATION))
+            elif frac is not None:
+                bars.append((f"hydration of the {kind} source on the destination's disk: "
+                             f"{frac:.2f}× its sequential read bandwidth"
+                             + (f", {fceil:.2f}× the same-disk copy ceiling"
+                                if fceil is not None else "")
+                             + " (reported, no bar: a same-disk copy is capped by the disk)",
+                             None))
+            if same:
+                src_cell = ((f"{e['source_mbps']:.0f} MB/s ({e['bw_before_mbps'] or 0:.0f} / "
+                             f"{e['bw_after_mbps'] or 0:.0f})") if e.get("source_mbps")
+                            else "—")
+            else:
+                src_cell = (f"{e['source_mbps']:.0f} MB/s (whole volume, fresh nbdkit)"
+                            if e.get("source_mbps") else "—")
+            rows.append([
+                labels.get(kind, kind),
+                "error" if "error" in e else
+                (f"{e['seconds']:.2f} s" + ("" if e.get("complete") else " (incomplete)")),
+                f"{e['mbps']:.0f} MB/s" if e.get("mbps") else "—",
+                f"{e['udm_reported_rate_mbps']:.0f} MB/s"
+                if e.get("udm_reported_rate_mbps") else "—",
+                str(e.get("max_hydrating_regions", "—")),
+                src_cell,
+                fmt_ratio(frac, None if same else BAR_HYDRATION),
+                fmt_ratio(fceil) if same else "— (not same disk)",
+                fmt_ratio(e["mbps"] / copy_ref) if same and e.get("mbps") and copy_ref
+                else "—",
+            ])
+        return rows
 
     def report_interference(self, out: list, bars: list) -> None:
         """User random reads while the clone hydrates, against an idle clone."""

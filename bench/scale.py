@@ -355,6 +355,8 @@ def mark(ok) -> str:
 
 
 def build_report(meta: dict, runs: dict, fl: dict | None, args) -> tuple[str, dict]:
+    """The report: the connection runs' table, the flood, the bars; and results.json's
+    summary."""
     n_conn = args.connections
     cpus = meta["cpus"]
     out = [f"## udm scale benchmark — {meta['timestamp']}", ""]
@@ -366,6 +368,27 @@ def build_report(meta: dict, runs: dict, fl: dict | None, args) -> tuple[str, di
     out.append("")
     out.append(f"### {n_conn} connections vs 1 — 4 KiB random reads, iodepth 32 per connection")
     out.append("")
+    summary = connections_table(out, runs, n_conn)
+    bars = connection_bars(summary, runs, args, cpus)
+    flood_section(out, bars, fl, summary, args)
+    out.append("")
+    out.append("### Bars (issue #10)")
+    out.append("")
+    for text, ok in bars:
+        out.append(f"- {'·' if ok == 'reported' else mark(ok)} {text}")
+    judged = [ok for _, ok in bars if ok != "reported"]
+    met = bool(judged) and all(ok is True for ok in judged)
+    out.append("")
+    out.append("All bars: " + ("**met**." if met else "**not met** (✘ missed, ? not measured)")
+               + " (· reported, not judged)")
+    summary["_bars"] = [{"text": t, "ok": ok} for t, ok in bars]
+    summary["_bars_met"] = met
+    table_footer(out, meta, [])
+    return "\n".join(out) + "\n", summary
+
+
+def connections_table(out: list, runs: dict, n_conn: int) -> dict:
+    """The table of the 1- and the many-connection runs, into `out`; their summary."""
     rows, summary = [], {}
     for jobs in (1, n_conn):
         rs = runs.get(jobs, [])
@@ -396,6 +419,12 @@ def build_report(meta: dict, runs: dict, fl: dict | None, args) -> tuple[str, di
                "everything before). Connections: the server ends of connected sockets on the "
                "listener's path in /proc/net/unix. CPU: the daemon's utime + stime over the run "
                "/ I/Os.")
+    return summary
+
+
+def connection_bars(summary: dict, runs: dict, args, cpus: int) -> list:
+    """The bars the connection runs are judged on: (text, ok, or "reported")."""
+    n_conn = args.connections
     bars = []
     one, many = summary["1"]["median_iops"], summary[str(n_conn)]["median_iops"]
     r = many / one if one and many else None
@@ -419,6 +448,11 @@ def build_report(meta: dict, runs: dict, fl: dict | None, args) -> tuple[str, di
     bars.append((f"daemon RSS with {n_conn} connections: "
                  f"{mib(summary[str(n_conn)]['rss_max'])} (reported)", "reported"))
 
+    return bars
+
+
+def flood_section(out: list, bars: list, fl: dict | None, summary: dict, args) -> None:
+    """What the flood did, into `out`, and its bars into `bars`."""
     out.append("")
     out.append(f"### Flood — {args.flood} raw connections from one uid while fio runs")
     out.append("")
@@ -457,21 +491,6 @@ def build_report(meta: dict, runs: dict, fl: dict | None, args) -> tuple[str, di
                      fl["connections_left"] == 0 and bool(fl.get("served_after"))))
     else:
         out.append("Not run.")
-    out.append("")
-    out.append("### Bars (issue #10)")
-    out.append("")
-    for text, ok in bars:
-        out.append(f"- {'·' if ok == 'reported' else mark(ok)} {text}")
-    judged = [ok for _, ok in bars if ok != "reported"]
-    met = bool(judged) and all(ok is True for ok in judged)
-    out.append("")
-    out.append("All bars: " + ("**met**." if met else "**not met** (✘ missed, ? not measured)")
-               + " (· reported, not judged)")
-    summary["_bars"] = [{"text": t, "ok": ok} for t, ok in bars]
-    summary["_bars_met"] = met
-    table_footer(out, meta, [])
-    return "\n".join(out) + "\n", summary
-
 
 def limit_bit(refused: dict, flags: dict) -> str:
     """Which of the daemon's connection limits the flood's refusals name."""
