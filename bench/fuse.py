@@ -20,41 +20,38 @@ Bars (issue #10): udm FUSE >= 1.0x nbdfuse on every row; udm FUSE / loop on file
 Usage:  python3 bench/fuse.py [--runtime 10] [--size 1G] [--repeat 3] [--quick]
                               [--fuse-uring compare|on|off|auto] [--out bench/results/fuse]
 
-The generic helpers (processes, fio JSON, udm verbs) come from harness.py, sizes and
-tables from report.py.
+The report is in fuse_report.py, loop devices and mounts in loops.py; the generic helpers
+(processes, fio JSON, udm verbs) come from harness.py, sizes and tables from report.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import harness  # noqa: E402
 from common import (  # noqa: E402
-    BenchError, _pdeathsig, copy_logs, fio_cell, import_pyplot, locate_udm, prepare_out_dir, run,
-    select_workloads, stop_daemon, tmp_base, tool_version, trap_signals,
+    BenchError, copy_logs, fio_cell, locate_udm, prepare_out_dir, run, select_workloads,
+    tmp_base, tool_version, trap_signals,
 )
+from fuse_report import LABELS, SYSTEMS, WORKLOADS, build_table, draw_chart  # noqa: E402
 from harness import (  # noqa: E402
-    Cell, Results, Service, Udm, Workload, check_export, direct_io_note, fill_backing_file, find_udm,
+    Cell, Service, Udm, Workload, check_export, direct_io_note, fill_backing_file, find_udm,
     parse_fio_json, resident_bytes, start_service, wait_for_socket,
 )
-from report import (  # noqa: E402
-    exit_code, fmt_lat, fmt_ratio, fmt_value, geomean, human_size, is_below, markdown_table,
-    page_cache_note, table_footer, write_results,
+from loops import (  # noqa: E402
+    LoopDev, UdmFuse, cleanup, device_size, is_mounted, loop_dio, loops_under, losetup_attach,
+    run_group, same_bytes, wait_for_file,
 )
+from report import exit_code, human_size, page_cache_note, write_results  # noqa: E402
 
 REPO = harness.REPO
 
@@ -77,412 +74,6 @@ def _maybe_reexec_for_matplotlib() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# workloads and systems
-# --------------------------------------------------------------------------------------------
-
-WORKLOADS = list(harness.WORKLOADS)   # randread/randwrite 4k qd1, qd32, write/read 256k qd32
-
-# "udm-fuse-dev" (a second daemon on /dev/fuse) joins when comparing the FUSE transports.
-SYSTEMS = ["udm-fuse", "nbdfuse", "direct"]
-LABELS = {"udm-fuse": "udm FUSE", "udm-fuse-dev": "udm FUSE (/dev/fuse)", "nbdfuse": "nbdfuse",
-          "direct": "loop on file"}
-COLORS = {"udm-fuse": "#1f77b4", "udm-fuse-dev": "#90caf9", "nbdfuse": "#ff7f0e",
-          "direct": "#9e9e9e"}
-
-# Issue #10's bars at 4 KiB random, depth 32 (besides udm FUSE >= nbdfuse on every row).
-BAR_FILE_LOOP = 0.7   # loop on udm's FUSE file / loop on the file
-BAR_URING = 1.3       # FUSE over io_uring / /dev/fuse
-
-
-@dataclass
-class LoopDev:
-    system: str
-    device: str          # /dev/loopN
-    backing: Path        # the file it was made on
-    owner: "UdmFuse | None" = None   # the udm daemon that attached it (`udm detach` it)
-
-
-# --------------------------------------------------------------------------------------------
-# bounded subprocesses (a process stuck on a dead FUSE mount must not hang the script)
-# --------------------------------------------------------------------------------------------
-
-def run_group(cmd, *, timeout: float, cwd=None, env=None, text: bool = True):
-    """Run `cmd` in its own process group with a hard time limit.
-
-    fio forks its job processes, and a process blocked on a FUSE file may not die at once:
-    on timeout (or Ctrl-C) the whole group gets SIGTERM, then SIGKILL, and we wait at most a
-    few seconds more before giving up on it (it is reported, never waited for forever)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text,
-                            stdin=subprocess.DEVNULL, cwd=cwd, env=env,
-                            start_new_session=True, preexec_fn=_pdeathsig)
-
-    def kill_group():
-        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.communicate(timeout=wait)
-                return True
-            except subprocess.TimeoutExpired:
-                continue
-        log(f"WARNING: process group {proc.pid} ({cmd[0]}) did not exit after SIGKILL "
-            f"(stuck in the kernel?); leaving it")
-        return False
-
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group()
-        raise BenchError(f"timed out after {timeout:.0f}s: {' '.join(map(str, cmd))}")
-    except BaseException:
-        kill_group()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-# --------------------------------------------------------------------------------------------
-# loop devices and mounts
-# --------------------------------------------------------------------------------------------
-
-def loops_under(prefix: Path) -> list:
-    """Loop devices whose backing file lies under `prefix` (ours: everything is in the temp dir),
-    as (device, back-file) pairs."""
-    cp = run(["losetup", "--list", "--json", "--output", "NAME,BACK-FILE"], timeout=30,
-             check=False, quiet=True)
-    if cp.returncode != 0 or not cp.stdout.strip():
-        return []
-    try:
-        rows = json.loads(cp.stdout).get("loopdevices", [])
-    except json.JSONDecodeError:
-        return []
-    want = str(prefix).rstrip("/") + "/"
-    return [(r["name"], r.get("back-file") or "") for r in rows
-            if (r.get("back-file") or "").startswith(want)]
-
-
-def mounts_under(prefix: Path) -> list:
-    """Mount points at or under `prefix`, deepest first (from /proc/self/mountinfo)."""
-    want = str(prefix).rstrip("/")
-    found = []
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return found
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 5:
-            continue
-        mp = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n") \
-                      .replace("\\134", "\\")
-        if mp == want or mp.startswith(want + "/"):
-            found.append(mp)
-    return sorted(set(found), key=len, reverse=True)
-
-
-def is_mounted(path: Path) -> bool:
-    return str(path) in mounts_under(path)
-
-
-def loop_dio(device: str) -> bool | None:
-    """Whether the loop driver really does direct I/O on its backing file (/sys .../loop/dio):
-    `losetup --direct-io=on` only warns when the kernel refuses it."""
-    try:
-        return Path(f"/sys/block/{Path(device).name}/loop/dio").read_text().strip() == "1"
-    except OSError:
-        return None
-
-
-def losetup_attach(backing: Path) -> str:
-    cp = run(["losetup", "--direct-io=on", "-f", "--show", str(backing)], timeout=60,
-             check=False, quiet=True)
-    dev = cp.stdout.strip()
-    if cp.returncode != 0 or not dev.startswith("/dev/"):
-        raise BenchError(f"losetup --direct-io=on -f --show {backing} failed "
-                         f"(exit {cp.returncode}): {cp.stderr.strip()[-800:]}")
-    if cp.stderr.strip():
-        log(f"losetup {backing.name}: {cp.stderr.strip()}")
-    return dev
-
-
-def detach_loop(device: str, *, udm: Udm | None = None) -> bool:
-    """Detach one loop device (with `udm detach` when given the udm client), retrying briefly:
-    the device may still be held for a moment by the process that used it."""
-    for attempt in range(20):
-        if udm is not None and attempt == 0:
-            cp = run([str(udm.binary), "--control", str(udm.control), "detach", device],
-                     timeout=30, env=udm.env, check=False, quiet=True)
-        else:
-            cp = run(["losetup", "-d", device], timeout=30, check=False, quiet=True)
-        if cp.returncode == 0:
-            return True
-        if "No such device" in cp.stderr or "not a loop" in cp.stderr.lower():
-            return True
-        time.sleep(0.25)
-    log(f"WARNING: could not detach {device}: {cp.stderr.strip()[-300:]}")
-    return False
-
-
-def unmount_fuse(mountpoint: Path, *, lazy_fallback: bool = True) -> bool:
-    """`fusermount3 -u`, retried while busy (a loop device lets go of its file asynchronously),
-    then a lazy unmount as the last resort."""
-    if not is_mounted(mountpoint):
-        return True
-    err = ""
-    for _ in range(40):
-        cp = run(["fusermount3", "-u", str(mountpoint)], timeout=30, check=False, quiet=True)
-        if cp.returncode == 0 or not is_mounted(mountpoint):
-            return True
-        err = cp.stderr.strip()
-        time.sleep(0.25)
-    if lazy_fallback:
-        log(f"WARNING: fusermount3 -u {mountpoint} kept failing ({err[-200:]}); lazy unmount")
-        cp = run(["fusermount3", "-u", "-z", str(mountpoint)], timeout=30, check=False,
-                 quiet=True)
-        if cp.returncode != 0 and is_mounted(mountpoint):
-            run(["umount", "-l", str(mountpoint)], timeout=30, check=False, quiet=True)
-    return not is_mounted(mountpoint)
-
-
-def wait_for_file(path: Path, svc: Service | None, timeout: float, size: int | None = None):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        if svc is not None and not svc.alive():
-            raise BenchError(f"{svc.name} exited (code {svc.proc.returncode}) before {path} "
-                             f"appeared; log tail:\n{svc.log_tail()}")
-        try:
-            st = path.stat()
-            if size is None or st.st_size == size:
-                return
-            last = f"size {st.st_size}, expected {size}"
-        except OSError as e:
-            last = str(e)
-        time.sleep(0.1)
-    raise BenchError(f"{path} not ready after {timeout:.0f}s ({last})")
-
-
-def device_size(device: str) -> int:
-    cp = run(["blockdev", "--getsize64", device], timeout=30)
-    return int(cp.stdout.strip())
-
-
-def read_digest(path: str, offset: int, length: int = 1 << 20) -> str:
-    """SHA-256 of `length` bytes at `offset`, read with O_DIRECT (dd iflag=direct)."""
-    # dd's output is binary: read it without text decoding (common's run() is text).
-    proc = run_group(["dd", f"if={path}", "bs=1M", f"count={length >> 20}",
-                      f"skip={offset >> 20}", "iflag=direct", "status=none"],
-                     timeout=60, text=False)
-    if proc.returncode != 0 or len(proc.stdout) != length:
-        raise BenchError(f"dd of {path} at {offset}: exit {proc.returncode}, "
-                         f"{len(proc.stdout)} bytes: {proc.stderr.decode(errors='replace')[-300:]}")
-    return hashlib.sha256(proc.stdout).hexdigest()
-
-
-def same_bytes(loops: list, disk: Path, size: int) -> str | None:
-    """Read the same 1 MiB at a few offsets through every loop device (and disk.img): all
-    must agree.  None when they do, else a note."""
-    offsets = sorted({0, (size // 3) & ~((1 << 20) - 1), size - (1 << 20)})
-    bad = []
-    for off in offsets:
-        digests = {"disk.img": read_digest(str(disk), off)}
-        for lp in loops:
-            digests[LABELS[lp.system]] = read_digest(lp.device, off)
-        if len(set(digests.values())) != 1:
-            bad.append(f"offset {off}: " + ", ".join(f"{k} {v[:12]}" for k, v in
-                                                      digests.items()))
-    return None if not bad else "the loop devices disagree about the data: " + "; ".join(bad)
-
-
-# --------------------------------------------------------------------------------------------
-# table and chart
-# --------------------------------------------------------------------------------------------
-
-def tabulate(results):
-    """Per workload: the table's rows, the bars, the ratios and results.json's summary; what
-    `build_table` prints."""
-    r = Results(results)
-    cell, med, ratio = r.cell, r.med, r.ratio
-
-    compare = "udm-fuse-dev" in SYSTEMS
-    header = ["workload"] + [LABELS[k] for k in SYSTEMS] + ["udm / nbdfuse", "udm / loop on file"]
-    if compare:
-        header.append("io_uring / /dev/fuse")
-    header += [f"{LABELS[k]} lat µs" for k in SYSTEMS]
-    rows, below, r_peer_all, r_floor_all, summary, bars = [], [], [], [], {}, []
-    missing_ratio = []
-    for wl in WORKLOADS:
-        r_peer = ratio(wl, "udm-fuse", "nbdfuse")
-        r_floor = ratio(wl, "udm-fuse", "direct")
-        r_uring = ratio(wl, "udm-fuse", "udm-fuse-dev") if compare else None
-        label = wl.label + (" (IOPS)" if wl.metric == "iops" else " (MB/s)")
-        if is_below(r_peer):
-            below.append(f"{wl.label} {r_peer:.2f}×")
-            label = "▼ " + label
-        if r_peer is None:
-            missing_ratio.append(wl.label)
-        else:
-            r_peer_all.append(r_peer)
-        if r_floor is not None:
-            r_floor_all.append(r_floor)
-        row = [label] + [fmt_value(med(wl, k), wl.metric) for k in SYSTEMS]
-        row += [fmt_ratio(r_peer), "—" if r_floor is None else f"{r_floor:.2f}×"]
-        if compare:
-            row.append("—" if r_uring is None else f"{r_uring:.2f}×")
-        rows.append(row + [fmt_lat(cell(wl, k)) for k in SYSTEMS])
-        if wl.bs == "4k" and wl.qd == 32 and wl.rw.startswith("rand"):
-            bars.append((f"{wl.label}: loop on udm's FUSE file / loop on the file = "
-                         + ("—" if r_floor is None else f"{r_floor:.2f}×")
-                         + f" (≥ {BAR_FILE_LOOP}×)",
-                         None if r_floor is None else round(r_floor, 2) >= BAR_FILE_LOOP))
-            if compare:
-                bars.append((f"{wl.label}: FUSE over io_uring / /dev/fuse = "
-                             + ("—" if r_uring is None else f"{r_uring:.2f}×")
-                             + f" (≥ {BAR_URING}×)",
-                             None if r_uring is None else round(r_uring, 2) >= BAR_URING))
-        summary[wl.key] = {
-            "metric": wl.metric,
-            "systems": {
-                k: None if cell(wl, k) is None else {"label": LABELS[k], **cell(wl, k).summary()}
-                for k in SYSTEMS},
-            "ratio_udm_vs_nbdfuse": r_peer,
-            "ratio_udm_vs_direct": r_floor,
-            "ratio_uring_vs_dev_fuse": r_uring,
-        }
-    return SimpleNamespace(header=header, rows=rows, below=below, r_peer_all=r_peer_all,
-                           r_floor_all=r_floor_all, summary=summary, bars=bars,
-                           missing_ratio=missing_ratio, compare=compare)
-
-
-def build_table(results, meta) -> tuple[str, dict]:
-    """The report: the table, its summary lines, the bars and the notes; and results.json's
-    summary."""
-    t = tabulate(results)
-    header, rows, below, summary, bars = t.header, t.rows, t.below, t.summary, t.bars
-    r_peer_all, r_floor_all, missing_ratio, compare = (t.r_peer_all, t.r_floor_all,
-                                                       t.missing_ratio, t.compare)
-    out = [f"## udm FUSE benchmark — {meta['timestamp']}", ""]
-    out.append(f"Host: {meta['host']}, {meta['cpus']} CPUs, kernel {meta['kernel']}. "
-               f"udm {meta['udm_commit']}. {meta['fio_version']} on /dev/loopN "
-               f"(`losetup --direct-io=on`), io_uring, O_DIRECT, one job. {meta['nbdfuse_version']}"
-               f" ({meta.get('nbdfuse_connections', '?')} connection(s) to udm's NBD socket). "
-               f"Runtime {meta['runtime']} s per run, device size {meta['size_human']}, median of "
-               f"{meta['repeat']} alternating run(s). FUSE transport: {meta['fuse_transport']}.")
-    out.append("")
-    out.append(markdown_table(header, rows))
-    out.append("")
-    out.append(f"{LABELS['udm-fuse']}: loop on udm's own FUSE file (`udm attach`)"
-               + (f"; {LABELS['udm-fuse-dev']}: the same from a second daemon with "
-                  f"`--fuse-uring off`" if compare else "")
-               + ". nbdfuse: loop on nbdfuse's file over the same udm device's NBD export. "
-               "loop on file: loop straight on disk.img (the limit, no user space). udm = "
-               f"{LABELS['udm-fuse']}. 4k rows in IOPS, 256k rows in MB/s (10^6 B/s). Ratios on "
-               "IOPS or MB/s; **▼** marks udm / nbdfuse below 1.0×. Latency cells: completion "
-               "latency mean / p99 in µs (fio clat).")
-    out.append("")
-    if r_peer_all:
-        g = geomean(r_peer_all)
-        summary["_geomean_udm_vs_nbdfuse"] = g
-        line = f"Summary: udm FUSE / nbdfuse geometric mean {g:.2f}× over {len(r_peer_all)} rows"
-        if r_floor_all:
-            gf = geomean(r_floor_all)
-            summary["_geomean_udm_vs_direct"] = gf
-            line += f"; udm FUSE / loop on file {gf:.2f}×"
-        out.append(line + ".")
-        out.append("")
-    parts = []
-    if below:
-        parts.append("below 1.0× on " + "; ".join(below))
-    if missing_ratio:
-        parts.append("no ratio for " + ", ".join(missing_ratio))
-    bars.insert(0, ("udm FUSE ≥ 1.0× nbdfuse on every row"
-                    + (": " + "; ".join(parts) if parts else ""), not parts))
-    if not compare:
-        bars.append((f"FUSE over io_uring / /dev/fuse (≥ {BAR_URING}× at 4k random qd32): "
-                     f"not measured ({meta.get('fuse_uring_not_compared')})", None))
-    out.append("### Bars (issue #10)")
-    out.append("")
-    for text, ok in bars:
-        out.append(f"- {'?' if ok is None else ('✔' if ok else '✘')} {text}")
-    met = all(ok for _, ok in bars)
-    summary["_bars"] = [{"text": t, "ok": ok} for t, ok in bars]
-    summary["_bars_met"] = met
-    out.append("")
-    out.append("All bars: " + ("**met**." if met else "**not met** (✘ missed, ? not measured)."))
-    failed = sorted({LABELS[k] for k in SYSTEMS for wl in WORKLOADS
-                     if (wl.key, k) in results and results[(wl.key, k)].errors})
-    table_footer(out, meta, failed)
-    return "\n".join(out) + "\n", summary
-
-
-def draw_chart(results, out_dir: Path, meta) -> list:
-    plt = import_pyplot("chart")
-    if plt is None:
-        return []
-
-    def med(wl, key, attr="value"):
-        c = results.get((wl.key, key))
-        return c.median(attr) if c else None
-
-    caption = (f"{meta['timestamp']} · {meta['cpus']} CPUs · fio io_uring O_DIRECT on "
-               f"/dev/loopN (losetup --direct-io=on) · {meta['runtime']} s × median of "
-               f"{meta['repeat']} · {meta['size_human']}")
-    groups = [("IOPS (4 KiB random)", [w for w in WORKLOADS if w.metric == "iops"], "value"),
-              ("MB/s (256 KiB sequential)", [w for w in WORKLOADS if w.metric == "mbps"],
-               "value"),
-              ("mean latency at iodepth 1, µs (whisker: p99)",
-               [w for w in WORKLOADS if w.qd == 1], "lat")]
-    groups = [g for g in groups if g[1]]
-    if not groups:
-        return []
-    widths = [max(len(g[1]), 1) for g in groups]
-    fig, axes = plt.subplots(1, len(groups), figsize=(15, 5.4),
-                             gridspec_kw={"width_ratios": widths})
-    if len(groups) == 1:
-        axes = [axes]
-    n = len(SYSTEMS)
-    width = 0.8 / n
-    for ax, (ylabel, wls, kind) in zip(axes, groups):
-        xs = list(range(len(wls)))
-        for i, key in enumerate(SYSTEMS):
-            pos = [x + (i - (n - 1) / 2) * width for x in xs]
-            style = dict(color=COLORS[key], hatch="//" if key == "direct" else None,
-                         edgecolor="#555555" if key == "direct" else "white",
-                         label=LABELS[key] + (" (limit)" if key == "direct" else ""))
-            if kind == "lat":
-                means = [med(w, key, "lat_mean_us") or 0 for w in wls]
-                p99s = [med(w, key, "lat_p99_us") or 0 for w in wls]
-                ax.bar(pos, means, width, yerr=[[0] * len(wls),
-                                                [max(p - m, 0) for p, m in zip(p99s, means)]],
-                       capsize=3, error_kw={"elinewidth": 1, "ecolor": "#333333"}, **style)
-                continue
-            bars = ax.bar(pos, [med(w, key) or 0 for w in wls], width, **style)
-            if key == "udm-fuse":
-                for w, b in zip(wls, bars):
-                    va, vb = med(w, "udm-fuse"), med(w, "nbdfuse")
-                    if va and vb:
-                        r = va / vb
-                        ax.annotate(f"{r:.2f}×", (b.get_x() + b.get_width() / 2, b.get_height()),
-                                    ha="center", va="bottom", fontsize=8, fontweight="bold",
-                                    color="#c62828" if is_below(r) else "#1b5e20")
-        ax.set_xticks(xs)
-        ax.set_xticklabels([w.label for w in wls], fontsize=9)
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_axisbelow(True)
-    axes[0].legend(fontsize=9, loc="upper left")
-    fig.suptitle("Block device on a FUSE file: udm's FUSE export vs nbdfuse over udm's NBD "
-                 "export  (ratio = udm / nbdfuse above the udm bar)")
-    fig.text(0.5, 0.01, caption, ha="center", fontsize=8, color="#555555")
-    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
-    path = out_dir / "fuse.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
-
-
-# --------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------
 
@@ -494,16 +85,6 @@ def fio_cmd(wl: Workload, device: str, args, out_json: Path) -> list:
         "--randrepeat=1", "--group_reporting", "--output-format=json",
         f"--output={out_json}",
     ]
-
-
-@dataclass
-class UdmFuse:
-    """A udm daemon serving `vol` (linear over disk.img) as a file in its FUSE mount."""
-    key: str                      # the system it serves: "udm-fuse" or "udm-fuse-dev"
-    daemon: Service
-    udm: Udm
-    fuse_dir: Path
-    created: list
 
 
 def start_udm_fuse(udms: list, key: str, udm_bin: Path, tmp: Path, suffix: str, disk: Path,
@@ -644,14 +225,14 @@ class Run:
         """The FUSE transport: with --fuse-uring in the daemon, compare FUSE over io_uring
         with /dev/fuse (two daemons on the same file, alternating), or run one in the mode
         asked.  Returns the main daemon's options."""
-        global SYSTEMS
         if not fuse_uring_flag(self.udm_bin):
             self.meta["fuse_transport"] = "the daemon's default"
             self.meta["fuse_uring_not_compared"] = "this udm daemon has no --fuse-uring"
             return []
         mode = self.args.fuse_uring
         if mode == "compare":
-            SYSTEMS = ["udm-fuse", "udm-fuse-dev", "nbdfuse", "direct"]
+            # In place: the report reads the same list.
+            SYSTEMS[:] = ["udm-fuse", "udm-fuse-dev", "nbdfuse", "direct"]
             LABELS["udm-fuse"] = "udm FUSE (io_uring)"
             self.meta["fuse_transport"] = ("`--fuse-uring on` (udm FUSE) against a second "
                                            "daemon with `--fuse-uring off` (/dev/fuse)")
@@ -866,58 +447,6 @@ def main(argv=None) -> int:
         return 2
     r = Run(args, udm_bin, out_dir, tmp)
     return common.guarded(r.measure_all, r.finish)
-
-def cleanup(tmp: Path, loops: list, udms: list, nbdfuse: Service | None,
-            nbd_mnt: Path) -> bool:
-    """Loops first (ours, and any other loop on a file in our temp dir), then nbdfuse, then the
-    udm devices and daemons (each unmounts its FUSE dir), then whatever is still mounted under
-    the temp dir.  True when nothing of ours is left."""
-    ok = True
-    try:
-        for lp in reversed(loops):
-            owner = lp.owner if lp.owner is not None and lp.owner.daemon.alive() else None
-            detach_loop(lp.device, udm=owner.udm if owner else None)
-        # A loop whose losetup was interrupted before we read its name.
-        for dev, back in loops_under(tmp):
-            log(f"detaching leftover {dev} ({back})")
-            detach_loop(dev)
-    except BenchError as e:
-        log(f"loop cleanup: {e}")
-    if nbdfuse is not None:
-        try:
-            if not unmount_fuse(nbd_mnt):
-                ok = False
-        except BenchError as e:
-            log(f"unmounting nbdfuse: {e}")
-        try:
-            nbdfuse.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        nbdfuse.stop(grace=5)
-    for inst in reversed(udms):
-        if inst.daemon.alive():
-            for name in reversed(inst.created):
-                try:
-                    inst.udm.client("remove", name, timeout=30, check=False)
-                except BenchError as e:
-                    log(f"udm remove {name}: {e}")
-        stop_daemon(inst.daemon, grace=20)
-    try:
-        for mp in mounts_under(tmp):
-            log(f"{mp} still mounted after its server stopped; unmounting")
-            unmount_fuse(Path(mp))
-        left_loops = loops_under(tmp)
-        left_mounts = mounts_under(tmp)
-    except BenchError as e:
-        log(f"final check: {e}")
-        return False
-    if left_loops:
-        log(f"WARNING: loop devices still on files in {tmp}: {left_loops}")
-        ok = False
-    if left_mounts:
-        log(f"WARNING: still mounted under {tmp}: {left_mounts}")
-        ok = False
-    return ok
 
 
 if __name__ == "__main__":
