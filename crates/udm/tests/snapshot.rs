@@ -365,13 +365,13 @@ fn clear_errors_for_bad_chunk_sizes_small_cows_and_a_second_merge() {
     let daemon = Daemon::start("snap-errors");
     let (origin, _) = origin_of(&daemon, 8 * MIB);
     let cow = daemon.sparse("cow.img", 8 * MIB);
-    let line = |args: &str| {
-        format!(
-            "0 16384 snapshot {} {} {args}",
-            origin.display(),
-            cow.display()
-        )
+    // A table line of `target` over the origin with COW device `cow` and `args`.
+    let line = |target: &str, cow: &Path, args: &str| {
+        let (origin, cow) = (origin.display(), cow.display());
+        format!("0 16384 {target} {origin} {cow} {args}")
     };
+    let create_err =
+        |name: &str, table: String| daemon.udm_err(&["create", name, "--table", &table]);
     for (args, expected) in [
         (
             "P 3",
@@ -383,73 +383,28 @@ fn clear_errors_for_bad_chunk_sizes_small_cows_and_a_second_merge() {
         ("P abc", "invalid <chunk size> 'abc'"),
         ("Q 8", "expected P, PO or N"),
     ] {
-        let err = daemon.udm_err(&["create", "bad", "--table", &line(args)]);
+        let err = create_err("bad", line("snapshot", &cow, args));
         assert!(err.contains(expected), "{args}: {err}");
     }
     let tiny = daemon.sparse("tiny.cow", 8192);
-    let err = daemon.udm_err(&[
-        "create",
-        "bad",
-        "--table",
-        &format!(
-            "0 16384 snapshot {} {} P 8",
-            origin.display(),
-            tiny.display()
-        ),
-    ]);
+    let err = create_err("bad", line("snapshot", &tiny, "P 8"));
     assert!(err.contains("COW device too small"), "{err}");
     // A chunk size of 0 on a new COW device is the kernel's default, 32.
-    daemon.create("snap", &line("P 0"));
+    daemon.create("snap", &line("snapshot", &cow, "P 0"));
     assert!(daemon.udm(&["table", "snap"]).ends_with(" P 32"));
     // A merge while another device serves the origin is refused, naming it.
     daemon.udm(&["remove", "snap"]);
-    let err = daemon.udm_err(&[
-        "create",
-        "m",
-        "--table",
-        &format!(
-            "0 16384 snapshot-merge {} {} P 32",
-            origin.display(),
-            cow.display()
-        ),
-    ]);
+    let err = create_err("m", line("snapshot-merge", &cow, "P 32"));
     assert!(err.contains("device 'base' serves origin"), "{err}");
     // Two merges into one origin: the second is refused.
     let other = daemon.sparse("other.cow", 8 * MIB);
-    daemon.create(
-        "snap2",
-        &format!(
-            "0 16384 snapshot {} {} P 8",
-            origin.display(),
-            other.display()
-        ),
-    );
+    daemon.create("snap2", &line("snapshot", &other, "P 8"));
     daemon.udm(&["remove", "snap2"]);
-    daemon.udm(&["suspend", "base"]);
-    daemon.udm(&[
-        "load",
-        "base",
-        "--table",
-        &format!(
-            "0 16384 snapshot-merge {} {} P 32",
-            origin.display(),
-            cow.display()
-        ),
-    ]);
-    daemon.udm(&["resume", "base"]);
-    let err = daemon.udm_err(&[
-        "create",
-        "m2",
-        "--table",
-        &format!(
-            "0 16384 snapshot-merge {} {} P 8",
-            origin.display(),
-            other.display()
-        ),
-    ]);
+    daemon.reload("base", &line("snapshot-merge", &cow, "P 32"));
+    let err = create_err("m2", line("snapshot-merge", &other, "P 8"));
     assert!(err.contains("already being merged"), "{err}");
     // The COW device is the merge's alone.
-    let err = daemon.udm_err(&["create", "s", "--table", &line("P 32")]);
+    let err = create_err("s", line("snapshot", &cow, "P 32"));
     assert!(err.contains("base"), "{err}");
 }
 
