@@ -133,6 +133,37 @@ fn a_restarted_daemon_brings_every_device_back() {
 
 /// dmsetup's listings: without a name, every device, each line prefixed `NAME: `; `info -c`
 /// columns; `deps`; `--target`, `--inactive`; `ls --json`; `version`.
+/// The end of `listings_without_a_name_cover_every_device_in_dmsetups_formats`, with `vol`
+/// all zero and `base` linear over `disk`: deps, ls (text and JSON) and version.
+fn dependencies_ls_and_version(daemon: &Daemon, d: &str) {
+    // `vol` is all zero now: it depends on nothing.
+    assert_eq!(
+        daemon.udm(&["deps"]),
+        format!("base: 1 dependencies\t: ({d})\nvol: 0 dependencies\t:")
+    );
+    daemon.udm(&["load", "vol", "--table", "0 2048 linear base 0"]);
+    daemon.udm(&["resume", "vol"]);
+    assert_eq!(daemon.udm(&["deps", "vol"]), "1 dependencies\t: (base)");
+
+    let ls: serde_json::Value = serde_json::from_str(&daemon.udm(&["ls", "--json"])).unwrap();
+    assert_eq!(ls[1]["name"], "vol");
+    assert_eq!(ls[1]["uuid"], "UDM-vol-1");
+    assert_eq!(ls[1]["sectors"], 2048);
+    assert_eq!(ls[1]["dependencies"][0], "base");
+    assert_eq!(
+        daemon.udm(&["ls"]),
+        "base\t(2048 sectors)\nvol\t(2048 sectors)\tUDM-vol-1"
+    );
+
+    let version = daemon.udm(&["version"]);
+    let lines: Vec<&str> = version.lines().collect();
+    assert!(lines[0].starts_with("Library version:   udm "), "{version}");
+    assert!(
+        lines[1].starts_with("Driver version:    udm daemon "),
+        "{version}"
+    );
+}
+
 #[test]
 fn listings_without_a_name_cover_every_device_in_dmsetups_formats() {
     let daemon = Daemon::start("listings");
@@ -204,32 +235,7 @@ fn listings_without_a_name_cover_every_device_in_dmsetups_formats() {
     assert!(err.contains("field 'major'"), "{err}");
     daemon.udm(&["resume", "vol"]);
 
-    // `vol` is all zero now: it depends on nothing.
-    assert_eq!(
-        daemon.udm(&["deps"]),
-        format!("base: 1 dependencies\t: ({d})\nvol: 0 dependencies\t:")
-    );
-    daemon.udm(&["load", "vol", "--table", "0 2048 linear base 0"]);
-    daemon.udm(&["resume", "vol"]);
-    assert_eq!(daemon.udm(&["deps", "vol"]), "1 dependencies\t: (base)");
-
-    let ls: serde_json::Value = serde_json::from_str(&daemon.udm(&["ls", "--json"])).unwrap();
-    assert_eq!(ls[1]["name"], "vol");
-    assert_eq!(ls[1]["uuid"], "UDM-vol-1");
-    assert_eq!(ls[1]["sectors"], 2048);
-    assert_eq!(ls[1]["dependencies"][0], "base");
-    assert_eq!(
-        daemon.udm(&["ls"]),
-        "base\t(2048 sectors)\nvol\t(2048 sectors)\tUDM-vol-1"
-    );
-
-    let version = daemon.udm(&["version"]);
-    let lines: Vec<&str> = version.lines().collect();
-    assert!(lines[0].starts_with("Library version:   udm "), "{version}");
-    assert!(
-        lines[1].starts_with("Driver version:    udm daemon "),
-        "{version}"
-    );
+    dependencies_ls_and_version(&daemon, &d.to_string());
 }
 
 /// `rename` keeps the device (and its clients) and serves it under the new name; a UUID
