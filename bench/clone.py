@@ -59,7 +59,7 @@ from clone_charts import Charts  # noqa: E402
 from clone_hydration import Hydration  # noqa: E402
 from clone_matrix import Matrix  # noqa: E402
 from clone_report import (  # noqa: E402
-    LABELS, Res, SECTOR, WORKLOADS, _maybe_reexec_for_matplotlib, log, metadata_bytes,
+    LABELS, Res, SECTOR, WORKLOADS, log, metadata_bytes,
     region_label,
 )
 from clone_report import Report  # noqa: E402
@@ -494,6 +494,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    _maybe_reexec_for_matplotlib()
+    common.maybe_reexec_for_matplotlib(__file__)
     sys.exit(main())
 

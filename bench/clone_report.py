@@ -31,11 +31,6 @@ def log(msg: str) -> None:
 # module-level `log`; make them speak with this script's prefix.
 common.log = log
 
-
-def _maybe_reexec_for_matplotlib() -> None:
-    """Re-run under /usr/bin/python3 when this interpreter (e.g. a pyenv one) lacks matplotlib."""
-    common.maybe_reexec_for_matplotlib(__file__)
-
 # --------------------------------------------------------------------------------------------
 # workloads, systems, results
 # --------------------------------------------------------------------------------------------

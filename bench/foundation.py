@@ -54,15 +54,6 @@ PACKAGES = harness.PACKAGES
 
 
 # --------------------------------------------------------------------------------------------
-# matplotlib: optional, and possibly only in the system interpreter
-# --------------------------------------------------------------------------------------------
-
-def _maybe_reexec_for_matplotlib() -> None:
-    """Re-run under /usr/bin/python3 when this interpreter (e.g. a pyenv one) lacks matplotlib."""
-    common.maybe_reexec_for_matplotlib(__file__)
-
-
-# --------------------------------------------------------------------------------------------
 # small helpers
 # --------------------------------------------------------------------------------------------
 
@@ -384,6 +375,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    _maybe_reexec_for_matplotlib()
+    common.maybe_reexec_for_matplotlib(__file__)
     sys.exit(main())
 

@@ -68,11 +68,6 @@ PACKAGES = dict(harness.PACKAGES, nbdfuse="libnbd-bin",
                 fusermount3="fuse3", losetup="mount", blockdev="util-linux")
 
 
-def _maybe_reexec_for_matplotlib() -> None:
-    """Re-run under /usr/bin/python3 when this interpreter (e.g. a pyenv one) lacks matplotlib."""
-    common.maybe_reexec_for_matplotlib(__file__)
-
-
 # --------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------
@@ -450,5 +445,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    _maybe_reexec_for_matplotlib()
+    common.maybe_reexec_for_matplotlib(__file__)
     sys.exit(main())
