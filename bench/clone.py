@@ -75,6 +75,8 @@ class Bench(Matrix, Hydration, Report, Charts):
         self.udm_bin = udm_bin
         self.tmp = tmp
         self.out_dir = out_dir
+        # results.json's `meta`: set by main before the run, completed by it.
+        self.run_meta: dict = {}
         self.size = args.size
         self.sectors = args.size // SECTOR
         self.services: list[Service] = []
@@ -319,6 +321,58 @@ class Bench(Matrix, Hydration, Report, Charts):
 
 
 
+    def measure_all(self) -> int:
+        """The sources, the matrix, the hydrated clone and the extras as asked, then the report;
+        3 when a cell failed."""
+        args = self.args
+        fill_backing_file(self.src, args.size, timeout=max(600, args.size / (20 << 20)))
+        self.start_daemon()
+        s = args.size // SECTOR
+        self.udm_create("slowsrc", f"0 {s} delay {self.src} 0 1 {self.src} 0 0")
+        self.udm_create("linsrc", f"0 {s} linear {self.src} 0")
+        wait_for_socket(self.nbd_sock, self.daemon, timeout=30)
+        check_export(self.uri("slowsrc"), args.size, "udm slowsrc")
+        self.probe_peers()
+        self.notes.append("a udm NBD connection serves at most --nbd-threads requests at once "
+                       f"({args.nbd_threads or 'the daemon default, 32'}), and a delayed read "
+                       "holds its thread for the 1 ms, so the slow source (and anything read "
+                       "through it at iodepth 32) tops out near threads / 1 ms; nbdkit (16 "
+                       "threads) and qemu's nbd client are bound alike")
+        if not args.skip_matrix:
+            self.run_matrix()
+            if args.bar_repeats > 1:
+                self.repeat_bar_cells()
+        if not args.skip_hydrated:
+            self.ensure_daemon()
+            self.hydrated_vs_linear()
+        if not args.skip_extras:
+            self.ensure_daemon()
+            hsrc = self.make_hsrc(args.hydration_size)
+            self.hydration_throughput(hsrc, args.hydration_size)
+            self.hydration_interference(hsrc, args.hydration_size)
+        self.run_meta["notes"] = self.notes
+        table, bars = self.build_report(self.run_meta)
+        write_results(self.out_dir, table, {
+            "meta": self.run_meta,
+            "matrix": [{"workload": wl, "system": sk, "region_kib": kib,
+                        "iops": r.sample.iops if r.sample else None,
+                        "mbps": r.sample.mbps if r.sample else None,
+                        "lat_mean_us": r.sample.lat_mean_us if r.sample else None,
+                        "lat_p99_us": r.sample.lat_p99_us if r.sample else None,
+                        "json": r.sample.json_path.name if r.sample else None,
+                        "error": r.error, **r.extra}
+                       for (wl, sk, kib), r in self.results.items()],
+            "metadata_used_blocks": {str(k): v for k, v in self.meta_used.items()},
+            "extras": self.extras,
+            "bars": [{"text": t, "ok": ok} for t, ok in bars],
+        })
+        if not args.no_charts:
+            for p in self.draw_charts(self.run_meta):
+                log(f"chart: {p}")
+        log(f"results in {self.out_dir}")
+        return 3 if any(r.sample is None for r in self.results.values()) else 0
+
+
     def cleanup(self, rc: int) -> int:
         """Peers first, then the udm devices (newest first), then the daemon; logs kept,
         temp dir removed unless --keep.  Returns `rc`."""
@@ -354,12 +408,12 @@ def parse_regions(text: str) -> list:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(
-        description="udm clone benchmark: the dm-clone seed's table (udm clone vs udm linear, "
-                    "qemu qcow2 overlay and nbdkit cow over a slow source), plus hydration "
-                    "throughput, interference and metadata size.")
-    common.add_sizing_args(ap, runtime=5, size_help="volume size for the matrix (default 1G)",
-                           repeat=False, quick={"runtime": 2})
+    ap = common.bench_parser(
+        "udm clone benchmark: the dm-clone seed's table (udm clone vs udm linear, qemu qcow2 "
+        "overlay and nbdkit cow over a slow source), plus hydration throughput, interference "
+        "and metadata size.",
+        runtime=5, size_help="volume size for the matrix (default 1G)", repeat=False,
+        quick={"runtime": 2}, out="bench/results/clone")
     ap.add_argument("--regions", type=parse_regions, default=None,
                     help="region sizes in KiB (default 4,8,16,32,64,128; 4,64 with --quick)")
     ap.add_argument("--hydration-size", type=parse_size, default=None,
@@ -370,7 +424,6 @@ def parse_args(argv):
                     help="largest hydration volume to grow to (default 16G)")
     ap.add_argument("--hydration-timeout", type=float, default=300,
                     help="seconds to wait for a background hydration to complete (default 300)")
-    common.add_run_args(ap, out="bench/results/clone")
     ap.add_argument("--nbd-threads", type=int, default=None,
                     help="pass --nbd-threads to the udm daemon (default: the daemon's default)")
     ap.add_argument("--workloads", default=None,
@@ -421,77 +474,24 @@ def tools_ready() -> bool:
     return True
 
 
-def measure_all(b: Bench, meta: dict) -> int:
-    """The sources, the matrix, the hydrated clone and the extras as asked, then the report;
-    3 when a cell failed."""
-    args = b.args
-    fill_backing_file(b.src, args.size, timeout=max(600, args.size / (20 << 20)))
-    b.start_daemon()
-    s = args.size // SECTOR
-    b.udm_create("slowsrc", f"0 {s} delay {b.src} 0 1 {b.src} 0 0")
-    b.udm_create("linsrc", f"0 {s} linear {b.src} 0")
-    wait_for_socket(b.nbd_sock, b.daemon, timeout=30)
-    check_export(b.uri("slowsrc"), args.size, "udm slowsrc")
-    b.probe_peers()
-    b.notes.append("a udm NBD connection serves at most --nbd-threads requests at once "
-                   f"({args.nbd_threads or 'the daemon default, 32'}), and a delayed read "
-                   "holds its thread for the 1 ms, so the slow source (and anything read "
-                   "through it at iodepth 32) tops out near threads / 1 ms; nbdkit (16 "
-                   "threads) and qemu's nbd client are bound alike")
-    if not args.skip_matrix:
-        b.run_matrix()
-        if args.bar_repeats > 1:
-            b.repeat_bar_cells()
-    if not args.skip_hydrated:
-        b.ensure_daemon()
-        b.hydrated_vs_linear()
-    if not args.skip_extras:
-        b.ensure_daemon()
-        hsrc = b.make_hsrc(args.hydration_size)
-        b.hydration_throughput(hsrc, args.hydration_size)
-        b.hydration_interference(hsrc, args.hydration_size)
-    meta["notes"] = b.notes
-    table, bars = b.build_report(meta)
-    write_results(b.out_dir, table, {
-        "meta": meta,
-        "matrix": [{"workload": wl, "system": sk, "region_kib": kib,
-                    "iops": r.sample.iops if r.sample else None,
-                    "mbps": r.sample.mbps if r.sample else None,
-                    "lat_mean_us": r.sample.lat_mean_us if r.sample else None,
-                    "lat_p99_us": r.sample.lat_p99_us if r.sample else None,
-                    "json": r.sample.json_path.name if r.sample else None,
-                    "error": r.error, **r.extra}
-                   for (wl, sk, kib), r in b.results.items()],
-        "metadata_used_blocks": {str(k): v for k, v in b.meta_used.items()},
-        "extras": b.extras,
-        "bars": [{"text": t, "ok": ok} for t, ok in bars],
-    })
-    if not args.no_charts:
-        for p in b.draw_charts(meta):
-            log(f"chart: {p}")
-    log(f"results in {b.out_dir}")
-    return 3 if any(r.sample is None for r in b.results.values()) else 0
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     trap_signals()
     if not tools_ready():
         return 2
-    dirs = common.run_dirs(args, find_udm, "udm-clone-", "nbdkit-delay.sock")
-    if dirs is None:
-        return 2
-    out_dir, udm_bin, tmp = dirs
-    b = Bench(args, udm_bin, tmp, out_dir)
-    meta = {
-        **common.base_meta(udm_bin),
-        "nbdkit_version": tool_version(["nbdkit", "--version"]) if shutil.which("nbdkit") else None,
-        "qemu_version": tool_version(["qemu-img", "--version"]),
-        "runtime": args.runtime, "size": args.size, "regions_kib": args.regions,
-        "hydration_size": args.hydration_size, "tmpdir": str(tmp),
-    }
-    return common.guarded(lambda: measure_all(b, meta), b.cleanup)
+    def start(out_dir: Path, udm_bin: Path, tmp: Path) -> Bench:
+        b = Bench(args, udm_bin, tmp, out_dir)
+        b.run_meta = {
+            **common.base_meta(udm_bin),
+            "nbdkit_version": tool_version(["nbdkit", "--version"])
+            if shutil.which("nbdkit") else None,
+            "qemu_version": tool_version(["qemu-img", "--version"]),
+            "runtime": args.runtime, "size": args.size, "regions_kib": args.regions,
+            "hydration_size": args.hydration_size, "tmpdir": str(tmp),
+        }
+        return b
 
+    return common.run_bench(args, find_udm, "udm-clone-", "nbdkit-delay.sock", start)
 
 if __name__ == "__main__":
     common.maybe_reexec_for_matplotlib(__file__)

@@ -8,6 +8,7 @@ points at its own (so they carry that script's prefix).
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import datetime as _dt
 import json
@@ -280,6 +281,16 @@ def fio_cell(cmd, runner, parse, wl, cell, out_dir: Path, stem: str, tag: str):
         return None
 
 
+def bench_parser(description: str, *, runtime: int, size_help: str, repeat: bool,
+                 out: str, quick: dict | None = None, **run_helps) -> argparse.ArgumentParser:
+    """The parser every script starts from: its description, the sizing options
+    (add_sizing_args) and the run options (add_run_args, `run_helps` as it takes them)."""
+    ap = argparse.ArgumentParser(description=description)
+    add_sizing_args(ap, runtime=runtime, size_help=size_help, repeat=repeat, quick=quick)
+    add_run_args(ap, out=out, **run_helps)
+    return ap
+
+
 def add_sizing_args(ap, *, runtime: int, size_help: str, repeat: bool,
                     quick: dict | None = None) -> None:
     """--runtime, --size (default 1G), with `repeat` --repeat (default 3), and --quick: the
@@ -371,3 +382,22 @@ def guarded(body, cleanup) -> int:
     finally:
         rc = cleanup(rc)
     return rc
+
+
+def run_bench(args, find_udm, prefix: str, longest_socket: str, make_run) -> int:
+    """The rest of a main once the tools are there: the run's directories (run_dirs), then
+    `make_run(out_dir, udm_bin, tmp)`'s `measure_all`, guarded, and its `cleanup`."""
+    dirs = run_dirs(args, find_udm, prefix, longest_socket)
+    if dirs is None:
+        return 2
+    run = make_run(*dirs)
+    return guarded(run.measure_all, run.cleanup)
+
+
+def bar_axes(ax, xs, labels: list, ylabel: str, fontsize: int = 9) -> None:
+    """A bar chart's x labels, y label and grid, as every chart here has them."""
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, fontsize=fontsize)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)

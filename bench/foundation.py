@@ -24,7 +24,6 @@ are skipped with a note.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -336,13 +335,11 @@ class Run:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(
-        description="udm foundation benchmark: udm zero vs nbdkit null, udm linear vs "
-                    "qemu-nbd raw and nbdkit file, and fio on the file, side by side.")
-    common.add_sizing_args(ap, runtime=10, size_help="export and backing file size (default 1G)",
-                           repeat=True)
-    common.add_run_args(
-        ap, out="bench/results/foundation",
+    ap = common.bench_parser(
+        "udm foundation benchmark: udm zero vs nbdkit null, udm linear vs qemu-nbd raw and "
+        "nbdkit file, and fio on the file, side by side.",
+        runtime=10, size_help="export and backing file size (default 1G)", repeat=True,
+        out="bench/results/foundation",
         out_help="output directory for fio JSON, table.md and charts "
                  "(default bench/results/foundation, relative to the current directory)")
     ap.add_argument("--workloads", default=None,
@@ -366,12 +363,8 @@ def main(argv=None) -> int:
             extra = " (only used for a sanity probe)" if t == "nbdinfo" else \
                     " — its column will be empty"
             log(f"WARNING: `{t}` not found; install the Debian package `{PACKAGES[t]}`{extra}")
-    dirs = common.run_dirs(args, find_udm, "udm-foundation-", "nbdkit.sock")
-    if dirs is None:
-        return 2
-    out_dir, udm_bin, tmp = dirs
-    r = Run(args, udm_bin, out_dir, tmp)
-    return common.guarded(r.measure_all, r.cleanup)
+    return common.run_bench(args, find_udm, "udm-foundation-", "nbdkit.sock",
+                            lambda out_dir, udm_bin, tmp: Run(args, udm_bin, out_dir, tmp))
 
 
 if __name__ == "__main__":

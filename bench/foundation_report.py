@@ -11,7 +11,7 @@ from types import SimpleNamespace
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from common import import_pyplot  # noqa: E402
+from common import bar_axes, import_pyplot  # noqa: E402
 from harness import Results, Workload  # noqa: E402
 from report import (  # noqa: E402
     fmt_cpu, fmt_lat, fmt_ratio, fmt_value, geomean, is_below, judge, markdown_table,
@@ -252,11 +252,7 @@ def draw_charts(results, systems, out_dir: Path, meta) -> list:
                                         ha="center", va="bottom", fontsize=8,
                                         color="#c62828" if is_below(r) else "#1b5e20",
                                         fontweight="bold")
-            ax.set_xticks(xs)
-            ax.set_xticklabels([w.label for w in wls], fontsize=9)
-            ax.set_ylabel(ylabel)
-            ax.grid(axis="y", alpha=0.3)
-            ax.set_axisbelow(True)
+            bar_axes(ax, xs, [w.label for w in wls], ylabel)
         axes[0].legend(fontsize=9, loc="upper left")
         fig.suptitle(title + f"  (ratio = udm / {by_key[pb].label} above the udm bar)")
         fig.text(0.5, 0.01, caption, ha="center", fontsize=8, color="#555555")
@@ -285,11 +281,8 @@ def draw_latency_chart(plt, by_key: dict, med, caption: str, out_dir: Path) -> P
                color=lat_colors[key], hatch="//" if key == "file" else None,
                yerr=[[0] * len(wls), [max(p - m, 0) for p, m in zip(p99s, means)]],
                capsize=3, error_kw={"elinewidth": 1, "ecolor": "#333333"})
-    ax.set_xticks(range(len(wls)))
-    ax.set_xticklabels([w.label for w in wls])
-    ax.set_ylabel("completion latency, µs (bar = mean, whisker = p99)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
+    bar_axes(ax, range(len(wls)), [w.label for w in wls],
+             "completion latency, µs (bar = mean, whisker = p99)", fontsize=10)
     ax.legend(fontsize=9)
     fig.suptitle("Latency at iodepth 1 (lower is better)")
     fig.text(0.5, 0.01, caption, ha="center", fontsize=8, color="#555555")

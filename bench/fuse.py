@@ -26,7 +26,6 @@ The report is in fuse_report.py, loop devices and mounts in loops.py; the generi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -125,13 +124,11 @@ def transport_lines(inst: UdmFuse) -> list:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(
-        description="udm FUSE benchmark: fio on a loop device over udm's FUSE file, over "
-                    "nbdfuse on udm's NBD export, and straight on the file, side by side.")
-    common.add_sizing_args(ap, runtime=10, size_help="device and backing file size (default 1G)",
-                           repeat=True)
-    common.add_run_args(
-        ap, out="bench/results/fuse",
+    ap = common.bench_parser(
+        "udm FUSE benchmark: fio on a loop device over udm's FUSE file, over nbdfuse on udm's "
+        "NBD export, and straight on the file, side by side.",
+        runtime=10, size_help="device and backing file size (default 1G)", repeat=True,
+        out="bench/results/fuse",
         tmpdir_help="where to create the temp dir (must support O_DIRECT, not tmpfs; "
                     "default $TMPDIR or /tmp)",
         keep_help="keep the temp dir (disk image, logs); mounts and loops still go")
@@ -411,7 +408,7 @@ class Run:
         self.check_after(cached_before)
         return self.report()
 
-    def finish(self, rc: int) -> int:
+    def cleanup(self, rc: int) -> int:
         """Cleanup, which must finish: a second Ctrl-C or SIGTERM is ignored (every step has
         a timeout).  Returns `rc`, or 3 when a run that passed left something behind."""
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -441,7 +438,7 @@ def main(argv=None) -> int:
     if tmp is None:
         return 2
     r = Run(args, udm_bin, out_dir, tmp)
-    return common.guarded(r.measure_all, r.finish)
+    return common.guarded(r.measure_all, r.cleanup)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from common import import_pyplot  # noqa: E402
+from common import bar_axes, import_pyplot  # noqa: E402
 from harness import Results  # noqa: E402
 from report import (  # noqa: E402
     fmt_lat, fmt_ratio, fmt_value, geomean, is_below, markdown_table, table_footer,
@@ -207,11 +207,7 @@ def draw_chart(results, out_dir: Path, meta) -> list:
                         ax.annotate(f"{r:.2f}×", (b.get_x() + b.get_width() / 2, b.get_height()),
                                     ha="center", va="bottom", fontsize=8, fontweight="bold",
                                     color="#c62828" if is_below(r) else "#1b5e20")
-        ax.set_xticks(xs)
-        ax.set_xticklabels([w.label for w in wls], fontsize=9)
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_axisbelow(True)
+        bar_axes(ax, xs, [w.label for w in wls], ylabel)
     axes[0].legend(fontsize=9, loc="upper left")
     fig.suptitle("Block device on a FUSE file: udm's FUSE export vs nbdfuse over udm's NBD "
                  "export  (ratio = udm / nbdfuse above the udm bar)")

@@ -26,7 +26,6 @@ harness.py and common.py.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -352,13 +351,11 @@ def daemon_flags(udm_bin: Path, args) -> dict:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(
-        description="udm scale benchmark: many NBD connections against one daemon (total "
-                    "IOPS, threads, RSS, errors) and a connection flood.")
-    common.add_sizing_args(ap, runtime=10, size_help="device and backing file size (default 1G)",
-                           repeat=True)
-    common.add_run_args(ap, out="bench/results/scale",
-                        charts_help="(no charts here; accepted for symmetry)")
+    ap = common.bench_parser(
+        "udm scale benchmark: many NBD connections against one daemon (total IOPS, threads, "
+        "RSS, errors) and a connection flood.",
+        runtime=10, size_help="device and backing file size (default 1G)", repeat=True,
+        out="bench/results/scale", charts_help="(no charts here; accepted for symmetry)")
     ap.add_argument("--connections", type=int, default=64,
                     help="fio jobs, one NBD connection each, in the many-connection runs "
                          "(default 64)")
@@ -492,12 +489,8 @@ def main(argv=None) -> int:
     trap_signals()
     if not common.have_fio_with_nbd():
         return 2
-    dirs = common.run_dirs(args, find_udm, "udm-scale-", "udm.sock")
-    if dirs is None:
-        return 2
-    out_dir, udm_bin, tmp = dirs
-    scale = Scale(args, udm_bin, out_dir, tmp)
-    return common.guarded(scale.measure_all, scale.cleanup)
+    return common.run_bench(args, find_udm, "udm-scale-", "udm.sock",
+                            lambda out_dir, udm_bin, tmp: Scale(args, udm_bin, out_dir, tmp))
 
 if __name__ == "__main__":
     sys.exit(main())
