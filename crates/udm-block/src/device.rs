@@ -114,14 +114,21 @@ impl Default for Capabilities {
 }
 
 impl Capabilities {
-    /// What a device built on `children` can promise: the weakest of them.
-    pub fn weakest<'a>(children: impl IntoIterator<Item = &'a Capabilities>) -> Capabilities {
-        let mut caps = Capabilities {
+    /// A device that keeps its data in memory, or none: FUA costs nothing, discard and
+    /// zeroing are instant.
+    pub fn in_memory() -> Capabilities {
+        Capabilities {
             native_fua: true,
             discard: true,
             fast_zero: true,
             ..Capabilities::default()
-        };
+        }
+    }
+
+    /// What a device built on `children` can promise: the weakest of them.
+    pub fn weakest<'a>(children: impl IntoIterator<Item = &'a Capabilities>) -> Capabilities {
+        // Each child can only take promises away.
+        let mut caps = Capabilities::in_memory();
         for child in children {
             caps.read_only |= child.read_only;
             caps.native_fua &= child.native_fua;

@@ -23,12 +23,7 @@ impl BlockDevice for Zero {
         self.len
     }
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            native_fua: true,
-            discard: true,
-            fast_zero: true,
-            ..Capabilities::default()
-        }
+        Capabilities::in_memory()
     }
     fn read(&self, _offset: u64, buf: &mut [u8]) -> Result<()> {
         buf.fill(0);

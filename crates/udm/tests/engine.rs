@@ -76,12 +76,7 @@ fn a_slow_target_does_not_stall_remapped_io_on_the_same_loop() {
         &["--nbd-engine", "uring", "--nbd-loops", "1"],
     );
     let disk = daemon.create_linear("fast", "disk.img", 8 << 20);
-    daemon.udm(&[
-        "create",
-        "slow",
-        "--table",
-        &format!("0 16384 delay {} 0 2000", disk.display()),
-    ]);
+    daemon.create("slow", &format!("0 16384 delay {} 0 2000", disk.display()));
     // `udm info` says which devices the engine remaps and which take their requests.
     assert!(
         daemon

@@ -19,6 +19,7 @@ mod remotes;
 mod removal;
 mod rename;
 mod report;
+mod resolver;
 mod signals;
 mod state_dir;
 mod stats;
