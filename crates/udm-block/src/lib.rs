@@ -14,6 +14,7 @@ mod export;
 mod file;
 pub mod map;
 mod memory;
+pub mod pending;
 
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
@@ -26,3 +27,4 @@ pub use export::{Export, ExportCatalog};
 pub use file::{FileDevice, OpenMode};
 pub use map::{MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
 pub use memory::MemoryDevice;
+pub use pending::{Done, Pending};

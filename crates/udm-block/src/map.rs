@@ -17,6 +17,8 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::pending::Pending;
+
 /// The request being mapped. Discard, write-zeroes, block status and cache are never
 /// mapped: they are rare and some targets give them meaning of their own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,6 +109,9 @@ pub struct Mapping {
     /// holds are released. A mapping dropped unused (a probe, a request that went the
     /// synchronous way after all) calls none of them.
     pub on_complete: Vec<OnComplete>,
+    /// Steps the pieces wait for (a timer, a copy into a snapshot), started by the executor
+    /// through [`Mapping::when_ready`]; see [`crate::pending`].
+    pub waits: Vec<Pending>,
 }
 
 impl Mapping {
@@ -131,6 +136,7 @@ impl Mapping {
             }));
         self.holds.extend(lower.holds);
         self.on_complete.extend(lower.on_complete);
+        self.waits.extend(lower.waits);
     }
 
     pub fn hold(mut self, hold: impl Any + Send) -> Self {
@@ -167,6 +173,16 @@ mod tests {
         assert_eq!(ats, vec![(0, 4096), (4096, 512)]);
         assert_eq!(whole.len(), 4608);
         assert_eq!(whole.holds.len(), 1);
+    }
+
+    #[test]
+    fn appending_keeps_the_lower_steps() {
+        let mut whole = Mapping::new();
+        whole.append(
+            0,
+            Mapping::single(512, Place::Zero).after(Pending::new(drop)),
+        );
+        assert!(!whole.is_ready());
     }
 
     #[test]
