@@ -15,6 +15,7 @@ mod file;
 pub mod map;
 mod memory;
 pub mod pending;
+mod pool;
 
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
@@ -28,3 +29,4 @@ pub use file::{FileDevice, OpenMode};
 pub use map::{MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
 pub use memory::MemoryDevice;
 pub use pending::{Done, Pending};
+pub use pool::{Job, WorkerPool};

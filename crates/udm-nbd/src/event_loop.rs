@@ -23,13 +23,12 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 use log::{debug, error, info, warn};
-use udm_block::{BlockDevice, BlockError, Checked, MapOp, Mapping};
+use udm_block::{BlockDevice, BlockError, Checked, MapOp, Mapping, WorkerPool as Pool};
 use udm_uring::{is_engine, Engine};
 
 use crate::budget::{BufferBudget, Payload};
 use crate::commands::{map_op, Outcome, Reply, Session};
 use crate::handshake::{Negotiated, MAX_PAYLOAD};
-use crate::pool::Pool;
 use crate::protocol::*;
 use crate::stream::Stream;
 use crate::ServerConfig;

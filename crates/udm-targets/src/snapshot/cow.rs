@@ -217,25 +217,33 @@ impl Snap {
     /// Commits `records` (their data saved) and makes them visible.
     pub fn commit(&self, records: &[Record]) -> Result<(), StoreError> {
         let ticket = self.store.submit(records)?;
-        self.complete(records, ticket)
+        self.store.wait(ticket)?;
+        self.insert(records);
+        Ok(())
     }
 
-    fn complete(&self, records: &[Record], ticket: u64) -> Result<(), StoreError> {
-        self.store.wait(ticket)?;
+    fn insert(&self, records: &[Record]) {
         for record in records {
             self.exceptions.insert(record.old, record.new);
         }
-        Ok(())
+    }
+
+    /// How a copy-out's commit went: its exceptions visible, or the snapshot dropped.
+    fn committed(&self, records: &[Record], result: Result<(), StoreError>) {
+        match result {
+            Ok(()) => self.insert(records),
+            Err(e) => self.invalidate(&format!("committing exceptions: {e}")),
+        }
     }
 
     /// The first half of an origin write's copy-out: holds and saves every chunk of the
     /// ranges this snapshot lacks, and submits their records. `None` when there is nothing
     /// to save or the snapshot had to be dropped.
-    pub fn begin_copy_out<'s>(
-        &'s self,
+    pub fn begin_copy_out(
+        self: &Arc<Self>,
         origin: &mut OriginCache,
         ranges: &[(u64, u64)],
-    ) -> Option<Saving<'s>> {
+    ) -> Option<Saving> {
         let mut guards = Vec::new();
         let mut records = Vec::new();
         // Ascending and each once: two ranges may fall in one chunk of this snapshot, and
@@ -277,10 +285,10 @@ impl Snap {
         }
         match self.store.submit(&records) {
             Ok(ticket) => Some(Saving {
-                snap: self,
+                snap: self.clone(),
                 records,
                 ticket,
-                _guards: guards,
+                guards,
             }),
             Err(e) => {
                 self.invalidate(&format!("committing exceptions: {e}"));
@@ -291,19 +299,38 @@ impl Snap {
 }
 
 /// Chunks saved and submitted, held until their commit is durable.
-pub struct Saving<'s> {
-    snap: &'s Snap,
+pub struct Saving {
+    snap: Arc<Snap>,
     records: Vec<Record>,
     ticket: u64,
-    _guards: Vec<ChunkGuard>,
+    guards: Vec<ChunkGuard>,
 }
 
-impl Saving<'_> {
+impl Saving {
     /// Waits for the commit; the chunks are let go when this returns.
     pub fn finish(self) {
-        if let Err(e) = self.snap.complete(&self.records, self.ticket) {
-            self.snap.invalidate(&format!("committing exceptions: {e}"));
-        }
+        let result = self.snap.store.wait(self.ticket);
+        self.snap.committed(&self.records, result);
+    }
+
+    /// The same without waiting: once the commit is durable, the chunks are let go and
+    /// `then` is called, on the thread that finished the commit.
+    pub fn finish_then(self, then: impl FnOnce() + Send + 'static) {
+        let Saving {
+            snap,
+            records,
+            ticket,
+            guards,
+        } = self;
+        let store_snap = snap.clone();
+        store_snap.store.when_durable(
+            ticket,
+            Box::new(move |result| {
+                snap.committed(&records, result);
+                drop(guards);
+                then()
+            }),
+        );
     }
 }
 

@@ -8,16 +8,26 @@
 //! it are different keys.
 
 use parking_lot::{Condvar, Mutex, RwLock};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use udm_block::BlockDevice;
+use udm_block::{BlockDevice, Done, WorkerPool};
 
 use super::cow::{OriginCache, Snap};
 use crate::rendezvous::Rendezvous;
 
 static HUBS: Rendezvous<Hub> = Rendezvous::new();
+
+/// Threads that copy origin chunks into snapshots for mapped origin writes. A copy holds one
+/// only while it reads the origin and writes the COW device (never through the commit), so
+/// this many copies run at once across every origin.
+const COPIERS: usize = 64;
+
+fn copiers() -> &'static Arc<WorkerPool> {
+    static POOL: OnceLock<Arc<WorkerPool>> = OnceLock::new();
+    POOL.get_or_init(|| WorkerPool::new("snapshot-copy", COPIERS))
+}
 
 pub struct Hub {
     key: String,
@@ -190,6 +200,43 @@ impl Hub {
     /// once.
     pub fn copy_out(&self, origin: &dyn BlockDevice, offset: u64, len: u64) {
         self.copy_out_ranges(origin, &[(offset, len)]);
+    }
+
+    /// [`Hub::copy_out`] for a mapped origin write, holding no thread while the commits are
+    /// written: the copies run on the copy workers, and `done` is finished once every
+    /// snapshot's commit is durable (by the last commit to finish). The origin write goes
+    /// ahead either way, as with [`Hub::copy_out`].
+    pub fn copy_out_then(
+        self: &Arc<Self>,
+        origin: Arc<dyn BlockDevice>,
+        offset: u64,
+        len: u64,
+        done: Done,
+    ) {
+        let hub = self.clone();
+        copiers().submit(Box::new(move || {
+            let targets = hub.targets();
+            let savings: Vec<_> = OriginCache::with(&*origin, |cache| {
+                targets
+                    .iter()
+                    .filter_map(|snap| snap.begin_copy_out(cache, &[(offset, len)]))
+                    .collect()
+            });
+            if savings.is_empty() {
+                return done.finish(Ok(()));
+            }
+            let left = Arc::new((AtomicUsize::new(savings.len()), Mutex::new(Some(done))));
+            for saving in savings {
+                let left = left.clone();
+                saving.finish_then(move || {
+                    if left.0.fetch_sub(1, Ordering::AcqRel) == 1 {
+                        if let Some(done) = left.1.lock().take() {
+                            done.finish(Ok(()));
+                        }
+                    }
+                });
+            }
+        }));
     }
 
     /// [`Hub::copy_out`] for several ranges at once (a merge batch), with one commit per

@@ -641,9 +641,24 @@ fn remapping_goes_straight_to_the_files_only_where_nothing_needs_saving() {
     let origin = rig.origin_table();
     let snap = rig.snapshot(&cow, "P 8");
     let write = MapOp::Write { fua: false };
+    let first = origin.map(write, 8192, 4096).expect("mapped");
+    assert!(!first.is_ready(), "chunk 2 is saved first");
+    drop(first);
+    assert_eq!(
+        target(&snap).status_details().unwrap()["exceptions"],
+        0,
+        "a mapping dropped unused saves nothing"
+    );
+    let mut data = pattern(4096, 5);
+    execute(write, origin.map(write, 4096, 4096).unwrap(), &mut data);
+    assert_eq!(target(&snap).status_details().unwrap()["exceptions"], 1);
     assert!(
-        origin.map(write, 8192, 4096).is_none(),
-        "chunk 2 is not saved yet"
+        read(&snap, 4096, 4096).iter().all(|&b| b == 0),
+        "the snapshot keeps the chunk as it was"
+    );
+    assert!(
+        read(&origin, 4096, 4096)[..] == data[..],
+        "the write landed"
     );
     assert!(origin.map(MapOp::Read, 8192, 4096).is_some());
     // Snapshot reads of unsaved chunks map onto the origin and hold the chunk.
@@ -662,8 +677,9 @@ fn remapping_goes_straight_to_the_files_only_where_nothing_needs_saving() {
         .map(write, 8192, 4096)
         .expect("saved: straight to the origin");
     assert_eq!(mapping.pieces.len(), 1);
+    assert!(mapping.is_ready(), "saved: nothing to wait for");
     assert!(
-        origin.map(write, 8192, 8192).is_none(),
+        !origin.map(write, 8192, 8192).unwrap().is_ready(),
         "chunk 3 is not saved"
     );
     // The snapshot's saved chunk maps onto the COW device, reads and writes alike.
@@ -674,6 +690,35 @@ fn remapping_goes_straight_to_the_files_only_where_nothing_needs_saving() {
         "a new exception is not a remap"
     );
     assert!(read(&snap, 8192, 4096).iter().all(|&b| b == 0));
+}
+
+/// Runs a mapping as an executor does: waits for its steps, then its pieces, on files.
+fn execute(op: udm_block::MapOp, mapping: udm_block::Mapping, buf: &mut [u8]) {
+    use std::os::fd::BorrowedFd;
+    let (tx, rx) = std::sync::mpsc::channel();
+    mapping.when_ready(move |ready| tx.send(ready).unwrap());
+    let mapping = rx
+        .recv_timeout(Duration::from_secs(10))
+        .unwrap()
+        .expect("the steps succeed");
+    for piece in &mapping.pieces {
+        let range = piece.at as usize..(piece.at + piece.len) as usize;
+        let udm_block::Place::File { file, offset } = &piece.place else {
+            buf[range].fill(0);
+            continue;
+        };
+        // SAFETY: the mapping holds the file open while we use its descriptor.
+        let fd = unsafe { BorrowedFd::borrow_raw(file.buffered_fd()) };
+        let file = std::fs::File::from(fd.try_clone_to_owned().unwrap());
+        use std::os::unix::fs::FileExt;
+        match op {
+            udm_block::MapOp::Read => file.read_exact_at(&mut buf[range], *offset).unwrap(),
+            _ => file.write_all_at(&buf[range], *offset).unwrap(),
+        }
+    }
+    for callback in mapping.on_complete {
+        callback(true);
+    }
 }
 
 fn write_pattern(dev: &dyn BlockDevice, offset: u64) {
@@ -739,5 +784,97 @@ fn first_writes_scale_with_the_writers() {
     assert!(
         eight >= 6 * one,
         "8 writers made {eight} first writes where one made {one}"
+    );
+}
+
+/// A COW device whose metadata writes (area 0, at chunk 1) wait while it is held, and which
+/// counts the other (data) writes.
+struct HeldCommits {
+    dev: MemoryDevice,
+    held: Mutex<bool>,
+    released: Condvar,
+    data_writes: AtomicU64,
+}
+
+impl BlockDevice for HeldCommits {
+    fn size(&self) -> u64 {
+        self.dev.size()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> udm_block::Result<()> {
+        self.dev.read(offset, buf)
+    }
+    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> udm_block::Result<()> {
+        if offset == 4096 {
+            let mut held = self.held.lock();
+            while *held {
+                self.released.wait(&mut held);
+            }
+        } else {
+            self.data_writes.fetch_add(1, Ordering::SeqCst);
+        }
+        self.dev.write(offset, buf, flags)
+    }
+    fn flush(&self) -> udm_block::Result<()> {
+        Ok(())
+    }
+}
+
+/// A mapped origin write holds no thread while its copy's commit is written: with the commit
+/// held, far more first writes than there are copy threads get their chunk saved and wait,
+/// then all complete once the commit goes through.
+#[test]
+fn mapped_first_writes_wait_for_their_commit_without_a_thread() {
+    use udm_block::{FileDevice, MapOp, OpenMode};
+    let dir = udm_testkit::TempDir::new("snapshot-defer");
+    let path = dir.path("origin.img");
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(4 * MIB)
+        .unwrap();
+    let rig = Rig::new(4 * MIB);
+    rig.set_origin(Arc::new(
+        FileDevice::open(&path, OpenMode::ReadWrite).unwrap(),
+    ));
+    let cow = Arc::new(HeldCommits {
+        dev: MemoryDevice::new(8 * MIB),
+        held: Mutex::new(false),
+        released: Condvar::new(),
+        data_writes: AtomicU64::new(0),
+    });
+    let cow_name = rig.add("cow", cow.clone());
+    let origin = rig.origin_table();
+    let snap = rig.snapshot(&cow_name, "P 8");
+    let before = cow.data_writes.load(Ordering::SeqCst);
+    *cow.held.lock() = true;
+    const WRITES: u64 = 200;
+    let (tx, rx) = std::sync::mpsc::channel();
+    for chunk in 0..WRITES {
+        let tx = tx.clone();
+        let mapping = origin
+            .map(MapOp::Write { fua: false }, chunk * 4096, 4096)
+            .unwrap();
+        mapping.when_ready(move |ready| tx.send(ready.is_ok()).unwrap());
+    }
+    let t = Instant::now();
+    while cow.data_writes.load(Ordering::SeqCst) - before < WRITES {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "only {} of {WRITES} chunks were saved while the commit was held",
+            cow.data_writes.load(Ordering::SeqCst) - before
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        rx.try_recv().is_err(),
+        "no write goes ahead before its commit"
+    );
+    *cow.held.lock() = false;
+    cow.released.notify_all();
+    for _ in 0..WRITES {
+        assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+    }
+    assert_eq!(
+        target(&snap).status_details().unwrap()["exceptions"],
+        WRITES
     );
 }
