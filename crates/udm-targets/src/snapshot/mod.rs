@@ -63,7 +63,71 @@ struct SnapshotArgs {
     origin: Arc<dyn BlockDevice>,
     cow_ref: String,
     persistence: Persistence,
+    discards: Discards,
     handle: Arc<SnapHandle>,
+}
+
+/// The kernel's optional discard features (`[<#feature args> <feature>*]`). Without them a
+/// snapshot takes no discards.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Discards {
+    /// `discard_zeroes_cow`: a discard of a whole chunk the snapshot holds zeroes its copy
+    /// (the exception stays and reads zeroes); of part of one, is passed to the COW device;
+    /// of a chunk it does not hold, does nothing.
+    zeroes_cow: bool,
+    /// `discard_passdown_origin` (needs `discard_zeroes_cow`): the discard also goes to the
+    /// origin device itself, past `snapshot-origin`, so nothing is saved first: it frees
+    /// the origin's space, and other snapshots of it lose those chunks.
+    passdown_origin: bool,
+}
+
+impl Discards {
+    fn parse(args: &mut Args) -> Result<Discards, TargetError> {
+        let mut discards = Discards::default();
+        if args.remaining() == 0 {
+            return Ok(discards);
+        }
+        let count: usize = args.number("#feature args")?;
+        if count != args.remaining() {
+            return Err(args.error(format!(
+                "{count} feature arguments announced, {} given",
+                args.remaining()
+            )));
+        }
+        for _ in 0..count {
+            match args.word("feature")? {
+                "discard_zeroes_cow" => discards.zeroes_cow = true,
+                "discard_passdown_origin" => discards.passdown_origin = true,
+                other => {
+                    return Err(args.error(format!(
+                        "unrecognised feature '{other}' (known: discard_zeroes_cow, \
+                         discard_passdown_origin)"
+                    )))
+                }
+            }
+        }
+        if discards.passdown_origin && !discards.zeroes_cow {
+            return Err(
+                args.error("discard_passdown_origin needs discard_zeroes_cow, as in the kernel")
+            );
+        }
+        Ok(discards)
+    }
+
+    /// The feature arguments as the kernel prints them: nothing when there are none.
+    fn words(self) -> String {
+        let mut words = Vec::new();
+        if self.zeroes_cow {
+            words.push("discard_zeroes_cow");
+        }
+        if self.passdown_origin {
+            words.push("discard_passdown_origin");
+        }
+        match words.len() {
+            0 => String::new(),
+            n => format!(" {n} {}", words.join(" ")),
+        }
+    }
 }
 
 impl SnapshotArgs {
@@ -75,11 +139,12 @@ impl SnapshotArgs {
     /// decides), as the kernel prints them.
     fn line(&self) -> String {
         format!(
-            "{} {} {} {}",
+            "{} {} {} {}{}",
             self.origin_ref,
             self.cow_ref,
             self.persistence.word(),
-            self.snap().store.chunk_sectors()
+            self.snap().store.chunk_sectors(),
+            self.discards.words()
         )
     }
 }
@@ -121,22 +186,7 @@ fn parse(
         check_chunk_sectors(chunk_sectors)
             .map_err(|e| args.error(format!("invalid <chunk size>: {e}")))?;
     }
-    if args.remaining() > 0 {
-        let count: usize = args.number("#feature args")?;
-        if count > args.remaining() {
-            return Err(args.error(format!(
-                "{count} feature arguments announced, {} given",
-                args.remaining()
-            )));
-        }
-        if count > 0 {
-            let feature = args.word("feature")?;
-            return Err(args.error(format!(
-                "unsupported feature '{feature}' (udm implements neither discard_zeroes_cow \
-                 nor discard_passdown_origin)"
-            )));
-        }
-    }
+    let discards = Discards::parse(args)?;
     ctx.require(&origin_ref, &*origin, 0, ctx.len)
         .map_err(|e| args.error(e))?;
     ctx.require(&cow_ref, &*cow, 0, cow.size())
@@ -167,6 +217,7 @@ fn parse(
         origin,
         cow_ref,
         persistence,
+        discards,
         handle,
     })
 }

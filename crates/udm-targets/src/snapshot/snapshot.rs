@@ -109,10 +109,38 @@ impl BlockDevice for Snapshot {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            discard: false,
+            discard: self.args.discards.zeroes_cow,
             fast_zero: false,
             ..Capabilities::weakest([&self.snap().cow.capabilities()])
         }
+    }
+
+    /// The kernel's `discard_zeroes_cow` and `discard_passdown_origin` ([`super::Discards`]);
+    /// without them a discard is ignored (a hint the snapshot does not take).
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        let discards = self.args.discards;
+        if !discards.zeroes_cow {
+            return Ok(());
+        }
+        self.check_usable()?;
+        let snap = self.snap();
+        let origin = &*self.args.origin;
+        each_chunk(snap.chunk, offset, len, |chunk, at, n, _| {
+            if discards.passdown_origin {
+                origin.discard(at, n)?;
+            }
+            let _held = snap.locks.exclusive(chunk);
+            let Some(new) = snap.exceptions.get(chunk) else {
+                return Ok(());
+            };
+            let (start, end) = snap.chunk_range(chunk, origin.size());
+            if at == start && at + n == end {
+                snap.cow
+                    .write_zeroes(snap.cow_offset(new, at), n, udm_block::ZeroFlags::default())
+            } else {
+                snap.cow.discard(snap.cow_offset(new, at), n)
+            }
+        })
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {

@@ -359,6 +359,55 @@ fn concurrent_first_writes_share_commits() {
     assert!(read(&snap, 0, 16 * MIB as usize)[..] == original(16 * MIB)[..]);
 }
 
+/// The kernel's discard features: whole chunks the snapshot holds read zeroes, chunks it
+/// does not hold are left alone (no copy-out), and with passdown the origin itself is
+/// discarded behind snapshot-origin's back. Without them, a discard changes nothing.
+#[test]
+fn discards_zero_the_snapshots_chunks_and_pass_down_to_the_origin_only_when_asked() {
+    let rig = Rig::new(MIB);
+    let origin = rig.origin_table();
+    let plain = rig.cow(2 * MIB);
+    let plain = rig.snapshot(&plain, "P 8");
+    let cow = rig.cow(2 * MIB);
+    let snap = rig.snapshot(&cow, "P 8 1 discard_zeroes_cow");
+    assert_eq!(
+        target(&snap).args().rsplit_once(" P 8").unwrap().1,
+        " 1 discard_zeroes_cow",
+        "the table line keeps its features"
+    );
+    assert!(snap.capabilities().discard && !plain.capabilities().discard);
+    let was = original(MIB);
+    write(&origin, 4096, 4096, 9); // chunk 1 saved into both snapshots
+    write(&snap, 8192, 4096, 10); // chunk 2 written in the snapshot
+    plain.discard(4096, 8192).unwrap();
+    assert!(read(&plain, 4096, 8192)[..] == was[4096..12288], "ignored");
+    snap.discard(4096, 4096 + 1024).unwrap();
+    assert!(
+        read(&snap, 4096, 4096).iter().all(|&b| b == 0),
+        "whole chunk"
+    );
+    assert!(
+        read(&snap, 9216, 3072)[..] == pattern(4096, 10)[1024..],
+        "the rest of a partly discarded chunk stays"
+    );
+    snap.discard(12288, 4096).unwrap();
+    assert!(read(&snap, 12288, 4096)[..] == was[12288..16384]);
+    assert_eq!(target(&snap).status_details().unwrap()["exceptions"], 2);
+    assert!(read(&origin, 12288, 4096)[..] == was[12288..16384]);
+
+    let cow = rig.cow(2 * MIB);
+    let passing = rig.snapshot(&cow, "P 8 2 discard_zeroes_cow discard_passdown_origin");
+    passing.discard(16384, 4096).unwrap();
+    assert!(
+        read(&origin, 16384, 4096).iter().all(|&b| b == 0),
+        "passed down to the origin"
+    );
+    assert!(
+        read(&plain, 16384, 4096).iter().all(|&b| b == 0),
+        "without a copy-out: other snapshots lose the chunk, as in the kernel"
+    );
+}
+
 #[test]
 fn bad_tables_are_refused_naming_the_problem() {
     let rig = Rig::new(4 * MIB);
@@ -384,8 +433,16 @@ fn bad_tables_are_refused_naming_the_problem() {
             "expected <origin> <COW device>",
         ),
         (
-            format!("snapshot {o} {cow} P 8 1 discard_zeroes_cow"),
-            "unsupported feature 'discard_zeroes_cow'",
+            format!("snapshot {o} {cow} P 8 1 discard_passdown_origin"),
+            "discard_passdown_origin needs discard_zeroes_cow",
+        ),
+        (
+            format!("snapshot {o} {cow} P 8 1 bogus"),
+            "unrecognised feature 'bogus'",
+        ),
+        (
+            format!("snapshot {o} {cow} P 8 2 discard_zeroes_cow"),
+            "2 feature arguments announced, 1 given",
         ),
         (
             format!("snapshot-merge {o} {cow} N 8"),
