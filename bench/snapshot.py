@@ -38,13 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import foundation as fnd  # noqa: E402
 from common import (  # noqa: E402
-    BenchError, base_meta, copy_logs, locate_udm, make_tmpdir, markdown_table,
-    prepare_out_dir, remove_tmp, run, stop_daemon, tmp_base, trap_signals, write_results,
+    BenchError, base_meta, copy_logs, locate_udm, make_tmpdir, prepare_out_dir, remove_tmp,
+    run, stop_daemon, tmp_base, trap_signals,
 )
 from foundation import (  # noqa: E402
-    Udm, Workload, fill_backing_file, find_udm, human_size, parse_fio_json, parse_size,
-    start_service, wait_for_socket,
+    Udm, Workload, fill_backing_file, find_udm, parse_fio_json, start_service,
+    wait_for_socket,
 )
+from report import human_size, markdown_table, parse_size, write_results  # noqa: E402
 
 SECTOR = 512
 POOL_THREADS = 128

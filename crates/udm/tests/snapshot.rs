@@ -325,10 +325,10 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     );
     let view = daemon.dir.path("view.img");
     tool("nbdcopy", &[&daemon.uri("snap"), view.to_str().unwrap()]);
-    // The LVM way: suspend the origin, drop the snapshot device, load the merge in the
-    // origin device's place, resume.
-    daemon.udm(&["suspend", "base"]);
-    daemon.udm(&["remove", "snap"]);
+    // The kernel's way (lvconvert --merge): suspend the snapshot device, load the merge in
+    // the origin device's place (it takes the COW device over), resume, then drop the
+    // snapshot device, whose I/O fails from the merge's resume on.
+    daemon.udm(&["suspend", "snap"]);
     let merge_table = format!(
         "0 131072 snapshot-merge {} {} P 8",
         origin.display(),
@@ -336,6 +336,11 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     );
     daemon.udm(&["load", "base", "--table", &merge_table]);
     daemon.udm(&["resume", "base"]);
+    assert_eq!(status(&daemon, "snap"), "Invalid");
+    daemon.udm(&["resume", "snap"]);
+    let (read, said) = common::qemu_io(&daemon.uri("snap"), "read 0 4k");
+    assert!(!read && said.contains("Input/output error"), "{said}");
+    daemon.udm(&["remove", "snap"]);
     daemon.udm(&["message", "base", "0", "max_merge_rate", "4096"]);
     assert_eq!(daemon.udm(&["table", "base"]), merge_table);
     // At once the device reads as the snapshot did, while the merge copies in the
@@ -573,6 +578,45 @@ fn reloads_without_suspend_under_fio_and_an_origin_that_is_a_udm_device() {
     same_content(original.to_str().unwrap(), &daemon.uri("snap"));
     let tree = daemon.udm(&["ls", "--tree"]);
     assert!(tree.contains("base-real"), "{tree}");
+}
+
+/// A snapshot meets its origin by what it opens, not by how it names it (the kernel keys
+/// origins by dev_t): the origin file named through a hard link, a symlink or a relative path
+/// is one origin, so its chunks are saved before the origin's writes land.
+#[test]
+fn an_origin_named_another_way_is_still_one_origin() {
+    let daemon = Daemon::start("snap-identity");
+    let file = daemon.dir.path("file.img");
+    pattern_file(&file, 8 * MIB as usize, 6);
+    let original = daemon.dir.path("original.img");
+    std::fs::copy(&file, &original).unwrap();
+    let hard = daemon.dir.path("hard.img");
+    std::fs::hard_link(&file, &hard).unwrap();
+    let soft = daemon.dir.path("soft.img");
+    std::os::unix::fs::symlink(&file, &soft).unwrap();
+    daemon.udm(&[
+        "create",
+        "base",
+        "--table",
+        &format!("0 16384 snapshot-origin {}", file.display()),
+    ]);
+    for (name, origin) in [("hard", &hard), ("soft", &soft)] {
+        let cow = daemon.dir.path(&format!("{name}.cow"));
+        sparse_file(&cow, 8 * MIB);
+        daemon.udm(&[
+            "create",
+            name,
+            "--table",
+            &format!(
+                "0 16384 snapshot {} {} P 8",
+                origin.display(),
+                cow.display()
+            ),
+        ]);
+    }
+    qemu_io(&daemon.uri("base"), &["write -P 9 0 4M"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("hard"));
+    same_content(original.to_str().unwrap(), &daemon.uri("soft"));
 }
 
 #[test]

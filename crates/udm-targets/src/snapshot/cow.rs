@@ -27,7 +27,10 @@ thread_local! {
 
 pub struct Snap {
     pub id: u64,
+    /// The COW device's identity ([`crate::rendezvous::device_key`]).
     pub cow_key: String,
+    /// The COW device as the table that opened it first named it, for messages.
+    pub cow_name: String,
     pub cow: Arc<dyn BlockDevice>,
     pub store: Box<dyn ExceptionStore>,
     pub persistent: bool,
@@ -59,6 +62,7 @@ impl Drop for SnapHandle {
 /// How a table wants to use a COW device.
 pub struct CowUse<'a> {
     pub cow_key: String,
+    pub cow_name: String,
     pub cow: Arc<dyn BlockDevice>,
     pub persistent: bool,
     pub hub: Arc<Hub>,
@@ -79,6 +83,7 @@ impl SnapHandle {
                 snap: Arc::new(Snap {
                     id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                     cow_key: using.cow_key.clone(),
+                    cow_name: using.cow_name.clone(),
                     cow: using.cow.clone(),
                     store,
                     persistent: using.persistent,
@@ -97,15 +102,15 @@ impl SnapHandle {
         if !Arc::ptr_eq(&handle.hub, &using.hub) {
             return Err(format!(
                 "COW device '{}' holds a snapshot of '{}', not of '{}'",
-                using.cow_key,
-                handle.hub.key(),
-                using.hub.key()
+                using.cow_name,
+                handle.hub.name(),
+                using.hub.name()
             ));
         }
         if handle.snap.persistent != using.persistent {
             return Err(format!(
                 "COW device '{}' is in use as a {} store",
-                using.cow_key,
+                using.cow_name,
                 if handle.snap.persistent {
                     "persistent"
                 } else {
@@ -175,12 +180,12 @@ impl Snap {
         if !self.valid.swap(false, Ordering::AcqRel) {
             return;
         }
-        error!("snapshot on '{}': invalidating it: {why}", self.cow_key);
+        error!("snapshot on '{}': invalidating it: {why}", self.cow_name);
         if let Err(e) = self.store.invalidate() {
             error!(
                 "snapshot on '{}': marking the COW device invalid failed: {e}; after a \
                  restart it may be read as valid although the origin has moved on",
-                self.cow_key
+                self.cow_name
             );
         }
         (self.raise_event)();
@@ -192,7 +197,7 @@ impl Snap {
             warn!(
                 "snapshot on '{}': the COW device is full; writes to the snapshot fail from \
                  now on (Overflow)",
-                self.cow_key
+                self.cow_name
             );
             (self.raise_event)();
         }

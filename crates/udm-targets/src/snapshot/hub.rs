@@ -2,10 +2,11 @@
 //! of each chunk before an origin write changes it, and the targets serving the origin
 //! (`snapshot-origin`, or the `snapshot-merge` that took its place).
 //!
-//! Hubs live in a [`Rendezvous`] keyed by [`device_key`] of the origin reference, so the
-//! tables of different devices naming the same origin meet in one hub (the kernel's
-//! `_origins` hash). Name the origin the same way everywhere: a udm device and the file under
-//! it are different keys.
+//! Hubs live in a [`Rendezvous`] keyed by the origin's identity
+//! ([`crate::rendezvous::device_key`]: a file's inode, a udm device's serial), so the tables
+//! of different devices meet in one hub however they name the origin (the kernel's
+//! `_origins` hash, keyed by dev_t). A udm device and the file under it are different
+//! devices, as a dm device and its backing disk are.
 
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -30,7 +31,8 @@ fn copiers() -> &'static Arc<WorkerPool> {
 }
 
 pub struct Hub {
-    key: String,
+    /// The origin as the table that made the hub named it, for messages.
+    name: String,
     /// Active snapshots, in activation order: the order in which an origin write locks their
     /// chunks, so that two writes never wait for each other crosswise.
     snaps: RwLock<Vec<Arc<Snap>>>,
@@ -61,10 +63,13 @@ impl Drop for RoleGuard {
 }
 
 impl Hub {
-    pub fn of(origin_key: &str) -> Arc<Hub> {
+    /// The hub of the origin whose [`device_key`] is `origin_key`, named `name` in messages.
+    ///
+    /// [`device_key`]: crate::rendezvous::device_key
+    pub fn of(origin_key: &str, name: &str) -> Arc<Hub> {
         HUBS.get_or_try_insert::<()>(origin_key, || {
             Ok(Arc::new(Hub {
-                key: origin_key.to_string(),
+                name: name.to_string(),
                 snaps: RwLock::default(),
                 gate: Arc::default(),
                 roles: Mutex::default(),
@@ -74,8 +79,8 @@ impl Hub {
         .expect("making a hub cannot fail")
     }
 
-    pub fn key(&self) -> &str {
-        &self.key
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     fn add_role(self: &Arc<Self>, owner: &str, merging: Option<String>) -> RoleGuard {
@@ -103,7 +108,7 @@ impl Hub {
             return Err(format!(
                 "origin '{}' is being merged by device '{}'; its snapshot-merge target \
                  serves the origin until the merge is done",
-                self.key, merge.owner
+                self.name, merge.owner
             ));
         }
         drop(roles);
@@ -131,7 +136,7 @@ impl Hub {
                     return Err(format!(
                         "origin '{}' is already being merged from '{other}' by device '{}': \
                          one merge per origin at a time",
-                        self.key, role.owner
+                        self.name, role.owner
                     ))
                 }
                 None if role.owner != owner => {
@@ -139,7 +144,7 @@ impl Hub {
                         "device '{}' serves origin '{}' with snapshot-origin; load \
                          snapshot-merge into '{}' in its place (the merge takes over the \
                          origin's role)",
-                        role.owner, self.key, role.owner
+                        role.owner, self.name, role.owner
                     ))
                 }
                 _ => {}

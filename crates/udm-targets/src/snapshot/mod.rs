@@ -149,10 +149,14 @@ impl SnapshotArgs {
     }
 }
 
+/// `origin_mode` and `cow_mode` are how the origin and the COW device are opened: a merge
+/// writes the origin, and takes the COW device over from the snapshot device that may still
+/// hold it (the kernel's exception handover).
 fn parse(
     args: &mut Args,
     ctx: &TargetContext,
     origin_mode: OpenMode,
+    cow_mode: OpenMode,
 ) -> Result<SnapshotArgs, TargetError> {
     if args.remaining() < 4 {
         return Err(args.error(format!(
@@ -162,15 +166,19 @@ fn parse(
     }
     let (origin_ref, origin) = args.device(ctx, "origin", origin_mode)?;
     let cow_ref = args.word("COW device")?.to_string();
-    if device_key(&cow_ref) == device_key(&origin_ref) {
+    let cow = ctx
+        .resolver
+        .open(&cow_ref, cow_mode)
+        .map_err(|e| args.error(format!("cannot open <COW device> '{cow_ref}': {e}")))?;
+    let (origin_key, cow_key) = (
+        device_key(&origin_ref, &*origin),
+        device_key(&cow_ref, &*cow),
+    );
+    if cow_key == origin_key {
         return Err(args.error(format!(
             "the COW device '{cow_ref}' cannot be the origin itself"
         )));
     }
-    let cow = ctx
-        .resolver
-        .open(&cow_ref, OpenMode::Exclusive)
-        .map_err(|e| args.error(format!("cannot open <COW device> '{cow_ref}': {e}")))?;
     let persistence = match args.word("persistent?")?.to_ascii_uppercase().as_str() {
         "P" => Persistence::Persistent,
         "PO" => Persistence::PersistentOverflow,
@@ -191,10 +199,11 @@ fn parse(
         .map_err(|e| args.error(e))?;
     ctx.require(&cow_ref, &*cow, 0, cow.size())
         .map_err(|e| args.error(e))?;
-    let hub = Hub::of(&device_key(&origin_ref));
+    let hub = Hub::of(&origin_key, &origin_ref);
     let persistent = persistence != Persistence::Transient;
     let using = CowUse {
-        cow_key: device_key(&cow_ref),
+        cow_key,
+        cow_name: cow_ref.clone(),
         cow: cow.clone(),
         persistent,
         hub,
@@ -285,7 +294,7 @@ fn details(snap: &Snap) -> serde_json::Value {
 fn invalid(snap: &Snap) -> BlockError {
     BlockError::Io(format!(
         "snapshot on '{}' is invalid (its COW device filled up or failed)",
-        snap.cow_key
+        snap.cow_name
     ))
 }
 

@@ -28,7 +28,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     let (origin_ref, origin) = args.device(ctx, "origin", OpenMode::ReadWrite)?;
     ctx.require(&origin_ref, &*origin, 0, ctx.len)
         .map_err(|e| args.error(e))?;
-    let hub = Hub::of(&device_key(&origin_ref));
+    let hub = Hub::of(&device_key(&origin_ref, &*origin), &origin_ref);
     let role = hub.serve_origin(ctx.owner).map_err(|e| args.error(e))?;
     Ok(Arc::new(Origin {
         hub,

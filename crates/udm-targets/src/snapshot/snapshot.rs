@@ -27,7 +27,7 @@ pub struct Snapshot {
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
-    let parsed = parse(args, ctx, OpenMode::ReadOnly)?;
+    let parsed = parse(args, ctx, OpenMode::ReadOnly, OpenMode::Exclusive)?;
     if parsed.snap().is_merging() {
         return Err(args.error(format!(
             "COW device '{}' is being merged into its origin; it is no longer a snapshot",
@@ -61,7 +61,7 @@ impl Snapshot {
         }
         if snap.is_merging() {
             return Err(BlockError::Io(
-                "the snapshot is being merged into its origin".into(),
+                "the snapshot was handed over to its merge into the origin".into(),
             ));
         }
         Ok(())
@@ -239,7 +239,12 @@ impl Target for Snapshot {
         self.args.line()
     }
 
+    /// `Invalid` once a merge has taken the COW device over (the kernel invalidates the
+    /// source of a handover), else the usage.
     fn status(&self) -> String {
+        if self.snap().is_merging() {
+            return "Invalid".into();
+        }
         status_line(self.snap(), false)
     }
 

@@ -935,3 +935,38 @@ fn mapped_first_writes_wait_for_their_commit_without_a_thread() {
         WRITES
     );
 }
+
+/// Tables meet by what they open, not by how they name it (the kernel keys origins by
+/// dev_t): a snapshot naming the origin file by a hard link still gets its chunks saved
+/// before the origin changes.
+#[test]
+fn an_origin_named_two_ways_is_one_origin() {
+    use udm_block::{FileDevice, OpenMode};
+    let dir = udm_testkit::TempDir::new("snapshot-identity");
+    let (path, link) = (dir.path("origin.img"), dir.path("link.img"));
+    std::fs::File::create(&path).unwrap().set_len(MIB).unwrap();
+    std::fs::hard_link(&path, &link).unwrap();
+    let open = |p: &std::path::Path| {
+        Arc::new(FileDevice::open(p, OpenMode::ReadWrite).unwrap()) as Arc<dyn BlockDevice>
+    };
+    let rig = Rig::new(MIB);
+    rig.set_origin(open(&path));
+    let linked = rig.add("link", open(&link));
+    let origin = rig.origin_table();
+    let cow = rig.cow(2 * MIB);
+    let snap = rig.table(
+        &format!("snap-{cow}"),
+        &format!("snapshot {linked} {cow} P 8"),
+    );
+    write(&origin, 0, 4096, 9);
+    assert!(
+        read(&snap, 0, 4096).iter().all(|&b| b == 0),
+        "the snapshot kept the chunk as it was"
+    );
+    // The COW device may not be the origin under another name either.
+    let err = rig
+        .try_table("other", &format!("snapshot {} {linked} P 8", rig.origin))
+        .err()
+        .unwrap();
+    assert!(err.contains("cannot be the origin"), "{err}");
+}

@@ -58,6 +58,8 @@ pub struct Device {
     /// `remove --deferred`: remove once nothing uses the device any more.
     deferred_remove: AtomicBool,
     stats: Arc<IoStats>,
+    /// Unique in the process and kept through renames: the device's identity.
+    serial: u64,
 }
 
 impl Gate {
@@ -127,6 +129,10 @@ impl Device {
             released: (Mutex::new(()), Condvar::new()),
             deferred_remove: AtomicBool::new(false),
             stats: Arc::default(),
+            serial: {
+                static SERIAL: AtomicU64 = AtomicU64::new(0);
+                SERIAL.fetch_add(1, Ordering::Relaxed)
+            },
         }
     }
 
@@ -418,6 +424,9 @@ impl BlockDevice for Device {
     }
     fn suspended(&self) -> bool {
         self.is_suspended()
+    }
+    fn identity(&self) -> Option<String> {
+        Some(format!("udm-device:{}", self.serial))
     }
 }
 
