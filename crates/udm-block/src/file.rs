@@ -19,17 +19,17 @@ pub enum OpenMode {
     /// destination, a log-writes log): nobody else may write it meanwhile. Whoever resolves
     /// references enforces that; the file itself opens as read-write.
     Exclusive,
-    /// Exclusive, but granted while another device holds it `Exclusive`: for a target that
-    /// takes the holder's state over within the process (a `snapshot-merge` taking over a
-    /// snapshot's COW device, the kernel's exception handover). The targets on the device
-    /// see to it that the previous holder stops using it.
-    TakeOver,
+    /// Exclusive towards everyone but other devices opening it `Handover` too: targets that
+    /// share its state within the process and hand it over between them (a snapshot's COW
+    /// device, taken over by the `snapshot-merge` of another device: the kernel's exception
+    /// handover). Those targets decide who may use it when.
+    Handover,
 }
 
 impl OpenMode {
-    /// Exclusive or taking over: the user keeps its state there.
+    /// The user keeps its state there.
     pub fn is_exclusive(self) -> bool {
-        matches!(self, OpenMode::Exclusive | OpenMode::TakeOver)
+        matches!(self, OpenMode::Exclusive | OpenMode::Handover)
     }
 }
 

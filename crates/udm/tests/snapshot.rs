@@ -639,3 +639,42 @@ fn snapshots_come_back_after_a_restart_and_a_transient_one_comes_back_invalid() 
     // A transient snapshot's exceptions were in memory: it is gone, and says so.
     assert_eq!(status(&daemon, "temp"), "Invalid");
 }
+
+/// A client that sends first writes and vanishes while their copy-outs wait on a slow COW
+/// device (they wait as steps of their mappings, on no thread): the writes finish without
+/// it, the origin device still suspends (nothing is left counted in flight), the snapshot
+/// is exact and both devices go away cleanly.
+#[test]
+fn a_client_that_vanishes_while_its_first_writes_copy_out_leaves_nothing_behind() {
+    let daemon = Daemon::start("snap-vanish");
+    let (origin, original) = origin_of(&daemon, 8 * MIB);
+    let cow = daemon.dir.path("snap.cow");
+    sparse_file(&cow, 8 * MIB);
+    daemon.udm(&[
+        "create",
+        "slowcow",
+        "--table",
+        &format!("0 16384 delay {} 0 100", cow.display()),
+    ]);
+    daemon.udm(&[
+        "create",
+        "snap",
+        "--table",
+        &format!("0 16384 snapshot {} slowcow P 8", origin.display()),
+    ]);
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "base");
+    let data = vec![0xabu8; 4096];
+    for chunk in 0..64u64 {
+        client.send(0, NBD_CMD_WRITE, chunk, chunk * 8 * 4096, 4096, &data);
+    }
+    drop(client);
+    let t = std::time::Instant::now();
+    daemon.udm(&["suspend", "base"]);
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    daemon.udm(&["resume", "base"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("snap"));
+    daemon.udm(&["remove", "snap"]);
+    daemon.udm(&["remove", "slowcow"]);
+    daemon.udm(&["remove", "base"]);
+    assert!(!daemon.log().contains("panic"), "{}", daemon.log());
+}

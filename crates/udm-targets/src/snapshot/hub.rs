@@ -132,10 +132,10 @@ impl Hub {
         let roles = self.roles.lock();
         for role in roles.iter() {
             match &role.merging {
-                Some(other) if other != cow_key => {
+                Some(other) if other != cow_key || role.owner != owner => {
                     return Err(format!(
-                        "origin '{}' is already being merged from '{other}' by device '{}': \
-                         one merge per origin at a time",
+                        "origin '{}' is already being merged by device '{}': one merge per \
+                         origin at a time",
                         self.name, role.owner
                     ))
                 }

@@ -74,7 +74,7 @@ pub struct Merge {
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
-    let parsed = parse(args, ctx, OpenMode::ReadWrite, OpenMode::TakeOver)?;
+    let parsed = parse(args, ctx, OpenMode::ReadWrite, OpenMode::Handover)?;
     if parsed.persistence == Persistence::Transient {
         return Err(args.error(
             "a transient (N) snapshot cannot be merged: its exceptions are only in memory",

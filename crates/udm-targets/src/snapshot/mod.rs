@@ -150,8 +150,8 @@ impl SnapshotArgs {
 }
 
 /// `origin_mode` and `cow_mode` are how the origin and the COW device are opened: a merge
-/// writes the origin, and takes the COW device over from the snapshot device that may still
-/// hold it (the kernel's exception handover).
+/// writes the origin; a COW device is opened for handover, so that the merge of another
+/// device can take it over from the snapshot device (the kernel's exception handover).
 fn parse(
     args: &mut Args,
     ctx: &TargetContext,

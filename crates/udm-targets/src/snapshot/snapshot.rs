@@ -27,11 +27,13 @@ pub struct Snapshot {
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
-    let parsed = parse(args, ctx, OpenMode::ReadOnly, OpenMode::Exclusive)?;
+    let parsed = parse(args, ctx, OpenMode::ReadOnly, OpenMode::Handover)?;
     if parsed.snap().is_merging() {
         return Err(args.error(format!(
-            "COW device '{}' is being merged into its origin; it is no longer a snapshot",
-            parsed.cow_ref
+            "COW device '{}' is being merged into its origin by device '{}'; it is no \
+             longer a snapshot",
+            parsed.cow_ref,
+            parsed.handle.hub.merged_by().unwrap_or_default()
         )));
     }
     if !parsed.snap().is_active() {

@@ -479,6 +479,15 @@ fn one_merge_per_origin_and_never_beside_another_devices_snapshot_origin() {
         .err()
         .unwrap();
     assert!(err.contains("already being merged"), "{err}");
+    // The same COW device merged by a second device: two merges would copy it back twice.
+    let err = rig
+        .try_table("third", &format!("snapshot-merge {o} {a} P 8"))
+        .err()
+        .unwrap();
+    assert!(
+        err.contains("already being merged by device 'origin-dev'"),
+        "{err}"
+    );
     let err = rig
         .try_table("fourth", &format!("snapshot-origin {o}"))
         .err()

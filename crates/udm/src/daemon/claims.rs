@@ -39,8 +39,8 @@ struct Holder {
     id: u64,
     owner: String,
     exclusive: bool,
-    /// Granted over another device's exclusive claim ([`OpenMode::TakeOver`]).
-    takes_over: bool,
+    /// [`OpenMode::Handover`]: shared with other devices' handover claims.
+    handover: bool,
 }
 
 struct Entry {
@@ -65,7 +65,8 @@ pub struct ClaimGuard {
 
 impl Claims {
     /// Claims the file at `path` for device `owner` as `mode` says (read-write shared, or
-    /// exclusive when the owner keeps state on it, or taking over an exclusive holder's).
+    /// exclusive when the owner keeps state on it, or for a state handed over between
+    /// devices).
     /// Refuses, in one line, when another device or another process holds it in a way that
     /// conflicts.
     pub fn claim_file(
@@ -109,20 +110,17 @@ impl Claims {
         path: Option<&Path>,
     ) -> Result<ClaimGuard, String> {
         let exclusive = mode.is_exclusive();
-        let takes_over = mode == OpenMode::TakeOver;
+        let handover = mode == OpenMode::Handover;
         let mut entries = self.entries.lock();
         let entry = entries.entry(key.clone()).or_insert_with(|| Entry {
             holders: Vec::new(),
             lock: None,
             lock_exclusive: false,
         });
-        // Taking over is granted over a plain exclusive holder only: never over another
-        // device taking over, nor over shared writers.
-        let conflict = entry.holders.iter().find(|h| {
-            h.owner != owner
-                && (exclusive || h.exclusive)
-                && !(takes_over && h.exclusive && !h.takes_over)
-        });
+        let conflict = entry
+            .holders
+            .iter()
+            .find(|h| h.owner != owner && (exclusive || h.exclusive) && !(handover && h.handover));
         let result = match conflict {
             Some(h) if h.exclusive => Err(format!(
                 "in use by device '{}', which keeps its state there",
@@ -146,7 +144,7 @@ impl Claims {
                 id,
                 owner: owner.into(),
                 exclusive,
-                takes_over,
+                handover,
             }),
             Err(e) => {
                 if entry.holders.is_empty() {
@@ -371,33 +369,28 @@ mod tests {
     }
 
     #[test]
-    fn taking_over_is_granted_over_an_exclusive_holder_only() {
+    fn handover_claims_are_shared_between_devices_and_exclusive_towards_the_rest() {
         let claims = Arc::new(Claims::default());
-        let path = temp_file("takeover");
+        let path = temp_file("handover");
         let snap = claims
-            .claim_file(&path, "snap", OpenMode::Exclusive)
+            .claim_file(&path, "snap", OpenMode::Handover)
             .unwrap();
         let merge = claims
-            .claim_file(&path, "base", OpenMode::TakeOver)
+            .claim_file(&path, "base", OpenMode::Handover)
+            .unwrap();
+        for mode in [OpenMode::Exclusive, OpenMode::ReadWrite] {
+            let err = claims.claim_file(&path, "other", mode).err().unwrap();
+            assert!(err.contains("in use by device"), "{err}");
+        }
+        drop((snap, merge));
+        let _clone = claims
+            .claim_file(&path, "clone", OpenMode::Exclusive)
             .unwrap();
         let err = claims
-            .claim_file(&path, "other", OpenMode::TakeOver)
+            .claim_file(&path, "base", OpenMode::Handover)
             .err()
             .unwrap();
-        assert!(err.contains("in use by device 'base'"), "{err}");
-        drop(snap);
-        let err = claims
-            .claim_file(&path, "snap", OpenMode::Exclusive)
-            .err()
-            .unwrap();
-        assert!(err.contains("in use by device 'base'"), "{err}");
-        drop(merge);
-        let _shared = claims
-            .claim_file(&path, "lin", OpenMode::ReadWrite)
-            .unwrap();
-        assert!(claims
-            .claim_file(&path, "base", OpenMode::TakeOver)
-            .is_err());
+        assert!(err.contains("in use by device 'clone'"), "{err}");
         std::fs::remove_file(path).unwrap();
     }
 
