@@ -64,7 +64,14 @@ impl Pending {
 /// The mapping and its executor's callback while its steps run.
 struct Join<F> {
     left: AtomicUsize,
-    state: Mutex<(Option<(Mapping, F)>, Option<BlockError>)>,
+    state: Mutex<Joining<F>>,
+}
+
+struct Joining<F> {
+    /// Taken by the last step to finish.
+    waiting: Option<(Mapping, F)>,
+    /// The first step that failed.
+    error: Option<BlockError>,
 }
 
 impl Mapping {
@@ -92,18 +99,24 @@ impl Mapping {
         }
         let join = Arc::new(Join {
             left: AtomicUsize::new(steps.len()),
-            state: Mutex::new((Some((self, f)), None)),
+            state: Mutex::new(Joining {
+                waiting: Some((self, f)),
+                error: None,
+            }),
         });
         for step in steps {
             let join = join.clone();
             step.start(Done::new(move |result| {
                 if let Err(e) = result {
-                    join.state.lock().1.get_or_insert(e);
+                    join.state.lock().error.get_or_insert(e);
                 }
                 if join.left.fetch_sub(1, Ordering::AcqRel) != 1 {
                     return;
                 }
-                let (waiting, error) = std::mem::take(&mut *join.state.lock());
+                let (waiting, error) = {
+                    let mut state = join.state.lock();
+                    (state.waiting.take(), state.error.take())
+                };
                 let (mut mapping, f) = waiting.expect("the last step finishes once");
                 // The steps of a lower device may have added steps of their own meanwhile.
                 match error {
@@ -153,7 +166,7 @@ mod tests {
         b.finish(Ok(()));
         assert!(rx.try_recv().is_err(), "one step is still running");
         std::thread::spawn(move || a.finish(Ok(()))).join().unwrap();
-        assert_eq!(rx.try_recv().unwrap().unwrap(), true);
+        assert!(rx.try_recv().unwrap().unwrap());
     }
 
     #[test]
@@ -184,7 +197,7 @@ mod tests {
             .after(a)
             .when_ready(move |m| tx.send(m.is_err()).unwrap());
         drop(started.recv().unwrap());
-        assert_eq!(rx.recv().unwrap(), true);
+        assert!(rx.recv().unwrap());
     }
 
     #[test]
