@@ -118,9 +118,8 @@ impl Mapping {
                     (state.waiting.take(), state.error.take())
                 };
                 let (mut mapping, f) = waiting.expect("the last step finishes once");
-                // The steps of a lower device may have added steps of their own meanwhile.
                 match error {
-                    None => mapping.when_ready(f),
+                    None => f(Ok(mapping)),
                     Some(e) => {
                         for callback in mapping.on_complete.drain(..) {
                             callback(false);

@@ -518,12 +518,16 @@ impl ExceptionStore for PersistentStore {
 }
 
 impl Drop for PersistentStore {
-    /// Commits what is queued, then stops the committer.
+    /// Commits what is queued, then stops the committer. The last reference may go on the
+    /// committer itself (a [`ExceptionStore::when_durable`] callback holding the last user of
+    /// the store): it then ends on its own, as the queue is empty, and is not waited for.
     fn drop(&mut self) {
         self.shared.state.lock().shutdown = true;
         self.shared.work.notify_all();
         if let Some(committer) = self.committer.get_mut().take() {
-            let _ = committer.join();
+            if committer.thread().id() != std::thread::current().id() {
+                let _ = committer.join();
+            }
         }
     }
 }

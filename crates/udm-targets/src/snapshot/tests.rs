@@ -979,3 +979,61 @@ fn an_origin_named_two_ways_is_one_origin() {
         .unwrap();
     assert!(err.contains("cannot be the origin"), "{err}");
 }
+
+/// The snapshot's table goes away while a mapped first write waits for its commit: the
+/// commit's callback then holds the last reference to the snapshot, and lets it go on the
+/// store's own committer thread, which must not wait for itself.
+#[test]
+fn a_snapshot_dropped_while_a_mapped_write_waits_for_its_commit() {
+    use udm_block::{FileDevice, MapOp, OpenMode};
+    let dir = udm_testkit::TempDir::new("snapshot-drop-pending");
+    let path = dir.path("origin.img");
+    std::fs::File::create(&path).unwrap().set_len(MIB).unwrap();
+    let rig = Rig::new(MIB);
+    rig.set_origin(Arc::new(
+        FileDevice::open(&path, OpenMode::ReadWrite).unwrap(),
+    ));
+    let cow = Arc::new(HeldCommits {
+        dev: MemoryDevice::new(4 * MIB),
+        held: Mutex::new(false),
+        released: Condvar::new(),
+        data_writes: AtomicU64::new(0),
+    });
+    let cow_name = rig.add("cow", cow.clone());
+    let origin = rig.origin_table();
+    let snap = rig.snapshot(&cow_name, "P 8");
+    *cow.held.lock() = true;
+    let (tx, rx) = std::sync::mpsc::channel();
+    origin
+        .map(MapOp::Write { fua: false }, 0, 4096)
+        .unwrap()
+        .when_ready(move |ready| tx.send(ready.is_ok()).unwrap());
+    let t = Instant::now();
+    while cow.data_writes.load(Ordering::SeqCst) == 0 {
+        assert!(t.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    static COMMITTER_PANICKED: AtomicBool = AtomicBool::new(false);
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if std::thread::current().name() == Some("snapshot-commit") {
+            COMMITTER_PANICKED.store(true, Ordering::SeqCst);
+        }
+        previous(info)
+    }));
+    drop(snap);
+    *cow.held.lock() = false;
+    cow.released.notify_all();
+    assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+    // The snapshot (and its store) is gone once the callback has let go of it.
+    let t = Instant::now();
+    while Arc::strong_count(&cow) > 2 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the snapshot never went"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!COMMITTER_PANICKED.load(Ordering::SeqCst));
+}
