@@ -445,6 +445,14 @@ fn bad_tables_are_refused_naming_the_problem() {
             "2 feature arguments announced, 1 given",
         ),
         (
+            format!("snapshot {o} {cow} P 8 1"),
+            "1 feature arguments announced, 0 given",
+        ),
+        (
+            format!("snapshot {o} {cow} P 8 18446744073709551617 x"),
+            "#feature args",
+        ),
+        (
             format!("snapshot-merge {o} {cow} N 8"),
             "transient (N) snapshot cannot be merged",
         ),
