@@ -203,7 +203,8 @@ pub trait BlockDevice: Send + Sync {
 
 const ZERO_CHUNK: usize = 1 << 20;
 
-fn zero_chunk() -> &'static [u8] {
+/// A page-aligned buffer of zeroes (1 MiB) to write from, shared by everyone.
+pub fn zero_chunk() -> &'static [u8] {
     static ZEROES: OnceLock<crate::AlignedBuf> = OnceLock::new();
     ZEROES.get_or_init(|| crate::AlignedBuf::zeroed(ZERO_CHUNK))
 }

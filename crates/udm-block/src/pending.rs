@@ -19,7 +19,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::error::{BlockError, Result};
-use crate::map::Mapping;
+use crate::map::{Completed, Mapping};
 
 /// Finishes one started step; call it once, from any thread. Dropped without being called,
 /// the step fails (a worker that went away must not leave its request waiting for ever).
@@ -122,7 +122,7 @@ impl Mapping {
                     None => f(Ok(mapping)),
                     Some(e) => {
                         for callback in mapping.on_complete.drain(..) {
-                            callback(false);
+                            callback(Completed::Failed(&e));
                         }
                         drop(mapping);
                         f(Err(e))
@@ -175,7 +175,7 @@ mod tests {
         let record = told.clone();
         let mapping = Mapping::single(512, Place::Zero)
             .hold(Arc::clone(&told))
-            .when_complete(move |ok| record.lock().push(ok))
+            .when_complete(move |done| record.lock().push(matches!(done, Completed::Ok)))
             .after(a);
         let (tx, rx) = mpsc::channel();
         mapping.when_ready(move |m| tx.send(m.err()).unwrap());

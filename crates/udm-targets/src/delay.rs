@@ -115,9 +115,10 @@ impl BlockDevice for Delay {
     /// The group's device's mapping, after a timer step: the request waits for its delay
     /// without a thread sleeping for it (the kernel's dm-delay queues bios on a timer too).
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        // Discards and zeroing are delayed as writes, as on the synchronous path.
         let kind = match op {
             MapOp::Read => Kind::Read,
-            MapOp::Write { .. } => Kind::Write,
+            MapOp::Write { .. } | MapOp::Discard { .. } | MapOp::WriteZeroes { .. } => Kind::Write,
             MapOp::Flush => Kind::Flush,
         };
         let group = self.group(kind);

@@ -48,7 +48,8 @@ impl BlockDevice for Zero {
     }
     fn map(&self, op: MapOp, _offset: u64, len: u64) -> Option<Mapping> {
         Some(match op {
-            MapOp::Flush => Mapping::new(),
+            // Nothing to sync, and nothing to deallocate or zero: it reads zeroes already.
+            MapOp::Flush | MapOp::Discard { .. } | MapOp::WriteZeroes { .. } => Mapping::new(),
             MapOp::Read | MapOp::Write { .. } => Mapping::single(len, Place::Zero),
         })
     }

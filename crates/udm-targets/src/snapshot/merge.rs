@@ -410,6 +410,10 @@ impl BlockDevice for Merge {
     }
 
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        // Discards and write-zeroes mean something of their own here: the synchronous way.
+        if op.is_fill() {
+            return None;
+        }
         let s = &self.inner;
         let snap = s.snap();
         if op == MapOp::Flush {

@@ -74,6 +74,7 @@ impl BlockDevice for Origin {
 
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
         match op {
+            MapOp::Discard { .. } | MapOp::WriteZeroes { .. } => None,
             MapOp::Read | MapOp::Flush => self.origin.map(op, offset, len),
             MapOp::Write { .. } => {
                 let writing = self.hub.try_begin_write()?;

@@ -199,6 +199,10 @@ impl BlockDevice for Snapshot {
     /// until the read completes); writes and flushes onto the COW device once every chunk
     /// they touch has its exception.
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        // Discards and write-zeroes mean something of their own here: the synchronous way.
+        if op.is_fill() {
+            return None;
+        }
         let snap = self.snap();
         if self.check_usable().is_err() {
             return None;

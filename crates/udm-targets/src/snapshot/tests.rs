@@ -791,7 +791,7 @@ fn execute(op: udm_block::MapOp, mapping: udm_block::Mapping, buf: &mut [u8]) {
         }
     }
     for callback in mapping.on_complete {
-        callback(true);
+        callback(udm_block::Completed::Ok);
     }
 }
 

@@ -115,6 +115,10 @@ impl BlockDevice for PoolTarget {
         self.data.block_status(offset, len)
     }
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        // Discards and write-zeroes mean something of their own here: the synchronous way.
+        if op.is_fill() {
+            return None;
+        }
         self.data.map(op, offset, len)
     }
 }

@@ -281,6 +281,9 @@ impl BlockDevice for Claimed {
     fn identity(&self) -> Option<String> {
         self.device.identity()
     }
+    fn suspended(&self) -> bool {
+        self.device.suspended()
+    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use udm_block::{
-    BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, Result, WriteFlags, ZeroFlags,
+    BlockDevice, BlockError, Capabilities, Completed, Extent, MapOp, Mapping, Result, WriteFlags,
+    ZeroFlags,
 };
 use udm_targets::Table;
 
@@ -420,7 +421,12 @@ impl BlockDevice for Device {
         let hold = MappedInFlight(self.gate.clone());
         let io = self.stats.start(op.into(), len);
         let mapping = self.live().map(op, offset, len)?;
-        Some(mapping.hold(hold).when_complete(move |ok| io.record(ok)))
+        Some(mapping.hold(hold).when_complete(move |done| match done {
+            Completed::Ok => io.record(true),
+            Completed::Failed(_) => io.record(false),
+            // The synchronous retry counts the request.
+            Completed::Retried(_) => {}
+        }))
     }
     fn suspended(&self) -> bool {
         self.is_suspended()
