@@ -152,6 +152,10 @@ impl<D: BlockDevice> BlockDevice for Checked<D> {
     fn suspended(&self) -> bool {
         self.inner.suspended()
     }
+
+    fn identity(&self) -> Option<String> {
+        self.inner.identity()
+    }
 }
 
 #[cfg(test)]

@@ -199,6 +199,13 @@ pub trait BlockDevice: Send + Sync {
     fn suspended(&self) -> bool {
         false
     }
+
+    /// What this handle reaches, the same for every handle to the same storage however it
+    /// was named (dm's dev_t): a file by inode, a block device by its number, a udm device by
+    /// a serial that survives renames. `None` where nothing better than the name is known.
+    fn identity(&self) -> Option<String> {
+        None
+    }
 }
 
 const ZERO_CHUNK: usize = 1 << 20;
@@ -267,6 +274,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn suspended(&self) -> bool {
         (**self).suspended()
+    }
+    fn identity(&self) -> Option<String> {
+        (**self).identity()
     }
 }
 

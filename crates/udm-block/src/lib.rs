@@ -14,6 +14,8 @@ mod export;
 mod file;
 pub mod map;
 mod memory;
+pub mod pending;
+mod pool;
 
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
@@ -26,3 +28,5 @@ pub use export::{Export, ExportCatalog};
 pub use file::{FileDevice, OpenMode};
 pub use map::{Completed, MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
 pub use memory::MemoryDevice;
+pub use pending::{Done, Pending};
+pub use pool::{Job, WorkerPool};

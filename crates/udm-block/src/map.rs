@@ -17,6 +17,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::pending::Pending;
 use crate::BlockError;
 
 /// The request being mapped. Block status and cache are never mapped. Discard and
@@ -153,6 +154,9 @@ pub struct Mapping {
     /// holds are released. A mapping dropped unused (a probe, a request that went the
     /// synchronous way after all) calls none of them.
     pub on_complete: Vec<OnComplete>,
+    /// Steps the pieces wait for (a timer, a copy into a snapshot), started by the executor
+    /// through [`Mapping::when_ready`]; see [`crate::pending`].
+    pub waits: Vec<Pending>,
     /// A failure is not final: whoever executes the mapping runs the request again through
     /// the device's synchronous method (after telling the callbacks [`Completed::Retried`] and
     /// releasing the holds), where the device chooses again: a multipath, whose callback has
@@ -183,6 +187,7 @@ impl Mapping {
             }));
         self.holds.extend(lower.holds);
         self.on_complete.extend(lower.on_complete);
+        self.waits.extend(lower.waits);
         self.retry_on_error |= lower.retry_on_error;
     }
 
@@ -226,6 +231,16 @@ mod tests {
         assert_eq!(ats, vec![(0, 4096), (4096, 512)]);
         assert_eq!(whole.len(), 4608);
         assert_eq!(whole.holds.len(), 1);
+    }
+
+    #[test]
+    fn appending_keeps_the_lower_steps() {
+        let mut whole = Mapping::new();
+        whole.append(
+            0,
+            Mapping::single(512, Place::Zero).after(Pending::new(drop)),
+        );
+        assert!(!whole.is_ready());
     }
 
     #[test]

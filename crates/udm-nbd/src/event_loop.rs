@@ -23,13 +23,12 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 use log::{debug, error, info, warn};
-use udm_block::{BlockDevice, BlockError, Checked};
+use udm_block::{BlockDevice, BlockError, Checked, MapOp, Mapping, WorkerPool as Pool};
 use udm_uring::{is_engine, Engine, Outcome as MappedOutcome};
 
 use crate::budget::{BufferBudget, Payload};
 use crate::commands::{map_op, Outcome, Reply, Session};
 use crate::handshake::{Negotiated, MAX_PAYLOAD};
-use crate::pool::Pool;
 use crate::protocol::*;
 use crate::stream::Stream;
 use crate::ServerConfig;
@@ -81,6 +80,12 @@ enum Message {
         request: Request,
         result: Result<Outcome, BlockError>,
         payload: Option<Payload>,
+    },
+    /// A parked request's mapping is done waiting (see [`Mapping::when_ready`]).
+    Ready {
+        owner: u64,
+        op: MapOp,
+        ready: Result<Mapping, BlockError>,
     },
 }
 
@@ -391,6 +396,10 @@ impl EventLoop {
                             result,
                             payload,
                         } => self.answer(conn, &request, result, payload),
+                        Message::Ready { owner, op, ready } => match ready {
+                            Ok(mapping) => self.submit_mapped(owner, op, mapping),
+                            Err(e) => self.mapped_done(owner, MappedOutcome::Done(Err(e))),
+                        },
                     }
                 }
             }
@@ -759,7 +768,7 @@ impl EventLoop {
 
     /// Starts a counted, valid request: remapped onto the engine when the device can say
     /// where it lives, on the pool otherwise.
-    fn start(&mut self, index: usize, request: Request, mut payload: Option<Payload>) {
+    fn start(&mut self, index: usize, request: Request, payload: Option<Payload>) {
         let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
             return;
         };
@@ -780,9 +789,6 @@ impl EventLoop {
                     return self.answer(index, &request, Err(e), payload);
                 }
                 Ok(Some(mapping)) => {
-                    let buf = payload
-                        .as_deref_mut()
-                        .map_or(std::ptr::null_mut(), |p| p.as_mut_ptr());
                     let conn = self.conns[index].as_mut().expect("present");
                     let slot = conn.mapped_free.pop().unwrap_or_else(|| {
                         conn.mapped.push(None);
@@ -790,19 +796,14 @@ impl EventLoop {
                     });
                     conn.mapped[slot] = Some(Mapped { request, payload });
                     let owner = (index as u64) << 32 | slot as u64;
-                    let queued = &mut self.queued;
-                    // SAFETY: the buffer is the payload now held in `conn.mapped[slot]`,
-                    // which stays there (and the connection stays) until the engine says
-                    // the request is complete.
-                    let done = unsafe {
-                        self.engine
-                            .start(op, mapping, buf, owner, &mut |e| queued.push(e))
-                    };
-                    match done {
-                        Some(outcome) => self.mapped_done(owner, MappedOutcome::Done(outcome)),
-                        None if self.queued.len() >= SUBMIT_CHUNK => self.submit_now(),
-                        None => {}
+                    if mapping.is_ready() {
+                        return self.submit_mapped(owner, op, mapping);
                     }
+                    // It waits for steps (a timer, a snapshot copy-out) that finish on other
+                    // threads: it comes back through the mailbox, holding no thread meanwhile.
+                    let mailbox = self.mailbox.clone();
+                    mapping
+                        .when_ready(move |ready| mailbox.post(Message::Ready { owner, op, ready }));
                     return;
                 }
                 Ok(None) => {}
@@ -829,6 +830,34 @@ impl EventLoop {
                 payload,
             });
         }));
+    }
+
+    /// Hands a parked request's ready mapping to the engine.
+    fn submit_mapped(&mut self, owner: u64, op: MapOp, mapping: Mapping) {
+        let index = (owner >> 32) as usize;
+        let slot = (owner & 0xffff_ffff) as usize;
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        let Some(Mapped { payload, .. }) = conn.mapped[slot].as_mut() else {
+            return;
+        };
+        let buf = payload
+            .as_deref_mut()
+            .map_or(std::ptr::null_mut(), |p| p.as_mut_ptr());
+        let queued = &mut self.queued;
+        // SAFETY: the buffer is the payload held in `conn.mapped[slot]`, which stays there
+        // (and the connection stays, counting the request in flight) until the engine says
+        // the request is complete.
+        let done = unsafe {
+            self.engine
+                .start(op, mapping, buf, owner, &mut |e| queued.push(e))
+        };
+        match done {
+            Some(outcome) => self.mapped_done(owner, MappedOutcome::Done(outcome)),
+            None if self.queued.len() >= SUBMIT_CHUNK => self.submit_now(),
+            None => {}
+        }
     }
 
     fn mapped_done(&mut self, owner: u64, outcome: MappedOutcome) {

@@ -158,6 +158,12 @@ impl Engine {
         owner: u64,
         push: &mut dyn FnMut(squeue::Entry),
     ) -> Option<Result<(), BlockError>> {
+        if !mapping.is_ready() {
+            // Its pieces must not run before its steps: the caller owed when_ready().
+            return Some(Err(BlockError::Io(
+                "a mapping was submitted before the steps it waits for".into(),
+            )));
+        }
         let mut pieces = Vec::with_capacity(mapping.pieces.len());
         for piece in mapping.pieces {
             match piece.place {

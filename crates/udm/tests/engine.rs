@@ -67,6 +67,9 @@ fn sixty_four_connections_are_served_by_a_few_threads() {
     assert!(most.1 <= 2 * 8, "{} io_uring workers", most.1);
 }
 
+/// A slow device's requests wait without stalling the loop, whether they run on the pool
+/// (a `delay` over a device that does not remap sleeps on a pool thread) or wait on a timer as
+/// a step of their mapping (a `delay` over a file remaps).
 #[test]
 fn a_slow_target_does_not_stall_remapped_io_on_the_same_loop() {
     let _serial = serial();
@@ -76,32 +79,51 @@ fn a_slow_target_does_not_stall_remapped_io_on_the_same_loop() {
         &["--nbd-engine", "uring", "--nbd-loops", "1"],
     );
     let disk = daemon.create_linear("fast", "disk.img", 8 << 20);
-    daemon.create("slow", &format!("0 16384 delay {} 0 2000", disk.display()));
-    // `udm info` says which devices the engine remaps and which take their requests.
-    assert!(
-        daemon
-            .udm(&["info", "slow"])
-            .contains("Data path:         through the targets (worker threads)"),
-        "{}",
-        daemon.udm(&["info", "slow"])
-    );
-    let mut slow = RawClient::connect(&daemon.nbd_socket(), "slow");
-    for cookie in 0..8 {
-        slow.send(0, NBD_CMD_READ, cookie, cookie * 4096, 4096, &[]);
-    }
-    let mut fast = RawClient::connect(&daemon.nbd_socket(), "fast");
-    let started = Instant::now();
-    exercise(&mut fast, 0, 100);
-    let took = started.elapsed();
-    assert!(
-        took < Duration::from_millis(1500),
-        "100 round trips on the fast device took {took:?} while the slow one's reads waited"
-    );
-    for _ in 0..8 {
-        let (error, _) = slow.reply().unwrap();
-        assert_eq!(error, 0);
-        let mut data = vec![0u8; 4096];
-        slow.stream.read_exact(&mut data).unwrap();
+    daemon.udm(&[
+        "create",
+        "passthrough",
+        "--table",
+        &format!("0 16384 flakey {} 0 1000 0", disk.display()),
+    ]);
+    let slow_devices = [
+        (
+            "0 16384 delay passthrough 0 2000".to_string(),
+            "through the targets (worker threads)",
+        ),
+        (
+            format!("0 16384 delay {} 0 2000", disk.display()),
+            "remapped onto files (io_uring)",
+        ),
+    ];
+    for (table, data_path) in slow_devices {
+        daemon.udm(&["create", "slow", "--table", &table]);
+        // `udm info` says which devices the engine remaps and which take their requests.
+        let info = daemon.udm(&["info", "slow"]);
+        assert!(
+            info.contains(&format!("Data path:         {data_path}")),
+            "{info}"
+        );
+        let mut slow = RawClient::connect(&daemon.nbd_socket(), "slow");
+        for cookie in 0..8 {
+            slow.send(0, NBD_CMD_READ, cookie, cookie * 4096, 4096, &[]);
+        }
+        let mut fast = RawClient::connect(&daemon.nbd_socket(), "fast");
+        let started = Instant::now();
+        exercise(&mut fast, 0, 100);
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_millis(1500),
+            "{table}: 100 round trips on the fast device took {took:?} while the slow one's \
+             reads waited"
+        );
+        for _ in 0..8 {
+            let (error, _) = slow.reply().unwrap();
+            assert_eq!(error, 0);
+            let mut data = vec![0u8; 4096];
+            slow.stream.read_exact(&mut data).unwrap();
+        }
+        drop(slow);
+        daemon.udm(&["remove", "slow"]);
     }
 }
 

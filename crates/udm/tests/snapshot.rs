@@ -309,10 +309,10 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     );
     let view = daemon.dir.path("view.img");
     tool("nbdcopy", &[&daemon.uri("snap"), view.to_str().unwrap()]);
-    // The LVM way: suspend the origin, drop the snapshot device, load the merge in the
-    // origin device's place, resume.
-    daemon.udm(&["suspend", "base"]);
-    daemon.udm(&["remove", "snap"]);
+    // The kernel's way (lvconvert --merge): suspend the snapshot device, load the merge in
+    // the origin device's place (it takes the COW device over), resume, then drop the
+    // snapshot device, whose I/O fails from the merge's resume on.
+    daemon.udm(&["suspend", "snap"]);
     let merge_table = format!(
         "0 131072 snapshot-merge {} {} P 8",
         origin.display(),
@@ -320,6 +320,11 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     );
     daemon.udm(&["load", "base", "--table", &merge_table]);
     daemon.udm(&["resume", "base"]);
+    assert_eq!(status(&daemon, "snap"), "Invalid");
+    daemon.udm(&["resume", "snap"]);
+    let (read, said) = common::qemu_io(&daemon.uri("snap"), "read 0 4k");
+    assert!(!read && said.contains("Input/output error"), "{said}");
+    daemon.udm(&["remove", "snap"]);
     daemon.udm(&["message", "base", "0", "max_merge_rate", "4096"]);
     assert_eq!(daemon.udm(&["table", "base"]), merge_table);
     // At once the device reads as the snapshot did, while the merge copies in the
@@ -498,6 +503,45 @@ fn reloads_without_suspend_under_fio_and_an_origin_that_is_a_udm_device() {
     assert!(tree.contains("base-real"), "{tree}");
 }
 
+/// A snapshot meets its origin by what it opens, not by how it names it (the kernel keys
+/// origins by dev_t): the origin file named through a hard link, a symlink or a relative path
+/// is one origin, so its chunks are saved before the origin's writes land.
+#[test]
+fn an_origin_named_another_way_is_still_one_origin() {
+    let daemon = Daemon::start("snap-identity");
+    let file = daemon.dir.path("file.img");
+    pattern_file(&file, 8 * MIB as usize, 6);
+    let original = daemon.dir.path("original.img");
+    std::fs::copy(&file, &original).unwrap();
+    let hard = daemon.dir.path("hard.img");
+    std::fs::hard_link(&file, &hard).unwrap();
+    let soft = daemon.dir.path("soft.img");
+    std::os::unix::fs::symlink(&file, &soft).unwrap();
+    daemon.udm(&[
+        "create",
+        "base",
+        "--table",
+        &format!("0 16384 snapshot-origin {}", file.display()),
+    ]);
+    for (name, origin) in [("hard", &hard), ("soft", &soft)] {
+        let cow = daemon.dir.path(&format!("{name}.cow"));
+        sparse_file(&cow, 8 * MIB);
+        daemon.udm(&[
+            "create",
+            name,
+            "--table",
+            &format!(
+                "0 16384 snapshot {} {} P 8",
+                origin.display(),
+                cow.display()
+            ),
+        ]);
+    }
+    qemu_io(&daemon.uri("base"), &["write -P 9 0 4M"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("hard"));
+    same_content(original.to_str().unwrap(), &daemon.uri("soft"));
+}
+
 #[test]
 fn snapshots_come_back_after_a_restart_and_a_transient_one_comes_back_invalid() {
     let mut daemon = Daemon::start("snap-restart");
@@ -517,4 +561,82 @@ fn snapshots_come_back_after_a_restart_and_a_transient_one_comes_back_invalid() 
     same_content(original.to_str().unwrap(), &daemon.uri("snap"));
     // A transient snapshot's exceptions were in memory: it is gone, and says so.
     assert_eq!(status(&daemon, "temp"), "Invalid");
+}
+
+/// A client that sends first writes and vanishes while their copy-outs wait on a slow COW
+/// device (they wait as steps of their mappings, on no thread): the writes finish without
+/// it, the origin device still suspends (nothing is left counted in flight), the snapshot
+/// is exact and both devices go away cleanly.
+#[test]
+fn a_client_that_vanishes_while_its_first_writes_copy_out_leaves_nothing_behind() {
+    let daemon = Daemon::start("snap-vanish");
+    let (origin, original) = origin_of(&daemon, 8 * MIB);
+    let cow = daemon.dir.path("snap.cow");
+    sparse_file(&cow, 8 * MIB);
+    daemon.udm(&[
+        "create",
+        "slowcow",
+        "--table",
+        &format!("0 16384 delay {} 0 100", cow.display()),
+    ]);
+    daemon.udm(&[
+        "create",
+        "snap",
+        "--table",
+        &format!("0 16384 snapshot {} slowcow P 8", origin.display()),
+    ]);
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "base");
+    let data = vec![0xabu8; 4096];
+    for chunk in 0..64u64 {
+        client.send(0, NBD_CMD_WRITE, chunk, chunk * 8 * 4096, 4096, &data);
+    }
+    drop(client);
+    let t = std::time::Instant::now();
+    daemon.udm(&["suspend", "base"]);
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    daemon.udm(&["resume", "base"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("snap"));
+    daemon.udm(&["remove", "snap"]);
+    daemon.udm(&["remove", "slowcow"]);
+    daemon.udm(&["remove", "base"]);
+    assert!(!daemon.log().contains("panic"), "{}", daemon.log());
+}
+
+/// kill -9 with many first writes in flight at once (fio, 4 jobs at depth 32, so hundreds of
+/// copy-outs wait for commits as steps of their mappings): after the restart the snapshot
+/// is the origin as it was, chunk for chunk: no origin write landed before its chunk was
+/// committed into the snapshot.
+#[test]
+fn kill_9_with_hundreds_of_copy_outs_in_flight_keeps_the_snapshot_exact() {
+    let mut daemon = Daemon::start("snap-kill-load");
+    let (origin, original) = origin_of(&daemon, 64 * MIB);
+    snapshot(&daemon, "snap", &origin, 64 * MIB, "P 8");
+    for round in 0..3 {
+        let uri = format!("--uri={}", daemon.uri("base"));
+        let mut writer = std::process::Command::new("fio")
+            .args([
+                "--name=load",
+                "--ioengine=nbd",
+                &uri,
+                "--rw=randwrite",
+                "--bs=4k",
+                "--iodepth=32",
+                "--numjobs=4",
+                "--time_based",
+                "--runtime=30",
+                "--norandommap",
+                &format!("--randseed={round}"),
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        daemon.stop(libc::SIGKILL);
+        daemon.reap();
+        let _ = writer.kill();
+        let _ = writer.wait();
+        daemon.launch();
+        same_content(original.to_str().unwrap(), &daemon.uri("snap"));
+    }
 }

@@ -441,7 +441,12 @@ fn plan(fs: &Fs, req: &Request) -> Option<(MapOp, Mapping, Mapped)> {
         }
         _ => return None,
     };
-    let mapping = device.device.map(map_op, offset, len)?;
+    // A mapping that waits for steps (a delay's timer, a snapshot copy-out) goes the
+    // synchronous way: the queue has no way yet to be told when they are done.
+    let mapping = device
+        .device
+        .map(map_op, offset, len)
+        .filter(Mapping::is_ready)?;
     Some((map_op, mapping, Mapped { unique, answer }))
 }
 

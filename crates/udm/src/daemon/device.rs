@@ -59,6 +59,8 @@ pub struct Device {
     /// `remove --deferred`: remove once nothing uses the device any more.
     deferred_remove: AtomicBool,
     stats: Arc<IoStats>,
+    /// Unique in the process and kept through renames: the device's identity.
+    serial: u64,
 }
 
 impl Gate {
@@ -128,6 +130,10 @@ impl Device {
             released: (Mutex::new(()), Condvar::new()),
             deferred_remove: AtomicBool::new(false),
             stats: Arc::default(),
+            serial: {
+                static SERIAL: AtomicU64 = AtomicU64::new(0);
+                SERIAL.fetch_add(1, Ordering::Relaxed)
+            },
         }
     }
 
@@ -424,6 +430,9 @@ impl BlockDevice for Device {
     }
     fn suspended(&self) -> bool {
         self.is_suspended()
+    }
+    fn identity(&self) -> Option<String> {
+        Some(format!("udm-device:{}", self.serial))
     }
 }
 

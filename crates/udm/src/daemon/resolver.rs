@@ -49,7 +49,7 @@ impl TableResolver<'_> {
             _ => Some(
                 self.registry
                     .claims
-                    .claim_file(path, self.owner, mode == OpenMode::Exclusive)
+                    .claim_file(path, self.owner, mode)
                     .map_err(TargetError::new)?,
             ),
         };
@@ -81,7 +81,7 @@ impl TableResolver<'_> {
         let claim = self
             .registry
             .claims
-            .claim_device(name, self.owner, mode == OpenMode::Exclusive)
+            .claim_device(name, self.owner, mode)
             .map_err(TargetError::new)?;
         Ok(Arc::new(Claimed::new(device, claim)))
     }
