@@ -1,4 +1,4 @@
-"""Helpers shared by the udm benchmark scripts (foundation.py, clone.py, fuse.py).
+"""Helpers shared by every udm benchmark script.
 
 Processes (bounded runs, parent-death signal), the matplotlib re-exec, the argument and
 output-directory plumbing every script's main() does the same way, the fio run of one cell,
@@ -8,6 +8,7 @@ points at its own (so they carry that script's prefix).
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import datetime as _dt
 import json
@@ -280,6 +281,16 @@ def fio_cell(cmd, runner, parse, wl, cell, out_dir: Path, stem: str, tag: str):
         return None
 
 
+def bench_parser(description: str, *, runtime: int, size_help: str, repeat: bool,
+                 out: str, quick: dict | None = None, **run_helps) -> argparse.ArgumentParser:
+    """The parser every script starts from: its description, the sizing options
+    (add_sizing_args) and the run options (add_run_args, `run_helps` as it takes them)."""
+    ap = argparse.ArgumentParser(description=description)
+    add_sizing_args(ap, runtime=runtime, size_help=size_help, repeat=repeat, quick=quick)
+    add_run_args(ap, out=out, **run_helps)
+    return ap
+
+
 def add_sizing_args(ap, *, runtime: int, size_help: str, repeat: bool,
                     quick: dict | None = None) -> None:
     """--runtime, --size (default 1G), with `repeat` --repeat (default 3), and --quick: the
@@ -313,12 +324,80 @@ def resolve_sizing(args) -> None:
             setattr(args, key, chosen[key])
 
 
-def add_run_args(ap, *, out: str, out_help: str, tmpdir_help: str, keep_help: str,
-                 udm_help: str, charts_help: str) -> None:
-    """--out, --tmpdir, --keep, --udm, --no-build and --no-charts."""
-    ap.add_argument("--out", default=out, help=out_help)
-    ap.add_argument("--tmpdir", default=None, help=tmpdir_help)
+def add_run_args(ap, *, out: str, out_help: str | None = None, tmpdir_help: str | None = None,
+                 keep_help: str = "keep the temp dir (disk image, logs)",
+                 udm_help: str = "path of the udm binary (default target/release/udm, built "
+                                 "if missing)",
+                 charts_help: str = "skip the PNG charts") -> None:
+    """--out, --tmpdir, --keep, --udm, --no-build and --no-charts; the help texts say what
+    most scripts mean unless a script says otherwise."""
+    ap.add_argument("--out", default=out, help=out_help or f"output directory (default {out}, "
+                                                          f"relative to the current directory)")
+    ap.add_argument("--tmpdir", default=None,
+                    help=tmpdir_help or "where to create the temp dir (must support O_DIRECT; "
+                                        "default $TMPDIR or /tmp)")
     ap.add_argument("--keep", action="store_true", help=keep_help)
     ap.add_argument("--udm", default=None, help=udm_help)
     ap.add_argument("--no-build", action="store_true", help="never run cargo build")
     ap.add_argument("--no-charts", action="store_true", help=charts_help)
+
+
+def have_fio_with_nbd() -> bool:
+    """Whether fio is installed with its nbd engine; logs an ERROR line saying what is missing
+    when not."""
+    if not shutil.which("fio"):
+        log("ERROR: `fio` not found; install the Debian package `fio`")
+        return False
+    if run(["fio", "--enghelp=nbd"], timeout=20, check=False, quiet=True).returncode != 0:
+        log("ERROR: this fio has no nbd engine (Debian's fio package has it; it needs libnbd0)")
+        return False
+    return True
+
+
+def run_dirs(args, find_udm, prefix: str, longest_socket: str, resolve: bool = False):
+    """The output directory (emptied), the udm binary and a fresh temp dir for a run, or None
+    (after an ERROR line) when there is no binary or the temp dir's sockets would not fit."""
+    out_dir = prepare_out_dir(args.out)
+    udm_bin = locate_udm(args, find_udm)
+    if udm_bin is None:
+        return None
+    tmp = make_tmpdir(tmp_base(args), prefix, longest_socket, resolve=resolve)
+    if tmp is None:
+        return None
+    return out_dir, udm_bin, tmp
+
+
+def guarded(body, cleanup) -> int:
+    """Runs a benchmark: `body()` returns the exit status; Ctrl-C makes it 130 and a
+    BenchError 1 (logged).  `cleanup(rc)` always runs after and returns the final status."""
+    rc = 1
+    try:
+        rc = body()
+    except KeyboardInterrupt as e:
+        log(f"interrupted ({e or 'Ctrl-C'}); cleaning up")
+        rc = 130
+    except BenchError as e:
+        log(f"ERROR: {e}")
+        rc = 1
+    finally:
+        rc = cleanup(rc)
+    return rc
+
+
+def run_bench(args, find_udm, prefix: str, longest_socket: str, make_run) -> int:
+    """The rest of a main once the tools are there: the run's directories (run_dirs), then
+    `make_run(out_dir, udm_bin, tmp)`'s `measure_all`, guarded, and its `cleanup`."""
+    dirs = run_dirs(args, find_udm, prefix, longest_socket)
+    if dirs is None:
+        return 2
+    run = make_run(*dirs)
+    return guarded(run.measure_all, run.cleanup)
+
+
+def bar_axes(ax, xs, labels: list, ylabel: str, fontsize: int = 9) -> None:
+    """A bar chart's x labels, y label and grid, as every chart here has them."""
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, fontsize=fontsize)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)

@@ -8,7 +8,8 @@ Three parts, one run, systems alternating, medians of --repeat:
    export of a storage daemon (two Unix listeners: two paths): IOPS or MB/s ratio (bar ≥ 0.98×,
    seed 004; goal ≥ 1.0×) and the multipath host's CPU per I/O.
 2. Two paths with 1 ms and 5 ms added latency (the storage daemon's `delay` devices):
-   queue-length and service-time / round-robin IOPS at depth 32 (bar ≥ 1.5×).
+   queue-length, service-time and historical-service-time / round-robin IOPS at depth 32
+   (bar ≥ 1.5×).
 3. The failover gap: fio's longest completion latency when one path's server is killed
    (kill -9) mid-run, the default checker, against the same run without a kill (bar ≤ 2 s).
    Two storage daemons share one file here, so one can die while the other serves.
@@ -59,7 +60,8 @@ BACKENDS = [("zero", "zero export"), ("file", "file export")]
 BAR_RR = 0.98
 # Part 2.
 SLOW = Workload("randread-4k-qd32", "randread 4k qd32", "randread", "4k", 32)
-SELECTORS = [("round-robin", "1"), ("queue-length", "1"), ("service-time", "1 1")]
+SELECTORS = [("round-robin", "1"), ("queue-length", "1"), ("service-time", "1 1"),
+             ("historical-service-time", "0")]
 SLOW_SERVERS = [("udm", "udm delay"), ("nbdkit", "nbdkit delay")]
 BAR_SELECTOR = 1.5
 # Part 3.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 
@@ -25,6 +26,12 @@ def parse_size(text: str) -> int:
     if size <= 0 or size % (1 << 20):
         raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 1 MiB")
     return size
+
+
+def geomean(ratios) -> float:
+    """The geometric mean of positive ratios: how a run of them is summed up."""
+    ratios = list(ratios)
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
 
 def human_size(n: int) -> str:
@@ -56,7 +63,7 @@ def fmt_ratio(r) -> str:
 
 
 def fmt_lat(cell) -> str:
-    """Mean / p99 latency of a cell (foundation.Cell), in µs."""
+    """Mean / p99 latency of a cell (harness.Cell), in µs."""
     if cell is None:
         return "—"
     m, p = cell.median("lat_mean_us"), cell.median("lat_p99_us")

@@ -21,18 +21,15 @@ Usage:  python3 bench/scale.py [--runtime 10] [--size 1G] [--repeat 3] [--quick]
                                [--connections 64] [--flood 400] [--out bench/results/scale]
 
 The generic helpers (processes, fio JSON, sizes, udm verbs, the NBD handshake) come from
-foundation.py and common.py.
+harness.py and common.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -44,27 +41,24 @@ from pathlib import Path
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import foundation as fnd  # noqa: E402
 from common import (  # noqa: E402
-    BenchError, _pdeathsig, copy_logs, locate_udm, make_tmpdir, prepare_out_dir, remove_tmp, run,
-    stop_daemon, tmp_base, trap_signals,
+    BenchError, _pdeathsig, copy_logs, remove_tmp, run, stop_daemon, trap_signals,
 )
-from foundation import (  # noqa: E402
+from harness import (  # noqa: E402
     NbdRefused, Service, Udm, Workload, check_export, fill_backing_file, find_udm, nbd_handshake,
     parse_fio_json, start_service, wait_for_socket,
 )
-from report import (  # noqa: E402
-    human_size, markdown_table, table_footer, write_results,
-)
+from report import human_size, write_results  # noqa: E402
+from scale_report import build_report, limit_bit, mib  # noqa: E402
 
 
 def log(msg: str) -> None:
     print(f"[scale] {msg}", file=sys.stderr, flush=True)
 
 
-# common's and foundation's helpers log through their module-level `log`; make them speak
+# common's and harness's helpers log through common's module-level `log`; make them speak
 # with this script's prefix.
-common.log = fnd.log = log
+common.log = log
 
 WORKLOAD = Workload("randread-4k-qd32", "randread 4k qd32", "randread", "4k", 32)
 EXPORT = "lin"
@@ -337,166 +331,6 @@ def flood(args, uri: str, daemon: Service, sock: Path, out_dir: Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# the report
-# --------------------------------------------------------------------------------------------
-
-def med(runs: list, attr: str):
-    vals = [getattr(r, attr) for r in runs if getattr(r, attr) is not None]
-    return statistics.median(vals) if vals else None
-
-
-def mib(n) -> str:
-    return "—" if not n else f"{n / (1 << 20):.0f} MiB"
-
-
-def fmt_iops(v) -> str:
-    return "—" if v is None else f"{v / 1000:.1f}k"
-
-
-def mark(ok) -> str:
-    return "?" if ok is None else ("✔" if ok else "✘")
-
-
-def build_report(meta: dict, runs: dict, fl: dict | None, args) -> tuple[str, dict]:
-    n_conn = args.connections
-    cpus = meta["cpus"]
-    out = [f"## udm scale benchmark — {meta['timestamp']}", ""]
-    out.append(f"Host: {meta['host']}, {cpus} CPUs, kernel {meta['kernel']}. udm "
-               f"{meta['udm_commit']}, daemon flags: `{' '.join(meta['daemon_flags']) or '—'}`. "
-               f"{meta['fio_version']}, nbd engine, unix socket, one `linear` device over a "
-               f"fully written {meta['size_human']} file. {args.runtime} s per run, median of "
-               f"{args.repeat} alternating run(s).")
-    out.append("")
-    out.append(f"### {n_conn} connections vs 1 — 4 KiB random reads, iodepth 32 per connection")
-    out.append("")
-    rows, summary = [], {}
-    for jobs in (1, n_conn):
-        rs = runs.get(jobs, [])
-        ok = [r for r in rs if r.error is None]
-        worst = {k: max((r.daemon.get(k) or 0 for r in rs), default=0)
-                 for k in ("threads_max", "rss_max", "vm_hwm", "connections_max")}
-        errors = [r.error for r in rs if r.error]
-        summary[str(jobs)] = {"median_iops": med(ok, "iops"),
-                              "median_lat_p99_us": med(ok, "lat_p99_us"),
-                              "median_cpu_us_per_io": med(ok, "cpu_us_per_io"),
-                              **worst, "errors": errors, "runs": [r.__dict__ for r in rs]}
-        p99 = med(ok, "lat_p99_us")
-        cpu = med(ok, "cpu_us_per_io")
-        rows.append([str(jobs), fmt_iops(med(ok, "iops")),
-                     ", ".join(fmt_iops(r.iops) for r in rs),
-                     "—" if p99 is None else f"{p99:.0f}",
-                     "—" if cpu is None else f"{cpu:.1f}",
-                     str(worst["threads_max"]), mib(worst["rss_max"]), mib(worst["vm_hwm"]),
-                     str(worst["connections_max"]),
-                     "none" if not errors else f"**{len(errors)} run(s)**"])
-    out.append(markdown_table(["connections", "total IOPS", "every run", "p99 µs",
-                               "daemon CPU µs/IO", "daemon threads (max)", "daemon RSS (max)",
-                               "daemon VmHWM", "connections held (max)", "fio errors"], rows))
-    out.append("")
-    out.append("Threads: entries of /proc/PID/task, RSS: VmRSS of /proc/PID/status, both the "
-               "most seen in samples every 100 ms over every run of the row; VmHWM: the "
-               "daemon's peak RSS since it started (so the 64-connection row's includes "
-               "everything before). Connections: the server ends of connected sockets on the "
-               "listener's path in /proc/net/unix. CPU: the daemon's utime + stime over the run "
-               "/ I/Os.")
-    bars = []
-    one, many = summary["1"]["median_iops"], summary[str(n_conn)]["median_iops"]
-    r = many / one if one and many else None
-    summary["ratio_many_vs_one"] = r
-    bars.append((f"{n_conn} connections' total IOPS / 1 connection's = "
-                 + ("—" if r is None else f"{r:.2f}×") + " (≥ 1.0×)",
-                 None if r is None else round(r, 2) >= 1.0))
-    errs = summary[str(n_conn)]["errors"] + summary["1"]["errors"]
-    bars.append((f"fio errors in the connection runs: {len(errs)} (must be 0)"
-                 + (f": {errs[0][:200]}" if errs else ""),
-                 None if not runs else not errs))
-    threads = summary[str(n_conn)]["threads_max"]
-    if args.pool_threads is not None:
-        limit = 2 * cpus + args.pool_threads
-        bars.append((f"daemon threads with {n_conn} connections: {threads} (≤ 2 × {cpus} cores "
-                     f"+ {args.pool_threads} pool = {limit})", threads <= limit))
-    else:
-        bars.append((f"daemon threads with {n_conn} connections: {threads} (bar: ≤ 2 × {cpus} "
-                     f"cores + the worker pool; give the pool size with --pool-threads to judge)",
-                     "reported"))
-    bars.append((f"daemon RSS with {n_conn} connections: "
-                 f"{mib(summary[str(n_conn)]['rss_max'])} (reported)", "reported"))
-
-    out.append("")
-    out.append(f"### Flood — {args.flood} raw connections from one uid while fio runs")
-    out.append("")
-    if fl:
-        fio = fl["fio"]
-        oc = fl["outcome"]
-        refused = {k.removeprefix("refused: "): v for k, v in oc.items()
-                   if k.startswith("refused: ")}
-        one_iops = summary["1"]["median_iops"]
-        out.append(f"- fio (1 job, 4 KiB random reads, iodepth 32, {fl['fio_seconds']} s): "
-                   + ((f"completed, {fmt_iops(fio['iops'])} IOPS"
-                       + (f" ({fio['iops'] / one_iops:.2f}× the 1-connection median)"
-                          if one_iops and fio["iops"] else "")
-                       + ", no error") if fio["error"] is None
-                      else f"**failed**: {fio['error']}")
-                   + ".")
-        out.append(f"- {args.flood} connections opened one after another in "
-                   f"{fl.get('open_seconds', '?')} s (fio still running when all were open: "
-                   f"{'yes' if fl.get('fio_running_when_open') else '**no**'}): "
-                   f"{oc.get('served', 0)} served and held idle; "
-                   + (", ".join(f"{v} refused with \"{k}\"" for k, v in refused.items())
-                      or "none refused")
-                   + f"; {oc.get('closed without a word', 0)} closed without a word"
-                   + "".join(f"; {v} {k}" for k, v in oc.items() if k.startswith("error: "))
-                   + ".")
-        out.append(f"- Connections the daemon held once the flood was open: "
-                   f"{fl.get('connections_held')} (fio's one included); daemon threads (max) "
-                   f"{fio['daemon'].get('threads_max')}, RSS (max) "
-                   f"{mib(fio['daemon'].get('rss_max'))}.")
-        out.append(f"- Which limit bit: {fl['limit_bit']}.")
-        out.append(f"- After the clients left: {fl['connections_left']} connection(s) left, a "
-                   f"new client {'served' if fl.get('served_after') else '**not served**'}; "
-                   f"daemon {'alive' if fl['daemon_alive'] else '**dead**'}.")
-        bars.append(("flood: fio completed with no error", fio["error"] is None))
-        bars.append(("flood: every slot given back (no connection left, a new client served)",
-                     fl["connections_left"] == 0 and bool(fl.get("served_after"))))
-    else:
-        out.append("Not run.")
-    out.append("")
-    out.append("### Bars (issue #10)")
-    out.append("")
-    for text, ok in bars:
-        out.append(f"- {'·' if ok == 'reported' else mark(ok)} {text}")
-    judged = [ok for _, ok in bars if ok != "reported"]
-    met = bool(judged) and all(ok is True for ok in judged)
-    out.append("")
-    out.append("All bars: " + ("**met**." if met else "**not met** (✘ missed, ? not measured)")
-               + " (· reported, not judged)")
-    summary["_bars"] = [{"text": t, "ok": ok} for t, ok in bars]
-    summary["_bars_met"] = met
-    table_footer(out, meta, [])
-    return "\n".join(out) + "\n", summary
-
-
-def limit_bit(refused: dict, flags: dict) -> str:
-    """Which of the daemon's connection limits the flood's refusals name."""
-    texts = " ".join(refused)
-    per_client = "per client" in texts
-    server = "server's limit" in texts
-    if not refused:
-        return "none (no connection was refused)"
-    parts = []
-    if server:
-        parts.append("the server-wide limit (--nbd-max-connections"
-                     + (f" {flags['--nbd-max-connections']}" if "--nbd-max-connections" in flags
-                        else ", not settable in this build: 256") + ")")
-    if per_client:
-        parts.append("the per-client limit (--nbd-max-connections-per-client"
-                     + (f" {flags['--nbd-max-connections-per-client']}"
-                        if "--nbd-max-connections-per-client" in flags else ", default 64")
-                     + "): the flood and fio share one uid")
-    return " and ".join(parts) or f"unrecognised refusal message(s): {texts[:200]}"
-
-
-# --------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------
 
@@ -516,20 +350,12 @@ def daemon_flags(udm_bin: Path, args) -> dict:
     return flags
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        description="udm scale benchmark: many NBD connections against one daemon (total "
-                    "IOPS, threads, RSS, errors) and a connection flood.")
-    common.add_sizing_args(ap, runtime=10, size_help="device and backing file size (default 1G)",
-                           repeat=True)
-    common.add_run_args(
-        ap, out="bench/results/scale",
-        out_help="output directory (default bench/results/scale)",
-        tmpdir_help="where to create the temp dir (must support O_DIRECT; default $TMPDIR or "
-                    "/tmp)",
-        keep_help="keep the temp dir (disk image, logs)",
-        udm_help="path of the udm binary (default target/release/udm, built if missing)",
-        charts_help="(no charts here; accepted for symmetry)")
+def parse_args(argv):
+    ap = common.bench_parser(
+        "udm scale benchmark: many NBD connections against one daemon (total IOPS, threads, "
+        "RSS, errors) and a connection flood.",
+        runtime=10, size_help="device and backing file size (default 1G)", repeat=True,
+        out="bench/results/scale", charts_help="(no charts here; accepted for symmetry)")
     ap.add_argument("--connections", type=int, default=64,
                     help="fio jobs, one NBD connection each, in the many-connection runs "
                          "(default 64)")
@@ -552,56 +378,53 @@ def main(argv=None) -> int:
         args.per_client_limit = None
     if args.runtime < 1 or args.repeat < 1 or args.connections < 1 or args.flood < 0:
         ap.error("--runtime, --repeat and --connections must be at least 1, --flood at least 0")
-    trap_signals()
+    return args
 
-    if not shutil.which("fio"):
-        log("ERROR: `fio` not found; install the Debian package `fio`")
-        return 2
-    if run(["fio", "--enghelp=nbd"], timeout=20, check=False, quiet=True).returncode != 0:
-        log("ERROR: this fio has no nbd engine (Debian's fio package has it; it needs libnbd0)")
-        return 2
 
-    out_dir = prepare_out_dir(args.out)
-    udm_bin = locate_udm(args, find_udm)
-    if udm_bin is None:
-        return 2
-    tmp = make_tmpdir(tmp_base(args), "udm-scale-", "udm.sock")
-    if tmp is None:
-        return 2
+class Scale:
+    """One run: the daemon serving one linear device, fio over 1 and over many connections
+    (alternating), the flood, and the report.  `cleanup` removes the device and stops the
+    daemon."""
 
-    size = args.size
-    disk = tmp / "disk.img"
-    ctl, sock = tmp / "ctl.sock", tmp / "udm.sock"
-    uri = f"nbd+unix:///{EXPORT}?socket={sock}"
-    daemon: Service | None = None
-    udm: Udm | None = None
-    runs: dict = {}
-    fl = None
-    notes: list = []
-    rc = 1
-    flags = daemon_flags(udm_bin, args)
-    meta = {**common.base_meta(udm_bin), "runtime": args.runtime, "size": size,
-            "size_human": human_size(size), "repeat": args.repeat,
-            "connections": args.connections, "flood": args.flood,
-            "daemon_flags": [x for kv in flags.items() for x in kv], "tmpdir": str(tmp),
-            "notes": notes}
-    try:
-        fill_backing_file(disk, size, timeout=max(600, size / (20 << 20)))
-        (tmp / "state").mkdir()
-        daemon = start_service(
+    def __init__(self, args, udm_bin: Path, out_dir: Path, tmp: Path):
+        self.args, self.udm_bin, self.out_dir, self.tmp = args, udm_bin, out_dir, tmp
+        self.size = args.size
+        self.disk = tmp / "disk.img"
+        self.ctl, self.sock = tmp / "ctl.sock", tmp / "udm.sock"
+        self.uri = f"nbd+unix:///{EXPORT}?socket={self.sock}"
+        self.daemon: Service | None = None
+        self.udm: Udm | None = None
+        self.runs: dict = {}
+        self.fl = None
+        self.notes: list = []
+        self.flags = daemon_flags(udm_bin, args)
+        self.meta = {**common.base_meta(udm_bin), "runtime": args.runtime, "size": self.size,
+                     "size_human": human_size(self.size), "repeat": args.repeat,
+                     "connections": args.connections, "flood": args.flood,
+                     "daemon_flags": [x for kv in self.flags.items() for x in kv],
+                     "tmpdir": str(tmp), "notes": self.notes}
+
+    def start(self) -> None:
+        """The daemon and the device, checked; the daemon's idle threads and memory."""
+        fill_backing_file(self.disk, self.size, timeout=max(600, self.size / (20 << 20)))
+        (self.tmp / "state").mkdir()
+        self.daemon = start_service(
             "udm daemon",
-            [str(udm_bin), "daemon", "--state-dir", str(tmp / "state"), "--control", str(ctl),
-             "--nbd", f"unix:{sock}", *meta["daemon_flags"]],
-            tmp / "udm-daemon.log", env=dict(os.environ, RUST_BACKTRACE="1"))
-        wait_for_socket(ctl, daemon, timeout=30)
-        udm = Udm(udm_bin, ctl)
-        udm.client("create", EXPORT, "--table", f"0 {size // 512} linear {disk} 0")
-        wait_for_socket(sock, daemon, timeout=30)
-        check_export(uri, size, "udm lin (linear)")
-        st = proc_status(daemon.proc.pid)
-        meta["daemon_idle"] = {"threads": st.get("threads"), "rss": st.get("VmRSS")}
+            [str(self.udm_bin), "daemon", "--state-dir", str(self.tmp / "state"),
+             "--control", str(self.ctl), "--nbd", f"unix:{self.sock}",
+             *self.meta["daemon_flags"]],
+            self.tmp / "udm-daemon.log", env=dict(os.environ, RUST_BACKTRACE="1"))
+        wait_for_socket(self.ctl, self.daemon, timeout=30)
+        self.udm = Udm(self.udm_bin, self.ctl)
+        self.udm.client("create", EXPORT, "--table", f"0 {self.size // 512} linear {self.disk} 0")
+        wait_for_socket(self.sock, self.daemon, timeout=30)
+        check_export(self.uri, self.size, "udm lin (linear)")
+        st = proc_status(self.daemon.proc.pid)
+        self.meta["daemon_idle"] = {"threads": st.get("threads"), "rss": st.get("VmRSS")}
 
-        # ---- 1 connection vs many, alternating
+    def connection_runs(self) -> None:
+        """1 connection against many, alternating, `--repeat` times each."""
+        args, daemon = self.args, self.daemon
         total = 2 * args.repeat
         log(f"{total} fio runs of {args.runtime} s, then the flood")
         n = 0
@@ -611,49 +434,63 @@ def main(argv=None) -> int:
                 if not daemon.alive():
                     raise BenchError(f"udm daemon exited (code {daemon.proc.returncode}); log "
                                      f"tail:\n{daemon.log_tail()}")
-                r = fio_run(uri, jobs, args, out_dir / f"conn{jobs}.r{rep}.json", daemon, sock)
-                runs.setdefault(jobs, []).append(r)
+                r = fio_run(self.uri, jobs, args, self.out_dir / f"conn{jobs}.r{rep}.json",
+                            daemon, self.sock)
+                self.runs.setdefault(jobs, []).append(r)
                 cpu = "—" if r.cpu_us_per_io is None else f"{r.cpu_us_per_io:.1f}"
                 log(f"[{n}/{total}] {jobs:>3} connection(s) r{rep}: "
                     + (f"{r.iops:>9.0f} IOPS, p99 {r.lat_p99_us:.0f} µs" if r.iops else "no IOPS")
                     + f", CPU {cpu} µs/IO, threads {r.daemon['threads_max']}, RSS "
                     f"{mib(r.daemon['rss_max'])}" + (f", ERROR {r.error[:300]}" if r.error else ""))
 
-        # ---- the flood
-        if args.flood:
-            if not daemon.alive():
-                raise BenchError(f"udm daemon exited (code {daemon.proc.returncode})")
-            log(f"flood: {args.flood} connections while fio runs")
-            fl = flood(args, uri, daemon, sock, out_dir)
-            refused = {k.removeprefix("refused: ") for k in fl["outcome"]
-                       if k.startswith("refused: ")}
-            fl["limit_bit"] = limit_bit(refused, flags)
-            log(f"flood: {fl['outcome']}; fio error: {fl['fio']['error']}")
-        if not daemon.alive():
-            notes.append(f"the udm daemon exited (code {daemon.proc.returncode}) during the run")
+    def flood(self) -> None:
+        """`--flood` raw connections while fio runs, and which limit refused them."""
+        if not self.daemon.alive():
+            raise BenchError(f"udm daemon exited (code {self.daemon.proc.returncode})")
+        log(f"flood: {self.args.flood} connections while fio runs")
+        self.fl = flood(self.args, self.uri, self.daemon, self.sock, self.out_dir)
+        refused = {k.removeprefix("refused: ") for k in self.fl["outcome"]
+                   if k.startswith("refused: ")}
+        self.fl["limit_bit"] = limit_bit(refused, self.flags)
+        log(f"flood: {self.fl['outcome']}; fio error: {self.fl['fio']['error']}")
 
-        table, summary = build_report(meta, runs, fl, args)
-        write_results(out_dir, table, {"meta": meta, "connections": summary, "flood": fl})
-        log(f"results in {out_dir}")
-        any_err = any(r.error for rs in runs.values() for r in rs) or \
-            (fl is not None and fl["fio"]["error"] is not None)
-        rc = 3 if any_err else 0
-    except KeyboardInterrupt as e:
-        log(f"interrupted ({e}); cleaning up")
-        rc = 130
-    except BenchError as e:
-        log(f"ERROR: {e}")
-        rc = 1
-    finally:
-        if daemon is not None and daemon.alive() and udm is not None:
-            drain(sock, "removing the device")
-            udm.client("remove", EXPORT, timeout=30, check=False)
-        if daemon is not None:
-            stop_daemon(daemon, grace=15)
-        copy_logs([daemon], out_dir)
-        remove_tmp(tmp, args.keep)
-    return rc
+    def measure_all(self) -> int:
+        """Everything, then the report; 3 when a run failed."""
+        self.start()
+        self.connection_runs()
+        if self.args.flood:
+            self.flood()
+        if not self.daemon.alive():
+            self.notes.append(f"the udm daemon exited (code {self.daemon.proc.returncode}) "
+                              f"during the run")
+        table, summary = build_report(self.meta, self.runs, self.fl, self.args)
+        write_results(self.out_dir, table,
+                      {"meta": self.meta, "connections": summary, "flood": self.fl})
+        log(f"results in {self.out_dir}")
+        any_err = any(r.error for rs in self.runs.values() for r in rs) or \
+            (self.fl is not None and self.fl["fio"]["error"] is not None)
+        return 3 if any_err else 0
 
+    def cleanup(self, rc: int) -> int:
+        """The device removed once its connections are gone, the daemon stopped, its log
+        kept, the temp dir removed unless --keep.  Returns `rc`."""
+        if self.daemon is not None and self.daemon.alive() and self.udm is not None:
+            drain(self.sock, "removing the device")
+            self.udm.client("remove", EXPORT, timeout=30, check=False)
+        if self.daemon is not None:
+            stop_daemon(self.daemon, grace=15)
+        copy_logs([self.daemon], self.out_dir)
+        remove_tmp(self.tmp, self.args.keep)
+        return rc
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    trap_signals()
+    if not common.have_fio_with_nbd():
+        return 2
+    return common.run_bench(args, find_udm, "udm-scale-", "udm.sock",
+                            lambda out_dir, udm_bin, tmp: Scale(args, udm_bin, out_dir, tmp))
 
 if __name__ == "__main__":
     sys.exit(main())

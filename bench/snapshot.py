@@ -15,8 +15,10 @@ Every comparison is measured in the same run, alternating, median of --repeat ru
    end) on the same disk; then 4 KiB random reads on the merging device against the same
    reads once it is merged. Bars: merge >= 0.9x the copy, reads during >= 0.8x after.
 
-The daemon runs with --nbd-pool-threads 128: a write that saves its chunk waits for its commit
-on a pool thread, and `delay` sleeps on one, so the pool size caps how many are in flight.
+The daemon runs with --nbd-pool-threads 128 (--pool-threads): before deferred completion a
+write that saved its chunk waited for its commit on a pool thread, and `delay` slept on one, so
+the pool size capped how many were in flight. Now both wait as steps of their mappings on no
+thread; --pool-threads 16 (the daemon's default) shows the pool no longer matters.
 
 Usage:  python3 bench/snapshot.py [--runtime 5] [--repeat 3] [--size 1G] [--merge-size 256M]
                                   [--quick] [--out bench/results/snapshot] [--keep]
@@ -38,13 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import foundation as fnd  # noqa: E402
 from common import (  # noqa: E402
-    BenchError, base_meta, copy_logs, locate_udm, make_tmpdir, markdown_table,
-    prepare_out_dir, remove_tmp, run, stop_daemon, tmp_base, trap_signals, write_results,
+    BenchError, base_meta, copy_logs, locate_udm, make_tmpdir, prepare_out_dir, remove_tmp,
+    run, stop_daemon, tmp_base, trap_signals,
 )
 from foundation import (  # noqa: E402
-    Udm, Workload, fill_backing_file, find_udm, human_size, parse_fio_json, parse_size,
-    start_service, wait_for_socket,
+    Udm, Workload, fill_backing_file, find_udm, parse_fio_json, start_service,
+    wait_for_socket,
 )
+from report import human_size, markdown_table, parse_size, write_results  # noqa: E402
 
 SECTOR = 512
 POOL_THREADS = 128
@@ -72,7 +75,7 @@ class Bench:
         self.daemon = start_service(
             "udm", [str(udm_bin), "daemon", "--state-dir", str(tmp / "state"), "--control",
                     str(tmp / "control.sock"), "--nbd", f"unix:{self.sock}",
-                    "--nbd-pool-threads", str(POOL_THREADS)],
+                    "--nbd-pool-threads", str(args.pool_threads)],
             tmp / "udm.log", env=dict(os.environ, UDM_LOG="info"))
         wait_for_socket(tmp / "control.sock", self.daemon)
         self.qemu = None
@@ -349,7 +352,7 @@ def report(seed, first, merge, meta) -> tuple[str, dict]:
         out.append(f"- {verdict(value, bar)} {name}: {shown}")
     out += ["", f"Medians of {meta['repeat']} alternating runs of {meta['runtime']} s on "
             f"{meta['size']} files (every block written beforehand); udm daemon with "
-            f"--nbd-pool-threads {POOL_THREADS}; {meta['host']}, {meta['cpus']} CPUs."]
+            f"--nbd-pool-threads {meta['pool_threads']}; {meta['host']}, {meta['cpus']} CPUs."]
     return "\n".join(out) + "\n", {"bars": [{"name": n, "value": v, "bar": b,
                                              "met": v is not None and v >= b}
                                             for n, v, b in bars]}
@@ -362,6 +365,8 @@ def main(argv=None) -> int:
     ap.add_argument("--merge-size", type=parse_size, default=None,
                     help="origin bytes changed (4 KiB chunks) before each merge (default "
                          "256M; 32M with --quick)")
+    ap.add_argument("--pool-threads", type=int, default=POOL_THREADS,
+                    help=f"the daemon's --nbd-pool-threads (default {POOL_THREADS})")
     ap.add_argument("--sections", default="seed,first,merge",
                     help="comma-separated subset of seed, first, merge")
     common.add_run_args(ap, out="bench/results/snapshot", out_help="results directory",
@@ -384,7 +389,8 @@ def main(argv=None) -> int:
     if tmp is None:
         return 1
     meta = dict(base_meta(udm_bin), runtime=args.runtime, repeat=args.repeat,
-                size=human_size(args.size), merge_size=human_size(args.merge_size))
+                size=human_size(args.size), merge_size=human_size(args.merge_size),
+                pool_threads=args.pool_threads)
     bench = None
     try:
         bench = Bench(args, udm_bin, tmp, out)

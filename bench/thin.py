@@ -40,9 +40,8 @@ from pathlib import Path
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import foundation as fnd  # noqa: E402
 from common import BenchError, run  # noqa: E402
-from foundation import Udm, find_udm, start_service, wait_for_socket  # noqa: E402
+from harness import Udm, find_udm, start_service, wait_for_socket  # noqa: E402
 from report import markdown_table, parse_size  # noqa: E402
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -53,7 +52,7 @@ def log(msg: str) -> None:
     print(f"[thin] {msg}", file=sys.stderr, flush=True)
 
 
-common.log = fnd.log = log
+common.log = log
 
 
 def fio(uri: str, out: Path, rw: str, bs: str, depth: int, runtime: float, size: int,

@@ -141,6 +141,8 @@ impl<D: BlockDevice> BlockDevice for Checked<D> {
         let checked = match op {
             MapOp::Read => check_request(self.inner.size(), offset, len),
             MapOp::Write { .. } => self.check_write(offset, len, true),
+            MapOp::WriteZeroes { .. } => self.check_write(offset, len, true),
+            MapOp::Discard { .. } => self.check_write(offset, len, false),
             MapOp::Flush => Ok(()),
         };
         checked.ok()?;
@@ -149,6 +151,10 @@ impl<D: BlockDevice> BlockDevice for Checked<D> {
 
     fn suspended(&self) -> bool {
         self.inner.suspended()
+    }
+
+    fn identity(&self) -> Option<String> {
+        self.inner.identity()
     }
 }
 

@@ -114,14 +114,21 @@ impl Default for Capabilities {
 }
 
 impl Capabilities {
-    /// What a device built on `children` can promise: the weakest of them.
-    pub fn weakest<'a>(children: impl IntoIterator<Item = &'a Capabilities>) -> Capabilities {
-        let mut caps = Capabilities {
+    /// A device that keeps its data in memory, or none: FUA costs nothing, discard and
+    /// zeroing are instant.
+    pub fn in_memory() -> Capabilities {
+        Capabilities {
             native_fua: true,
             discard: true,
             fast_zero: true,
             ..Capabilities::default()
-        };
+        }
+    }
+
+    /// What a device built on `children` can promise: the weakest of them.
+    pub fn weakest<'a>(children: impl IntoIterator<Item = &'a Capabilities>) -> Capabilities {
+        // Each child can only take promises away.
+        let mut caps = Capabilities::in_memory();
         for child in children {
             caps.read_only |= child.read_only;
             caps.native_fua &= child.native_fua;
@@ -192,11 +199,19 @@ pub trait BlockDevice: Send + Sync {
     fn suspended(&self) -> bool {
         false
     }
+
+    /// What this handle reaches, the same for every handle to the same storage however it
+    /// was named (dm's dev_t): a file by inode, a block device by its number, a udm device by
+    /// a serial that survives renames. `None` where nothing better than the name is known.
+    fn identity(&self) -> Option<String> {
+        None
+    }
 }
 
 const ZERO_CHUNK: usize = 1 << 20;
 
-fn zero_chunk() -> &'static [u8] {
+/// A page-aligned buffer of zeroes (1 MiB) to write from, shared by everyone.
+pub fn zero_chunk() -> &'static [u8] {
     static ZEROES: OnceLock<crate::AlignedBuf> = OnceLock::new();
     ZEROES.get_or_init(|| crate::AlignedBuf::zeroed(ZERO_CHUNK))
 }
@@ -259,6 +274,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn suspended(&self) -> bool {
         (**self).suspended()
+    }
+    fn identity(&self) -> Option<String> {
+        (**self).identity()
     }
 }
 

@@ -1,7 +1,7 @@
 //! Files and block devices as backends, with O_DIRECT where the filesystem allows it.
 
 use std::fs::OpenOptions;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,6 +19,18 @@ pub enum OpenMode {
     /// destination, a log-writes log): nobody else may write it meanwhile. Whoever resolves
     /// references enforces that; the file itself opens as read-write.
     Exclusive,
+    /// Exclusive towards everyone but other devices opening it `Handover` too: targets that
+    /// share its state within the process and hand it over between them (a snapshot's COW
+    /// device, taken over by the `snapshot-merge` of another device: the kernel's exception
+    /// handover). Those targets decide who may use it when.
+    Handover,
+}
+
+impl OpenMode {
+    /// The user keeps its state there.
+    pub fn is_exclusive(self) -> bool {
+        matches!(self, OpenMode::Exclusive | OpenMode::Handover)
+    }
 }
 
 /// A regular file or a block device.
@@ -34,6 +46,8 @@ pub struct FileDevice {
     size: u64,
     is_block_device: bool,
     read_only: bool,
+    /// See [`BlockDevice::identity`].
+    identity: String,
 }
 
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
@@ -67,12 +81,19 @@ impl FileDevice {
                 path.display()
             )));
         };
+        // Two device nodes of one block device share its number; a file is its inode.
+        let identity = if is_block_device {
+            format!("blockdev:{}", meta.rdev())
+        } else {
+            format!("file:{}:{}", meta.dev(), meta.ino())
+        };
         Ok(FileDevice {
             path: path.to_path_buf(),
             files: Arc::new(MappedFile::new(path.to_path_buf(), direct, buffered)),
             size: size - size % SECTOR_SIZE,
             is_block_device,
             read_only,
+            identity,
         })
     }
 
@@ -186,6 +207,10 @@ fn is_unsupported(err: &std::io::Error) -> bool {
 }
 
 impl BlockDevice for FileDevice {
+    fn identity(&self) -> Option<String> {
+        Some(self.identity.clone())
+    }
+
     fn size(&self) -> u64 {
         self.size
     }

@@ -14,15 +14,19 @@ mod export;
 mod file;
 pub mod map;
 mod memory;
+pub mod pending;
+mod pool;
 
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
 pub use device::{
-    clamp_extents, merge_extents, push_extent, write_zeroes_by_writing, BlockDevice, Capabilities,
-    Extent, WriteFlags, ZeroFlags, EXTENT_HOLE, EXTENT_ZERO,
+    clamp_extents, merge_extents, push_extent, write_zeroes_by_writing, zero_chunk, BlockDevice,
+    Capabilities, Extent, WriteFlags, ZeroFlags, EXTENT_HOLE, EXTENT_ZERO,
 };
 pub use error::{BlockError, Result};
 pub use export::{Export, ExportCatalog, MetaContext};
 pub use file::{FileDevice, OpenMode};
-pub use map::{MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
+pub use map::{Completed, MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
 pub use memory::MemoryDevice;
+pub use pending::{Done, Pending};
+pub use pool::{Job, WorkerPool};

@@ -17,8 +17,14 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// The request being mapped. Discard, write-zeroes, block status and cache are never
-/// mapped: they are rare and some targets give them meaning of their own.
+use crate::pending::Pending;
+use crate::BlockError;
+
+/// The request being mapped. Block status and cache are never mapped. Discard and
+/// write-zeroes are mapped only by devices that say so (files, and `linear`, `striped`,
+/// tables and `zero` above them): other targets give them meaning of their own (a thin
+/// device unmaps blocks, a clone skips hydrating regions) and return `None` for them
+/// ([`MapOp::is_fill`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MapOp {
     Read,
@@ -28,11 +34,40 @@ pub enum MapOp {
     },
     /// Every completed write durable. Mapped to the files to sync (pieces of length 0).
     Flush,
+    /// Deallocate the range (a hint: a file that cannot punch holes keeps its data); `fua`:
+    /// durable when it completes.
+    Discard {
+        fua: bool,
+    },
+    /// Make the range read zeroes: `may_unmap`, by deallocating it; `fast_only`, fail with
+    /// NotSupported rather than write zero buffers; `fua`, durable when it completes.
+    WriteZeroes {
+        may_unmap: bool,
+        fast_only: bool,
+        fua: bool,
+    },
 }
 
 impl MapOp {
+    /// True for operations that change data: writes, discards and write-zeroes.
     pub fn is_write(self) -> bool {
-        matches!(self, MapOp::Write { .. })
+        matches!(
+            self,
+            MapOp::Write { .. } | MapOp::Discard { .. } | MapOp::WriteZeroes { .. }
+        )
+    }
+
+    /// Discard and write-zeroes: mapped only by devices that say so (see [`MapOp`]).
+    pub fn is_fill(self) -> bool {
+        matches!(self, MapOp::Discard { .. } | MapOp::WriteZeroes { .. })
+    }
+
+    /// The request must be durable when it completes.
+    pub fn fua(self) -> bool {
+        match self {
+            MapOp::Write { fua } | MapOp::Discard { fua } | MapOp::WriteZeroes { fua, .. } => fua,
+            MapOp::Read | MapOp::Flush => false,
+        }
     }
 }
 
@@ -93,8 +128,20 @@ pub struct Piece {
     pub place: Place,
 }
 
-/// Told, when a mapped request completes, whether it succeeded (a device's I/O statistics).
-pub type OnComplete = Box<dyn FnOnce(bool) + Send>;
+/// How a mapped request went, as its [`Mapping::on_complete`] callbacks are told.
+#[derive(Debug, Clone, Copy)]
+pub enum Completed<'a> {
+    Ok,
+    /// Failed: the request's outcome.
+    Failed(&'a BlockError),
+    /// Failed, and the request runs again the synchronous way ([`Mapping::retry_on_error`]):
+    /// the retry's outcome is the request's, and the retry counts itself.
+    Retried(&'a BlockError),
+}
+
+/// Told, when a mapped request completes, how it went (a device's I/O statistics, a
+/// multipath's path failure).
+pub type OnComplete = Box<dyn FnOnce(Completed<'_>) + Send>;
 
 /// Where a whole request lives, and what must be held until every piece has completed.
 #[derive(Default)]
@@ -107,6 +154,15 @@ pub struct Mapping {
     /// holds are released. A mapping dropped unused (a probe, a request that went the
     /// synchronous way after all) calls none of them.
     pub on_complete: Vec<OnComplete>,
+    /// Steps the pieces wait for (a timer, a copy into a snapshot), started by the executor
+    /// through [`Mapping::when_ready`]; see [`crate::pending`].
+    pub waits: Vec<Pending>,
+    /// A failure is not final: whoever executes the mapping runs the request again through
+    /// the device's synchronous method (after telling the callbacks [`Completed::Retried`] and
+    /// releasing the holds), where the device chooses again: a multipath, whose callback has
+    /// failed the path, sends it down another or waits for one. Without this, the error of a
+    /// piece is the request's.
+    pub retry_on_error: bool,
 }
 
 impl Mapping {
@@ -131,6 +187,8 @@ impl Mapping {
             }));
         self.holds.extend(lower.holds);
         self.on_complete.extend(lower.on_complete);
+        self.waits.extend(lower.waits);
+        self.retry_on_error |= lower.retry_on_error;
     }
 
     pub fn hold(mut self, hold: impl Any + Send) -> Self {
@@ -139,8 +197,14 @@ impl Mapping {
     }
 
     /// Adds a callback told how the request went (see [`Mapping::on_complete`]).
-    pub fn when_complete(mut self, callback: impl FnOnce(bool) + Send + 'static) -> Self {
+    pub fn when_complete(mut self, callback: impl FnOnce(Completed<'_>) + Send + 'static) -> Self {
         self.on_complete.push(Box::new(callback));
+        self
+    }
+
+    /// Asks for a synchronous retry when the request fails (see [`Mapping::retry_on_error`]).
+    pub fn retried_on_error(mut self) -> Self {
+        self.retry_on_error = true;
         self
     }
 
@@ -170,11 +234,25 @@ mod tests {
     }
 
     #[test]
+    fn appending_keeps_the_lower_steps() {
+        let mut whole = Mapping::new();
+        whole.append(
+            0,
+            Mapping::single(512, Place::Zero).after(Pending::new(drop)),
+        );
+        assert!(!whole.is_ready());
+    }
+
+    #[test]
     fn appending_keeps_the_lower_completion_callbacks() {
         let told = Arc::new(std::sync::Mutex::new(Vec::new()));
         let record = |tag: u32| {
             let told = told.clone();
-            move |ok: bool| told.lock().unwrap().push((tag, ok))
+            move |done: Completed| {
+                told.lock()
+                    .unwrap()
+                    .push((tag, matches!(done, Completed::Ok)))
+            }
         };
         let mut whole = Mapping::new().when_complete(record(1));
         whole.append(
@@ -182,8 +260,17 @@ mod tests {
             Mapping::single(512, Place::Zero).when_complete(record(2)),
         );
         for callback in whole.on_complete {
-            callback(true);
+            callback(Completed::Ok);
         }
         assert_eq!(*told.lock().unwrap(), [(1, true), (2, true)]);
+    }
+
+    #[test]
+    fn a_lower_mapping_that_asks_for_a_retry_makes_the_whole_request_ask() {
+        let mut whole = Mapping::single(512, Place::Zero);
+        assert!(!whole.retry_on_error);
+        whole.append(512, Mapping::single(512, Place::Zero).retried_on_error());
+        whole.append(1024, Mapping::single(512, Place::Zero));
+        assert!(whole.retry_on_error);
     }
 }

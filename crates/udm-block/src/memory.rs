@@ -61,12 +61,7 @@ impl BlockDevice for MemoryDevice {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            native_fua: true,
-            discard: true,
-            fast_zero: true,
-            ..Capabilities::default()
-        }
+        Capabilities::in_memory()
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {

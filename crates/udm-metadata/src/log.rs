@@ -53,6 +53,69 @@ pub struct LogEntry {
     pub mark: String,
 }
 
+/// An operation to log, as [`LogWriter::append`] takes it: each kind with what it carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op<'a> {
+    Write {
+        offset: u64,
+        data: &'a [u8],
+        fua: bool,
+    },
+    Discard {
+        offset: u64,
+        len: u64,
+    },
+    WriteZeroes {
+        offset: u64,
+        len: u64,
+        fua: bool,
+    },
+    Flush,
+    Mark(&'a str),
+}
+
+impl Op<'_> {
+    fn kind(&self) -> EntryKind {
+        match self {
+            Op::Write { .. } => EntryKind::Write,
+            Op::Discard { .. } => EntryKind::Discard,
+            Op::WriteZeroes { .. } => EntryKind::WriteZeroes,
+            Op::Flush => EntryKind::Flush,
+            Op::Mark(_) => EntryKind::Mark,
+        }
+    }
+
+    fn fua(&self) -> bool {
+        matches!(
+            self,
+            Op::Write { fua: true, .. } | Op::WriteZeroes { fua: true, .. }
+        )
+    }
+
+    /// (offset, length) on the logged device.
+    fn range(&self) -> (u64, u64) {
+        match *self {
+            Op::Write { offset, data, .. } => (offset, data.len() as u64),
+            Op::Discard { offset, len } | Op::WriteZeroes { offset, len, .. } => (offset, len),
+            Op::Flush | Op::Mark(_) => (0, 0),
+        }
+    }
+
+    fn data(&self) -> Option<&[u8]> {
+        match self {
+            Op::Write { data, .. } => Some(data),
+            _ => None,
+        }
+    }
+
+    fn mark(&self) -> &str {
+        match self {
+            Op::Mark(text) => text,
+            _ => "",
+        }
+    }
+}
+
 /// What became of an appended entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Appended {
@@ -123,20 +186,14 @@ impl LogWriter {
         Ok(())
     }
 
-    /// Appends an entry (with `data` for writes). FLUSH entries and marks also update the
+    /// Appends an entry (with the data of a write). FLUSH entries and marks also update the
     /// superblock's entry count and flush the log device, so the log survives a crash up to
     /// there. The first entry that does not fit cuts the log off for good (even if a smaller
     /// one would still fit, a log with a gap would replay to a state that never was): the
     /// superblock records it and the log device is flushed, so a reader knows.
-    pub fn append(
-        &mut self,
-        kind: EntryKind,
-        fua: bool,
-        offset: u64,
-        len: u64,
-        data: Option<&[u8]>,
-        mark: &str,
-    ) -> Result<Appended, MetadataError> {
+    pub fn append(&mut self, op: Op) -> Result<Appended, MetadataError> {
+        let (kind, fua, data, mark) = (op.kind(), op.fua(), op.data(), op.mark());
+        let (offset, len) = op.range();
         if self.cut_off {
             return Ok(Appended::CutOff);
         }
@@ -299,19 +356,33 @@ mod tests {
         // An older log's leftovers must not be read as part of the new one.
         let mut old = LogWriter::create(dev.clone()).unwrap();
         for _ in 0..5 {
-            old.append(EntryKind::Write, false, 0, 4096, Some(&[1u8; 4096]), "")
-                .unwrap();
+            old.append(Op::Write {
+                offset: 0,
+                data: &[1u8; 4096],
+                fua: false,
+            })
+            .unwrap();
         }
         let mut log = LogWriter::create(dev.clone()).unwrap();
-        log.append(EntryKind::Write, false, 8192, 5000, Some(&[7u8; 5000]), "")
-            .unwrap();
-        log.append(EntryKind::Mark, false, 0, 0, None, "before-flush")
-            .unwrap();
-        log.append(EntryKind::Flush, false, 0, 0, None, "").unwrap();
-        log.append(EntryKind::Write, true, 0, 512, Some(&[9u8; 512]), "")
-            .unwrap();
-        log.append(EntryKind::Discard, false, 4096, 4096, None, "")
-            .unwrap();
+        log.append(Op::Write {
+            offset: 8192,
+            data: &[7u8; 5000],
+            fua: false,
+        })
+        .unwrap();
+        log.append(Op::Mark("before-flush")).unwrap();
+        log.append(Op::Flush).unwrap();
+        log.append(Op::Write {
+            offset: 0,
+            data: &[9u8; 512],
+            fua: true,
+        })
+        .unwrap();
+        log.append(Op::Discard {
+            offset: 4096,
+            len: 4096,
+        })
+        .unwrap();
         let mut reader = LogReader::open(dev).unwrap();
         let mut kinds = Vec::new();
         while let Some((entry, data)) = reader.next_entry().unwrap() {
@@ -341,14 +412,18 @@ mod tests {
         let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(4 * 4096));
         let mut log = LogWriter::create(dev.clone()).unwrap();
         let write = |log: &mut LogWriter| {
-            log.append(EntryKind::Write, false, 0, 4096, Some(&[1u8; 4096]), "")
-                .unwrap()
+            log.append(Op::Write {
+                offset: 0,
+                data: &[1u8; 4096],
+                fua: false,
+            })
+            .unwrap()
         };
         assert_eq!(write(&mut log), Appended::Logged);
         assert!(!LogReader::open(dev.clone()).unwrap().is_cut_off());
         assert_eq!(write(&mut log), Appended::CutOff);
         // A FLUSH entry would fit in the last block, but the log has a gap now: no more.
-        let flush = log.append(EntryKind::Flush, false, 0, 0, None, "").unwrap();
+        let flush = log.append(Op::Flush).unwrap();
         assert_eq!(flush, Appended::CutOff);
         assert!(log.is_cut_off());
         let mut reader = LogReader::open(dev).unwrap();

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use udm_block::{BlockDevice, WriteFlags};
-use udm_metadata::log::{EntryKind, LogReader, LogWriter};
+use udm_metadata::log::{EntryKind, LogReader, LogWriter, Op};
 use udm_metadata::snapshot::{ExceptionStore, PersistentStore, Record};
 use udm_metadata::{CloneGeometry, CloneMetadata, ThinMetadata};
 use udm_testkit::{CrashDevice, PowerSwitch, Rng, TempDir};
@@ -87,17 +87,14 @@ fn the_write_log_survives_a_power_cut_at_every_write() {
             for i in 0..60u64 {
                 appended.push(i);
                 let result = if i % 7 == 6 {
-                    log.append(EntryKind::Flush, false, 0, 0, None, "")
+                    log.append(Op::Flush)
                 } else {
                     let data = vec![i as u8; 512 * (1 + i as usize % 9)];
-                    log.append(
-                        EntryKind::Write,
-                        false,
-                        i * 4096,
-                        data.len() as u64,
-                        Some(&data),
-                        "",
-                    )
+                    log.append(Op::Write {
+                        offset: i * 4096,
+                        data: &data,
+                        fua: false,
+                    })
                 };
                 if result.is_err() {
                     break;

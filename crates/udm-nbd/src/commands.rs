@@ -301,13 +301,20 @@ impl Session {
 
 /// How a command can be remapped (see [`udm_block::map`]); `None` for the commands that
 /// always go the synchronous way.
+/// The operation to map a request as; `None` for those that always go the synchronous way
+/// (block status, cache).
 pub(crate) fn map_op(r: &Request) -> Option<MapOp> {
+    let fua = r.flags & CMD_FLAG_FUA != 0;
     match r.command {
         CMD_READ => Some(MapOp::Read),
-        CMD_WRITE => Some(MapOp::Write {
-            fua: r.flags & CMD_FLAG_FUA != 0,
-        }),
+        CMD_WRITE => Some(MapOp::Write { fua }),
         CMD_FLUSH => Some(MapOp::Flush),
+        CMD_TRIM => Some(MapOp::Discard { fua }),
+        CMD_WRITE_ZEROES => Some(MapOp::WriteZeroes {
+            may_unmap: r.flags & CMD_FLAG_NO_HOLE == 0,
+            fast_only: r.flags & CMD_FLAG_FAST_ZERO != 0,
+            fua,
+        }),
         _ => None,
     }
 }

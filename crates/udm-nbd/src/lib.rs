@@ -19,7 +19,6 @@ mod client;
 mod commands;
 mod event_loop;
 pub mod handshake;
-mod pool;
 mod server;
 mod stream;
 mod tls;

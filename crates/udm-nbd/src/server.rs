@@ -14,11 +14,11 @@ use log::{debug, info, warn};
 use crate::budget::BufferBudget;
 use crate::event_loop::{Attach, Loops};
 use crate::handshake::{negotiate_with_tls, refuse, HandshakeEnd, StartTls};
-use crate::pool::Pool;
 use crate::stream::{ClientKey, Stream};
 use crate::tls::TlsServer;
 use crate::transmission;
 use crate::ExportCatalog;
+use udm_block::WorkerPool as Pool;
 
 /// Refused clients are told why in the handshake by threads of their own; beyond this many
 /// at once (a flood), they are closed without a word.
@@ -173,7 +173,7 @@ impl NbdServer {
 
     fn start_loops(config: &ServerConfig, budget: &Arc<BufferBudget>) -> Result<Loops, String> {
         udm_uring::probe()?;
-        let pool = Pool::new(config.pool_threads);
+        let pool = Pool::new("nbd-pool", config.pool_threads);
         let loops = Loops::start(config, budget.clone(), pool)
             .map_err(|e| format!("cannot start the io_uring event loops: {e}"))?;
         info!(

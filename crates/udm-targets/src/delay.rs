@@ -3,17 +3,22 @@
 //!
 //! With one group every request is delayed alike; with two, the second group takes writes
 //! (and flushes); with three, flushes have their own. As in the kernel, each group may name a
-//! different device.
+//! different device. Over devices that remap, requests remap too and wait on a timer
+//! ([`crate::timer`]); otherwise they sleep on the thread that runs them.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use udm_block::{BlockDevice, Capabilities, Extent, OpenMode, Result, WriteFlags, ZeroFlags};
+use udm_block::{
+    BlockDevice, Capabilities, Extent, MapOp, Mapping, OpenMode, Pending, Result, WriteFlags,
+    ZeroFlags,
+};
 
 use crate::args::Args;
 use crate::filter::Lower;
 use crate::target::{Target, TargetContext, TargetError};
+use crate::timer;
 
 struct Group {
     lower: Lower,
@@ -29,8 +34,9 @@ enum Kind {
 
 pub struct Delay {
     groups: Vec<Group>,
-    /// Requests of each kind sleeping right now (the status line's counts).
-    delayed: [AtomicU32; 3],
+    /// Requests of each kind delayed right now (the status line's counts); shared with the
+    /// timer steps of mapped requests.
+    delayed: Arc<[AtomicU32; 3]>,
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
@@ -51,14 +57,18 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     }
     Ok(Arc::new(Delay {
         groups,
-        delayed: Default::default(),
+        delayed: Arc::default(),
     }))
 }
 
 impl Delay {
+    fn group(&self, kind: Kind) -> &Group {
+        &self.groups[(kind as usize).min(self.groups.len() - 1)]
+    }
+
     /// Sleeps for the group that handles `kind`, then runs `op` on its device.
     fn run<T>(&self, kind: Kind, op: impl FnOnce(&Lower) -> Result<T>) -> Result<T> {
-        let group = &self.groups[(kind as usize).min(self.groups.len() - 1)];
+        let group = self.group(kind);
         if !group.delay.is_zero() {
             let counter = &self.delayed[kind as usize];
             counter.fetch_add(1, Ordering::Relaxed);
@@ -100,6 +110,35 @@ impl BlockDevice for Delay {
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         self.run(Kind::Read, |l| l.dev.block_status(l.offset + offset, len))
+    }
+
+    /// The group's device's mapping, after a timer step: the request waits for its delay
+    /// without a thread sleeping for it (the kernel's dm-delay queues bios on a timer too).
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        // Discards and zeroing are delayed as writes, as on the synchronous path.
+        let kind = match op {
+            MapOp::Read => Kind::Read,
+            MapOp::Write { .. } | MapOp::Discard { .. } | MapOp::WriteZeroes { .. } => Kind::Write,
+            MapOp::Flush => Kind::Flush,
+        };
+        let group = self.group(kind);
+        let lower = &group.lower;
+        let mapping = match op {
+            MapOp::Flush => lower.dev.map(op, 0, 0)?,
+            _ => lower.dev.map(op, lower.offset + offset, len)?,
+        };
+        if group.delay.is_zero() {
+            return Some(mapping);
+        }
+        let delayed = self.delayed.clone();
+        let wait = group.delay;
+        Some(mapping.after(Pending::new(move |done| {
+            delayed[kind as usize].fetch_add(1, Ordering::Relaxed);
+            timer::after(wait, move || {
+                delayed[kind as usize].fetch_sub(1, Ordering::Relaxed);
+            })
+            .start(done)
+        })))
     }
 }
 
@@ -162,6 +201,34 @@ mod tests {
         table.write(0, &[1u8; 512], WriteFlags::default()).unwrap();
         resolver.get("b").read(0, &mut buf[..512]).unwrap();
         assert_eq!(buf[0], 1);
+    }
+
+    #[test]
+    fn mapped_requests_wait_on_the_timer_and_count_as_delayed() {
+        use udm_block::{FileDevice, MapOp, OpenMode};
+        let dir = udm_testkit::TempDir::new("delay-map");
+        let path = dir.path("a.img");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let resolver = udm_testkit::Devices::default();
+        let file = FileDevice::open(&path, OpenMode::ReadWrite).unwrap();
+        resolver.add("a", std::sync::Arc::new(file), false);
+        let table = build(&resolver, "0 2048 delay a 0 0 a 0 40").unwrap();
+        assert!(
+            table.map(MapOp::Read, 0, 4096).unwrap().is_ready(),
+            "no delay, no step"
+        );
+        let write = table.map(MapOp::Write { fua: false }, 4096, 4096).unwrap();
+        assert!(!write.is_ready());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = Instant::now();
+        write.when_ready(move |m| tx.send(m.map(|m| m.pieces.len())).unwrap());
+        assert_eq!(table.status_lines()[0], "0 2048 delay 0 1");
+        assert_eq!(rx.recv().unwrap().unwrap(), 1);
+        assert!(t.elapsed().as_millis() >= 40);
+        assert_eq!(table.status_lines()[0], "0 2048 delay 0 0");
     }
 
     #[test]

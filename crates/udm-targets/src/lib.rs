@@ -13,6 +13,7 @@ mod registry;
 mod rendezvous;
 mod table;
 mod target;
+mod timer;
 
 mod clone;
 mod delay;

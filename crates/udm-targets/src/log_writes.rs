@@ -17,7 +17,7 @@ use udm_block::{
     BlockDevice, BlockError, Capabilities, Extent, OpenMode, Result, WriteFlags, ZeroFlags,
     SECTOR_SIZE,
 };
-use udm_metadata::log::{Appended, EntryKind, LogWriter};
+use udm_metadata::log::{Appended, LogWriter, Op};
 use udm_metadata::MetadataError;
 
 use crate::args::Args;
@@ -61,20 +61,12 @@ fn logged(e: MetadataError) -> BlockError {
 }
 
 impl LogWrites {
-    fn append(
-        &self,
-        kind: EntryKind,
-        fua: bool,
-        offset: u64,
-        len: u64,
-        data: Option<&[u8]>,
-        mark: &str,
-    ) -> Result<Appended> {
+    /// Logs an operation that completed on `dev`. Once the log is full the operations go
+    /// unlogged, and still succeed (`Appended::CutOff`): the device did what was asked.
+    fn append(&self, op: Op) -> Result<Appended> {
         let mut log = self.log.lock();
         let was_cut_off = log.is_cut_off();
-        let appended = log
-            .append(kind, fua, offset, len, data, mark)
-            .map_err(logged)?;
+        let appended = log.append(op).map_err(logged)?;
         if !was_cut_off && log.is_cut_off() {
             warn!(
                 "log-writes: ran out of space on the log device '{}' after {} entries: \
@@ -88,17 +80,8 @@ impl LogWrites {
         Ok(appended)
     }
 
-    /// Logs an operation that completed on `dev`. Once the log is full it goes unlogged, and
-    /// still succeeds: the device did what was asked.
-    fn log_io(
-        &self,
-        kind: EntryKind,
-        fua: bool,
-        offset: u64,
-        len: u64,
-        data: Option<&[u8]>,
-    ) -> Result<()> {
-        self.append(kind, fua, offset, len, data, "").map(|_| ())
+    fn log_io(&self, op: Op) -> Result<()> {
+        self.append(op).map(|_| ())
     }
 }
 
@@ -115,28 +98,30 @@ impl BlockDevice for LogWrites {
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
         let _shared = self.order.read();
         self.dev.write(offset, buf, flags)?;
-        self.log_io(
-            EntryKind::Write,
-            flags.fua,
+        self.log_io(Op::Write {
             offset,
-            buf.len() as u64,
-            Some(buf),
-        )
+            data: buf,
+            fua: flags.fua,
+        })
     }
     fn flush(&self) -> Result<()> {
         let _alone = self.order.write();
         self.dev.flush()?;
-        self.log_io(EntryKind::Flush, false, 0, 0, None)
+        self.log_io(Op::Flush)
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         let _shared = self.order.read();
         self.dev.discard(offset, len)?;
-        self.log_io(EntryKind::Discard, false, offset, len, None)
+        self.log_io(Op::Discard { offset, len })
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         let _shared = self.order.read();
         self.dev.write_zeroes(offset, len, flags)?;
-        self.log_io(EntryKind::WriteZeroes, flags.fua, offset, len, None)
+        self.log_io(Op::WriteZeroes {
+            offset,
+            len,
+            fua: flags.fua,
+        })
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         self.dev.block_status(offset, len)
@@ -165,7 +150,7 @@ impl Target for LogWrites {
         match words {
             [mark, text] if mark.eq_ignore_ascii_case("mark") => {
                 let _alone = self.order.write();
-                match self.append(EntryKind::Mark, false, 0, 0, None, text) {
+                match self.append(Op::Mark(text)) {
                     Ok(Appended::Logged) => Ok(String::new()),
                     Ok(Appended::CutOff) => Err(TargetError::new(format!(
                         "log-writes: mark '{text}' not logged: the log device '{}' is full",

@@ -10,7 +10,9 @@
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::Path;
+
 use std::sync::{Arc, Weak};
+use udm_block::BlockDevice;
 
 use crate::Reference;
 
@@ -60,10 +62,14 @@ impl<T: ?Sized> Default for Rendezvous<T> {
     }
 }
 
-/// The key for a device reference from a table line: a path is made canonical (so
-/// `./origin.img` and `/abs/origin.img` meet), other references (udm device names, URIs) are
-/// used as written.
-pub fn device_key(reference: &str) -> String {
+/// The key for the device a table line's `reference` opened as `dev`: its identity (a file's
+/// inode, a block device's number, a udm device's serial, so that `./origin.img`, a hard link
+/// to it and `/abs/origin.img` meet, and a renamed udm device is still itself), else a path
+/// made canonical, else the reference as written (a URI).
+pub fn device_key(reference: &str, dev: &dyn BlockDevice) -> String {
+    if let Some(identity) = dev.identity() {
+        return identity;
+    }
     if let Reference::Path(path) = Reference::parse(reference) {
         if let Ok(canonical) = Path::new(path).canonicalize() {
             return canonical.to_string_lossy().into_owned();
@@ -107,19 +113,25 @@ mod tests {
     }
 
     #[test]
-    fn paths_meet_whatever_way_they_are_written() {
+    fn devices_meet_by_identity_else_by_canonical_path_else_by_name() {
         let dir = std::env::temp_dir();
         let file = dir.join(format!("udm-rendezvous-{}", std::process::id()));
-        std::fs::write(&file, b"").unwrap();
-        let direct = device_key(file.to_str().unwrap());
-        let dotted = device_key(&format!(
-            "{}/../{}/{}",
-            dir.display(),
-            dir.file_name().unwrap().to_string_lossy(),
-            file.file_name().unwrap().to_string_lossy()
-        ));
+        std::fs::write(&file, vec![0u8; 4096]).unwrap();
+        let nameless = udm_block::MemoryDevice::new(4096);
+        let direct = device_key(file.to_str().unwrap(), &nameless);
+        let dotted = device_key(
+            &format!(
+                "{}/../{}/{}",
+                dir.display(),
+                dir.file_name().unwrap().to_string_lossy(),
+                file.file_name().unwrap().to_string_lossy()
+            ),
+            &nameless,
+        );
         assert_eq!(direct, dotted);
-        assert_eq!(device_key("pool"), "pool");
+        assert_eq!(device_key("pool", &nameless), "pool");
+        let opened = udm_block::FileDevice::open(&file, udm_block::OpenMode::ReadOnly).unwrap();
+        assert_eq!(device_key("any name", &opened), opened.identity().unwrap());
         std::fs::remove_file(file).unwrap();
     }
 }

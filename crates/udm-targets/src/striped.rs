@@ -21,6 +21,9 @@ struct Stripe {
     errors: AtomicU64,
 }
 
+/// The most chunks a discard or write-zeroes may span and still be mapped.
+const MAX_MAPPED_FILL_CHUNKS: u64 = 4096;
+
 pub struct Striped {
     stripes: Vec<Stripe>,
     chunk: u64,
@@ -154,6 +157,11 @@ impl BlockDevice for Striped {
         self.stripes.iter().try_for_each(|s| s.dev.flush())
     }
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        // A discard may span up to 4 GiB: one piece per chunk would be millions of pieces
+        // held at once. Beyond this many chunks it goes the synchronous way, chunk by chunk.
+        if op.is_fill() && len.div_ceil(self.chunk) > MAX_MAPPED_FILL_CHUNKS {
+            return None;
+        }
         let mut mapping = Mapping::new();
         if op == MapOp::Flush {
             for stripe in &self.stripes {

@@ -482,9 +482,14 @@ mod map_tests {
         let flush = top.map(MapOp::Flush, 0, 0).unwrap();
         assert_eq!(flush.pieces.len(), 2);
         // A target that handles its own I/O keeps the whole request.
+        let flakey = build(&files, "0 8 linear a 0\n8 8 flakey b 0 1000 0").unwrap();
+        assert!(flakey.map(MapOp::Read, 0, 4096).is_some());
+        assert!(flakey.map(MapOp::Read, 0, 8192).is_none());
+        // One whose piece waits (a delay's timer) makes the whole request wait.
         let delayed = build(&files, "0 8 linear a 0\n8 8 delay b 0 10").unwrap();
-        assert!(delayed.map(MapOp::Read, 0, 4096).is_some());
-        assert!(delayed.map(MapOp::Read, 0, 8192).is_none());
+        assert!(delayed.map(MapOp::Read, 0, 4096).unwrap().is_ready());
+        let both = delayed.map(MapOp::Read, 0, 8192).unwrap();
+        assert_eq!((both.pieces.len(), both.is_ready()), (2, false));
         std::fs::remove_file(a_path).unwrap();
         std::fs::remove_file(b_path).unwrap();
     }

@@ -23,12 +23,7 @@ impl BlockDevice for Zero {
         self.len
     }
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            native_fua: true,
-            discard: true,
-            fast_zero: true,
-            ..Capabilities::default()
-        }
+        Capabilities::in_memory()
     }
     fn read(&self, _offset: u64, buf: &mut [u8]) -> Result<()> {
         buf.fill(0);
@@ -48,7 +43,8 @@ impl BlockDevice for Zero {
     }
     fn map(&self, op: MapOp, _offset: u64, len: u64) -> Option<Mapping> {
         Some(match op {
-            MapOp::Flush => Mapping::new(),
+            // Nothing to sync, and nothing to deallocate or zero: it reads zeroes already.
+            MapOp::Flush | MapOp::Discard { .. } | MapOp::WriteZeroes { .. } => Mapping::new(),
             MapOp::Read | MapOp::Write { .. } => Mapping::single(len, Place::Zero),
         })
     }

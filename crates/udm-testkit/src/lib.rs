@@ -8,6 +8,7 @@
 //! - [`conformance`]: what every device that stores data must do.
 //! - [`CrashDevice`]: durable and volatile writes, and a power cut at any write; devices on
 //!   one [`PowerSwitch`] lose power together.
+//! - [`run_ok`], [`printed`]: the tools tests check against, run.
 //! - [`Netns`]: network namespaces joined by links that can be cut, for servers on other
 //!   "hosts".
 
@@ -16,6 +17,7 @@ mod crash;
 mod devices;
 mod netns;
 mod pattern;
+mod process;
 mod switchable;
 mod temp_dir;
 
@@ -23,5 +25,6 @@ pub use crash::{CrashDevice, PowerSwitch};
 pub use devices::Devices;
 pub use netns::Netns;
 pub use pattern::{pattern, pattern_file, Rng};
+pub use process::{printed, run_ok};
 pub use switchable::Switchable;
 pub use temp_dir::TempDir;

@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use udm_block::{BlockDevice, BlockError, Extent, MemoryDevice, Result, WriteFlags, ZeroFlags};
 
-/// Runs at every read of a [`Switchable`], before it.
-pub type ReadHook = Box<dyn Fn() + Send + Sync>;
+/// Runs at every read (or flush) of a [`Switchable`], before it.
+pub type Hook = Box<dyn Fn() + Send + Sync>;
 
 /// A memory device that can be told to fail reads or writes (flushes fail with writes), counts
-/// what reaches it, and can call a test back at every read. Several can share one memory
+/// what reaches it, and can call a test back at every read and every flush. Several can share one memory
 /// device ([`Switchable::over`]): routes to one disk that fail apart, a multipath's paths.
 pub struct Switchable {
     pub inner: Arc<MemoryDevice>,
@@ -19,7 +19,8 @@ pub struct Switchable {
     pub reads: AtomicU64,
     pub writes: AtomicU64,
     pub flushes: AtomicU64,
-    pub on_read: Mutex<Option<ReadHook>>,
+    pub on_read: Mutex<Option<Hook>>,
+    pub on_flush: Mutex<Option<Hook>>,
 }
 
 impl Switchable {
@@ -37,6 +38,7 @@ impl Switchable {
             writes: AtomicU64::new(0),
             flushes: AtomicU64::new(0),
             on_read: Mutex::default(),
+            on_flush: Mutex::default(),
         }
     }
 
@@ -67,6 +69,9 @@ impl BlockDevice for Switchable {
         self.inner.write(offset, buf, flags)
     }
     fn flush(&self) -> Result<()> {
+        if let Some(hook) = &*self.on_flush.lock() {
+            hook();
+        }
         self.check(&self.fail_writes, Some(&self.flushes))
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {

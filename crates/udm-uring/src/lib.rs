@@ -15,13 +15,17 @@
 //!   past the end of a file that shrank reads zeroes;
 //! - FUA writes with RWF_DSYNC;
 //! - FLUSH as an fdatasync of every file the device maps to;
+//! - discard as fallocate(PUNCH_HOLE), done when the file cannot (a discard is a hint);
+//! - write-zeroes as fallocate(PUNCH_HOLE) when it may unmap, then ZERO_RANGE, then by
+//!   writing zero buffers (or NotSupported when only a fast way will do), each tried when
+//!   the one before is unsupported; with FUA, either is followed by an fdatasync of the file;
 //! - zero pieces are filled (reads) or dropped (writes) without a submission.
 
 use std::any::Any;
 use std::sync::Arc;
 
 use io_uring::{opcode, squeue, types};
-use udm_block::{BlockError, MapOp, MappedFile, Mapping, OnComplete, Place};
+use udm_block::{zero_chunk, BlockError, Completed, MapOp, MappedFile, Mapping, OnComplete, Place};
 
 /// Set in the `user_data` of every entry the engine submits; the ring's owner keeps it clear
 /// in its own.
@@ -62,7 +66,35 @@ struct FilePiece {
     offset: u64,
     /// O_DIRECT refused this piece's alignment: it goes through the buffered descriptor.
     buffered: bool,
+    /// How a discard or write-zeroes piece is being done.
+    fill: Fill,
     finished: bool,
+}
+
+/// The ways of zeroing or deallocating a piece, in the order they are tried.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Fill {
+    Punch,
+    ZeroRange,
+    /// Writing zero buffers: the slow way, when the file can neither punch nor zero.
+    Write,
+    /// Done, and FUA: syncing the file.
+    Sync,
+}
+
+impl Fill {
+    fn first(op: MapOp) -> Fill {
+        match op {
+            MapOp::WriteZeroes {
+                may_unmap: false, ..
+            } => Fill::ZeroRange,
+            _ => Fill::Punch,
+        }
+    }
+}
+
+fn is_unsupported(errno: i32) -> bool {
+    matches!(errno, libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL)
 }
 
 struct Request {
@@ -74,8 +106,10 @@ struct Request {
     owner: u64,
     /// Told the outcome when the request completes (the device's I/O statistics).
     on_complete: Vec<OnComplete>,
+    /// A failure goes back to the owner as [`Outcome::Retry`].
+    retry_on_error: bool,
     /// Released (the suspend gate, a clone's user I/O count) when the request completes.
-    _holds: Vec<Box<dyn Any + Send>>,
+    holds: Vec<Box<dyn Any + Send>>,
 }
 
 /// The requests one ring has in flight.
@@ -85,8 +119,18 @@ pub struct Engine {
     free: Vec<usize>,
 }
 
-/// What finished: the `owner` given to [`Engine::start`] and the request's outcome.
-pub type Completion = (u64, Result<(), BlockError>);
+/// How a request the engine ran ended.
+#[derive(Debug)]
+pub enum Outcome {
+    Done(Result<(), BlockError>),
+    /// It failed, and its mapping asked for a retry ([`Mapping::retry_on_error`]): the owner
+    /// runs the request again through the device's synchronous method, whose result is the
+    /// request's.
+    Retry,
+}
+
+/// What finished: the `owner` given to [`Engine::start`] and how.
+pub type Completion = (u64, Outcome);
 
 impl Engine {
     pub fn new() -> Self {
@@ -114,6 +158,12 @@ impl Engine {
         owner: u64,
         push: &mut dyn FnMut(squeue::Entry),
     ) -> Option<Result<(), BlockError>> {
+        if !mapping.is_ready() {
+            // Its pieces must not run before its steps: the caller owed when_ready().
+            return Some(Err(BlockError::Io(
+                "a mapping was submitted before the steps it waits for".into(),
+            )));
+        }
         let mut pieces = Vec::with_capacity(mapping.pieces.len());
         for piece in mapping.pieces {
             match piece.place {
@@ -141,13 +191,17 @@ impl Engine {
                         file,
                         offset,
                         buffered: false,
+                        fill: Fill::first(op),
                         finished: false,
                     });
                 }
             }
         }
         if pieces.is_empty() {
-            mapping.on_complete.into_iter().for_each(|told| told(true));
+            mapping
+                .on_complete
+                .into_iter()
+                .for_each(|told| told(Completed::Ok));
             return Some(Ok(()));
         }
         let request = Request {
@@ -158,7 +212,8 @@ impl Engine {
             error: None,
             owner,
             on_complete: mapping.on_complete,
-            _holds: mapping.holds,
+            retry_on_error: mapping.retry_on_error,
+            holds: mapping.holds,
         };
         let slot = match self.free.pop() {
             Some(slot) => {
@@ -210,11 +265,26 @@ impl Engine {
         if request.remaining > 0 {
             return None;
         }
-        let mut request = self.requests[slot].take().expect("present");
+        let request = self.requests[slot].take().expect("present");
         self.free.push(slot);
-        let ok = request.error.is_none();
-        request.on_complete.drain(..).for_each(|told| told(ok));
-        Some((request.owner, request.error.map_or(Ok(()), Err)))
+        let owner = request.owner;
+        let outcome = match &request.error {
+            None => Completed::Ok,
+            Some(e) if request.retry_on_error => Completed::Retried(e),
+            Some(e) => Completed::Failed(e),
+        };
+        let retry = matches!(outcome, Completed::Retried(_));
+        request
+            .on_complete
+            .into_iter()
+            .for_each(|told| told(outcome));
+        // The holds go (with the request) before the retry starts, as the callbacks said.
+        drop(request.holds);
+        Some(if retry {
+            (owner, Outcome::Retry)
+        } else {
+            (owner, Outcome::Done(request.error.map_or(Ok(()), Err)))
+        })
     }
 }
 
@@ -227,6 +297,27 @@ enum Step {
 
 /// Accounts one completion of a piece.
 fn advance(op: MapOp, buf: *mut u8, piece: &mut FilePiece, result: i32) -> Step {
+    if !op.is_fill() {
+        return advance_transfer(op, buf, piece, result);
+    }
+    let step = match piece.fill {
+        Fill::Write => advance_transfer(op, buf, piece, result),
+        Fill::Sync if result < 0 && matches!(-result, libc::EINTR | libc::EAGAIN) => Step::Again,
+        Fill::Sync if result < 0 => Step::Failed(-result),
+        Fill::Sync => return Step::Done,
+        Fill::Punch | Fill::ZeroRange => advance_fallocate(op, piece, result),
+    };
+    // A FUA discard or write-zeroes is durable when it completes, as the synchronous way's
+    // flush after it makes it.
+    if matches!(step, Step::Done) && op.fua() {
+        piece.fill = Fill::Sync;
+        return Step::Again;
+    }
+    step
+}
+
+/// Accounts one completion of a read or write (or of writing zeroes).
+fn advance_transfer(op: MapOp, buf: *mut u8, piece: &mut FilePiece, result: i32) -> Step {
     if result < 0 {
         let errno = -result;
         return match errno {
@@ -260,11 +351,56 @@ fn advance(op: MapOp, buf: *mut u8, piece: &mut FilePiece, result: i32) -> Step 
     }
 }
 
+/// Accounts the completion of a fallocate: done, or the next way to try.
+fn advance_fallocate(op: MapOp, piece: &mut FilePiece, result: i32) -> Step {
+    let errno = -result;
+    if result >= 0 {
+        return Step::Done;
+    }
+    if matches!(errno, libc::EINTR | libc::EAGAIN) {
+        return Step::Again;
+    }
+    if !is_unsupported(errno) {
+        return Step::Failed(errno);
+    }
+    match (op, piece.fill) {
+        // A discard is a hint: a file that cannot punch holes keeps its data.
+        (MapOp::Discard { .. }, _) => Step::Done,
+        (_, Fill::Punch) => {
+            piece.fill = Fill::ZeroRange;
+            Step::Again
+        }
+        (
+            MapOp::WriteZeroes {
+                fast_only: true, ..
+            },
+            _,
+        ) => Step::Failed(libc::EOPNOTSUPP),
+        _ => {
+            piece.fill = Fill::Write;
+            Step::Again
+        }
+    }
+}
+
 fn piece_error(op: MapOp, piece: &FilePiece, errno: i32) -> BlockError {
+    if matches!(
+        op,
+        MapOp::WriteZeroes {
+            fast_only: true,
+            ..
+        }
+    ) && errno == libc::EOPNOTSUPP
+    {
+        // What the synchronous way answers (write_zeroes_by_writing).
+        return BlockError::NotSupported("this device cannot zero quickly".into());
+    }
     let what = match op {
         MapOp::Read => "read",
         MapOp::Write { .. } => "write",
         MapOp::Flush => "fdatasync",
+        MapOp::Discard { .. } => "discard",
+        MapOp::WriteZeroes { .. } => "write_zeroes",
     };
     let context = if op == MapOp::Flush {
         format!("{what} {}", piece.file.path().display())
@@ -290,17 +426,37 @@ fn entry(request: &Request, slot: usize, index: usize) -> squeue::Entry {
     });
     let len = (piece.len - piece.done).min(MAX_TRANSFER) as u32;
     let offset = piece.offset + piece.done;
+    // A discard or write-zeroes has no buffer: only reads and writes point into it.
     // SAFETY (of the pointer arithmetic): the piece lies within the request's buffer.
-    let data = unsafe { request.buf.add((piece.at + piece.done) as usize) };
-    let entry = match request.op {
-        MapOp::Read => opcode::Read::new(fd, data, len).offset(offset).build(),
-        MapOp::Write { fua } => opcode::Write::new(fd, data, len)
+    let data = || unsafe { request.buf.add((piece.at + piece.done) as usize) };
+    let keep_size = libc::FALLOC_FL_KEEP_SIZE;
+    let entry = match (request.op, piece.fill) {
+        (MapOp::Read, _) => opcode::Read::new(fd, data(), len).offset(offset).build(),
+        (MapOp::Write { fua }, _) => opcode::Write::new(fd, data(), len)
             .offset(offset)
             .rw_flags(if fua { libc::RWF_DSYNC } else { 0 })
             .build(),
-        MapOp::Flush => opcode::Fsync::new(types::Fd(piece.file.buffered_fd()))
+        (MapOp::Flush, _) => opcode::Fsync::new(types::Fd(piece.file.buffered_fd()))
             .flags(types::FsyncFlags::DATASYNC)
             .build(),
+        (_, Fill::Punch) => opcode::Fallocate::new(fd, piece.len)
+            .offset(piece.offset)
+            .mode(libc::FALLOC_FL_PUNCH_HOLE | keep_size)
+            .build(),
+        (_, Fill::ZeroRange) => opcode::Fallocate::new(fd, piece.len)
+            .offset(piece.offset)
+            .mode(libc::FALLOC_FL_ZERO_RANGE | keep_size)
+            .build(),
+        (_, Fill::Sync) => opcode::Fsync::new(types::Fd(piece.file.buffered_fd()))
+            .flags(types::FsyncFlags::DATASYNC)
+            .build(),
+        (_, Fill::Write) => {
+            let zeroes = zero_chunk();
+            let len = (piece.len - piece.done).min(zeroes.len() as u64) as u32;
+            opcode::Write::new(fd, zeroes.as_ptr().cast_mut(), len)
+                .offset(offset)
+                .build()
+        }
     };
     entry.user_data(user_data)
 }

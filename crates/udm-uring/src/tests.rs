@@ -16,9 +16,40 @@ struct TempFile {
 
 impl TempFile {
     fn new(tag: &str, len: u64) -> Self {
-        let path = std::env::temp_dir().join(format!("udm-uring-{tag}-{}", std::process::id()));
+        Self::new_in(&std::env::temp_dir(), tag, len)
+    }
+
+    fn new_in(dir: &std::path::Path, tag: &str, len: u64) -> Self {
+        let path = dir.join(format!("udm-uring-{tag}-{}", std::process::id()));
         File::create(&path).unwrap().set_len(len).unwrap();
         TempFile { path }
+    }
+
+    /// `len` bytes of 0xaa from 0, then the file's data read back.
+    fn filled(&self, len: usize) {
+        File::options()
+            .write(true)
+            .open(&self.path)
+            .unwrap()
+            .write_all_at(&vec![0xaa; len], 0)
+            .unwrap();
+    }
+
+    fn contents(&self) -> Vec<u8> {
+        std::fs::read(&self.path).unwrap()
+    }
+
+    /// Where the first data at or after `offset` is (SEEK_DATA).
+    fn next_data(&self, offset: u64) -> i64 {
+        let file = File::open(&self.path).unwrap();
+        // SAFETY: lseek on a descriptor we own.
+        unsafe {
+            libc::lseek(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                offset as i64,
+                libc::SEEK_DATA,
+            )
+        }
     }
 
     fn mapped(&self) -> Arc<MappedFile> {
@@ -39,15 +70,22 @@ impl Drop for TempFile {
     }
 }
 
-/// Runs one request to completion on a ring of its own.
+/// Runs one request to completion on a ring of its own; its mapping asks for no retry.
 fn run(op: MapOp, mapping: Mapping, buf: &mut [u8]) -> Result<(), BlockError> {
+    match run_to_outcome(op, mapping, buf) {
+        Outcome::Done(result) => result,
+        Outcome::Retry => panic!("a retry no mapping asked for"),
+    }
+}
+
+fn run_to_outcome(op: MapOp, mapping: Mapping, buf: &mut [u8]) -> Outcome {
     let mut ring = IoUring::new(64).unwrap();
     let mut engine = Engine::new();
     let mut queued = Vec::new();
     let mut push = |e: squeue::Entry| queued.push(e);
     // SAFETY: buf outlives the request, which completes before this function returns.
     if let Some(done) = unsafe { engine.start(op, mapping, buf.as_mut_ptr(), 7, &mut push) } {
-        return done;
+        return Outcome::Done(done);
     }
     loop {
         for e in queued.drain(..) {
@@ -224,7 +262,7 @@ fn a_flush_syncs_each_file_once_and_releases_its_holds_at_completion() {
     for (user_data, result) in completions {
         outcome = outcome.or(engine.complete(user_data, result, &mut |_| panic!("no resubmit")));
     }
-    assert_eq!(outcome.unwrap().1.unwrap(), ());
+    assert!(matches!(outcome, Some((1, Outcome::Done(Ok(()))))));
     assert_eq!(Arc::strong_count(&held), 1, "released at completion");
 }
 
@@ -249,7 +287,13 @@ fn the_completion_callbacks_hear_how_the_request_went() {
     let told = Arc::new(std::sync::Mutex::new(Vec::new()));
     let record = || {
         let told = told.clone();
-        move |ok: bool| told.lock().unwrap().push(ok)
+        move |done: Completed| {
+            told.lock().unwrap().push(match done {
+                Completed::Ok => "ok",
+                Completed::Failed(_) => "failed",
+                Completed::Retried(_) => "retried",
+            })
+        }
     };
     let good = Mapping::single(4096, Place::Zero).when_complete(record());
     run(MapOp::Read, good, &mut AlignedBuf::zeroed(4096)).unwrap();
@@ -266,15 +310,106 @@ fn the_completion_callbacks_hear_how_the_request_went() {
     // A descriptor opened for writing only: the read fails with EBADF.
     let write_only = OpenOptions::new().write(true).open(&a.path).unwrap();
     let file = Arc::new(MappedFile::new(a.path.clone(), None, write_only));
-    let bad = Mapping {
+    let bad = || Mapping {
         pieces: vec![on(&file, 0, 4096, 0)],
         ..Mapping::default()
     };
     run(
         MapOp::Read,
-        bad.when_complete(record()),
+        bad().when_complete(record()),
         &mut AlignedBuf::zeroed(4096),
     )
     .unwrap_err();
-    assert_eq!(*told.lock().unwrap(), [true, true, false]);
+    // Asked to, the engine hands the failed request back for a retry, its holds released.
+    let held = Arc::new(());
+    let retried = bad()
+        .when_complete(record())
+        .hold(held.clone())
+        .retried_on_error();
+    let outcome = run_to_outcome(MapOp::Read, retried, &mut AlignedBuf::zeroed(4096));
+    assert!(matches!(outcome, Outcome::Retry), "{outcome:?}");
+    assert_eq!(Arc::strong_count(&held), 1);
+    // A request that succeeds is not retried, whatever its mapping asked.
+    let fine = Mapping::single(512, Place::Zero).retried_on_error();
+    let outcome = run_to_outcome(MapOp::Read, fine, &mut AlignedBuf::zeroed(512));
+    assert!(matches!(outcome, Outcome::Done(Ok(()))));
+    assert_eq!(*told.lock().unwrap(), ["ok", "ok", "failed", "retried"]);
+}
+
+#[test]
+fn discard_punches_a_hole_and_write_zeroes_zeroes_each_way_it_is_asked() {
+    let file = TempFile::new("fill", 64 << 10);
+    file.filled(64 << 10);
+    let f = file.mapped();
+    let one = |offset| Mapping {
+        pieces: vec![on(&f, 0, 4096, offset)],
+        ..Mapping::default()
+    };
+    run(MapOp::Discard { fua: false }, one(8192), &mut []).unwrap();
+    let unmap = MapOp::WriteZeroes {
+        may_unmap: true,
+        fast_only: false,
+        fua: false,
+    };
+    run(unmap, one(20480), &mut []).unwrap();
+    let in_place = MapOp::WriteZeroes {
+        may_unmap: false,
+        fast_only: true,
+        fua: true,
+    };
+    run(in_place, one(32768), &mut []).unwrap();
+    let data = file.contents();
+    for (at, byte) in data.iter().enumerate() {
+        let zeroed = [8192, 20480, 32768]
+            .iter()
+            .any(|&z| (z..z + 4096).contains(&at));
+        assert_eq!(*byte, if zeroed { 0 } else { 0xaa }, "byte {at}");
+    }
+    // Discard and may-unmap punched holes: the file has no data there any more.
+    assert_eq!(file.next_data(8192), 12288);
+    assert_eq!(file.next_data(20480), 24576);
+}
+
+#[test]
+fn write_zeroes_where_the_file_cannot_zero_a_range_writes_zeroes_unless_only_fast_will_do() {
+    // tmpfs punches holes but has no ZERO_RANGE.
+    let shm = std::path::Path::new("/dev/shm");
+    if !shm.is_dir() {
+        eprintln!("skipped: no /dev/shm");
+        return;
+    }
+    let file = TempFile::new_in(shm, "fill-slow", 3 << 20);
+    file.filled(3 << 20);
+    let f = file.mapped();
+    // Longer than the shared zero buffer: written in several pieces.
+    let range = || Mapping {
+        pieces: vec![on(&f, 0, (2 << 20) + 4096, 4096)],
+        ..Mapping::default()
+    };
+    let fast = MapOp::WriteZeroes {
+        may_unmap: false,
+        fast_only: true,
+        fua: false,
+    };
+    let err = run(fast, range(), &mut []).unwrap_err();
+    assert!(matches!(err, BlockError::NotSupported(_)), "{err}");
+    assert!(
+        file.contents().iter().all(|&b| b == 0xaa),
+        "a failed fast zero changed data"
+    );
+    let slow = MapOp::WriteZeroes {
+        may_unmap: false,
+        fast_only: false,
+        fua: true,
+    };
+    run(slow, range(), &mut []).unwrap();
+    let data = file.contents();
+    let zeroed = 4096..(2 << 20) + 8192;
+    for (at, byte) in data.iter().enumerate() {
+        assert_eq!(
+            *byte,
+            if zeroed.contains(&at) { 0 } else { 0xaa },
+            "byte {at}"
+        );
+    }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use udm_block::{BlockDevice, FileDevice, OpenMode, WriteFlags, ZeroFlags};
-use udm_metadata::log::{EntryKind, LogReader};
+use udm_metadata::log::{EntryKind, LogEntry, LogReader};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum CheckPoint {
@@ -66,8 +66,47 @@ fn is_point(point: CheckPoint, kind: EntryKind, fua: bool) -> bool {
     kind == EntryKind::Flush || (point == CheckPoint::Fua && fua)
 }
 
-/// Replays the log entry by entry, checking at each point asked for. Long: the replay loop and
-/// its stop conditions read in order.
+/// One entry as `--verbose` prints it.
+fn describe(entry: &LogEntry) -> String {
+    let mark = if entry.mark.is_empty() {
+        String::new()
+    } else {
+        format!(" mark '{}'", entry.mark)
+    };
+    let fua = if entry.fua { "+FUA" } else { "" };
+    format!(
+        "{:>8} {:?}{fua} offset {} len {}{mark}",
+        entry.seq, entry.kind, entry.offset, entry.len
+    )
+}
+
+/// Does to `target` what `entry` (with the data of a write) did to the logged device.
+fn apply(target: &FileDevice, entry: &LogEntry, data: &[u8]) -> anyhow::Result<()> {
+    let end = entry
+        .offset
+        .checked_add(entry.len)
+        .filter(|&end| end <= target.size());
+    if entry.len > 0 && end.is_none() {
+        bail!(
+            "entry {}: range {}+{} is beyond the replay target",
+            entry.seq,
+            entry.offset,
+            entry.len
+        );
+    }
+    match entry.kind {
+        EntryKind::Write => target.write(entry.offset, data, WriteFlags::default())?,
+        // What a discard leaves is unspecified; zeroes are the harshest honest choice.
+        EntryKind::Discard | EntryKind::WriteZeroes => {
+            target.write_zeroes(entry.offset, entry.len, ZeroFlags::default())?
+        }
+        EntryKind::Flush | EntryKind::Mark => {}
+    }
+    Ok(())
+}
+
+/// Replays the log entry by entry, checking at each point asked for. Long-ish: the replay
+/// loop and its stop conditions read in order.
 pub fn run(o: ReplayOptions) -> anyhow::Result<()> {
     let log: Arc<dyn BlockDevice> = Arc::new(
         FileDevice::open(&o.log, OpenMode::ReadOnly)
@@ -94,40 +133,9 @@ pub fn run(o: ReplayOptions) -> anyhow::Result<()> {
             break;
         }
         if o.verbose {
-            println!(
-                "{:>8} {:?}{} offset {} len {}{}",
-                entry.seq,
-                entry.kind,
-                if entry.fua { "+FUA" } else { "" },
-                entry.offset,
-                entry.len,
-                if entry.mark.is_empty() {
-                    String::new()
-                } else {
-                    format!(" mark '{}'", entry.mark)
-                }
-            );
+            println!("{}", describe(&entry));
         }
-        let end = entry
-            .offset
-            .checked_add(entry.len)
-            .filter(|&end| end <= target.size());
-        if entry.len > 0 && end.is_none() {
-            bail!(
-                "entry {}: range {}+{} is beyond the replay target",
-                entry.seq,
-                entry.offset,
-                entry.len
-            );
-        }
-        match entry.kind {
-            EntryKind::Write => target.write(entry.offset, &data, WriteFlags::default())?,
-            // What a discard leaves is unspecified; zeroes are the harshest honest choice.
-            EntryKind::Discard | EntryKind::WriteZeroes => {
-                target.write_zeroes(entry.offset, entry.len, ZeroFlags::default())?
-            }
-            EntryKind::Flush | EntryKind::Mark => {}
-        }
+        apply(&target, &entry, &data)?;
         replayed += 1;
         if entry.kind == EntryKind::Mark
             && o.check_after_mark.as_deref() == Some(entry.mark.as_str())

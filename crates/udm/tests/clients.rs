@@ -9,10 +9,7 @@ const MIB: u64 = 1 << 20;
 
 fn linear_over_file(tag: &str, size: u64) -> (Daemon, std::path::PathBuf) {
     let daemon = Daemon::start(tag);
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, size);
-    let table = format!("0 {} linear {} 0", size / 512, disk.display());
-    daemon.udm(&["create", "vol", "--table", &table]);
+    let disk = daemon.create_linear("vol", "disk.img", size);
     (daemon, disk)
 }
 
@@ -56,23 +53,11 @@ fn nbdinfo_sees_size_flags_block_sizes_list_and_map() {
     assert_eq!(names, ["ro", "vol"]);
 
     // Write 1 MiB at 8 MiB; the map shows it as data and the rest as holes.
-    tool(
-        "qemu-io",
-        &["-f", "raw", "-c", "write -P 0x5a 8M 1M", &daemon.uri("vol")],
-    );
-    let map = tool("nbdinfo", &["--map", &daemon.uri("vol")]);
-    let rows: Vec<Vec<&str>> = map
-        .lines()
-        .map(|l| l.split_whitespace().collect())
-        .collect();
-    assert!(
-        rows.contains(&vec!["8388608", "1048576", "0", "data"]),
-        "{map}"
-    );
-    assert!(
-        rows.iter().any(|r| r[0] == "0" && r[3] == "hole,zero"),
-        "{map}"
-    );
+    qemu_io_ok(&daemon.uri("vol"), &["write -P 0x5a 8M 1M"]);
+    let map = nbd_map(&daemon.uri("vol"));
+    assert!(map.contains(&extent(8 * MIB, MIB, "0", "data")), "{map:?}");
+    let leading_hole = map.iter().any(|r| r[0] == "0" && r[3] == "hole,zero");
+    assert!(leading_hole, "{map:?}");
 
     assert!(tool("nbdinfo", &["--map", &daemon.uri("ro")]).contains("hole,zero"));
 }
@@ -95,19 +80,7 @@ fn qemu_img_convert_in_and_out_and_compare() {
     let source = daemon.dir.path("source.raw");
     pattern_file(&source, 32 * MIB as usize, 11);
     let src = source.to_str().unwrap();
-    tool(
-        "qemu-img",
-        &[
-            "convert",
-            "-n",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            src,
-            &daemon.uri("vol"),
-        ],
-    );
+    qemu_img_copy(src, &daemon.uri("vol"));
     same_content(src, &daemon.uri("vol"));
     let back = daemon.dir.path("back.qcow2");
     tool(
@@ -148,36 +121,17 @@ fn qemu_img_convert_in_and_out_and_compare() {
 fn qemu_io_write_zeroes_discard_fua_and_flush() {
     let (daemon, disk) = linear_over_file("qemu-io", 16 * MIB);
     let uri = daemon.uri("vol");
-    tool(
-        "qemu-io",
-        &["-f", "raw", "-c", "write -P 0x11 0 4M", "-c", "flush", &uri],
+    qemu_io_ok(&uri, &["write -P 0x11 0 4M", "flush"]);
+    qemu_io_ok(
+        &uri,
+        &["write -z 1M 1M", "discard 2M 1M", "write -f -P 0x22 3M 64k"],
     );
-    tool(
-        "qemu-io",
+    let out = qemu_io_ok(
+        &uri,
         &[
-            "-f",
-            "raw",
-            "-c",
-            "write -z 1M 1M",
-            "-c",
-            "discard 2M 1M",
-            "-c",
-            "write -f -P 0x22 3M 64k",
-            &uri,
-        ],
-    );
-    let out = tool(
-        "qemu-io",
-        &[
-            "-f",
-            "raw",
-            "-c",
             "read -P 0x11 0 1M",
-            "-c",
             "read -P 0 1M 1M",
-            "-c",
             "read -P 0x22 3M 64k",
-            &uri,
         ],
     );
     assert!(!out.contains("Pattern verification failed"), "{out}");
@@ -271,28 +225,9 @@ fn a_stack_of_targets_serves_data_where_the_table_says() {
     sparse_file(&a, 8 * MIB);
     sparse_file(&b, 8 * MIB);
     let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
-    daemon.udm(&[
-        "create",
-        "stripes",
-        "--table",
-        &format!("0 16384 striped 2 128 {a} 0 {b} 0"),
-    ]);
-    daemon.udm(&[
-        "create",
-        "top",
-        "--table",
-        "0 8192 linear stripes 8192\n8192 8192 zero",
-    ]);
-    tool(
-        "qemu-io",
-        &[
-            "-f",
-            "raw",
-            "-c",
-            "write -P 0x33 0 128k",
-            &daemon.uri("top"),
-        ],
-    );
+    daemon.create("stripes", &format!("0 16384 striped 2 128 {a} 0 {b} 0"));
+    daemon.create("top", "0 8192 linear stripes 8192\n8192 8192 zero");
+    qemu_io_ok(&daemon.uri("top"), &["write -P 0x33 0 128k"]);
     // top's first 64 KiB chunk lands on stripe device a at 2 MiB (chunk 64 of the stripe set).
     let a_data = std::fs::read(a).unwrap();
     assert!(a_data[2 * MIB as usize..2 * MIB as usize + 65536]

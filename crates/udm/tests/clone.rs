@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -25,37 +25,41 @@ fn details(daemon: &Daemon, name: &str) -> serde_json::Value {
 fn clone_of(daemon: &Daemon, source: &Path, region_sectors: u64, extra: &str) -> u64 {
     let size = std::fs::metadata(source).unwrap().len();
     let sectors = size / 512;
-    let dest = daemon.dir.path("dest.img");
-    let meta = daemon.dir.path("meta.img");
-    sparse_file(&dest, size);
-    sparse_file(&meta, 4 * MIB);
-    daemon.udm(&[
-        "create",
-        "slow-source",
-        "--table",
-        &format!("0 {sectors} delay {} 0 1", source.display()),
-    ]);
-    daemon.udm(&[
-        "create",
-        "vol",
-        "--table",
-        &format!(
-            "0 {sectors} clone {} {} slow-source {region_sectors} {extra}",
-            meta.display(),
-            dest.display()
-        ),
-    ]);
+    let dest = daemon.sparse("dest.img", size);
+    let meta = daemon.sparse("meta.img", 4 * MIB);
+    let delay = format!("0 {sectors} delay {} 0 1", source.display());
+    daemon.create("slow-source", &delay);
+    let clone = format!(
+        "0 {sectors} clone {} {} slow-source {region_sectors} {extra}",
+        meta.display(),
+        dest.display()
+    );
+    daemon.create("vol", &clone);
     size
+}
+
+/// A daemon with a clone (as [`clone_of`]) of a source file of `size` bytes of pattern
+/// `seed`; returns the daemon and the source's path.
+fn clone_of_pattern(
+    tag: &str,
+    size: u64,
+    seed: u64,
+    region_sectors: u64,
+    extra: &str,
+) -> (Daemon, PathBuf) {
+    let daemon = Daemon::start(tag);
+    let source = daemon.dir.path("source.img");
+    pattern_file(&source, size as usize, seed);
+    clone_of(&daemon, &source, region_sectors, extra);
+    (daemon, source)
 }
 
 #[test]
 fn fio_stomps_the_clone_while_it_hydrates_and_everything_verifies() {
-    let daemon = Daemon::start("clone-stomp");
-    let source = daemon.dir.path("source.img");
-    pattern_file(&source, 64 * MIB as usize, 21);
-    clone_of(
-        &daemon,
-        &source,
+    let (daemon, source) = clone_of_pattern(
+        "clone-stomp",
+        64 * MIB,
+        21,
         128,
         "0 4 hydration_threshold 64 hydration_batch_size 16",
     );
@@ -156,20 +160,15 @@ fn an_ext4_source_reads_file_by_file_through_the_clone_before_and_after_hydratio
 
 #[test]
 fn discarded_space_is_never_copied() {
-    let daemon = Daemon::start("clone-discard");
-    let source = daemon.dir.path("source.img");
-    pattern_file(&source, 32 * MIB as usize, 5);
-    clone_of(
-        &daemon,
-        &source,
+    let (daemon, source) = clone_of_pattern(
+        "clone-discard",
+        32 * MIB,
+        5,
         16,
         "1 no_hydration 4 hydration_threshold 128 hydration_batch_size 32",
     );
     // Tell the clone that the second half is unused, as fstrim would.
-    tool(
-        "qemu-io",
-        &["-f", "raw", "-c", "discard 16M 16M", &daemon.uri("vol")],
-    );
+    qemu_io_ok(&daemon.uri("vol"), &["discard 16M 16M"]);
     let d = details(&daemon, "vol");
     assert_eq!(d["hydrated_bytes"], 16 * MIB, "{d}");
     daemon.udm(&["message", "vol", "0", "enable_hydration"]);
@@ -186,32 +185,13 @@ fn discarded_space_is_never_copied() {
 #[test]
 fn block_status_on_the_clone_lets_clients_skip_zeroes() {
     let daemon = Daemon::start("clone-map");
-    let source = daemon.dir.path("source.img");
-    sparse_file(&source, 32 * MIB);
-    tool(
-        "qemu-io",
-        &[
-            "-f",
-            "raw",
-            "-c",
-            "write -P 0x61 4M 1M",
-            source.to_str().unwrap(),
-        ],
-    );
+    let source = daemon.sparse("source.img", 32 * MIB);
+    qemu_io_ok(source.to_str().unwrap(), &["write -P 0x61 4M 1M"]);
     clone_of(&daemon, &source, 8, "1 no_hydration");
-    let map = tool("nbdinfo", &["--map", &daemon.uri("vol")]);
-    let rows: Vec<Vec<&str>> = map
-        .lines()
-        .map(|l| l.split_whitespace().collect())
-        .collect();
-    assert!(
-        rows.contains(&vec!["4194304", "1048576", "0", "data"]),
-        "{map}"
-    );
-    assert!(
-        rows.iter().filter(|r| r[3] == "hole,zero").count() >= 2,
-        "{map}"
-    );
+    let map = nbd_map(&daemon.uri("vol"));
+    assert!(map.contains(&extent(4 * MIB, MIB, "0", "data")), "{map:?}");
+    let holes = map.iter().filter(|r| r[3] == "hole,zero").count();
+    assert!(holes >= 2, "{map:?}");
     // Zero-aware hydration: the holes of the source stay holes on the destination.
     daemon.udm(&["message", "vol", "0", "hydration_threshold", "512"]);
     daemon.udm(&["message", "vol", "0", "hydration_batch_size", "128"]);
@@ -233,21 +213,14 @@ fn block_status_on_the_clone_lets_clients_skip_zeroes() {
 
 #[test]
 fn hydration_complete_raises_an_event_for_wait() {
-    let daemon = Daemon::start("clone-event");
-    let source = daemon.dir.path("source.img");
-    pattern_file(&source, 4 * MIB as usize, 9);
-    clone_of(
-        &daemon,
-        &source,
+    let (daemon, _) = clone_of_pattern(
+        "clone-event",
+        4 * MIB,
+        9,
         8,
         "1 no_hydration 4 hydration_threshold 64 hydration_batch_size 64",
     );
-    let before: u64 = daemon
-        .udm(&["info", "vol", "--json"])
-        .parse::<serde_json::Value>()
-        .unwrap()["event_nr"]
-        .as_u64()
-        .unwrap();
+    let before = daemon.event_nr("vol");
     std::thread::scope(|s| {
         let waiter = s.spawn(|| daemon.udm(&["wait", "vol", &before.to_string()]));
         std::thread::sleep(Duration::from_millis(200));
@@ -284,40 +257,25 @@ fn a_remote_source_goes_away_and_comes_back_while_the_clone_hydrates() {
     let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
     sparse_file(&dest, 32 * MIB);
     sparse_file(&meta, MIB);
-    daemon.udm(&["create", "vol", "--table", &format!(
+    daemon.create("vol", &format!(
         "0 65536 clone {} {} {remote} 128 1 no_hydration 4 hydration_threshold 64 hydration_batch_size 8",
         meta.display(), dest.display()
-    )]);
+    ));
     assert!(daemon.udm(&["ls", "--tree"]).contains(&remote));
     same_content(source.to_str().unwrap(), &daemon.uri("vol"));
 
     // The source goes away: a read that needs it fails with EIO after the timeout, and a
     // region already on the destination still reads.
-    tool(
-        "qemu-io",
-        &["-f", "raw", "-c", "write -P 0x5 0 64k", &daemon.uri("vol")],
-    );
+    qemu_io_ok(&daemon.uri("vol"), &["write -P 0x5 0 64k"]);
     drop(peer);
     let started = Instant::now();
-    let out = std::process::Command::new("qemu-io")
-        .args(["-f", "raw", "-c", "read 16M 4k", &daemon.uri("vol")])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(text.contains("Input/output error"), "{text}");
+    qemu_io_eio(&daemon.uri("vol"), "read 16M 4k");
     assert!(
         started.elapsed() < Duration::from_secs(15),
         "took {:?}",
         started.elapsed()
     );
-    tool(
-        "qemu-io",
-        &["-f", "raw", "-c", "read -P 0x5 0 64k", &daemon.uri("vol")],
-    );
+    qemu_io_ok(&daemon.uri("vol"), &["read -P 0x5 0 64k"]);
 
     // Hydration starts while the source is away, and finishes once it is back.
     daemon.udm(&["message", "vol", "0", "enable_hydration"]);
@@ -337,10 +295,7 @@ fn a_remote_source_goes_away_and_comes_back_while_the_clone_hydrates() {
 /// are one log line each.
 #[test]
 fn a_paused_hydration_says_so_and_every_step_is_logged() {
-    let daemon = Daemon::start("clone-paused");
-    let source = daemon.dir.path("source.img");
-    pattern_file(&source, 8 * MIB as usize, 5);
-    clone_of(&daemon, &source, 8, "1 no_hydration");
+    let (daemon, _) = clone_of_pattern("clone-paused", 8 * MIB, 5, 8, "1 no_hydration");
     let d = details(&daemon, "vol");
     assert_eq!(
         (&d["state"], &d["paused_by"]),

@@ -103,24 +103,23 @@ fn workload_until_killed(client: &mut RawClient, model: &mut Model, random: &mut
             // A write may land even if its reply never comes.
             model.allowed.get_mut(&block).unwrap().push(version);
             let flags = if fua { FUA } else { 0 };
-            let sent = client.try_send(
+            let data = block_data(block, version);
+            client.send(
                 flags,
                 NBD_CMD_WRITE,
                 version,
                 block * BLOCK,
                 BLOCK as u32,
-                &block_data(block, version),
+                &data,
             );
-            match sent.and_then(|()| client.reply()) {
+            match client.reply() {
                 Ok((0, _)) if fua => model.made_durable(block, version),
                 Ok((0, _)) => unflushed.push((block, version)),
                 _ => return,
             }
         }
-        match client
-            .try_send(0, NBD_CMD_FLUSH, 0, 0, 0, &[])
-            .and_then(|()| client.reply())
-        {
+        client.send(0, NBD_CMD_FLUSH, 0, 0, 0, &[]);
+        match client.reply() {
             Ok((0, _)) => {
                 for (block, version) in unflushed.drain(..) {
                     model.made_durable(block, version);
@@ -181,8 +180,7 @@ fn no_check(_: &Daemon, _: &[u8], _: &str) {}
 /// Creates `vol` from a table over a copy of the original data.
 fn vol(table: impl FnOnce(&Daemon, &Path) -> String) -> impl FnOnce(&Daemon, &Path) {
     move |daemon, original| {
-        let table = table(daemon, original);
-        daemon.udm(&["create", "vol", "--table", &table]);
+        daemon.create("vol", &table(daemon, original));
     }
 }
 
@@ -192,6 +190,25 @@ fn copy_of_original(daemon: &Daemon, original: &Path, name: &str) -> PathBuf {
     disk
 }
 
+/// `vol`, a `snapshot-origin` over a copy of the original data, and `snap`, a persistent
+/// snapshot of it; returns the paths of the copy and of the COW device.
+fn snapshot_of_original(daemon: &Daemon, original: &Path) -> (PathBuf, PathBuf) {
+    let disk = copy_of_original(daemon, original, "disk.img");
+    let cow = daemon.sparse("snap.cow", 2 * SIZE);
+    let sectors = SIZE / 512;
+    daemon.create(
+        "vol",
+        &format!("0 {sectors} snapshot-origin {}", disk.display()),
+    );
+    let snap = format!(
+        "0 {sectors} snapshot {} {} P 8",
+        disk.display(),
+        cow.display()
+    );
+    daemon.create("snap", &snap);
+    (disk, cow)
+}
+
 #[test]
 fn linear_survives_kill_9() {
     crash_rounds(
@@ -199,7 +216,7 @@ fn linear_survives_kill_9() {
         vol(|daemon, original| {
             // The device starts as a copy of the original data.
             let disk = copy_of_original(daemon, original, "disk.img");
-            format!("0 {} linear {} 0", SIZE / 512, disk.display())
+            linear_table(&disk, SIZE)
         }),
         no_check,
     );
@@ -213,16 +230,9 @@ fn thin_survives_kill_9_while_provisioning() {
     crash_rounds(
         "crash-thin",
         vol(|daemon, original| {
-            let (meta, data) = (daemon.dir.path("pool.meta"), daemon.dir.path("pool.data"));
-            sparse_file(&meta, 4 * MIB);
-            sparse_file(&data, 2 * SIZE);
-            let pool = format!(
-                "0 {} thin-pool {} {} 128 0",
-                2 * SIZE / 512,
-                meta.display(),
-                data.display()
-            );
-            daemon.udm(&["create", "pool", "--table", &pool]);
+            let meta = daemon.sparse("pool.meta", 4 * MIB);
+            let data = daemon.sparse("pool.data", 2 * SIZE);
+            daemon.create("pool", &thin_pool_table(&meta, &data, 2 * SIZE, "0"));
             daemon.udm(&["message", "pool", "0", "create_thin", "1"]);
             format!("0 {} thin pool 1 {}", SIZE / 512, original.display())
         }),
@@ -244,9 +254,8 @@ fn clone_survives_kill_9_while_hydrating() {
     crash_rounds(
         "crash-clone",
         vol(|daemon, original| {
-            let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
-            sparse_file(&dest, SIZE);
-            sparse_file(&meta, MIB);
+            let dest = daemon.sparse("dest.img", SIZE);
+            let meta = daemon.sparse("meta.img", MIB);
             // 8 KiB regions, so 4 KiB writes copy half a region first; hydration capped at
             // 2 MiB/s so the kills land in the middle of it for many rounds.
             format!(
@@ -268,26 +277,7 @@ fn a_snapshot_origin_survives_kill_9_and_its_snapshot_stays_exact() {
     crash_rounds(
         "crash-snapshot",
         |daemon, original| {
-            let disk = copy_of_original(daemon, original, "disk.img");
-            let cow = daemon.dir.path("snap.cow");
-            sparse_file(&cow, 2 * SIZE);
-            let sectors = SIZE / 512;
-            daemon.udm(&[
-                "create",
-                "vol",
-                "--table",
-                &format!("0 {sectors} snapshot-origin {}", disk.display()),
-            ]);
-            daemon.udm(&[
-                "create",
-                "snap",
-                "--table",
-                &format!(
-                    "0 {sectors} snapshot {} {} P 8",
-                    disk.display(),
-                    cow.display()
-                ),
-            ]);
+            snapshot_of_original(daemon, original);
         },
         |daemon, original, what| {
             let mut client = RawClient::connect(&daemon.nbd_socket(), "snap");
@@ -308,43 +298,18 @@ fn a_merge_survives_kill_9_while_it_rolls_back() {
     crash_rounds(
         "crash-merge",
         |daemon, original| {
-            let disk = copy_of_original(daemon, original, "disk.img");
-            let cow = daemon.dir.path("snap.cow");
-            sparse_file(&cow, 2 * SIZE);
-            let sectors = SIZE / 512;
-            daemon.udm(&[
-                "create",
-                "vol",
-                "--table",
-                &format!("0 {sectors} snapshot-origin {}", disk.display()),
-            ]);
-            daemon.udm(&[
-                "create",
-                "snap",
-                "--table",
-                &format!(
-                    "0 {sectors} snapshot {} {} P 8",
-                    disk.display(),
-                    cow.display()
-                ),
-            ]);
+            let (disk, cow) = snapshot_of_original(daemon, original);
             // Change every chunk of the origin, then merge the snapshot back.
-            tool(
-                "qemu-io",
-                &["-f", "raw", "-c", "write -P 0x5c 0 16M", &daemon.uri("vol")],
-            );
+            qemu_io_ok(&daemon.uri("vol"), &["write -P 0x5c 0 16M"]);
             daemon.udm(&["suspend", "vol"]);
             daemon.udm(&["remove", "snap"]);
-            daemon.udm(&[
-                "load",
-                "vol",
-                "--table",
-                &format!(
-                    "0 {sectors} snapshot-merge {} {} P 8",
-                    disk.display(),
-                    cow.display()
-                ),
-            ]);
+            let merge = format!(
+                "0 {} snapshot-merge {} {} P 8",
+                SIZE / 512,
+                disk.display(),
+                cow.display()
+            );
+            daemon.udm(&["load", "vol", "--table", &merge]);
             daemon.udm(&["resume", "vol"]);
             // Slow, so that the kills land in the middle of it for many rounds (the setting
             // is saved with the device and survives the restarts).

@@ -50,12 +50,7 @@ fn requests_queued_across_a_shrink_fail_whole() {
     let disk = daemon.dir.path("disk.img");
     pattern_file(&disk, 64 * MIB as usize, 7);
     let d = disk.to_str().unwrap();
-    daemon.udm(&[
-        "create",
-        "vol",
-        "--table",
-        &format!("0 131072 linear {d} 0"),
-    ]);
+    daemon.create("vol", &format!("0 131072 linear {d} 0"));
     let before_48 = read_file_at(&disk, 48 * MIB, 4096);
     let before_32 = read_file_at(&disk, 32 * MIB - 2048, 4096);
 
@@ -99,16 +94,10 @@ fn requests_queued_across_a_shrink_fail_whole() {
 #[test]
 fn shrinking_a_device_under_another_is_refused_or_fails_its_io() {
     let mut daemon = Daemon::start("shrink-holder");
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 64 * MIB);
+    let disk = daemon.sparse("disk.img", 64 * MIB);
     let d = disk.to_str().unwrap();
-    daemon.udm(&[
-        "create",
-        "base",
-        "--table",
-        &format!("0 131072 linear {d} 0"),
-    ]);
-    daemon.udm(&["create", "top", "--table", "0 131072 linear base 0"]);
+    daemon.create("base", &format!("0 131072 linear {d} 0"));
+    daemon.create("top", "0 131072 linear base 0");
     let small = format!("0 65536 linear {d} 0");
 
     let err = daemon.udm_err(&["load", "base", "--table", &small]);
@@ -123,32 +112,8 @@ fn shrinking_a_device_under_another_is_refused_or_fails_its_io() {
     // Forced: top's I/O past base's new end fails instead of vanishing.
     daemon.udm(&["load", "base", "--force", "--table", &small]);
     daemon.udm(&["resume", "base"]);
-    let out = std::process::Command::new("qemu-io")
-        .args([
-            "-f",
-            "raw",
-            "-c",
-            "write -P 0x11 40M 64k",
-            &daemon.uri("top"),
-        ])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(text.contains("Input/output error"), "{text}");
-    tool(
-        "qemu-io",
-        &[
-            "-f",
-            "raw",
-            "-c",
-            "write -P 0x22 1M 64k",
-            &daemon.uri("top"),
-        ],
-    );
+    qemu_io_eio(&daemon.uri("top"), "write -P 0x11 40M 64k");
+    qemu_io_ok(&daemon.uri("top"), &["write -P 0x22 1M 64k"]);
 
     // top cannot come back on a base too small for it: the restart says so in the log.
     daemon.stop(libc::SIGTERM);
@@ -162,7 +127,7 @@ fn reload_and_resume_without_suspend_keeps_a_clones_writes() {
     let mut daemon = Daemon::start("clone-reload");
     let (meta, dest, source) = clone_files(&daemon, 64 * MIB, 3);
     let table = clone_table(&meta, &dest, &source, 131072, "128 1 no_hydration");
-    daemon.udm(&["create", "vol", "--table", &table]);
+    daemon.create("vol", &table);
 
     // A whole-region write: it goes to the destination and sets a bit, committed at the next
     // FLUSH or second; no flush is sent here.
@@ -195,7 +160,7 @@ fn finalize_leaves_a_suspended_device_and_an_inactive_table_alone() {
     let daemon = Daemon::start("finalize-respect");
     let (meta, dest, source) = clone_files(&daemon, 8 * MIB, 5);
     let table = clone_table(&meta, &dest, &source, 16384, "128");
-    daemon.udm(&["create", "vol", "--table", &table]);
+    daemon.create("vol", &table);
     daemon.udm(&["wait", "vol", "--progress"]);
 
     daemon.udm(&["suspend", "vol"]);
@@ -233,20 +198,12 @@ fn corrupt_clone_superblocks_are_refused_or_reported_never_reformatted() {
     let mut daemon = Daemon::start("clone-corrupt");
     let (meta, dest, source) = clone_files(&daemon, 16 * MIB, 9);
     let table = clone_table(&meta, &dest, &source, 32768, "128 1 no_hydration");
-    daemon.udm(&["create", "vol", "--table", &table]);
+    daemon.create("vol", &table);
     // Two flushed writes: two commits, so both superblock slots hold one.
     for (at, byte) in [("1M", "0x11"), ("2M", "0x22")] {
-        tool(
-            "qemu-io",
-            &[
-                "-f",
-                "raw",
-                "-c",
-                &format!("write -P {byte} {at} 64k"),
-                "-c",
-                "flush",
-                &daemon.uri("vol"),
-            ],
+        qemu_io_ok(
+            &daemon.uri("vol"),
+            &[&format!("write -P {byte} {at} 64k"), "flush"],
         );
     }
     let status: serde_json::Value =
@@ -357,7 +314,7 @@ fn state_a_target_keeps_on_a_file_is_claimed_against_other_tables_and_processes(
     let daemon = Daemon::start("claims");
     let (meta, dest, source) = clone_files(&daemon, 16 * MIB, 4);
     let clone_of = |meta: &Path, dest: &Path| clone_table(meta, dest, &source, 32768, "128");
-    daemon.udm(&["create", "vol", "--table", &clone_of(&meta, &dest)]);
+    daemon.create("vol", &clone_of(&meta, &dest));
 
     let err = daemon.udm_err(&["create", "twin", "--table", &clone_of(&meta, &dest)]);
     assert!(err.contains("in use by device 'vol'"), "{err}");
@@ -372,7 +329,7 @@ fn state_a_target_keeps_on_a_file_is_claimed_against_other_tables_and_processes(
     let (meta2, dest2) = (daemon.dir.path("meta2"), daemon.dir.path("dest2"));
     sparse_file(&meta2, 4 * MIB);
     sparse_file(&dest2, 16 * MIB);
-    daemon.udm(&["create", "vol2", "--table", &clone_of(&meta2, &dest2)]);
+    daemon.create("vol2", &clone_of(&meta2, &dest2));
 
     // Another udm process on the same files is refused too.
     let other = Daemon::start("claims-other");
@@ -381,7 +338,7 @@ fn state_a_target_keeps_on_a_file_is_claimed_against_other_tables_and_processes(
 
     // Removing the holder releases its claims.
     daemon.udm(&["remove", "vol"]);
-    daemon.udm(&["create", "again", "--table", &clone_of(&meta, &dest)]);
+    daemon.create("again", &clone_of(&meta, &dest));
 }
 
 #[test]
@@ -389,7 +346,7 @@ fn settings_suspension_and_inactive_tables_survive_a_crash() {
     let mut daemon = Daemon::start("persist-settings");
     let (meta, dest, source) = clone_files(&daemon, 16 * MIB, 8);
     let table = clone_table(&meta, &dest, &source, 32768, "8");
-    daemon.udm(&["create", "vol", "--table", &table]);
+    daemon.create("vol", &table);
     for message in [
         "disable_hydration",
         "hydration_threshold 7",

@@ -4,7 +4,8 @@
 mod common;
 
 use parking_lot::{Mutex, MutexGuard};
-use std::io::Read;
+use std::io::{Read, Write};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -66,6 +67,9 @@ fn sixty_four_connections_are_served_by_a_few_threads() {
     assert!(most.1 <= 2 * 8, "{} io_uring workers", most.1);
 }
 
+/// A slow device's requests wait without stalling the loop, whether they run on the pool
+/// (a `delay` over a device that does not remap sleeps on a pool thread) or wait on a timer as
+/// a step of their mapping (a `delay` over a file remaps).
 #[test]
 fn a_slow_target_does_not_stall_remapped_io_on_the_same_loop() {
     let _serial = serial();
@@ -77,35 +81,49 @@ fn a_slow_target_does_not_stall_remapped_io_on_the_same_loop() {
     let disk = daemon.create_linear("fast", "disk.img", 8 << 20);
     daemon.udm(&[
         "create",
-        "slow",
+        "passthrough",
         "--table",
-        &format!("0 16384 delay {} 0 2000", disk.display()),
+        &format!("0 16384 flakey {} 0 1000 0", disk.display()),
     ]);
-    // `udm info` says which devices the engine remaps and which take their requests.
-    assert!(
-        daemon
-            .udm(&["info", "slow"])
-            .contains("Data path:         through the targets (worker threads)"),
-        "{}",
-        daemon.udm(&["info", "slow"])
-    );
-    let mut slow = RawClient::connect(&daemon.nbd_socket(), "slow");
-    for cookie in 0..8 {
-        slow.send(0, NBD_CMD_READ, cookie, cookie * 4096, 4096, &[]);
-    }
-    let mut fast = RawClient::connect(&daemon.nbd_socket(), "fast");
-    let started = Instant::now();
-    exercise(&mut fast, 0, 100);
-    let took = started.elapsed();
-    assert!(
-        took < Duration::from_millis(1500),
-        "100 round trips on the fast device took {took:?} while the slow one's reads waited"
-    );
-    for _ in 0..8 {
-        let (error, _) = slow.reply().unwrap();
-        assert_eq!(error, 0);
-        let mut data = vec![0u8; 4096];
-        slow.stream.read_exact(&mut data).unwrap();
+    let slow_devices = [
+        (
+            "0 16384 delay passthrough 0 2000".to_string(),
+            "through the targets (worker threads)",
+        ),
+        (
+            format!("0 16384 delay {} 0 2000", disk.display()),
+            "remapped onto files (io_uring)",
+        ),
+    ];
+    for (table, data_path) in slow_devices {
+        daemon.udm(&["create", "slow", "--table", &table]);
+        // `udm info` says which devices the engine remaps and which take their requests.
+        let info = daemon.udm(&["info", "slow"]);
+        assert!(
+            info.contains(&format!("Data path:         {data_path}")),
+            "{info}"
+        );
+        let mut slow = RawClient::connect(&daemon.nbd_socket(), "slow");
+        for cookie in 0..8 {
+            slow.send(0, NBD_CMD_READ, cookie, cookie * 4096, 4096, &[]);
+        }
+        let mut fast = RawClient::connect(&daemon.nbd_socket(), "fast");
+        let started = Instant::now();
+        exercise(&mut fast, 0, 100);
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_millis(1500),
+            "{table}: 100 round trips on the fast device took {took:?} while the slow one's \
+             reads waited"
+        );
+        for _ in 0..8 {
+            let (error, _) = slow.reply().unwrap();
+            assert_eq!(error, 0);
+            let mut data = vec![0u8; 4096];
+            slow.stream.read_exact(&mut data).unwrap();
+        }
+        drop(slow);
+        daemon.udm(&["remove", "slow"]);
     }
 }
 
@@ -281,4 +299,172 @@ fn requests_to_a_suspended_device_wait_without_taking_the_pool_from_others() {
         let mut data = vec![0u8; 4096];
         held.stream.read_exact(&mut data).unwrap();
     }
+}
+
+#[test]
+fn large_writes_arriving_in_pieces_or_cut_off_are_stored_whole_or_not_at_all() {
+    let _serial = serial();
+    let daemon = Daemon::start_with("engine-trickle", &["--nbd-engine", "uring"]);
+    daemon.create_linear("vol", "disk.img", 16 << 20);
+    let mut rng = udm_testkit::Rng::new(10);
+    let data: Vec<u8> = (0..1 << 20).map(|_| rng.next() as u8).collect();
+
+    // A 1 MiB write whose payload trickles in (the loop receives it straight into the
+    // request's buffer, a piece at a time), with a read of another range pipelined right
+    // behind its last byte (the two may be answered in either order).
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
+    let mut first = 0x2560_9513u32.to_be_bytes().to_vec();
+    first.extend_from_slice(&0u16.to_be_bytes());
+    first.extend_from_slice(&NBD_CMD_WRITE.to_be_bytes());
+    first.extend_from_slice(&1u64.to_be_bytes());
+    first.extend_from_slice(&(1u64 << 20).to_be_bytes());
+    first.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    first.extend_from_slice(&data[..1000]);
+    client.stream.write_all(&first).unwrap();
+    for piece in data[1000..data.len() - 5000].chunks(100_000) {
+        std::thread::sleep(Duration::from_millis(20));
+        client.stream.write_all(piece).unwrap();
+    }
+    let mut last = data[data.len() - 5000..].to_vec();
+    last.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+    last.extend_from_slice(&0u16.to_be_bytes());
+    last.extend_from_slice(&NBD_CMD_READ.to_be_bytes());
+    last.extend_from_slice(&2u64.to_be_bytes());
+    last.extend_from_slice(&(8u64 << 20).to_be_bytes());
+    last.extend_from_slice(&4096u32.to_be_bytes());
+    client.stream.write_all(&last).unwrap();
+    let mut back = vec![0u8; 1 << 20];
+    let mut cookies = Vec::new();
+    for _ in 0..2 {
+        let (error, cookie) = client.reply().unwrap();
+        assert_eq!(error, 0, "request {cookie}");
+        if cookie == 2 {
+            client.stream.read_exact(&mut back[..4096]).unwrap();
+        }
+        cookies.push(cookie);
+    }
+    cookies.sort();
+    assert_eq!(cookies, [1, 2]);
+    client.send(0, NBD_CMD_READ, 3, 1 << 20, 1 << 20, &[]);
+    assert_eq!(client.reply().unwrap(), (0, 3));
+    client.stream.read_exact(&mut back).unwrap();
+    assert!(back == data, "the trickled write did not read back");
+
+    // Clients that vanish in the middle of a large payload: nothing of their write is
+    // stored, and the daemon serves the next client.
+    for cut in [100, 200_000, (1 << 20) - 1] {
+        let mut gone = RawClient::connect(&daemon.nbd_socket(), "vol");
+        let mut req = 0x2560_9513u32.to_be_bytes().to_vec();
+        req.extend_from_slice(&0u16.to_be_bytes());
+        req.extend_from_slice(&NBD_CMD_WRITE.to_be_bytes());
+        req.extend_from_slice(&3u64.to_be_bytes());
+        req.extend_from_slice(&(4u64 << 20).to_be_bytes());
+        req.extend_from_slice(&(1u32 << 20).to_be_bytes());
+        req.extend_from_slice(&vec![0xee; cut]);
+        gone.stream.write_all(&req).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        drop(gone);
+    }
+    let mut after = RawClient::connect(&daemon.nbd_socket(), "vol");
+    after.send(0, NBD_CMD_READ, 4, 4 << 20, 1 << 20, &[]);
+    assert_eq!(after.reply().unwrap(), (0, 4));
+    after.stream.read_exact(&mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0), "a cut-off write was stored");
+    exercise(&mut after, 0, 10);
+}
+
+/// The daemon's pool threads (started for requests the device does not remap).
+fn pool_threads(daemon: &Daemon) -> usize {
+    std::fs::read_dir(format!("/proc/{}/task", daemon.pid()))
+        .unwrap()
+        .filter(|task| {
+            let comm = task.as_ref().unwrap().path().join("comm");
+            std::fs::read_to_string(comm)
+                .unwrap_or_default()
+                .starts_with("nbd-pool")
+        })
+        .count()
+}
+
+#[test]
+fn discards_and_write_zeroes_on_linear_go_to_the_file_on_the_engine() {
+    let _serial = serial();
+    let daemon = Daemon::start_with("engine-fill", &["--nbd-engine", "uring"]);
+    daemon.create_linear("vol", "disk.img", 16 << 20);
+    let uri = daemon.uri("vol");
+    let io = |command: &str| {
+        let (ok, out) = qemu_io(&uri, command);
+        assert!(ok, "{command}: {out}");
+    };
+    io("write -P 0xaa 0 8M");
+    io("discard 1M 1M");
+    io("write -z -u 3M 1M"); // may unmap: punched
+    io("write -z 5M 1M"); // no hole: zeroed in place
+    for zero in ["1M", "3M", "5M"] {
+        io(&format!("read -P 0 {zero} 1M"));
+    }
+    for kept in ["0", "2M", "4M", "6M"] {
+        io(&format!("read -P 0xaa {kept} 1M"));
+    }
+    // None of it needed a pool thread: the event loop did it on io_uring.
+    assert_eq!(pool_threads(&daemon), 0, "{}", daemon.log());
+    // The punched ranges are holes in the file, which block status reports.
+    let out = Command::new("nbdinfo")
+        .args(["--map", &uri])
+        .output()
+        .unwrap();
+    let map = String::from_utf8_lossy(&out.stdout);
+    let holes: Vec<(u64, u64)> = map
+        .lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.get(2) == Some(&"3")).then(|| (f[0].parse().unwrap(), f[1].parse().unwrap()))
+        })
+        .collect();
+    for start in [1u64 << 20, 3 << 20] {
+        assert!(
+            holes
+                .iter()
+                .any(|&(s, l)| s <= start && start + (1 << 20) <= s + l),
+            "{start} is not a hole: {map}"
+        );
+    }
+}
+
+#[test]
+fn a_discard_over_many_stripes_goes_the_synchronous_way_and_a_short_one_does_not() {
+    let _serial = serial();
+    let daemon = Daemon::start_with("engine-fill-striped", &["--nbd-engine", "uring"]);
+    let dir = daemon.control().parent().unwrap().to_path_buf();
+    for f in ["a.img", "b.img"] {
+        std::fs::File::create(dir.join(f))
+            .unwrap()
+            .set_len(32 << 20)
+            .unwrap();
+    }
+    // 4 KiB chunks: a 64 MiB device has 16,384 of them.
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--table",
+        &format!(
+            "0 131072 striped 2 8 {} 0 {} 0",
+            dir.join("a.img").display(),
+            dir.join("b.img").display()
+        ),
+    ]);
+    let uri = daemon.uri("vol");
+    let io = |command: &str| {
+        let (ok, out) = qemu_io(&uri, command);
+        assert!(ok, "{command}: {out}");
+    };
+    io("write -P 0xaa 0 64M");
+    io("discard 0 1M"); // 256 chunks: mapped
+    assert_eq!(pool_threads(&daemon), 0, "a short discard needed the pool");
+    io("discard 8M 48M"); // 12,288 chunks: synchronous
+    assert!(pool_threads(&daemon) > 0, "a long discard was mapped");
+    io("read -P 0 0 1M");
+    io("read -P 0xaa 1M 7M");
+    io("read -P 0 8M 48M");
+    io("read -P 0xaa 56M 8M");
 }

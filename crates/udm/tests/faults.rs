@@ -20,58 +20,26 @@ fn rig(tag: &str, region_sectors: u64) -> Rig {
     let daemon = Daemon::start(tag);
     let source = daemon.dir.path("source.img");
     pattern_file(&source, 8 * MIB as usize, 3);
-    let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
-    sparse_file(&dest, 8 * MIB);
-    sparse_file(&meta, MIB);
-    daemon.udm(&[
-        "create",
+    daemon.create(
         "srcdev",
-        "--table",
         &format!("0 16384 dust {} 0 4096", source.display()),
-    ]);
-    daemon.udm(&[
-        "create",
-        "destdev",
-        "--table",
-        &format!("0 16384 linear {} 0", dest.display()),
-    ]);
-    daemon.udm(&[
-        "create",
-        "metadev",
-        "--table",
-        &format!("0 2048 linear {} 0", meta.display()),
-    ]);
-    daemon.udm(&[
-        "create",
+    );
+    daemon.create_linear("destdev", "dest.img", 8 * MIB);
+    daemon.create_linear("metadev", "meta.img", MIB);
+    daemon.create(
         "vol",
-        "--table",
         &format!("0 16384 clone metadev destdev srcdev {region_sectors} 1 no_hydration"),
-    ]);
+    );
     Rig { daemon, source }
 }
 
 impl Rig {
-    /// Runs qemu-io commands (separated by `;`) in one connection.
+    /// Runs qemu-io commands (separated by `;`) in one connection, with writeback caching.
     fn io(&self, commands: &str) -> Result<String, String> {
-        let mut args = vec!["-f", "raw", "-t", "writeback"];
-        for command in commands.split(';') {
-            args.extend(["-c", command.trim()]);
-        }
-        let uri = self.daemon.uri("vol");
-        args.push(&uri);
-        let out = std::process::Command::new("qemu-io")
-            .args(&args)
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        if text.contains("error") || text.contains("failed") || !out.status.success() {
-            Err(text)
-        } else {
-            Ok(text)
+        let commands: Vec<&str> = commands.split(';').map(str::trim).collect();
+        match qemu_io_with(&self.daemon.uri("vol"), &["-t", "writeback"], &commands) {
+            (true, out) => Ok(out),
+            (false, out) => Err(out),
         }
     }
 
@@ -81,9 +49,30 @@ impl Rig {
     }
 
     fn swap(&self, device: &str, table: &str) {
-        self.daemon.udm(&["suspend", device]);
-        self.daemon.udm(&["load", device, "--table", table]);
-        self.daemon.udm(&["resume", device]);
+        self.daemon.reload(device, table);
+    }
+
+    /// The file under `destdev` or `metadev`, and its length in sectors.
+    fn file_of(&self, device: &str) -> (std::path::PathBuf, u64) {
+        match device {
+            "destdev" => (self.daemon.dir.path("dest.img"), 16384),
+            "metadev" => (self.daemon.dir.path("meta.img"), 2048),
+            other => panic!("{other} has no file of its own here"),
+        }
+    }
+
+    /// Puts `device` down: flakey over its file, never up, with flakey's `features`
+    /// (none: every request fails; `1 error_writes`: only writes).
+    fn fault(&self, device: &str, features: &str) {
+        let (file, sectors) = self.file_of(device);
+        let table = format!("0 {sectors} flakey {} 0 0 1 {features}", file.display());
+        self.swap(device, table.trim_end());
+    }
+
+    /// Brings `device` back: linear over its file.
+    fn heal(&self, device: &str) {
+        let (file, sectors) = self.file_of(device);
+        self.swap(device, &format!("0 {sectors} linear {} 0", file.display()));
     }
 
     fn status(&self) -> String {
@@ -120,18 +109,14 @@ fn a_bad_source_block_fails_exactly_the_reads_that_need_it() {
 #[test]
 fn destination_write_errors_fail_writes_until_the_fault_is_gone() {
     let r = rig("fault-dest", 8);
-    let dest = r.daemon.dir.path("dest.img");
     r.io("write -P 0x1 0 64k").unwrap();
-    r.swap(
-        "destdev",
-        &format!("0 16384 flakey {} 0 0 1 1 error_writes", dest.display()),
-    );
+    r.fault("destdev", "1 error_writes");
     r.eio("write -P 0x2 0 4k");
     r.eio("write -P 0x2 1M 4k");
     // Reads still work, from the destination and from the source.
     r.io("read -P 0x1 0 64k").unwrap();
     r.io("read 2M 64k").unwrap();
-    r.swap("destdev", &format!("0 16384 linear {} 0", dest.display()));
+    r.heal("destdev");
     r.io("write -P 0x3 1M 4k").unwrap();
     r.io("read -P 0x3 1M 4k").unwrap();
     r.io("read -P 0x1 0 64k").unwrap();
@@ -141,40 +126,24 @@ fn destination_write_errors_fail_writes_until_the_fault_is_gone() {
 #[test]
 fn metadata_write_errors_make_the_clone_read_only_and_a_reload_recovers() {
     let r = rig("fault-meta", 8);
-    let meta = r.daemon.dir.path("meta.img");
     r.io("write -P 0x1 0 4k").unwrap();
     r.daemon.udm(&["message", "vol", "0", "disable_hydration"]);
-    let events_before: u64 = r
-        .daemon
-        .udm(&["info", "vol", "--json"])
-        .parse::<serde_json::Value>()
-        .unwrap()["event_nr"]
-        .as_u64()
-        .unwrap();
-    r.swap(
-        "metadev",
-        &format!("0 2048 flakey {} 0 0 1 1 error_writes", meta.display()),
-    );
+    let events_before = r.daemon.event_nr("vol");
+    r.fault("metadev", "1 error_writes");
     // The next commit fails: read-only mode, with an event.
     // (qemu-io reports a failed flush only through its exit status.)
     r.io("write -P 0x2 1M 4k; flush")
         .expect_err("the flush needs a commit, which fails");
     let status = r.status();
     assert!(status.ends_with(" ro"), "{status}");
-    let events: u64 = r
-        .daemon
-        .udm(&["info", "vol", "--json"])
-        .parse::<serde_json::Value>()
-        .unwrap()["event_nr"]
-        .as_u64()
-        .unwrap();
+    let events = r.daemon.event_nr("vol");
     assert_eq!(events, events_before + 1);
     // Read-only: reads work, writes to hydrated regions work, writes that need hydration fail.
     r.io("read -P 0x1 0 4k").unwrap();
     r.io("write -P 0x4 0 4k").unwrap();
     r.eio("write -P 0x5 2M 512");
     // The fault is removed and the clone reloaded: read-write again, everything verifies.
-    r.swap("metadev", &format!("0 2048 linear {} 0", meta.display()));
+    r.heal("metadev");
     let table = r.daemon.udm(&["table", "vol"]);
     r.swap("vol", &table);
     assert!(r.status().ends_with(" rw"), "{}", r.status());
@@ -186,20 +155,13 @@ fn metadata_write_errors_make_the_clone_read_only_and_a_reload_recovers() {
 #[test]
 fn metadata_that_cannot_be_read_or_written_means_fail_mode() {
     let r = rig("fault-fail", 8);
-    let meta = r.daemon.dir.path("meta.img");
     r.io("write -P 0x1 0 4k").unwrap();
-    r.swap(
-        "metadev",
-        &format!("0 2048 flakey {} 0 0 1", meta.display()),
-    );
+    r.fault("metadev", "");
     // (qemu-io reports a failed flush only through its exit status.)
     r.io("write -P 0x2 1M 4k; flush")
         .expect_err("the flush needs a commit, which fails");
     assert_eq!(r.status(), "0 16384 clone Fail");
     r.eio("read 0 4k");
     // Other devices keep serving.
-    tool(
-        "qemu-io",
-        &["-f", "raw", "-c", "read 0 4k", &r.daemon.uri("srcdev")],
-    );
+    qemu_io_ok(&r.daemon.uri("srcdev"), &["read 0 4k"]);
 }

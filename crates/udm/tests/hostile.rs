@@ -12,12 +12,7 @@ use common::*;
 fn daemon_with_volume(tag: &str) -> Daemon {
     let daemon = Daemon::start(tag);
     let disk = daemon.create_linear("vol", "disk.img", 8 << 20);
-    daemon.udm(&[
-        "create",
-        "slow",
-        "--table",
-        &format!("0 16384 delay {} 0 200", disk.display()),
-    ]);
+    daemon.create("slow", &format!("0 16384 delay {} 0 200", disk.display()));
     daemon
 }
 
@@ -282,86 +277,24 @@ fn invalid_flags_and_writes_past_the_end_get_nbdkits_errors() {
     let block = [7u8; 4096];
     // What, flags, command, offset, length, payload, the error expected.
     type Case<'a> = (&'a str, u16, u16, u64, u32, &'a [u8], u32);
+    // One case a line: a table reads better than rustfmt's one field a line.
+    #[rustfmt::skip]
     let cases: &[Case] = &[
-        (
-            "write past the end",
-            0,
-            NBD_CMD_WRITE,
-            size,
-            4096,
-            &block,
-            enospc,
-        ),
-        (
-            "write straddling the end",
-            0,
-            NBD_CMD_WRITE,
-            size - 512,
-            4096,
-            &block,
-            enospc,
-        ),
-        (
-            "write-zeroes past the end",
-            0,
-            write_zeroes,
-            size,
-            4096,
-            &[],
-            enospc,
-        ),
+        ("write past the end", 0, NBD_CMD_WRITE, size, 4096, &block, enospc),
+        ("write straddling the end", 0, NBD_CMD_WRITE, size - 512, 4096, &block, enospc),
+        ("write-zeroes past the end", 0, write_zeroes, size, 4096, &[], enospc),
         ("read past the end", 0, NBD_CMD_READ, size, 512, &[], einval),
         ("trim past the end", 0, trim, size, 512, &[], einval),
-        (
-            "REQ_ONE on a read",
-            req_one,
-            NBD_CMD_READ,
-            0,
-            512,
-            &[],
-            einval,
-        ),
-        (
-            "NO_HOLE on a write",
-            no_hole,
-            NBD_CMD_WRITE,
-            0,
-            4096,
-            &block,
-            einval,
-        ),
+        ("REQ_ONE on a read", req_one, NBD_CMD_READ, 0, 512, &[], einval),
+        ("NO_HOLE on a write", no_hole, NBD_CMD_WRITE, 0, 4096, &block, einval),
         ("DF on a write", df, NBD_CMD_WRITE, 0, 4096, &block, einval),
         ("FAST_ZERO on a trim", fast_zero, trim, 0, 512, &[], einval),
-        (
-            "DF without structured replies",
-            df,
-            NBD_CMD_READ,
-            0,
-            512,
-            &[],
-            einval,
-        ),
-        (
-            "flush with an offset",
-            0,
-            NBD_CMD_FLUSH,
-            4096,
-            0,
-            &[],
-            einval,
-        ),
+        ("DF without structured replies", df, NBD_CMD_READ, 0, 512, &[], einval),
+        ("flush with an offset", 0, NBD_CMD_FLUSH, 4096, 0, &[], einval),
         ("flush with a length", 0, NBD_CMD_FLUSH, 0, 512, &[], einval),
         // What stays valid: FUA on any command, zero flags on write-zeroes, plain flush.
         ("FUA on a flush", fua, NBD_CMD_FLUSH, 0, 0, &[], 0),
-        (
-            "NO_HOLE on write-zeroes",
-            no_hole | fua,
-            write_zeroes,
-            0,
-            4096,
-            &[],
-            0,
-        ),
+        ("NO_HOLE on write-zeroes", no_hole | fua, write_zeroes, 0, 4096, &[], 0),
         ("flush", 0, NBD_CMD_FLUSH, 0, 0, &[], 0),
     ];
     for (i, (what, flags, command, offset, len, data, errno)) in cases.iter().enumerate() {
@@ -446,14 +379,8 @@ fn one_client_at_its_connection_cap_is_refused_with_an_error_and_others_are_serv
 #[test]
 fn idle_connections_are_closed_and_busy_ones_are_not() {
     let daemon = Daemon::start_with("hostile-idle", &["--nbd-idle-timeout", "1s"]);
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 8 << 20);
-    daemon.udm(&[
-        "create",
-        "slow",
-        "--table",
-        &format!("0 16384 delay {} 0 2500", disk.display()),
-    ]);
+    let disk = daemon.sparse("disk.img", 8 << 20);
+    daemon.create("slow", &format!("0 16384 delay {} 0 2500", disk.display()));
     // Idle: closed after about a second.
     let started = std::time::Instant::now();
     let mut idle = RawClient::connect(&daemon.nbd_socket(), "slow");

@@ -3,73 +3,53 @@
 
 mod common;
 
+use std::path::PathBuf;
+
 use common::*;
 
 const MIB: u64 = 1 << 20;
 
+/// A daemon with `lw`, a log-writes device over an 8 MiB file, logging onto a file of
+/// `log_size` bytes; returns the daemon and the two files' paths.
+fn log_writes(tag: &str, log_size: u64) -> (Daemon, PathBuf, PathBuf) {
+    let daemon = Daemon::start(tag);
+    let dev = daemon.sparse("dev.img", 8 * MIB);
+    let log = daemon.sparse("log.img", log_size);
+    let table = format!("0 16384 log-writes {} {}", dev.display(), log.display());
+    daemon.create("lw", &table);
+    (daemon, dev, log)
+}
+
+/// qemu-io `commands` in one connection, with writeback caching (so a write is not FUA
+/// unless it says `-f`).
+fn write_back(uri: &str, commands: &[&str]) {
+    qemu_io_ok_with(uri, &["-t", "writeback"], commands);
+}
+
 #[test]
 fn replay_rebuilds_the_device_at_marks_flushes_and_the_end() {
-    let daemon = Daemon::start("log-writes");
-    let dev = daemon.dir.path("dev.img");
-    let log = daemon.dir.path("log.img");
-    sparse_file(&dev, 8 * MIB);
-    sparse_file(&log, 64 * MIB);
-    daemon.udm(&[
-        "create",
-        "lw",
-        "--table",
-        &format!("0 16384 log-writes {} {}", dev.display(), log.display()),
-    ]);
+    let (daemon, dev, log) = log_writes("log-writes", 64 * MIB);
     let uri = daemon.uri("lw");
-    tool(
-        "qemu-io",
-        &[
-            "-f",
-            "raw",
-            "-t",
-            "writeback",
-            "-c",
-            "write -P 0x11 0 64k",
-            "-c",
-            "flush",
-            "-c",
-            "write -P 0x22 64k 64k",
-            &uri,
-        ],
+    write_back(
+        &uri,
+        &["write -P 0x11 0 64k", "flush", "write -P 0x22 64k 64k"],
     );
     daemon.udm(&["message", "lw", "0", "mark", "second-write"]);
-    tool(
-        "qemu-io",
+    write_back(
+        &uri,
         &[
-            "-f",
-            "raw",
-            "-t",
-            "writeback",
-            "-c",
             "write -P 0x33 0 4k",
-            "-c",
             "write -z 1M 1M",
-            "-c",
             "write -f -P 0x44 2M 8k",
-            &uri,
         ],
     );
     let status = daemon.udm(&["status", "lw"]);
     assert!(status.starts_with("0 16384 log-writes "), "{status}");
     daemon.udm(&["remove", "lw"]);
 
-    let replay = |args: &[&str]| -> std::process::Output {
-        let target = daemon.dir.path("replay.img");
-        sparse_file(&target, 8 * MIB);
-        let mut all = vec![
-            "replay-log",
-            "--log",
-            log.to_str().unwrap(),
-            "--replay",
-            target.to_str().unwrap(),
-        ];
-        all.extend_from_slice(args);
-        daemon.run_udm(&all)
+    let replay = |args: &[&str]| {
+        let target = daemon.sparse("replay.img", 8 * MIB);
+        daemon.replay_log(&log, &target, args)
     };
     let replayed = || std::fs::read(daemon.dir.path("replay.img")).unwrap();
 
@@ -96,15 +76,7 @@ fn replay_rebuilds_the_device_at_marks_flushes_and_the_end() {
     let out = replay(&["--check", "fua", "--fsck", "true", "--verbose"]);
     assert!(out.status.success(), "{out:?}");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let points: u32 = stdout
-        .rsplit("entries; ")
-        .next()
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let points = replay_points(&stdout);
     assert!(points >= 2, "{stdout}");
     assert!(
         stdout.contains("Write+FUA offset 2097152 len 8192"),
@@ -121,43 +93,20 @@ fn replay_rebuilds_the_device_at_marks_flushes_and_the_end() {
 
 #[test]
 fn a_full_log_stops_logging_and_the_writes_go_on() {
-    let daemon = Daemon::start("log-full");
-    let dev = daemon.dir.path("dev.img");
-    let log = daemon.dir.path("log.img");
-    sparse_file(&dev, 8 * MIB);
     // 64 blocks: the superblock, then 17 per 64 KiB write and 1 per FLUSH.
-    sparse_file(&log, 256 * 1024);
-    daemon.udm(&[
-        "create",
-        "lw",
-        "--table",
-        &format!("0 16384 log-writes {} {}", dev.display(), log.display()),
-    ]);
+    let (daemon, dev, log) = log_writes("log-full", 256 * 1024);
     // The fourth write does not fit: it and everything after go to the device unlogged.
-    tool(
-        "qemu-io",
+    write_back(
+        &daemon.uri("lw"),
         &[
-            "-f",
-            "raw",
-            "-t",
-            "writeback",
-            "-c",
             "write -P 0x11 0 64k",
-            "-c",
             "flush",
-            "-c",
             "write -P 0x22 64k 64k",
-            "-c",
             "write -P 0x33 128k 64k",
-            "-c",
             "write -P 0x44 192k 64k",
-            "-c",
             "flush",
-            "-c",
             "write -P 0x55 256k 4k",
-            "-c",
             "read -P 0x44 192k 64k",
-            &daemon.uri("lw"),
         ],
     );
     let status = daemon.udm(&["status", "lw"]);
@@ -172,15 +121,8 @@ fn a_full_log_stops_logging_and_the_writes_go_on() {
     assert_eq!(warnings, 1, "{}", daemon.log());
     daemon.udm(&["remove", "lw"]);
 
-    let target = daemon.dir.path("replay.img");
-    sparse_file(&target, 8 * MIB);
-    let out = daemon.run_udm(&[
-        "replay-log",
-        "--log",
-        log.to_str().unwrap(),
-        "--replay",
-        target.to_str().unwrap(),
-    ]);
+    let target = daemon.sparse("replay.img", 8 * MIB);
+    let out = daemon.replay_log(&log, &target, &[]);
     assert!(out.status.success(), "{out:?}");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(

@@ -450,3 +450,127 @@ fn a_suspend_a_remove_and_a_shutdown_never_wait_for_a_path() {
     assert!(started.elapsed() < Duration::from_secs(5));
     peer.launch();
 }
+
+/// fio on `uri`: 4 KiB random writes over 8 MiB, each block read back and checked; asserts
+/// that every one was done and verified without an error.
+fn fio_verifies(uri: &str, log: impl Fn() -> String) {
+    let out = Command::new("fio")
+        .args([
+            "--name=mp",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=8M",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("err= 0"),
+        "fio failed: {stdout}{}\nlog:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        log()
+    );
+}
+
+/// Requests remapped onto a file path (io_uring) that starts failing fail that path and go
+/// down the other one, as requests through the targets do; the checker then probes the path
+/// (still failing, it stays failed) and reinstates it once it answers. The failing file is
+/// a peer daemon's FUSE export of a device that turns into an `error` device; the other
+/// path is the disk file under it.
+#[test]
+fn remapped_requests_that_fail_on_a_file_path_go_down_another_path() {
+    let peer = Daemon::start_with("mp-filepath-peer", &["--fuse", "{dir}/fuse"]);
+    let disk = peer.create_linear("p", "disk.img", 16 * MIB);
+    let fuse_file = peer.dir.path("fuse").join("p");
+    let a = Daemon::start_with(
+        "mp-filepath",
+        &[
+            "--nbd-engine",
+            "uring",
+            "--fuse",
+            "{dir}/fuse",
+            "--fuse-uring",
+            "on",
+        ],
+    );
+    let table = format!(
+        "0 {} multipath 2 checker_interval 1 0 1 1 round-robin 0 2 1 {} 1 {} 1",
+        16 * MIB / 512,
+        fuse_file.display(),
+        disk.display()
+    );
+    a.udm(&["create", "mp", "--table", &table]);
+    let info = a.udm(&["info", "mp"]);
+    assert!(info.contains("Data path:         remapped"), "{info}");
+    let fuse_state = || {
+        let status = a.udm(&["status", "mp"]);
+        let words: Vec<String> = status.split_whitespace().map(String::from).collect();
+        let at = words
+            .iter()
+            .position(|w| *w == fuse_file.display().to_string())
+            .unwrap();
+        format!("{} {}", words[at + 1], words[at + 2])
+    };
+    let error = format!("0 {} error", 16 * MIB / 512);
+    peer.udm(&["load", "p", "--table", &error]);
+    peer.udm(&["resume", "p"]);
+    fio_verifies(&a.uri("mp"), || a.log());
+    assert_eq!(fuse_state(), "F 1", "{}", a.log());
+    // Probed every second, the path stays failed while it fails...
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(fuse_state(), "F 1");
+    // ...and comes back when it answers.
+    let linear = format!("0 {} linear {} 0", 16 * MIB / 512, disk.display());
+    peer.udm(&["load", "p", "--table", &linear]);
+    peer.udm(&["resume", "p"]);
+    wait_for(
+        || fuse_state() == "A 1",
+        "the checker to reinstate the path",
+    );
+    fio_verifies(&a.uri("mp"), || a.log());
+    // The same through A's own FUSE export (its io_uring queues remap too).
+    peer.udm(&["load", "p", "--table", &error]);
+    peer.udm(&["resume", "p"]);
+    let copy = a.dir.path("copy.img");
+    tool(
+        "dd",
+        &[
+            &format!("if={}", a.dir.path("fuse").join("mp").display()),
+            &format!("of={}", copy.display()),
+            "bs=64k",
+            "iflag=direct",
+        ],
+    );
+    assert_eq!(fuse_state(), "F 2", "{}", a.log());
+    assert!(std::fs::read(&copy).unwrap() == std::fs::read(&disk).unwrap());
+}
+
+/// A path that is a suspended udm device is not probed (the probe would wait for the resume,
+/// and the table's removal for the probe): removing the multipath does not wait for it.
+#[test]
+fn a_multipath_over_a_suspended_device_is_removed_without_waiting_for_it() {
+    let a = Daemon::start("mp-suspended-path");
+    let disk = a.create_linear("x", "disk.img", 16 * MIB);
+    let table = format!(
+        "0 {} multipath 2 checker_interval 1 0 1 1 round-robin 0 2 1 x 1 {} 1",
+        16 * MIB / 512,
+        disk.display()
+    );
+    a.udm(&["create", "mp", "--table", &table]);
+    a.udm(&["suspend", "x"]);
+    // The checker's round comes while x is suspended.
+    std::thread::sleep(Duration::from_millis(1500));
+    let remove = Command::new("timeout")
+        .args(["5", UDM, "remove", "mp"])
+        .env("UDM_CONTROL", a.control())
+        .status()
+        .unwrap();
+    a.udm(&["resume", "x"]);
+    assert!(remove.success(), "removing the multipath waited for x");
+}

@@ -31,17 +31,15 @@ fn create_clone(daemon: &Daemon, remote: &str, size: u64, options: &str) {
     let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
     sparse_file(&dest, size);
     sparse_file(&meta, MIB);
-    daemon.udm(&[
-        "create",
+    daemon.create(
         "vol",
-        "--table",
         &format!(
             "0 {} clone {} {} {remote} 128 {options}",
             size / 512,
             meta.display(),
             dest.display()
         ),
-    ]);
+    );
 }
 
 fn wait_hydrated(daemon: &Daemon) {

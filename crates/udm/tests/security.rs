@@ -20,38 +20,30 @@ struct Pki {
 }
 
 fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("cannot run openssl (install it; .ci/run does)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    udm_testkit::run_ok(Command::new("openssl").args(args).current_dir(dir));
+}
+
+/// `openssl <command…>` making a new unencrypted P-256 key into `key`, then `rest`.
+fn new_key(work: &Path, command: &[&str], key: &str, rest: &[&str]) {
+    let mut args = command.to_vec();
+    args.extend([
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        key,
+    ]);
+    args.extend_from_slice(rest);
+    openssl(work, &args);
 }
 
 /// A P-256 key and a certificate for `subject`, signed by the CA in `work`.
 fn signed(work: &Path, name: &str, subject: &str, extensions: &str) {
     std::fs::write(work.join(format!("{name}.ext")), extensions).unwrap();
-    openssl(
-        work,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &format!("{name}-key.pem"),
-            "-out",
-            &format!("{name}.csr"),
-            "-subj",
-            subject,
-        ],
-    );
+    let (key, csr) = (format!("{name}-key.pem"), format!("{name}.csr"));
+    new_key(work, &["req"], &key, &["-out", &csr, "-subj", subject]);
     openssl(
         work,
         &[
@@ -77,26 +69,15 @@ fn signed(work: &Path, name: &str, subject: &str, extensions: &str) {
 fn make_pki(dir: &TempDir) -> Pki {
     let work = dir.path("pki");
     std::fs::create_dir_all(&work).unwrap();
-    openssl(
-        &work,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "ca-key.pem",
-            "-out",
-            "ca-cert.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=udm test CA",
-        ],
-    );
+    let ca = [
+        "-out",
+        "ca-cert.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=udm test CA",
+    ];
+    new_key(&work, &["req", "-x509"], "ca-key.pem", &ca);
     signed(
         &work,
         "server",
@@ -142,22 +123,28 @@ fn daemon_with(tag: &str, listener: &str, flags: &[&str]) -> (Daemon, u16, PathB
     let mut args = vec!["--nbd", listener];
     args.extend_from_slice(flags);
     let daemon = Daemon::start_with(tag, &args);
-    let backing = daemon.dir.path("vol.img");
-    sparse_file(&backing, 32 << 20);
-    let table = format!("0 65536 linear {} 0", backing.display());
-    daemon.udm(&["create", "vol", "--table", &table]);
+    let backing = daemon.create_linear("vol", "vol.img", 32 << 20);
     let port = daemon.tcp_ports()[0];
     (daemon, port, backing)
+}
+
+/// A fresh PKI (in its own scratch directory) and a daemon serving it: a `tcp:0` listener
+/// with `--tls MODE --tls-certificates` the server's and the extra `flags`; returns the
+/// scratch directory, the PKI, the daemon, its port and the device's backing file.
+fn tls_daemon(tag: &str, mode: &str, flags: &[&str]) -> (TempDir, Pki, Daemon, u16, PathBuf) {
+    let dir = TempDir::new("tls-pki");
+    let pki = make_pki(&dir);
+    let certs = pki.server.to_str().unwrap();
+    let mut all = vec!["--tls", mode, "--tls-certificates", certs];
+    all.extend_from_slice(flags);
+    let (daemon, port, backing) = daemon_with(tag, "tcp:0", &all);
+    (dir, pki, daemon, port, backing)
 }
 
 /// Runs a client that must fail; returns what it printed.
 fn tool_fails(program: &str, args: &[&str]) -> String {
     let out = Command::new(program).args(args).output().unwrap();
-    let printed = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let printed = udm_testkit::printed(&out);
     assert!(
         !out.status.success(),
         "{program} {args:?} unexpectedly succeeded:\n{printed}"
@@ -196,14 +183,7 @@ fn qemu_read_tls(port: u16, certificates: &Path, into: &Path) {
 
 #[test]
 fn tls_require_refuses_plaintext_and_serves_tls_clients() {
-    let dir = TempDir::new("tls-pki");
-    let pki = make_pki(&dir);
-    let certs = pki.server.to_str().unwrap();
-    let (daemon, port, backing) = daemon_with(
-        "tls-require",
-        "tcp:0",
-        &["--tls", "require", "--tls-certificates", certs],
-    );
+    let (dir, pki, daemon, port, backing) = tls_daemon("tls-require", "require", &[]);
 
     // Plaintext clients get nothing: not the export, not even the list of names.
     let plain = format!("nbd://127.0.0.1:{port}/vol");
@@ -231,30 +211,14 @@ fn tls_require_refuses_plaintext_and_serves_tls_clients() {
 
 #[test]
 fn tls_on_serves_plaintext_and_tls_clients() {
-    let dir = TempDir::new("tls-pki");
-    let pki = make_pki(&dir);
-    let certs = pki.server.to_str().unwrap();
-    let (daemon, port, _) = daemon_with(
-        "tls-on",
-        "tcp:0",
-        &["--tls", "on", "--tls-certificates", certs],
-    );
+    let (dir, pki, daemon, port, _) = tls_daemon("tls-on", "on", &[]);
     let threads = || daemon.threads().0;
     let idle = threads();
     let source = dir.path("source.raw");
     pattern_file(&source, 8 << 20, 11);
-    tool(
-        "qemu-img",
-        &[
-            "convert",
-            "-n",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            source.to_str().unwrap(),
-            &format!("nbd://127.0.0.1:{port}/vol"),
-        ],
+    qemu_img_copy(
+        source.to_str().unwrap(),
+        &format!("nbd://127.0.0.1:{port}/vol"),
     );
     let back = dir.path("back.raw");
     let started = std::time::Instant::now();
@@ -278,20 +242,7 @@ fn tls_on_serves_plaintext_and_tls_clients() {
 
 #[test]
 fn tls_verify_peer_serves_only_clients_with_a_certificate_from_the_ca() {
-    let dir = TempDir::new("tls-pki");
-    let pki = make_pki(&dir);
-    let certs = pki.server.to_str().unwrap();
-    let (daemon, port, _) = daemon_with(
-        "tls-peer",
-        "tcp:0",
-        &[
-            "--tls",
-            "require",
-            "--tls-certificates",
-            certs,
-            "--tls-verify-peer",
-        ],
-    );
+    let (dir, pki, daemon, port, _) = tls_daemon("tls-peer", "require", &["--tls-verify-peer"]);
     tool_fails("nbdinfo", &["--size", &nbds(port, "vol", &pki.anonymous)]);
     assert!(
         daemon.log().contains("peer sent no certificates"),
@@ -336,7 +287,7 @@ fn tls_setup_errors_name_what_is_wrong() {
 #[test]
 fn listener_allow_list_hides_other_devices() {
     let (daemon, port, _) = daemon_with("allow", "tcp:0,export=vol", &[]);
-    daemon.udm(&["create", "other", "--table", "0 2048 zero"]);
+    daemon.create("other", "0 2048 zero");
     let listed = tool("nbdinfo", &["--list", &format!("nbd://127.0.0.1:{port}")]);
     assert!(listed.contains("export=\"vol\""), "{listed}");
     assert!(

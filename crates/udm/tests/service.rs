@@ -255,7 +255,7 @@ fn metrics_show_a_clone_hydrating_to_the_end() {
         dest.display(),
         source.display()
     );
-    daemon.udm(&["create", "vol", "--table", &table]);
+    daemon.create("vol", &table);
     let body = scrape(port);
     assert_eq!(
         value(&body, "udm_clone_size_bytes{device=\"vol\"}"),

@@ -17,12 +17,10 @@ fn origin_of(daemon: &Daemon, size: u64) -> (PathBuf, PathBuf) {
     pattern_file(&origin, size as usize, 7);
     let original = daemon.dir.path("original.img");
     std::fs::copy(&origin, &original).unwrap();
-    daemon.udm(&[
-        "create",
+    daemon.create(
         "base",
-        "--table",
         &format!("0 {} snapshot-origin {}", size / 512, origin.display()),
-    ]);
+    );
     (origin, original)
 }
 
@@ -31,17 +29,15 @@ fn snapshot(daemon: &Daemon, name: &str, origin: &Path, cow_size: u64, args: &st
     let cow = daemon.dir.path(&format!("{name}.cow"));
     sparse_file(&cow, cow_size);
     let size = std::fs::metadata(origin).unwrap().len();
-    daemon.udm(&[
-        "create",
+    daemon.create(
         name,
-        "--table",
         &format!(
             "0 {} snapshot {} {} {args}",
             size / 512,
             origin.display(),
             cow.display()
         ),
-    ]);
+    );
     cow
 }
 
@@ -60,15 +56,6 @@ fn qemu_io(uri: &str, commands: &[&str]) -> String {
 fn status(daemon: &Daemon, name: &str) -> String {
     let line = daemon.udm(&["status", name]);
     line.splitn(4, ' ').nth(3).unwrap_or("").to_string()
-}
-
-fn event_nr(daemon: &Daemon, name: &str) -> u64 {
-    daemon
-        .udm(&["info", name, "--json"])
-        .parse::<serde_json::Value>()
-        .unwrap()["event_nr"]
-        .as_u64()
-        .unwrap()
 }
 
 /// Chunks a snapshot or merge holds (`status --json`).
@@ -145,14 +132,11 @@ fn fio_writes_the_origin_while_its_snapshot_keeps_the_point_in_time() {
 #[test]
 fn four_snapshots_of_one_origin_each_read_their_own_moment() {
     let daemon = Daemon::start("snap-four");
-    let origin = daemon.dir.path("origin.img");
-    sparse_file(&origin, 16 * MIB);
-    daemon.udm(&[
-        "create",
+    let origin = daemon.sparse("origin.img", 16 * MIB);
+    daemon.create(
         "base",
-        "--table",
         &format!("0 32768 snapshot-origin {}", origin.display()),
-    ]);
+    );
     let base = daemon.uri("base");
     let steps = [
         ("s0", 8, "write -P 0x11 0 4M"),
@@ -205,10 +189,10 @@ fn a_full_cow_invalidates_with_an_event_and_the_origin_keeps_working() {
     let (origin, _) = origin_of(&daemon, 16 * MIB);
     // Header, area and 14 data chunks of 4 KiB.
     snapshot(&daemon, "snap", &origin, 64 * 1024, "P 8");
-    let before = event_nr(&daemon, "snap");
+    let before = daemon.event_nr("snap");
     qemu_io(&daemon.uri("base"), &["write -P 0x66 0 1M", "flush"]);
     assert_eq!(status(&daemon, "snap"), "Invalid");
-    assert!(event_nr(&daemon, "snap") > before);
+    assert!(daemon.event_nr("snap") > before);
     let out = std::process::Command::new("qemu-io")
         .args(["-f", "raw", "-c", "read 0 4k", &daemon.uri("snap")])
         .output()
@@ -325,10 +309,10 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     );
     let view = daemon.dir.path("view.img");
     tool("nbdcopy", &[&daemon.uri("snap"), view.to_str().unwrap()]);
-    // The LVM way: suspend the origin, drop the snapshot device, load the merge in the
-    // origin device's place, resume.
-    daemon.udm(&["suspend", "base"]);
-    daemon.udm(&["remove", "snap"]);
+    // The kernel's way (lvconvert --merge): suspend the snapshot device, load the merge in
+    // the origin device's place (it takes the COW device over), resume, then drop the
+    // snapshot device, whose I/O fails from the merge's resume on.
+    daemon.udm(&["suspend", "snap"]);
     let merge_table = format!(
         "0 131072 snapshot-merge {} {} P 8",
         origin.display(),
@@ -336,6 +320,11 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     );
     daemon.udm(&["load", "base", "--table", &merge_table]);
     daemon.udm(&["resume", "base"]);
+    assert_eq!(status(&daemon, "snap"), "Invalid");
+    daemon.udm(&["resume", "snap"]);
+    let (read, said) = common::qemu_io(&daemon.uri("snap"), "read 0 4k");
+    assert!(!read && said.contains("Input/output error"), "{said}");
+    daemon.udm(&["remove", "snap"]);
     daemon.udm(&["message", "base", "0", "max_merge_rate", "4096"]);
     assert_eq!(daemon.udm(&["table", "base"]), merge_table);
     // At once the device reads as the snapshot did, while the merge copies in the
@@ -355,10 +344,10 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
         "resumed mid-way: {again} left, {left} before"
     );
     daemon.udm(&["message", "base", "0", "max_merge_rate", "0"]);
-    let before = event_nr(&daemon, "base");
+    let before = daemon.event_nr("base");
     let out = daemon.udm(&["wait", "base", "--progress"]);
     assert!(out.ends_with("merge complete"), "{out}");
-    assert!(event_nr(&daemon, "base") > before, "an event at completion");
+    assert!(daemon.event_nr("base") > before, "an event at completion");
     let (allocated, _, metadata) = usage(&status(&daemon, "base"));
     assert_eq!(allocated, metadata);
     fio(
@@ -380,15 +369,14 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
 fn clear_errors_for_bad_chunk_sizes_small_cows_and_a_second_merge() {
     let daemon = Daemon::start("snap-errors");
     let (origin, _) = origin_of(&daemon, 8 * MIB);
-    let cow = daemon.dir.path("cow.img");
-    sparse_file(&cow, 8 * MIB);
-    let line = |args: &str| {
-        format!(
-            "0 16384 snapshot {} {} {args}",
-            origin.display(),
-            cow.display()
-        )
+    let cow = daemon.sparse("cow.img", 8 * MIB);
+    // A table line of `target` over the origin with COW device `cow` and `args`.
+    let line = |target: &str, cow: &Path, args: &str| {
+        let (origin, cow) = (origin.display(), cow.display());
+        format!("0 16384 {target} {origin} {cow} {args}")
     };
+    let create_err =
+        |name: &str, table: String| daemon.udm_err(&["create", name, "--table", &table]);
     for (args, expected) in [
         (
             "P 3",
@@ -400,77 +388,28 @@ fn clear_errors_for_bad_chunk_sizes_small_cows_and_a_second_merge() {
         ("P abc", "invalid <chunk size> 'abc'"),
         ("Q 8", "expected P, PO or N"),
     ] {
-        let err = daemon.udm_err(&["create", "bad", "--table", &line(args)]);
+        let err = create_err("bad", line("snapshot", &cow, args));
         assert!(err.contains(expected), "{args}: {err}");
     }
-    let tiny = daemon.dir.path("tiny.cow");
-    sparse_file(&tiny, 8192);
-    let err = daemon.udm_err(&[
-        "create",
-        "bad",
-        "--table",
-        &format!(
-            "0 16384 snapshot {} {} P 8",
-            origin.display(),
-            tiny.display()
-        ),
-    ]);
+    let tiny = daemon.sparse("tiny.cow", 8192);
+    let err = create_err("bad", line("snapshot", &tiny, "P 8"));
     assert!(err.contains("COW device too small"), "{err}");
     // A chunk size of 0 on a new COW device is the kernel's default, 32.
-    daemon.udm(&["create", "snap", "--table", &line("P 0")]);
+    daemon.create("snap", &line("snapshot", &cow, "P 0"));
     assert!(daemon.udm(&["table", "snap"]).ends_with(" P 32"));
     // A merge while another device serves the origin is refused, naming it.
     daemon.udm(&["remove", "snap"]);
-    let err = daemon.udm_err(&[
-        "create",
-        "m",
-        "--table",
-        &format!(
-            "0 16384 snapshot-merge {} {} P 32",
-            origin.display(),
-            cow.display()
-        ),
-    ]);
+    let err = create_err("m", line("snapshot-merge", &cow, "P 32"));
     assert!(err.contains("device 'base' serves origin"), "{err}");
     // Two merges into one origin: the second is refused.
-    let other = daemon.dir.path("other.cow");
-    sparse_file(&other, 8 * MIB);
-    daemon.udm(&[
-        "create",
-        "snap2",
-        "--table",
-        &format!(
-            "0 16384 snapshot {} {} P 8",
-            origin.display(),
-            other.display()
-        ),
-    ]);
+    let other = daemon.sparse("other.cow", 8 * MIB);
+    daemon.create("snap2", &line("snapshot", &other, "P 8"));
     daemon.udm(&["remove", "snap2"]);
-    daemon.udm(&["suspend", "base"]);
-    daemon.udm(&[
-        "load",
-        "base",
-        "--table",
-        &format!(
-            "0 16384 snapshot-merge {} {} P 32",
-            origin.display(),
-            cow.display()
-        ),
-    ]);
-    daemon.udm(&["resume", "base"]);
-    let err = daemon.udm_err(&[
-        "create",
-        "m2",
-        "--table",
-        &format!(
-            "0 16384 snapshot-merge {} {} P 8",
-            origin.display(),
-            other.display()
-        ),
-    ]);
+    daemon.reload("base", &line("snapshot-merge", &cow, "P 32"));
+    let err = create_err("m2", line("snapshot-merge", &other, "P 8"));
     assert!(err.contains("already being merged"), "{err}");
     // The COW device is the merge's alone.
-    let err = daemon.udm_err(&["create", "s", "--table", &line("P 32")]);
+    let err = create_err("s", line("snapshot", &cow, "P 32"));
     assert!(err.contains("base"), "{err}");
 }
 
@@ -518,7 +457,7 @@ fn truncated_and_corrupt_cow_devices_are_refused_and_nothing_is_written() {
     assert!(err.contains("chunk size 2147483648"), "{err}");
     // Intact again, it loads, and the snapshot still shows the original data.
     std::fs::write(&cow, &full).unwrap();
-    daemon.udm(&["create", "snap", "--table", &line]);
+    daemon.create("snap", &line);
     same_content(
         daemon.dir.path("original.img").to_str().unwrap(),
         &daemon.uri("snap"),
@@ -533,22 +472,11 @@ fn reloads_without_suspend_under_fio_and_an_origin_that_is_a_udm_device() {
     let original = daemon.dir.path("original.img");
     std::fs::copy(&real, &original).unwrap();
     // The origin is itself a udm device.
-    daemon.udm(&[
-        "create",
-        "base-real",
-        "--table",
-        &format!("0 65536 linear {} 0", real.display()),
-    ]);
-    daemon.udm(&[
-        "create",
-        "base",
-        "--table",
-        "0 65536 snapshot-origin base-real",
-    ]);
-    let cow = daemon.dir.path("snap.cow");
-    sparse_file(&cow, 32 * MIB);
+    daemon.create("base-real", &format!("0 65536 linear {} 0", real.display()));
+    daemon.create("base", "0 65536 snapshot-origin base-real");
+    let cow = daemon.sparse("snap.cow", 32 * MIB);
     let snap_table = format!("0 65536 snapshot base-real {} P 16", cow.display());
-    daemon.udm(&["create", "snap", "--table", &snap_table]);
+    daemon.create("snap", &snap_table);
     std::thread::scope(|s| {
         let writer = s.spawn(|| fio(&daemon.uri("base"), &["--size=24M", "--numjobs=2"]));
         for _ in 0..5 {
@@ -575,6 +503,45 @@ fn reloads_without_suspend_under_fio_and_an_origin_that_is_a_udm_device() {
     assert!(tree.contains("base-real"), "{tree}");
 }
 
+/// A snapshot meets its origin by what it opens, not by how it names it (the kernel keys
+/// origins by dev_t): the origin file named through a hard link, a symlink or a relative path
+/// is one origin, so its chunks are saved before the origin's writes land.
+#[test]
+fn an_origin_named_another_way_is_still_one_origin() {
+    let daemon = Daemon::start("snap-identity");
+    let file = daemon.dir.path("file.img");
+    pattern_file(&file, 8 * MIB as usize, 6);
+    let original = daemon.dir.path("original.img");
+    std::fs::copy(&file, &original).unwrap();
+    let hard = daemon.dir.path("hard.img");
+    std::fs::hard_link(&file, &hard).unwrap();
+    let soft = daemon.dir.path("soft.img");
+    std::os::unix::fs::symlink(&file, &soft).unwrap();
+    daemon.udm(&[
+        "create",
+        "base",
+        "--table",
+        &format!("0 16384 snapshot-origin {}", file.display()),
+    ]);
+    for (name, origin) in [("hard", &hard), ("soft", &soft)] {
+        let cow = daemon.dir.path(&format!("{name}.cow"));
+        sparse_file(&cow, 8 * MIB);
+        daemon.udm(&[
+            "create",
+            name,
+            "--table",
+            &format!(
+                "0 16384 snapshot {} {} P 8",
+                origin.display(),
+                cow.display()
+            ),
+        ]);
+    }
+    qemu_io(&daemon.uri("base"), &["write -P 9 0 4M"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("hard"));
+    same_content(original.to_str().unwrap(), &daemon.uri("soft"));
+}
+
 #[test]
 fn snapshots_come_back_after_a_restart_and_a_transient_one_comes_back_invalid() {
     let mut daemon = Daemon::start("snap-restart");
@@ -594,4 +561,82 @@ fn snapshots_come_back_after_a_restart_and_a_transient_one_comes_back_invalid() 
     same_content(original.to_str().unwrap(), &daemon.uri("snap"));
     // A transient snapshot's exceptions were in memory: it is gone, and says so.
     assert_eq!(status(&daemon, "temp"), "Invalid");
+}
+
+/// A client that sends first writes and vanishes while their copy-outs wait on a slow COW
+/// device (they wait as steps of their mappings, on no thread): the writes finish without
+/// it, the origin device still suspends (nothing is left counted in flight), the snapshot
+/// is exact and both devices go away cleanly.
+#[test]
+fn a_client_that_vanishes_while_its_first_writes_copy_out_leaves_nothing_behind() {
+    let daemon = Daemon::start("snap-vanish");
+    let (origin, original) = origin_of(&daemon, 8 * MIB);
+    let cow = daemon.dir.path("snap.cow");
+    sparse_file(&cow, 8 * MIB);
+    daemon.udm(&[
+        "create",
+        "slowcow",
+        "--table",
+        &format!("0 16384 delay {} 0 100", cow.display()),
+    ]);
+    daemon.udm(&[
+        "create",
+        "snap",
+        "--table",
+        &format!("0 16384 snapshot {} slowcow P 8", origin.display()),
+    ]);
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "base");
+    let data = vec![0xabu8; 4096];
+    for chunk in 0..64u64 {
+        client.send(0, NBD_CMD_WRITE, chunk, chunk * 8 * 4096, 4096, &data);
+    }
+    drop(client);
+    let t = std::time::Instant::now();
+    daemon.udm(&["suspend", "base"]);
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    daemon.udm(&["resume", "base"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("snap"));
+    daemon.udm(&["remove", "snap"]);
+    daemon.udm(&["remove", "slowcow"]);
+    daemon.udm(&["remove", "base"]);
+    assert!(!daemon.log().contains("panic"), "{}", daemon.log());
+}
+
+/// kill -9 with many first writes in flight at once (fio, 4 jobs at depth 32, so hundreds of
+/// copy-outs wait for commits as steps of their mappings): after the restart the snapshot
+/// is the origin as it was, chunk for chunk: no origin write landed before its chunk was
+/// committed into the snapshot.
+#[test]
+fn kill_9_with_hundreds_of_copy_outs_in_flight_keeps_the_snapshot_exact() {
+    let mut daemon = Daemon::start("snap-kill-load");
+    let (origin, original) = origin_of(&daemon, 64 * MIB);
+    snapshot(&daemon, "snap", &origin, 64 * MIB, "P 8");
+    for round in 0..3 {
+        let uri = format!("--uri={}", daemon.uri("base"));
+        let mut writer = std::process::Command::new("fio")
+            .args([
+                "--name=load",
+                "--ioengine=nbd",
+                &uri,
+                "--rw=randwrite",
+                "--bs=4k",
+                "--iodepth=32",
+                "--numjobs=4",
+                "--time_based",
+                "--runtime=30",
+                "--norandommap",
+                &format!("--randseed={round}"),
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        daemon.stop(libc::SIGKILL);
+        daemon.reap();
+        let _ = writer.kill();
+        let _ = writer.wait();
+        daemon.launch();
+        same_content(original.to_str().unwrap(), &daemon.uri("snap"));
+    }
 }

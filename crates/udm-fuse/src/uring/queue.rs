@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use log::{debug, error, warn};
-use udm_block::{BlockDevice, BlockError, MapOp, Mapping};
-use udm_uring::{is_engine, Engine};
+use udm_block::{BlockDevice, MapOp, Mapping};
+use udm_uring::{is_engine, Engine, Outcome};
 
 use crate::abi::{self, opcode as op, ring, Args, ReadIn, WriteIn};
 use crate::dispatch::Request;
@@ -300,20 +300,24 @@ impl Serving {
                 unsafe { self.server.serve(&self.session, bufs) };
                 self.commit(slot);
             }
-            _ => {
-                let job = Job {
-                    bufs,
-                    slot: slot as u16,
-                    mailbox: self.queue.mailbox.clone(),
-                };
-                // The pool lives as long as any queue holds a sender; should it be gone,
-                // the request is still answered.
-                if let Err(refused) = self.jobs.send(job) {
-                    // SAFETY: the job came back: this thread holds the entry.
-                    unsafe { self.server.serve(&self.session, refused.0.bufs) };
-                    self.commit(slot);
-                }
-            }
+            _ => self.serve_on_pool(slot),
+        }
+    }
+
+    /// Serves the request in `slot` through the device's synchronous methods, on the pool.
+    fn serve_on_pool(&mut self, slot: usize) {
+        let bufs = self.queue.slots[slot].bufs;
+        let job = Job {
+            bufs,
+            slot: slot as u16,
+            mailbox: self.queue.mailbox.clone(),
+        };
+        // The pool lives as long as any queue holds a sender; should it be gone, the request
+        // is still answered.
+        if let Err(refused) = self.jobs.send(job) {
+            // SAFETY: the job came back: this thread holds the entry.
+            unsafe { self.server.serve(&self.session, refused.0.bufs) };
+            self.commit(slot);
         }
     }
 
@@ -339,17 +343,23 @@ impl Serving {
                 .start(map_op, mapping, bufs.payload, slot as u64, &mut push)
         };
         if let Some(outcome) = done {
-            self.finish_mapped(slot, outcome);
+            self.finish_mapped(slot, Outcome::Done(outcome));
         }
         true
     }
 
-    fn finish_mapped(&mut self, slot: usize, outcome: Result<(), BlockError>) {
+    fn finish_mapped(&mut self, slot: usize, outcome: Outcome) {
         let State::Serving { mapped, .. } = &mut self.states[slot] else {
             return error!("fuse: the engine completed ring entry {slot}, which it did not hold");
         };
         let Some(Mapped { unique, answer }) = mapped.take() else {
             return error!("fuse: the engine completed ring entry {slot}, which it did not run");
+        };
+        let outcome = match outcome {
+            Outcome::Done(outcome) => outcome,
+            // The request is still in the entry's buffers, untouched but for a read's data,
+            // which the synchronous read overwrites.
+            Outcome::Retry => return self.serve_on_pool(slot),
         };
         let bufs = self.queue.slots[slot].bufs;
         // SAFETY: the engine is done with the entry's buffers; this thread holds it.
@@ -431,7 +441,12 @@ fn plan(fs: &Fs, req: &Request) -> Option<(MapOp, Mapping, Mapped)> {
         }
         _ => return None,
     };
-    let mapping = device.device.map(map_op, offset, len)?;
+    // A mapping that waits for steps (a delay's timer, a snapshot copy-out) goes the
+    // synchronous way: the queue has no way yet to be told when they are done.
+    let mapping = device
+        .device
+        .map(map_op, offset, len)
+        .filter(Mapping::is_ready)?;
     Some((map_op, mapping, Mapped { unique, answer }))
 }
 

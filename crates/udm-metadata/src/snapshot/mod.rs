@@ -58,6 +58,9 @@ pub struct CommitStats {
     pub records: u64,
 }
 
+/// Told how a commit went (see [`ExceptionStore::when_durable`]).
+pub type Durable = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
 /// What both kinds of store do. Records submitted to a persistent store must describe data
 /// already durable on the COW device (written with FUA); [`ExceptionStore::wait`] returns
 /// once the records are durable too (at once for a transient store).
@@ -72,6 +75,13 @@ pub trait ExceptionStore: Send + Sync {
 
     /// Waits until the commit holding `ticket` is durable.
     fn wait(&self, ticket: u64) -> Result<(), StoreError>;
+
+    /// Calls `then` with what [`ExceptionStore::wait`] would return, once it would return,
+    /// without a thread waiting meanwhile where the store can: on the thread that finished the
+    /// commit (it must be quick), or on this one if the commit is already done.
+    fn when_durable(&self, ticket: u64, then: Durable) {
+        then(self.wait(ticket))
+    }
 
     /// Marks the store invalid, durably where it is persistent, and refuses new records.
     fn invalidate(&self) -> Result<(), StoreError>;

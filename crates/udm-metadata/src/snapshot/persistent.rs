@@ -32,7 +32,7 @@ use super::layout::{
     area_image, check_chunk_sectors, encode_header, put_record, walk, Geometry, Header, Record,
     DEFAULT_CHUNK_SECTORS,
 };
-use super::{CommitStats, ExceptionStore, StoreError, Usage};
+use super::{CommitStats, Durable, ExceptionStore, StoreError, Usage};
 
 pub struct PersistentStore {
     shared: Arc<Shared>,
@@ -81,6 +81,8 @@ struct State {
     failure: Option<(u64, StoreError)>,
     shutdown: bool,
     stats: CommitStats,
+    /// Told when the commit of their ticket is done ([`ExceptionStore::when_durable`]).
+    callbacks: Vec<(u64, Durable)>,
 }
 
 impl State {
@@ -184,6 +186,7 @@ impl PersistentStore {
                 failure: None,
                 shutdown: false,
                 stats: CommitStats::default(),
+                callbacks: Vec::new(),
             }),
             work: Condvar::new(),
             done: [Condvar::new(), Condvar::new()],
@@ -267,6 +270,9 @@ impl Shared {
                 if st.failure.is_some() {
                     st.done = ticket;
                     self.done[ticket as usize % 2].notify_all();
+                    let told = Self::due(&mut st);
+                    drop(st);
+                    Self::tell(told, &self.state);
                     continue;
                 }
                 let first = (st.current_area * self.geometry.per_area()) as usize;
@@ -291,6 +297,33 @@ impl Shared {
             }
             st.done = ticket;
             self.done[ticket as usize % 2].notify_all();
+            let told = Self::due(&mut st);
+            drop(st);
+            Self::tell(told, &self.state);
+        }
+    }
+
+    /// The callbacks whose commit is done.
+    fn due(st: &mut State) -> Vec<(u64, Durable)> {
+        let done = st.done;
+        let (due, later) = std::mem::take(&mut st.callbacks)
+            .into_iter()
+            .partition(|(ticket, _)| *ticket <= done);
+        st.callbacks = later;
+        due
+    }
+
+    /// Calls `told`, outside the state lock, with how their commits went.
+    fn tell(told: Vec<(u64, Durable)>, state: &Mutex<State>) {
+        if told.is_empty() {
+            return;
+        }
+        let failure = state.lock().failure.clone();
+        for (ticket, then) in told {
+            then(match &failure {
+                Some((first, e)) if ticket >= *first => Err(e.clone()),
+                _ => Ok(()),
+            })
         }
     }
 
@@ -390,6 +423,15 @@ impl ExceptionStore for PersistentStore {
         }
     }
 
+    fn when_durable(&self, ticket: u64, then: Durable) {
+        let mut st = self.shared.state.lock();
+        if st.done < ticket {
+            return st.callbacks.push((ticket, then));
+        }
+        drop(st);
+        then(self.wait(ticket))
+    }
+
     /// Writes the header with `valid = 0`, durably: an origin write that goes ahead without
     /// saving its chunk relies on the snapshot never being read again.
     fn invalidate(&self) -> Result<(), StoreError> {
@@ -476,12 +518,16 @@ impl ExceptionStore for PersistentStore {
 }
 
 impl Drop for PersistentStore {
-    /// Commits what is queued, then stops the committer.
+    /// Commits what is queued, then stops the committer. The last reference may go on the
+    /// committer itself (a [`ExceptionStore::when_durable`] callback holding the last user of
+    /// the store): it then ends on its own, as the queue is empty, and is not waited for.
     fn drop(&mut self) {
         self.shared.state.lock().shutdown = true;
         self.shared.work.notify_all();
         if let Some(committer) = self.committer.get_mut().take() {
-            let _ = committer.join();
+            if committer.thread().id() != std::thread::current().id() {
+                let _ = committer.join();
+            }
         }
     }
 }

@@ -42,12 +42,7 @@ fn run(cmd: &str, args: &[&str]) -> (bool, String) {
         .args(args)
         .output()
         .unwrap_or_else(|e| panic!("{cmd}: {e} (is thin-provisioning-tools installed?)"));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+    (out.status.success(), udm_testkit::printed(&out))
 }
 
 /// Runs `thin_check` on the metadata in `path`, and [`oracle::check`] (which also verifies the

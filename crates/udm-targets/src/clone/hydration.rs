@@ -127,9 +127,10 @@ impl Inner {
         );
     }
 
-    /// One line when the user pauses or resumes hydration (a message changed the settings).
-    pub(super) fn log_pause_change(&self, was: Option<&'static str>) {
-        let now = self.hydration.lock().paused_by();
+    /// One line when the user pauses or resumes hydration (a message changed the settings
+    /// from `was` to `now`); called under the hydration lock, so that no copy starts before
+    /// the count is taken.
+    pub(super) fn log_pause_change(&self, was: Option<&'static str>, now: Option<&'static str>) {
         if now == was || self.is_complete() {
             return;
         }

@@ -208,6 +208,8 @@ impl BlockDevice for CloneTarget {
             MapOp::Read => s.mode() != Mode::Fail,
             MapOp::Write { fua: false } => s.mode() == Mode::Write,
             MapOp::Write { fua: true } | MapOp::Flush => false,
+            // A discard skips hydrating the regions it covers; the synchronous way does it.
+            MapOp::Discard { .. } | MapOp::WriteZeroes { .. } => false,
         };
         if !usable || !s.regions_of(offset, len).all(|r| s.meta.is_hydrated(r)) {
             return None;

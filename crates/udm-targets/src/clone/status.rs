@@ -136,9 +136,11 @@ impl CloneTarget {
                 )))
             }
         }
+        // Logged before the workers can take the hydration lock again: the count is the one
+        // at the change (they copy as soon as a resume lets them).
+        s.log_pause_change(was, hydration.paused_by());
         drop(hydration);
         s.wake.notify_all();
-        s.log_pause_change(was);
         Ok(String::new())
     }
 

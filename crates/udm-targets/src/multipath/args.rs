@@ -8,8 +8,11 @@
 //! Features: the kernel's `queue_if_no_path` and `retain_attached_hw_handler` (accepted: there
 //! is no hardware handler to retain), and udm's `no_path_retry <n>` (multipathd's: queue for
 //! at most n checker intervals once the last path has failed), `checker_interval <seconds>`
-//! (multipathd's polling interval, default 5) and `path_timeout <seconds>` (how long a remote
-//! path may leave a request unanswered before it is failed, default 5). Hardware handlers
+//! (multipathd's polling interval, default 5), `path_timeout <seconds>` (how long a remote
+//! path may leave a request unanswered before it is failed, default 5) and
+//! `failback immediate|manual` (multipathd's: with `immediate`, I/O goes back to a group
+//! earlier in the table as soon as one of its paths is reinstated; `manual`, the default and
+//! the kernel's behaviour, leaves that to `switch_group`). Hardware handlers
 //! (`<#hw handler args>` other than 0) are refused: udm's paths are not SCSI devices.
 //!
 //! Counts are bounded as the kernel bounds them, and every count must match what follows.
@@ -25,9 +28,10 @@ const DEFAULT_PATH_TIMEOUT: u64 = 5;
 /// The kernel's bound on every count in the line but the features'.
 const MAX_COUNT: usize = 1024;
 /// Every feature with its value, once each.
-const MAX_FEATURE_WORDS: usize = 8;
+const MAX_FEATURE_WORDS: usize = 10;
 const FEATURES: &str = "queue_if_no_path, no_path_retry <n>, retain_attached_hw_handler, \
-                        checker_interval <seconds>, path_timeout <seconds>";
+                        checker_interval <seconds>, path_timeout <seconds>, \
+                        failback immediate|manual";
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(super) struct Features {
@@ -37,6 +41,8 @@ pub(super) struct Features {
     /// Seconds, as given (printed back only when given).
     pub checker_interval: Option<u64>,
     pub path_timeout: Option<u64>,
+    /// `Some(true)` immediate, `Some(false)` manual (printed back only when given).
+    pub failback: Option<bool>,
 }
 
 impl Features {
@@ -46,6 +52,10 @@ impl Features {
 
     pub fn path_timeout(&self) -> Duration {
         Duration::from_secs(self.path_timeout.unwrap_or(DEFAULT_PATH_TIMEOUT))
+    }
+
+    pub fn failback_immediate(&self) -> bool {
+        self.failback == Some(true)
     }
 
     fn parse(words: &[&str]) -> Result<Features, TargetError> {
@@ -80,6 +90,18 @@ impl Features {
                     value(&mut args)?;
                     features.path_timeout = Some(args.number_in("path_timeout", 1..=3600)?);
                 }
+                "failback" => {
+                    value(&mut args)?;
+                    features.failback = match args.word("failback")? {
+                        "immediate" => Some(true),
+                        "manual" => Some(false),
+                        other => {
+                            return Err(args.error(format!(
+                                "invalid <failback> '{other}': immediate or manual"
+                            )))
+                        }
+                    };
+                }
                 _ => {
                     return Err(args.error(format!("unknown feature '{name}' (known: {FEATURES})")))
                 }
@@ -106,6 +128,10 @@ impl Features {
         }
         if let Some(s) = self.path_timeout {
             words.extend(["path_timeout".to_string(), s.to_string()]);
+        }
+        if let Some(immediate) = self.failback {
+            let value = if immediate { "immediate" } else { "manual" };
+            words.extend(["failback".to_string(), value.to_string()]);
         }
         words
     }
@@ -157,7 +183,7 @@ impl Spec {
             let selector = group.selector;
             out.extend([
                 selector.name().to_string(),
-                "0".to_string(),
+                selector.print_args(),
                 group.paths.len().to_string(),
                 selector.table_args().to_string(),
             ]);
@@ -215,20 +241,9 @@ pub(super) fn parse(args: &mut Args) -> Result<Spec, TargetError> {
 
 fn parse_group(args: &mut Args) -> Result<GroupSpec, TargetError> {
     let name = args.word("selector")?;
-    let selector = Selector::parse(name).ok_or_else(|| {
-        args.error(format!(
-            "unknown path selector '{name}' (known: {})",
-            Selector::NAMES
-        ))
-    })?;
     let selector_args = args.number_in("#selector args", 0..=MAX_COUNT)?;
     let given = args.take(selector_args, "<#selector args>")?;
-    if !given.is_empty() {
-        return Err(args.error(format!(
-            "{name} takes no selector arguments, {} given",
-            given.len()
-        )));
-    }
+    let selector = Selector::parse(name, &given).map_err(|e| args.error(bare(&e)))?;
     let path_count = args.number_in("#paths", 1..=MAX_COUNT)?;
     let path_args = args.number_in("#path args", 0..=MAX_COUNT)?;
     let mut paths = Vec::with_capacity(path_count);
@@ -298,8 +313,27 @@ mod tests {
                  0 1 1 round-robin 0 1 1 nbd://h/x 1",
             ),
             (
+                "9 failback immediate path_timeout 2 checker_interval 1 no_path_retry 3 \
+                 queue_if_no_path 0 1 1 round-robin 0 1 1 a 1",
+                "9 queue_if_no_path no_path_retry 3 checker_interval 1 path_timeout 2 \
+                 failback immediate 0 1 1 round-robin 0 1 1 a 1",
+            ),
+            (
+                "2 failback manual 0 1 1 round-robin 0 1 1 a 1",
+                "2 failback manual 0 1 1 round-robin 0 1 1 a 1",
+            ),
+            (
                 "1 retain_attached_hw_handler 0 1 1 round-robin 0 1 1 a 1",
                 "1 retain_attached_hw_handler 0 1 1 round-robin 0 1 1 a 1",
+            ),
+            // historical-service-time's selector arguments, and its path argument printed 0.
+            (
+                "0 0 1 1 historical-service-time 0 2 1 a 3 b 1",
+                "0 0 1 1 historical-service-time 2 972 0 2 1 a 0 b 0",
+            ),
+            (
+                "0 0 1 1 historical-service-time 2 512 2 1 0 a",
+                "0 0 1 1 historical-service-time 2 512 2 1 1 a 0",
             ),
             // No groups at all: the kernel accepts it (every request queues or fails).
             ("0 0 0 0", "0 0 0 0"),
@@ -332,7 +366,12 @@ mod tests {
                 "1",
                 "<#features>: 1 announced but only 0 argument(s) follow",
             ),
-            ("9 a b c d e f g h i 0 0 0", "invalid <#features> 9"),
+            ("11 a b c d e f g h i j k 0 0 0", "invalid <#features> 11"),
+            (
+                "2 failback soon 0 0 0",
+                "invalid <failback> 'soon': immediate or manual",
+            ),
+            ("1 failback 0 0 0", "'failback' needs a value within"),
             (
                 "1 no_path_retry 0 0 0",
                 "'no_path_retry' needs a value within",
@@ -383,8 +422,12 @@ mod tests {
                 "invalid <#paths> 0: must be between 1 and 1024",
             ),
             (
-                "0 0 1 1 historical-service-time 0 1 0 a",
-                "unknown path selector 'historical-service-time' (known: round-robin",
+                "0 0 1 1 least-pending 0 1 0 a",
+                "unknown path selector 'least-pending' (known: round-robin",
+            ),
+            (
+                "0 0 1 1 historical-service-time 1 2000 1 0 a",
+                "priority group 1: historical-service-time: invalid <base_weight> 2000",
             ),
             (
                 "0 0 1 1 round-robin 1 x 1 0 a",

@@ -1,6 +1,7 @@
 //! The path checker, multipathd's job done in the daemon: every `checker_interval` it reads a
-//! little from each failed path (multipathd's `directio` checker: one aligned block at the
-//! start) and reinstates the paths that answer. For a remote path the read is also the
+//! little from every path (multipathd's `directio` checker: one aligned block at the start),
+//! many paths at once, fails the active paths that do not answer (before a request finds them
+//! dead) and reinstates the failed ones that do. For a remote path the read is also the
 //! connection check: its client redials on its own (with backoff up to 5 s) and fails
 //! requests at once while it has no connection, and one whose server stopped answering
 //! fails after `path_timeout`, so a probe never waits longer than that.
@@ -13,6 +14,7 @@ use std::time::Instant;
 use log::debug;
 use udm_block::{AlignedBuf, BlockDevice};
 
+use super::io::each_at_once;
 use super::Inner;
 
 /// Bytes a probe reads: a page, which O_DIRECT accepts anywhere.
@@ -27,8 +29,9 @@ pub(super) fn start(inner: &Arc<Inner>) -> io::Result<JoinHandle<()>> {
 
 fn run(inner: &Inner) {
     let interval = inner.spec.features.checker_interval();
+    let every: Vec<usize> = (0..inner.paths.len()).collect();
     loop {
-        let failed = {
+        let before: Vec<bool> = {
             let mut state = inner.state.lock();
             let next = Instant::now() + interval;
             while !state.stopping && Instant::now() < next {
@@ -37,16 +40,36 @@ fn run(inner: &Inner) {
             if state.stopping {
                 return;
             }
-            state.failed_paths()
+            every.iter().map(|&i| state.is_usable(i)).collect()
         };
-        for index in failed {
-            if inner.state.lock().stopping {
-                return;
+        // A suspended path (a udm device being reloaded) would hold its probe until the
+        // resume, and the table's removal with it: it is probed at the next round.
+        let awake: Vec<usize> = every
+            .iter()
+            .copied()
+            .filter(|&i| !inner.paths[i].dev.suspended())
+            .collect();
+        let probed = each_at_once("multipath-probe", &awake, |index| {
+            probe(&*inner.paths[index].dev, inner.len)
+        });
+        if inner.state.lock().stopping {
+            return;
+        }
+        for (index, result) in probed {
+            // A path whose state changed while it was probed (I/O failed it, a message
+            // reinstated it) keeps its new state: the probe may have seen it before.
+            let usable = inner.state.lock().is_usable(index);
+            if usable != before[index] {
+                continue;
             }
             let path = &inner.paths[index];
-            match probe(&*path.dev, inner.len) {
-                Ok(()) => inner.reinstate_path(index, "the path checker's read succeeded"),
-                Err(e) => debug!("multipath: path {} still fails: {e}", path.reference),
+            match (result, usable) {
+                (Ok(()), false) => inner.reinstate_path(index, "the path checker's read succeeded"),
+                (Err(e), true) => {
+                    inner.fail_path(index, &format!("the path checker's read failed: {e}"))
+                }
+                (Err(e), false) => debug!("multipath: path {} still fails: {e}", path.reference),
+                (Ok(()), true) => {}
             }
         }
     }

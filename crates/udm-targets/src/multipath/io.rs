@@ -7,7 +7,8 @@
 use std::sync::atomic::Ordering;
 
 use udm_block::{
-    BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, Result, WriteFlags, ZeroFlags,
+    BlockDevice, BlockError, Capabilities, Completed, Extent, MapOp, Mapping, Result, WriteFlags,
+    ZeroFlags,
 };
 
 use super::paths::NoPath;
@@ -84,7 +85,8 @@ impl Inner {
         }
     }
 
-    /// Flushes every path that took writes since the last flush. One that has failed (before
+    /// Flushes every path that took writes since the last flush, all at once (each flush is
+    /// a round trip to its path's server, or a sync of its file). One that has failed (before
     /// or during its flush) is covered by a flush down a usable path: all paths lead to one
     /// device. Paths still owed a flush when this fails stay owed.
     fn flush_paths(&self) -> Result<()> {
@@ -96,22 +98,31 @@ impl Inner {
                 self.paths[i].dirty.store(true, Ordering::Release);
             }
         };
-        let mut stranded = Vec::new();
-        for (k, &i) in owed.iter().enumerate() {
+        let (usable, mut stranded): (Vec<usize>, Vec<usize>) = {
+            let state = self.state.lock();
+            owed.iter().partition(|&&i| state.is_usable(i))
+        };
+        let mut error = None;
+        for (i, result) in each_at_once("multipath-flush", &usable, |i| {
             let path = &self.paths[i];
-            if self.state.lock().is_usable(i) {
-                let _busy = path.load.start(0);
-                match path.dev.flush() {
-                    Ok(()) => continue,
-                    Err(e) if fails_path(&e) => self.fail_path(i, &e.to_string()),
-                    Err(e) => {
-                        owe_again(&owed[k..]);
-                        owe_again(&stranded);
-                        return Err(e);
-                    }
+            let _busy = path.load.start(0);
+            path.dev.flush()
+        }) {
+            match result {
+                Ok(()) => {}
+                Err(e) if fails_path(&e) => {
+                    self.fail_path(i, &e.to_string());
+                    stranded.push(i);
+                }
+                Err(e) => {
+                    owe_again(&[i]);
+                    error.get_or_insert(e);
                 }
             }
-            stranded.push(i);
+        }
+        if let Some(e) = error {
+            owe_again(&stranded);
+            return Err(e);
         }
         if stranded.is_empty() {
             return Ok(());
@@ -122,6 +133,55 @@ impl Inner {
         }
         result
     }
+}
+
+/// How many paths [`each_at_once`] works on at a time: a table may have a thousand.
+const AT_ONCE: usize = 32;
+
+/// `op` for each of `items`, [`AT_ONCE`] at a time: the first of each batch on this thread,
+/// the others on threads of their own, named `name` (on this thread too, after the first,
+/// when no thread can be made).
+pub(super) fn each_at_once<T: Send>(
+    name: &str,
+    items: &[usize],
+    op: impl Fn(usize) -> T + Sync,
+) -> Vec<(usize, T)> {
+    items
+        .chunks(AT_ONCE)
+        .flat_map(|batch| batch_at_once(name, batch, &op))
+        .collect()
+}
+
+fn batch_at_once<T: Send>(
+    name: &str,
+    items: &[usize],
+    op: &(impl Fn(usize) -> T + Sync),
+) -> Vec<(usize, T)> {
+    let Some((&first, rest)) = items.split_first() else {
+        return Vec::new();
+    };
+    std::thread::scope(|scope| {
+        let others: Vec<_> = rest
+            .iter()
+            .map(|&i| {
+                let thread = std::thread::Builder::new()
+                    .name(name.into())
+                    .spawn_scoped(scope, move || op(i));
+                (i, thread)
+            })
+            .collect();
+        let mut results = vec![(first, op(first))];
+        for (i, thread) in others {
+            let result = match thread {
+                Ok(thread) => thread
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                Err(_) => op(i),
+            };
+            results.push((i, result));
+        }
+        results
+    })
 }
 
 impl BlockDevice for Multipath {
@@ -168,32 +228,26 @@ impl BlockDevice for Multipath {
     }
 
     /// Onto the chosen path, which must not block: with no usable path (a request that may
-    /// have to wait) the request goes the synchronous way. A FLUSH maps onto every usable
-    /// path. An error of a mapped request is not retried on another path: files are trusted
-    /// as `linear` trusts them, and fail by message.
+    /// have to wait) the request goes the synchronous way. A mapped request that fails fails
+    /// its path (when the error is the path's) and comes back to the synchronous way, which
+    /// sends it down another path or waits for one, as a request that fails there does. A
+    /// FLUSH maps only while one path is usable: with several, the synchronous flush sends
+    /// one down each path at once and fails exactly those whose flush fails (a mapped
+    /// request's failure does not say which of its files failed).
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
-        let inner = &self.inner;
-        if !inner.maps {
+        // Discards and write-zeroes mean something of their own here: the synchronous way.
+        if op.is_fill() {
             return None;
         }
-        if op == MapOp::Flush {
-            let usable: Vec<usize> = {
-                let state = inner.state.lock();
-                (0..inner.paths.len())
-                    .filter(|&i| state.is_usable(i))
-                    .collect()
-            };
-            if usable.is_empty() {
-                return None;
-            }
-            let mut mapping = Mapping::new();
-            for i in usable {
-                mapping.append(0, inner.paths[i].dev.map(op, 0, 0)?);
-            }
-            return Some(mapping);
+        if !self.inner.maps {
+            return None;
         }
+        let inner = self.inner.clone();
         let (index, busy) = {
             let mut state = inner.state.lock();
+            if op == MapOp::Flush && state.usable_count() != 1 {
+                return None;
+            }
             let index = state.choose(&inner.paths, &inner.groups, len)?;
             (index, inner.paths[index].load.start(len))
         };
@@ -202,6 +256,16 @@ impl BlockDevice for Multipath {
         if op.is_write() {
             path.dirty.store(true, Ordering::Release);
         }
-        Some(mapping.hold(busy))
+        Some(
+            mapping
+                .hold(busy)
+                .when_complete(move |done| match done {
+                    Completed::Failed(e) | Completed::Retried(e) if fails_path(e) => {
+                        inner.fail_path(index, &e.to_string())
+                    }
+                    _ => {}
+                })
+                .retried_on_error(),
+        )
     }
 }

@@ -10,8 +10,9 @@
 //! at once, a server that stops answering fails them after `path_timeout`) instead of waiting
 //! for its server like a clone's source does.
 //!
-//! udm adds multipathd's path checker: a thread that reads a little from every failed path
-//! each `checker_interval` and reinstates those that answer.
+//! udm adds multipathd's path checker: a thread that reads a little from every path each
+//! `checker_interval`, fails the active paths that do not answer and reinstates the failed
+//! ones that do; and multipathd's `failback immediate` as a feature.
 //!
 //! A FLUSH goes to every path that took writes since the last one. A path that cannot take it
 //! any more (it failed since) is covered by a flush down a usable path, on the kernel's
@@ -19,13 +20,14 @@
 //! that device's storage made them (see docs/targets.md).
 //!
 //! One file per job: `args` reads and prints the table line, `selector` chooses among a
-//! group's paths, `paths` holds the paths' and groups' state and picks the group, `io` serves
+//! group's paths (`history` measures them for historical-service-time), `paths` holds the paths' and groups' state and picks the group, `io` serves
 //! requests, `checker` probes failed paths, `messages` and `status` are what the target is
 //! told and tells. This file holds the target and its life: built inactive, the checker
 //! started at the first resume and stopped when the table is dropped.
 
 mod args;
 mod checker;
+mod history;
 mod io;
 mod messages;
 mod paths;
@@ -44,6 +46,7 @@ use crate::args::Args;
 use crate::target::{EventSink, Target, TargetContext, TargetError};
 use args::Spec;
 use paths::{Group, Path, State};
+use selector::Load;
 
 /// What requests, messages and the checker share.
 struct Inner {
@@ -73,7 +76,8 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     let spec = args::parse(args)?;
     let timeout = spec.features.path_timeout();
     let mut paths: Vec<Path> = Vec::new();
-    for (_, path) in spec.paths() {
+    for (g, path) in spec.paths() {
+        let group = &spec.groups[g];
         let reference = &path.reference;
         if paths.iter().any(|p| &p.reference == reference) {
             return Err(args.error(format!("path '{reference}' is listed twice")));
@@ -88,7 +92,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             reference: reference.clone(),
             dev,
             args: path.args,
-            load: Arc::default(),
+            load: Arc::new(Load::new(group.selector, group.paths.len())),
             dirty: AtomicBool::new(false),
         });
     }
@@ -154,15 +158,23 @@ impl Inner {
         (self.raise_event)();
     }
 
-    /// Puts a path back in use (an event) and wakes requests waiting for one.
+    /// Puts a path back in use (an event) and wakes requests waiting for one; with
+    /// `failback immediate`, I/O goes back to the first group that can take it.
     fn reinstate_path(&self, path: usize, why: &str) {
-        if !self.state.lock().reinstate(path) {
-            return;
-        }
+        let failed_back = {
+            let mut state = self.state.lock();
+            if !state.reinstate(path) {
+                return;
+            }
+            self.spec.features.failback_immediate() && state.fail_back(&self.groups)
+        };
         info!(
             "multipath: reinstating path {}: {why}",
             self.paths[path].reference
         );
+        if failed_back {
+            info!("multipath: failing back to the first group with a usable path");
+        }
         self.changed.notify_all();
         (self.raise_event)();
     }

@@ -3,7 +3,8 @@
 //! the kernel's `choose_pgpath`: a group named by `switch_group` (or the initial group) first,
 //! then the current group while it has a usable path, then the first group in table order that
 //! has one, bypassed groups last. Like the kernel, a group is not failed back to when its
-//! paths return while another serves (that is `switch_group`'s job).
+//! paths return while another serves (that is `switch_group`'s job), unless the table asks for
+//! multipathd's `failback immediate`.
 
 use std::ops::Range;
 use std::sync::atomic::AtomicBool;
@@ -156,6 +157,22 @@ impl State {
         true
     }
 
+    /// multipathd's `failback immediate`, after a path is reinstated: I/O goes to the first
+    /// group in table order that is not bypassed and has a usable path, if it goes elsewhere.
+    /// True if it moves.
+    pub fn fail_back(&mut self, groups: &[Group]) -> bool {
+        let best = (0..groups.len())
+            .find(|&g| !self.bypassed[g] && groups[g].paths.clone().any(|p| self.usable[p]));
+        match best {
+            Some(g) if self.next.or(self.current) != Some(g) => {
+                self.current = None;
+                self.next = Some(g);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// `switch_group`: the next request goes to `group` if it has a usable path; every group
     /// stops being bypassed.
     pub fn switch_group(&mut self, group: usize) {
@@ -183,14 +200,12 @@ impl State {
         self.fail_counts[path]
     }
 
-    pub fn failed_paths(&self) -> Vec<usize> {
-        (0..self.usable.len())
-            .filter(|&p| !self.usable[p])
-            .collect()
-    }
-
     pub fn has_usable_path(&self) -> bool {
         self.usable_count > 0
+    }
+
+    pub fn usable_count(&self) -> usize {
+        self.usable_count
     }
 
     /// The status letter of a group: D bypassed, A current, E enabled.
@@ -287,6 +302,28 @@ mod tests {
             (st.fail_count(0), st.fail_count(1), st.fail_count(2)),
             (1, 1, 0)
         );
+    }
+
+    #[test]
+    fn failback_moves_io_to_the_first_group_with_a_usable_path() {
+        let (paths, groups) = topology(&[1, 1, 1]);
+        let mut st = State::new(3, 3, 1, false);
+        let choose = |st: &mut State| st.choose(&paths, &groups, 4096);
+        st.fail(0);
+        st.fail(1);
+        assert_eq!(choose(&mut st), Some(2));
+        assert!(!st.fail_back(&groups), "already on the only usable group");
+        st.reinstate(1);
+        assert!(st.fail_back(&groups));
+        assert_eq!((choose(&mut st), st.group_number()), (Some(1), 2));
+        // A bypassed group is not failed back to.
+        st.reinstate(0);
+        st.bypass(0, true);
+        st.fail_back(&groups);
+        assert_eq!(choose(&mut st), Some(1));
+        st.bypass(0, false);
+        assert!(st.fail_back(&groups));
+        assert_eq!(choose(&mut st), Some(0));
     }
 
     #[test]

@@ -1,12 +1,15 @@
 //! Path selectors, as the kernel's: `round-robin` (each path in turn, `repeat_count` requests
-//! at a time), `queue-length` (the path with the fewest requests in flight) and
-//! `service-time` (the path that would finish the new request first: bytes in flight plus
-//! the request's, over the path's relative throughput). Each chooses among the usable paths
-//! of one priority group; what they weigh is the [`Load`] every request adds to its path.
+//! at a time), `queue-length` (the path with the fewest requests in flight), `service-time`
+//! (the path that would finish the new request first: bytes in flight plus the request's,
+//! over the path's relative throughput) and `historical-service-time` (the path whose
+//! measured service time, weighted by its load, is lowest: see [`super::history`]). Each
+//! chooses among the usable paths of one priority group; what they weigh is the [`Load`]
+//! every request adds to its path.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use super::history::{self, History, HstArgs};
 use crate::args::Args;
 use crate::target::TargetError;
 
@@ -15,6 +18,7 @@ pub(super) enum Selector {
     RoundRobin,
     QueueLength,
     ServiceTime,
+    HistoricalServiceTime(HstArgs),
 }
 
 /// A path's selector arguments (the table's per-path arguments).
@@ -40,14 +44,27 @@ impl Default for PathArgs {
 /// The kernel's bound on service-time's relative throughput.
 const MAX_RELATIVE_THROUGHPUT: u32 = 100;
 
-/// What is in flight on a path: requests and bytes. Updated without the multipath's lock.
+/// What is in flight on a path: requests and bytes, and for historical-service-time how
+/// long requests took. Updated without the multipath's lock.
 #[derive(Default)]
 pub(super) struct Load {
     requests: AtomicU64,
     bytes: AtomicU64,
+    history: Option<History>,
 }
 
 impl Load {
+    /// The load of a path in a group of `group_paths` paths chosen by `selector`.
+    pub fn new(selector: Selector, group_paths: usize) -> Load {
+        Load {
+            history: match selector {
+                Selector::HistoricalServiceTime(args) => Some(History::new(args, group_paths)),
+                _ => None,
+            },
+            ..Load::default()
+        }
+    }
+
     /// Counts a request of `bytes` until the returned guard is dropped (also from a mapped
     /// request's holds, when the engine completes it).
     pub fn start(self: &Arc<Self>, bytes: u64) -> Busy {
@@ -56,6 +73,7 @@ impl Load {
         Busy {
             load: self.clone(),
             bytes,
+            started: self.history.as_ref().map(|_| history::now_ns()),
         }
     }
 
@@ -72,10 +90,15 @@ impl Load {
 pub(super) struct Busy {
     load: Arc<Load>,
     bytes: u64,
+    /// When it started, for a path whose service time is measured.
+    started: Option<u64>,
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
+        if let (Some(history), Some(started)) = (&self.load.history, self.started) {
+            history.finished(started);
+        }
         self.load.requests.fetch_sub(1, Ordering::Relaxed);
         self.load.bytes.fetch_sub(self.bytes, Ordering::Relaxed);
     }
@@ -100,15 +123,32 @@ pub(super) struct Candidate<'a> {
 }
 
 impl Selector {
-    pub const NAMES: &'static str = "round-robin, queue-length, service-time";
+    pub const NAMES: &'static str =
+        "round-robin, queue-length, service-time, historical-service-time";
 
-    pub fn parse(name: &str) -> Option<Selector> {
-        match name {
-            "round-robin" => Some(Selector::RoundRobin),
-            "queue-length" => Some(Selector::QueueLength),
-            "service-time" => Some(Selector::ServiceTime),
-            _ => None,
+    /// The selector `name` with its selector arguments (`words`).
+    pub fn parse(name: &str, words: &[&str]) -> Result<Selector, TargetError> {
+        let selector = match name {
+            "round-robin" => Selector::RoundRobin,
+            "queue-length" => Selector::QueueLength,
+            "service-time" => Selector::ServiceTime,
+            "historical-service-time" => {
+                return Ok(Selector::HistoricalServiceTime(HstArgs::parse(words)?))
+            }
+            _ => {
+                return Err(TargetError::new(format!(
+                    "unknown path selector '{name}' (known: {})",
+                    Selector::NAMES
+                )))
+            }
+        };
+        if !words.is_empty() {
+            return Err(TargetError::new(format!(
+                "{name} takes no selector arguments, {} given",
+                words.len()
+            )));
         }
+        Ok(selector)
     }
 
     pub fn name(self) -> &'static str {
@@ -116,13 +156,22 @@ impl Selector {
             Selector::RoundRobin => "round-robin",
             Selector::QueueLength => "queue-length",
             Selector::ServiceTime => "service-time",
+            Selector::HistoricalServiceTime(_) => "historical-service-time",
+        }
+    }
+
+    /// The selector arguments as the table prints them, their count first.
+    pub fn print_args(self) -> String {
+        match self {
+            Selector::HistoricalServiceTime(args) => args.print(),
+            _ => "0".to_string(),
         }
     }
 
     /// How many per-path arguments the table line prints (`#path args`).
     pub fn table_args(self) -> usize {
         match self {
-            Selector::RoundRobin | Selector::QueueLength => 1,
+            Selector::RoundRobin | Selector::QueueLength | Selector::HistoricalServiceTime(_) => 1,
             Selector::ServiceTime => 2,
         }
     }
@@ -133,6 +182,7 @@ impl Selector {
             Selector::RoundRobin => 0,
             Selector::QueueLength => 1,
             Selector::ServiceTime => 2,
+            Selector::HistoricalServiceTime(_) => 3,
         }
     }
 
@@ -148,6 +198,11 @@ impl Selector {
             )));
         }
         let mut parsed = PathArgs::default();
+        if let Selector::HistoricalServiceTime(_) = self {
+            // Read, and ignored, as the kernel's (which prints 0 for it).
+            args.optional_number::<u32>("repeat_count")?;
+            return Ok(parsed);
+        }
         if let Some(repeat) = args.optional_number::<u32>("repeat_count")? {
             if repeat == 0 {
                 return Err(args.error("invalid <repeat_count> 0: must be at least 1"));
@@ -164,6 +219,7 @@ impl Selector {
     /// A path's arguments as the table prints them (all of them, defaults included).
     pub fn print_path_args(self, args: &PathArgs) -> String {
         match self {
+            Selector::HistoricalServiceTime(_) => "0".to_string(),
             Selector::RoundRobin | Selector::QueueLength => args.repeat_count.to_string(),
             Selector::ServiceTime => {
                 format!("{} {}", args.repeat_count, args.relative_throughput)
@@ -172,12 +228,16 @@ impl Selector {
     }
 
     /// A path's values in the status line: nothing; requests in flight; bytes in flight and
-    /// relative throughput.
+    /// relative throughput; the service time estimate, requests in flight and when the path
+    /// goes stale.
     pub fn path_info(self, args: &PathArgs, load: &Load) -> Option<String> {
         match self {
             Selector::RoundRobin => None,
             Selector::QueueLength => Some(load.requests().to_string()),
             Selector::ServiceTime => Some(format!("{} {}", load.bytes(), args.relative_throughput)),
+            Selector::HistoricalServiceTime(_) => {
+                load.history.as_ref().map(|h| h.info(load.requests()))
+            }
         }
     }
 
@@ -206,6 +266,10 @@ impl Selector {
             }
             return None;
         }
+        let now = match self {
+            Selector::HistoricalServiceTime(_) => history::now_ns(),
+            _ => 0,
+        };
         let mut best: Option<(usize, Candidate)> = None;
         for step in 0..n {
             let i = (cursor.at + step) % n;
@@ -213,7 +277,7 @@ impl Selector {
             if !candidate.usable {
                 continue;
             }
-            if best.is_none_or(|(_, b)| self.better(&candidate, &b, bytes)) {
+            if best.is_none_or(|(_, b)| self.better(&candidate, &b, bytes, now)) {
                 best = Some((i, candidate));
             }
         }
@@ -223,11 +287,20 @@ impl Selector {
     }
 
     /// Whether `a` should take the request rather than `b` (ties go to `b`, found first).
-    fn better(self, a: &Candidate, b: &Candidate, bytes: u64) -> bool {
+    fn better(self, a: &Candidate, b: &Candidate, bytes: u64, now: u64) -> bool {
         match self {
             Selector::RoundRobin => false,
             Selector::QueueLength => a.load.requests() < b.load.requests(),
             Selector::ServiceTime => service_time_less(a, b, bytes),
+            Selector::HistoricalServiceTime(args) => {
+                let estimate = |c: &Candidate| {
+                    let history = c.load.history.as_ref().expect("measured paths");
+                    history.estimate(c.load.requests())
+                };
+                let order =
+                    history::compare(estimate(a), estimate(b), args.threshold_multiplier, now);
+                order == std::cmp::Ordering::Less
+            }
         }
     }
 }
@@ -420,6 +493,48 @@ mod tests {
             let err = selector.parse_path_args(words).unwrap_err().to_string();
             assert!(err.contains(expected), "{words:?}: {err}");
         }
-        assert_eq!(Selector::parse("historical-service-time"), None);
+        assert!(Selector::parse("least-pending", &[]).is_err());
+        // historical-service-time reads its path argument, ignores it and prints 0.
+        let hst = Selector::parse("historical-service-time", &[]).unwrap();
+        assert_eq!(hst.print_args(), "2 972 0");
+        assert_eq!(
+            hst.print_path_args(&hst.parse_path_args(&["5"]).unwrap()),
+            "0"
+        );
+        assert!(hst.parse_path_args(&["x"]).is_err());
+    }
+
+    #[test]
+    fn historical_service_time_prefers_the_path_that_has_been_serving_faster() {
+        let hst = Selector::parse("historical-service-time", &[]).unwrap();
+        let loads: Vec<Arc<Load>> = (0..2).map(|_| Arc::new(Load::new(hst, 2))).collect();
+        // Three requests each, path 0 taking 4 ms and path 1 0.2 ms, finishing a minute from
+        // now: neither path goes stale while the test runs.
+        let minute = history::now_ns() + 60_000_000_000;
+        for (path, took) in [(0, 4_000_000), (1, 200_000)] {
+            let history = loads[path].history.as_ref().unwrap();
+            for k in 0..3 {
+                let started = minute + k * 10_000_000;
+                history.finished_at(started, started + took);
+            }
+        }
+        let args = repeat(&[1, 1]);
+        let paths = candidates(&loads, &args, &[true, true]);
+        let mut cursor = Cursor::default();
+        // Path 1 takes requests while (1 + in flight) × its estimate beats path 0's, idle:
+        // about 20 of them.
+        let mut held = Vec::new();
+        let mut chosen = Vec::new();
+        for _ in 0..24 {
+            let path = pick(hst, &paths, &mut cursor, 4096).unwrap();
+            chosen.push(path);
+            held.push(loads[path].start(4096));
+        }
+        let to_fast = chosen.iter().filter(|&&p| p == 1).count();
+        assert!(chosen[..16].iter().all(|&p| p == 1), "{chosen:?}");
+        assert!((18..24).contains(&to_fast), "{chosen:?}");
+        let info = hst.path_info(&args[0], &loads[0]).unwrap();
+        let fields: Vec<&str> = info.split(' ').collect();
+        assert_eq!(fields[1], (24 - to_fast).to_string(), "{info}");
     }
 }

@@ -525,8 +525,9 @@ fn requests_map_onto_the_chosen_file_and_count_until_they_complete() {
     assert_eq!(file_of(&second), b);
     drop((first, second));
     assert!(target(&table).status().ends_with("a A 0 0 b A 0 0"));
-    // A flush maps onto every usable path; a failed path takes nothing.
-    assert_eq!(table.map(MapOp::Flush, 0, 0).unwrap().pieces.len(), 2);
+    // A flush with several usable paths goes the synchronous way (one down each path at
+    // once, each failure failing its own path); with one, it maps onto it.
+    assert!(table.map(MapOp::Flush, 0, 0).is_none());
     message(&table, "fail_path a").unwrap();
     for _ in 0..3 {
         assert_eq!(file_of(&table.map(MapOp::Read, 8192, 4096).unwrap()), b);
@@ -540,4 +541,186 @@ fn requests_map_onto_the_chosen_file_and_count_until_they_complete() {
     let rig = Rig::new();
     let (table, _) = rig.build(TWO_PATHS);
     assert!(table.map(MapOp::Read, 0, 4096).is_none());
+}
+
+/// Two names of one 4 MiB file as the paths `a` and `b` of a round-robin multipath.
+fn file_paths(dir: &udm_testkit::TempDir) -> Table {
+    use udm_block::{FileDevice, OpenMode};
+    let (a, b) = (dir.path("a.img"), dir.path("b.img"));
+    std::fs::File::create(&a).unwrap().set_len(4 * MIB).unwrap();
+    std::fs::hard_link(&a, &b).unwrap();
+    let files = Devices::default();
+    for (name, path) in [("a", &a), ("b", &b)] {
+        let file = FileDevice::open(path, OpenMode::ReadWrite).unwrap();
+        files.add(name, Arc::new(file), false);
+    }
+    build(&files, &format!("0 {SECTORS} multipath {TWO_PATHS}")).unwrap()
+}
+
+#[test]
+fn a_mapped_request_that_fails_fails_its_path_and_is_retried_the_synchronous_way() {
+    use udm_block::{Completed, MapOp};
+    let dir = udm_testkit::TempDir::new("mp-retry");
+    let table = file_paths(&dir);
+    let eio = BlockError::Os {
+        context: "read".into(),
+        errno: libc::EIO,
+    };
+    // Round-robin: the first request goes down a.
+    let mapping = table.map(MapOp::Read, 0, 4096).unwrap();
+    assert!(mapping.retry_on_error, "a failure would reach the client");
+    for told in mapping.on_complete {
+        told(Completed::Retried(&eio));
+    }
+    assert!(target(&table).status().ends_with("a F 1 b A 0"));
+    // The retry (the synchronous read) goes down b.
+    read(&table, 0).unwrap();
+    // An error any path would give (no space) does not fail the path; the retry returns it.
+    let enospc = BlockError::Os {
+        context: "write".into(),
+        errno: libc::ENOSPC,
+    };
+    let mapping = table.map(MapOp::Write { fua: false }, 0, 4096).unwrap();
+    for told in mapping.on_complete {
+        told(Completed::Retried(&enospc));
+    }
+    assert!(target(&table).status().ends_with("a F 1 b A 0"));
+}
+
+#[test]
+fn flushes_to_several_paths_run_at_once() {
+    let rig = Rig::new();
+    let (table, _) = rig.build("0 0 1 1 round-robin 0 3 1 a 1 b 1 c 1");
+    let now = Arc::new(AtomicU64::new(0));
+    let most = Arc::new(AtomicU64::new(0));
+    for route in &rig.routes {
+        let (now, most) = (now.clone(), most.clone());
+        *route.on_flush.lock() = Some(Box::new(move || {
+            most.fetch_max(now.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(200));
+            now.fetch_sub(1, Ordering::SeqCst);
+        }));
+    }
+    for i in 0..3 {
+        table
+            .write(i * 4096, &pattern(4096, 9), WriteFlags::default())
+            .unwrap();
+    }
+    let started = Instant::now();
+    table.flush().unwrap();
+    assert_eq!(most.load(Ordering::SeqCst), 3, "flushes one after another");
+    assert!(started.elapsed() < Duration::from_millis(550));
+    // One failing among them fails its path alone; its writes are covered down another.
+    for i in 0..3 {
+        table
+            .write(i * 4096, &pattern(4096, 10), WriteFlags::default())
+            .unwrap();
+    }
+    rig.routes[1].fail_writes.store(true, Ordering::SeqCst);
+    table.flush().unwrap();
+    assert!(target(&table).status().ends_with("a A 0 b F 1 c A 0"));
+}
+
+#[test]
+fn the_checker_fails_an_active_path_that_stops_answering_before_io_finds_it() {
+    let rig = Rig::new();
+    let (table, events) = rig.build(&format!("2 checker_interval 1 {}", &TWO_PATHS[2..]));
+    rig.down(0, true);
+    let started = Instant::now();
+    wait_for("the checker to fail a", || {
+        target(&table).status().contains("a F 1")
+    });
+    assert!(started.elapsed() < Duration::from_millis(1500));
+    assert_eq!(events.load(Ordering::SeqCst), 1);
+    // No request went down a to find it dead: only probes read it.
+    let probes = rig.reads(0);
+    for i in 0..4 {
+        read(&table, i * 4096).unwrap();
+    }
+    assert_eq!(rig.reads(0), probes);
+}
+
+#[test]
+fn failback_immediate_sends_io_back_to_the_first_group_when_its_path_returns() {
+    for (failback, back) in [("immediate", true), ("manual", false)] {
+        let rig = Rig::new();
+        let (table, _) = rig.build(&format!(
+            "4 checker_interval 1 failback {failback} 0 2 1 \
+             round-robin 0 1 1 a 1 round-robin 0 1 1 b 1"
+        ));
+        rig.down(0, true);
+        read(&table, 0).unwrap();
+        assert!(target(&table).status().contains("a F 1"));
+        rig.down(0, false);
+        wait_for("the checker to reinstate a", || {
+            target(&table).status().contains("a A 1")
+        });
+        let (a, b) = (rig.reads(0), rig.reads(1));
+        for i in 0..4 {
+            read(&table, i * 4096).unwrap();
+        }
+        let went_back = rig.reads(0) - a >= 4;
+        assert_eq!(went_back, back, "failback {failback}");
+        assert_eq!(rig.reads(1) - b >= 4, !back, "failback {failback}");
+        let group = if back { "2 0 0 0 2 1" } else { "2 0 0 0 2 2" };
+        assert!(
+            target(&table).status().starts_with(group),
+            "failback {failback}: {}",
+            target(&table).status()
+        );
+    }
+}
+
+#[test]
+fn historical_service_time_sends_most_requests_down_the_path_that_serves_faster() {
+    let rig = Rig::new();
+    *rig.routes[1].on_read.lock() = Some(Box::new(|| std::thread::sleep(Duration::from_millis(3))));
+    let (table, _) = rig.build("0 0 1 1 historical-service-time 0 2 1 a 0 b 0");
+    let table = Arc::new(table);
+    let until = Instant::now() + Duration::from_millis(400);
+    let readers: Vec<_> = (0..8)
+        .map(|_| {
+            let table = table.clone();
+            std::thread::spawn(move || {
+                while Instant::now() < until {
+                    read(&table, 0).unwrap();
+                }
+            })
+        })
+        .collect();
+    for reader in readers {
+        reader.join().unwrap();
+    }
+    let (fast, slow) = (rig.reads(0), rig.reads(1));
+    assert!(fast > 10 * slow && slow > 0, "a: {fast} reads, b: {slow}");
+    // Status: the estimate (ns × 1024), requests in flight, when the path goes stale.
+    let status = target(&table).status();
+    let words: Vec<&str> = status.split_whitespace().collect();
+    assert_eq!(
+        words[..10],
+        ["2", "0", "0", "0", "1", "1", "A", "0", "2", "3"]
+    );
+    let estimate = |at: usize| words[at].parse::<u64>().unwrap() >> 10;
+    let (a_ns, b_ns) = (estimate(13), estimate(19));
+    assert!(b_ns > 3 * a_ns && b_ns > 1_000_000, "{status}");
+    assert_eq!((words[14], words[20]), ("0", "0"), "{status}");
+}
+
+#[test]
+fn work_for_many_paths_runs_at_once_in_bounded_batches() {
+    let now = AtomicU64::new(0);
+    let most = AtomicU64::new(0);
+    let items: Vec<usize> = (0..70).collect();
+    let results = super::io::each_at_once("test", &items, |i| {
+        most.fetch_max(now.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(20));
+        now.fetch_sub(1, Ordering::SeqCst);
+        i * 2
+    });
+    assert_eq!(
+        results,
+        items.iter().map(|&i| (i, i * 2)).collect::<Vec<_>>()
+    );
+    let most = most.load(Ordering::SeqCst);
+    assert!((2..=32).contains(&most), "{most} at once");
 }

@@ -27,7 +27,10 @@ thread_local! {
 
 pub struct Snap {
     pub id: u64,
+    /// The COW device's identity ([`crate::rendezvous::device_key`]).
     pub cow_key: String,
+    /// The COW device as the table that opened it first named it, for messages.
+    pub cow_name: String,
     pub cow: Arc<dyn BlockDevice>,
     pub store: Box<dyn ExceptionStore>,
     pub persistent: bool,
@@ -59,6 +62,7 @@ impl Drop for SnapHandle {
 /// How a table wants to use a COW device.
 pub struct CowUse<'a> {
     pub cow_key: String,
+    pub cow_name: String,
     pub cow: Arc<dyn BlockDevice>,
     pub persistent: bool,
     pub hub: Arc<Hub>,
@@ -79,6 +83,7 @@ impl SnapHandle {
                 snap: Arc::new(Snap {
                     id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                     cow_key: using.cow_key.clone(),
+                    cow_name: using.cow_name.clone(),
                     cow: using.cow.clone(),
                     store,
                     persistent: using.persistent,
@@ -97,15 +102,15 @@ impl SnapHandle {
         if !Arc::ptr_eq(&handle.hub, &using.hub) {
             return Err(format!(
                 "COW device '{}' holds a snapshot of '{}', not of '{}'",
-                using.cow_key,
-                handle.hub.key(),
-                using.hub.key()
+                using.cow_name,
+                handle.hub.name(),
+                using.hub.name()
             ));
         }
         if handle.snap.persistent != using.persistent {
             return Err(format!(
                 "COW device '{}' is in use as a {} store",
-                using.cow_key,
+                using.cow_name,
                 if handle.snap.persistent {
                     "persistent"
                 } else {
@@ -175,12 +180,12 @@ impl Snap {
         if !self.valid.swap(false, Ordering::AcqRel) {
             return;
         }
-        error!("snapshot on '{}': invalidating it: {why}", self.cow_key);
+        error!("snapshot on '{}': invalidating it: {why}", self.cow_name);
         if let Err(e) = self.store.invalidate() {
             error!(
                 "snapshot on '{}': marking the COW device invalid failed: {e}; after a \
                  restart it may be read as valid although the origin has moved on",
-                self.cow_key
+                self.cow_name
             );
         }
         (self.raise_event)();
@@ -192,7 +197,7 @@ impl Snap {
             warn!(
                 "snapshot on '{}': the COW device is full; writes to the snapshot fail from \
                  now on (Overflow)",
-                self.cow_key
+                self.cow_name
             );
             (self.raise_event)();
         }
@@ -217,25 +222,33 @@ impl Snap {
     /// Commits `records` (their data saved) and makes them visible.
     pub fn commit(&self, records: &[Record]) -> Result<(), StoreError> {
         let ticket = self.store.submit(records)?;
-        self.complete(records, ticket)
+        self.store.wait(ticket)?;
+        self.insert(records);
+        Ok(())
     }
 
-    fn complete(&self, records: &[Record], ticket: u64) -> Result<(), StoreError> {
-        self.store.wait(ticket)?;
+    fn insert(&self, records: &[Record]) {
         for record in records {
             self.exceptions.insert(record.old, record.new);
         }
-        Ok(())
+    }
+
+    /// How a copy-out's commit went: its exceptions visible, or the snapshot dropped.
+    fn committed(&self, records: &[Record], result: Result<(), StoreError>) {
+        match result {
+            Ok(()) => self.insert(records),
+            Err(e) => self.invalidate(&format!("committing exceptions: {e}")),
+        }
     }
 
     /// The first half of an origin write's copy-out: holds and saves every chunk of the
     /// ranges this snapshot lacks, and submits their records. `None` when there is nothing
     /// to save or the snapshot had to be dropped.
-    pub fn begin_copy_out<'s>(
-        &'s self,
+    pub fn begin_copy_out(
+        self: &Arc<Self>,
         origin: &mut OriginCache,
         ranges: &[(u64, u64)],
-    ) -> Option<Saving<'s>> {
+    ) -> Option<Saving> {
         let mut guards = Vec::new();
         let mut records = Vec::new();
         // Ascending and each once: two ranges may fall in one chunk of this snapshot, and
@@ -277,10 +290,10 @@ impl Snap {
         }
         match self.store.submit(&records) {
             Ok(ticket) => Some(Saving {
-                snap: self,
+                snap: self.clone(),
                 records,
                 ticket,
-                _guards: guards,
+                guards,
             }),
             Err(e) => {
                 self.invalidate(&format!("committing exceptions: {e}"));
@@ -291,19 +304,38 @@ impl Snap {
 }
 
 /// Chunks saved and submitted, held until their commit is durable.
-pub struct Saving<'s> {
-    snap: &'s Snap,
+pub struct Saving {
+    snap: Arc<Snap>,
     records: Vec<Record>,
     ticket: u64,
-    _guards: Vec<ChunkGuard>,
+    guards: Vec<ChunkGuard>,
 }
 
-impl Saving<'_> {
+impl Saving {
     /// Waits for the commit; the chunks are let go when this returns.
     pub fn finish(self) {
-        if let Err(e) = self.snap.complete(&self.records, self.ticket) {
-            self.snap.invalidate(&format!("committing exceptions: {e}"));
-        }
+        let result = self.snap.store.wait(self.ticket);
+        self.snap.committed(&self.records, result);
+    }
+
+    /// The same without waiting: once the commit is durable, the chunks are let go and
+    /// `then` is called, on the thread that finished the commit.
+    pub fn finish_then(self, then: impl FnOnce() + Send + 'static) {
+        let Saving {
+            snap,
+            records,
+            ticket,
+            guards,
+        } = self;
+        let store_snap = snap.clone();
+        store_snap.store.when_durable(
+            ticket,
+            Box::new(move |result| {
+                snap.committed(&records, result);
+                drop(guards);
+                then()
+            }),
+        );
     }
 }
 

@@ -2,25 +2,37 @@
 //! of each chunk before an origin write changes it, and the targets serving the origin
 //! (`snapshot-origin`, or the `snapshot-merge` that took its place).
 //!
-//! Hubs live in a [`Rendezvous`] keyed by [`device_key`] of the origin reference, so the
-//! tables of different devices naming the same origin meet in one hub (the kernel's
-//! `_origins` hash). Name the origin the same way everywhere: a udm device and the file under
-//! it are different keys.
+//! Hubs live in a [`Rendezvous`] keyed by the origin's identity
+//! ([`crate::rendezvous::device_key`]: a file's inode, a udm device's serial), so the tables
+//! of different devices meet in one hub however they name the origin (the kernel's
+//! `_origins` hash, keyed by dev_t). A udm device and the file under it are different
+//! devices, as a dm device and its backing disk are.
 
 use parking_lot::{Condvar, Mutex, RwLock};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use udm_block::BlockDevice;
+use udm_block::{BlockDevice, Done, WorkerPool};
 
 use super::cow::{OriginCache, Snap};
 use crate::rendezvous::Rendezvous;
 
 static HUBS: Rendezvous<Hub> = Rendezvous::new();
 
+/// Threads that copy origin chunks into snapshots for mapped origin writes. A copy holds one
+/// only while it reads the origin and writes the COW device (never through the commit), so
+/// this many copies run at once across every origin.
+const COPIERS: usize = 64;
+
+fn copiers() -> &'static Arc<WorkerPool> {
+    static POOL: OnceLock<Arc<WorkerPool>> = OnceLock::new();
+    POOL.get_or_init(|| WorkerPool::new("snapshot-copy", COPIERS))
+}
+
 pub struct Hub {
-    key: String,
+    /// The origin as the table that made the hub named it, for messages.
+    name: String,
     /// Active snapshots, in activation order: the order in which an origin write locks their
     /// chunks, so that two writes never wait for each other crosswise.
     snaps: RwLock<Vec<Arc<Snap>>>,
@@ -51,10 +63,13 @@ impl Drop for RoleGuard {
 }
 
 impl Hub {
-    pub fn of(origin_key: &str) -> Arc<Hub> {
+    /// The hub of the origin whose [`device_key`] is `origin_key`, named `name` in messages.
+    ///
+    /// [`device_key`]: crate::rendezvous::device_key
+    pub fn of(origin_key: &str, name: &str) -> Arc<Hub> {
         HUBS.get_or_try_insert::<()>(origin_key, || {
             Ok(Arc::new(Hub {
-                key: origin_key.to_string(),
+                name: name.to_string(),
                 snaps: RwLock::default(),
                 gate: Arc::default(),
                 roles: Mutex::default(),
@@ -64,8 +79,8 @@ impl Hub {
         .expect("making a hub cannot fail")
     }
 
-    pub fn key(&self) -> &str {
-        &self.key
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     fn add_role(self: &Arc<Self>, owner: &str, merging: Option<String>) -> RoleGuard {
@@ -93,7 +108,7 @@ impl Hub {
             return Err(format!(
                 "origin '{}' is being merged by device '{}'; its snapshot-merge target \
                  serves the origin until the merge is done",
-                self.key, merge.owner
+                self.name, merge.owner
             ));
         }
         drop(roles);
@@ -117,11 +132,11 @@ impl Hub {
         let roles = self.roles.lock();
         for role in roles.iter() {
             match &role.merging {
-                Some(other) if other != cow_key => {
+                Some(other) if other != cow_key || role.owner != owner => {
                     return Err(format!(
-                        "origin '{}' is already being merged from '{other}' by device '{}': \
-                         one merge per origin at a time",
-                        self.key, role.owner
+                        "origin '{}' is already being merged by device '{}': one merge per \
+                         origin at a time",
+                        self.name, role.owner
                     ))
                 }
                 None if role.owner != owner => {
@@ -129,7 +144,7 @@ impl Hub {
                         "device '{}' serves origin '{}' with snapshot-origin; load \
                          snapshot-merge into '{}' in its place (the merge takes over the \
                          origin's role)",
-                        role.owner, self.key, role.owner
+                        role.owner, self.name, role.owner
                     ))
                 }
                 _ => {}
@@ -190,6 +205,43 @@ impl Hub {
     /// once.
     pub fn copy_out(&self, origin: &dyn BlockDevice, offset: u64, len: u64) {
         self.copy_out_ranges(origin, &[(offset, len)]);
+    }
+
+    /// [`Hub::copy_out`] for a mapped origin write, holding no thread while the commits are
+    /// written: the copies run on the copy workers, and `done` is finished once every
+    /// snapshot's commit is durable (by the last commit to finish). The origin write goes
+    /// ahead either way, as with [`Hub::copy_out`].
+    pub fn copy_out_then(
+        self: &Arc<Self>,
+        origin: Arc<dyn BlockDevice>,
+        offset: u64,
+        len: u64,
+        done: Done,
+    ) {
+        let hub = self.clone();
+        copiers().submit(Box::new(move || {
+            let targets = hub.targets();
+            let savings: Vec<_> = OriginCache::with(&*origin, |cache| {
+                targets
+                    .iter()
+                    .filter_map(|snap| snap.begin_copy_out(cache, &[(offset, len)]))
+                    .collect()
+            });
+            if savings.is_empty() {
+                return done.finish(Ok(()));
+            }
+            let left = Arc::new((AtomicUsize::new(savings.len()), Mutex::new(Some(done))));
+            for saving in savings {
+                let left = left.clone();
+                saving.finish_then(move || {
+                    if left.0.fetch_sub(1, Ordering::AcqRel) == 1 {
+                        if let Some(done) = left.1.lock().take() {
+                            done.finish(Ok(()));
+                        }
+                    }
+                });
+            }
+        }));
     }
 
     /// [`Hub::copy_out`] for several ranges at once (a merge batch), with one commit per

@@ -29,7 +29,6 @@ use super::hub::RoleGuard;
 use super::{details, each_chunk, parse, status_line, Persistence, SnapshotArgs};
 use crate::args::Args;
 use crate::pacing::{RateLimit, Throughput, UserActivity};
-use crate::rendezvous::device_key;
 use crate::target::{EventSink, Target, TargetContext, TargetError};
 
 /// Most bytes merged per metadata commit (each costs a flush of the origin and an area
@@ -75,7 +74,7 @@ pub struct Merge {
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
-    let parsed = parse(args, ctx, OpenMode::ReadWrite)?;
+    let parsed = parse(args, ctx, OpenMode::ReadWrite, OpenMode::Handover)?;
     if parsed.persistence == Persistence::Transient {
         return Err(args.error(
             "a transient (N) snapshot cannot be merged: its exceptions are only in memory",
@@ -91,7 +90,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     let role = parsed
         .handle
         .hub
-        .serve_merge(ctx.owner, &device_key(&parsed.cow_ref))
+        .serve_merge(ctx.owner, &parsed.snap().cow_key)
         .map_err(|e| args.error(e))?;
     let inner = Arc::new(Inner {
         args: parsed,
@@ -411,6 +410,10 @@ impl BlockDevice for Merge {
     }
 
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        // Discards and write-zeroes mean something of their own here: the synchronous way.
+        if op.is_fill() {
+            return None;
+        }
         let s = &self.inner;
         let snap = s.snap();
         if op == MapOp::Flush {

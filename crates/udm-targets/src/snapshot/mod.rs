@@ -63,7 +63,71 @@ struct SnapshotArgs {
     origin: Arc<dyn BlockDevice>,
     cow_ref: String,
     persistence: Persistence,
+    discards: Discards,
     handle: Arc<SnapHandle>,
+}
+
+/// The kernel's optional discard features (`[<#feature args> <feature>*]`). Without them a
+/// snapshot takes no discards.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Discards {
+    /// `discard_zeroes_cow`: a discard of a whole chunk the snapshot holds zeroes its copy
+    /// (the exception stays and reads zeroes); of part of one, is passed to the COW device;
+    /// of a chunk it does not hold, does nothing.
+    zeroes_cow: bool,
+    /// `discard_passdown_origin` (needs `discard_zeroes_cow`): the discard also goes to the
+    /// origin device itself, past `snapshot-origin`, so nothing is saved first: it frees
+    /// the origin's space, and other snapshots of it lose those chunks.
+    passdown_origin: bool,
+}
+
+impl Discards {
+    fn parse(args: &mut Args) -> Result<Discards, TargetError> {
+        let mut discards = Discards::default();
+        if args.remaining() == 0 {
+            return Ok(discards);
+        }
+        let count: usize = args.number("#feature args")?;
+        if count != args.remaining() {
+            return Err(args.error(format!(
+                "{count} feature arguments announced, {} given",
+                args.remaining()
+            )));
+        }
+        for _ in 0..count {
+            match args.word("feature")? {
+                "discard_zeroes_cow" => discards.zeroes_cow = true,
+                "discard_passdown_origin" => discards.passdown_origin = true,
+                other => {
+                    return Err(args.error(format!(
+                        "unrecognised feature '{other}' (known: discard_zeroes_cow, \
+                         discard_passdown_origin)"
+                    )))
+                }
+            }
+        }
+        if discards.passdown_origin && !discards.zeroes_cow {
+            return Err(
+                args.error("discard_passdown_origin needs discard_zeroes_cow, as in the kernel")
+            );
+        }
+        Ok(discards)
+    }
+
+    /// The feature arguments as the kernel prints them: nothing when there are none.
+    fn words(self) -> String {
+        let mut words = Vec::new();
+        if self.zeroes_cow {
+            words.push("discard_zeroes_cow");
+        }
+        if self.passdown_origin {
+            words.push("discard_passdown_origin");
+        }
+        match words.len() {
+            0 => String::new(),
+            n => format!(" {n} {}", words.join(" ")),
+        }
+    }
 }
 
 impl SnapshotArgs {
@@ -75,19 +139,24 @@ impl SnapshotArgs {
     /// decides), as the kernel prints them.
     fn line(&self) -> String {
         format!(
-            "{} {} {} {}",
+            "{} {} {} {}{}",
             self.origin_ref,
             self.cow_ref,
             self.persistence.word(),
-            self.snap().store.chunk_sectors()
+            self.snap().store.chunk_sectors(),
+            self.discards.words()
         )
     }
 }
 
+/// `origin_mode` and `cow_mode` are how the origin and the COW device are opened: a merge
+/// writes the origin; a COW device is opened for handover, so that the merge of another
+/// device can take it over from the snapshot device (the kernel's exception handover).
 fn parse(
     args: &mut Args,
     ctx: &TargetContext,
     origin_mode: OpenMode,
+    cow_mode: OpenMode,
 ) -> Result<SnapshotArgs, TargetError> {
     if args.remaining() < 4 {
         return Err(args.error(format!(
@@ -97,15 +166,19 @@ fn parse(
     }
     let (origin_ref, origin) = args.device(ctx, "origin", origin_mode)?;
     let cow_ref = args.word("COW device")?.to_string();
-    if device_key(&cow_ref) == device_key(&origin_ref) {
+    let cow = ctx
+        .resolver
+        .open(&cow_ref, cow_mode)
+        .map_err(|e| args.error(format!("cannot open <COW device> '{cow_ref}': {e}")))?;
+    let (origin_key, cow_key) = (
+        device_key(&origin_ref, &*origin),
+        device_key(&cow_ref, &*cow),
+    );
+    if cow_key == origin_key {
         return Err(args.error(format!(
             "the COW device '{cow_ref}' cannot be the origin itself"
         )));
     }
-    let cow = ctx
-        .resolver
-        .open(&cow_ref, OpenMode::Exclusive)
-        .map_err(|e| args.error(format!("cannot open <COW device> '{cow_ref}': {e}")))?;
     let persistence = match args.word("persistent?")?.to_ascii_uppercase().as_str() {
         "P" => Persistence::Persistent,
         "PO" => Persistence::PersistentOverflow,
@@ -121,30 +194,16 @@ fn parse(
         check_chunk_sectors(chunk_sectors)
             .map_err(|e| args.error(format!("invalid <chunk size>: {e}")))?;
     }
-    if args.remaining() > 0 {
-        let count: usize = args.number("#feature args")?;
-        if count > args.remaining() {
-            return Err(args.error(format!(
-                "{count} feature arguments announced, {} given",
-                args.remaining()
-            )));
-        }
-        if count > 0 {
-            let feature = args.word("feature")?;
-            return Err(args.error(format!(
-                "unsupported feature '{feature}' (udm implements neither discard_zeroes_cow \
-                 nor discard_passdown_origin)"
-            )));
-        }
-    }
+    let discards = Discards::parse(args)?;
     ctx.require(&origin_ref, &*origin, 0, ctx.len)
         .map_err(|e| args.error(e))?;
     ctx.require(&cow_ref, &*cow, 0, cow.size())
         .map_err(|e| args.error(e))?;
-    let hub = Hub::of(&device_key(&origin_ref));
+    let hub = Hub::of(&origin_key, &origin_ref);
     let persistent = persistence != Persistence::Transient;
     let using = CowUse {
-        cow_key: device_key(&cow_ref),
+        cow_key,
+        cow_name: cow_ref.clone(),
         cow: cow.clone(),
         persistent,
         hub,
@@ -167,6 +226,7 @@ fn parse(
         origin,
         cow_ref,
         persistence,
+        discards,
         handle,
     })
 }
@@ -234,7 +294,7 @@ fn details(snap: &Snap) -> serde_json::Value {
 fn invalid(snap: &Snap) -> BlockError {
     BlockError::Io(format!(
         "snapshot on '{}' is invalid (its COW device filled up or failed)",
-        snap.cow_key
+        snap.cow_name
     ))
 }
 

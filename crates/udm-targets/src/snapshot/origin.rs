@@ -1,11 +1,15 @@
 //! `snapshot-origin <origin>`: the origin as its users see it. Reads go straight to the
 //! origin; a write first has every chunk it touches saved by each snapshot of the origin that
 //! lacks it (committed, so the snapshot survives a crash right after the write lands), then
-//! lands. Writes to chunks every snapshot has saved remap straight onto the origin.
+//! lands. Writes to chunks every snapshot has saved remap straight onto the origin; other
+//! mapped writes wait for their copy-out as a step of their mapping ([`udm_block::pending`]),
+//! holding no thread while the copies' commit is written.
 
 use std::sync::Arc;
 
-use udm_block::{BlockDevice, Capabilities, Extent, MapOp, Mapping, OpenMode, Result, WriteFlags};
+use udm_block::{
+    BlockDevice, Capabilities, Extent, MapOp, Mapping, OpenMode, Pending, Result, WriteFlags,
+};
 
 use super::hub::{Hub, RoleGuard};
 use crate::args::Args;
@@ -24,7 +28,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     let (origin_ref, origin) = args.device(ctx, "origin", OpenMode::ReadWrite)?;
     ctx.require(&origin_ref, &*origin, 0, ctx.len)
         .map_err(|e| args.error(e))?;
-    let hub = Hub::of(&device_key(&origin_ref));
+    let hub = Hub::of(&device_key(&origin_ref, &*origin), &origin_ref);
     let role = hub.serve_origin(ctx.owner).map_err(|e| args.error(e))?;
     Ok(Arc::new(Origin {
         hub,
@@ -70,13 +74,20 @@ impl BlockDevice for Origin {
 
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
         match op {
+            MapOp::Discard { .. } | MapOp::WriteZeroes { .. } => None,
             MapOp::Read | MapOp::Flush => self.origin.map(op, offset, len),
             MapOp::Write { .. } => {
                 let writing = self.hub.try_begin_write()?;
-                if !self.hub.all_saved(offset, len) {
-                    return None;
+                let mapped = self.origin.map(op, offset, len)?.hold(writing);
+                if self.hub.all_saved(offset, len) {
+                    return Some(mapped);
                 }
-                Some(self.origin.map(op, offset, len)?.hold(writing))
+                // The chunks are saved first, by the copy workers; the write waits for
+                // their commit without a thread waiting with it.
+                let (hub, origin) = (self.hub.clone(), self.origin.clone());
+                Some(mapped.after(Pending::new(move |done| {
+                    hub.copy_out_then(origin, offset, len, done)
+                })))
             }
         }
     }

@@ -27,11 +27,13 @@ pub struct Snapshot {
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
-    let parsed = parse(args, ctx, OpenMode::ReadOnly)?;
+    let parsed = parse(args, ctx, OpenMode::ReadOnly, OpenMode::Handover)?;
     if parsed.snap().is_merging() {
         return Err(args.error(format!(
-            "COW device '{}' is being merged into its origin; it is no longer a snapshot",
-            parsed.cow_ref
+            "COW device '{}' is being merged into its origin by device '{}'; it is no \
+             longer a snapshot",
+            parsed.cow_ref,
+            parsed.handle.hub.merged_by().unwrap_or_default()
         )));
     }
     if !parsed.snap().is_active() {
@@ -61,7 +63,7 @@ impl Snapshot {
         }
         if snap.is_merging() {
             return Err(BlockError::Io(
-                "the snapshot is being merged into its origin".into(),
+                "the snapshot was handed over to its merge into the origin".into(),
             ));
         }
         Ok(())
@@ -109,10 +111,38 @@ impl BlockDevice for Snapshot {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            discard: false,
+            discard: self.args.discards.zeroes_cow,
             fast_zero: false,
             ..Capabilities::weakest([&self.snap().cow.capabilities()])
         }
+    }
+
+    /// The kernel's `discard_zeroes_cow` and `discard_passdown_origin` ([`super::Discards`]);
+    /// without them a discard is ignored (a hint the snapshot does not take).
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        let discards = self.args.discards;
+        if !discards.zeroes_cow {
+            return Ok(());
+        }
+        self.check_usable()?;
+        let snap = self.snap();
+        let origin = &*self.args.origin;
+        each_chunk(snap.chunk, offset, len, |chunk, at, n, _| {
+            if discards.passdown_origin {
+                origin.discard(at, n)?;
+            }
+            let _held = snap.locks.exclusive(chunk);
+            let Some(new) = snap.exceptions.get(chunk) else {
+                return Ok(());
+            };
+            let (start, end) = snap.chunk_range(chunk, origin.size());
+            if at == start && at + n == end {
+                snap.cow
+                    .write_zeroes(snap.cow_offset(new, at), n, udm_block::ZeroFlags::default())
+            } else {
+                snap.cow.discard(snap.cow_offset(new, at), n)
+            }
+        })
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
@@ -169,6 +199,10 @@ impl BlockDevice for Snapshot {
     /// until the read completes); writes and flushes onto the COW device once every chunk
     /// they touch has its exception.
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        // Discards and write-zeroes mean something of their own here: the synchronous way.
+        if op.is_fill() {
+            return None;
+        }
         let snap = self.snap();
         if self.check_usable().is_err() {
             return None;
@@ -211,7 +245,12 @@ impl Target for Snapshot {
         self.args.line()
     }
 
+    /// `Invalid` once a merge has taken the COW device over (the kernel invalidates the
+    /// source of a handover), else the usage.
     fn status(&self) -> String {
+        if self.snap().is_merging() {
+            return "Invalid".into();
+        }
         status_line(self.snap(), false)
     }
 

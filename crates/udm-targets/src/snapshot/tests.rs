@@ -359,6 +359,55 @@ fn concurrent_first_writes_share_commits() {
     assert!(read(&snap, 0, 16 * MIB as usize)[..] == original(16 * MIB)[..]);
 }
 
+/// The kernel's discard features: whole chunks the snapshot holds read zeroes, chunks it
+/// does not hold are left alone (no copy-out), and with passdown the origin itself is
+/// discarded behind snapshot-origin's back. Without them, a discard changes nothing.
+#[test]
+fn discards_zero_the_snapshots_chunks_and_pass_down_to_the_origin_only_when_asked() {
+    let rig = Rig::new(MIB);
+    let origin = rig.origin_table();
+    let plain = rig.cow(2 * MIB);
+    let plain = rig.snapshot(&plain, "P 8");
+    let cow = rig.cow(2 * MIB);
+    let snap = rig.snapshot(&cow, "P 8 1 discard_zeroes_cow");
+    assert_eq!(
+        target(&snap).args().rsplit_once(" P 8").unwrap().1,
+        " 1 discard_zeroes_cow",
+        "the table line keeps its features"
+    );
+    assert!(snap.capabilities().discard && !plain.capabilities().discard);
+    let was = original(MIB);
+    write(&origin, 4096, 4096, 9); // chunk 1 saved into both snapshots
+    write(&snap, 8192, 4096, 10); // chunk 2 written in the snapshot
+    plain.discard(4096, 8192).unwrap();
+    assert!(read(&plain, 4096, 8192)[..] == was[4096..12288], "ignored");
+    snap.discard(4096, 4096 + 1024).unwrap();
+    assert!(
+        read(&snap, 4096, 4096).iter().all(|&b| b == 0),
+        "whole chunk"
+    );
+    assert!(
+        read(&snap, 9216, 3072)[..] == pattern(4096, 10)[1024..],
+        "the rest of a partly discarded chunk stays"
+    );
+    snap.discard(12288, 4096).unwrap();
+    assert!(read(&snap, 12288, 4096)[..] == was[12288..16384]);
+    assert_eq!(target(&snap).status_details().unwrap()["exceptions"], 2);
+    assert!(read(&origin, 12288, 4096)[..] == was[12288..16384]);
+
+    let cow = rig.cow(2 * MIB);
+    let passing = rig.snapshot(&cow, "P 8 2 discard_zeroes_cow discard_passdown_origin");
+    passing.discard(16384, 4096).unwrap();
+    assert!(
+        read(&origin, 16384, 4096).iter().all(|&b| b == 0),
+        "passed down to the origin"
+    );
+    assert!(
+        read(&plain, 16384, 4096).iter().all(|&b| b == 0),
+        "without a copy-out: other snapshots lose the chunk, as in the kernel"
+    );
+}
+
 #[test]
 fn bad_tables_are_refused_naming_the_problem() {
     let rig = Rig::new(4 * MIB);
@@ -384,8 +433,24 @@ fn bad_tables_are_refused_naming_the_problem() {
             "expected <origin> <COW device>",
         ),
         (
-            format!("snapshot {o} {cow} P 8 1 discard_zeroes_cow"),
-            "unsupported feature 'discard_zeroes_cow'",
+            format!("snapshot {o} {cow} P 8 1 discard_passdown_origin"),
+            "discard_passdown_origin needs discard_zeroes_cow",
+        ),
+        (
+            format!("snapshot {o} {cow} P 8 1 bogus"),
+            "unrecognised feature 'bogus'",
+        ),
+        (
+            format!("snapshot {o} {cow} P 8 2 discard_zeroes_cow"),
+            "2 feature arguments announced, 1 given",
+        ),
+        (
+            format!("snapshot {o} {cow} P 8 1"),
+            "1 feature arguments announced, 0 given",
+        ),
+        (
+            format!("snapshot {o} {cow} P 8 18446744073709551617 x"),
+            "#feature args",
         ),
         (
             format!("snapshot-merge {o} {cow} N 8"),
@@ -422,6 +487,15 @@ fn one_merge_per_origin_and_never_beside_another_devices_snapshot_origin() {
         .err()
         .unwrap();
     assert!(err.contains("already being merged"), "{err}");
+    // The same COW device merged by a second device: two merges would copy it back twice.
+    let err = rig
+        .try_table("third", &format!("snapshot-merge {o} {a} P 8"))
+        .err()
+        .unwrap();
+    assert!(
+        err.contains("already being merged by device 'origin-dev'"),
+        "{err}"
+    );
     let err = rig
         .try_table("fourth", &format!("snapshot-origin {o}"))
         .err()
@@ -641,9 +715,24 @@ fn remapping_goes_straight_to_the_files_only_where_nothing_needs_saving() {
     let origin = rig.origin_table();
     let snap = rig.snapshot(&cow, "P 8");
     let write = MapOp::Write { fua: false };
+    let first = origin.map(write, 8192, 4096).expect("mapped");
+    assert!(!first.is_ready(), "chunk 2 is saved first");
+    drop(first);
+    assert_eq!(
+        target(&snap).status_details().unwrap()["exceptions"],
+        0,
+        "a mapping dropped unused saves nothing"
+    );
+    let mut data = pattern(4096, 5);
+    execute(write, origin.map(write, 4096, 4096).unwrap(), &mut data);
+    assert_eq!(target(&snap).status_details().unwrap()["exceptions"], 1);
     assert!(
-        origin.map(write, 8192, 4096).is_none(),
-        "chunk 2 is not saved yet"
+        read(&snap, 4096, 4096).iter().all(|&b| b == 0),
+        "the snapshot keeps the chunk as it was"
+    );
+    assert!(
+        read(&origin, 4096, 4096)[..] == data[..],
+        "the write landed"
     );
     assert!(origin.map(MapOp::Read, 8192, 4096).is_some());
     // Snapshot reads of unsaved chunks map onto the origin and hold the chunk.
@@ -662,8 +751,9 @@ fn remapping_goes_straight_to_the_files_only_where_nothing_needs_saving() {
         .map(write, 8192, 4096)
         .expect("saved: straight to the origin");
     assert_eq!(mapping.pieces.len(), 1);
+    assert!(mapping.is_ready(), "saved: nothing to wait for");
     assert!(
-        origin.map(write, 8192, 8192).is_none(),
+        !origin.map(write, 8192, 8192).unwrap().is_ready(),
         "chunk 3 is not saved"
     );
     // The snapshot's saved chunk maps onto the COW device, reads and writes alike.
@@ -674,6 +764,35 @@ fn remapping_goes_straight_to_the_files_only_where_nothing_needs_saving() {
         "a new exception is not a remap"
     );
     assert!(read(&snap, 8192, 4096).iter().all(|&b| b == 0));
+}
+
+/// Runs a mapping as an executor does: waits for its steps, then its pieces, on files.
+fn execute(op: udm_block::MapOp, mapping: udm_block::Mapping, buf: &mut [u8]) {
+    use std::os::fd::BorrowedFd;
+    let (tx, rx) = std::sync::mpsc::channel();
+    mapping.when_ready(move |ready| tx.send(ready).unwrap());
+    let mapping = rx
+        .recv_timeout(Duration::from_secs(10))
+        .unwrap()
+        .expect("the steps succeed");
+    for piece in &mapping.pieces {
+        let range = piece.at as usize..(piece.at + piece.len) as usize;
+        let udm_block::Place::File { file, offset } = &piece.place else {
+            buf[range].fill(0);
+            continue;
+        };
+        // SAFETY: the mapping holds the file open while we use its descriptor.
+        let fd = unsafe { BorrowedFd::borrow_raw(file.buffered_fd()) };
+        let file = std::fs::File::from(fd.try_clone_to_owned().unwrap());
+        use std::os::unix::fs::FileExt;
+        match op {
+            udm_block::MapOp::Read => file.read_exact_at(&mut buf[range], *offset).unwrap(),
+            _ => file.write_all_at(&buf[range], *offset).unwrap(),
+        }
+    }
+    for callback in mapping.on_complete {
+        callback(udm_block::Completed::Ok);
+    }
 }
 
 fn write_pattern(dev: &dyn BlockDevice, offset: u64) {
@@ -740,4 +859,189 @@ fn first_writes_scale_with_the_writers() {
         eight >= 6 * one,
         "8 writers made {eight} first writes where one made {one}"
     );
+}
+
+/// A COW device whose metadata writes (area 0, at chunk 1) wait while it is held, and which
+/// counts the other (data) writes.
+struct HeldCommits {
+    dev: MemoryDevice,
+    held: Mutex<bool>,
+    released: Condvar,
+    data_writes: AtomicU64,
+}
+
+impl BlockDevice for HeldCommits {
+    fn size(&self) -> u64 {
+        self.dev.size()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> udm_block::Result<()> {
+        self.dev.read(offset, buf)
+    }
+    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> udm_block::Result<()> {
+        if offset == 4096 {
+            let mut held = self.held.lock();
+            while *held {
+                self.released.wait(&mut held);
+            }
+        } else {
+            self.data_writes.fetch_add(1, Ordering::SeqCst);
+        }
+        self.dev.write(offset, buf, flags)
+    }
+    fn flush(&self) -> udm_block::Result<()> {
+        Ok(())
+    }
+}
+
+/// A mapped origin write holds no thread while its copy's commit is written: with the commit
+/// held, far more first writes than there are copy threads get their chunk saved and wait,
+/// then all complete once the commit goes through.
+#[test]
+fn mapped_first_writes_wait_for_their_commit_without_a_thread() {
+    use udm_block::{FileDevice, MapOp, OpenMode};
+    let dir = udm_testkit::TempDir::new("snapshot-defer");
+    let path = dir.path("origin.img");
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(4 * MIB)
+        .unwrap();
+    let rig = Rig::new(4 * MIB);
+    rig.set_origin(Arc::new(
+        FileDevice::open(&path, OpenMode::ReadWrite).unwrap(),
+    ));
+    let cow = Arc::new(HeldCommits {
+        dev: MemoryDevice::new(8 * MIB),
+        held: Mutex::new(false),
+        released: Condvar::new(),
+        data_writes: AtomicU64::new(0),
+    });
+    let cow_name = rig.add("cow", cow.clone());
+    let origin = rig.origin_table();
+    let snap = rig.snapshot(&cow_name, "P 8");
+    let before = cow.data_writes.load(Ordering::SeqCst);
+    *cow.held.lock() = true;
+    const WRITES: u64 = 200;
+    let (tx, rx) = std::sync::mpsc::channel();
+    for chunk in 0..WRITES {
+        let tx = tx.clone();
+        let mapping = origin
+            .map(MapOp::Write { fua: false }, chunk * 4096, 4096)
+            .unwrap();
+        mapping.when_ready(move |ready| tx.send(ready.is_ok()).unwrap());
+    }
+    let t = Instant::now();
+    while cow.data_writes.load(Ordering::SeqCst) - before < WRITES {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "only {} of {WRITES} chunks were saved while the commit was held",
+            cow.data_writes.load(Ordering::SeqCst) - before
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        rx.try_recv().is_err(),
+        "no write goes ahead before its commit"
+    );
+    *cow.held.lock() = false;
+    cow.released.notify_all();
+    for _ in 0..WRITES {
+        assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+    }
+    assert_eq!(
+        target(&snap).status_details().unwrap()["exceptions"],
+        WRITES
+    );
+}
+
+/// Tables meet by what they open, not by how they name it (the kernel keys origins by
+/// dev_t): a snapshot naming the origin file by a hard link still gets its chunks saved
+/// before the origin changes.
+#[test]
+fn an_origin_named_two_ways_is_one_origin() {
+    use udm_block::{FileDevice, OpenMode};
+    let dir = udm_testkit::TempDir::new("snapshot-identity");
+    let (path, link) = (dir.path("origin.img"), dir.path("link.img"));
+    std::fs::File::create(&path).unwrap().set_len(MIB).unwrap();
+    std::fs::hard_link(&path, &link).unwrap();
+    let open = |p: &std::path::Path| {
+        Arc::new(FileDevice::open(p, OpenMode::ReadWrite).unwrap()) as Arc<dyn BlockDevice>
+    };
+    let rig = Rig::new(MIB);
+    rig.set_origin(open(&path));
+    let linked = rig.add("link", open(&link));
+    let origin = rig.origin_table();
+    let cow = rig.cow(2 * MIB);
+    let snap = rig.table(
+        &format!("snap-{cow}"),
+        &format!("snapshot {linked} {cow} P 8"),
+    );
+    write(&origin, 0, 4096, 9);
+    assert!(
+        read(&snap, 0, 4096).iter().all(|&b| b == 0),
+        "the snapshot kept the chunk as it was"
+    );
+    // The COW device may not be the origin under another name either.
+    let err = rig
+        .try_table("other", &format!("snapshot {} {linked} P 8", rig.origin))
+        .err()
+        .unwrap();
+    assert!(err.contains("cannot be the origin"), "{err}");
+}
+
+/// The snapshot's table goes away while a mapped first write waits for its commit: the
+/// commit's callback then holds the last reference to the snapshot, and lets it go on the
+/// store's own committer thread, which must not wait for itself.
+#[test]
+fn a_snapshot_dropped_while_a_mapped_write_waits_for_its_commit() {
+    use udm_block::{FileDevice, MapOp, OpenMode};
+    let dir = udm_testkit::TempDir::new("snapshot-drop-pending");
+    let path = dir.path("origin.img");
+    std::fs::File::create(&path).unwrap().set_len(MIB).unwrap();
+    let rig = Rig::new(MIB);
+    rig.set_origin(Arc::new(
+        FileDevice::open(&path, OpenMode::ReadWrite).unwrap(),
+    ));
+    let cow = Arc::new(HeldCommits {
+        dev: MemoryDevice::new(4 * MIB),
+        held: Mutex::new(false),
+        released: Condvar::new(),
+        data_writes: AtomicU64::new(0),
+    });
+    let cow_name = rig.add("cow", cow.clone());
+    let origin = rig.origin_table();
+    let snap = rig.snapshot(&cow_name, "P 8");
+    *cow.held.lock() = true;
+    let (tx, rx) = std::sync::mpsc::channel();
+    origin
+        .map(MapOp::Write { fua: false }, 0, 4096)
+        .unwrap()
+        .when_ready(move |ready| tx.send(ready.is_ok()).unwrap());
+    let t = Instant::now();
+    while cow.data_writes.load(Ordering::SeqCst) == 0 {
+        assert!(t.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    static COMMITTER_PANICKED: AtomicBool = AtomicBool::new(false);
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if std::thread::current().name() == Some("snapshot-commit") {
+            COMMITTER_PANICKED.store(true, Ordering::SeqCst);
+        }
+        previous(info)
+    }));
+    drop(snap);
+    *cow.held.lock() = false;
+    cow.released.notify_all();
+    assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+    // The snapshot (and its store) is gone once the callback has let go of it.
+    let t = Instant::now();
+    while Arc::strong_count(&cow) > 2 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the snapshot never went"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!COMMITTER_PANICKED.load(Ordering::SeqCst));
 }

@@ -427,6 +427,10 @@ impl BlockDevice for Thin {
     }
 
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        // Discards and write-zeroes mean something of their own here: the synchronous way.
+        if op.is_fill() {
+            return None;
+        }
         match op {
             // A flush with nothing to commit is the data device's flush; with metadata to
             // commit, the pool does it.

@@ -55,8 +55,8 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     let bound = bound(&line, &data, &ctx.raise_event);
     let pool = Pool::find_or_open(Opening {
         owner: ctx.owner,
-        metadata_key: device_key(&line.metadata),
-        data_key: device_key(&line.data),
+        metadata_key: device_key(&line.metadata, &*metadata),
+        data_key: device_key(&line.data, &*data),
         metadata: metadata.clone(),
         block_sectors: line.block_sectors,
         nr_blocks,
@@ -115,6 +115,10 @@ impl BlockDevice for PoolTarget {
         self.data.block_status(offset, len)
     }
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        // Discards and write-zeroes mean something of their own here: the synchronous way.
+        if op.is_fill() {
+            return None;
+        }
         self.data.map(op, offset, len)
     }
 }

@@ -19,7 +19,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use udm_block::{
-    BlockDevice, Capabilities, Extent, MapOp, Mapping, Result as IoResult, WriteFlags, ZeroFlags,
+    BlockDevice, Capabilities, Extent, MapOp, Mapping, OpenMode, Result as IoResult, WriteFlags,
+    ZeroFlags,
 };
 
 /// The byte udm locks in files it opens read-write: 2^63 − 2^16, beyond any real file's end.
@@ -38,6 +39,8 @@ struct Holder {
     id: u64,
     owner: String,
     exclusive: bool,
+    /// [`OpenMode::Handover`]: shared with other devices' handover claims.
+    handover: bool,
 }
 
 struct Entry {
@@ -61,22 +64,19 @@ pub struct ClaimGuard {
 }
 
 impl Claims {
-    /// Claims the file at `path` for device `owner`; `exclusive` when the owner keeps state on
-    /// it. Refuses, in one line, when another device or another process holds it in a way
-    /// that conflicts.
+    /// Claims the file at `path` for device `owner` as `mode` says (read-write shared, or
+    /// exclusive when the owner keeps state on it, or for a state handed over between
+    /// devices).
+    /// Refuses, in one line, when another device or another process holds it in a way that
+    /// conflicts.
     pub fn claim_file(
         self: &Arc<Self>,
         path: &Path,
         owner: &str,
-        exclusive: bool,
+        mode: OpenMode,
     ) -> Result<ClaimGuard, String> {
         let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        self.claim(
-            Key::File(meta.dev(), meta.ino()),
-            owner,
-            exclusive,
-            Some(path),
-        )
+        self.claim(Key::File(meta.dev(), meta.ino()), owner, mode, Some(path))
     }
 
     /// Device `old` is now called `new`: its claims go with it.
@@ -97,18 +97,20 @@ impl Claims {
         self: &Arc<Self>,
         name: &str,
         owner: &str,
-        exclusive: bool,
+        mode: OpenMode,
     ) -> Result<ClaimGuard, String> {
-        self.claim(Key::Device(name.into()), owner, exclusive, None)
+        self.claim(Key::Device(name.into()), owner, mode, None)
     }
 
     fn claim(
         self: &Arc<Self>,
         key: Key,
         owner: &str,
-        exclusive: bool,
+        mode: OpenMode,
         path: Option<&Path>,
     ) -> Result<ClaimGuard, String> {
+        let exclusive = mode.is_exclusive();
+        let handover = mode == OpenMode::Handover;
         let mut entries = self.entries.lock();
         let entry = entries.entry(key.clone()).or_insert_with(|| Entry {
             holders: Vec::new(),
@@ -118,7 +120,7 @@ impl Claims {
         let conflict = entry
             .holders
             .iter()
-            .find(|h| h.owner != owner && (exclusive || h.exclusive));
+            .find(|h| h.owner != owner && (exclusive || h.exclusive) && !(handover && h.handover));
         let result = match conflict {
             Some(h) if h.exclusive => Err(format!(
                 "in use by device '{}', which keeps its state there",
@@ -142,6 +144,7 @@ impl Claims {
                 id,
                 owner: owner.into(),
                 exclusive,
+                handover,
             }),
             Err(e) => {
                 if entry.holders.is_empty() {
@@ -275,6 +278,12 @@ impl BlockDevice for Claimed {
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
         self.device.map(op, offset, len)
     }
+    fn identity(&self) -> Option<String> {
+        self.device.identity()
+    }
+    fn suspended(&self) -> bool {
+        self.device.suspended()
+    }
 }
 
 #[cfg(test)]
@@ -291,44 +300,100 @@ mod tests {
     fn exclusive_claims_exclude_other_devices_but_not_the_owner() {
         let claims = Arc::new(Claims::default());
         let path = temp_file("excl");
-        let live = claims.claim_file(&path, "vol", true).unwrap();
+        let live = claims
+            .claim_file(&path, "vol", OpenMode::Exclusive)
+            .unwrap();
         // The same device's next table (a reload) shares it.
-        let reload = claims.claim_file(&path, "vol", true).unwrap();
-        let err = claims.claim_file(&path, "other", true).err().unwrap();
+        let reload = claims
+            .claim_file(&path, "vol", OpenMode::Exclusive)
+            .unwrap();
+        let err = claims
+            .claim_file(&path, "other", OpenMode::Exclusive)
+            .err()
+            .unwrap();
         assert!(err.contains("in use by device 'vol'"), "{err}");
-        let err = claims.claim_file(&path, "other", false).err().unwrap();
+        let err = claims
+            .claim_file(&path, "other", OpenMode::ReadWrite)
+            .err()
+            .unwrap();
         assert!(err.contains("in use by device 'vol'"), "{err}");
         drop(live);
         drop(reload);
-        claims.claim_file(&path, "other", true).unwrap();
+        claims
+            .claim_file(&path, "other", OpenMode::Exclusive)
+            .unwrap();
         std::fs::remove_file(path).unwrap();
     }
 
     #[test]
     fn shared_claims_coexist_and_block_an_exclusive_one() {
         let claims = Arc::new(Claims::default());
-        let a = claims.claim_device("base", "a", false).unwrap();
-        let _b = claims.claim_device("base", "b", false).unwrap();
-        let err = claims.claim_device("base", "c", true).err().unwrap();
+        let a = claims
+            .claim_device("base", "a", OpenMode::ReadWrite)
+            .unwrap();
+        let _b = claims
+            .claim_device("base", "b", OpenMode::ReadWrite)
+            .unwrap();
+        let err = claims
+            .claim_device("base", "c", OpenMode::Exclusive)
+            .err()
+            .unwrap();
         assert!(err.contains("needs it for itself"), "{err}");
         drop(a);
-        assert!(claims.claim_device("base", "c", true).is_err());
+        assert!(claims
+            .claim_device("base", "c", OpenMode::Exclusive)
+            .is_err());
     }
 
     #[test]
     fn a_renamed_owner_keeps_its_claims_and_releases_them_under_its_new_name() {
         let claims = Arc::new(Claims::default());
         let path = temp_file("rename");
-        let live = claims.claim_file(&path, "old", true).unwrap();
+        let live = claims
+            .claim_file(&path, "old", OpenMode::Exclusive)
+            .unwrap();
         claims.rename_owner("old", "new");
         // Its next table, built under the new name, shares the claim...
-        let reload = claims.claim_file(&path, "new", true).unwrap();
+        let reload = claims
+            .claim_file(&path, "new", OpenMode::Exclusive)
+            .unwrap();
         // ...and nobody else gets it, the old name included.
-        let err = claims.claim_file(&path, "old", true).err().unwrap();
+        let err = claims
+            .claim_file(&path, "old", OpenMode::Exclusive)
+            .err()
+            .unwrap();
         assert!(err.contains("in use by device 'new'"), "{err}");
         drop(live);
         drop(reload);
-        claims.claim_file(&path, "other", true).unwrap();
+        claims
+            .claim_file(&path, "other", OpenMode::Exclusive)
+            .unwrap();
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn handover_claims_are_shared_between_devices_and_exclusive_towards_the_rest() {
+        let claims = Arc::new(Claims::default());
+        let path = temp_file("handover");
+        let snap = claims
+            .claim_file(&path, "snap", OpenMode::Handover)
+            .unwrap();
+        let merge = claims
+            .claim_file(&path, "base", OpenMode::Handover)
+            .unwrap();
+        for mode in [OpenMode::Exclusive, OpenMode::ReadWrite] {
+            let err = claims.claim_file(&path, "other", mode).err().unwrap();
+            assert!(err.contains("in use by device"), "{err}");
+        }
+        drop((snap, merge));
+        let _clone = claims
+            .claim_file(&path, "clone", OpenMode::Exclusive)
+            .unwrap();
+        let err = claims
+            .claim_file(&path, "base", OpenMode::Handover)
+            .err()
+            .unwrap();
+        assert!(err.contains("in use by device 'clone'"), "{err}");
         std::fs::remove_file(path).unwrap();
     }
 
@@ -336,7 +401,9 @@ mod tests {
     fn another_process_sees_the_lock() {
         let claims = Arc::new(Claims::default());
         let path = temp_file("ofd");
-        let _held = claims.claim_file(&path, "vol", true).unwrap();
+        let _held = claims
+            .claim_file(&path, "vol", OpenMode::Exclusive)
+            .unwrap();
         // Another open file description stands for another process: OFD locks conflict
         // between descriptions, whoever owns them.
         let other = File::options().read(true).write(true).open(&path).unwrap();

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use udm_block::{
-    BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, Result, WriteFlags, ZeroFlags,
+    BlockDevice, BlockError, Capabilities, Completed, Extent, MapOp, Mapping, Result, WriteFlags,
+    ZeroFlags,
 };
 use udm_targets::Table;
 
@@ -58,6 +59,8 @@ pub struct Device {
     /// `remove --deferred`: remove once nothing uses the device any more.
     deferred_remove: AtomicBool,
     stats: Arc<IoStats>,
+    /// Unique in the process and kept through renames: the device's identity.
+    serial: u64,
 }
 
 impl Gate {
@@ -127,6 +130,10 @@ impl Device {
             released: (Mutex::new(()), Condvar::new()),
             deferred_remove: AtomicBool::new(false),
             stats: Arc::default(),
+            serial: {
+                static SERIAL: AtomicU64 = AtomicU64::new(0);
+                SERIAL.fetch_add(1, Ordering::Relaxed)
+            },
         }
     }
 
@@ -414,10 +421,18 @@ impl BlockDevice for Device {
         let hold = MappedInFlight(self.gate.clone());
         let io = self.stats.start(op.into(), len);
         let mapping = self.live().map(op, offset, len)?;
-        Some(mapping.hold(hold).when_complete(move |ok| io.record(ok)))
+        Some(mapping.hold(hold).when_complete(move |done| match done {
+            Completed::Ok => io.record(true),
+            Completed::Failed(_) => io.record(false),
+            // The synchronous retry counts the request.
+            Completed::Retried(_) => {}
+        }))
     }
     fn suspended(&self) -> bool {
         self.is_suspended()
+    }
+    fn identity(&self) -> Option<String> {
+        Some(format!("udm-device:{}", self.serial))
     }
 }
 

@@ -217,29 +217,7 @@ pub fn render(registry: &Registry) -> String {
             );
         }
     }
-    let latency = "udm_request_duration_seconds";
-    out.family(
-        latency,
-        "histogram",
-        "Time from a request's arrival at the device to its completion, by operation.",
-    );
-    for (device, name) in devices.iter().zip(&names) {
-        for op in Op::ALL {
-            let s = device.stats().snapshot(op);
-            let labels = [("device", name.as_str()), ("op", op.label())];
-            let bounds = LATENCY_BUCKETS
-                .iter()
-                .map(|b| b.to_string())
-                .chain(["+Inf".to_string()]);
-            for (bound, count) in bounds.zip(&s.cumulative) {
-                let mut with_le = labels.to_vec();
-                with_le.push(("le", &bound));
-                out.sample(&format!("{latency}_bucket"), &with_le, count);
-            }
-            out.sample(&format!("{latency}_sum"), &labels, s.latency_seconds);
-            out.sample(&format!("{latency}_count"), &labels, s.completed);
-        }
-    }
+    latency_histograms(&mut out, &devices, &names);
     out.family(
         "udm_open_count",
         "gauge",
@@ -274,6 +252,33 @@ pub fn render(registry: &Registry) -> String {
     }
     clone_metrics(&mut out, &devices, &names);
     out.text
+}
+
+/// Each device's request latencies, per operation, as Prometheus histograms.
+fn latency_histograms(out: &mut Exposition, devices: &[Arc<super::Device>], names: &[String]) {
+    let latency = "udm_request_duration_seconds";
+    out.family(
+        latency,
+        "histogram",
+        "Time from a request's arrival at the device to its completion, by operation.",
+    );
+    for (device, name) in devices.iter().zip(names) {
+        for op in Op::ALL {
+            let s = device.stats().snapshot(op);
+            let labels = [("device", name.as_str()), ("op", op.label())];
+            let bounds = LATENCY_BUCKETS
+                .iter()
+                .map(|b| b.to_string())
+                .chain(["+Inf".to_string()]);
+            for (bound, count) in bounds.zip(&s.cumulative) {
+                let mut with_le = labels.to_vec();
+                with_le.push(("le", &bound));
+                out.sample(&format!("{latency}_bucket"), &with_le, count);
+            }
+            out.sample(&format!("{latency}_sum"), &labels, s.latency_seconds);
+            out.sample(&format!("{latency}_count"), &labels, s.completed);
+        }
+    }
 }
 
 /// Hydration of the devices with clone targets (summed over a device's clone segments).

@@ -22,6 +22,7 @@ mod remotes;
 mod removal;
 mod rename;
 mod report;
+mod resolver;
 mod send;
 mod signals;
 mod state_dir;

@@ -10,12 +10,13 @@ use std::time::{Duration, Instant};
 
 use log::{info, warn};
 use thiserror::Error;
-use udm_block::{BlockDevice, FileDevice, OpenMode, SECTOR_SIZE};
-use udm_targets::{Reference, Resolver, Table, TargetError};
+use udm_block::{BlockDevice, SECTOR_SIZE};
+use udm_targets::{Table, TargetError};
 
-use super::claims::{Claimed, Claims};
+use super::claims::Claims;
 use super::device::{Device, Events};
 use super::remotes::Remotes;
+use super::resolver::TableResolver;
 
 #[derive(Debug, Error)]
 pub enum RegistryError {
@@ -171,7 +172,7 @@ impl Registry {
     }
 
     /// Does `from` (transitively) use `target`?
-    fn depends_on(&self, from: &str, target: &str) -> bool {
+    pub(super) fn depends_on(&self, from: &str, target: &str) -> bool {
         let mut stack = vec![from.to_string()];
         let mut seen = Vec::new();
         while let Some(name) = stack.pop() {
@@ -446,80 +447,6 @@ impl Registry {
                 warn!("flushing '{}' at shutdown: {e}", device.name());
             }
         }
-    }
-}
-
-/// Opens the references of one device's table.
-struct TableResolver<'a> {
-    registry: &'a Registry,
-    owner: &'a str,
-}
-
-impl Resolver for TableResolver<'_> {
-    fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        match Reference::parse(reference) {
-            Reference::Path(path) => self.open_file(Path::new(path), mode),
-            Reference::Remote(uri) => self.registry.remotes.open(uri, mode),
-            Reference::Device(name) => self.open_device(name, mode),
-        }
-    }
-
-    fn open_path(
-        &self,
-        reference: &str,
-        mode: OpenMode,
-        timeout: Duration,
-    ) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        match Reference::parse(reference) {
-            Reference::Remote(uri) => self.registry.remotes.open_path(uri, mode, timeout),
-            _ => self.open(reference, mode),
-        }
-    }
-}
-
-impl TableResolver<'_> {
-    /// A file or block device, claimed unless opened read-only.
-    fn open_file(&self, path: &Path, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        let claim = match mode {
-            OpenMode::ReadOnly => None,
-            _ => Some(
-                self.registry
-                    .claims
-                    .claim_file(path, self.owner, mode == OpenMode::Exclusive)
-                    .map_err(TargetError::new)?,
-            ),
-        };
-        let dev: Arc<dyn BlockDevice> =
-            Arc::new(FileDevice::open(path, mode).map_err(|e| TargetError::new(e.to_string()))?);
-        Ok(match claim {
-            Some(claim) => Arc::new(Claimed::new(dev, claim)),
-            None => dev,
-        })
-    }
-
-    /// Another udm device, unless that would make a cycle; claimed unless opened read-only.
-    fn open_device(&self, name: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        if name == self.owner || self.registry.depends_on(name, self.owner) {
-            return Err(TargetError::new(format!(
-                "using device '{name}' would make '{}' depend on itself",
-                self.owner
-            )));
-        }
-        let device = self.registry.get(name).map_err(|_| {
-            TargetError::new(format!(
-                "no device named '{name}' (paths start with / or ./, remote exports \
-                 with nbd:// or nbd+unix://)"
-            ))
-        })?;
-        if mode == OpenMode::ReadOnly {
-            return Ok(device);
-        }
-        let claim = self
-            .registry
-            .claims
-            .claim_device(name, self.owner, mode == OpenMode::Exclusive)
-            .map_err(TargetError::new)?;
-        Ok(Arc::new(Claimed::new(device, claim)))
     }
 }
 

@@ -47,6 +47,8 @@ impl From<MapOp> for Op {
             MapOp::Read => Op::Read,
             MapOp::Write { .. } => Op::Write,
             MapOp::Flush => Op::Flush,
+            MapOp::Discard { .. } => Op::Discard,
+            MapOp::WriteZeroes { .. } => Op::WriteZeroes,
         }
     }
 }

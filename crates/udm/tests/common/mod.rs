@@ -3,8 +3,12 @@
 
 #![allow(dead_code)] // each test binary uses its own subset
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
+mod raw;
+mod seccomp;
+mod tables;
+mod tools;
+
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -12,6 +16,14 @@ use std::time::{Duration, Instant};
 
 pub const UDM: &str = env!("CARGO_BIN_EXE_udm");
 
+#[allow(unused_imports)] // as above
+pub use raw::*;
+#[allow(unused_imports)] // as above
+pub use seccomp::deny_io_uring;
+#[allow(unused_imports)] // as above
+pub use tables::*;
+#[allow(unused_imports)] // as above
+pub use tools::*;
 #[allow(unused_imports)] // as above
 pub use udm_testkit::{pattern_file, Netns, TempDir};
 
@@ -212,6 +224,19 @@ impl Daemon {
             .unwrap()
     }
 
+    /// `udm replay-log` of `log` onto `onto`, with more options `args`.
+    pub fn replay_log(&self, log: &Path, onto: &Path, args: &[&str]) -> Output {
+        let mut all = vec![
+            "replay-log",
+            "--log",
+            log.to_str().unwrap(),
+            "--replay",
+            onto.to_str().unwrap(),
+        ];
+        all.extend_from_slice(args);
+        self.run_udm(&all)
+    }
+
     /// Sends one request over the control socket as a script would (no `udm` process in
     /// between, so nothing slows the request down); returns the answer.
     pub fn control_request(&self, request: serde_json::Value) -> serde_json::Value {
@@ -229,13 +254,49 @@ impl Daemon {
         self.run_udm(args).status.success()
     }
 
+    /// A sparse file `file` of `size` bytes in the scratch directory; returns its path.
+    pub fn sparse(&self, file: &str, size: u64) -> PathBuf {
+        let path = self.dir.path(file);
+        sparse_file(&path, size);
+        path
+    }
+
+    /// Creates device `name` with `table`.
+    pub fn create(&self, name: &str, table: &str) {
+        self.udm(&["create", name, "--table", table]);
+    }
+
+    /// Swaps `name`'s table live: suspend, load `table`, resume.
+    pub fn reload(&self, name: &str, table: &str) {
+        self.udm(&["suspend", name]);
+        self.udm(&["load", name, "--table", table]);
+        self.udm(&["resume", name]);
+    }
+
+    /// The number of `name`'s last event (`udm info`), for `udm wait`.
+    pub fn event_nr(&self, name: &str) -> u64 {
+        let info: serde_json::Value =
+            serde_json::from_str(&self.udm(&["info", name, "--json"])).unwrap();
+        info["event_nr"].as_u64().unwrap()
+    }
+
+    /// Swaps `name`'s table live `times` times, `other` and `first` in turn (so an even count
+    /// ends on `first`), pausing `pause` after each swap.
+    pub fn swap_tables(&self, name: &str, first: &str, other: &str, times: u32, pause: Duration) {
+        for i in 0..times {
+            self.reload(name, if i % 2 == 0 { other } else { first });
+            std::thread::sleep(pause);
+        }
+    }
+
     /// Creates a sparse file `file` of `size` bytes in the scratch directory and a device
     /// `name` that is `linear` over all of it; returns the file's path.
     pub fn create_linear(&self, name: &str, file: &str, size: u64) -> PathBuf {
-        let path = self.dir.path(file);
-        sparse_file(&path, size);
-        let table = format!("0 {} linear {} 0", size / 512, path.display());
-        self.udm(&["create", name, "--table", &table]);
+        let path = self.sparse(file, size);
+        self.create(
+            name,
+            &format!("0 {} linear {} 0", size / 512, path.display()),
+        );
         path
     }
 
@@ -289,271 +350,4 @@ impl Drop for Daemon {
             .stderr(Stdio::null())
             .status();
     }
-}
-
-pub fn wait_for(mut ready: impl FnMut() -> bool, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !ready() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Runs a client tool that must succeed; returns its standard output.
-pub fn tool(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {program} (install it; .ci/run does): {e}"));
-    assert!(
-        out.status.success(),
-        "{program} {args:?} failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// An ext4 image of `size` bytes at `image` holding the files of `tree` (made without mounting).
-pub fn ext4_image_of(tree: &Path, image: &Path, size: u64) {
-    sparse_file(image, size);
-    tool(
-        "mkfs.ext4",
-        &[
-            "-q",
-            "-F",
-            "-d",
-            tree.to_str().unwrap(),
-            image.to_str().unwrap(),
-        ],
-    );
-}
-
-/// `qemu-img compare` of two raw images (files or NBD URIs); fails the test if they differ.
-pub fn same_content(a: &str, b: &str) {
-    tool("qemu-img", &["compare", "-f", "raw", "-F", "raw", a, b]);
-}
-
-pub fn sparse_file(path: &Path, len: u64) {
-    std::fs::File::create(path).unwrap().set_len(len).unwrap();
-}
-
-/// A raw NBD connection that has negotiated an export, for hand-made requests.
-pub struct RawClient<S = UnixStream> {
-    pub stream: S,
-    pub size: u64,
-}
-
-pub const NBD_CMD_READ: u16 = 0;
-pub const NBD_CMD_WRITE: u16 = 1;
-pub const NBD_CMD_DISC: u16 = 2;
-pub const NBD_CMD_FLUSH: u16 = 3;
-
-impl RawClient {
-    /// Connects and opens `name` with NBD_OPT_EXPORT_NAME (simple replies only).
-    pub fn connect(socket: &Path, name: &str) -> RawClient {
-        let stream = UnixStream::connect(socket).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        RawClient::open(stream, name)
-    }
-}
-
-impl RawClient<TcpStream> {
-    /// The same over TCP to 127.0.0.1:`port`.
-    pub fn connect_tcp(port: u16, name: &str) -> RawClient<TcpStream> {
-        let stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        RawClient::open(stream, name)
-    }
-}
-
-impl<S: Read + Write> RawClient<S> {
-    fn open(mut stream: S, name: &str) -> RawClient<S> {
-        let mut greeting = [0u8; 18];
-        stream.read_exact(&mut greeting).unwrap();
-        assert_eq!(&greeting[..8], b"NBDMAGIC");
-        stream.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
-        let mut opt = b"IHAVEOPT".to_vec();
-        opt.extend_from_slice(&1u32.to_be_bytes());
-        opt.extend_from_slice(&(name.len() as u32).to_be_bytes());
-        opt.extend_from_slice(name.as_bytes());
-        stream.write_all(&opt).unwrap();
-        let mut reply = [0u8; 10];
-        stream.read_exact(&mut reply).unwrap();
-        RawClient {
-            stream,
-            size: u64::from_be_bytes(reply[..8].try_into().unwrap()),
-        }
-    }
-
-    pub fn send(
-        &mut self,
-        flags: u16,
-        command: u16,
-        cookie: u64,
-        offset: u64,
-        len: u32,
-        data: &[u8],
-    ) {
-        self.try_send(flags, command, cookie, offset, len, data)
-            .unwrap();
-    }
-
-    pub fn try_send(
-        &mut self,
-        flags: u16,
-        command: u16,
-        cookie: u64,
-        offset: u64,
-        len: u32,
-        data: &[u8],
-    ) -> std::io::Result<()> {
-        let mut req = 0x2560_9513u32.to_be_bytes().to_vec();
-        req.extend_from_slice(&flags.to_be_bytes());
-        req.extend_from_slice(&command.to_be_bytes());
-        req.extend_from_slice(&cookie.to_be_bytes());
-        req.extend_from_slice(&offset.to_be_bytes());
-        req.extend_from_slice(&len.to_be_bytes());
-        req.extend_from_slice(data);
-        self.stream.write_all(&req)
-    }
-
-    /// Reads a simple reply: (error, cookie).
-    pub fn reply(&mut self) -> std::io::Result<(u32, u64)> {
-        let mut reply = [0u8; 16];
-        self.stream.read_exact(&mut reply)?;
-        assert_eq!(
-            u32::from_be_bytes(reply[..4].try_into().unwrap()),
-            0x6744_6698
-        );
-        Ok((
-            u32::from_be_bytes(reply[4..8].try_into().unwrap()),
-            u64::from_be_bytes(reply[8..16].try_into().unwrap()),
-        ))
-    }
-
-    /// True once the server has closed the connection (false if it is still open when the
-    /// read timeout expires, or sends more data).
-    pub fn is_closed(&mut self) -> bool {
-        let mut byte = [0u8; 1];
-        match self.stream.read(&mut byte) {
-            Ok(n) => n == 0,
-            Err(e) => !matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ),
-        }
-    }
-}
-
-/// A peer server (nbdkit, qemu-nbd) run as a child and killed on drop.
-pub struct Peer(pub Child);
-
-impl Peer {
-    /// Starts `program args…` and waits until `socket` accepts connections.
-    pub fn start(program: &str, args: &[&str], socket: &Path) -> Peer {
-        let _ = std::fs::remove_file(socket);
-        let child = Command::new(program)
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot run {program} (install it; .ci/run does): {e}"));
-        let peer = Peer(child);
-        wait_for(|| UnixStream::connect(socket).is_ok(), program);
-        peer
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Makes io_uring_setup fail with ENOSYS in the process `command` starts, with a seccomp
-/// filter as container runtimes install: io_uring is unavailable there.
-#[cfg(target_arch = "x86_64")]
-pub fn deny_io_uring(command: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    const NR: u32 = 0; // offsetof(struct seccomp_data, nr)
-    let stmt = |code: u32, k: u32| libc::sock_filter {
-        code: code as u16,
-        jt: 0,
-        jf: 0,
-        k,
-    };
-    let filter = [
-        stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, NR),
-        libc::sock_filter {
-            code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
-            jt: 0,
-            jf: 1,
-            k: libc::SYS_io_uring_setup as u32,
-        },
-        stmt(
-            libc::BPF_RET | libc::BPF_K,
-            libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32,
-        ),
-        stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ALLOW),
-    ];
-    // SAFETY: between fork and exec only prctl runs, on memory the closure owns.
-    unsafe {
-        command.pre_exec(move || {
-            let program = libc::sock_fprog {
-                len: filter.len() as u16,
-                filter: filter.as_ptr().cast_mut(),
-            };
-            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
-                || libc::prctl(
-                    libc::PR_SET_SECCOMP,
-                    libc::SECCOMP_MODE_FILTER,
-                    &program as *const libc::sock_fprog,
-                ) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
-    };
-}
-
-/// qemu-io `command` on `uri`: (succeeded, output).
-pub fn qemu_io(uri: &str, command: &str) -> (bool, String) {
-    let out = Command::new("qemu-io")
-        .args(["-f", "raw", "-c", command, uri])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // qemu-io reports a failed command on its output and still exits 0.
-    (out.status.success() && !text.contains("error"), text)
-}
-
-/// Runs `nbdsh -c SCRIPT`; returns (success, stdout + stderr). Debian's python3-libnbd is
-/// built for the system python, so /usr/bin comes first on PATH.
-pub fn nbdsh(script: &str) -> (bool, String) {
-    let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
-    let out = std::process::Command::new("nbdsh")
-        .args(["-c", script])
-        .env("PATH", path)
-        .output()
-        .expect("nbdsh (python3-libnbd; scripts/install-deps.sh installs it)");
-    (
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
 }

@@ -278,3 +278,48 @@ fn merging_truncates_from_the_tail_across_areas() {
     drop(store);
     assert!(open(&dev, 8).records.is_empty());
 }
+
+#[test]
+fn when_durable_tells_after_the_commit_and_at_once_when_it_is_done() {
+    let dev = device(1 << 20);
+    let store = open(&dev, 8).store;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let record = Record {
+        old: 1,
+        new: store.allocate().unwrap(),
+    };
+    let ticket = store.submit(&[record]).unwrap();
+    let told = tx.clone();
+    store.when_durable(ticket, Box::new(move |r| told.send(r).unwrap()));
+    assert_eq!(
+        rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap(),
+        Ok(())
+    );
+    assert_eq!(
+        store.stats().records,
+        1,
+        "told once the record is committed"
+    );
+    store.when_durable(ticket, Box::new(move |r| tx.send(r).unwrap()));
+    assert_eq!(
+        rx.try_recv().unwrap(),
+        Ok(()),
+        "a done commit tells at once"
+    );
+}
+
+#[test]
+fn when_durable_tells_a_failed_commit() {
+    let dev = Arc::new(udm_testkit::Switchable::new(1 << 20));
+    let store = PersistentStore::open(dev.clone() as Arc<dyn BlockDevice>, 8)
+        .unwrap()
+        .store;
+    let new = store.allocate().unwrap();
+    dev.fail_writes
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let ticket = store.submit(&[Record { old: 1, new }]).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    store.when_durable(ticket, Box::new(move |r| tx.send(r).unwrap()));
+    let told = rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap();
+    assert!(matches!(told, Err(StoreError::Io(_))), "{told:?}");
+}

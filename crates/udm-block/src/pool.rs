@@ -1,23 +1,22 @@
-//! The bounded pool of threads that run the requests the event loops cannot remap (a partial
-//! clone write, delay, flakey, log-writes, a remote source, discards, block status): the
-//! synchronous `BlockDevice` path, off the loops so a slow target never stalls a loop.
+//! A bounded pool of threads for blocking work that must not hold up its caller: the NBD
+//! event loops' requests that do not remap (the synchronous `BlockDevice` path, off the loops
+//! so a slow target never stalls a loop), a snapshot's copy-outs for mapped origin writes.
 //!
 //! Threads start when work arrives and no thread is free, up to the bound, and end after a
-//! while without work, so an idle daemon (or one whose devices all remap) keeps none.
+//! while without work, so an idle daemon keeps none.
 
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use log::warn;
-
-pub(crate) type Job = Box<dyn FnOnce() + Send>;
+pub type Job = Box<dyn FnOnce() + Send>;
 
 /// How long a thread waits for work before it ends.
 const IDLE: Duration = Duration::from_secs(10);
 
-pub(crate) struct Pool {
+pub struct WorkerPool {
+    name: &'static str,
     max_threads: usize,
     state: Mutex<State>,
     ready: Condvar,
@@ -30,10 +29,11 @@ struct State {
     idle: usize,
 }
 
-impl Pool {
-    /// A pool of at most `max_threads` (at least one).
-    pub fn new(max_threads: usize) -> Arc<Pool> {
-        Arc::new(Pool {
+impl WorkerPool {
+    /// A pool of at most `max_threads` (at least one), named `name` (the threads' name).
+    pub fn new(name: &'static str, max_threads: usize) -> Arc<WorkerPool> {
+        Arc::new(WorkerPool {
+            name,
             max_threads: max_threads.max(1),
             state: Mutex::new(State::default()),
             ready: Condvar::new(),
@@ -52,11 +52,11 @@ impl Pool {
         drop(state);
         let pool = self.clone();
         let started = std::thread::Builder::new()
-            .name("nbd-pool".into())
+            .name(self.name.into())
             .spawn(move || pool.work());
         if let Err(e) = started {
             // The queued job waits for a running thread; with none, the next submit tries again.
-            warn!("nbd: cannot start a pool thread: {e}");
+            log::warn!("{}: cannot start a pool thread: {e}", self.name);
             self.state.lock().threads -= 1;
         }
     }
@@ -78,7 +78,7 @@ impl Pool {
             // Jobs catch their requests' panics themselves (an error reply); this one only
             // keeps the thread alive through a bug outside them.
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
-                warn!("nbd: a pool job panicked");
+                log::warn!("{}: a pool job panicked", self.name);
             }
             state = self.state.lock();
         }
@@ -92,7 +92,7 @@ mod tests {
 
     #[test]
     fn runs_jobs_on_at_most_its_bound_of_threads() {
-        let pool = Pool::new(2);
+        let pool = WorkerPool::new("test-pool", 2);
         let (tx, rx) = mpsc::channel();
         let gate = Arc::new((Mutex::new(false), Condvar::new()));
         for i in 0..5 {

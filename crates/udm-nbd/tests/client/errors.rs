@@ -1,0 +1,248 @@
+//! What goes wrong reaches the caller: server errors with their errno, read-only exports,
+//! failed connects, and a minimal server's quirks.
+
+use super::*;
+
+#[test]
+fn server_errors_reach_the_caller_with_their_errno() {
+    for structured in [true, false] {
+        let dir = scratch("errors");
+        let mut args = vec![
+            "--filter=error",
+            "memory",
+            "64M",
+            "error-pread=EIO",
+            "error-pread-rate=100%",
+            "error-pwrite=ENOSPC",
+            "error-pwrite-rate=100%",
+            "error-zero=EINVAL",
+            "error-zero-rate=100%",
+            "error-trim=EPERM",
+            "error-trim-rate=100%",
+        ];
+        if !structured {
+            args.insert(0, "--no-sr");
+        }
+        let _server = nbdkit(&dir, &args);
+        let client = connect(&uri(&dir), ClientOptions::default());
+        let mut buf = AlignedBuf::zeroed(4096);
+        let errno = |r: udm_block::Result<()>| r.unwrap_err().errno();
+        assert_eq!(errno(client.read(0, &mut buf)), libc::EIO);
+        assert_eq!(
+            errno(client.write(0, &buf, WriteFlags::default())),
+            libc::ENOSPC
+        );
+        assert_eq!(
+            errno(client.write_zeroes(0, 4096, ZeroFlags::default())),
+            libc::EINVAL
+        );
+        assert_eq!(errno(client.discard(0, 4096)), libc::EPERM);
+        // Errors are answers, not broken connections.
+        assert!(client.is_connected());
+        client.flush().unwrap();
+    }
+}
+
+#[test]
+fn read_only_exports_and_clients_refuse_writes() {
+    let dir = scratch("ro");
+    let _server = nbdkit(&dir, &["-r", "memory", "64M"]);
+    let client = connect(&uri(&dir), ClientOptions::default());
+    assert!(client.capabilities().read_only);
+    let buf = AlignedBuf::zeroed(4096);
+    let err = client.write(0, &buf, WriteFlags::default()).unwrap_err();
+    assert_eq!(err.errno(), libc::EPERM);
+
+    let dir = scratch("ro-option");
+    let _server = nbdkit(&dir, &["memory", "64M"]);
+    let client = connect(
+        &uri(&dir),
+        ClientOptions {
+            read_only: true,
+            ..ClientOptions::default()
+        },
+    );
+    assert!(client.capabilities().read_only);
+    assert_eq!(client.discard(0, 4096).unwrap_err().errno(), libc::EPERM);
+    assert_eq!(
+        client
+            .write_zeroes(0, 4096, ZeroFlags::default())
+            .unwrap_err()
+            .errno(),
+        libc::EPERM
+    );
+    read(&client, 0, 4096);
+}
+
+#[test]
+fn connect_reports_what_went_wrong() {
+    let dir = scratch("connect");
+    let missing = NbdClient::connect(&uri(&dir), ClientOptions::default());
+    assert!(matches!(missing, Err(ClientError::Connect { .. })));
+
+    let bad = NbdClient::connect("nbd://host:99999/x", ClientOptions::default());
+    assert!(matches!(bad, Err(ClientError::Uri(_))));
+
+    let unknown =
+        udm_server(&dir, Arc::new(MemoryDevice::new(4 * MIB))).replace("///vol", "///nope");
+    match NbdClient::connect(&unknown, ClientOptions::default()) {
+        Err(ClientError::Refused {
+            export, message, ..
+        }) => {
+            assert_eq!(export, "nope");
+            assert!(message.contains("nope"), "{message}");
+        }
+        other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
+    }
+
+    let dir = scratch("oldstyle");
+    let _server = nbdkit(&dir, &["-o", "memory", "4M"]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let err = loop {
+        match NbdClient::connect(&uri(&dir), ClientOptions::default()) {
+            Err(ClientError::Connect { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => break e,
+            Ok(_) => panic!("an oldstyle server was accepted"),
+        }
+    };
+    assert!(err.to_string().contains("oldstyle"), "{err}");
+}
+
+/// The least a fixed-newstyle server can be: every option but NBD_OPT_EXPORT_NAME is refused
+/// as unsupported, replies are simple, and the 124 zero bytes are always sent. It serves one
+/// connection after another until a client says goodbye with NBD_CMD_DISC.
+struct MinimalServer {
+    disk: Mutex<Vec<u8>>,
+    /// Answer the first request of the first connection with garbage.
+    garbage_first: bool,
+    connections: AtomicUsize,
+    saw_disc: AtomicBool,
+}
+
+impl MinimalServer {
+    fn start(dir: &TempDir, garbage_first: bool) -> (Arc<MinimalServer>, JoinHandle<()>) {
+        let listener = UnixListener::bind(socket(dir)).unwrap();
+        let server = Arc::new(MinimalServer {
+            disk: Mutex::new(vec![0u8; 4 * MIB as usize]),
+            garbage_first,
+            connections: AtomicUsize::new(0),
+            saw_disc: AtomicBool::new(false),
+        });
+        let thread = std::thread::spawn({
+            let server = server.clone();
+            move || {
+                for stream in listener.incoming() {
+                    let first = server.connections.fetch_add(1, Ordering::AcqRel) == 0;
+                    if server.serve(stream.unwrap(), first && server.garbage_first) {
+                        return;
+                    }
+                }
+            }
+        });
+        (server, thread)
+    }
+
+    /// Serves one connection; true when it ended with NBD_CMD_DISC.
+    fn serve(&self, mut s: UnixStream, garbage: bool) -> bool {
+        let mut greeting = NBDMAGIC.to_be_bytes().to_vec();
+        greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        greeting.extend_from_slice(&FLAG_FIXED_NEWSTYLE.to_be_bytes());
+        s.write_all(&greeting).unwrap();
+        let mut word = [0u8; 4];
+        s.read_exact(&mut word).unwrap();
+        assert_eq!(u32::from_be_bytes(word), CLIENT_FIXED_NEWSTYLE);
+        loop {
+            let mut header = [0u8; 16];
+            s.read_exact(&mut header).unwrap();
+            let option = u32::from_be_bytes(header[8..12].try_into().unwrap());
+            let len = u32::from_be_bytes(header[12..16].try_into().unwrap());
+            let mut data = vec![0u8; len as usize];
+            s.read_exact(&mut data).unwrap();
+            if option == OPT_EXPORT_NAME {
+                let size = self.disk.lock().len() as u64;
+                let mut reply = size.to_be_bytes().to_vec();
+                reply.extend_from_slice(&(TF_HAS_FLAGS | TF_SEND_FLUSH).to_be_bytes());
+                reply.extend_from_slice(&[0u8; 124]);
+                s.write_all(&reply).unwrap();
+                break;
+            }
+            s.write_all(&option_reply(option, REP_ERR_UNSUP, &[]))
+                .unwrap();
+        }
+        loop {
+            let mut header = [0u8; REQUEST_HEADER_LEN];
+            if s.read_exact(&mut header).is_err() {
+                return false;
+            }
+            let r = parse_request(&header).unwrap();
+            if garbage {
+                // Then wait for the client to hang up, as it must.
+                s.write_all(&[0xde; 16]).unwrap();
+                let _ = s.read_to_end(&mut Vec::new());
+                return false;
+            }
+            let range = r.offset as usize..(r.offset + u64::from(r.length)) as usize;
+            match r.command {
+                CMD_READ => {
+                    let mut reply = simple_reply(r.cookie, 0).to_vec();
+                    reply.extend_from_slice(&self.disk.lock()[range]);
+                    s.write_all(&reply).unwrap();
+                }
+                CMD_WRITE => {
+                    s.read_exact(&mut self.disk.lock()[range]).unwrap();
+                    s.write_all(&simple_reply(r.cookie, 0)).unwrap();
+                }
+                CMD_FLUSH => s.write_all(&simple_reply(r.cookie, 0)).unwrap(),
+                CMD_DISC => {
+                    self.saw_disc.store(true, Ordering::Release);
+                    return true;
+                }
+                _ => s.write_all(&simple_reply(r.cookie, NBD_EINVAL)).unwrap(),
+            }
+        }
+    }
+}
+
+#[test]
+fn a_server_without_options_is_reached_through_export_name() {
+    let dir = scratch("minimal");
+    let (server, thread) = MinimalServer::start(&dir, false);
+    let client = NbdClient::connect(&uri(&dir), ClientOptions::default()).unwrap();
+    let caps = client.capabilities();
+    assert!(!caps.native_fua && !caps.discard && !caps.fast_zero);
+    let data = pattern(65536, 8);
+    client.write(8192, &data, WriteFlags { fua: true }).unwrap();
+    assert!(read(&client, 8192, 65536)[..] == data[..]);
+    assert!(server.disk.lock()[8192..8192 + 65536] == data[..]);
+    // No WRITE_ZEROES, TRIM, CACHE or block status: emulated or answered locally.
+    client
+        .write_zeroes(8192, 4096, ZeroFlags::default())
+        .unwrap();
+    assert!(read(&client, 8192, 4096).iter().all(|&b| b == 0));
+    client.discard(0, 4096).unwrap();
+    client.cache(0, 4096).unwrap();
+    assert_eq!(
+        client.block_status(0, MIB).unwrap(),
+        vec![Extent::data(MIB)]
+    );
+    drop(client);
+    thread.join().unwrap();
+    assert!(
+        server.saw_disc.load(Ordering::Acquire),
+        "no NBD_CMD_DISC on drop"
+    );
+}
+
+#[test]
+fn a_protocol_error_from_the_server_means_reconnect_and_resend() {
+    let dir = scratch("garbage");
+    let (server, thread) = MinimalServer::start(&dir, true);
+    server.disk.lock()[..4096].copy_from_slice(&pattern(4096, 4));
+    let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
+    assert!(read(&client, 0, 4096)[..] == pattern(4096, 4)[..]);
+    assert_eq!(server.connections.load(Ordering::Acquire), 2);
+    drop(client);
+    thread.join().unwrap();
+}

@@ -1,0 +1,175 @@
+//! The NBD client against real servers: nbdkit, qemu-nbd and udm's own, over Unix sockets in
+//! a temporary directory. Every server process is killed when its guard is dropped.
+
+use parking_lot::Mutex;
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use udm_block::{
+    AlignedBuf, BlockDevice, Extent, MemoryDevice, WriteFlags, ZeroFlags, EXTENT_HOLE, EXTENT_ZERO,
+};
+use udm_nbd::protocol::*;
+use udm_nbd::{ClientError, ClientOptions, NbdClient, NbdServer, ServerConfig};
+use udm_testkit::{conformance, pattern, Devices, Rng, TempDir};
+
+mod errors;
+mod reconnect;
+mod requests;
+
+const MIB: u64 = 1 << 20;
+
+/// The client's log lines (connection up, down, back) go to the test's captured output, so a
+/// failing test shows what the connection went through.
+struct TestLog;
+
+impl log::Log for TestLog {
+    fn enabled(&self, _: &log::Metadata) -> bool {
+        true
+    }
+    fn log(&self, record: &log::Record) {
+        eprintln!("{} {}", record.level(), record.args());
+    }
+    fn flush(&self) {}
+}
+
+/// A scratch directory for one test; every test starts here, so this is also where the log
+/// is set up.
+fn scratch(tag: &str) -> TempDir {
+    if log::set_logger(&TestLog).is_ok() {
+        log::set_max_level(log::LevelFilter::Debug);
+    }
+    TempDir::new(&format!("nbd-client-{tag}"))
+}
+
+/// The socket servers listen on in `dir`.
+/// `disk.img`, 4 MiB of pattern `seed`, in `dir`: its data and nbdkit's `file=` argument.
+fn patterned_image(dir: &TempDir, seed: u64) -> (AlignedBuf, String) {
+    let image = dir.path("disk.img");
+    let data = pattern(4 * MIB as usize, seed);
+    std::fs::write(&image, &data[..]).unwrap();
+    (data, format!("file={}", image.display()))
+}
+
+fn socket(dir: &TempDir) -> PathBuf {
+    dir.path("nbd.sock")
+}
+
+fn uri(dir: &TempDir) -> String {
+    uri_for(dir, "")
+}
+
+fn uri_for(dir: &TempDir, export: &str) -> String {
+    format!("nbd+unix:///{export}?socket={}", socket(dir).display())
+}
+
+/// A server process; killed (SIGKILL, like a crash) and reaped on drop.
+struct Server(Child);
+
+impl Server {
+    fn start(dir: &TempDir, program: &str, args: &[&str]) -> Server {
+        // A socket left by a killed server would make the next one fail to bind.
+        let _ = std::fs::remove_file(socket(dir));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.path(&format!("{program}.log")))
+            .unwrap();
+        let child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {program}: {e}"));
+        Server(child)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// nbdkit in the foreground (so the child is the server) on the directory's socket.
+fn nbdkit(dir: &TempDir, args: &[&str]) -> Server {
+    let socket = socket(dir);
+    let mut all = vec!["-f", "--exit-with-parent", "-U", socket.to_str().unwrap()];
+    all.extend_from_slice(args);
+    Server::start(dir, "nbdkit", &all)
+}
+
+fn options(io_timeout: Duration) -> ClientOptions {
+    ClientOptions {
+        io_timeout,
+        ..ClientOptions::default()
+    }
+}
+
+/// Connects, giving a server that was just started time to listen.
+fn connect(uri: &str, options: ClientOptions) -> NbdClient {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match NbdClient::connect(uri, options.clone()) {
+            Ok(client) => return client,
+            Err(ClientError::Connect { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("connecting to {uri}: {e}"),
+        }
+    }
+}
+
+/// Whether a thread of this process has this name (as the kernel keeps it: 15 bytes).
+fn thread_named(name: &str) -> bool {
+    std::fs::read_dir("/proc/self/task").unwrap().any(|task| {
+        let comm = task.unwrap().path().join("comm");
+        std::fs::read_to_string(comm).is_ok_and(|c| c.trim_end() == name)
+    })
+}
+
+fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn read(dev: &dyn BlockDevice, offset: u64, len: usize) -> AlignedBuf {
+    let mut buf = AlignedBuf::zeroed(len);
+    dev.read(offset, &mut buf).expect("read");
+    buf
+}
+
+/// The allocation map of a range, asking as often as the device needs and joining runs.
+fn map(dev: &dyn BlockDevice, offset: u64, len: u64) -> Vec<Extent> {
+    let mut out: Vec<Extent> = Vec::new();
+    let mut pos = offset;
+    while pos < offset + len {
+        for e in dev.block_status(pos, offset + len - pos).unwrap() {
+            pos += e.len;
+            match out.last_mut() {
+                Some(last) if last.flags == e.flags => last.len += e.len,
+                _ => out.push(e),
+            }
+        }
+    }
+    out
+}
+
+/// udm's server in this process, serving `device` as `vol`; returns the export's URI.
+fn udm_server(dir: &TempDir, device: Arc<dyn BlockDevice>) -> String {
+    let devices = Devices::default();
+    devices.add("vol", device, false);
+    let server = NbdServer::new(Arc::new(devices), ServerConfig::default()).unwrap();
+    server.listen_unix(&socket(dir)).unwrap();
+    format!("nbd+unix:///vol?socket={}", socket(dir).display())
+}

@@ -1,0 +1,282 @@
+//! A connection that breaks: reconnect and resend, fail fast, time out, redial a server
+//! that stops answering, a disconnected start, a server shutting down, closing.
+
+use super::*;
+
+#[test]
+fn reconnects_and_resends_after_the_server_restarts() {
+    let dir = scratch("reconnect");
+    let (data, file_arg) = patterned_image(&dir, 11);
+    // Reads take 300 ms, so one can be caught in flight when the server dies.
+    let args = ["--filter=delay", "file", &file_arg, "delay-read=300ms"];
+    let server = nbdkit(&dir, &args);
+    let client = Arc::new(connect(&uri(&dir), options(Duration::from_secs(10))));
+    assert!(read(&*client, 0, 4096)[..] == data[..4096]);
+
+    let spawn_read = |offset: u64| {
+        let client = client.clone();
+        std::thread::spawn(move || {
+            let mut buf = AlignedBuf::zeroed(65536);
+            client.read(offset, &mut buf).map(|()| buf)
+        })
+    };
+    let in_flight = spawn_read(MIB);
+    std::thread::sleep(Duration::from_millis(100));
+    drop(server);
+    wait_until(
+        "the client sees the server gone",
+        Duration::from_secs(2),
+        || !client.is_connected(),
+    );
+    let while_down = spawn_read(2 * MIB + 8192);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!in_flight.is_finished() && !while_down.is_finished());
+
+    let _server = nbdkit(&dir, &args);
+    let got = in_flight
+        .join()
+        .unwrap()
+        .expect("the read in flight is resent");
+    assert!(got[..] == data[MIB as usize..][..65536]);
+    let got = while_down
+        .join()
+        .unwrap()
+        .expect("the read made while down is sent");
+    assert!(got[..] == data[2 * MIB as usize + 8192..][..65536]);
+    assert!(client.is_connected());
+    client
+        .write(0, &pattern(4096, 12), WriteFlags { fua: true })
+        .unwrap();
+    assert!(read(&*client, 0, 4096)[..] == pattern(4096, 12)[..]);
+}
+
+#[test]
+fn a_fail_fast_client_fails_requests_when_the_connection_breaks_and_serves_once_back() {
+    let dir = scratch("fail-fast");
+    let (data, file_arg) = patterned_image(&dir, 13);
+    // Reads take 2 s, so one is in flight when the server dies.
+    let args = ["--filter=delay", "file", &file_arg, "delay-read=2"];
+    let server = nbdkit(&dir, &args);
+    let options = ClientOptions {
+        fail_fast: true,
+        ..options(Duration::from_secs(30))
+    };
+    let client = Arc::new(connect(&uri(&dir), options));
+    let in_flight = {
+        let client = client.clone();
+        std::thread::spawn(move || {
+            let mut buf = AlignedBuf::zeroed(4096);
+            let started = Instant::now();
+            (client.read(0, &mut buf), started.elapsed())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    drop(server);
+    // Not resent, not waited for: the io_timeout (30 s) plays no part.
+    let (result, took) = in_flight.join().unwrap();
+    let err = result.unwrap_err();
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    assert!(err.to_string().contains("connection broke"), "{err}");
+    assert!(took < Duration::from_secs(2), "failed after {took:?}");
+    // While there is no connection, a request fails at once.
+    let started = Instant::now();
+    let mut buf = AlignedBuf::zeroed(4096);
+    let err = client.read(0, &mut buf).unwrap_err();
+    assert!(err.to_string().contains("not connected"), "{err}");
+    assert!(started.elapsed() < Duration::from_millis(100));
+    // The client redials by itself; requests succeed again once it has.
+    let _server = nbdkit(&dir, &["file", &file_arg]);
+    wait_until("the client is back", Duration::from_secs(10), || {
+        client.is_connected()
+    });
+    assert!(read(&*client, MIB, 4096)[..] == data[MIB as usize..][..4096]);
+}
+
+#[test]
+fn a_server_that_stays_away_fails_requests_after_io_timeout() {
+    let dir = scratch("away");
+    let server = nbdkit(&dir, &["memory", "64M"]);
+    // nbdkit serves any export name; this one names the client's thread "nbd-client-away".
+    let client = connect(&uri_for(&dir, "away"), options(Duration::from_secs(1)));
+    // The thread names itself once it runs.
+    wait_until("the client's thread runs", Duration::from_secs(2), || {
+        thread_named("nbd-client-away")
+    });
+    drop(server);
+    let start = Instant::now();
+    let mut buf = AlignedBuf::zeroed(4096);
+    let err = client.read(0, &mut buf).unwrap_err();
+    let took = start.elapsed();
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    assert!(err.to_string().contains("unreachable"), "{err}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_millis(2500),
+        "failed after {took:?}"
+    );
+    // Dropping it stops the reconnect loop at once, and its thread is gone.
+    let start = Instant::now();
+    drop(client);
+    assert!(start.elapsed() < Duration::from_secs(1));
+    assert!(!thread_named("nbd-client-away"));
+}
+
+#[test]
+fn a_server_that_stops_answering_is_dropped_and_redialled() {
+    // Reads hang for 20 s; writes are immediate.
+    let dir = scratch("stalled");
+    let _server = nbdkit(&dir, &["--filter=delay", "memory", "64M", "delay-read=20"]);
+    let client = connect(&uri(&dir), options(Duration::from_secs(1)));
+    let start = Instant::now();
+    let mut buf = AlignedBuf::zeroed(4096);
+    let err = client.read(0, &mut buf).unwrap_err();
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    assert!(start.elapsed() < Duration::from_millis(2500));
+    // The silent connection was abandoned; a fresh one serves what the server still does.
+    client
+        .write(0, &pattern(4096, 1), WriteFlags::default())
+        .unwrap();
+    assert!(client.is_connected());
+}
+
+#[test]
+fn an_export_that_comes_back_with_another_size_fails_the_device() {
+    let dir = scratch("resized");
+    let server = nbdkit(&dir, &["memory", "64M"]);
+    let client = connect(&uri(&dir), options(Duration::from_secs(5)));
+    drop(server);
+    wait_until(
+        "the client sees the server gone",
+        Duration::from_secs(2),
+        || !client.is_connected(),
+    );
+    let _server = nbdkit(&dir, &["memory", "32M"]);
+    let start = Instant::now();
+    let mut buf = AlignedBuf::zeroed(4096);
+    let err = client.read(0, &mut buf).unwrap_err();
+    assert_eq!(err.errno(), libc::EIO);
+    assert!(err.to_string().contains("changed size"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(4));
+    assert!(!client.is_connected());
+    let err = client.write(0, &buf, WriteFlags::default()).unwrap_err();
+    assert_eq!(err.errno(), libc::EIO);
+}
+
+#[test]
+fn a_client_made_disconnected_connects_once_the_server_is_there() {
+    let dir = scratch("later");
+    let (data, file_arg) = patterned_image(&dir, 21);
+    let client = Arc::new(
+        NbdClient::disconnected(&uri(&dir), options(Duration::from_secs(10)), 4 * MIB).unwrap(),
+    );
+    assert_eq!(client.size(), 4 * MIB);
+    assert!(!client.is_connected());
+    let waiting = {
+        let client = client.clone();
+        std::thread::spawn(move || {
+            let mut buf = AlignedBuf::zeroed(65536);
+            client.read(MIB, &mut buf).map(|()| buf)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!waiting.is_finished());
+    let _server = nbdkit(&dir, &["file", &file_arg]);
+    let got = waiting
+        .join()
+        .unwrap()
+        .expect("the read waits for the server");
+    assert!(got[..] == data[MIB as usize..][..65536]);
+    assert!(client.is_connected());
+
+    // The size it was made with is checked against the server's.
+    let wrong =
+        NbdClient::disconnected(&uri(&dir), options(Duration::from_secs(5)), 8 * MIB).unwrap();
+    let mut buf = AlignedBuf::zeroed(4096);
+    let err = wrong.read(0, &mut buf).unwrap_err();
+    assert_eq!(err.errno(), libc::EIO);
+    assert!(err.to_string().contains("changed size"), "{err}");
+}
+
+#[test]
+fn a_server_shutting_down_is_let_go_and_its_successor_serves_the_request() {
+    for structured in [true, false] {
+        let dir = scratch("eshutdown");
+        let (data, file_arg) = patterned_image(&dir, 22);
+        // Reads take 5 s, so one is in flight when the server is told to stop; nbdkit then
+        // answers it (and anything after it) with ESHUTDOWN and waits for us to hang up.
+        let mut args = vec!["--filter=delay", "file", &file_arg, "rdelay=5"];
+        if !structured {
+            args.insert(0, "--no-sr");
+        }
+        let mut server = nbdkit(&dir, &args);
+        let client = Arc::new(connect(&uri(&dir), options(Duration::from_secs(20))));
+        let in_flight = {
+            let client = client.clone();
+            std::thread::spawn(move || {
+                let mut buf = AlignedBuf::zeroed(65536);
+                client.read(MIB, &mut buf).map(|()| buf)
+            })
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        unsafe { libc::kill(server.0.id() as i32, libc::SIGTERM) };
+        wait_until(
+            "nbdkit exits (the client hangs up)",
+            Duration::from_secs(4),
+            || matches!(server.0.try_wait(), Ok(Some(_))),
+        );
+        assert!(
+            !in_flight.is_finished(),
+            "the request failed instead of waiting"
+        );
+        let _server = nbdkit(&dir, &["file", &file_arg]);
+        let got = in_flight
+            .join()
+            .unwrap()
+            .expect("the request is resent to the new server");
+        assert!(got[..] == data[MIB as usize..][..65536]);
+    }
+}
+
+#[test]
+fn closing_fails_waiting_requests_at_once() {
+    let dir = scratch("close");
+    let server = nbdkit(&dir, &["memory", "64M"]);
+    let client = Arc::new(connect(&uri(&dir), options(Duration::from_secs(30))));
+    drop(server);
+    let waiting = {
+        let client = client.clone();
+        std::thread::spawn(move || {
+            let mut buf = AlignedBuf::zeroed(4096);
+            client.read(0, &mut buf)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!waiting.is_finished());
+    let start = Instant::now();
+    client.close();
+    let err = waiting.join().unwrap().unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(err.errno(), libc::ESHUTDOWN, "{err}");
+}
+
+#[test]
+fn a_read_only_client_does_not_wait_for_a_dead_server_to_flush() {
+    let dir = scratch("ro-flush");
+    let server = nbdkit(&dir, &["memory", "64M"]);
+    let options = ClientOptions {
+        read_only: true,
+        ..options(Duration::from_secs(30))
+    };
+    let client = connect(&uri(&dir), options);
+    drop(server);
+    let start = Instant::now();
+    client.flush().unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+}

@@ -1,0 +1,330 @@
+//! The mount's life: a killed daemon's dead mount recovered, stops with filesystems mounted
+//! and requests in flight, loop devices udm did not make, slow devices beside fast ones, and
+//! /dev/fuse when io_uring is denied.
+
+use super::*;
+
+#[test]
+fn a_killed_daemon_leaves_a_dead_mount_that_the_next_daemon_recovers() {
+    let mut daemon = fuse_daemon("fuse-kill");
+    daemon.create_linear("vol", "disk.img", 16 * MIB);
+    let file = daemon.dir.path("fuse/vol");
+    std::fs::write(&file, vec![0x42u8; 4096]).unwrap();
+    daemon.stop(libc::SIGKILL);
+    // Dead: ENOTCONN once the kernel has torn the connection down. An io_uring
+    // connection's teardown goes on after the process is gone, failing the requests it
+    // catches with ECONNABORTED or ECANCELED.
+    wait_for(
+        || {
+            let err = std::fs::metadata(&file).unwrap_err();
+            let errno = err.raw_os_error().unwrap();
+            assert!(
+                [libc::ENOTCONN, libc::ECONNABORTED, libc::ECANCELED].contains(&errno),
+                "{err}"
+            );
+            errno == libc::ENOTCONN
+        },
+        "the dead mount to fail with ENOTCONN",
+    );
+    daemon.launch();
+    let data = std::fs::read(&file).unwrap();
+    assert_eq!(data.len(), 16 * MIB as usize);
+    assert!(data[..4096].iter().all(|&b| b == 0x42));
+    // A clean stop unmounts.
+    daemon.stop(libc::SIGTERM);
+    assert!(!file.exists());
+}
+
+/// Sends `signal` and reports whether the daemon exits within `within`.
+fn signal_and_wait(daemon: &mut Daemon, signal: i32, within: Duration) -> bool {
+    unsafe { libc::kill(daemon.pid() as i32, signal) };
+    let deadline = std::time::Instant::now() + within;
+    while std::time::Instant::now() < deadline {
+        if !daemon.is_running() {
+            daemon.reap();
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+#[test]
+fn a_stop_waits_for_a_mounted_filesystem_and_a_second_signal_forces_it() {
+    let mut daemon = fuse_daemon("fuse-stop");
+    let disk = daemon.sparse("disk.img", 64 * MIB);
+    let table = format!("0 131072 linear {} 0", disk.display());
+    daemon.create("vol", &table);
+    let dev = Loop::attach(&daemon, "vol");
+    mkfs("ext4", &dev.0);
+    let mnt = daemon.dir.path("mnt");
+    let mounted = Mounted::new(&dev.0, &mnt);
+
+    assert!(!signal_and_wait(
+        &mut daemon,
+        libc::SIGTERM,
+        Duration::from_secs(2)
+    ));
+    assert!(
+        daemon.log().contains("not stopping while these files"),
+        "{}",
+        daemon.log()
+    );
+    // Still serving: the filesystem takes writes and stays clean.
+    std::fs::write(mnt.join("after-sigterm"), vec![7u8; 1 << 20]).unwrap();
+    tool("sync", &[]);
+    mounted.unmount();
+    fsck("ext4", &dev.0);
+    drop(dev);
+    assert!(
+        signal_and_wait(&mut daemon, 0, Duration::from_secs(5)),
+        "the daemon did not stop once its files were released:\n{}",
+        daemon.log()
+    );
+
+    // A second signal stops it with a loop device still attached.
+    daemon.launch();
+    let _dev = Loop::attach(&daemon, "vol");
+    assert!(!signal_and_wait(
+        &mut daemon,
+        libc::SIGTERM,
+        Duration::from_secs(1)
+    ));
+    assert!(signal_and_wait(
+        &mut daemon,
+        libc::SIGTERM,
+        Duration::from_secs(20)
+    ));
+}
+
+#[test]
+fn a_suspended_device_does_not_hold_up_a_stop() {
+    let mut daemon = Daemon::start("stop-suspended");
+    daemon.create_linear("vol", "disk.img", 16 * MIB);
+    daemon.udm(&["suspend", "vol"]);
+    assert!(
+        signal_and_wait(&mut daemon, libc::SIGTERM, Duration::from_secs(5)),
+        "SIGTERM with a suspended device hangs:\n{}",
+        daemon.log()
+    );
+}
+
+/// The file a loop device is bound to, or None once it is detached.
+fn backing_file(dev: &str) -> Option<String> {
+    let name = dev.strip_prefix("/dev/").unwrap();
+    std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).ok()
+}
+
+#[test]
+fn detach_refuses_loop_devices_udm_did_not_make() {
+    let daemon = fuse_daemon("detach");
+    let plain = daemon.sparse("plain.img", 4 * MIB);
+    let other = Loop(
+        tool("losetup", &["-f", "--show", plain.to_str().unwrap()])
+            .trim()
+            .to_string(),
+    );
+    let err = daemon.udm_err(&["detach", &other.0]);
+    assert!(
+        err.contains(&format!("{} is not udm's", other.0))
+            && err.contains(&format!("backing file {}", plain.display())),
+        "{err}"
+    );
+    assert!(backing_file(&other.0).is_some(), "{} was detached", other.0);
+    // A loop device on a plain file is no loop device at all to detach.
+    let err = daemon.udm_err(&["detach", plain.to_str().unwrap()]);
+    assert!(err.contains("is not a loop device"), "{err}");
+
+    // udm's own loop devices detach.
+    daemon.create("z", "0 8192 zero");
+    let mine = Loop::attach(&daemon, "z");
+    daemon.udm(&["detach", &mine.0]);
+    assert_eq!(backing_file(&mine.0), None);
+}
+
+/// `dd` reading one block of `bs` bytes at block `skip` of `file` with O_DIRECT (one FUSE
+/// request), in the background.
+fn dd_in_background(file: &Path, bs: usize, skip: usize) -> std::process::Child {
+    Command::new("dd")
+        .arg(format!("if={}", file.display()))
+        .args([
+            "of=/dev/null",
+            &format!("bs={bs}"),
+            "count=1",
+            &format!("skip={skip}"),
+            "iflag=direct",
+            "status=none",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn dd")
+}
+
+/// Reads in flight in a delay target: the first number of its status.
+fn delayed_reads(daemon: &Daemon, name: &str) -> u64 {
+    let json: serde_json::Value =
+        serde_json::from_str(&daemon.udm(&["status", name, "--json"])).unwrap();
+    let status = json["targets"][0]["status"].as_str().unwrap().to_string();
+    status.split(' ').next().unwrap().parse().unwrap()
+}
+
+/// A daemon with a device `slow` whose reads take `delay_ms` (a delay target, which the
+/// io_uring engine cannot take) and a `linear` device `fast`, both in its FUSE mount.
+fn slow_and_fast(tag: &str, args: &[&str], delay_ms: u32) -> Daemon {
+    let mut all = vec!["--fuse", "{dir}/fuse"];
+    all.extend_from_slice(args);
+    let daemon = Daemon::start_with(tag, &all);
+    let disk = daemon.sparse("slow.img", 4 * MIB);
+    let table = format!("0 8192 delay {} 0 {delay_ms}", disk.display());
+    daemon.create("slow", &table);
+    daemon.create_linear("fast", "fast.img", 64 * MIB);
+    daemon
+}
+
+#[test]
+fn over_io_uring_a_delayed_device_does_not_hold_up_a_fast_one_in_the_same_mount() {
+    // Two threads for what the engine cannot take; four reads of the slow device keep
+    // them both busy and leave two waiting.
+    let args = ["--fuse-uring", "on", "--fuse-threads", "2"];
+    let daemon = slow_and_fast("fuse-slow", &args, 3000);
+    let fuse = daemon.dir.path("fuse");
+    let slow: Vec<_> = (0..4)
+        .map(|i| dd_in_background(&fuse.join("slow"), 4096, i))
+        .collect();
+    wait_for(|| delayed_reads(&daemon, "slow") == 2, "two delayed reads");
+    let started = Instant::now();
+    let out = Command::new("dd")
+        .arg(format!("if={}", fuse.join("fast").display()))
+        .args(["of=/dev/null", "bs=64k", "count=256", "iflag=direct"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    tool("stat", &[fuse.join("fast").to_str().unwrap()]);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "16 MiB of the fast device waited {took:?} behind the slow one"
+    );
+    assert_eq!(delayed_reads(&daemon, "slow"), 2, "the pool is bounded");
+    for mut dd in slow {
+        assert!(dd.wait().unwrap().success());
+    }
+}
+
+fn a_stop_with_requests_in_flight_ends_in_bounded_time(uring: &str) {
+    // Reads longer than the grace a busy mount is served after the forced stop unmounts it.
+    let args = ["--fuse-uring", uring, "--fuse-threads", "4"];
+    let mut daemon = slow_and_fast(&format!("fuse-stop-inflight-{uring}"), &args, 6000);
+    let fuse = daemon.dir.path("fuse");
+    // A stream of requests on the fast device through a loop device.
+    let dev = Loop::attach(&daemon, "fast");
+    let mut fio = Command::new("fio")
+        .args([
+            "--name=busy",
+            &format!("--filename={}", dev.0),
+            "--rw=randrw",
+            "--bs=4k",
+            "--iodepth=16",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--time_based",
+            "--runtime=60",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // More reads of the slow device than there are threads for them: some wait.
+    let mut readers: Vec<_> = (0..6)
+        .map(|i| dd_in_background(&fuse.join("slow"), 4096, i))
+        .collect();
+    wait_for(|| delayed_reads(&daemon, "slow") == 4, "four delayed reads");
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    // Files are open: the first signal waits for them, the second stops anyway.
+    assert!(!signal_and_wait(
+        &mut daemon,
+        libc::SIGTERM,
+        Duration::from_millis(500)
+    ));
+    assert!(
+        signal_and_wait(&mut daemon, libc::SIGTERM, Duration::from_secs(20)),
+        "the daemon did not stop:\n{}",
+        daemon.log()
+    );
+    // Every user of the mount gets its answer or an error, none hangs.
+    let deadline = started + Duration::from_secs(30);
+    for child in readers.iter_mut().chain(std::iter::once(&mut fio)) {
+        while child.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "a reader of the mount hangs");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    assert!(
+        daemon.log().contains("aborted the connection"),
+        "{}",
+        daemon.log()
+    );
+}
+
+over_both_transports!(
+    a_stop_with_requests_in_flight_ends_in_bounded_time:
+    a_stop_with_requests_in_flight_ends_in_bounded_time_over_io_uring,
+    a_stop_with_requests_in_flight_ends_in_bounded_time_over_dev_fuse
+);
+
+#[test]
+fn without_io_uring_auto_serves_over_dev_fuse_and_on_refuses_to_start() {
+    // auto: one line says why, and the mount works over /dev/fuse.
+    let daemon = Daemon::start_without_io_uring("fuse-no-uring", &["--fuse", "{dir}/fuse"]);
+    let transport = fuse_transport(&daemon);
+    assert!(transport.starts_with("/dev/fuse"), "{transport}");
+    let log = daemon.log();
+    let why: Vec<_> = log
+        .lines()
+        .filter(|l| l.contains("not using io_uring"))
+        .collect();
+    assert_eq!(why.len(), 1, "{log}");
+    assert!(why[0].contains("io_uring is unavailable"), "{log}");
+    daemon.create_linear("vol", "disk.img", 16 * MIB);
+    let file = daemon.dir.path("fuse/vol");
+    std::fs::write(&file, vec![0x5au8; 8192]).unwrap();
+    assert!(std::fs::read(&file).unwrap()[..8192] == [0x5a; 8192]);
+
+    // on: the daemon does not start, and says why in one line.
+    let dir = TempDir::new("fuse-no-uring-on");
+    let mut command = Command::new(common::UDM);
+    common::deny_io_uring(&mut command);
+    let out = command
+        .arg("daemon")
+        .arg("--state-dir")
+        .arg(dir.path("state"))
+        .arg("--control")
+        .arg(dir.path("control.sock"))
+        .arg("--fuse")
+        .arg(dir.path("fuse"))
+        .args(["--fuse-uring", "on"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("udm: FUSE mount at ")
+            && last.contains("FUSE over io_uring is unavailable: io_uring is unavailable"),
+        "{stderr}"
+    );
+    assert!(
+        !udm_fuse_mounted(&dir.path("fuse")),
+        "a mount was left behind"
+    );
+}
+
+/// Whether a FUSE filesystem is mounted at `path`.
+fn udm_fuse_mounted(path: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(path.to_str().unwrap()))
+}

@@ -1,0 +1,14 @@
+//! End to end: the dmsetup-style verbs, table swaps under load, restarts, and the errors a
+//! user sees for bad input.
+
+mod clients;
+#[path = "../common/mod.rs"]
+mod common;
+mod errors;
+mod state;
+
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
