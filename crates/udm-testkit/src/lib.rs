@@ -8,6 +8,7 @@
 //! - [`conformance`]: what every device that stores data must do.
 //! - [`CrashDevice`]: durable and volatile writes, and a power cut at any write; devices on
 //!   one [`PowerSwitch`] lose power together.
+//! - [`Mounted`]: a filesystem mounted so that its unmount is complete when a fsck follows.
 //! - [`run_ok`], [`printed`]: the tools tests check against, run.
 //! - [`Netns`]: network namespaces joined by links that can be cut, for servers on other
 //!   "hosts".
@@ -15,6 +16,7 @@
 pub mod conformance;
 mod crash;
 mod devices;
+mod mounted;
 mod netns;
 mod pattern;
 mod process;
@@ -23,6 +25,7 @@ mod temp_dir;
 
 pub use crash::{CrashDevice, PowerSwitch};
 pub use devices::Devices;
+pub use mounted::Mounted;
 pub use netns::Netns;
 pub use pattern::{pattern, pattern_file, Rng};
 pub use process::{printed, run_ok};

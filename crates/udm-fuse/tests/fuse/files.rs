@@ -288,25 +288,26 @@ fn ext4_on_a_loop_device() {
                 )
             })
             .collect();
-        {
-            let fs = Mounted::new(&lo.0, &dir.path("ext4"));
-            for (name, data) in &files {
-                std::fs::write(fs.0.join(name), data).unwrap();
-            }
-            run_ok(&mut Command::new("sync"));
-            for (name, data) in &files {
-                assert!(std::fs::read(fs.0.join(name)).unwrap() == *data);
-            }
+        let fs = Mounted::new(&lo.0, &dir.path("ext4"));
+        for (name, data) in &files {
+            std::fs::write(fs.path().join(name), data).unwrap();
         }
+        run_ok(&mut Command::new("sync"));
+        for (name, data) in &files {
+            assert!(std::fs::read(fs.path().join(name)).unwrap() == *data);
+        }
+        fs.unmount();
         run_ok(Command::new("e2fsck").args(["-fn", &lo.0]));
         // Mounted again, the files are there (read back through the device, not a cache).
         run_ok(Command::new("blockdev").args(["--flushbufs", &lo.0]));
-        {
-            let fs = Mounted::new(&lo.0, &dir.path("ext4"));
-            for (name, data) in &files {
-                assert!(std::fs::read(fs.0.join(name)).unwrap() == *data, "{name}");
-            }
+        let fs = Mounted::new(&lo.0, &dir.path("ext4"));
+        for (name, data) in &files {
+            assert!(
+                std::fs::read(fs.path().join(name)).unwrap() == *data,
+                "{name}"
+            );
         }
+        fs.unmount();
         drop(lo);
         catalog.wait_closed();
         export.unmount();

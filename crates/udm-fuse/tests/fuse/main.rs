@@ -7,7 +7,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -18,7 +18,7 @@ use udm_block::{
     WriteFlags, ZeroFlags,
 };
 use udm_fuse::{recover_stale_mount, FuseConfig, FuseError, FuseExport, Transport, UringMode};
-use udm_testkit::{pattern, run_ok, Devices, TempDir};
+use udm_testkit::{pattern, run_ok, Devices, Mounted, TempDir};
 
 mod files;
 mod lifecycle;
@@ -114,23 +114,6 @@ impl LoopDevice {
 impl Drop for LoopDevice {
     fn drop(&mut self) {
         let _ = Command::new("losetup").args(["-d", &self.0]).status();
-    }
-}
-
-/// A filesystem mounted with mount(8), unmounted on drop.
-pub struct Mounted(pub PathBuf);
-
-impl Mounted {
-    pub fn new(device: &str, at: &Path) -> Mounted {
-        std::fs::create_dir_all(at).unwrap();
-        run_ok(Command::new("mount").arg(device).arg(at));
-        Mounted(at.to_path_buf())
-    }
-}
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
     }
 }
 

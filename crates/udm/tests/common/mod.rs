@@ -25,7 +25,7 @@ pub use tables::*;
 #[allow(unused_imports)] // as above
 pub use tools::*;
 #[allow(unused_imports)] // as above
-pub use udm_testkit::{pattern_file, Netns, TempDir};
+pub use udm_testkit::{pattern_file, Mounted, Netns, TempDir};
 
 /// A running daemon with one Unix NBD listener.
 pub struct Daemon {

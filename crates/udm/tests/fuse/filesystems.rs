@@ -265,7 +265,9 @@ fn xfs_made_on_a_clone_while_it_hydrates() {
         meta.display(), dest.display(), source.display()
     ));
     let dev = Loop::attach(&daemon, "vol");
-    mkfs("xfs", &dev.0);
+    // Without discarding the device first: mkfs.xfs's discard of the whole device would mark
+    // every region hydrated before the filesystem exists, and nothing would race the copy.
+    tool("mkfs.xfs", &["-q", "-f", "-K", &dev.0]);
     fill_and_check("xfs", &dev.0, &daemon.dir.path("mnt"), &tarball);
     let out = daemon.udm(&["wait", "vol", "--progress"]);
     assert!(out.ends_with("hydration complete"));

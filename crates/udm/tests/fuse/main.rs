@@ -87,27 +87,6 @@ impl Drop for Loop {
     }
 }
 
-/// A mounted filesystem, unmounted on drop.
-struct Mounted(PathBuf);
-
-impl Mounted {
-    fn new(dev: &str, dir: &Path) -> Mounted {
-        std::fs::create_dir_all(dir).unwrap();
-        tool("mount", &[dev, dir.to_str().unwrap()]);
-        Mounted(dir.to_path_buf())
-    }
-    fn unmount(self) {
-        tool("umount", &[self.0.to_str().unwrap()]);
-        std::mem::forget(self);
-    }
-}
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
-
 /// Changes a mounted filesystem: copies trees of real files, syncs, deletes, copies again.
 fn churn(mnt: &Path) {
     tool(
