@@ -1,0 +1,259 @@
+//! A connection's life on the loop: attached, receiving, sending its replies, aborted,
+//! detached once nothing of it is in flight.
+
+use super::*;
+
+impl EventLoop {
+    pub(super) fn attach(&mut self, attach: Attach) {
+        let Attach {
+            stream,
+            negotiated,
+            slot,
+        } = attach;
+        let Negotiated {
+            name,
+            export,
+            structured,
+            base_allocation,
+            contexts,
+        } = negotiated;
+        // Timeouts are the loop's now; the socket's own would only confuse io_uring.
+        let _ = stream.set_read_timeout(None);
+        let _ = stream.set_write_timeout(None);
+        let session = Arc::new(Session {
+            name,
+            device: Arc::new(Checked::new(export.device.clone(), export.read_only)),
+            structured,
+            base_allocation,
+            contexts,
+        });
+        let conn = Conn {
+            session,
+            stream,
+            _export: export.open_guard,
+            _slot: slot,
+            buf: vec![0u8; RECEIVE_BUFFER].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            receiving: false,
+            receiving_payload: false,
+            writing: None,
+            mapped: Vec::new(),
+            mapped_free: Vec::new(),
+            in_flight: 0,
+            replies: VecDeque::new(),
+            sending: None,
+            closing: false,
+            dead: false,
+            waiting_for_budget: false,
+            held: VecDeque::new(),
+            last_active: Instant::now(),
+        };
+        let index = match self.free.pop() {
+            Some(i) => {
+                self.conns[i] = Some(conn);
+                i
+            }
+            None => {
+                self.conns.push(Some(conn));
+                self.conns.len() - 1
+            }
+        };
+        self.dirty.push(index);
+    }
+
+    pub(super) fn received(&mut self, index: usize, result: i32) {
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        conn.receiving = false;
+        let into_payload = std::mem::take(&mut conn.receiving_payload);
+        if into_payload && conn.dead {
+            // Aborted while the kernel could still write into the payload: free it now.
+            conn.writing = None;
+        }
+        match result {
+            n if n > 0 && into_payload => {
+                if let Some((_, _, got)) = conn.writing.as_mut() {
+                    *got += n as usize;
+                }
+                conn.last_active = Instant::now();
+            }
+            n if n > 0 => {
+                conn.end += n as usize;
+                conn.last_active = Instant::now();
+            }
+            0 => conn.closing = true,
+            n if matches!(-n, libc::EINTR | libc::EAGAIN) => {}
+            n => {
+                let err = io::Error::from_raw_os_error(-n);
+                self.abort(index, &format!("reading a request: {err}"));
+            }
+        }
+        self.dirty.push(index);
+    }
+
+    pub(super) fn sent(&mut self, index: usize, result: i32) {
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        let Some(sending) = conn.sending.as_mut() else {
+            return;
+        };
+        if result < 0 {
+            if matches!(-result, libc::EINTR | libc::EAGAIN) {
+                let entry = send_entry(index, &conn.stream, sending);
+                self.queued.push(entry);
+                return;
+            }
+            let err = io::Error::from_raw_os_error(-result);
+            self.abort(index, &format!("sending a reply: {err}"));
+            if let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) {
+                conn.sending = None;
+            }
+            self.dirty.push(index);
+            return;
+        }
+        let mut left = result as usize;
+        while left > 0 && sending.first < sending.iovecs.len() {
+            let iov = &mut sending.iovecs[sending.first];
+            let n = left.min(iov.iov_len);
+            // SAFETY: advances within the iovec's own buffer.
+            iov.iov_base = unsafe { iov.iov_base.cast::<u8>().add(n) }.cast();
+            iov.iov_len -= n;
+            left -= n;
+            if iov.iov_len == 0 {
+                sending.first += 1;
+            }
+        }
+        sending.since = Instant::now();
+        if sending.first < sending.iovecs.len() {
+            let entry = send_entry(index, &conn.stream, sending);
+            self.queued.push(entry);
+            return;
+        }
+        conn.sending = None;
+        conn.last_active = Instant::now();
+        self.dirty.push(index);
+    }
+
+    /// Ends a connection whose socket failed or whose client broke the protocol: what is in
+    /// flight finishes, and its replies are dropped.
+    pub(super) fn abort(&mut self, index: usize, why: &str) {
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        if !conn.dead {
+            if conn.closing {
+                debug!(
+                    "nbd export '{}': connection ended: {why}",
+                    conn.session.name
+                );
+            } else {
+                warn!(
+                    "nbd export '{}': closing connection: {why}",
+                    conn.session.name
+                );
+            }
+        }
+        conn.dead = true;
+        conn.closing = true;
+        if !conn.receiving_payload {
+            conn.writing = None;
+        }
+        conn.in_flight -= conn.held.len();
+        conn.held.clear();
+        conn.replies.clear();
+        conn.stream.shutdown();
+        self.dirty.push(index);
+    }
+
+    /// Parses what has arrived, starts the next receive and send, and ends the connection
+    /// when it is done.
+    pub(super) fn pump(&mut self, index: usize) {
+        self.release_held(index);
+        let open = self.conns.get(index).and_then(Option::as_ref);
+        if open.is_none_or(|c| c.closing) {
+            return self.finish_if_done(index);
+        }
+        self.parse(index);
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        if conn.buf.len() - conn.end < REQUEST_HEADER_LEN || conn.start == conn.end {
+            // Keep the unparsed bytes at the front so the next receive has room.
+            conn.buf.copy_within(conn.start..conn.end, 0);
+            conn.end -= conn.start;
+            conn.start = 0;
+        }
+        let busy = conn.in_flight + conn.replies.len() >= self.queue_depth;
+        if !conn.receiving && !conn.closing && !conn.dead && !conn.waiting_for_budget && !busy {
+            conn.receiving = true;
+            let buffered = conn.end - conn.start;
+            let room = match conn.writing.as_mut() {
+                // parse() has taken every byte of the receive buffer into the payload.
+                Some((_, payload, got))
+                    if buffered == 0 && payload.len() - *got >= DIRECT_RECEIVE =>
+                {
+                    conn.receiving_payload = true;
+                    &mut payload[*got..]
+                }
+                _ => &mut conn.buf[conn.end..],
+            };
+            // SAFETY (of the pointer handed to the kernel): the receive buffer lives as long
+            // as the connection, which is not dropped while a receive is in flight; the
+            // payload is not dropped while `receiving_payload` is set (see `abort`).
+            let entry = opcode::Recv::new(fd(&conn.stream), room.as_mut_ptr(), room.len() as u32)
+                .build()
+                .user_data(user_data(index, RECV));
+            self.queued.push(entry);
+        }
+        self.finish_if_done(index);
+    }
+
+    pub(super) fn finish_if_done(&mut self, index: usize) {
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
+            return;
+        };
+        if conn.sending.is_none() && !conn.replies.is_empty() && !conn.dead {
+            let count = conn.replies.len().min(SEND_BATCH);
+            let replies: Vec<Reply> = conn.replies.drain(..count).collect();
+            let iovecs: Vec<libc::iovec> = replies
+                .iter()
+                .flat_map(|r| r.slices())
+                .map(|s| libc::iovec {
+                    iov_base: s.as_ptr() as *mut _,
+                    iov_len: s.len(),
+                })
+                .collect();
+            // SAFETY: msghdr is plain data; zeroed means no address and no control data.
+            let header: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
+            let mut sending = Sending {
+                _replies: replies,
+                iovecs,
+                header,
+                first: 0,
+                since: Instant::now(),
+            };
+            let entry = send_entry(index, &conn.stream, &mut sending);
+            conn.sending = Some(sending);
+            self.queued.push(entry);
+        }
+        if conn.finished() {
+            debug!("nbd: client detached from '{}'", conn.session.name);
+            self.conns[index] = None;
+            self.free.push(index);
+        }
+    }
+}
+
+/// The sendmsg entry for what is left of `sending`.
+fn send_entry(index: usize, stream: &Stream, sending: &mut Sending) -> squeue::Entry {
+    let rest = &mut sending.iovecs[sending.first..];
+    sending.header.msg_iov = rest.as_mut_ptr();
+    sending.header.msg_iovlen = rest.len() as _;
+    opcode::SendMsg::new(fd(stream), &*sending.header)
+        .flags(libc::MSG_NOSIGNAL as u32)
+        .build()
+        .user_data(user_data(index, SEND))
+}

@@ -1,0 +1,455 @@
+//! The transmission phase on io_uring: a few event-loop threads serve every connection.
+//!
+//! Each loop owns one ring. On it, each connection has at most one receive and one send in
+//! flight; requests are parsed out of the receive buffer, remapped through the device
+//! ([`udm_block::BlockDevice::map`]) and executed by the [`Engine`] on the same ring, and
+//! their replies go out in batches, in completion order. A request the device cannot remap
+//! runs on the [`Pool`] and its result comes back through the loop's mailbox, so no loop ever
+//! waits on a disk, a slow target or a client.
+//!
+//! Memory: every request buffer comes from the server's [`BufferBudget`] without waiting
+//! (`try_take`); a connection that finds no room stops reading until buffers come back. Each
+//! connection also has at most `queue_depth` requests parsed and not yet replied to.
+
+use parking_lot::Mutex;
+use std::any::Any;
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use io_uring::{opcode, squeue, types, IoUring};
+use log::{debug, error, info, warn};
+use udm_block::{BlockDevice, BlockError, Checked, MapOp, Mapping, WorkerPool as Pool};
+use udm_uring::{is_engine, Engine, Outcome as MappedOutcome};
+
+use crate::budget::{BufferBudget, Payload};
+use crate::commands::{map_op, Outcome, Reply, Session};
+use crate::handshake::{Negotiated, MAX_PAYLOAD};
+use crate::protocol::*;
+use crate::stream::Stream;
+use crate::ServerConfig;
+
+mod conn;
+mod requests;
+
+const RECEIVE_BUFFER: usize = 256 << 10;
+/// Replies sent with one sendmsg at most.
+const SEND_BATCH: usize = 64;
+const RING_ENTRIES: u32 = 1024;
+/// io-wq threads per loop, for bounded (disk) and unbounded work each.
+const IO_WORKERS: u32 = 4;
+/// How often idle and stalled connections are looked for.
+const TICK: Duration = Duration::from_millis(200);
+/// How soon a connection waiting for buffer room looks again.
+const BUDGET_RETRY: Duration = Duration::from_millis(2);
+/// The rest of a write payload at least this long is received straight into the request's
+/// buffer instead of through the receive buffer and a copy.
+const DIRECT_RECEIVE: usize = 16 << 10;
+/// Entries queued while requests are started are submitted once there are this many, so the
+/// disk works on the first requests of a burst while the loop parses and maps the rest. A
+/// client at depth 32 often sends its requests together; started in one submission, the
+/// first waited for all 32 (2-3 µs of kernel work each, and the block layer holds them until
+/// the last). Smaller chunks start the disk sooner but cost a syscall and a device
+/// notification each.
+const SUBMIT_CHUNK: usize = 4;
+
+// Kinds of the loop's own entries, in the low bits of user_data (the connection above).
+const RECV: u64 = 1;
+const SEND: u64 = 2;
+const WAKE: u64 = 3;
+const KIND_BITS: u32 = 8;
+
+fn user_data(conn: usize, kind: u64) -> u64 {
+    (conn as u64) << KIND_BITS | kind
+}
+
+/// A negotiated connection handed to a loop, with what must live as long as it.
+pub(crate) struct Attach {
+    pub stream: Stream,
+    pub negotiated: Negotiated,
+    /// The connection's place in the server's counts.
+    pub slot: Box<dyn Any + Send>,
+}
+
+enum Message {
+    Attach(Box<Attach>),
+    /// A pool job finished.
+    Done {
+        conn: usize,
+        request: Request,
+        result: Result<Outcome, BlockError>,
+        payload: Option<Payload>,
+    },
+    /// A parked request's mapping is done waiting (see [`Mapping::when_ready`]).
+    Ready {
+        owner: u64,
+        op: MapOp,
+        ready: Result<Mapping, BlockError>,
+    },
+}
+
+/// Where other threads leave work for a loop; the eventfd wakes it.
+struct Mailbox {
+    messages: Mutex<Vec<Message>>,
+    wake: OwnedFd,
+}
+
+impl Mailbox {
+    fn post(&self, message: Message) {
+        self.messages.lock().push(message);
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a u64 to our eventfd.
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    fn take(&self) -> Vec<Message> {
+        std::mem::take(&mut *self.messages.lock())
+    }
+}
+
+/// The running loops; connections are dealt to them in turn.
+pub(crate) struct Loops {
+    mailboxes: Vec<Arc<Mailbox>>,
+    next: AtomicUsize,
+}
+
+impl Loops {
+    /// Starts `config.loop_threads` loops. Fails (and the caller falls back to the threaded
+    /// server) when io_uring cannot be used.
+    pub fn start(
+        config: &ServerConfig,
+        budget: Arc<BufferBudget>,
+        pool: Arc<Pool>,
+    ) -> io::Result<Loops> {
+        let mut mailboxes = Vec::new();
+        for i in 0..config.loop_threads.max(1) {
+            let ring = IoUring::builder()
+                .setup_cqsize(RING_ENTRIES * 8)
+                .build(RING_ENTRIES)?;
+            // The kernel runs what cannot complete at once (allocating writes, syncs) on
+            // io-wq threads of the daemon's; bound them so a burst cannot add hundreds.
+            let mut workers = [IO_WORKERS, IO_WORKERS];
+            if let Err(e) = ring.submitter().register_iowq_max_workers(&mut workers) {
+                debug!("nbd: cannot bound io_uring's worker threads: {e}");
+            }
+            // SAFETY: eventfd returns a new descriptor or -1.
+            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let mailbox = Arc::new(Mailbox {
+                messages: Mutex::new(Vec::new()),
+                // SAFETY: fd is a fresh descriptor we own.
+                wake: unsafe { OwnedFd::from_raw_fd(fd) },
+            });
+            let (mailbox_here, budget, pool) = (mailbox.clone(), budget.clone(), pool.clone());
+            let (queue_depth, idle_timeout) = (config.queue_depth.max(1), config.idle_timeout);
+            let write_timeout = config.handshake_timeout;
+            // Built on its thread: a loop holds raw pointers (in-flight buffers) it never shares.
+            let event_loop = move || EventLoop {
+                ring,
+                engine: Engine::new(),
+                conns: Vec::new(),
+                free: Vec::new(),
+                mailbox: mailbox_here,
+                wake_value: Box::new(0),
+                queued: Vec::new(),
+                backlog: VecDeque::new(),
+                dirty: Vec::new(),
+                budget,
+                pool,
+                queue_depth,
+                idle_timeout,
+                write_timeout,
+                last_tick: Instant::now(),
+            };
+            std::thread::Builder::new()
+                .name(format!("nbd-loop-{i}"))
+                .spawn(move || event_loop().run())?;
+            mailboxes.push(mailbox);
+        }
+        Ok(Loops {
+            mailboxes,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn attach(&self, attach: Attach) {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.mailboxes.len();
+        self.mailboxes[i].post(Message::Attach(Box::new(attach)));
+    }
+}
+
+/// A remapped request on the engine: its header and its buffer, kept until it completes.
+struct Mapped {
+    request: Request,
+    payload: Option<Payload>,
+}
+
+/// Replies on the wire: kept, with the iovecs and header sendmsg reads, until sent.
+struct Sending {
+    /// What the iovecs point into.
+    _replies: Vec<Reply>,
+    iovecs: Vec<libc::iovec>,
+    header: Box<libc::msghdr>,
+    /// First iovec not yet sent in full.
+    first: usize,
+    since: Instant,
+}
+
+struct Conn {
+    session: Arc<Session>,
+    stream: Stream,
+    _export: Box<dyn Any + Send + Sync>,
+    _slot: Box<dyn Any + Send>,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    receiving: bool,
+    /// The receive in flight lands in the payload of `writing`, not in `buf`.
+    receiving_payload: bool,
+    /// A write whose payload is still arriving: bytes of it received so far. Kept while a
+    /// receive into it is in flight, even if the connection is aborted.
+    writing: Option<(Request, Payload, usize)>,
+    mapped: Vec<Option<Mapped>>,
+    mapped_free: Vec<usize>,
+    /// Requests read and not yet answered (their replies not yet queued).
+    in_flight: usize,
+    replies: VecDeque<Reply>,
+    sending: Option<Sending>,
+    /// No more requests are read (disconnect, end of stream, idle); the connection ends once
+    /// what is in flight is answered.
+    closing: bool,
+    /// The socket is gone: replies are dropped, and the connection ends once nothing of its
+    /// is in flight.
+    dead: bool,
+    waiting_for_budget: bool,
+    /// Requests held while the device is suspended, in arrival order (they would block a
+    /// pool thread each); started when it resumes.
+    held: VecDeque<(Request, Option<Payload>)>,
+    last_active: Instant,
+}
+
+impl Conn {
+    fn finished(&self) -> bool {
+        self.closing
+            && self.in_flight == 0
+            && !self.receiving
+            && self.sending.is_none()
+            && (self.replies.is_empty() || self.dead)
+    }
+}
+
+struct EventLoop {
+    ring: IoUring,
+    engine: Engine,
+    conns: Vec<Option<Conn>>,
+    free: Vec<usize>,
+    mailbox: Arc<Mailbox>,
+    /// Where the eventfd read lands.
+    wake_value: Box<u64>,
+    /// Entries waiting for room in the submission queue.
+    queued: Vec<squeue::Entry>,
+    /// Completions reaped early (to make room for submissions), not yet handled.
+    backlog: VecDeque<(u64, i32)>,
+    /// Connections to look at once this round's completions are handled.
+    dirty: Vec<usize>,
+    budget: Arc<BufferBudget>,
+    pool: Arc<Pool>,
+    queue_depth: usize,
+    idle_timeout: Option<Duration>,
+    write_timeout: Duration,
+    last_tick: Instant,
+}
+
+impl EventLoop {
+    fn run(mut self) {
+        self.arm_wake();
+        loop {
+            self.submit_queued();
+            let waiting = |c: &Conn| c.waiting_for_budget || !c.held.is_empty();
+            let wait = if self.conns.iter().flatten().any(waiting) {
+                BUDGET_RETRY
+            } else {
+                TICK
+            };
+            let timeout = types::Timespec::from(wait);
+            let args = types::SubmitArgs::new().timespec(&timeout);
+            if self.backlog.is_empty() {
+                match self.ring.submitter().submit_with_args(1, &args) {
+                    Ok(_) => {}
+                    Err(e)
+                        if matches!(
+                            e.raw_os_error(),
+                            Some(libc::ETIME | libc::EINTR | libc::EBUSY)
+                        ) => {}
+                    Err(e) => {
+                        error!("nbd: event loop cannot wait on its ring: {e}");
+                        std::thread::sleep(BUDGET_RETRY);
+                    }
+                }
+            }
+            self.reap();
+            while let Some((user_data, result)) = self.backlog.pop_front() {
+                // A bug here must not take every connection of the loop down with it.
+                if let Err(panic) =
+                    catch_unwind(AssertUnwindSafe(|| self.complete(user_data, result)))
+                {
+                    let why = crate::commands::panic_message(&*panic).to_string();
+                    error!("nbd: event loop: handling a completion panicked: {why}");
+                }
+            }
+            if self.last_tick.elapsed() >= TICK {
+                self.tick();
+            }
+            let retry = self.conns.iter().enumerate();
+            let retry = retry.filter(|(_, c)| c.as_ref().is_some_and(waiting));
+            self.dirty.extend(retry.map(|(i, _)| i));
+            let mut dirty = std::mem::take(&mut self.dirty);
+            dirty.sort_unstable();
+            dirty.dedup();
+            for c in dirty {
+                self.pump(c);
+            }
+        }
+    }
+
+    fn reap(&mut self) {
+        self.backlog
+            .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+    }
+
+    /// Moves queued entries into the submission queue, submitting whenever it is full.
+    fn submit_queued(&mut self) {
+        let mut done = 0;
+        while done < self.queued.len() {
+            {
+                let mut sq = self.ring.submission();
+                while done < self.queued.len() {
+                    // SAFETY: every entry's buffers are owned by a connection, a mapped
+                    // request or the loop, and stay alive until its completion is handled.
+                    if unsafe { sq.push(&self.queued[done]) }.is_err() {
+                        break;
+                    }
+                    done += 1;
+                }
+            }
+            if done < self.queued.len() {
+                match self.ring.submit() {
+                    Ok(_) => {}
+                    // The completion queue is backed up: take completions to make room.
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => self.reap(),
+                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                    Err(e) => {
+                        error!("nbd: event loop cannot submit: {e}");
+                        std::thread::sleep(BUDGET_RETRY);
+                    }
+                }
+            }
+        }
+        self.queued.clear();
+    }
+
+    /// Hands what is queued to the kernel at once.
+    fn submit_now(&mut self) {
+        self.submit_queued();
+        match self.ring.submit() {
+            Ok(_) => {}
+            // Left in the submission queue, which the next wait submits.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EINTR)) => {}
+            Err(e) => error!("nbd: event loop cannot submit: {e}"),
+        }
+    }
+
+    fn arm_wake(&mut self) {
+        let fd = types::Fd(self.mailbox.wake.as_raw_fd());
+        let into: *mut u64 = &mut *self.wake_value;
+        self.queued.push(
+            opcode::Read::new(fd, into.cast(), 8)
+                .build()
+                .user_data(user_data(0, WAKE)),
+        );
+    }
+
+    fn complete(&mut self, user_data: u64, result: i32) {
+        if is_engine(user_data) {
+            let queued = &mut self.queued;
+            if let Some((owner, outcome)) = self
+                .engine
+                .complete(user_data, result, &mut |e| queued.push(e))
+            {
+                self.mapped_done(owner, outcome);
+            }
+            return;
+        }
+        let conn = (user_data >> KIND_BITS) as usize;
+        match user_data & ((1 << KIND_BITS) - 1) {
+            WAKE => {
+                self.arm_wake();
+                for message in self.mailbox.take() {
+                    match message {
+                        Message::Attach(attach) => self.attach(*attach),
+                        Message::Done {
+                            conn,
+                            request,
+                            result,
+                            payload,
+                        } => self.answer(conn, &request, result, payload),
+                        Message::Ready { owner, op, ready } => match ready {
+                            Ok(mapping) => self.submit_mapped(owner, op, mapping),
+                            Err(e) => self.mapped_done(owner, MappedOutcome::Done(Err(e))),
+                        },
+                    }
+                }
+            }
+            RECV => self.received(conn, result),
+            SEND => self.sent(conn, result),
+            other => warn!("nbd: event loop: completion of unknown kind {other}"),
+        }
+    }
+    /// Closes idle connections and those whose client stopped reading its replies.
+    fn tick(&mut self) {
+        self.last_tick = Instant::now();
+        for index in 0..self.conns.len() {
+            let stalled = self.conns[index].as_ref().is_some_and(|c| {
+                !c.dead
+                    && c.sending
+                        .as_ref()
+                        .is_some_and(|s| s.since.elapsed() > self.write_timeout)
+            });
+            if stalled {
+                let why = format!("the client read no reply for {:?}", self.write_timeout);
+                self.abort(index, &why);
+                continue;
+            }
+            let Some(idle) = self.idle_timeout else {
+                continue;
+            };
+            let Some(conn) = self.conns[index].as_mut().filter(|c| !c.dead) else {
+                continue;
+            };
+            let quiet = conn.in_flight == 0
+                && conn.replies.is_empty()
+                && conn.sending.is_none()
+                && conn.writing.is_none()
+                && conn.start == conn.end;
+            if !conn.closing && quiet && conn.last_active.elapsed() >= idle {
+                info!(
+                    "nbd export '{}': closing a connection idle for {idle:?}",
+                    conn.session.name
+                );
+                conn.closing = true;
+                conn.stream.shutdown();
+                self.dirty.push(index);
+            }
+        }
+    }
+}
+
+fn fd(stream: &Stream) -> types::Fd {
+    types::Fd(stream.as_raw_fd())
+}
