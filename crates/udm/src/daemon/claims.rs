@@ -296,6 +296,14 @@ mod tests {
         path
     }
 
+    /// Fails the test unless `claim` was refused with a reason that contains `why`.
+    fn refused_with(claim: Result<ClaimGuard, String>, why: &str) {
+        match claim {
+            Ok(_) => panic!("granted; expected a refusal saying '{why}'"),
+            Err(err) => assert!(err.contains(why), "{err}"),
+        }
+    }
+
     #[test]
     fn exclusive_claims_exclude_other_devices_but_not_the_owner() {
         let claims = Arc::new(Claims::default());
@@ -307,16 +315,14 @@ mod tests {
         let reload = claims
             .claim_file(&path, "vol", OpenMode::Exclusive)
             .unwrap();
-        let err = claims
-            .claim_file(&path, "other", OpenMode::Exclusive)
-            .err()
-            .unwrap();
-        assert!(err.contains("in use by device 'vol'"), "{err}");
-        let err = claims
-            .claim_file(&path, "other", OpenMode::ReadWrite)
-            .err()
-            .unwrap();
-        assert!(err.contains("in use by device 'vol'"), "{err}");
+        refused_with(
+            claims.claim_file(&path, "other", OpenMode::Exclusive),
+            "in use by device 'vol'",
+        );
+        refused_with(
+            claims.claim_file(&path, "other", OpenMode::ReadWrite),
+            "in use by device 'vol'",
+        );
         drop(live);
         drop(reload);
         claims
@@ -334,11 +340,10 @@ mod tests {
         let _b = claims
             .claim_device("base", "b", OpenMode::ReadWrite)
             .unwrap();
-        let err = claims
-            .claim_device("base", "c", OpenMode::Exclusive)
-            .err()
-            .unwrap();
-        assert!(err.contains("needs it for itself"), "{err}");
+        refused_with(
+            claims.claim_device("base", "c", OpenMode::Exclusive),
+            "needs it for itself",
+        );
         drop(a);
         assert!(claims
             .claim_device("base", "c", OpenMode::Exclusive)
@@ -358,11 +363,10 @@ mod tests {
             .claim_file(&path, "new", OpenMode::Exclusive)
             .unwrap();
         // ...and nobody else gets it, the old name included.
-        let err = claims
-            .claim_file(&path, "old", OpenMode::Exclusive)
-            .err()
-            .unwrap();
-        assert!(err.contains("in use by device 'new'"), "{err}");
+        refused_with(
+            claims.claim_file(&path, "old", OpenMode::Exclusive),
+            "in use by device 'new'",
+        );
         drop(live);
         drop(reload);
         claims
@@ -382,18 +386,16 @@ mod tests {
             .claim_file(&path, "base", OpenMode::Handover)
             .unwrap();
         for mode in [OpenMode::Exclusive, OpenMode::ReadWrite] {
-            let err = claims.claim_file(&path, "other", mode).err().unwrap();
-            assert!(err.contains("in use by device"), "{err}");
+            refused_with(claims.claim_file(&path, "other", mode), "in use by device");
         }
         drop((snap, merge));
         let _clone = claims
             .claim_file(&path, "clone", OpenMode::Exclusive)
             .unwrap();
-        let err = claims
-            .claim_file(&path, "base", OpenMode::Handover)
-            .err()
-            .unwrap();
-        assert!(err.contains("in use by device 'clone'"), "{err}");
+        refused_with(
+            claims.claim_file(&path, "base", OpenMode::Handover),
+            "in use by device 'clone'",
+        );
         std::fs::remove_file(path).unwrap();
     }
 
