@@ -6,6 +6,10 @@
 //! Pools are found in two [`Rendezvous`]: by the pool device's name (how `thin` finds its
 //! pool, and how a reloaded pool table finds the pool it replaces) and by the metadata
 //! device (two pools on one metadata device are refused), as the kernel's pool table.
+//!
+//! This file holds the state, opening and the mode; [`commit`] the commits and what a failed
+//! metadata operation does, [`mappings`] the pool's side of thin I/O, [`binding`] its life with
+//! its tables (resume, suspend, users, status, messages).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
