@@ -83,18 +83,7 @@ fn qemu_img_convert_in_and_out_and_compare() {
     qemu_img_copy(src, &daemon.uri("vol"));
     same_content(src, &daemon.uri("vol"));
     let back = daemon.dir.path("back.qcow2");
-    tool(
-        "qemu-img",
-        &[
-            "convert",
-            "-f",
-            "raw",
-            "-O",
-            "qcow2",
-            &daemon.uri("vol"),
-            back.to_str().unwrap(),
-        ],
-    );
+    qemu_img_convert(&daemon.uri("vol"), "qcow2", &back);
     tool(
         "qemu-img",
         &[

@@ -145,6 +145,22 @@ pub fn qemu_img_copy(from: &str, onto: &str) {
     );
 }
 
+/// `qemu-img convert` of a raw image (file or URI) into a new image `into` of `format`.
+pub fn qemu_img_convert(from: &str, format: &str, into: &Path) {
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            format,
+            from,
+            into.to_str().unwrap(),
+        ],
+    );
+}
+
 /// The points `udm replay-log --check` checked, from its report ("… N entries; M checked …").
 pub fn replay_points(report: &str) -> u64 {
     let after = report.rsplit("entries; ").next().unwrap();
