@@ -257,7 +257,37 @@ impl<R: Read> Reader<R> {
         self.layout
     }
 
+    /// The next record, checked: its checksum, its place in the order, its range.
     pub fn next_event(&mut self) -> Result<Event<'_>> {
+        let frame = self.read_frame()?;
+        self.check_order(&frame)?;
+        if frame.kind == END {
+            self.check_trailer(&frame)?;
+            return Ok(Event::End);
+        }
+        let seq = frame.seq;
+        let kind = match frame.kind {
+            1 => Kind::Data,
+            2 => Kind::Zero,
+            3 => Kind::Unmapped,
+            other => return Err(corrupt(format!("record {seq}: unknown kind {other}"))),
+        };
+        let place = self.check_range(&frame)?;
+        // The layout covers the records the receiver does not have yet; a record it has
+        // (a resumed stream starting early) was counted when it first came.
+        if seq >= self.first_at_most {
+            self.layout.add(place);
+        }
+        self.next = Some(seq + 1);
+        Ok(Event::Record {
+            kind,
+            place,
+            payload: &self.buf[..frame.data_len],
+        })
+    }
+
+    /// Reads a record's frame and its data (into `buf`), and checks its checksum.
+    fn read_frame(&mut self) -> Result<Frame> {
         let where_ = match self.next {
             Some(n) => format!("before record {n} of {}", self.header.records),
             None => "before its first record".to_string(),
@@ -287,8 +317,21 @@ impl<R: Read> Reader<R> {
                 None => "the first record's checksum is wrong (corrupt)".to_string(),
             }));
         }
+        Ok(Frame {
+            kind,
+            len,
+            seq,
+            offset,
+            data_len,
+        })
+    }
+
+    /// The record is the one expected next (the first one of a resumed stream may come
+    /// early, up to `first_at_most`).
+    fn check_order(&self, frame: &Frame) -> Result<()> {
+        let seq = frame.seq;
         let expected = self.next.unwrap_or(seq.min(self.first_at_most));
-        if seq != expected && kind == END {
+        if seq != expected && frame.kind == END {
             return Err(corrupt(format!(
                 "the trailer where record {expected} belongs: the header promises {} records",
                 self.header.records
@@ -306,26 +349,31 @@ impl<R: Read> Reader<R> {
                 ),
             }));
         }
-        if kind == END {
-            if seq != self.header.records {
-                return Err(corrupt(format!(
-                    "the trailer after record {seq} but the header promises {} records",
-                    self.header.records
-                )));
-            }
-            if offset != self.layout.0 as u64 {
-                return Err(corrupt(
-                    "the trailer's checksum of the records does not match them",
-                ));
-            }
-            return Ok(Event::End);
+        Ok(())
+    }
+
+    /// The trailer comes after as many records as the header promised, and its checksum of
+    /// their places matches them.
+    fn check_trailer(&self, frame: &Frame) -> Result<()> {
+        if frame.seq != self.header.records {
+            return Err(corrupt(format!(
+                "the trailer after record {} but the header promises {} records",
+                frame.seq, self.header.records
+            )));
         }
-        let kind = match kind {
-            1 => Kind::Data,
-            2 => Kind::Zero,
-            3 => Kind::Unmapped,
-            other => return Err(corrupt(format!("record {seq}: unknown kind {other}"))),
-        };
+        if frame.offset != self.layout.0 as u64 {
+            return Err(corrupt(
+                "the trailer's checksum of the records does not match them",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The record covers whole sectors inside the volume, and is one the header counted.
+    fn check_range(&self, frame: &Frame) -> Result<Place> {
+        let Frame {
+            seq, offset, len, ..
+        } = *frame;
         let end = offset.checked_add(len as u64);
         if len == 0
             || len > MAX_EMPTY
@@ -340,19 +388,18 @@ impl<R: Read> Reader<R> {
                 self.header.volume_bytes
             )));
         }
-        let place = Place { seq, offset, len };
-        // The layout covers the records the receiver does not have yet; a record it has
-        // (a resumed stream starting early) was counted when it first came.
-        if seq >= self.first_at_most {
-            self.layout.add(place);
-        }
-        self.next = Some(seq + 1);
-        Ok(Event::Record {
-            kind,
-            place,
-            payload: &self.buf[..data_len],
-        })
+        Ok(Place { seq, offset, len })
     }
+}
+
+/// A record's frame as read, its data in the reader's buffer.
+#[derive(Clone, Copy)]
+struct Frame {
+    kind: u8,
+    len: u32,
+    seq: u64,
+    offset: u64,
+    data_len: usize,
 }
 
 fn fill(r: &mut (impl Read + ?Sized), buf: &mut [u8], where_: &str) -> Result<()> {
