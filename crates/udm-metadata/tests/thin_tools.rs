@@ -116,6 +116,7 @@ fn a_new_pool_passes_thin_check_and_reopens() {
 
 #[test]
 fn thousands_of_mappings_snapshots_of_snapshots_and_deletes_stay_thin_check_clean() {
+    // Long on purpose: one workload of rounds, thin_check after each; splitting it would hide the order that matters.
     let scratch = TempDir::new("thin-many");
     let mut pool = Pool::new(&scratch, 64 << 20, 200_000);
 
@@ -224,6 +225,7 @@ fn restore(scratch: &TempDir, xml: &str, size: u64) -> std::path::PathBuf {
 
 #[test]
 fn metadata_made_by_thin_restore_opens_reads_and_takes_changes() {
+    // Long on purpose: the XML that thin_restore writes is spelled out here, then read back and changed in one story.
     // Device 1 has ranges, single mappings and enough blocks for a multi-level tree; device
     // 2 is a snapshot of it (same data blocks, older times) that was written to after.
     let mut xml = String::from(
@@ -455,6 +457,7 @@ fn tool(cmd: &str, args: &[&str], path: &std::path::Path) -> String {
 
 #[test]
 fn thin_delta_and_thin_ls_agree_with_udms_mappings() {
+    // Long on purpose: one scenario (map, snapshot, change, delete) judged by thin_delta and thin_ls at each step; read top to bottom.
     let scratch = TempDir::new("thin-delta");
     let mut pool = Pool::new(&scratch, 16 << 20, 50_000);
     pool.create(1);
