@@ -65,21 +65,20 @@ pub struct Cell<C: Deref<Target = Cells>> {
 impl Cells {
     /// Holds `key` shared, waiting while someone holds it exclusively.
     pub fn shared<C: Deref<Target = Cells>>(cells: C, key: Key) -> Cell<C> {
-        cells.acquire(key, false);
-        Cell {
-            cells,
-            key,
-            exclusive: false,
-        }
+        Cells::hold(cells, key, false)
     }
 
     /// Holds `key` exclusively, waiting for every other holder.
     pub fn exclusive<C: Deref<Target = Cells>>(cells: C, key: Key) -> Cell<C> {
-        cells.acquire(key, true);
+        Cells::hold(cells, key, true)
+    }
+
+    fn hold<C: Deref<Target = Cells>>(cells: C, key: Key, exclusive: bool) -> Cell<C> {
+        cells.acquire(key, exclusive);
         Cell {
             cells,
             key,
-            exclusive: true,
+            exclusive,
         }
     }
 
