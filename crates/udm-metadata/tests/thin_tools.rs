@@ -4,13 +4,14 @@
 mod tpt;
 
 use std::collections::BTreeMap;
+use std::process::Command;
 use std::sync::Arc;
 
 use tpt::{assert_dump_matches, check, dump};
 use udm_block::BlockDevice;
 use udm_metadata::thin::Side;
 use udm_metadata::ThinMetadata;
-use udm_testkit::{Rng, TempDir};
+use udm_testkit::{run_ok, Rng, TempDir};
 
 /// The pool as a test drives it, with what every device should map.
 struct Pool {
@@ -206,20 +207,8 @@ fn restore(scratch: &TempDir, xml: &str, size: u64) -> std::path::PathBuf {
     let xml_path = scratch.path("in.xml");
     std::fs::write(&xml_path, xml).unwrap();
     let (path, _) = tpt::device(scratch, "restored", size);
-    let out = std::process::Command::new("thin_restore")
-        .args([
-            "-i",
-            xml_path.to_str().unwrap(),
-            "-o",
-            path.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "thin_restore: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (xml_arg, out_arg) = (xml_path.to_str().unwrap(), path.to_str().unwrap());
+    run_ok(Command::new("thin_restore").args(["-i", xml_arg, "-o", out_arg]));
     path
 }
 
@@ -400,11 +389,7 @@ fn needs_check_is_cleared_by_thin_check() {
         ThinMetadata::open(pool.dev.clone(), 128, 1_000).unwrap_err(),
         udm_metadata::ThinError::NeedsCheck
     );
-    let out = std::process::Command::new("thin_check")
-        .args(["--clear-needs-check-flag", pool.path.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    tool("thin_check", &["--clear-needs-check-flag"], &pool.path);
     pool.reopen();
     assert!(!pool.meta.needs_check());
     assert!(pool.meta.lookup(1, 0).unwrap().is_some());
@@ -442,17 +427,7 @@ fn hundreds_of_devices_split_and_merge_the_top_level_and_details_trees() {
 
 /// Runs a thin-provisioning-tools command on the metadata; its standard output.
 fn tool(cmd: &str, args: &[&str], path: &std::path::Path) -> String {
-    let out = std::process::Command::new(cmd)
-        .args(args)
-        .arg(path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    run_ok(Command::new(cmd).args(args).arg(path))
 }
 
 #[test]

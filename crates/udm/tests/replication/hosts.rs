@@ -164,15 +164,10 @@ fn a_transfer_cut_mid_stream_resumes_where_the_receiver_stopped() {
         "qdisc", "add", "dev", "to-b", "root", "tbf", "rate", "200mbit", "burst", "64kb",
         "latency", "100ms",
     ];
-    let out = Command::new("ip")
-        .args(["netns", "exec", h.hosts[0].name(), "tc"])
-        .args(tc)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "tc: {}",
-        String::from_utf8_lossy(&out.stderr)
+    run_ok(
+        Command::new("ip")
+            .args(["netns", "exec", h.hosts[0].name(), "tc"])
+            .args(tc),
     );
     qemu_io_ok(
         &h.a.uri("vol"),

@@ -16,6 +16,7 @@ use std::process::{Command, Output, Stdio};
 
 use common::*;
 use serde_json::Value;
+use udm_testkit::run_ok;
 
 const MIB: u64 = 1 << 20;
 /// The replicated volume (the size).
@@ -125,22 +126,17 @@ fn send_to_file(daemon: &Daemon, id: u32, from: Option<u32>, file: &Path) {
     if let Some(from) = &from {
         args.extend(["--from", from]);
     }
-    let out = Command::new(UDM)
-        .args(&args)
-        .env("UDM_CONTROL", daemon.control())
-        .stdout(std::fs::File::create(file).unwrap())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    run_ok(
+        Command::new(UDM)
+            .args(&args)
+            .env("UDM_CONTROL", daemon.control())
+            .stdout(std::fs::File::create(file).unwrap()),
     );
 }
 
-/// `udm receive POOL ID ARGS…` of `stream` into `daemon`.
-fn receive(daemon: &Daemon, id: u32, stream: &[u8], args: &[&str]) -> Output {
-    let mut child = Command::new(UDM)
+/// `udm receive POOL ID --json ARGS…` into `daemon`, started: its stdin takes the stream.
+fn spawn_receive(daemon: &Daemon, id: u32, args: &[&str]) -> std::process::Child {
+    Command::new(UDM)
         .args(["receive", "pool", &id.to_string(), "--json"])
         .args(args)
         .env("UDM_CONTROL", daemon.control())
@@ -148,7 +144,12 @@ fn receive(daemon: &Daemon, id: u32, stream: &[u8], args: &[&str]) -> Output {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+/// `udm receive POOL ID ARGS…` of `stream` into `daemon`.
+fn receive(daemon: &Daemon, id: u32, stream: &[u8], args: &[&str]) -> Output {
+    let mut child = spawn_receive(daemon, id, args);
     // The daemon may refuse before it has read everything: a broken pipe is its answer.
     let _ = child.stdin.take().unwrap().write_all(stream);
     child.wait_with_output().unwrap()

@@ -1,8 +1,6 @@
 //! Hostile streams (cut, corrupt, reordered, on the wrong base) and a receiver killed mid-stream:
 //! the replica stays as it was, and resumes.
 
-use std::process::{Command, Stdio};
-
 use super::*;
 
 /// Copies of `stream` damaged one way each: (what, the copy, what the receiver must say).
@@ -118,14 +116,7 @@ fn a_receiver_killed_mid_stream_keeps_its_pool_and_resumes() {
     );
     let big = std::fs::read(a.dir.path("big")).unwrap();
     // Half the stream, then wait for progress to be durable, then kill -9.
-    let mut child = Command::new(UDM)
-        .args(["receive", "pool", "3", "--resume"])
-        .env("UDM_CONTROL", b.control())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_receive(&b, 3, &["--resume"]);
     let mut stdin = child.stdin.take().unwrap();
     stdin.write_all(&big[..big.len() / 2]).unwrap();
     wait_for(
