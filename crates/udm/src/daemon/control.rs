@@ -7,11 +7,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use log::{debug, warn};
+use log::debug;
 use serde_json::json;
 use udm_metadata::thin::Side;
 use udm_targets::TARGET_TYPES;
 
+use super::acceptor;
 use super::registry::Registry;
 use super::removal::{CLOSING_GRACE, RETRY_WAIT};
 use super::report::{self, Exports};
@@ -27,26 +28,13 @@ const MAX_REQUEST: u64 = 4 << 20;
 const WAIT_SLICE: Duration = Duration::from_millis(200);
 
 pub fn listen(path: &Path, registry: Arc<Registry>, exports: Exports) -> std::io::Result<()> {
-    let exports = Arc::new(exports);
     udm_nbd::remove_stale_socket(path)?;
     let listener = UnixListener::bind(path)?;
-    std::thread::Builder::new()
-        .name("control-accept".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                match stream {
-                    Ok(s) => {
-                        let registry = registry.clone();
-                        let exports = exports.clone();
-                        let _ = std::thread::Builder::new()
-                            .name("control".into())
-                            .spawn(move || serve(s, &registry, &exports));
-                    }
-                    Err(e) => warn!("control: accept failed: {e}"),
-                }
-            }
-        })?;
-    Ok(())
+    acceptor::spawn(
+        "control",
+        move || listener.accept().map(|(s, _)| s),
+        move |s| serve(s, &registry, &exports),
+    )
 }
 
 fn serve(stream: UnixStream, registry: &Arc<Registry>, exports: &Exports) {
