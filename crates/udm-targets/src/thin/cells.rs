@@ -6,10 +6,10 @@
 //!
 //! One short mutex; the condition variable is signalled only when somebody waits.
 
+use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ops::Deref;
-use std::sync::{Condvar, Mutex};
 
 /// (thin device id, virtual block).
 pub type Key = (u32, u64);
@@ -84,7 +84,7 @@ impl Cells {
 
     /// Holds `key` shared if nobody holds it exclusively (for callers that must not wait).
     pub fn try_shared<C: Deref<Target = Cells>>(cells: C, key: Key) -> Option<Cell<C>> {
-        let mut busy = cells.busy.lock().unwrap();
+        let mut busy = cells.busy.lock();
         let state = busy.cells.entry(key).or_default();
         if state.exclusive {
             return None;
@@ -99,7 +99,7 @@ impl Cells {
     }
 
     fn acquire(&self, key: Key, exclusive: bool) {
-        let mut busy = self.busy.lock().unwrap();
+        let mut busy = self.busy.lock();
         loop {
             let state = busy.cells.entry(key).or_default();
             let free = !state.exclusive && (!exclusive || state.shared == 0);
@@ -112,13 +112,13 @@ impl Cells {
                 return;
             }
             busy.waiters += 1;
-            busy = self.released.wait(busy).unwrap();
+            self.released.wait(&mut busy);
             busy.waiters -= 1;
         }
     }
 
     fn release(&self, key: Key, exclusive: bool) {
-        let mut busy = self.busy.lock().unwrap();
+        let mut busy = self.busy.lock();
         if let Some(state) = busy.cells.get_mut(&key) {
             if exclusive {
                 state.exclusive = false;
@@ -137,7 +137,7 @@ impl Cells {
     /// Cells held right now.
     #[cfg(test)]
     pub fn held(&self) -> usize {
-        self.busy.lock().unwrap().cells.len()
+        self.busy.lock().cells.len()
     }
 }
 

@@ -18,7 +18,7 @@ impl Pool {
     /// the table is, sets the mode the table asks for, and lets thin I/O through again.
     pub fn bind(&self, bound: Bound, nr_blocks: u64, metadata: &Arc<dyn BlockDevice>) {
         let read_only = bound.features.read_only;
-        *self.bound.write().unwrap() = bound;
+        *self.bound.write() = bound;
         let mut meta = self.meta();
         // A pool read-only because its metadata filled up grows (that is the way out of
         // it); one read-only by its table, or failed, does not.
@@ -107,7 +107,7 @@ impl Pool {
     /// Registers a thin target of device `id` in the table of device `owner`.
     pub fn register_thin(&self, id: u32, owner: &str) -> u64 {
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-        self.thins.lock().unwrap().push(ThinUse {
+        self.thins.lock().push(ThinUse {
             token,
             id,
             owner: owner.to_string(),
@@ -117,25 +117,19 @@ impl Pool {
     }
 
     pub fn set_thin_live(&self, token: u64, live: bool) {
-        if let Some(thin) = self
-            .thins
-            .lock()
-            .unwrap()
-            .iter_mut()
-            .find(|t| t.token == token)
-        {
+        if let Some(thin) = self.thins.lock().iter_mut().find(|t| t.token == token) {
             thin.live = live;
         }
     }
 
     pub fn unregister_thin(&self, token: u64) {
-        self.thins.lock().unwrap().retain(|t| t.token != token);
+        self.thins.lock().retain(|t| t.token != token);
     }
 
     /// The devices whose tables use thin device `id`: (name, live).
     pub fn users_of(&self, id: u32) -> Vec<(String, bool)> {
         let mut users: Vec<(String, bool)> = Vec::new();
-        for thin in self.thins.lock().unwrap().iter().filter(|t| t.id == id) {
+        for thin in self.thins.lock().iter().filter(|t| t.id == id) {
             match users.iter_mut().find(|(name, _)| *name == thin.owner) {
                 Some((_, live)) => *live |= thin.live,
                 None => users.push((thin.owner.clone(), thin.live)),

@@ -116,7 +116,7 @@ impl Pool {
     pub(super) fn check_low_water(&self, meta: &Meta) {
         let usage = meta.md.data_usage();
         let free = usage.total - usage.used;
-        let low_water = self.bound.read().unwrap().low_water_blocks;
+        let low_water = self.bound.read().low_water_blocks;
         if free <= low_water && !self.low_water_triggered.swap(true, Ordering::AcqRel) {
             warn!(
                 "thin-pool '{}': reached low water mark for data device ({free} of {} blocks \

@@ -12,7 +12,9 @@
 //! its tables (resume, suspend, users, status, messages).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use log::{error, info, warn};
@@ -238,11 +240,11 @@ impl Pool {
     }
 
     pub fn meta(&self) -> MutexGuard<'_, Meta> {
-        self.meta.lock().unwrap()
+        self.meta.lock()
     }
 
     pub fn try_meta(&self) -> Option<MutexGuard<'_, Meta>> {
-        self.meta.try_lock().ok()
+        self.meta.try_lock()
     }
 
     pub fn mode(&self) -> Mode {
@@ -259,15 +261,15 @@ impl Pool {
 
     /// The data device of the live pool table.
     pub fn data(&self) -> Arc<dyn BlockDevice> {
-        self.bound.read().unwrap().data.clone()
+        self.bound.read().data.clone()
     }
 
     pub fn features(&self) -> Features {
-        self.bound.read().unwrap().features
+        self.bound.read().features
     }
 
     pub fn raise_event(&self) {
-        let sink = self.bound.read().unwrap().raise_event.clone();
+        let sink = self.bound.read().raise_event.clone();
         sink();
     }
 
@@ -311,10 +313,10 @@ impl Pool {
 impl Drop for Pool {
     fn drop(&mut self) {
         let (stop, wake) = &*self.stop;
-        *stop.lock().unwrap() = true;
+        *stop.lock() = true;
         wake.notify_all();
         if self.mode() < Mode::ReadOnly && self.dirty.load(Ordering::Acquire) {
-            let mut meta = self.meta.lock().unwrap();
+            let mut meta = self.meta.lock();
             if let Err(e) = self.commit_locked(&mut meta) {
                 warn!("thin-pool '{}': final commit failed: {e}", self.name);
             }
@@ -340,10 +342,8 @@ fn start_committer(pool: &Arc<Pool>) {
         .spawn(move || loop {
             {
                 let (stopped, wake) = &*stop;
-                let stopped = stopped.lock().unwrap();
-                let (stopped, _) = wake
-                    .wait_timeout_while(stopped, COMMIT_PERIOD, |s| !*s)
-                    .unwrap();
+                let mut stopped = stopped.lock();
+                wake.wait_while_for(&mut stopped, |s| !*s, COMMIT_PERIOD);
                 if *stopped {
                     return;
                 }

@@ -4,7 +4,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use udm_block::{BlockDevice, MemoryDevice, OpenMode, WriteFlags};
 
@@ -33,7 +35,6 @@ impl Resolver for Rig {
     fn open(&self, reference: &str, _mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
         self.devices
             .lock()
-            .unwrap()
             .get(reference)
             .cloned()
             .ok_or_else(|| TargetError::new(format!("no device named '{reference}'")))
@@ -60,14 +61,11 @@ impl Rig {
     }
 
     fn add(&self, name: &str, dev: Arc<dyn BlockDevice>) {
-        self.devices
-            .lock()
-            .unwrap()
-            .insert(self.unique_name(name), dev);
+        self.devices.lock().insert(self.unique_name(name), dev);
     }
 
     fn dev(&self, name: &str) -> Arc<dyn BlockDevice> {
-        self.devices.lock().unwrap()[&self.unique_name(name)].clone()
+        self.devices.lock()[&self.unique_name(name)].clone()
     }
 
     fn build(&self, owner: &str, text: &str) -> Result<Table, TargetError> {
@@ -102,10 +100,7 @@ impl Rig {
             .unwrap(),
         );
         table.resume();
-        self.devices
-            .lock()
-            .unwrap()
-            .insert(self.name.clone(), table.clone());
+        self.devices.lock().insert(self.name.clone(), table.clone());
         table
     }
 
