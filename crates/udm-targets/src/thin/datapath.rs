@@ -125,6 +125,20 @@ impl Thin {
         Ok(())
     }
 
+    /// Writes `data` at `at` in data block `data_block`, this device's own.
+    fn write_provisioned(
+        &self,
+        data_block: u64,
+        at: u64,
+        data: &[u8],
+    ) -> std::result::Result<(), Stall> {
+        let offset = data_block * self.pool.block_bytes() + at;
+        Ok(self
+            .pool
+            .data()
+            .write(offset, data, WriteFlags::default())?)
+    }
+
     fn write_block(&self, vblock: u64, at: u64, data: &[u8]) -> std::result::Result<(), Stall> {
         let cells = &*self.pool.cells;
         let block = self.pool.block_bytes();
@@ -132,26 +146,14 @@ impl Thin {
             let _cell = Cells::shared(cells, self.key(vblock));
             if let Some(m) = self.pool.lookup(self.id(), vblock)? {
                 if !m.shared {
-                    let data_dev = self.pool.data();
-                    return Ok(data_dev.write(
-                        m.data_block * block + at,
-                        data,
-                        WriteFlags::default(),
-                    )?);
+                    return self.write_provisioned(m.data_block, at, data);
                 }
             }
         }
         let _cell = Cells::exclusive(cells, self.key(vblock));
         let source = match self.pool.lookup(self.id(), vblock)? {
-            Some(m) if !m.shared => {
-                // Provisioned by someone else while we waited for the cell.
-                let data_dev = self.pool.data();
-                return Ok(data_dev.write(
-                    m.data_block * block + at,
-                    data,
-                    WriteFlags::default(),
-                )?);
-            }
+            // Provisioned by someone else while we waited for the cell.
+            Some(m) if !m.shared => return self.write_provisioned(m.data_block, at, data),
             Some(m) => Source::Block(m.data_block),
             None if self.origin_reach(vblock * block, 1) > 0 => Source::Origin,
             None => Source::Zero,
