@@ -25,6 +25,7 @@
 
 mod connection;
 mod dial;
+mod mapped;
 mod reconnect;
 mod reply;
 mod request;
@@ -39,7 +40,8 @@ use std::time::Duration;
 use log::info;
 use thiserror::Error;
 use udm_block::{
-    write_zeroes_by_writing, BlockDevice, BlockError, Capabilities, Extent, WriteFlags, ZeroFlags,
+    write_zeroes_by_writing, BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping,
+    WriteFlags, ZeroFlags,
 };
 
 use crate::protocol::*;
@@ -252,6 +254,11 @@ impl BlockDevice for NbdClient {
             // Every request goes over one connection, so a flush covers every write we made.
             flush_covers_all: true,
         }
+    }
+
+    /// Reads, writes and flushes go as transfers while connected (see `mapped`).
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        self.mapping(op, offset, len)
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> udm_block::Result<()> {

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 use log::{debug, error, info, warn};
-use udm_block::{BlockDevice, BlockError, Checked, MapOp, Mapping, WorkerPool as Pool};
+use udm_block::{BlockDevice, BlockError, Checked, MapOp, Mapping, Ready, WorkerPool as Pool};
 use udm_uring::{is_engine, Engine, Outcome as MappedOutcome};
 
 use crate::budget::{BufferBudget, Payload};
@@ -88,7 +88,7 @@ enum Message {
     Ready {
         owner: u64,
         op: MapOp,
-        ready: Result<Mapping, BlockError>,
+        ready: Ready,
     },
 }
 
@@ -400,8 +400,11 @@ impl EventLoop {
                             payload,
                         } => self.answer(conn, &request, result, payload),
                         Message::Ready { owner, op, ready } => match ready {
-                            Ok(mapping) => self.submit_mapped(owner, op, mapping),
-                            Err(e) => self.mapped_done(owner, MappedOutcome::Done(Err(e))),
+                            Ready::Go(mapping) => self.submit_mapped(owner, op, mapping),
+                            Ready::Failed(e) => {
+                                self.mapped_done(owner, MappedOutcome::Done(Err(e)))
+                            }
+                            Ready::Retry => self.mapped_done(owner, MappedOutcome::Retry),
                         },
                     }
                 }
