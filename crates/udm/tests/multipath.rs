@@ -8,6 +8,7 @@
 
 mod common;
 
+use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
@@ -391,8 +392,7 @@ fn a_write_abandoned_on_a_cut_link_does_not_land_when_the_link_returns() {
 fn peer_and_multipath(tag: &str, features: &str) -> (Daemon, Daemon, String) {
     let peer = Daemon::start_with(&format!("{tag}-peer"), &["--nbd", "unix:{dir}/second.sock"]);
     peer.create_linear("vol", "disk.img", 16 * MIB);
-    let paths = ["nbd.sock", "second.sock"]
-        .map(|s| format!("nbd+unix:///vol?socket={} 1", peer.dir.path(s).display()));
+    let paths = ["nbd.sock", "second.sock"].map(|s| format!("{} 1", peer_path(&peer, s)));
     let a = Daemon::start(tag);
     let table = format!(
         "0 {} multipath {features} 0 1 1 round-robin 0 2 1 {}",
@@ -401,6 +401,59 @@ fn peer_and_multipath(tag: &str, features: &str) -> (Daemon, Daemon, String) {
     );
     a.udm(&["create", "mp", "--table", &table]);
     (peer, a, table)
+}
+
+/// Requests down remote paths are transfers: the event loop sends them and the NBD client's
+/// reader completes them, with no pool thread per request (the pool starts its threads on
+/// demand, so a daemon that served nothing else has none). `linear` over one remote export
+/// goes the same way, flushes included; so does a multipath's flush while one path is usable.
+#[test]
+fn reads_writes_and_flushes_down_remote_paths_take_no_pool_thread() {
+    let (peer, a, _) = peer_and_multipath("mp-nopool", "0");
+    let export = peer_path(&peer, "nbd.sock");
+    a.udm(&[
+        "create",
+        "lin",
+        "--table",
+        &format!("0 {} linear {export} 0", 16 * MIB / 512),
+    ]);
+    a.udm(&[
+        "message",
+        "mp",
+        "0",
+        "fail_path",
+        &peer_path(&peer, "second.sock"),
+    ]);
+    for name in ["mp", "lin"] {
+        let mut client = RawClient::connect(&a.nbd_socket(), name);
+        let block = |i: u64| vec![i as u8 + 1; 4096];
+        for i in 0..64 {
+            client.send(0, NBD_CMD_WRITE, i, i * 8192, 4096, &block(i));
+        }
+        client.send(0, NBD_CMD_FLUSH, 64, 0, 0, &[]);
+        let mut cookies: Vec<u64> = (0..65)
+            .map(|_| client.reply().unwrap())
+            .map(|(error, cookie)| {
+                assert_eq!(error, 0, "{name}: request {cookie} failed");
+                cookie
+            })
+            .collect();
+        cookies.sort();
+        assert_eq!(cookies, (0..65).collect::<Vec<_>>());
+        for i in 0..64 {
+            client.send(0, NBD_CMD_READ, i, i * 8192, 4096, &[]);
+            assert_eq!(client.reply().unwrap(), (0, i));
+            let mut back = vec![0u8; 4096];
+            client.stream.read_exact(&mut back).unwrap();
+            assert!(back == block(i), "{name}: block {i} reads back wrong");
+        }
+    }
+    assert_eq!(a.pool_threads(), 0, "{}", a.log());
+}
+
+/// The path argument naming `socket` of the peer in [`peer_and_multipath`].
+fn peer_path(peer: &Daemon, socket: &str) -> String {
+    format!("nbd+unix:///vol?socket={}", peer.dir.path(socket).display())
 }
 
 #[test]
