@@ -102,8 +102,9 @@ fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// Two names of one 4 MiB file as the paths `a` and `b` of a round-robin multipath.
-fn file_paths(dir: &udm_testkit::TempDir) -> Table {
+/// Two names of one 4 MiB file as the paths `a` and `b` of a multipath with this selector;
+/// the table and the two names.
+fn file_paths(dir: &udm_testkit::TempDir, selector: &str) -> (Table, [std::path::PathBuf; 2]) {
     use udm_block::{FileDevice, OpenMode};
     let (a, b) = (dir.path("a.img"), dir.path("b.img"));
     std::fs::File::create(&a).unwrap().set_len(4 * MIB).unwrap();
@@ -113,5 +114,7 @@ fn file_paths(dir: &udm_testkit::TempDir) -> Table {
         let file = FileDevice::open(path, OpenMode::ReadWrite).unwrap();
         files.add(name, Arc::new(file), false);
     }
-    build(&files, &format!("0 {SECTORS} multipath {TWO_PATHS}")).unwrap()
+    let groups = TWO_PATHS.replace("round-robin", selector);
+    let table = build(&files, &format!("0 {SECTORS} multipath {groups}")).unwrap();
+    (table, [a, b])
 }
