@@ -425,7 +425,44 @@ fn reads_writes_and_flushes_down_remote_paths_take_no_pool_thread() {
         &peer_path(&peer, "second.sock"),
     ]);
     for name in ["mp", "lin"] {
-        let mut client = RawClient::connect(&a.nbd_socket(), name);
+        write_and_read_back(&a, name);
+    }
+    assert_eq!(a.pool_threads(), 0, "{}", a.log());
+}
+
+/// A multipath made while its remote paths were down (a restart) remaps once they are back:
+/// no pool thread either.
+#[test]
+fn a_multipath_restored_with_its_paths_down_takes_no_pool_thread_once_they_are_back() {
+    let (mut peer, mut a, _) = peer_and_multipath("mp-nopool-restart", "2 checker_interval 1");
+    a.stop(libc::SIGTERM);
+    peer.stop(libc::SIGKILL);
+    a.launch();
+    peer.launch();
+    // Both clients have connected (they were made disconnected), and both paths are active.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = a.udm(&["status", "mp"]);
+        if status.matches(" A ").count() == 2 && a.log().matches("attempt(s)").count() == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the paths are not back: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // One path, so that the flush maps too (over two it goes to the pool, one down each).
+    a.udm(&["message", "mp", "0", "fail_path", &peer_path(&peer, "second.sock")]);
+    write_and_read_back(&a, "mp");
+    assert_eq!(a.pool_threads(), 0, "{}", a.log());
+}
+
+/// 64 writes of 4 KiB in flight at once and a flush on `name` of `daemon`, then each block
+/// read back and checked.
+fn write_and_read_back(daemon: &Daemon, name: &str) {
+    {
+        let mut client = RawClient::connect(&daemon.nbd_socket(), name);
         let block = |i: u64| vec![i as u8 + 1; 4096];
         for i in 0..64 {
             client.send(0, NBD_CMD_WRITE, i, i * 8192, 4096, &block(i));
@@ -448,7 +485,6 @@ fn reads_writes_and_flushes_down_remote_paths_take_no_pool_thread() {
             assert!(back == block(i), "{name}: block {i} reads back wrong");
         }
     }
-    assert_eq!(a.pool_threads(), 0, "{}", a.log());
 }
 
 /// The path argument naming `socket` of the peer in [`peer_and_multipath`].

@@ -72,15 +72,14 @@ impl Waiting {
 }
 
 impl NbdClient {
-    /// A read, write or flush as a transfer, while the client is connected and the request
-    /// needs one round trip; `None` sends it the synchronous way (no connection to send on,
-    /// a request to split, FUA the server cannot do, a read-only export's refusal).
+    /// A read, write or flush as a transfer, when the request needs one round trip; `None`
+    /// sends it the synchronous way (a request to split, FUA the server cannot do, a
+    /// read-only export's refusal). Without a connection it is a transfer all the same,
+    /// which asks for a retry at once: the synchronous way waits for the connection (or,
+    /// with `fail_fast`, fails), so that a device over this client (a multipath) remaps
+    /// whether or not its remote was up when it was made.
     pub(super) fn mapping(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
-        let info = {
-            let state = self.shared.state.lock();
-            state.conn.as_ref()?;
-            state.info
-        };
+        let info = self.info();
         let fits = len <= u64::from(info.max_request);
         let (command, flags) = match op {
             MapOp::Read if fits => (CMD_READ, 0),

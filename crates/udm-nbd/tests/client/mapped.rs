@@ -114,11 +114,13 @@ fn a_mapped_request_whose_connection_breaks_asks_for_a_retry() {
     // The synchronous way resends it once the connection is back (or fails it fast).
     assert!(matches!(ended, Ended::Retry), "{ended:?}");
     assert!(took < Duration::from_secs(5), "took {took:?}");
-    // With no connection, requests are not mapped: they wait the synchronous way.
+    // With no connection, a request asks for a retry at once: the synchronous way waits.
     wait_until("the client sees the break", Duration::from_secs(5), || {
         !client.is_connected()
     });
-    assert!(client.map(MapOp::Read, 0, 4096).is_none());
+    let (ended, took) = run(&*client, MapOp::Read, 0, &mut buf);
+    assert!(matches!(ended, Ended::Retry), "{ended:?}");
+    assert!(took < Duration::from_millis(100), "took {took:?}");
 }
 
 #[test]
