@@ -98,20 +98,23 @@ impl BlockDevice for Remote {
         }
         let (route, broken) = (self.route.clone(), self.broken.load(Ordering::SeqCst));
         let len = if op == MapOp::Flush { 0 } else { len };
-        Some(Mapping::new().taking(Transfer::new(0, len, move |buf, done| {
-            std::thread::spawn(move || {
-                if broken {
-                    return done.retry(BlockError::Io("the connection broke".into()));
-                }
-                // SAFETY: the executor lends us the buffer until `done`.
-                let data = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr(), buf.len()) };
-                done.finish(match op {
-                    MapOp::Read => route.read(offset, data),
-                    MapOp::Write { .. } => route.write(offset, data, WriteFlags::default()),
-                    _ => route.flush(),
-                })
-            });
-        })))
+        Some(
+            Mapping::new().taking(Transfer::new(0, len, move |buf, done| {
+                std::thread::spawn(move || {
+                    if broken {
+                        return done.retry(BlockError::Io("the connection broke".into()));
+                    }
+                    // SAFETY: the executor lends us the buffer until `done`.
+                    let data =
+                        unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr(), buf.len()) };
+                    done.finish(match op {
+                        MapOp::Read => route.read(offset, data),
+                        MapOp::Write { .. } => route.write(offset, data, WriteFlags::default()),
+                        _ => route.flush(),
+                    })
+                });
+            })),
+        )
     }
 }
 
@@ -153,7 +156,10 @@ fn requests_down_paths_that_transfer_them_are_retried_on_another_path_when_one_b
     let table = build(&remotes, &format!("0 {SECTORS} multipath {TWO_PATHS}")).unwrap();
     // Round-robin: the write goes down a, the read down b, each transferred by its path.
     let mut data = pattern(4096, 7).to_vec();
-    assert_eq!(execute(&table, MapOp::Write { fua: false }, 0, &mut data), "done");
+    assert_eq!(
+        execute(&table, MapOp::Write { fua: false }, 0, &mut data),
+        "done"
+    );
     let mut back = vec![0u8; 4096];
     assert_eq!(execute(&table, MapOp::Read, 0, &mut back), "done");
     assert!(back == data);
