@@ -152,8 +152,7 @@ pub(super) fn finish(slot: &Slot, st: &mut SlotState) -> udm_block::Result<Vec<E
 
 /// Wakes whoever waits for the slot now that something happened to it: the caller blocked in
 /// `wait_reply`, or, for a mapped request, its [`Done`](udm_block::Done) once nothing touches
-/// its buffer any more. Call with the slot's state unlocked afterwards: the done is called
-/// after `st` is released.
+/// its buffer any more. Takes the slot's state lock and lets it go before calling the done.
 pub(super) fn settle(slot: &Slot, mut st: parking_lot::MutexGuard<'_, SlotState>) {
     if st.mapped.is_none() {
         slot.wake.notify_all();
@@ -164,18 +163,19 @@ pub(super) fn settle(slot: &Slot, mut st: parking_lot::MutexGuard<'_, SlotState>
     }
     let outcome = st.outcome.take().expect("checked above");
     let waiting = st.mapped.take().expect("checked above");
+    // None: the connection broke first.
     let result = match outcome {
-        Outcome::Done => Ok(finish(slot, &mut st)),
-        Outcome::Lost => Err(()),
-        Outcome::Expired => Ok(Err(waiting.expired())),
+        Outcome::Done => Some(finish(slot, &mut st).map(drop)),
+        Outcome::Expired => Some(Err(waiting.expired())),
+        Outcome::Lost => None,
     };
     // A late reply to this cookie finds no buffer and is dropped.
     st.dest = None;
     st.cookie = 0;
     drop(st);
     match result {
-        Ok(result) => waiting.finish(result.map(drop)),
-        Err(()) => waiting.lost(),
+        Some(result) => waiting.finish(result),
+        None => waiting.lost(),
     }
 }
 
