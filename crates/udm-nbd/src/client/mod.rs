@@ -397,8 +397,12 @@ impl Drop for NbdClient {
     fn drop(&mut self) {
         self.close();
         if let Some(thread) = self.thread.take() {
-            // The reader sees the shutdown, the reconnect loop sees `closing`; both end.
-            let _ = thread.join();
+            // The reader sees the shutdown, the reconnect loop sees `closing`; both end. The
+            // last owner may be a mapped request's completion, running on that very thread:
+            // it ends by itself once the completion returns.
+            if thread.thread().id() != std::thread::current().id() {
+                let _ = thread.join();
+            }
         }
     }
 }

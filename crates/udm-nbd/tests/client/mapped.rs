@@ -190,3 +190,28 @@ fn a_mapped_request_the_server_alone_leaves_unanswered_fails_and_the_connection_
     assert!(read(&*client, 2 * MIB, 4096).iter().all(|&b| b == 0));
     assert!(client.is_connected());
 }
+
+#[test]
+fn a_client_whose_last_owner_is_a_mapped_requests_completion_is_let_go() {
+    let dir = scratch("mapped-last-owner");
+    let _server = nbdkit(&dir, &["memory", "64M"]);
+    let client = connect(
+        &uri_for(&dir, "last-owner"),
+        options(Duration::from_secs(30)),
+    );
+    let mapping = client.map(MapOp::Read, 0, 4096).unwrap();
+    let mut buf = AlignedBuf::zeroed(4096);
+    let (tx, rx) = mpsc::channel();
+    // SAFETY: `buf` is untouched until the transfer has ended (the wait below).
+    unsafe {
+        mapping.when_ready_with(buf.as_mut_ptr(), move |ready| {
+            // The completion runs on the client's own thread, and drops the client there.
+            drop(client);
+            tx.send(matches!(ready, Ready::Go(_))).unwrap()
+        })
+    };
+    assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+    wait_until("the client's thread ends", Duration::from_secs(5), || {
+        !thread_named("nbd-client-last")
+    });
+}
