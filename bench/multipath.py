@@ -67,9 +67,9 @@ BAR_SELECTOR = 1.5
 # Part 3.
 GAP = Workload("randwrite-4k-qd16", "randwrite 4k qd16", "randwrite", "4k", 16)
 BAR_GAP_MS = 2000.0
-# Every request through the multipath host holds one of its pool threads for a whole round trip
-# to the storage daemon, and a delayed one holds one there: enough that depth 32 never waits
-# for a thread.
+# Requests down remote paths take no pool thread (the NBD client completes them) and the
+# storage's `delay` over `zero` waits on a timer; the pool serves what is left (a flush down
+# both paths, a retry after a path broke), generously, so that depth 32 never waits for one.
 POOL = "64"
 
 
@@ -289,8 +289,8 @@ def selector_section(med, ratio, bars) -> list:
     for _, label in SLOW_SERVERS:
         header += [label, "/ round-robin"]
     lines.append(markdown_table(header, rows))
-    lines += ["", "udm delay: the storage daemon's `delay` devices over `zero` (a pool thread "
-              "sleeps per request, up to 64); nbdkit delay: `nbdkit --filter=delay null` "
+    lines += ["", "udm delay: the storage daemon's `delay` devices over `zero` (each request "
+              "waits on the daemon's timer, no cap); nbdkit delay: `nbdkit --filter=delay null` "
               "(16 threads per connection, so at most 16 requests in flight per path)."]
     return lines
 

@@ -28,5 +28,5 @@ pub use export::{Export, ExportCatalog, MetaContext};
 pub use file::{FileDevice, OpenMode};
 pub use map::{Completed, MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
 pub use memory::MemoryDevice;
-pub use pending::{Done, Pending};
+pub use pending::{Done, Pending, Ready, Transfer, TransferBuf};
 pub use pool::{Job, WorkerPool};

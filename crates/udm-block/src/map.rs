@@ -17,7 +17,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::pending::Pending;
+use crate::pending::{Pending, Transfer};
 use crate::BlockError;
 
 /// The request being mapped. Block status and cache are never mapped. Discard and
@@ -157,6 +157,11 @@ pub struct Mapping {
     /// Steps the pieces wait for (a timer, a copy into a snapshot), started by the executor
     /// through [`Mapping::when_ready`]; see [`crate::pending`].
     pub waits: Vec<Pending>,
+    /// Runs of the request the device moves itself, not through files (a remote export's
+    /// client sends them and its reader completes them), started by the executor with the
+    /// request's buffer through [`Mapping::when_ready_with`] once the steps are done; see
+    /// [`crate::pending`].
+    pub transfers: Vec<Transfer>,
     /// A failure is not final: whoever executes the mapping runs the request again through
     /// the device's synchronous method (after telling the callbacks [`Completed::Retried`] and
     /// releasing the holds), where the device chooses again: a multipath, whose callback has
@@ -188,6 +193,8 @@ impl Mapping {
         self.holds.extend(lower.holds);
         self.on_complete.extend(lower.on_complete);
         self.waits.extend(lower.waits);
+        self.transfers
+            .extend(lower.transfers.into_iter().map(|t| t.shifted(at)));
         self.retry_on_error |= lower.retry_on_error;
     }
 

@@ -373,19 +373,6 @@ fn large_writes_arriving_in_pieces_or_cut_off_are_stored_whole_or_not_at_all() {
     exercise(&mut after, 0, 10);
 }
 
-/// The daemon's pool threads (started for requests the device does not remap).
-fn pool_threads(daemon: &Daemon) -> usize {
-    std::fs::read_dir(format!("/proc/{}/task", daemon.pid()))
-        .unwrap()
-        .filter(|task| {
-            let comm = task.as_ref().unwrap().path().join("comm");
-            std::fs::read_to_string(comm)
-                .unwrap_or_default()
-                .starts_with("nbd-pool")
-        })
-        .count()
-}
-
 #[test]
 fn discards_and_write_zeroes_on_linear_go_to_the_file_on_the_engine() {
     let _serial = serial();
@@ -407,7 +394,7 @@ fn discards_and_write_zeroes_on_linear_go_to_the_file_on_the_engine() {
         io(&format!("read -P 0xaa {kept} 1M"));
     }
     // None of it needed a pool thread: the event loop did it on io_uring.
-    assert_eq!(pool_threads(&daemon), 0, "{}", daemon.log());
+    assert_eq!(daemon.pool_threads(), 0, "{}", daemon.log());
     // The punched ranges are holes in the file, which block status reports.
     let out = Command::new("nbdinfo")
         .args(["--map", &uri])
@@ -460,9 +447,9 @@ fn a_discard_over_many_stripes_goes_the_synchronous_way_and_a_short_one_does_not
     };
     io("write -P 0xaa 0 64M");
     io("discard 0 1M"); // 256 chunks: mapped
-    assert_eq!(pool_threads(&daemon), 0, "a short discard needed the pool");
+    assert_eq!(daemon.pool_threads(), 0, "a short discard needed the pool");
     io("discard 8M 48M"); // 12,288 chunks: synchronous
-    assert!(pool_threads(&daemon) > 0, "a long discard was mapped");
+    assert!(daemon.pool_threads() > 0, "a long discard was mapped");
     io("read -P 0 0 1M");
     io("read -P 0xaa 1M 7M");
     io("read -P 0 8M 48M");

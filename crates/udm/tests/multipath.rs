@@ -8,6 +8,7 @@
 
 mod common;
 
+use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
@@ -391,8 +392,7 @@ fn a_write_abandoned_on_a_cut_link_does_not_land_when_the_link_returns() {
 fn peer_and_multipath(tag: &str, features: &str) -> (Daemon, Daemon, String) {
     let peer = Daemon::start_with(&format!("{tag}-peer"), &["--nbd", "unix:{dir}/second.sock"]);
     peer.create_linear("vol", "disk.img", 16 * MIB);
-    let paths = ["nbd.sock", "second.sock"]
-        .map(|s| format!("nbd+unix:///vol?socket={} 1", peer.dir.path(s).display()));
+    let paths = ["nbd.sock", "second.sock"].map(|s| format!("{} 1", peer_path(&peer, s)));
     let a = Daemon::start(tag);
     let table = format!(
         "0 {} multipath {features} 0 1 1 round-robin 0 2 1 {}",
@@ -401,6 +401,101 @@ fn peer_and_multipath(tag: &str, features: &str) -> (Daemon, Daemon, String) {
     );
     a.udm(&["create", "mp", "--table", &table]);
     (peer, a, table)
+}
+
+/// Requests down remote paths are transfers: the event loop sends them and the NBD client's
+/// reader completes them, with no pool thread per request (the pool starts its threads on
+/// demand, so a daemon that served nothing else has none). `linear` over one remote export
+/// goes the same way, flushes included; so does a multipath's flush while one path is usable.
+#[test]
+fn reads_writes_and_flushes_down_remote_paths_take_no_pool_thread() {
+    let (peer, a, _) = peer_and_multipath("mp-nopool", "0");
+    let export = peer_path(&peer, "nbd.sock");
+    a.udm(&[
+        "create",
+        "lin",
+        "--table",
+        &format!("0 {} linear {export} 0", 16 * MIB / 512),
+    ]);
+    a.udm(&[
+        "message",
+        "mp",
+        "0",
+        "fail_path",
+        &peer_path(&peer, "second.sock"),
+    ]);
+    for name in ["mp", "lin"] {
+        write_and_read_back(&a, name);
+    }
+    assert_eq!(a.pool_threads(), 0, "{}", a.log());
+}
+
+/// A multipath made while its remote paths were down (a restart) remaps once they are back:
+/// no pool thread either.
+#[test]
+fn a_multipath_restored_with_its_paths_down_takes_no_pool_thread_once_they_are_back() {
+    let (mut peer, mut a, _) = peer_and_multipath("mp-nopool-restart", "2 checker_interval 1");
+    a.stop(libc::SIGTERM);
+    peer.stop(libc::SIGKILL);
+    a.launch();
+    peer.launch();
+    // Both clients have connected (they were made disconnected), and both paths are active.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = a.udm(&["status", "mp"]);
+        if status.matches(" A ").count() == 2 && a.log().matches("attempt(s)").count() == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the paths are not back: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // One path, so that the flush maps too (over two it goes to the pool, one down each).
+    a.udm(&[
+        "message",
+        "mp",
+        "0",
+        "fail_path",
+        &peer_path(&peer, "second.sock"),
+    ]);
+    write_and_read_back(&a, "mp");
+    assert_eq!(a.pool_threads(), 0, "{}", a.log());
+}
+
+/// 64 writes of 4 KiB in flight at once and a flush on `name` of `daemon`, then each block
+/// read back and checked.
+fn write_and_read_back(daemon: &Daemon, name: &str) {
+    {
+        let mut client = RawClient::connect(&daemon.nbd_socket(), name);
+        let block = |i: u64| vec![i as u8 + 1; 4096];
+        for i in 0..64 {
+            client.send(0, NBD_CMD_WRITE, i, i * 8192, 4096, &block(i));
+        }
+        client.send(0, NBD_CMD_FLUSH, 64, 0, 0, &[]);
+        let mut cookies: Vec<u64> = (0..65)
+            .map(|_| client.reply().unwrap())
+            .map(|(error, cookie)| {
+                assert_eq!(error, 0, "{name}: request {cookie} failed");
+                cookie
+            })
+            .collect();
+        cookies.sort();
+        assert_eq!(cookies, (0..65).collect::<Vec<_>>());
+        for i in 0..64 {
+            client.send(0, NBD_CMD_READ, i, i * 8192, 4096, &[]);
+            assert_eq!(client.reply().unwrap(), (0, i));
+            let mut back = vec![0u8; 4096];
+            client.stream.read_exact(&mut back).unwrap();
+            assert!(back == block(i), "{name}: block {i} reads back wrong");
+        }
+    }
+}
+
+/// The path argument naming `socket` of the peer in [`peer_and_multipath`].
+fn peer_path(peer: &Daemon, socket: &str) -> String {
+    format!("nbd+unix:///vol?socket={}", peer.dir.path(socket).display())
 }
 
 #[test]

@@ -32,6 +32,8 @@ pub(super) enum Outcome {
     Done,
     /// The connection broke first: send the request again.
     Lost,
+    /// A mapped request's deadline passed first (see `mapped::overdue`): it fails.
+    Expired,
 }
 
 #[derive(Default)]
@@ -46,6 +48,12 @@ pub(super) struct SlotState {
     pub(super) extents: Vec<Extent>,
     pub(super) error: Option<BlockError>,
     pub(super) outcome: Option<Outcome>,
+    /// A mapped request: nobody waits in `wait_reply`; the slot settles by calling this
+    /// (see [`settle`]).
+    pub(super) mapped: Option<super::mapped::Waiting>,
+    /// A mapped request's data is being sent from its caller's buffer: the slot must not
+    /// settle (and the caller reuse the buffer) before the send is over.
+    pub(super) sending: bool,
 }
 
 /// One request and the place its reply lands.
@@ -140,4 +148,40 @@ pub(super) fn finish(slot: &Slot, st: &mut SlotState) -> udm_block::Result<Vec<E
         )));
     }
     Ok(std::mem::take(&mut st.extents))
+}
+
+/// Wakes whoever waits for the slot now that something happened to it: the caller blocked in
+/// `wait_reply`, or, for a mapped request, its [`Done`](udm_block::Done) once nothing touches
+/// its buffer any more. Takes the slot's state lock and lets it go before calling the done.
+pub(super) fn settle(slot: &Slot, mut st: parking_lot::MutexGuard<'_, SlotState>) {
+    if st.mapped.is_none() {
+        slot.wake.notify_all();
+        return;
+    }
+    if st.filling || st.sending || st.outcome.is_none() {
+        return;
+    }
+    let outcome = st.outcome.take().expect("checked above");
+    let waiting = st.mapped.take().expect("checked above");
+    // None: the connection broke first.
+    let result = match outcome {
+        Outcome::Done => Some(finish(slot, &mut st).map(drop)),
+        Outcome::Expired => Some(Err(waiting.expired())),
+        Outcome::Lost => None,
+    };
+    // A late reply to this cookie finds no buffer and is dropped.
+    st.dest = None;
+    st.cookie = 0;
+    drop(st);
+    match result {
+        Some(result) => waiting.finish(result),
+        None => waiting.lost(),
+    }
+}
+
+/// A mapped request's send is over: the slot may settle now.
+pub(super) fn finish_send(slot: &Slot) {
+    let mut st = slot.state.lock();
+    st.sending = false;
+    settle(slot, st);
 }

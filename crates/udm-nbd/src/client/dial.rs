@@ -114,9 +114,11 @@ impl Target {
         let mut stream = stream;
         let info = self.handshake(&mut stream)?;
         // The reader waits for replies as long as it takes (the connection is ended by
-        // shutdown); a writer stuck on a server that stopped reading gives up after io_timeout.
+        // shutdown), looking up every tick for mapped requests past their deadline (see
+        // `mapped::overdue`); a writer stuck on a server that stopped reading gives up after
+        // io_timeout.
         stream
-            .set_read_timeout(None)
+            .set_read_timeout(Some(super::mapped::tick(&self.options)))
             .and_then(|()| stream.set_write_timeout(Some(self.options.io_timeout)))
             .map_err(|e| self.handshake_io(e))?;
         Ok((stream, info))

@@ -25,6 +25,7 @@
 
 mod connection;
 mod dial;
+mod mapped;
 mod reconnect;
 mod reply;
 mod request;
@@ -39,7 +40,8 @@ use std::time::Duration;
 use log::info;
 use thiserror::Error;
 use udm_block::{
-    write_zeroes_by_writing, BlockDevice, BlockError, Capabilities, Extent, WriteFlags, ZeroFlags,
+    write_zeroes_by_writing, BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping,
+    WriteFlags, ZeroFlags,
 };
 
 use crate::protocol::*;
@@ -254,6 +256,11 @@ impl BlockDevice for NbdClient {
         }
     }
 
+    /// Reads, writes and flushes go as transfers while connected (see `mapped`).
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        self.mapping(op, offset, len)
+    }
+
     fn read(&self, offset: u64, buf: &mut [u8]) -> udm_block::Result<()> {
         let max = self.info().max_request as usize;
         for (i, piece) in buf.chunks_mut(max).enumerate() {
@@ -390,8 +397,12 @@ impl Drop for NbdClient {
     fn drop(&mut self) {
         self.close();
         if let Some(thread) = self.thread.take() {
-            // The reader sees the shutdown, the reconnect loop sees `closing`; both end.
-            let _ = thread.join();
+            // The reader sees the shutdown, the reconnect loop sees `closing`; both end. The
+            // last owner may be a mapped request's completion, running on that very thread:
+            // it ends by itself once the completion returns.
+            if thread.thread().id() != std::thread::current().id() {
+                let _ = thread.join();
+            }
         }
     }
 }

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
 
-use super::connection::{disconnect, Conn, Outcome};
+use super::connection::{disconnect, settle, Conn, Outcome};
 use super::dial::{ExportInfo, Target};
+use super::mapped::tick;
 use super::reply::read_replies;
 use super::usable;
 use crate::stream::Stream;
@@ -54,21 +55,24 @@ impl Shared {
             std::mem::take(&mut in_flight.slots)
         };
         conn.control.abort();
+        // Out of service before its requests hear of it, so that none is sent on it again.
+        {
+            let mut state = self.state.lock();
+            if state.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+                state.conn = None;
+                if !state.closing {
+                    warn!(
+                        "nbd: connection to {} lost: {why}; reconnecting",
+                        self.target.address
+                    );
+                }
+            }
+        }
         for (cookie, slot) in slots {
             let mut st = slot.state.lock();
             if st.cookie == cookie && st.outcome.is_none() {
                 st.outcome = Some(Outcome::Lost);
-                slot.wake.notify_all();
-            }
-        }
-        let mut state = self.state.lock();
-        if state.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
-            state.conn = None;
-            if !state.closing {
-                warn!(
-                    "nbd: connection to {} lost: {why}; reconnecting",
-                    self.target.address
-                );
+                settle(&slot, st);
             }
         }
         self.changed.notify_all();
@@ -82,7 +86,7 @@ impl Shared {
         loop {
             if let Some((conn, reader)) = current {
                 let up_since = Instant::now();
-                let why = read_replies(&conn, reader);
+                let why = read_replies(&conn, reader, tick(&self.target.options));
                 self.connection_lost(&conn, &why);
                 // A server that breaks every connection as soon as it is made (a protocol
                 // error on each request) must not be redialled in a tight loop: the backoff

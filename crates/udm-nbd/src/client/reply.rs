@@ -6,11 +6,13 @@
 use std::io::{self, BufReader, Read};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use thiserror::Error;
 use udm_block::{BlockError, Extent, EXTENT_HOLE, EXTENT_ZERO};
 
-use super::connection::{Conn, Outcome, Slot};
+use super::connection::{settle, Conn, Outcome, Slot};
+use super::mapped::Watched;
 use crate::protocol::*;
 use crate::stream::Stream;
 
@@ -37,10 +39,10 @@ impl From<ProtocolError> for ReplyError {
 }
 
 /// Reads replies until the connection fails; returns why it did.
-pub(super) fn read_replies(conn: &Conn, reader: Stream) -> String {
-    let mut reader = BufReader::with_capacity(256 << 10, reader);
+pub(super) fn read_replies(conn: &Conn, reader: Stream, tick: Duration) -> String {
+    let mut reader = BufReader::with_capacity(256 << 10, Watched::new(conn, reader, tick));
     loop {
-        if let Err(e) = read_reply(conn, &mut reader) {
+        if let Err(e) = read_reply(conn, &mut reader).and_then(|()| Ok(reader.get_mut().look()?)) {
             return match e {
                 ReplyError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
                     "the server closed the connection".into()
@@ -217,7 +219,7 @@ fn fill(
     if result.is_ok() {
         st.received += len as u64;
     }
-    slot.wake.notify_all();
+    settle(slot, st);
     result
 }
 
@@ -233,7 +235,7 @@ fn complete(conn: &Conn, slot: &Slot, cookie: u64) {
     let mut st = slot.state.lock();
     if st.cookie == cookie && st.outcome.is_none() {
         st.outcome = Some(Outcome::Done);
-        slot.wake.notify_all();
+        settle(slot, st);
     }
 }
 

@@ -148,7 +148,8 @@ impl Shared {
                         };
                         return None;
                     }
-                    None => {}
+                    // Expired is set on mapped requests' slots only, which nobody waits on.
+                    Some(Outcome::Expired) | None => {}
                 }
             }
             let now = Instant::now();

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 use log::{debug, error, info, warn};
-use udm_block::{BlockDevice, BlockError, Checked, MapOp, Mapping, WorkerPool as Pool};
+use udm_block::{BlockDevice, BlockError, Checked, MapOp, Mapping, Ready, WorkerPool as Pool};
 use udm_uring::{is_engine, Engine, Outcome as MappedOutcome};
 
 use crate::budget::{BufferBudget, Payload};
@@ -88,7 +88,7 @@ enum Message {
     Ready {
         owner: u64,
         op: MapOp,
-        ready: Result<Mapping, BlockError>,
+        ready: Ready,
     },
 }
 
@@ -99,8 +99,31 @@ struct Mailbox {
 }
 
 impl Mailbox {
+    fn new() -> io::Result<Mailbox> {
+        // SAFETY: eventfd returns a new descriptor or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mailbox {
+            messages: Mutex::new(Vec::new()),
+            // SAFETY: fd is a fresh descriptor we own.
+            wake: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
     fn post(&self, message: Message) {
-        self.messages.lock().push(message);
+        let was_empty = {
+            let mut messages = self.messages.lock();
+            messages.push(message);
+            messages.len() == 1
+        };
+        // One wake-up per batch: the loop takes every message after each wake-up, so the
+        // messages posted before it does ride on the first one's (a remote export's reader
+        // completes requests one after another).
+        if !was_empty {
+            return;
+        }
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a u64 to our eventfd.
         unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
@@ -136,16 +159,7 @@ impl Loops {
             if let Err(e) = ring.submitter().register_iowq_max_workers(&mut workers) {
                 debug!("nbd: cannot bound io_uring's worker threads: {e}");
             }
-            // SAFETY: eventfd returns a new descriptor or -1.
-            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-            if fd < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let mailbox = Arc::new(Mailbox {
-                messages: Mutex::new(Vec::new()),
-                // SAFETY: fd is a fresh descriptor we own.
-                wake: unsafe { OwnedFd::from_raw_fd(fd) },
-            });
+            let mailbox = Arc::new(Mailbox::new()?);
             let (mailbox_here, budget, pool) = (mailbox.clone(), budget.clone(), pool.clone());
             let (queue_depth, idle_timeout) = (config.queue_depth.max(1), config.idle_timeout);
             let write_timeout = config.handshake_timeout;
@@ -400,8 +414,11 @@ impl EventLoop {
                             payload,
                         } => self.answer(conn, &request, result, payload),
                         Message::Ready { owner, op, ready } => match ready {
-                            Ok(mapping) => self.submit_mapped(owner, op, mapping),
-                            Err(e) => self.mapped_done(owner, MappedOutcome::Done(Err(e))),
+                            Ready::Go(mapping) => self.submit_mapped(owner, op, mapping),
+                            Ready::Failed(e) => {
+                                self.mapped_done(owner, MappedOutcome::Done(Err(e)))
+                            }
+                            Ready::Retry => self.mapped_done(owner, MappedOutcome::Retry),
                         },
                     }
                 }
@@ -452,4 +469,38 @@ impl EventLoop {
 
 fn fd(stream: &Stream) -> types::Fd {
     types::Fd(stream.as_raw_fd())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The eventfd's count (and resets it).
+    fn wake_ups(mailbox: &Mailbox) -> u64 {
+        let mut count = 0u64;
+        // SAFETY: reads 8 bytes into a u64 from our eventfd.
+        unsafe { libc::read(mailbox.wake.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
+        count
+    }
+
+    fn ready() -> Message {
+        Message::Ready {
+            owner: 0,
+            op: MapOp::Flush,
+            ready: Ready::Retry,
+        }
+    }
+
+    #[test]
+    fn messages_posted_before_the_loop_takes_them_share_one_wake_up() {
+        let mailbox = Mailbox::new().unwrap();
+        for _ in 0..3 {
+            mailbox.post(ready());
+        }
+        assert_eq!(wake_ups(&mailbox), 1);
+        assert_eq!(mailbox.take().len(), 3);
+        // Taken: the next one wakes the loop again.
+        mailbox.post(ready());
+        assert_eq!(wake_ups(&mailbox), 1);
+    }
 }

@@ -149,16 +149,27 @@ impl EventLoop {
                         conn.mapped.push(None);
                         conn.mapped.len() - 1
                     });
-                    conn.mapped[slot] = Some(Mapped { request, payload });
+                    let mapped = conn.mapped[slot].insert(Mapped { request, payload });
+                    let buf = mapped
+                        .payload
+                        .as_deref_mut()
+                        .map_or(std::ptr::null_mut(), |p| p.as_mut_ptr());
                     let owner = (index as u64) << 32 | slot as u64;
                     if mapping.is_ready() {
                         return self.submit_mapped(owner, op, mapping);
                     }
-                    // It waits for steps (a timer, a snapshot copy-out) that finish on other
-                    // threads: it comes back through the mailbox, holding no thread meanwhile.
+                    // It waits for steps (a timer, a snapshot copy-out) or transfers (a remote
+                    // export's client) that finish on other threads: it comes back through
+                    // the mailbox, holding no thread meanwhile.
                     let mailbox = self.mailbox.clone();
-                    mapping
-                        .when_ready(move |ready| mailbox.post(Message::Ready { owner, op, ready }));
+                    // SAFETY: the buffer is the payload held in `conn.mapped[slot]`, which
+                    // stays there (and the connection stays, counting the request in flight)
+                    // until the Ready message has been handled.
+                    unsafe {
+                        mapping.when_ready_with(buf, move |ready| {
+                            mailbox.post(Message::Ready { owner, op, ready })
+                        })
+                    };
                     return;
                 }
                 Ok(None) => {}

@@ -19,6 +19,7 @@ use udm_nbd::{ClientError, ClientOptions, NbdClient, NbdServer, ServerConfig};
 use udm_testkit::{conformance, pattern, Devices, Rng, TempDir};
 
 mod errors;
+mod mapped;
 mod reconnect;
 mod requests;
 

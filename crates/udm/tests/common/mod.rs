@@ -187,6 +187,20 @@ impl Daemon {
         (own, kernel)
     }
 
+    /// The daemon's NBD pool threads (started for requests the device does not remap, and
+    /// ended when idle for 10 s).
+    pub fn pool_threads(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/task", self.pid()))
+            .unwrap()
+            .filter(|task| {
+                let comm = task.as_ref().unwrap().path().join("comm");
+                std::fs::read_to_string(comm)
+                    .unwrap_or_default()
+                    .starts_with("nbd-pool")
+            })
+            .count()
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("daemon running").id()
     }

@@ -1,0 +1,240 @@
+//! Mapped requests: a read, write or flush the executor (the NBD event loop) hands over
+//! without a thread waiting for it. [`NbdClient`]'s `map()` answers with a [`Transfer`]; the
+//! executor starts it with the request's buffer, which sends the request on the connection
+//! from the executor's own thread, and the reader thread puts the reply into the buffer and
+//! calls the transfer's [`Done`], which hands the request back to the executor to answer.
+//!
+//! Timing is the synchronous requests' (see `request`): a mapped request older than
+//! `io_timeout` fails, and the connection is dropped when the server sent nothing since it
+//! went out, or stalls in the middle of its data. No caller waits to notice, so the reader
+//! looks ([`Watched`]): its socket reads time out every [`tick`] while the server is quiet,
+//! and it looks after a reply when a tick has passed since it last did.
+//!
+//! A mapped request whose connection breaks, or that finds none, is not resent here: it asks
+//! for a retry ([`Done::retry`]), and the executor runs it again through the synchronous
+//! methods, which wait for the connection (or, with `fail_fast`, fail at once, for a
+//! multipath to send the request down another path).
+
+use parking_lot::{Condvar, Mutex};
+use std::io::{self, Read};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use udm_block::{BlockError, Done, MapOp, Mapping, Transfer, TransferBuf};
+
+use super::connection::{finish_send, Conn, Dest, Outcome, Slot, SlotState};
+use super::reconnect::Shared;
+use super::{ClientOptions, NbdClient};
+use crate::protocol::*;
+use crate::stream::Stream;
+
+/// How often the reader looks for mapped requests past their deadline: often enough that
+/// one fails close to its `io_timeout`.
+pub(super) fn tick(options: &ClientOptions) -> Duration {
+    (options.io_timeout / 8).clamp(Duration::from_millis(10), Duration::from_secs(1))
+}
+
+/// What a mapped request's slot keeps instead of a waiting caller.
+pub(super) struct Waiting {
+    done: Done,
+    deadline: Instant,
+    /// Reply headers the connection had received when the request went out.
+    replies_before: u64,
+    shared: Arc<Shared>,
+}
+
+impl Waiting {
+    pub(super) fn finish(self, result: udm_block::Result<()>) {
+        self.done.finish(result)
+    }
+
+    /// The connection broke before the reply came: the synchronous way resends it, or fails
+    /// it at once with `fail_fast`. Past its deadline, it fails.
+    pub(super) fn lost(self) {
+        if Instant::now() >= self.deadline {
+            let e = self.expired();
+            return self.done.finish(Err(e));
+        }
+        let e = BlockError::Io(format!(
+            "nbd server {}: the connection broke",
+            self.shared.target.address
+        ));
+        self.done.retry(e)
+    }
+
+    pub(super) fn expired(&self) -> BlockError {
+        BlockError::Io(format!(
+            "nbd server {} unreachable: no reply within {:?}",
+            self.shared.target.address, self.shared.target.options.io_timeout
+        ))
+    }
+}
+
+impl NbdClient {
+    /// A read, write or flush as a transfer, when the request needs one round trip; `None`
+    /// sends it the synchronous way (a request to split, FUA the server cannot do, a
+    /// read-only export's refusal). Without a connection it is a transfer all the same,
+    /// which asks for a retry at once: the synchronous way waits for the connection (or,
+    /// with `fail_fast`, fails), so that a device over this client (a multipath) remaps
+    /// whether or not its remote was up when it was made.
+    pub(super) fn mapping(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        let info = self.info();
+        let fits = len <= u64::from(info.max_request);
+        let (command, flags) = match op {
+            MapOp::Read if fits => (CMD_READ, 0),
+            MapOp::Write { fua } if fits && !self.read_only(&info) => {
+                if fua && !info.has(TF_SEND_FUA) {
+                    return None;
+                }
+                (CMD_WRITE, if fua { CMD_FLAG_FUA } else { 0 })
+            }
+            // Nothing to make durable (see `flush`): done at once.
+            MapOp::Flush if !info.has(TF_SEND_FLUSH) || self.read_only(&info) => {
+                return Some(Mapping::new())
+            }
+            MapOp::Flush => (CMD_FLUSH, 0),
+            _ => return None,
+        };
+        let shared = self.shared.clone();
+        let len = if op == MapOp::Flush { 0 } else { len };
+        Some(
+            Mapping::new().taking(Transfer::new(0, len, move |buf, done| {
+                shared.start(command, flags, offset, buf, done)
+            })),
+        )
+    }
+}
+
+impl Shared {
+    /// Sends a mapped request on the live connection; its reply settles it (see
+    /// [`super::connection::settle`]).
+    fn start(self: Arc<Self>, command: u16, flags: u16, offset: u64, buf: TransferBuf, done: Done) {
+        let conn = match self.state.lock().conn.clone() {
+            Some(conn) => conn,
+            None => {
+                let why = format!("nbd server {}: not connected", self.target.address);
+                return done.retry(BlockError::Io(why));
+            }
+        };
+        let len = buf.len() as u32;
+        let cookie = self.next_cookie.fetch_add(1, Ordering::Relaxed);
+        let replies_before = conn.replies.load(Ordering::Acquire);
+        let slot = Arc::new(Slot {
+            command,
+            offset,
+            len,
+            state: Mutex::new(SlotState {
+                cookie,
+                dest: (command == CMD_READ).then(|| Dest {
+                    ptr: buf.as_mut_ptr(),
+                    len: buf.len(),
+                }),
+                mapped: Some(Waiting {
+                    done,
+                    deadline: Instant::now() + self.target.options.io_timeout,
+                    replies_before,
+                    shared: self.clone(),
+                }),
+                sending: true,
+                ..SlotState::default()
+            }),
+            wake: Condvar::new(),
+        });
+        if !conn.register(cookie, &slot) {
+            slot.state.lock().outcome = Some(Outcome::Lost);
+            return finish_send(&slot);
+        }
+        let header = encode_request(&Request {
+            flags,
+            command,
+            cookie,
+            offset,
+            length: len,
+        });
+        let data: &[u8] = if command == CMD_WRITE {
+            // SAFETY: the executor lends the write's data until the transfer is done, which
+            // `sending` holds off until the send below is over.
+            unsafe { std::slice::from_raw_parts(buf.as_mut_ptr(), buf.len()) }
+        } else {
+            &[]
+        };
+        if let Err(e) = conn.send(&header, data) {
+            // Breaking the connection marks this slot lost too: it settles once sent.
+            self.connection_lost(&conn, &format!("sending a request: {e}"));
+        }
+        finish_send(&slot);
+    }
+}
+
+/// The reader's socket, looking for mapped requests past their deadline whenever a read times
+/// out (the server is quiet) and, through [`Watched::look`], between replies.
+pub(super) struct Watched<'a> {
+    conn: &'a Conn,
+    stream: Stream,
+    last_look: Instant,
+    tick: Duration,
+}
+
+impl<'a> Watched<'a> {
+    pub(super) fn new(conn: &'a Conn, stream: Stream, tick: Duration) -> Self {
+        Watched {
+            conn,
+            stream,
+            last_look: Instant::now(),
+            tick,
+        }
+    }
+
+    /// Fails the mapped requests past their deadline, if a tick has passed since the last
+    /// look; an error (why) means the connection is to be dropped.
+    pub(super) fn look(&mut self) -> io::Result<()> {
+        if self.last_look.elapsed() < self.tick {
+            return Ok(());
+        }
+        self.last_look = Instant::now();
+        overdue(self.conn).map_err(|why| io::Error::new(io::ErrorKind::TimedOut, why))
+    }
+}
+
+impl Read for Watched<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.stream.read(buf) {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    self.look()?
+                }
+                result => return result,
+            }
+        }
+    }
+}
+
+/// Fails the mapped requests of `conn` past their deadline, as a synchronous caller's
+/// `wait_reply` fails its own: when the server sent nothing since one went out, or stalls in
+/// the middle of its data, the connection is taken for gone (the error says why, and every
+/// request on it is then lost); otherwise the request alone fails, and a late reply to it is
+/// dropped.
+fn overdue(conn: &Conn) -> Result<(), String> {
+    let now = Instant::now();
+    let slots: Vec<Arc<Slot>> = conn.in_flight.lock().slots.values().cloned().collect();
+    let replies = conn.replies.load(Ordering::Acquire);
+    for slot in slots {
+        let mut st = slot.state.lock();
+        let Some(waiting) = &st.mapped else { continue };
+        if waiting.deadline > now || st.outcome.is_some() {
+            continue;
+        }
+        if st.filling || replies == waiting.replies_before {
+            return Err("the server stopped answering".into());
+        }
+        st.outcome = Some(Outcome::Expired);
+        super::connection::settle(&slot, st);
+    }
+    Ok(())
+}

@@ -1,0 +1,217 @@
+//! Mapped requests: the client's transfers, started as the NBD event loop starts them, sent
+//! from the starting thread and completed by the client's reader, with no thread waiting.
+
+use super::*;
+use std::sync::mpsc;
+use udm_block::{MapOp, Ready};
+
+/// How a mapped request ended.
+#[derive(Debug)]
+enum Ended {
+    Done,
+    Failed(udm_block::BlockError),
+    Retry,
+}
+
+/// Maps `op` and runs the mapping as an executor does, with `buf` as the request's buffer;
+/// returns how it ended and how long it took. Panics if the client does not map it.
+fn run(dev: &dyn BlockDevice, op: MapOp, offset: u64, buf: &mut [u8]) -> (Ended, Duration) {
+    let mapping = dev.map(op, offset, buf.len() as u64).expect("mapped");
+    assert!(!mapping.is_ready(), "a remote request is a transfer");
+    let started = Instant::now();
+    let (tx, rx) = mpsc::channel();
+    // SAFETY: `buf` is not touched until the transfer has ended (the wait below).
+    unsafe {
+        mapping.when_ready_with(buf.as_mut_ptr(), move |ready| {
+            let ended = match ready {
+                Ready::Go(mapping) => {
+                    assert!(mapping.pieces.is_empty());
+                    Ended::Done
+                }
+                Ready::Failed(e) => Ended::Failed(e),
+                Ready::Retry => Ended::Retry,
+            };
+            tx.send(ended).unwrap()
+        })
+    };
+    let ended = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the transfer ends");
+    (ended, started.elapsed())
+}
+
+#[test]
+fn mapped_reads_writes_and_flushes_complete_without_a_waiting_thread() {
+    let dir = scratch("mapped");
+    let (data, file_arg) = patterned_image(&dir, 3);
+    let _server = nbdkit(&dir, &["file", &file_arg]);
+    let client = connect(&uri(&dir), options(Duration::from_secs(30)));
+    let mut buf = AlignedBuf::zeroed(65536);
+    let (ended, _) = run(&client, MapOp::Read, MIB, &mut buf);
+    assert!(matches!(ended, Ended::Done), "{ended:?}");
+    assert!(buf[..] == data[MIB as usize..][..65536]);
+    let mut written = pattern(8192, 4);
+    for op in [MapOp::Write { fua: false }, MapOp::Write { fua: true }] {
+        let (ended, _) = run(&client, op, 2 * MIB, &mut written);
+        assert!(matches!(ended, Ended::Done), "{ended:?}");
+    }
+    let (ended, _) = run(&client, MapOp::Flush, 0, &mut []);
+    assert!(matches!(ended, Ended::Done), "{ended:?}");
+    assert!(read(&client, 2 * MIB, 8192)[..] == written[..]);
+    // Discards and write-zeroes are not transfers: they go the synchronous way.
+    for op in [
+        MapOp::Discard { fua: false },
+        MapOp::WriteZeroes {
+            may_unmap: true,
+            fast_only: false,
+            fua: false,
+        },
+    ] {
+        assert!(client.map(op, 0, 4096).is_none());
+    }
+}
+
+#[test]
+fn many_mapped_requests_in_flight_land_in_their_own_buffers() {
+    let dir = scratch("mapped-many");
+    let (data, file_arg) = patterned_image(&dir, 5);
+    let _server = nbdkit(&dir, &["--threads=8", "file", &file_arg]);
+    let client = connect(&uri(&dir), options(Duration::from_secs(30)));
+    let (tx, rx) = mpsc::channel();
+    let mut bufs: Vec<AlignedBuf> = (0..64).map(|_| AlignedBuf::zeroed(4096)).collect();
+    for (i, buf) in bufs.iter_mut().enumerate() {
+        let mapping = client.map(MapOp::Read, i as u64 * 8192, 4096).unwrap();
+        let tx = tx.clone();
+        // SAFETY: every buffer outlives the waits below and is untouched until then.
+        unsafe {
+            mapping.when_ready_with(buf.as_mut_ptr(), move |ready| {
+                tx.send((i, matches!(ready, Ready::Go(_)))).unwrap()
+            })
+        };
+    }
+    for _ in 0..64 {
+        let (i, ok) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(ok, "request {i} failed");
+    }
+    for (i, buf) in bufs.iter().enumerate() {
+        assert!(buf[..] == data[i * 8192..][..4096], "request {i}");
+    }
+}
+
+#[test]
+fn a_mapped_request_whose_connection_breaks_asks_for_a_retry() {
+    // Reads hang for 20 s: the request is in flight when the server dies.
+    let dir = scratch("mapped-lost");
+    let server = nbdkit(&dir, &["--filter=delay", "memory", "64M", "delay-read=20"]);
+    let client = Arc::new(connect(&uri(&dir), options(Duration::from_secs(30))));
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        drop(server)
+    });
+    let mut buf = AlignedBuf::zeroed(4096);
+    let (ended, took) = run(&*client, MapOp::Read, 0, &mut buf);
+    killer.join().unwrap();
+    // The synchronous way resends it once the connection is back (or fails it fast).
+    assert!(matches!(ended, Ended::Retry), "{ended:?}");
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    // With no connection, a request asks for a retry at once: the synchronous way waits.
+    wait_until("the client sees the break", Duration::from_secs(5), || {
+        !client.is_connected()
+    });
+    let (ended, took) = run(&*client, MapOp::Read, 0, &mut buf);
+    assert!(matches!(ended, Ended::Retry), "{ended:?}");
+    assert!(took < Duration::from_millis(100), "took {took:?}");
+}
+
+#[test]
+fn a_mapped_request_to_a_server_that_stops_answering_fails_after_io_timeout() {
+    let dir = scratch("mapped-stalled");
+    let _server = nbdkit(&dir, &["--filter=delay", "memory", "64M", "delay-read=20"]);
+    let client = connect(&uri(&dir), options(Duration::from_secs(1)));
+    let mut buf = AlignedBuf::zeroed(4096);
+    let (ended, took) = run(&client, MapOp::Read, 0, &mut buf);
+    let Ended::Failed(e) = ended else {
+        panic!("{ended:?}")
+    };
+    assert!(e.to_string().contains("no reply within"), "{e}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_millis(2500),
+        "failed after {took:?}"
+    );
+    // The silent connection was abandoned; a fresh one serves what the server still does.
+    let mut data = pattern(4096, 1);
+    wait_until("the client is back", Duration::from_secs(10), || {
+        client.is_connected()
+    });
+    let (ended, _) = run(&client, MapOp::Write { fua: false }, 0, &mut data);
+    assert!(matches!(ended, Ended::Done), "{ended:?}");
+}
+
+#[test]
+fn a_mapped_request_the_server_alone_leaves_unanswered_fails_and_the_connection_stays() {
+    let dir = scratch("mapped-slow-one");
+    // Reads at offset 0 hang for 20 s; the others answer at once.
+    let _server = nbdkit(
+        &dir,
+        &[
+            "eval",
+            "thread_model=echo parallel",
+            "get_size=echo 64M",
+            "pread=if [ \"$4\" = 0 ]; then sleep 20; fi; head -c $3 /dev/zero",
+        ],
+    );
+    // A shell per read is slow on a loaded machine: a timeout that leaves it time.
+    let client = Arc::new(connect(&uri(&dir), options(Duration::from_secs(3))));
+    let stalled = {
+        let client = client.clone();
+        std::thread::spawn(move || {
+            let mut buf = AlignedBuf::zeroed(4096);
+            run(&*client, MapOp::Read, 0, &mut buf)
+        })
+    };
+    // Other requests keep being answered meanwhile, on the same connection.
+    while !stalled.is_finished() {
+        assert!(client.is_connected());
+        read(&*client, MIB, 4096);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (ended, took) = stalled.join().unwrap();
+    let Ended::Failed(e) = ended else {
+        panic!("{ended:?}")
+    };
+    assert!(e.to_string().contains("no reply within"), "{e}");
+    assert!(
+        took >= Duration::from_millis(2900) && took < Duration::from_millis(4500),
+        "failed after {took:?}"
+    );
+    assert!(client.is_connected());
+    // Later requests are answered in step on the same connection (the late reply, when it
+    // comes, is dropped).
+    assert!(read(&*client, 2 * MIB, 4096).iter().all(|&b| b == 0));
+    assert!(client.is_connected());
+}
+
+#[test]
+fn a_client_whose_last_owner_is_a_mapped_requests_completion_is_let_go() {
+    let dir = scratch("mapped-last-owner");
+    let _server = nbdkit(&dir, &["memory", "64M"]);
+    let client = connect(
+        &uri_for(&dir, "last-owner"),
+        options(Duration::from_secs(30)),
+    );
+    let mapping = client.map(MapOp::Read, 0, 4096).unwrap();
+    let mut buf = AlignedBuf::zeroed(4096);
+    let (tx, rx) = mpsc::channel();
+    // SAFETY: `buf` is untouched until the transfer has ended (the wait below).
+    unsafe {
+        mapping.when_ready_with(buf.as_mut_ptr(), move |ready| {
+            // The completion runs on the client's own thread, and drops the client there.
+            drop(client);
+            tx.send(matches!(ready, Ready::Go(_))).unwrap()
+        })
+    };
+    assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap());
+    wait_until("the client's thread ends", Duration::from_secs(5), || {
+        !thread_named("nbd-client-last")
+    });
+}
