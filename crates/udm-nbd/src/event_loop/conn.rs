@@ -229,6 +229,7 @@ impl EventLoop {
             debug!("nbd: client detached from '{}'", conn.session.name);
             self.conns[index] = None;
             self.free.push(index);
+            self.mailbox.connections.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }

@@ -96,6 +96,8 @@ enum Message {
 struct Mailbox {
     messages: Mutex<Vec<Message>>,
     wake: OwnedFd,
+    /// Connections attached to the loop and not yet detached.
+    connections: AtomicUsize,
 }
 
 impl Mailbox {
@@ -111,10 +113,9 @@ impl Mailbox {
     }
 }
 
-/// The running loops; connections are dealt to them in turn.
+/// The running loops; each connection goes to the one serving the fewest.
 pub(crate) struct Loops {
     mailboxes: Vec<Arc<Mailbox>>,
-    next: AtomicUsize,
 }
 
 impl Loops {
@@ -145,6 +146,7 @@ impl Loops {
                 messages: Mutex::new(Vec::new()),
                 // SAFETY: fd is a fresh descriptor we own.
                 wake: unsafe { OwnedFd::from_raw_fd(fd) },
+                connections: AtomicUsize::new(0),
             });
             let (mailbox_here, budget, pool) = (mailbox.clone(), budget.clone(), pool.clone());
             let (queue_depth, idle_timeout) = (config.queue_depth.max(1), config.idle_timeout);
@@ -172,15 +174,27 @@ impl Loops {
                 .spawn(move || event_loop().run())?;
             mailboxes.push(mailbox);
         }
-        Ok(Loops {
-            mailboxes,
-            next: AtomicUsize::new(0),
-        })
+        Ok(Loops { mailboxes })
     }
 
+    /// Hands a connection to the loop serving the fewest. Dealt in turn instead, connections
+    /// that come and go (probes, short jobs) left long-lived ones piled on one loop while
+    /// another stood idle.
     pub fn attach(&self, attach: Attach) {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.mailboxes.len();
-        self.mailboxes[i].post(Message::Attach(Box::new(attach)));
+        let mailbox = self
+            .mailboxes
+            .iter()
+            .min_by_key(|m| m.connections.load(Ordering::Relaxed))
+            .expect("at least one loop");
+        mailbox.connections.fetch_add(1, Ordering::Relaxed);
+        mailbox.post(Message::Attach(Box::new(attach)));
+    }
+
+    /// Connections attached to each loop.
+    #[cfg(test)]
+    pub fn connections(&self) -> Vec<usize> {
+        let count = |m: &Arc<Mailbox>| m.connections.load(Ordering::Relaxed);
+        self.mailboxes.iter().map(count).collect()
     }
 }
 
