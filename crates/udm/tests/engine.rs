@@ -389,6 +389,7 @@ fn pipelined_large_and_small_writes_are_stored_whole() {
         256 << 10,
         20_992,
         16 << 10,
+        (16 << 10) - 512,
         512,
         1 << 20,
         4096,
@@ -442,6 +443,26 @@ fn pipelined_large_and_small_writes_are_stored_whole() {
             data.len()
         );
     }
+
+    // After a large write, the next request's header trickling in a byte at a time (the
+    // loop asks for what is left of one header each time) is read whole.
+    let data = vec![0x5a; 256 << 10];
+    client.send(0, NBD_CMD_WRITE, 100, 32 << 20, data.len() as u32, &data);
+    assert_eq!(client.reply().unwrap(), (0, 100));
+    let mut header = 0x2560_9513u32.to_be_bytes().to_vec();
+    header.extend_from_slice(&0u16.to_be_bytes());
+    header.extend_from_slice(&NBD_CMD_READ.to_be_bytes());
+    header.extend_from_slice(&101u64.to_be_bytes());
+    header.extend_from_slice(&((32u64 << 20) + 4096).to_be_bytes());
+    header.extend_from_slice(&4096u32.to_be_bytes());
+    for byte in header {
+        client.stream.write_all(&[byte]).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(client.reply().unwrap(), (0, 101));
+    let mut back = vec![0u8; 4096];
+    client.stream.read_exact(&mut back).unwrap();
+    assert_eq!(back, vec![0x5a; 4096]);
 }
 
 /// The daemon's pool threads (started for requests the device does not remap).
