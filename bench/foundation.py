@@ -344,13 +344,40 @@ def parse_args(argv):
                  "(default bench/results/foundation, relative to the current directory)")
     ap.add_argument("--workloads", default=None,
                     help="comma-separated subset of: " + ",".join(w.key for w in WORKLOADS))
+    ap.add_argument("--jobs", default="",
+                    help="comma-separated fio job counts (e.g. 2,4): each depth-32 row is "
+                         "also run with N jobs at depth 32/N (the same total depth) and with N "
+                         "jobs at depth 32 each, for every system alike; shows whether the "
+                         "client (one fio thread) bounds a row. The bars judge the one-job "
+                         "rows only.")
     args = ap.parse_args(argv)
+    try:
+        jobs = [int(x) for x in args.jobs.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--jobs {args.jobs!r} is not a list of numbers")
+    if any(n < 2 or 32 % n for n in jobs):
+        ap.error("--jobs counts must be at least 2 and divide 32")
     common.resolve_sizing(args)
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
     # In place: build_table and draw_charts read the same list.
-    WORKLOADS[:] = select_workloads(ap, args.workloads, list(WORKLOADS))
+    WORKLOADS[:] = with_jobs(select_workloads(ap, args.workloads, list(WORKLOADS)), jobs)
     return args
+
+
+def with_jobs(workloads: list, jobs: list) -> list:
+    """`workloads`, each depth-32 one followed by its rows with more fio jobs: N × depth 32/N
+    (the same requests in flight, more client threads) and N × depth 32."""
+    out = []
+    for wl in workloads:
+        out.append(wl)
+        if wl.qd != 32:
+            continue
+        for n in jobs:
+            for qd in (32 // n, 32):
+                out.append(Workload(f"{wl.key}-{n}x{qd}", f"{wl.label}, {n} jobs × qd{qd}",
+                                    wl.rw, wl.bs, qd, jobs=n))
+    return out
 
 
 def main(argv=None) -> int:

@@ -40,8 +40,11 @@ PEERS = ("qemu-nbd", "nbdkit-file")
 
 
 def bar_lines(wl: Workload, ratio, p99_ratio, labels: dict) -> list:
-    """(text, ok) for each of issue #10's bars on this workload's row; ok None = no data."""
+    """(text, ok) for each of issue #10's bars on this workload's row; ok None = no data.
+    The bars are set for one fio job: rows with more jobs are shown, not judged."""
     out = []
+    if wl.jobs > 1:
+        return out
     if wl.key in BAR_FILE:
         r, bar = ratio(wl, "udm-linear", "file"), BAR_FILE[wl.key]
         out.append((f"{wl.label}: udm linear / fio on file = "
@@ -89,7 +92,8 @@ def tabulate(results, systems):
             below.append(f"{wl.label}: " + ", ".join(flagged))
             label = "▼ " + label
         for p, r in zip(PAIRS, (r_zero, r_qemu, r_nbdkit)):
-            if r is not None:
+            # The summary stays comparable with runs without --jobs.
+            if r is not None and wl.jobs == 1:
                 ratios[p].append(r)
         thr_rows.append([
             label,
@@ -137,7 +141,8 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
     out.append(f"## udm foundation benchmark — {meta['timestamp']}")
     out.append("")
     out.append(f"Host: {meta['host']}, {meta['cpus']} CPUs, kernel {meta['kernel']}. "
-               f"udm {meta['udm_commit']}. fio {meta['fio_version']}, nbd engine, one job, "
+               f"udm {meta['udm_commit']}. fio {meta['fio_version']}, nbd engine, one job "
+               f"(rows marked 'N jobs × qdM': N jobs, one connection each), "
                f"unix socket. Runtime {meta['runtime']} s per run, export/file size "
                f"{meta['size_human']}, median of {meta['repeat']} alternating run(s).")
     out.append("")
@@ -210,7 +215,7 @@ def draw_charts(results, systems, out_dir: Path, meta) -> list:
     by_key = {s.key: s for s in systems}
     colors = {"udm-zero": "#1f77b4", "nbdkit-null": "#ff7f0e", "udm-linear": "#1f77b4",
               "qemu-nbd": "#2ca02c", "nbdkit-file": "#ff7f0e", "file": "#9e9e9e"}
-    caption = (f"{meta['timestamp']} · {meta['cpus']} CPUs · fio nbd engine, 1 job, unix socket · "
+    caption = (f"{meta['timestamp']} · {meta['cpus']} CPUs · fio nbd engine, 1 job unless labelled, unix socket · "
                f"{meta['runtime']} s × median of {meta['repeat']} · {meta['size_human']}")
     files = []
 

@@ -148,7 +148,11 @@ class Workload:
     label: str     # table label
     rw: str
     bs: str
-    qd: int
+    qd: int        # per job
+    # fio jobs, each with its own connection (or ring, on the file) at depth `qd`: more than
+    # one shows whether a single-threaded client (fio's nbd engine is libnbd on one thread)
+    # is what bounds a row.
+    jobs: int = 1
 
     @property
     def direction(self) -> str:
@@ -244,7 +248,7 @@ class Results:
 def fio_cmd(wl: Workload, system: System, args, out_json: Path) -> list:
     return [
         "fio", f"--name={wl.key}", *system.engine_args,
-        f"--rw={wl.rw}", f"--bs={wl.bs}", f"--iodepth={wl.qd}", "--numjobs=1",
+        f"--rw={wl.rw}", f"--bs={wl.bs}", f"--iodepth={wl.qd}", f"--numjobs={wl.jobs}",
         "--time_based", f"--runtime={args.runtime}", f"--size={args.size}",
         "--randrepeat=1", "--group_reporting", "--output-format=json",
         f"--output={out_json}",

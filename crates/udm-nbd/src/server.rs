@@ -195,6 +195,12 @@ impl NbdServer {
         }
     }
 
+    /// Connections attached to each event loop.
+    #[cfg(test)]
+    fn connections_per_loop(&self) -> Vec<usize> {
+        self.loops.as_ref().map_or(Vec::new(), |l| l.connections())
+    }
+
     /// Connections open now (in the handshake or transmission).
     #[cfg(test)]
     fn connections(&self) -> usize {
@@ -418,6 +424,48 @@ mod tests {
         fn flush(&self) -> udm_block::Result<()> {
             Ok(())
         }
+    }
+
+    #[test]
+    fn a_connection_goes_to_the_loop_serving_the_fewest() {
+        let dir = std::env::temp_dir().join(format!("udm-nbd-loops-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("nbd.sock");
+        let catalog = Devices::default();
+        catalog.add("vol", Arc::new(PanicsOnRead), false);
+        let config = ServerConfig {
+            engine: Engine::Uring,
+            loop_threads: 2,
+            ..ServerConfig::default()
+        };
+        let server = NbdServer::new(Arc::new(catalog), config).unwrap();
+        server.listen_unix(&socket).unwrap();
+        let uri = format!("nbd+unix:///vol?socket={}", socket.display());
+        let connect = || {
+            let client = NbdClient::connect(&uri, ClientOptions::default()).unwrap();
+            // Served: attached to its loop.
+            client.read(4096, &mut [0u8; 4096]).unwrap();
+            client
+        };
+        let until = |want: Vec<usize>| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while server.connections_per_loop() != want {
+                let now = server.connections_per_loop();
+                assert!(Instant::now() < deadline, "{now:?}, not {want:?}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        };
+        let long = connect();
+        let short = connect();
+        until(vec![1, 1]);
+        // A probe comes and goes: the next long-lived client still gets the idle loop.
+        drop(short);
+        until(vec![1, 0]);
+        let other = connect();
+        until(vec![1, 1]);
+        drop((long, other));
+        until(vec![0, 0]);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

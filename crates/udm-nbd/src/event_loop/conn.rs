@@ -36,8 +36,12 @@ impl EventLoop {
             start: 0,
             end: 0,
             receiving: false,
-            receiving_payload: false,
+            receiving_payload: 0,
+            // SAFETY: msghdr and iovec are plain data; zeroed means no address, no control
+            // data and empty iovecs.
+            receive: Box::new(unsafe { std::mem::zeroed() }),
             writing: None,
+            large_writes: false,
             mapped: Vec::new(),
             mapped_free: Vec::new(),
             in_flight: 0,
@@ -68,19 +72,18 @@ impl EventLoop {
         };
         conn.receiving = false;
         let into_payload = std::mem::take(&mut conn.receiving_payload);
-        if into_payload && conn.dead {
+        if into_payload > 0 && conn.dead {
             // Aborted while the kernel could still write into the payload: free it now.
             conn.writing = None;
         }
         match result {
-            n if n > 0 && into_payload => {
-                if let Some((_, _, got)) = conn.writing.as_mut() {
-                    *got += n as usize;
-                }
-                conn.last_active = Instant::now();
-            }
             n if n > 0 => {
-                conn.end += n as usize;
+                let n = n as usize;
+                let to_payload = n.min(into_payload);
+                if let Some((_, _, got)) = conn.writing.as_mut() {
+                    *got += to_payload;
+                }
+                conn.end += n - to_payload;
                 conn.last_active = Instant::now();
             }
             0 => conn.closing = true,
@@ -158,7 +161,7 @@ impl EventLoop {
         }
         conn.dead = true;
         conn.closing = true;
-        if !conn.receiving_payload {
+        if conn.receiving_payload == 0 {
             conn.writing = None;
         }
         conn.in_flight -= conn.held.len();
@@ -188,24 +191,7 @@ impl EventLoop {
         }
         let busy = conn.in_flight + conn.replies.len() >= self.queue_depth;
         if !conn.receiving && !conn.closing && !conn.dead && !conn.waiting_for_budget && !busy {
-            conn.receiving = true;
-            let buffered = conn.end - conn.start;
-            let room = match conn.writing.as_mut() {
-                // parse() has taken every byte of the receive buffer into the payload.
-                Some((_, payload, got))
-                    if buffered == 0 && payload.len() - *got >= DIRECT_RECEIVE =>
-                {
-                    conn.receiving_payload = true;
-                    &mut payload[*got..]
-                }
-                _ => &mut conn.buf[conn.end..],
-            };
-            // SAFETY (of the pointer handed to the kernel): the receive buffer lives as long
-            // as the connection, which is not dropped while a receive is in flight; the
-            // payload is not dropped while `receiving_payload` is set (see `abort`).
-            let entry = opcode::Recv::new(fd(&conn.stream), room.as_mut_ptr(), room.len() as u32)
-                .build()
-                .user_data(user_data(index, RECV));
+            let entry = conn.receive_entry(index);
             self.queued.push(entry);
         }
         self.finish_if_done(index);
@@ -243,6 +229,7 @@ impl EventLoop {
             debug!("nbd: client detached from '{}'", conn.session.name);
             self.conns[index] = None;
             self.free.push(index);
+            self.mailbox.connections.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }

@@ -67,6 +67,8 @@ impl EventLoop {
             };
             conn.start += REQUEST_HEADER_LEN;
             conn.last_active = Instant::now();
+            conn.large_writes =
+                request.command == CMD_WRITE && request.length as usize >= DIRECT_RECEIVE;
             if request.command == CMD_WRITE {
                 conn.writing = Some((request, payload.expect("taken above"), 0));
                 continue;
