@@ -1,6 +1,7 @@
-//! One queue of FUSE over io_uring: a thread on its CPU (the kernel gives a request to the
-//! queue of the CPU it was issued on) owning a ring with `depth` entries registered on
-//! /dev/fuse.
+//! One thread of a queue of FUSE over io_uring: a thread on the queue's CPU (the kernel gives
+//! a request to the queue of the CPU it was issued on) owning a ring with its share of the
+//! queue's entries registered on /dev/fuse. The kernel hands a request to any free entry of
+//! the queue, whichever thread registered it.
 //!
 //! A request that arrives is served one of three ways, so that nothing the thread waits for
 //! can stall the queue:
@@ -38,17 +39,20 @@ use super::slot::{Slot, SlotServer};
 /// bit 63.
 const WAKE: u64 = 1 << 62;
 
-/// A queue set up before the mount: its ring, its entries' buffers, its mailbox.
+/// A queue's thread set up before the mount: its ring, its entries' buffers, its mailbox.
 pub(crate) struct Queue {
     qid: u16,
+    /// Which of the queue's threads.
+    thread: u16,
     ring: IoUring<squeue::Entry128, cqueue::Entry>,
     slots: Vec<Slot>,
     mailbox: Arc<Mailbox>,
 }
 
 impl Queue {
-    /// A queue of `depth` entries whose payload buffers take `payload_len` bytes.
-    pub fn new(qid: u16, depth: u16, payload_len: usize) -> Result<Queue, String> {
+    /// Thread `thread` of queue `qid`, with `depth` entries whose payload buffers take
+    /// `payload_len` bytes.
+    pub fn new(qid: u16, thread: u16, depth: u16, payload_len: usize) -> Result<Queue, String> {
         // Commands for every entry plus the engine's pieces; more wait in the backlog.
         let entries = (u32::from(depth) * 2).next_power_of_two();
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
@@ -58,14 +62,15 @@ impl Queue {
         let mailbox = Mailbox::new().map_err(|e| e.to_string())?;
         Ok(Queue {
             qid,
+            thread,
             ring,
             slots: (0..depth).map(|_| Slot::new(payload_len)).collect(),
             mailbox: Arc::new(mailbox),
         })
     }
 
-    pub fn qid(&self) -> u16 {
-        self.qid
+    pub fn thread_name(&self) -> String {
+        format!("fuse-ring-{}.{}", self.qid, self.thread)
     }
 
     /// Registers the entries, says through `started` whether the kernel took them, and

@@ -51,7 +51,21 @@ fn over_io_uring_mapped_requests_go_to_the_engine() {
     let file = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
     let catalog = Arc::new(Devices::default());
     catalog.add("vol", Arc::new(MapOnly(file)), false);
-    let export = mount(&dir, &catalog, UringMode::On);
+    // Three threads per queue, dealt 11, 11 and 10 of its entries.
+    let config = FuseConfig {
+        io_uring: UringMode::On,
+        threads_per_queue: 3,
+        ..FuseConfig::default()
+    };
+    let export = mount_with(&dir, &catalog, config);
+    assert!(matches!(
+        export.transport(),
+        Transport::IoUring {
+            threads_per_queue: 3,
+            depth: 32,
+            ..
+        }
+    ));
     let vol = open_direct(&export.mountpoint().join("vol"));
     let mut buf = AlignedBuf::zeroed(MIB as usize);
     buf.copy_from_slice(&pattern(MIB as usize, 21));
