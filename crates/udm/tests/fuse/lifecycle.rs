@@ -169,17 +169,57 @@ fn delayed_reads(daemon: &Daemon, name: &str) -> u64 {
     status.split(' ').next().unwrap().parse().unwrap()
 }
 
-/// A daemon with a device `slow` whose reads take `delay_ms` (a delay target, which the
-/// io_uring engine cannot take) and a `linear` device `fast`, both in its FUSE mount.
+/// A daemon with a device `slow` whose reads take `delay_ms` and which the io_uring engine
+/// cannot take (a delay target over `dust`, which never maps: its reads sleep on a pool
+/// thread) and a `linear` device `fast`, both in its FUSE mount.
 fn slow_and_fast(tag: &str, args: &[&str], delay_ms: u32) -> Daemon {
     let mut all = vec!["--fuse", "{dir}/fuse"];
     all.extend_from_slice(args);
     let daemon = Daemon::start_with(tag, &all);
     let disk = daemon.sparse("slow.img", 4 * MIB);
-    let table = format!("0 8192 delay {} 0 {delay_ms}", disk.display());
-    daemon.create("slow", &table);
+    daemon.create(
+        "unmapped",
+        &format!("0 8192 dust {} 0 4096", disk.display()),
+    );
+    daemon.create("slow", &format!("0 8192 delay unmapped 0 {delay_ms}"));
     daemon.create_linear("fast", "fast.img", 64 * MIB);
     daemon
+}
+
+#[test]
+fn over_io_uring_delayed_reads_wait_without_taking_pool_threads() {
+    // One pool thread; a delay over a file maps, so its reads wait for their timer parked
+    // in their ring entries, all at once, rather than in turn on the pool.
+    let daemon = Daemon::start_with(
+        "fuse-delay-parked",
+        &[
+            "--fuse",
+            "{dir}/fuse",
+            "--fuse-uring",
+            "on",
+            "--fuse-threads",
+            "1",
+        ],
+    );
+    let disk = daemon.sparse("slow.img", 4 * MIB);
+    daemon.create("slow", &format!("0 8192 delay {} 0 2000", disk.display()));
+    let fuse = daemon.dir.path("fuse");
+    let started = Instant::now();
+    let readers: Vec<_> = (0..6)
+        .map(|i| dd_in_background(&fuse.join("slow"), 4096, i))
+        .collect();
+    wait_for(
+        || delayed_reads(&daemon, "slow") == 6,
+        "six delayed reads at once",
+    );
+    for mut dd in readers {
+        assert!(dd.wait().unwrap().success());
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(8),
+        "six reads delayed 2 s each took {took:?}"
+    );
 }
 
 #[test]
