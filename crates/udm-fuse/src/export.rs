@@ -58,8 +58,9 @@ pub struct FuseConfig {
     /// (the kernel delivers both as task work to the thread that owns the entry), and on a
     /// busy CPU each of them waits for that thread to be scheduled; with two, one serves
     /// while the other waits. Measured on 2 vCPUs under load (fio through a loop device,
-    /// 4 KiB, depth 32, alternating runs): random writes 24.8k IOPS with one thread per
-    /// queue, 48.3k with two, 38.6k with four; random reads 30.0k, 41.6k, 33.0k.
+    /// 4 KiB, depth 32, alternating in one run, medians of 4): random writes 24.7k IOPS with
+    /// one thread per queue, 33.8k with two, 33.1k with four; random reads 28.3k, 31.1k,
+    /// 33.9k.
     pub threads_per_queue: u16,
 }
 
