@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import harness  # noqa: E402
 from common import (  # noqa: E402
-    BenchError, copy_logs, fio_cell, locate_udm, prepare_out_dir, run, select_workloads,
-    tmp_base, tool_version, trap_signals,
+    BenchError, copy_logs, fio_cell, locate_udm, prepare_out_dir, proc_cpu_seconds, run,
+    select_workloads, tmp_base, tool_version, trap_signals,
 )
 from fuse_report import LABELS, SYSTEMS, WORKLOADS, build_table, draw_chart  # noqa: E402
 from harness import (  # noqa: E402
@@ -325,6 +325,17 @@ class Run:
             return f"nbdfuse is not running (exit code {self.nbdfuse.proc.returncode})"
         return None
 
+    def servers(self, key: str) -> list:
+        """The processes serving `key`'s loop device, whose CPU per I/O the report gives: the
+        udm daemon; for nbdfuse, nbdfuse and the udm daemon serving it NBD; none for the
+        loop on the file (the kernel's own work is nobody's)."""
+        lp = next(lp for lp in self.loops if lp.system == key)
+        if lp.owner:
+            return [lp.owner.daemon.proc.pid]
+        if key == "nbdfuse":
+            return [self.nbdfuse.proc.pid, self.daemon.proc.pid]
+        return []
+
     def run_matrix(self) -> None:
         """Per workload and repeat, every system back to back, the order reversed every
         other repeat."""
@@ -350,15 +361,22 @@ class Run:
                         continue
                     stem = f"{wl.key}.{key}.r{rep}"
                     cmd = fio_cmd(wl, bymap[key].device, args, self.out_dir / f"{stem}.json")
+                    servers = self.servers(key)
+                    cpu0 = [proc_cpu_seconds(pid) for pid in servers]
                     smp = fio_cell(cmd,
                                    lambda cmd: run_group(cmd, timeout=fio_timeout, cwd=self.tmp),
                                    parse_fio_json, wl, c, self.out_dir, stem, tag)
                     if smp is None:
                         continue
+                    cpu1 = [proc_cpu_seconds(pid) for pid in servers]
+                    if servers and smp.ios and None not in cpu0 + cpu1:
+                        smp.cpu_us_per_io = (sum(cpu1) - sum(cpu0)) / smp.ios * 1e6
                     c.samples.append(smp)
                     unit = "IOPS" if wl.metric == "iops" else "MB/s"
+                    cpu = "" if smp.cpu_us_per_io is None else \
+                        f"  server CPU {smp.cpu_us_per_io:.1f} µs/IO"
                     log(f"{tag}: {smp.value:>10.0f} {unit}  clat mean {smp.lat_mean_us:.0f} µs "
-                        f"p99 {smp.lat_p99_us:.0f} µs")
+                        f"p99 {smp.lat_p99_us:.0f} µs{cpu}")
 
     def check_after(self, cached_before) -> None:
         """What the runs may have changed: the page cache, the bytes every path reads, the

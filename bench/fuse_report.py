@@ -14,7 +14,7 @@ import harness  # noqa: E402
 from common import bar_axes, import_pyplot  # noqa: E402
 from harness import Results  # noqa: E402
 from report import (  # noqa: E402
-    fmt_lat, fmt_ratio, fmt_value, geomean, is_below, markdown_table, table_footer,
+    fmt_cpu, fmt_lat, fmt_ratio, fmt_value, geomean, is_below, markdown_table, table_footer,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -52,6 +52,7 @@ def tabulate(results):
         header.append("io_uring / /dev/fuse")
     header += [f"{LABELS[k]} lat µs" for k in SYSTEMS]
     rows, below, r_peer_all, r_floor_all, summary, bars = [], [], [], [], {}, []
+    cpu_rows = []
     missing_ratio = []
     for wl in WORKLOADS:
         r_peer = ratio(wl, "udm-fuse", "nbdfuse")
@@ -72,6 +73,8 @@ def tabulate(results):
         if compare:
             row.append("—" if r_uring is None else f"{r_uring:.2f}×")
         rows.append(row + [fmt_lat(cell(wl, k)) for k in SYSTEMS])
+        cpu_rows.append([wl.label] + [fmt_cpu(med(wl, k, "cpu_us_per_io"))
+                                      for k in SYSTEMS if k != "direct"])
         if wl.bs == "4k" and wl.qd == 32 and wl.rw.startswith("rand"):
             bars.append((f"{wl.label}: loop on udm's FUSE file / loop on the file = "
                          + ("—" if r_floor is None else f"{r_floor:.2f}×")
@@ -91,7 +94,8 @@ def tabulate(results):
             "ratio_udm_vs_direct": r_floor,
             "ratio_uring_vs_dev_fuse": r_uring,
         }
-    return SimpleNamespace(header=header, rows=rows, below=below, r_peer_all=r_peer_all,
+    return SimpleNamespace(header=header, rows=rows, cpu_rows=cpu_rows, below=below,
+                           r_peer_all=r_peer_all,
                            r_floor_all=r_floor_all, summary=summary, bars=bars,
                            missing_ratio=missing_ratio, compare=compare)
 
@@ -112,6 +116,14 @@ def build_table(results, meta) -> tuple[str, dict]:
                f"{meta['repeat']} alternating run(s). FUSE transport: {meta['fuse_transport']}.")
     out.append("")
     out.append(markdown_table(header, rows))
+    out.append("")
+    out.append("CPU per I/O (µs of user + system time of the processes serving the loop device "
+               "during the run, over fio's I/Os: the udm daemon; for nbdfuse, nbdfuse and the "
+               "udm daemon serving it NBD; the kernel's own work, the loop worker's included, "
+               "is in no column):")
+    out.append("")
+    out.append(markdown_table(["workload"] + [LABELS[k] for k in SYSTEMS if k != "direct"],
+                              t.cpu_rows))
     out.append("")
     out.append(f"{LABELS['udm-fuse']}: loop on udm's own FUSE file (`udm attach`)"
                + (f"; {LABELS['udm-fuse-dev']}: the same from a second daemon with "

@@ -207,6 +207,65 @@ impl WriteIn {
     }
 }
 
+/// `fuse_fallocate_in`.
+#[derive(Debug, Clone, Copy)]
+pub struct FallocateIn {
+    pub fh: u64,
+    pub offset: u64,
+    pub length: u64,
+    pub mode: i32,
+}
+
+/// What a FALLOCATE asks of a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallocation {
+    /// Nothing: every byte of a device is allocated already.
+    Nothing,
+    /// Make `[offset, end)` read zeroes; `may_unmap`: by deallocating it.
+    Zero {
+        offset: u64,
+        end: u64,
+        may_unmap: bool,
+    },
+}
+
+impl FallocateIn {
+    pub fn parse(args: &[u8]) -> Option<FallocateIn> {
+        let mut a = Args::new(args);
+        Some(FallocateIn {
+            fh: a.u64()?,
+            offset: a.u64()?,
+            length: a.u64()?,
+            mode: a.u32()? as i32,
+        })
+    }
+
+    /// What the request means for a device of `size` bytes, which cannot grow; an errno for
+    /// what it cannot do.
+    pub fn meaning(&self, size: u64) -> Result<Fallocation, i32> {
+        let end = self.offset.checked_add(self.length).ok_or(libc::EINVAL)?;
+        let keep_size = self.mode & libc::FALLOC_FL_KEEP_SIZE != 0;
+        match self.mode & !libc::FALLOC_FL_KEEP_SIZE {
+            0 if keep_size || end <= size => Ok(Fallocation::Nothing),
+            // Punching a hole must leave zeroes: a loop device turns both discards and
+            // write-zeroes requests into PUNCH_HOLE, and a filesystem relies on the zeroes of
+            // the latter. So it is a write-zeroes that may deallocate, not a discard (whose
+            // contents afterwards a device may leave as they were).
+            libc::FALLOC_FL_PUNCH_HOLE if keep_size => Ok(Fallocation::Zero {
+                offset: self.offset,
+                end: end.min(size),
+                may_unmap: true,
+            }),
+            libc::FALLOC_FL_ZERO_RANGE if keep_size || end <= size => Ok(Fallocation::Zero {
+                offset: self.offset,
+                end: end.min(size),
+                may_unmap: false,
+            }),
+            _ => Err(libc::EOPNOTSUPP),
+        }
+    }
+}
+
 /// Builds a reply struct of a fixed size.
 pub struct Enc<const N: usize> {
     buf: [u8; N],

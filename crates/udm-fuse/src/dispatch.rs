@@ -8,7 +8,10 @@ use std::sync::Arc;
 use log::{debug, error, info, warn};
 use udm_block::{AlignedBuf, BlockDevice, BlockError, Checked, WriteFlags, ZeroFlags, SECTOR_SIZE};
 
-use crate::abi::{self, opcode, Args, InHeader, ReadIn, WriteIn, IN_HEADER_LEN, WRITE_IN_LEN};
+use crate::abi::{
+    self, opcode, Args, FallocateIn, Fallocation, InHeader, ReadIn, WriteIn, IN_HEADER_LEN,
+    WRITE_IN_LEN,
+};
 use crate::fs::Errno;
 use crate::session::Session;
 
@@ -133,7 +136,7 @@ impl Ctx<'_> {
             opcode::READ => self.read(&h, req.args),
             opcode::WRITE => self.write(&h, req.args, req.data),
             opcode::FSYNC => self.fsync(&h, a),
-            opcode::FALLOCATE => self.fallocate(&h, a),
+            opcode::FALLOCATE => self.fallocate(&h, req.args),
             opcode::RELEASE => self.release(&h, a, false),
             opcode::OPENDIR => self.opendir(&h),
             opcode::READDIR => self.readdir(&h, a),
@@ -405,30 +408,17 @@ impl Ctx<'_> {
         Ok(len)
     }
 
-    fn fallocate(&mut self, h: &InHeader, mut a: Args) -> Result<(), Errno> {
-        let fh = a.u64().ok_or(libc::EINVAL)?;
-        let offset = a.u64().ok_or(libc::EINVAL)?;
-        let length = a.u64().ok_or(libc::EINVAL)?;
-        let mode = a.u32().ok_or(libc::EINVAL)? as i32;
-        let open = self.fs().file(fh).ok_or(libc::EBADF)?;
+    fn fallocate(&mut self, h: &InHeader, args: &[u8]) -> Result<(), Errno> {
+        let f = FallocateIn::parse(args).ok_or(libc::EINVAL)?;
+        let open = self.fs().file(f.fh).ok_or(libc::EBADF)?;
         let device = &open.device;
-        let end = offset.checked_add(length).ok_or(libc::EINVAL)?;
-        let size = device.size();
-        let keep_size = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
-        match mode & !libc::FALLOC_FL_KEEP_SIZE {
-            // Every byte of a device is allocated already; it cannot grow.
-            0 if keep_size || end <= size => {}
-            // Punching a hole must leave zeroes: a loop device turns both discards and
-            // write-zeroes requests into PUNCH_HOLE, and a filesystem relies on the zeroes of
-            // the latter. So it is a write_zeroes that may deallocate, not a discard (whose
-            // contents afterwards a device may leave as they were).
-            libc::FALLOC_FL_PUNCH_HOLE if keep_size => {
-                self.zero(device, offset, end.min(size), true)?
-            }
-            libc::FALLOC_FL_ZERO_RANGE if keep_size || end <= size => {
-                self.zero(device, offset, end.min(size), false)?
-            }
-            _ => return Err(libc::EOPNOTSUPP),
+        match f.meaning(device.size())? {
+            Fallocation::Nothing => {}
+            Fallocation::Zero {
+                offset,
+                end,
+                may_unmap,
+            } => self.zero(device, offset, end, may_unmap)?,
         }
         self.send(h.unique, 0, &[]);
         Ok(())

@@ -53,6 +53,15 @@ pub struct FuseConfig {
     pub io_uring: UringMode,
     /// Ring entries per queue (one queue per CPU): the requests a CPU's queue holds at once.
     pub queue_depth: u16,
+    /// Threads (each with its own ring) that share a queue's entries. One thread per queue
+    /// is a single point that every request and every disk completion of its CPU must pass
+    /// (the kernel delivers both as task work to the thread that owns the entry), and on a
+    /// busy CPU each of them waits for that thread to be scheduled; with two, one serves
+    /// while the other waits. Measured on 2 vCPUs under load (fio through a loop device,
+    /// 4 KiB, depth 32, alternating in one run, medians of 4): random writes 24.7k IOPS with
+    /// one thread per queue, 33.8k with two, 33.1k with four; random reads 28.3k, 31.1k,
+    /// 33.9k.
+    pub threads_per_queue: u16,
 }
 
 impl Default for FuseConfig {
@@ -62,6 +71,7 @@ impl Default for FuseConfig {
             max_request: 1 << 20,
             io_uring: UringMode::Auto,
             queue_depth: 32,
+            threads_per_queue: 2,
         }
     }
 }
@@ -75,6 +85,7 @@ pub enum Transport {
     IoUring {
         queues: usize,
         depth: usize,
+        threads_per_queue: usize,
         pool: usize,
     },
 }
@@ -86,10 +97,12 @@ impl fmt::Display for Transport {
             Transport::IoUring {
                 queues,
                 depth,
+                threads_per_queue,
                 pool,
             } => write!(
                 f,
-                "io_uring ({queues} queues of {depth} entries, {pool} threads for synchronous requests)"
+                "io_uring ({queues} queues of {depth} entries on {threads_per_queue} threads \
+                 each, {pool} threads for synchronous requests)"
             ),
         }
     }
@@ -102,6 +115,12 @@ impl FuseConfig {
         }
         if self.queue_depth == 0 {
             return Err(FuseError::Config("queue_depth must be at least 1".into()));
+        }
+        if self.threads_per_queue == 0 || self.threads_per_queue > self.queue_depth {
+            return Err(FuseError::Config(format!(
+                "threads_per_queue {} is not between 1 and queue_depth {}",
+                self.threads_per_queue, self.queue_depth
+            )));
         }
         if self.max_request < 8192 || !self.max_request.is_multiple_of(4096) {
             return Err(FuseError::Config(format!(
@@ -204,7 +223,11 @@ impl FuseExport {
         }
         let queues = match config.io_uring {
             UringMode::Off => None,
-            mode => match uring::prepare(config.queue_depth, config.max_request as usize) {
+            mode => match uring::prepare(
+                config.queue_depth,
+                config.threads_per_queue,
+                config.max_request as usize,
+            ) {
                 Ok(queues) => Some(queues),
                 Err(reason) => {
                     fallback(mode, reason)?;
@@ -212,9 +235,12 @@ impl FuseExport {
                 }
             },
         };
+        let queue_count = queues.as_ref().map_or(0, |rings| {
+            rings.len() / usize::from(config.threads_per_queue)
+        });
         let session = Arc::new(Session::new(
             Fs::new(catalog),
-            limits(&config, queues.as_ref().map_or(0, Vec::len)),
+            limits(&config, queue_count),
             queues.is_some(),
         ));
         let fd = Arc::new(mount::open_fuse_device()?);
@@ -303,8 +329,9 @@ impl FuseExport {
             None => return Err("the kernel sent no INIT".into()),
         }
         let transport = Transport::IoUring {
-            queues: queues.len(),
+            queues: queues.len() / usize::from(config.threads_per_queue),
             depth: usize::from(config.queue_depth),
+            threads_per_queue: usize::from(config.threads_per_queue),
             pool: config.workers,
         };
         let (jobs, pool) = uring::jobs();
@@ -320,7 +347,7 @@ impl FuseExport {
         for queue in queues {
             let (session, fd, jobs, started) =
                 (session.clone(), fd.clone(), jobs.clone(), started.clone());
-            self.spawn(format!("fuse-ring-{}", queue.qid()), move || {
+            self.spawn(queue.thread_name(), move || {
                 queue.run(session, fd, jobs, started)
             })
             .map_err(|e| e.to_string())?;

@@ -60,17 +60,27 @@ pub fn enable_kernel_support() -> Result<(), String> {
 }
 
 /// The queues for a mount: one per possible CPU, as many as the kernel makes, each with
-/// `depth` entries of `payload_len` bytes. Made before the mount, so that nothing but the
-/// kernel's own answer to REGISTER can fail once INIT has agreed on io_uring (the kernel
-/// holds every request until all queues have registered).
-pub(crate) fn prepare(depth: u16, payload_len: usize) -> Result<Vec<Queue>, String> {
+/// `depth` entries of `payload_len` bytes shared by `threads` threads (a [`Queue`] each, in
+/// order of qid). Made before the mount, so that nothing but the kernel's own answer to
+/// REGISTER can fail once INIT has agreed on io_uring (the kernel holds every request until
+/// all queues have registered).
+pub(crate) fn prepare(depth: u16, threads: u16, payload_len: usize) -> Result<Vec<Queue>, String> {
     enable_kernel_support()?;
     let count = possible_cpus()?;
     let queues = u16::try_from(count)
         .map_err(|_| format!("{count} possible CPUs are more queues than FUSE takes"))?;
-    (0..queues)
-        .map(|qid| Queue::new(qid, depth, payload_len))
-        .collect()
+    let mut rings = Vec::new();
+    for qid in 0..queues {
+        for (thread, entries) in shares(depth, threads).enumerate() {
+            rings.push(Queue::new(qid, thread as u16, entries, payload_len)?);
+        }
+    }
+    Ok(rings)
+}
+
+/// `depth` entries dealt out to `threads` threads as evenly as they go.
+fn shares(depth: u16, threads: u16) -> impl Iterator<Item = u16> {
+    (0..threads).map(move |t| depth / threads + u16::from(t < depth % threads))
 }
 
 /// The number of possible CPUs (the kernel's num_possible_cpus(), which may exceed the
@@ -97,6 +107,13 @@ fn count_cpus(list: &str) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn entries_are_dealt_out_evenly() {
+        assert_eq!(shares(32, 2).collect::<Vec<_>>(), [16, 16]);
+        assert_eq!(shares(5, 2).collect::<Vec<_>>(), [3, 2]);
+        assert_eq!(shares(7, 1).collect::<Vec<_>>(), [7]);
+    }
 
     #[test]
     fn cpu_lists_are_counted() {

@@ -2,12 +2,15 @@
 //! wait for: requests of devices that cannot say where their data lives (delay, log-writes,
 //! a clone's partial writes, remote sources), unaligned reads and writes, fallocate, opens.
 //! A thread takes a job (a slot holding a request), leaves the reply in the slot, and posts
-//! the slot back to its queue, whose ring waits on the mailbox's eventfd.
+//! the slot back to its queue, whose ring waits on the mailbox's eventfd. The same mailbox
+//! brings back mapped requests whose steps (a delay's timer, a snapshot copy-out) are done.
 
 use parking_lot::Mutex;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
+
+use udm_block::{BlockError, MapOp, Mapping};
 
 use crate::error::FuseError;
 use crate::session::Session;
@@ -39,14 +42,27 @@ pub(crate) fn run(session: Arc<Session>, jobs: Jobs) {
         // SAFETY: the queue handed the slot over with the job and does not touch it until
         // it is posted back.
         unsafe { server.serve(&session, job.bufs) };
-        job.mailbox.post(job.slot);
+        job.mailbox.post(Posted::Served(job.slot));
     }
 }
 
-/// Slots served by the pool, on their way back to their queue.
+/// What comes back to a queue from other threads.
+pub(crate) enum Posted {
+    /// The pool served the request in this slot; its reply is in the slot.
+    Served(u16),
+    /// The steps the mapping of the request in `slot` waited for are done (or one failed):
+    /// its pieces may go to the engine now.
+    Ready {
+        slot: u16,
+        op: MapOp,
+        ready: Result<Mapping, BlockError>,
+    },
+}
+
+/// Slots on their way back to their queue.
 pub(crate) struct Mailbox {
-    served: Mutex<Vec<u16>>,
-    /// Readable when `served` may hold slots: the queue's ring polls it.
+    posted: Mutex<Vec<Posted>>,
+    /// Readable when `posted` may hold something: the queue's ring polls it.
     eventfd: OwnedFd,
 }
 
@@ -58,7 +74,7 @@ impl Mailbox {
             return Err(FuseError::last_os("eventfd"));
         }
         Ok(Mailbox {
-            served: Mutex::new(Vec::new()),
+            posted: Mutex::new(Vec::new()),
             // SAFETY: just created, owned by nobody else.
             eventfd: unsafe { OwnedFd::from_raw_fd(fd) },
         })
@@ -68,20 +84,20 @@ impl Mailbox {
         self.eventfd.as_raw_fd()
     }
 
-    fn post(&self, slot: u16) {
-        self.served.lock().push(slot);
+    pub fn post(&self, posted: Posted) {
+        self.posted.lock().push(posted);
         let one = 1u64.to_ne_bytes();
         // SAFETY: writes 8 bytes from a local. It cannot fail short of the counter reaching
         // u64::MAX - 1, which a queue reading it never lets happen.
         unsafe { libc::write(self.eventfd.as_raw_fd(), one.as_ptr().cast(), 8) };
     }
 
-    /// The slots served since the last call. Resets the eventfd first, so that a slot
+    /// What was posted since the last call. Resets the eventfd first, so that a slot
     /// posted meanwhile makes it readable again.
-    pub fn take(&self) -> Vec<u16> {
+    pub fn take(&self) -> Vec<Posted> {
         let mut count = [0u8; 8];
         // SAFETY: reads 8 bytes into a local; EAGAIN (nothing posted) is fine.
         unsafe { libc::read(self.eventfd.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
-        std::mem::take(&mut *self.served.lock())
+        std::mem::take(&mut *self.posted.lock())
     }
 }

@@ -1,12 +1,15 @@
-//! One queue of FUSE over io_uring: a thread on its CPU (the kernel gives a request to the
-//! queue of the CPU it was issued on) owning a ring with `depth` entries registered on
-//! /dev/fuse.
+//! One thread of a queue of FUSE over io_uring: a thread on the queue's CPU (the kernel gives
+//! a request to the queue of the CPU it was issued on) owning a ring with its share of the
+//! queue's entries registered on /dev/fuse. The kernel hands a request to any free entry of
+//! the queue, whichever thread registered it.
 //!
 //! A request that arrives is served one of three ways, so that nothing the thread waits for
 //! can stall the queue:
-//! - a READ, WRITE or FSYNC whose device can say where the bytes live (`map()`) goes to the
-//!   io_uring engine on this same ring: the data moves between the entry's payload buffer and
-//!   the files with no copy and no thread waiting;
+//! - a READ, WRITE, FSYNC or FALLOCATE whose device can say where the bytes live (`map()`)
+//!   goes to the io_uring engine on this same ring: the data moves between the entry's payload
+//!   buffer and the files with no copy and no thread waiting. A mapping that must wait for
+//!   steps first (a delay's timer, a snapshot copy-out) is parked in its entry and comes back
+//!   through the mailbox when they are done;
 //! - requests that only look at the catalog's tables (lookup, getattr, open, readdir…) are
 //!   served inline;
 //! - everything else goes to the pool, which answers in the entry and posts it back.
@@ -21,32 +24,35 @@ use std::sync::Arc;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use log::{debug, error, warn};
-use udm_block::{BlockDevice, MapOp, Mapping};
+use udm_block::{BlockDevice, MapOp, Mapping, SECTOR_SIZE};
 use udm_uring::{is_engine, Engine, Outcome};
 
-use crate::abi::{self, opcode as op, ring, Args, ReadIn, WriteIn};
+use crate::abi::{self, opcode as op, ring, Args, FallocateIn, Fallocation, ReadIn, WriteIn};
 use crate::dispatch::Request;
 use crate::fs::Fs;
 use crate::session::Session;
 
-use super::pool::{Job, Mailbox};
+use super::pool::{Job, Mailbox, Posted};
 use super::slot::{Slot, SlotServer};
 
 /// `user_data` of the poll on the mailbox's eventfd; entries use their index, the engine
 /// bit 63.
 const WAKE: u64 = 1 << 62;
 
-/// A queue set up before the mount: its ring, its entries' buffers, its mailbox.
+/// A queue's thread set up before the mount: its ring, its entries' buffers, its mailbox.
 pub(crate) struct Queue {
     qid: u16,
+    /// Which of the queue's threads.
+    thread: u16,
     ring: IoUring<squeue::Entry128, cqueue::Entry>,
     slots: Vec<Slot>,
     mailbox: Arc<Mailbox>,
 }
 
 impl Queue {
-    /// A queue of `depth` entries whose payload buffers take `payload_len` bytes.
-    pub fn new(qid: u16, depth: u16, payload_len: usize) -> Result<Queue, String> {
+    /// Thread `thread` of queue `qid`, with `depth` entries whose payload buffers take
+    /// `payload_len` bytes.
+    pub fn new(qid: u16, thread: u16, depth: u16, payload_len: usize) -> Result<Queue, String> {
         // Commands for every entry plus the engine's pieces; more wait in the backlog.
         let entries = (u32::from(depth) * 2).next_power_of_two();
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
@@ -56,14 +62,15 @@ impl Queue {
         let mailbox = Mailbox::new().map_err(|e| e.to_string())?;
         Ok(Queue {
             qid,
+            thread,
             ring,
             slots: (0..depth).map(|_| Slot::new(payload_len)).collect(),
             mailbox: Arc::new(mailbox),
         })
     }
 
-    pub fn qid(&self) -> u16 {
-        self.qid
+    pub fn thread_name(&self) -> String {
+        format!("fuse-ring-{}.{}", self.qid, self.thread)
     }
 
     /// Registers the entries, says through `started` whether the kernel took them, and
@@ -75,7 +82,9 @@ impl Queue {
         jobs: Sender<Job>,
         started: Sender<Result<(), String>>,
     ) {
-        pin_to_cpu(usize::from(self.qid));
+        if std::env::var_os("UDM_FUSE_NOPIN").is_none() {
+            pin_to_cpu(usize::from(self.qid));
+        }
         let count = self.slots.len();
         let server = SlotServer::new(&session);
         let mut q = Serving {
@@ -115,7 +124,7 @@ enum State {
     /// request. The command is kept for a retry the kernel may ask for (EAGAIN).
     Kernel(Option<u64>),
     /// udm, serving a request whose reply goes in with `commit_id`; `mapped` while the
-    /// engine executes it.
+    /// engine executes it (or its mapping waits for its steps).
     Serving {
         commit_id: u64,
         mapped: Option<Mapped>,
@@ -135,7 +144,7 @@ enum Answer {
     Data(usize),
     /// A write of this many bytes.
     Written(u32),
-    /// An fsync.
+    /// An fsync or fallocate.
     Empty,
 }
 
@@ -223,8 +232,14 @@ impl Serving {
                         std::io::Error::from_raw_os_error(-result)
                     );
                 }
-                for slot in self.queue.mailbox.take() {
-                    self.commit(usize::from(slot));
+                for posted in self.queue.mailbox.take() {
+                    match posted {
+                        Posted::Served(slot) => self.commit(usize::from(slot)),
+                        Posted::Ready { slot, op, ready } => match ready {
+                            Ok(mapping) => self.submit_mapped(usize::from(slot), op, mapping),
+                            Err(e) => self.finish_mapped(usize::from(slot), Outcome::Done(Err(e))),
+                        },
+                    }
                 }
                 self.arm_wake();
             } else {
@@ -281,7 +296,7 @@ impl Serving {
             mapped: None,
         };
         match opcode {
-            op::READ | op::WRITE | op::FSYNC if self.start_mapped(slot) => {}
+            op::READ | op::WRITE | op::FSYNC | op::FALLOCATE if self.start_mapped(slot) => {}
             // Answered from the catalog's tables, without I/O. Opening a file takes an open
             // of the device, and releasing it gives that back, which are counters too; so
             // a device busy in the pool does not hold up opening another.
@@ -333,11 +348,33 @@ impl Serving {
         if let State::Serving { mapped: m, .. } = &mut self.states[slot] {
             *m = Some(mapped);
         }
+        if mapping.is_ready() {
+            self.submit_mapped(slot, map_op, mapping);
+        } else {
+            // It waits for steps that finish on other threads: the entry stays with udm,
+            // holding no thread, and the mapping comes back through the mailbox.
+            let mailbox = self.queue.mailbox.clone();
+            let slot = slot as u16;
+            mapping.when_ready(move |ready| {
+                mailbox.post(Posted::Ready {
+                    slot,
+                    op: map_op,
+                    ready,
+                })
+            });
+        }
+        true
+    }
+
+    /// Hands the ready mapping of the request in `slot` to the engine.
+    fn submit_mapped(&mut self, slot: usize, map_op: MapOp, mapping: Mapping) {
+        let bufs = self.queue.slots[slot].bufs;
         let backlog = &mut self.backlog;
         let mut push = |e: squeue::Entry| backlog.push_back(e.into());
-        // SAFETY: the payload buffer holds the request's bytes (at least the mapping's
-        // length: the kernel's request size) and is left alone until the engine completes
-        // the request, since the entry stays in the Serving state until then.
+        // SAFETY: the payload buffer holds a read's or write's bytes (at least the mapping's
+        // length: the kernel's request size; a fallocate's pieces do not use it) and is left
+        // alone until the engine completes the request, since the entry stays in the Serving
+        // state until then.
         let done = unsafe {
             self.engine
                 .start(map_op, mapping, bufs.payload, slot as u64, &mut push)
@@ -345,7 +382,6 @@ impl Serving {
         if let Some(outcome) = done {
             self.finish_mapped(slot, Outcome::Done(outcome));
         }
-        true
     }
 
     fn finish_mapped(&mut self, slot: usize, outcome: Outcome) {
@@ -413,9 +449,9 @@ impl Serving {
     }
 }
 
-/// What the engine must do for a READ, WRITE or FSYNC, if its device maps it; None sends
-/// the request to the synchronous path (which also answers everything a mapping cannot
-/// express: ranges at or past the end, partial sectors, zero lengths).
+/// What the engine must do for a READ, WRITE, FSYNC or FALLOCATE, if its device maps it; None
+/// sends the request to the synchronous path (which also answers everything a mapping cannot
+/// express: ranges at or past the end, partial sectors, zero lengths, errors).
 fn plan(fs: &Fs, req: &Request) -> Option<(MapOp, Mapping, Mapped)> {
     let unique = req.header.unique;
     let (map_op, device, offset, len, answer) = match req.header.opcode {
@@ -439,14 +475,33 @@ fn plan(fs: &Fs, req: &Request) -> Option<(MapOp, Mapping, Mapped)> {
             let open = fs.file(Args::new(req.args).u64()?)?;
             (MapOp::Flush, open, 0, 0, Answer::Empty)
         }
+        op::FALLOCATE => {
+            let f = FallocateIn::parse(req.args)?;
+            let open = fs.file(f.fh)?;
+            let Ok(Fallocation::Zero {
+                offset,
+                end,
+                may_unmap,
+            }) = f.meaning(open.device.size())
+            else {
+                return None;
+            };
+            // Partial sectors at either end are read-modify-written, synchronously.
+            if offset >= end || offset % SECTOR_SIZE != 0 || end % SECTOR_SIZE != 0 {
+                return None;
+            }
+            // As the synchronous path's write_zeroes: zero buffers where the file cannot
+            // punch or zero a range, and no sync (fallocate promises no durability).
+            let map_op = MapOp::WriteZeroes {
+                may_unmap,
+                fast_only: false,
+                fua: false,
+            };
+            (map_op, open, offset, end - offset, Answer::Empty)
+        }
         _ => return None,
     };
-    // A mapping that waits for steps (a delay's timer, a snapshot copy-out) goes the
-    // synchronous way: the queue has no way yet to be told when they are done.
-    let mapping = device
-        .device
-        .map(map_op, offset, len)
-        .filter(Mapping::is_ready)?;
+    let mapping = device.device.map(map_op, offset, len)?;
     Some((map_op, mapping, Mapped { unique, answer }))
 }
 

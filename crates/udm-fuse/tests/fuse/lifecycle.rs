@@ -135,6 +135,16 @@ fn bad_configurations_are_refused() {
             max_request: 65536 + 512,
             ..FuseConfig::default()
         },
+        FuseConfig {
+            threads_per_queue: 0,
+            ..FuseConfig::default()
+        },
+        // More threads than entries would leave a thread with none.
+        FuseConfig {
+            queue_depth: 4,
+            threads_per_queue: 5,
+            ..FuseConfig::default()
+        },
     ] {
         let result = FuseExport::mount(&dir.path("mnt"), catalog.clone(), config);
         assert!(matches!(result, Err(FuseError::Config(_))));

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use udm_block::{
     AlignedBuf, BlockDevice, ExportCatalog, FileDevice, MapOp, Mapping, MemoryDevice, OpenMode,
-    WriteFlags, ZeroFlags,
+    Pending, WriteFlags, ZeroFlags,
 };
 use udm_fuse::{recover_stale_mount, FuseConfig, FuseError, FuseExport, Transport, UringMode};
 use udm_testkit::{pattern, run_ok, Devices, Mounted, TempDir};

@@ -51,7 +51,21 @@ fn over_io_uring_mapped_requests_go_to_the_engine() {
     let file = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
     let catalog = Arc::new(Devices::default());
     catalog.add("vol", Arc::new(MapOnly(file)), false);
-    let export = mount(&dir, &catalog, UringMode::On);
+    // Three threads per queue, dealt 11, 11 and 10 of its entries.
+    let config = FuseConfig {
+        io_uring: UringMode::On,
+        threads_per_queue: 3,
+        ..FuseConfig::default()
+    };
+    let export = mount_with(&dir, &catalog, config);
+    assert!(matches!(
+        export.transport(),
+        Transport::IoUring {
+            threads_per_queue: 3,
+            depth: 32,
+            ..
+        }
+    ));
     let vol = open_direct(&export.mountpoint().join("vol"));
     let mut buf = AlignedBuf::zeroed(MIB as usize);
     buf.copy_from_slice(&pattern(MIB as usize, 21));
@@ -66,10 +80,115 @@ fn over_io_uring_mapped_requests_go_to_the_engine() {
     // In the backing file, where the mapping said.
     let on_disk = std::fs::read(&backing).unwrap();
     assert!(on_disk[2 * MIB as usize..3 * MIB as usize] == buf[..]);
+    // A loop device's discards and write-zeroes (fallocate on whole sectors) too.
+    let keep = libc::FALLOC_FL_KEEP_SIZE;
+    fallocate(
+        &vol,
+        libc::FALLOC_FL_PUNCH_HOLE | keep,
+        2 * MIB + 4096,
+        8192,
+    )
+    .unwrap();
+    fallocate(&vol, libc::FALLOC_FL_ZERO_RANGE, 2 * MIB + 65536, 4096).unwrap();
+    let mut expected = buf.to_vec();
+    expected[4096..12288].fill(0);
+    expected[65536..69632].fill(0);
+    let on_disk = std::fs::read(&backing).unwrap();
+    assert!(on_disk[2 * MIB as usize..3 * MIB as usize] == expected[..]);
     // A partial sector needs read-modify-write, which only the synchronous code does.
     let plain = open_rw(&export.mountpoint().join("vol")).unwrap();
     assert_eq!(errno_of(plain.write_at(b"x", 3)), libc::EOPNOTSUPP);
     drop((vol, plain));
+    catalog.wait_closed();
+    export.unmount();
+}
+
+/// A device whose mappings wait for a step (as a `delay`'s timer or a snapshot copy-out) that
+/// a thread of its own finishes after `delay`, failing it if `fail`; its synchronous methods
+/// fail, so what succeeds through the mount waited for its step on the engine's path.
+struct Stepped {
+    inner: MapOnly,
+    delay: Duration,
+    fail: bool,
+}
+
+impl BlockDevice for Stepped {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> udm_block::Result<()> {
+        self.inner.read(offset, buf)
+    }
+    fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> udm_block::Result<()> {
+        self.inner.write(offset, buf, flags)
+    }
+    fn flush(&self) -> udm_block::Result<()> {
+        self.inner.flush()
+    }
+    fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
+        let (delay, fail) = (self.delay, self.fail);
+        let step = Pending::new(move |done| {
+            std::thread::spawn(move || {
+                std::thread::sleep(delay);
+                done.finish(match fail {
+                    true => Err(udm_block::BlockError::Io("the step failed".into())),
+                    false => Ok(()),
+                })
+            });
+        });
+        Some(self.inner.map(op, offset, len)?.after(step))
+    }
+}
+
+#[test]
+fn over_io_uring_mappings_that_wait_for_steps_hold_no_thread() {
+    if !can_run() {
+        return;
+    }
+    let dir = TempDir::new("steps");
+    let backing = dir.path("backing.img");
+    std::fs::write(&backing, &pattern(MIB as usize, 5)[..]).unwrap();
+    let stepped = |fail| {
+        let file = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
+        Arc::new(Stepped {
+            inner: MapOnly(file),
+            delay: Duration::from_millis(500),
+            fail,
+        })
+    };
+    let catalog = Arc::new(Devices::default());
+    catalog.add("vol", stepped(false), false);
+    catalog.add("failing", stepped(true), false);
+    // One pool thread: requests that took it would wait for each other.
+    let config = FuseConfig {
+        workers: 1,
+        io_uring: UringMode::On,
+        ..FuseConfig::default()
+    };
+    let export = mount_with(&dir, &catalog, config);
+    let mnt = export.mountpoint().to_path_buf();
+    let started = Instant::now();
+    let readers = read_in_background(&mnt.join("vol"), 8);
+    for reader in readers {
+        reader.join().unwrap().unwrap();
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "8 reads waiting 500 ms each took {took:?}: they waited in turn"
+    );
+    let vol = open_direct(&mnt.join("vol"));
+    let mut back = AlignedBuf::zeroed(8192);
+    vol.read_exact_at(&mut back, 8192).unwrap();
+    assert!(back[..] == pattern(MIB as usize, 5)[8192..16384]);
+    back.fill(7);
+    vol.write_all_at(&back, 4096).unwrap();
+    vol.sync_all().unwrap();
+    assert!(std::fs::read(&backing).unwrap()[4096..12288] == back[..]);
+    // A step that fails fails its request.
+    let failing = open_direct(&mnt.join("failing"));
+    assert_eq!(errno_of(failing.read_exact_at(&mut back, 0)), libc::EIO);
+    drop((vol, failing));
     catalog.wait_closed();
     export.unmount();
 }

@@ -81,6 +81,12 @@ pub struct DaemonArgs {
     /// in the log), on (io_uring or refuse to start), off (/dev/fuse).
     #[arg(long, value_enum, default_value_t = FuseUringArg::Auto)]
     pub fuse_uring: FuseUringArg,
+    /// Over io_uring: threads sharing each CPU's queue of 32 entries, each on a ring of its
+    /// own (with one, every request and disk completion of a busy CPU waits for that
+    /// thread to be scheduled).
+    #[arg(long, default_value_t = 2, value_name = "N",
+          value_parser = clap::value_parser!(u16).range(1..=32))]
+    pub fuse_queue_threads: u16,
     /// Seconds a request to a remote (nbd://) backend waits for an unreachable server
     /// before failing with EIO; meanwhile the client reconnects with backoff.
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]

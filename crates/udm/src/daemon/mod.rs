@@ -61,6 +61,7 @@ pub struct DaemonOptions {
     pub nbd_config: ServerConfig,
     pub fuse_threads: usize,
     pub fuse_uring: UringMode,
+    pub fuse_queue_threads: u16,
     pub remote_timeout: Duration,
     /// Where to take replication streams from other hosts (`udm send … --to tcp:…`).
     pub replication: Option<MetricsAddress>,
@@ -182,6 +183,7 @@ fn mount_fuse(
     let config = FuseConfig {
         workers: options.fuse_threads,
         io_uring: options.fuse_uring,
+        threads_per_queue: options.fuse_queue_threads,
         ..FuseConfig::default()
     };
     let export =

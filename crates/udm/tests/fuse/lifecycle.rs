@@ -169,17 +169,57 @@ fn delayed_reads(daemon: &Daemon, name: &str) -> u64 {
     status.split(' ').next().unwrap().parse().unwrap()
 }
 
-/// A daemon with a device `slow` whose reads take `delay_ms` (a delay target, which the
-/// io_uring engine cannot take) and a `linear` device `fast`, both in its FUSE mount.
+/// A daemon with a device `slow` whose reads take `delay_ms` and which the io_uring engine
+/// cannot take (a delay target over `dust`, which never maps: its reads sleep on a pool
+/// thread) and a `linear` device `fast`, both in its FUSE mount.
 fn slow_and_fast(tag: &str, args: &[&str], delay_ms: u32) -> Daemon {
     let mut all = vec!["--fuse", "{dir}/fuse"];
     all.extend_from_slice(args);
     let daemon = Daemon::start_with(tag, &all);
     let disk = daemon.sparse("slow.img", 4 * MIB);
-    let table = format!("0 8192 delay {} 0 {delay_ms}", disk.display());
-    daemon.create("slow", &table);
+    daemon.create(
+        "unmapped",
+        &format!("0 8192 dust {} 0 4096", disk.display()),
+    );
+    daemon.create("slow", &format!("0 8192 delay unmapped 0 {delay_ms}"));
     daemon.create_linear("fast", "fast.img", 64 * MIB);
     daemon
+}
+
+#[test]
+fn over_io_uring_delayed_reads_wait_without_taking_pool_threads() {
+    // One pool thread; a delay over a file maps, so its reads wait for their timer parked
+    // in their ring entries, all at once, rather than in turn on the pool.
+    let daemon = Daemon::start_with(
+        "fuse-delay-parked",
+        &[
+            "--fuse",
+            "{dir}/fuse",
+            "--fuse-uring",
+            "on",
+            "--fuse-threads",
+            "1",
+        ],
+    );
+    let disk = daemon.sparse("slow.img", 4 * MIB);
+    daemon.create("slow", &format!("0 8192 delay {} 0 2000", disk.display()));
+    let fuse = daemon.dir.path("fuse");
+    let started = Instant::now();
+    let readers: Vec<_> = (0..6)
+        .map(|i| dd_in_background(&fuse.join("slow"), 4096, i))
+        .collect();
+    wait_for(
+        || delayed_reads(&daemon, "slow") == 6,
+        "six delayed reads at once",
+    );
+    for mut dd in readers {
+        assert!(dd.wait().unwrap().success());
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(8),
+        "six reads delayed 2 s each took {took:?}"
+    );
 }
 
 #[test]
@@ -327,4 +367,56 @@ fn udm_fuse_mounted(path: &Path) -> bool {
         .unwrap()
         .lines()
         .any(|l| l.split(' ').nth(4) == Some(path.to_str().unwrap()))
+}
+
+#[test]
+fn over_io_uring_first_writes_to_a_snapshot_origin_save_the_old_data_first() {
+    // A first write to a chunk waits, parked in its ring entry, for the chunk's copy into
+    // the snapshot and its commit; then it goes to the engine.
+    let daemon = Daemon::start_with(
+        "fuse-snapshot-origin",
+        &[
+            "--fuse",
+            "{dir}/fuse",
+            "--fuse-uring",
+            "on",
+            "--fuse-threads",
+            "1",
+        ],
+    );
+    let origin = daemon.dir.path("origin.img");
+    pattern_file(&origin, 4 * MIB as usize, 7);
+    let original = std::fs::read(&origin).unwrap();
+    let cow = daemon.sparse("snap.cow", 4 * MIB);
+    let table = format!("0 8192 snapshot-origin {}", origin.display());
+    daemon.create("base", &table);
+    let table = format!("0 8192 snapshot {} {} P 8", origin.display(), cow.display());
+    daemon.create("snap", &table);
+    let fuse = daemon.dir.path("fuse");
+    // Eight writes at once, to chunks of their own and to one chunk together.
+    let writers: Vec<_> = (0..8)
+        .map(|i| {
+            Command::new("dd")
+                .args(["if=/dev/zero", "bs=4096", "count=1", "oflag=direct"])
+                .arg(format!("of={}", fuse.join("base").display()))
+                .arg(format!("seek={}", if i < 6 { i * 3 } else { 100 }))
+                .args(["conv=notrunc", "status=none"])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut dd in writers {
+        assert!(dd.wait().unwrap().success());
+    }
+    let now = std::fs::read(fuse.join("base")).unwrap();
+    let kept = std::fs::read(fuse.join("snap")).unwrap();
+    assert!(
+        kept == original,
+        "the snapshot lost the data the writes replaced"
+    );
+    for block in [0, 3, 6, 9, 12, 15, 100] {
+        let at = block * 4096;
+        assert!(now[at..at + 4096].iter().all(|&b| b == 0), "block {block}");
+    }
+    assert!(now[4096..8192] == original[4096..8192]);
 }
