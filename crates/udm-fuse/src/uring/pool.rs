@@ -10,7 +10,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 
-use udm_block::{BlockError, MapOp, Mapping};
+use udm_block::{MapOp, Ready};
 
 use crate::error::FuseError;
 use crate::session::Session;
@@ -50,13 +50,9 @@ pub(crate) fn run(session: Arc<Session>, jobs: Jobs) {
 pub(crate) enum Posted {
     /// The pool served the request in this slot; its reply is in the slot.
     Served(u16),
-    /// The steps the mapping of the request in `slot` waited for are done (or one failed):
-    /// its pieces may go to the engine now.
-    Ready {
-        slot: u16,
-        op: MapOp,
-        ready: Result<Mapping, BlockError>,
-    },
+    /// The steps and transfers the mapping of the request in `slot` waited for are done (or
+    /// one failed, or asked for the synchronous way): its pieces may go to the engine now.
+    Ready { slot: u16, op: MapOp, ready: Ready },
 }
 
 /// Slots on their way back to their queue.

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use log::{debug, error, warn};
-use udm_block::{BlockDevice, MapOp, Mapping, SECTOR_SIZE};
+use udm_block::{BlockDevice, MapOp, Mapping, Ready, SECTOR_SIZE};
 use udm_uring::{is_engine, Engine, Outcome};
 
 use crate::abi::{self, opcode as op, ring, Args, FallocateIn, Fallocation, ReadIn, WriteIn};
@@ -235,10 +235,14 @@ impl Serving {
                 for posted in self.queue.mailbox.take() {
                     match posted {
                         Posted::Served(slot) => self.commit(usize::from(slot)),
-                        Posted::Ready { slot, op, ready } => match ready {
-                            Ok(mapping) => self.submit_mapped(usize::from(slot), op, mapping),
-                            Err(e) => self.finish_mapped(usize::from(slot), Outcome::Done(Err(e))),
-                        },
+                        Posted::Ready { slot, op, ready } => {
+                            let slot = usize::from(slot);
+                            match ready {
+                                Ready::Go(mapping) => self.submit_mapped(slot, op, mapping),
+                                Ready::Failed(e) => self.finish_mapped(slot, Outcome::Done(Err(e))),
+                                Ready::Retry => self.finish_mapped(slot, Outcome::Retry),
+                            }
+                        }
                     }
                 }
                 self.arm_wake();
@@ -351,17 +355,22 @@ impl Serving {
         if mapping.is_ready() {
             self.submit_mapped(slot, map_op, mapping);
         } else {
-            // It waits for steps that finish on other threads: the entry stays with udm,
-            // holding no thread, and the mapping comes back through the mailbox.
+            // It waits for steps, or transfers (a remote export's client moving the data with
+            // the entry's payload buffer), that finish on other threads: the entry stays with
+            // udm, holding no thread, and the mapping comes back through the mailbox.
             let mailbox = self.queue.mailbox.clone();
             let slot = slot as u16;
-            mapping.when_ready(move |ready| {
-                mailbox.post(Posted::Ready {
-                    slot,
-                    op: map_op,
-                    ready,
+            // SAFETY: the payload buffer holds the request's bytes (a write's data, room for a
+            // read's) and stays untouched in the Serving state until the mapping comes back.
+            unsafe {
+                mapping.when_ready_with(bufs.payload, move |ready| {
+                    mailbox.post(Posted::Ready {
+                        slot,
+                        op: map_op,
+                        ready,
+                    })
                 })
-            });
+            };
         }
         true
     }

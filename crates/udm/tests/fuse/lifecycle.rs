@@ -420,3 +420,64 @@ fn over_io_uring_first_writes_to_a_snapshot_origin_save_the_old_data_first() {
     }
     assert!(now[4096..8192] == original[4096..8192]);
 }
+
+over_both_transports!(
+    a_device_on_a_remote_export_reads_and_writes_through_its_client:
+    over_io_uring_a_device_on_a_remote_export_reads_and_writes_through_its_client,
+    over_dev_fuse_a_device_on_a_remote_export_reads_and_writes_through_its_client
+);
+
+/// Over io_uring, a remote export's client moves a request's data itself (a transfer, with
+/// the ring entry's payload buffer) and answers on its reader thread; a FUSE queue that
+/// parked such a request without handing it the buffer failed every one with EIO.
+fn a_device_on_a_remote_export_reads_and_writes_through_its_client(uring: &str) {
+    let server = Daemon::start(&format!("fuse-remote-server-{uring}"));
+    let disk = server.dir.path("disk.img");
+    server.create_linear("vol", "disk.img", 8 * MIB);
+    let daemon = fuse_daemon_over(&format!("fuse-remote-client-{uring}"), uring);
+    daemon.create("remote", &format!("0 16384 linear {} 0", server.uri("vol")));
+    let file = daemon.dir.path("fuse").join("remote");
+    let data = daemon.dir.path("data.bin");
+    tool(
+        "dd",
+        &[
+            "if=/dev/urandom",
+            &format!("of={}", data.display()),
+            "bs=64k",
+            "count=32",
+        ],
+    );
+    tool(
+        "dd",
+        &[
+            &format!("if={}", data.display()),
+            &format!("of={}", file.display()),
+            "bs=64k",
+            "seek=16",
+            "oflag=direct",
+            "conv=notrunc,fsync",
+        ],
+    );
+    let back = daemon.dir.path("back.bin");
+    tool(
+        "dd",
+        &[
+            &format!("if={}", file.display()),
+            &format!("of={}", back.display()),
+            "bs=64k",
+            "skip=16",
+            "count=32",
+            "iflag=direct",
+        ],
+    );
+    let written = std::fs::read(&data).unwrap();
+    assert!(
+        std::fs::read(&back).unwrap() == written,
+        "read back differs"
+    );
+    let stored = std::fs::read(&disk).unwrap();
+    assert!(
+        stored[1 << 20..3 << 20] == written[..],
+        "the export holds other data"
+    );
+}
