@@ -313,3 +313,71 @@ fn a_snapshot_dropped_while_a_mapped_write_waits_for_its_commit() {
     std::thread::sleep(Duration::from_millis(50));
     assert!(!COMMITTER_PANICKED.load(Ordering::SeqCst));
 }
+
+/// `delay <file> 0 <ms>` as a device of `rig`'s, named after `file`.
+fn delayed(rig: &Rig, dir: &udm_testkit::TempDir, file: &str, size: u64, ms: u64) -> String {
+    let under = rig.add(file, file_device(&dir.path(file), size));
+    let text = format!("0 {} delay {under} 0 {ms}", size / 512);
+    let table = Table::build(&unique("delay"), &text, &rig.devices, Arc::new(|| {})).unwrap();
+    table.resume();
+    rig.add("delayed", Arc::new(table))
+}
+
+/// Seed 002's table in miniature: origin and COW device behind a `delay` over files. The
+/// copier reads and writes them on its ring, each waiting on the delay's timer, so a burst
+/// of first writes far larger than any pool of copy threads is saved in about one round of
+/// read, write and commit (one area: 300 ms). A copy holding a thread through each 100 ms
+/// delay, 64 threads at most, would need 4 rounds of 200 ms for 250 writes.
+#[test]
+fn the_copier_saves_a_burst_of_first_writes_through_delays_without_a_thread_each() {
+    use udm_block::MapOp;
+    const WRITES: u64 = 250;
+    let dir = udm_testkit::TempDir::new("snapshot-copier");
+    let rig = Rig::new(8 * MIB);
+    let origin_dev = delayed(&rig, &dir, "origin.img", 8 * MIB, 100);
+    rig.set_origin(rig.device(&origin_dev));
+    let cow = delayed(&rig, &dir, "cow.img", 16 * MIB, 100);
+    let origin = rig.origin_table();
+    let snap = rig.snapshot(&cow, "P 8");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = Instant::now();
+    for chunk in 0..WRITES {
+        let tx = tx.clone();
+        let write = MapOp::Write { fua: false };
+        let mapping = origin.map(write, chunk * 4096, 4096).expect("mapped");
+        assert!(!mapping.is_ready(), "chunk {chunk} is saved first");
+        mapping.when_ready(move |ready| tx.send((chunk, ready)).unwrap());
+    }
+    let mut ready = Vec::new();
+    for _ in 0..WRITES {
+        let (chunk, mapping) = rx.recv_timeout(Duration::from_secs(20)).unwrap();
+        ready.push((chunk, mapping.expect("the copy-out succeeds")));
+    }
+    let took = t.elapsed();
+    eprintln!("{WRITES} copy-outs through 100 ms delays: {took:?}");
+    assert!(
+        took < Duration::from_millis(650),
+        "{WRITES} copy-outs through 100 ms delays took {took:?}"
+    );
+    assert_eq!(
+        target(&snap).status_details().unwrap()["exceptions"],
+        WRITES
+    );
+    // The origin writes land once their copies are in: the snapshot keeps what was there.
+    for (chunk, mapping) in ready {
+        execute(
+            MapOp::Write { fua: false },
+            mapping,
+            &mut pattern(4096, chunk),
+        );
+    }
+    // (Each read is another 100 ms, one chunk at a time on this synchronous path.)
+    for chunk in [0, 1, WRITES - 1] {
+        let at = chunk * 4096;
+        assert!(
+            read(&snap, at, 4096).iter().all(|&b| b == 0),
+            "chunk {chunk}"
+        );
+        assert!(read(&origin, at, 4096)[..] == pattern(4096, chunk)[..]);
+    }
+}
