@@ -199,7 +199,9 @@ impl Locking {
                 for (save, chunk) in chunks {
                     match &result {
                         Ok(()) => save.clone().save(chunk, &data),
-                        Err(e) => save.failed(&format!("saving origin chunk {chunk}: {e}")),
+                        Err(e) => save
+                            .clone()
+                            .failed(format!("saving origin chunk {chunk}: {e}")),
                     }
                 }
             });
@@ -245,7 +247,7 @@ impl Save {
         let snap = &self.snap;
         let new = match snap.store.allocate() {
             Ok(new) => new,
-            Err(e) => return self.failed(&format!("saving origin chunk {chunk}: {e}")),
+            Err(e) => return self.failed(format!("saving origin chunk {chunk}: {e}")),
         };
         let mut buf = AlignedBuf::zeroed(data.len());
         buf.copy_from_slice(data);
@@ -263,15 +265,19 @@ impl Save {
                     self.saved.lock().records.push(Record { old: chunk, new });
                     self.written();
                 }
-                Err(e) => self.failed(&format!("saving origin chunk {chunk}: {e}")),
+                Err(e) => self.failed(format!("saving origin chunk {chunk}: {e}")),
             },
         );
     }
 
-    fn failed(&self, why: &str) {
-        self.snap.invalidate(why);
-        self.saved.lock().failed = true;
-        self.written();
+    /// Drops the snapshot, on a pool thread: marking the COW device invalid is a write that
+    /// waits, and this may run on the runner's thread, which must never wait.
+    fn failed(self: Arc<Self>, why: String) {
+        pool().submit(Box::new(move || {
+            self.snap.invalidate(&why);
+            self.saved.lock().failed = true;
+            self.written();
+        }))
     }
 
     /// Step 4, once every COW write of this snapshot is over.
@@ -288,15 +294,18 @@ impl Save {
             drop(guards);
             return self.write.one_done();
         }
+        let (snap, write) = (self.snap.clone(), self.write.clone());
         let ticket = match self.snap.store.submit(&records) {
             Ok(ticket) => ticket,
+            // Off this thread, as in `failed`.
             Err(e) => {
-                self.snap.invalidate(&format!("committing exceptions: {e}"));
-                drop(guards);
-                return self.write.one_done();
+                return pool().submit(Box::new(move || {
+                    snap.invalidate(&format!("committing exceptions: {e}"));
+                    drop(guards);
+                    write.one_done()
+                }))
             }
         };
-        let (snap, write) = (self.snap.clone(), self.write.clone());
         self.snap.store.when_durable(
             ticket,
             Box::new(move |result| {

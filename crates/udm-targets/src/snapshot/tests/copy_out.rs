@@ -381,3 +381,33 @@ fn the_copier_saves_a_burst_of_first_writes_through_delays_without_a_thread_each
         assert!(read(&origin, at, 4096)[..] == pattern(4096, chunk)[..]);
     }
 }
+
+/// The copier fills a COW device on a file: the copy-out that finds no room drops the
+/// snapshot (invalid on disk, an event) and its origin write goes ahead, as on the
+/// synchronous path.
+#[test]
+fn a_copy_out_on_the_ring_that_fills_the_cow_invalidates_and_the_write_goes_ahead() {
+    use udm_block::MapOp;
+    let dir = udm_testkit::TempDir::new("snapshot-copier-full");
+    let rig = Rig::new(MIB);
+    rig.file_origin(&dir, MIB);
+    // Header, area and 6 data chunks of 4 KiB.
+    let cow = rig.add("cow", file_device(&dir.path("cow.img"), 8 * 4096));
+    let origin = rig.origin_table();
+    let snap = rig.snapshot(&cow, "P 8");
+    for chunk in 0..7u64 {
+        let write = MapOp::Write { fua: false };
+        let mapping = origin.map(write, chunk * 65536, 4096).unwrap();
+        assert!(!mapping.is_ready());
+        execute(write, mapping, &mut pattern(4096, chunk));
+    }
+    assert_eq!(target(&snap).status(), "Invalid");
+    assert_eq!(rig.events.load(Ordering::SeqCst), 1);
+    assert!(read(&origin, 6 * 65536, 4096)[..] == pattern(4096, 6)[..]);
+    assert_eq!(read(&*rig.device(&cow), 4, 4)[..], [0, 0, 0, 0]);
+    let write = MapOp::Write { fua: false };
+    assert!(
+        origin.map(write, 7 * 65536, 4096).unwrap().is_ready(),
+        "nothing is saved for a dropped snapshot"
+    );
+}
