@@ -55,8 +55,16 @@ pub struct Runner {
 impl Runner {
     /// Starts the thread, named `name`; fails when io_uring or an eventfd cannot be had. The
     /// thread lives as long as the process (runners are process-wide, like the timer).
-    pub fn start(name: &str) -> std::io::Result<Runner> {
+    /// `workers` bounds the kernel's io-wq workers, which run what cannot complete without
+    /// blocking (FUA writes, syncs): that many such requests run at once. The kernel's default
+    /// (4 per CPU) made FUA writes to a COW file the bound of a snapshot's copy-outs.
+    pub fn start(name: &str, workers: u32) -> std::io::Result<Runner> {
         let ring = IoUring::new(ENTRIES)?;
+        // Bounded (file I/O) and unbounded workers alike.
+        let mut max = [workers, workers];
+        if let Err(e) = ring.submitter().register_iowq_max_workers(&mut max) {
+            log::warn!("{name}: cannot set its io_uring workers to {workers}: {e}");
+        }
         // SAFETY: eventfd returns a new descriptor or -1.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         if fd < 0 {
@@ -274,7 +282,7 @@ mod tests {
 
     #[test]
     fn runs_requests_after_their_steps_and_hands_the_buffer_back() {
-        let runner = Runner::start("test-runner").unwrap();
+        let runner = Runner::start("test-runner", 4).unwrap();
         let (path, f) = file("steps");
         let (tx, rx) = mpsc::channel();
         let started = Instant::now();
@@ -325,7 +333,7 @@ mod tests {
 
     #[test]
     fn failures_and_failed_steps_reach_the_callback_and_a_panic_does_not_stop_the_thread() {
-        let runner = Runner::start("test-runner").unwrap();
+        let runner = Runner::start("test-runner", 4).unwrap();
         let (path, f) = file("fail");
         let (tx, rx) = mpsc::channel();
         let step = Pending::new(|done: Done| done.finish(Err(BlockError::Io("no".into()))));

@@ -27,7 +27,9 @@ use udm_uring::{Outcome, Runner};
 use super::chunk_locks::ChunkGuard;
 use super::cow::Snap;
 
-/// Threads for copies through devices that do not map: each holds one for its I/O.
+/// Threads for copies through devices that do not map, each held for one read or write; and
+/// the kernel's workers for the runner's FUA writes to COW files (each waits for the disk),
+/// so that as many copies write at once either way.
 const COPY_THREADS: usize = 64;
 
 fn pool() -> &'static Arc<WorkerPool> {
@@ -38,13 +40,15 @@ fn pool() -> &'static Arc<WorkerPool> {
 fn runner() -> Option<&'static Runner> {
     static RUNNER: OnceLock<Option<Runner>> = OnceLock::new();
     RUNNER
-        .get_or_init(|| match Runner::start("snapshot-kcopyd") {
-            Ok(runner) => Some(runner),
-            Err(e) => {
-                warn!("snapshot: copy-outs run on threads (no io_uring: {e})");
-                None
-            }
-        })
+        .get_or_init(
+            || match Runner::start("snapshot-kcopyd", COPY_THREADS as u32) {
+                Ok(runner) => Some(runner),
+                Err(e) => {
+                    warn!("snapshot: copy-outs run on threads (no io_uring: {e})");
+                    None
+                }
+            },
+        )
         .as_ref()
 }
 
