@@ -176,7 +176,7 @@ impl Locking {
         });
         // Per snapshot, its chunks; per origin range, the chunks that need it.
         let mut saves: Vec<Arc<Save>> = Vec::new();
-        let mut reads: BTreeMap<(u64, u64), Vec<(Arc<Save>, u64)>> = BTreeMap::new();
+        let mut reads: BTreeMap<(u64, u64), Vec<Wanting>> = BTreeMap::new();
         for (snap, chunk, guard) in held {
             let range = snap.chunk_range(chunk, size);
             let save = match saves.last() {
@@ -212,6 +212,9 @@ impl Locking {
         }
     }
 }
+
+/// A snapshot's part of a copy-out and the chunk of it that an origin read is for.
+type Wanting = (Arc<Save>, u64);
 
 /// The origin write waiting for its copy-out: how many snapshots' commits are left.
 struct Write {
