@@ -240,20 +240,16 @@ class Report:
             out.append("")
             lin = self.results.get((wl.key, "linear", None))
             srcr = self.results.get((wl.key, "source", None))
+            # The comparisons this workload has: (present, column, ratio column).
+            others = [
+                (wl.direction == "read", "slow source", "clone / source"),
+                (self.qcow2_available, "qemu qcow2", "clone / qcow2"),
+                (self.cow_available, "nbdkit cow", "clone / cow"),
+            ]
             header = ["region", "udm clone", "udm linear (dest)"]
-            if wl.direction == "read":
-                header.append("slow source")
-            if self.qcow2_available:
-                header.append("qemu qcow2")
-            if self.cow_available:
-                header.append("nbdkit cow")
+            header += [column for present, column, _ in others if present]
             header += ["clone / linear"]
-            if wl.direction == "read":
-                header.append("clone / source")
-            if self.qcow2_available:
-                header.append("clone / qcow2")
-            if self.cow_available:
-                header.append("clone / cow")
+            header += [ratio for present, _, ratio in others if present]
             if wl.direction == "write":
                 header.append("clone hydrated at end")
             rows = []

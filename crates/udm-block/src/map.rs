@@ -245,14 +245,10 @@ mod tests {
 
     #[test]
     fn appending_keeps_the_lower_completion_callbacks() {
-        let told = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let told = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let record = |tag: u32| {
             let told = told.clone();
-            move |done: Completed| {
-                told.lock()
-                    .unwrap()
-                    .push((tag, matches!(done, Completed::Ok)))
-            }
+            move |done: Completed| told.lock().push((tag, matches!(done, Completed::Ok)))
         };
         let mut whole = Mapping::new().when_complete(record(1));
         whole.append(
@@ -262,7 +258,7 @@ mod tests {
         for callback in whole.on_complete {
             callback(Completed::Ok);
         }
-        assert_eq!(*told.lock().unwrap(), [(1, true), (2, true)]);
+        assert_eq!(*told.lock(), [(1, true), (2, true)]);
     }
 
     #[test]

@@ -198,6 +198,7 @@ fn thin_view(meta: &mut ThinMetadata) -> ThinModel {
 
 #[test]
 fn thin_metadata_survives_a_power_cut_at_every_write() {
+    // Long on purpose: the model of what must survive is built alongside the writes it checks; one loop per cut point.
     let scratch = TempDir::new("thin-powercut");
     let image_path = scratch.path("image");
     let mut cuts = 0;
@@ -297,6 +298,7 @@ fn saved_chunk(old: u64) -> Vec<u8> {
 /// COW device if its record survived or from the origin if a merge took it back.
 #[test]
 fn the_snapshot_store_survives_a_power_cut_at_every_write() {
+    // Long on purpose: the model of what must survive is built alongside the writes it checks; one loop per cut point.
     const CHUNKS: u64 = 300; // more than one area of 256 records
     let mut cuts = 0;
     for seed in 0..3u64 {

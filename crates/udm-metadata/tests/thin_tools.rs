@@ -4,13 +4,14 @@
 mod tpt;
 
 use std::collections::BTreeMap;
+use std::process::Command;
 use std::sync::Arc;
 
 use tpt::{assert_dump_matches, check, dump};
 use udm_block::BlockDevice;
 use udm_metadata::thin::Side;
 use udm_metadata::ThinMetadata;
-use udm_testkit::{Rng, TempDir};
+use udm_testkit::{run_ok, Rng, TempDir};
 
 /// The pool as a test drives it, with what every device should map.
 struct Pool {
@@ -116,6 +117,7 @@ fn a_new_pool_passes_thin_check_and_reopens() {
 
 #[test]
 fn thousands_of_mappings_snapshots_of_snapshots_and_deletes_stay_thin_check_clean() {
+    // Long on purpose: one workload of rounds, thin_check after each; splitting it would hide the order that matters.
     let scratch = TempDir::new("thin-many");
     let mut pool = Pool::new(&scratch, 64 << 20, 200_000);
 
@@ -205,25 +207,14 @@ fn restore(scratch: &TempDir, xml: &str, size: u64) -> std::path::PathBuf {
     let xml_path = scratch.path("in.xml");
     std::fs::write(&xml_path, xml).unwrap();
     let (path, _) = tpt::device(scratch, "restored", size);
-    let out = std::process::Command::new("thin_restore")
-        .args([
-            "-i",
-            xml_path.to_str().unwrap(),
-            "-o",
-            path.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "thin_restore: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (xml_arg, out_arg) = (xml_path.to_str().unwrap(), path.to_str().unwrap());
+    run_ok(Command::new("thin_restore").args(["-i", xml_arg, "-o", out_arg]));
     path
 }
 
 #[test]
 fn metadata_made_by_thin_restore_opens_reads_and_takes_changes() {
+    // Long on purpose: the XML that thin_restore writes is spelled out here, then read back and changed in one story.
     // Device 1 has ranges, single mappings and enough blocks for a multi-level tree; device
     // 2 is a snapshot of it (same data blocks, older times) that was written to after.
     let mut xml = String::from(
@@ -398,11 +389,7 @@ fn needs_check_is_cleared_by_thin_check() {
         ThinMetadata::open(pool.dev.clone(), 128, 1_000).unwrap_err(),
         udm_metadata::ThinError::NeedsCheck
     );
-    let out = std::process::Command::new("thin_check")
-        .args(["--clear-needs-check-flag", pool.path.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    tool("thin_check", &["--clear-needs-check-flag"], &pool.path);
     pool.reopen();
     assert!(!pool.meta.needs_check());
     assert!(pool.meta.lookup(1, 0).unwrap().is_some());
@@ -440,21 +427,12 @@ fn hundreds_of_devices_split_and_merge_the_top_level_and_details_trees() {
 
 /// Runs a thin-provisioning-tools command on the metadata; its standard output.
 fn tool(cmd: &str, args: &[&str], path: &std::path::Path) -> String {
-    let out = std::process::Command::new(cmd)
-        .args(args)
-        .arg(path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    run_ok(Command::new(cmd).args(args).arg(path))
 }
 
 #[test]
 fn thin_delta_and_thin_ls_agree_with_udms_mappings() {
+    // Long on purpose: one scenario (map, snapshot, change, delete) judged by thin_delta and thin_ls at each step; read top to bottom.
     let scratch = TempDir::new("thin-delta");
     let mut pool = Pool::new(&scratch, 16 << 20, 50_000);
     pool.create(1);

@@ -25,7 +25,9 @@ use std::any::Any;
 use std::sync::Arc;
 
 use io_uring::{opcode, squeue, types};
-use udm_block::{zero_chunk, BlockError, Completed, MapOp, MappedFile, Mapping, OnComplete, Place};
+use udm_block::{
+    zero_chunk, BlockError, Completed, MapOp, MappedFile, Mapping, OnComplete, Piece, Place,
+};
 
 mod runner;
 pub use runner::{Runner, Then};
@@ -167,39 +169,8 @@ impl Engine {
                 "a mapping was submitted before the steps it waits for".into(),
             )));
         }
-        let mut pieces = Vec::with_capacity(mapping.pieces.len());
-        for piece in mapping.pieces {
-            match piece.place {
-                Place::Zero => {
-                    if op == MapOp::Read {
-                        // SAFETY: the piece lies within the request's buffer.
-                        unsafe {
-                            std::ptr::write_bytes(buf.add(piece.at as usize), 0, piece.len as usize)
-                        };
-                    }
-                }
-                Place::File { file, offset } => {
-                    // One sync per file, however many pieces name it.
-                    if op == MapOp::Flush
-                        && pieces
-                            .iter()
-                            .any(|p: &FilePiece| Arc::ptr_eq(&p.file, &file))
-                    {
-                        continue;
-                    }
-                    pieces.push(FilePiece {
-                        at: piece.at,
-                        len: piece.len,
-                        done: 0,
-                        file,
-                        offset,
-                        buffered: false,
-                        fill: Fill::first(op),
-                        finished: false,
-                    });
-                }
-            }
-        }
+        // SAFETY: as the caller promised, `buf` holds the mapping's length.
+        let pieces = unsafe { file_pieces(op, mapping.pieces, buf) };
         if pieces.is_empty() {
             mapping
                 .on_complete
@@ -218,7 +189,17 @@ impl Engine {
             retry_on_error: mapping.retry_on_error,
             holds: mapping.holds,
         };
-        let slot = match self.free.pop() {
+        let slot = self.store(request);
+        let request = self.requests[slot].as_ref().expect("just stored");
+        for index in 0..request.pieces.len() {
+            push(entry(request, slot, index));
+        }
+        None
+    }
+
+    /// Keeps `request` in a free slot (or a new one); its slot number.
+    fn store(&mut self, request: Request) -> usize {
+        match self.free.pop() {
             Some(slot) => {
                 self.requests[slot] = Some(request);
                 slot
@@ -227,12 +208,7 @@ impl Engine {
                 self.requests.push(Some(request));
                 self.requests.len() - 1
             }
-        };
-        let request = self.requests[slot].as_ref().expect("just stored");
-        for index in 0..request.pieces.len() {
-            push(entry(request, slot, index));
         }
-        None
     }
 
     /// Takes the completion of an engine entry (`is_engine(user_data)`) with its result;
@@ -296,6 +272,47 @@ enum Step {
     Again,
     Done,
     Failed(i32),
+}
+/// The pieces of a mapping that are file I/O, one sync per file for a flush; a read's zero
+/// pieces are zeroed in `buf` here.
+///
+/// # Safety
+/// `buf` must be valid for writes over every zero piece of a read.
+unsafe fn file_pieces(op: MapOp, mapping_pieces: Vec<Piece>, buf: *mut u8) -> Vec<FilePiece> {
+    let mut pieces = Vec::with_capacity(mapping_pieces.len());
+    for piece in mapping_pieces {
+        match piece.place {
+            Place::Zero => {
+                if op == MapOp::Read {
+                    // SAFETY: the piece lies within the request's buffer.
+                    unsafe {
+                        std::ptr::write_bytes(buf.add(piece.at as usize), 0, piece.len as usize)
+                    };
+                }
+            }
+            Place::File { file, offset } => {
+                // One sync per file, however many pieces name it.
+                if op == MapOp::Flush
+                    && pieces
+                        .iter()
+                        .any(|p: &FilePiece| Arc::ptr_eq(&p.file, &file))
+                {
+                    continue;
+                }
+                pieces.push(FilePiece {
+                    at: piece.at,
+                    len: piece.len,
+                    done: 0,
+                    file,
+                    offset,
+                    buffered: false,
+                    fill: Fill::first(op),
+                    finished: false,
+                });
+            }
+        }
+    }
+    pieces
 }
 
 /// Accounts one completion of a piece.

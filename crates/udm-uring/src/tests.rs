@@ -284,11 +284,11 @@ fn a_request_of_zero_pieces_only_completes_at_once() {
 #[test]
 fn the_completion_callbacks_hear_how_the_request_went() {
     let a = TempFile::new("told", 8192);
-    let told = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let told = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let record = || {
         let told = told.clone();
         move |done: Completed| {
-            told.lock().unwrap().push(match done {
+            told.lock().push(match done {
                 Completed::Ok => "ok",
                 Completed::Failed(_) => "failed",
                 Completed::Retried(_) => "retried",
@@ -333,7 +333,7 @@ fn the_completion_callbacks_hear_how_the_request_went() {
     let fine = Mapping::single(512, Place::Zero).retried_on_error();
     let outcome = run_to_outcome(MapOp::Read, fine, &mut AlignedBuf::zeroed(512));
     assert!(matches!(outcome, Outcome::Done(Ok(()))));
-    assert_eq!(*told.lock().unwrap(), ["ok", "ok", "failed", "retried"]);
+    assert_eq!(*told.lock(), ["ok", "ok", "failed", "retried"]);
 }
 
 #[test]

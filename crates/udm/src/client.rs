@@ -38,6 +38,15 @@ pub fn call(socket: &Path, request: Request) -> anyhow::Result<Response> {
     }
 }
 
+/// The `status --json` data of device `name`: its targets' status and details.
+pub fn status(socket: &Path, name: &str) -> anyhow::Result<serde_json::Value> {
+    let request = Request::Status {
+        name: Some(name.to_string()),
+        target: None,
+    };
+    Ok(call(socket, request)?.data.unwrap_or_default())
+}
+
 /// Rewrites relative paths (`./x`, `../x`) in table lines to absolute ones, so that the
 /// daemon, whose working directory is not the caller's, opens the file the caller meant.
 pub fn absolutize_table(text: &str) -> anyhow::Result<String> {

@@ -19,7 +19,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use serde_json::Value;
 
-use cli::{Cli, Command, DaemonArgs, ThinCommand, TlsArg};
+use cli::{Cli, Command, DaemonArgs, Print, ThinCommand, TlsArg, Verb};
 use udm::control::Request;
 use udm::daemon;
 
@@ -121,37 +121,36 @@ fn daemon(args: DaemonArgs, control: PathBuf) -> anyhow::Result<()> {
     })?)
 }
 
-/// How a verb's answer is printed.
-enum Print {
-    /// The daemon's text.
-    Text,
-    /// The daemon's data as JSON.
-    Json,
-    /// `info -c`: columns drawn from the data.
-    Columns(cli::ColumnsArgs),
-}
-
-/// One arm per verb: most become a control request, a few run here (long for that reason).
+/// Runs a verb: sends its control request and prints the answer, or runs it here.
 /// `before_verb`: a `--control` given before the verb.
 fn run(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Result<()> {
-    let (control, request, print) = match command {
+    match cli::verb(command)? {
+        Verb::Request(control, request, print) => ask(&control.socket(before_verb), request, print),
+        Verb::Local(command) => run_here(command, before_verb),
+    }
+}
+
+/// The verbs that run in the client: the daemon itself, and verbs that are more than one
+/// control request (loop devices, progress bars, replication streams, thin ls's table).
+fn run_here(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Result<()> {
+    match command {
         Command::Daemon(args) => {
             let control = args.control(before_verb);
-            return daemon(*args, control);
+            daemon(*args, control)
         }
-        Command::Detach { loop_device } => return loop_device::detach(&loop_device),
-        Command::ReplayLog(options) => return replay::run(options),
+        Command::Detach { loop_device } => loop_device::detach(&loop_device),
+        Command::ReplayLog(options) => replay::run(options),
         Command::Attach { name, control } => {
-            return loop_device::attach(&control.socket(before_verb), &name)
+            loop_device::attach(&control.socket(before_verb), &name)
         }
         Command::Wait {
             name,
             progress: true,
             control,
             ..
-        } => return progress::show(&control.socket(before_verb), &name),
-        Command::Version { control } => return version(&control.socket(before_verb)),
-        Command::Stop { control } => return background::stop(&control.socket(before_verb)),
+        } => progress::show(&control.socket(before_verb), &name),
+        Command::Version { control } => version(&control.socket(before_verb)),
+        Command::Stop { control } => background::stop(&control.socket(before_verb)),
         Command::Thin {
             command:
                 ThinCommand::Ls {
@@ -159,28 +158,10 @@ fn run(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Resul
                     json,
                     control,
                 },
-        } => return thin_ls::show(&control.socket(before_verb), &pool, json),
-        Command::Thin {
-            command:
-                ThinCommand::Delta {
-                    pool,
-                    from,
-                    to,
-                    json,
-                    control,
-                },
-        } => (
-            control,
-            Request::ThinDelta {
-                pool,
-                from: Some(from),
-                to,
-            },
-            if json { Print::Json } else { Print::Text },
-        ),
+        } => thin_ls::show(&control.socket(before_verb), &pool, json),
         Command::Send(args) => {
             let control = args.control.socket(before_verb);
-            return replicate::send(&control, *args);
+            replicate::send(&control, *args)
         }
         Command::Receive {
             pool,
@@ -197,157 +178,16 @@ fn run(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Resul
                 json,
                 progress,
             };
-            return replicate::receive(&control.socket(before_verb), &pool, id, options);
+            replicate::receive(&control.socket(before_verb), &pool, id, options)
         }
-        Command::Create {
-            name,
-            table,
-            readonly,
-            uuid,
-            control,
-        } => (
-            control,
-            Request::Create {
-                name,
-                table: table.text()?,
-                read_only: readonly,
-                uuid,
-            },
-            Print::Text,
-        ),
-        Command::Load {
-            name,
-            table,
-            readonly,
-            force,
-            control,
-        } => (
-            control,
-            Request::Load {
-                name,
-                table: table.text()?,
-                force,
-                read_only: readonly,
-            },
-            Print::Text,
-        ),
-        Command::Clear { name, control } => (control, Request::Clear { name }, Print::Text),
-        Command::Suspend {
-            name,
-            noflush,
-            control,
-        } => (control, Request::Suspend { name, noflush }, Print::Text),
-        Command::Resume { name, control } => (control, Request::Resume { name }, Print::Text),
-        Command::Message {
-            name,
-            sector,
-            words,
-            control,
-        } => (
-            control,
-            Request::Message {
-                name,
-                sector,
-                words,
-            },
-            Print::Text,
-        ),
-        Command::Status {
-            name,
-            target,
-            json,
-            control,
-        } => (
-            control,
-            Request::Status { name, target },
-            json_or_text(json),
-        ),
-        Command::Table {
-            name,
-            target,
-            inactive,
-            control,
-        } => (
-            control,
-            Request::Table {
-                name,
-                target,
-                inactive,
-            },
-            Print::Text,
-        ),
-        Command::Info {
-            name,
-            columns,
-            json,
-            control,
-        } => {
-            let print = match (json, columns.wanted()) {
-                (true, _) => Print::Json,
-                (false, true) => Print::Columns(columns),
-                (false, false) => Print::Text,
-            };
-            (control, Request::Info { name }, print)
-        }
-        Command::Deps {
-            name,
-            json,
-            control,
-        } => (control, Request::Deps { name }, json_or_text(json)),
-        Command::Ls {
-            tree,
-            json,
-            control,
-        } => (control, Request::Ls { tree }, json_or_text(json)),
-        Command::Wait {
-            name,
-            event_nr,
-            control,
-            ..
-        } => (control, Request::Wait { name, event_nr }, Print::Text),
-        Command::Rename {
-            name,
-            new,
-            setuuid,
-            control,
-        } => {
-            let (new_name, uuid) = match setuuid {
-                true => (None, Some(new)),
-                false => (Some(new), None),
-            };
-            (
-                control,
-                Request::Rename {
-                    name,
-                    new_name,
-                    uuid,
-                },
-                Print::Text,
-            )
-        }
-        Command::Remove {
-            name,
-            force,
-            retry,
-            deferred,
-            control,
-        } => (
-            control,
-            Request::Remove {
-                name,
-                force,
-                retry,
-                deferred,
-            },
-            Print::Text,
-        ),
-        Command::RemoveAll { force, control } => {
-            (control, Request::RemoveAll { force }, Print::Text)
-        }
-        Command::Finalize { name, control } => (control, Request::Finalize { name }, Print::Text),
-        Command::Targets { control } => (control, Request::Targets, Print::Text),
-    };
-    let response = client::call(&control.socket(before_verb), request)?;
+        // cli::verb answered every other verb with its request.
+        _ => unreachable!("a control request verb reached run_here"),
+    }
+}
+
+/// Sends `request` to the daemon at `control` and prints its answer as `print` says.
+fn ask(control: &std::path::Path, request: Request, print: Print) -> anyhow::Result<()> {
+    let response = client::call(control, request)?;
     let data = response.data.unwrap_or_default();
     match print {
         Print::Json => println!("{}", serde_json::to_string_pretty(&data)?),
@@ -365,14 +205,6 @@ fn run(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Resul
         Print::Text => {}
     }
     Ok(())
-}
-
-fn json_or_text(json: bool) -> Print {
-    if json {
-        Print::Json
-    } else {
-        Print::Text
-    }
 }
 
 /// dmsetup's `version`: this client's, then the daemon's.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 
 use crate::client;
-use udm::control::Request;
+use serde_json::Value;
 
 /// Lines written to something that is not a terminal are not cut.
 const UNLIMITED: usize = usize::MAX;
@@ -35,18 +35,27 @@ struct Progress {
     label: String,
 }
 
+impl Progress {
+    /// Adds one copy job (a merge's `progress` object or a clone's details, whose bytes done
+    /// and rate go by the names given): bytes add up, rates add up, the last ETA counts.
+    fn add(&mut self, job: &Value, done: &str, rate: &str) {
+        self.hydrated += job[done].as_u64().unwrap_or(0);
+        self.total += job["total_bytes"].as_u64().unwrap_or(0);
+        self.complete &= job["complete"].as_bool().unwrap_or(false);
+        if let Some(r) = job[rate].as_f64() {
+            self.rate = Some(self.rate.unwrap_or(0.0) + r);
+        }
+        if let Some(e) = job["eta_seconds"].as_f64() {
+            self.eta = Some(self.eta.unwrap_or(0.0).max(e));
+        }
+    }
+}
+
 /// Sums the clone and snapshot-merge targets of the device's status. A merge reports its
 /// progress in a `progress` object (label, done and total bytes, rate, ETA, complete, why it
 /// stopped).
 fn sample(control: &Path, name: &str) -> anyhow::Result<Progress> {
-    let response = client::call(
-        control,
-        Request::Status {
-            name: Some(name.to_string()),
-            target: None,
-        },
-    )?;
-    let data = response.data.unwrap_or_default();
+    let data = client::status(control, name)?;
     let mut p = Progress {
         hydrated: 0,
         total: 0,
@@ -65,15 +74,7 @@ fn sample(control: &Path, name: &str) -> anyhow::Result<Progress> {
         let job = &d["progress"];
         if job.is_object() {
             labels.push(job["label"].as_str().unwrap_or("copy"));
-            p.hydrated += job["done_bytes"].as_u64().unwrap_or(0);
-            p.total += job["total_bytes"].as_u64().unwrap_or(0);
-            p.complete &= job["complete"].as_bool().unwrap_or(false);
-            if let Some(r) = job["rate_bytes_per_second"].as_f64() {
-                p.rate = Some(p.rate.unwrap_or(0.0) + r);
-            }
-            if let Some(e) = job["eta_seconds"].as_f64() {
-                p.eta = Some(p.eta.unwrap_or(0.0).max(e));
-            }
+            p.add(job, "done_bytes", "rate_bytes_per_second");
             if let Some(why) = job["stopped"].as_str() {
                 p.stopped = Some(why.to_string());
             }
@@ -84,15 +85,7 @@ fn sample(control: &Path, name: &str) -> anyhow::Result<Progress> {
             continue;
         }
         labels.push("hydration");
-        p.hydrated += d["hydrated_bytes"].as_u64().unwrap_or(0);
-        p.total += d["total_bytes"].as_u64().unwrap_or(0);
-        p.complete &= d["complete"].as_bool().unwrap_or(false);
-        if let Some(r) = d["copy_rate_bytes_per_second"].as_f64() {
-            p.rate = Some(p.rate.unwrap_or(0.0) + r);
-        }
-        if let Some(e) = d["eta_seconds"].as_f64() {
-            p.eta = Some(p.eta.unwrap_or(0.0).max(e));
-        }
+        p.add(d, "hydrated_bytes", "copy_rate_bytes_per_second");
         if let Some(m) = d["mode"].as_str() {
             if m != "write" {
                 p.mode = m.to_string();

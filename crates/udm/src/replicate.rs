@@ -162,33 +162,7 @@ pub fn send(control: &Path, args: SendArgs) -> anyhow::Result<()> {
     let mut start_at = args.resume_at.unwrap_or(0);
     // The receiver first: it says where a receive it kept stopped.
     let remote = match &destination {
-        Some(d) => {
-            let stream = TcpStream::connect(&d.address).with_context(|| {
-                format!("cannot reach the replication listener at {}", d.address)
-            })?;
-            let _ = stream.set_nodelay(true);
-            let mut answers = BufReader::new(stream.try_clone()?);
-            (&stream).write_all(&request_line(Request::Receive {
-                pool: d.pool.clone(),
-                id: d.id.unwrap_or(args.id),
-                base: None,
-                resume: args.resume,
-            }))?;
-            let first = answer(&mut answers, &d.address)?;
-            let kept = &first["partial"];
-            if args.resume
-                && args.resume_at.is_none()
-                && kept["to"] == args.id
-                && kept["from"] == json!(args.from)
-            {
-                start_at = kept["next_record"].as_u64().unwrap_or(0);
-            }
-            // The last answer is read as soon as it comes: a receiver that refuses the stream
-            // half way answers and closes, and the answer must not be lost to the reset that
-            // the bytes still in flight then cause.
-            let last = std::thread::spawn(move || answer(&mut answers, "the receiver"));
-            Some((stream, last))
-        }
+        Some(d) => Some(connect_receiver(d, &args, &mut start_at)?),
         None => None,
     };
     let local = connect_local(control)?;
@@ -231,32 +205,96 @@ pub fn send(control: &Path, args: SendArgs) -> anyhow::Result<()> {
     let received = received
         .transpose()
         .context("the receiver refused the stream")?;
-    let seconds = meter.seconds();
-    let rate = meter.rate();
-    meter.finish();
-    let summary = json!({
-        "sent": sent, "started_at_record": start_at, "seconds": seconds,
-        "rate_bytes_per_second": rate, "received": received,
-    });
-    let text = format!(
-        "sent thin device {} of pool '{}'{}: {} records, {} changed bytes in {seconds:.1} s",
-        args.id,
-        args.pool,
-        args.from.map_or(String::new(), |f| format!(" from {f}")),
-        sent["records"],
-        sent["changed_bytes"],
-    );
-    let line = if args.json {
-        serde_json::to_string_pretty(&summary)?
-    } else {
-        text
+    let summary = Summary {
+        sent,
+        start_at,
+        meter,
+        received,
     };
-    // stdout may be the stream.
-    match destination {
-        Some(_) => println!("{line}"),
-        None => eprintln!("{line}"),
+    summary.print(&args, destination.is_some())
+}
+
+/// A receiver's answer still to come, read by its own thread.
+type LastAnswer = std::thread::JoinHandle<anyhow::Result<Value>>;
+
+/// Asks the listener at `d` to receive; when it kept a stopped receive of this very stream
+/// and `--resume` leaves it the choice, `start_at` becomes the record it stopped at.
+fn connect_receiver(
+    d: &Destination,
+    args: &SendArgs,
+    start_at: &mut u64,
+) -> anyhow::Result<(TcpStream, LastAnswer)> {
+    let stream = TcpStream::connect(&d.address)
+        .with_context(|| format!("cannot reach the replication listener at {}", d.address))?;
+    let _ = stream.set_nodelay(true);
+    let mut answers = BufReader::new(stream.try_clone()?);
+    (&stream).write_all(&request_line(Request::Receive {
+        pool: d.pool.clone(),
+        id: d.id.unwrap_or(args.id),
+        base: None,
+        resume: args.resume,
+    }))?;
+    let first = answer(&mut answers, &d.address)?;
+    let kept = &first["partial"];
+    if args.resume
+        && args.resume_at.is_none()
+        && kept["to"] == args.id
+        && kept["from"] == json!(args.from)
+    {
+        *start_at = kept["next_record"].as_u64().unwrap_or(0);
     }
-    Ok(())
+    // The last answer is read as soon as it comes: a receiver that refuses the stream half
+    // way answers and closes, and the answer must not be lost to the reset that the bytes
+    // still in flight then cause.
+    let last = std::thread::spawn(move || answer(&mut answers, "the receiver"));
+    Ok((stream, last))
+}
+
+/// What a finished send reports.
+struct Summary {
+    /// The local daemon's answer.
+    sent: Value,
+    start_at: u64,
+    meter: Meter,
+    /// The receiver's last answer, when sending to a listener.
+    received: Option<Value>,
+}
+
+impl Summary {
+    /// Prints the summary (JSON with `--json`) on stdout, or on stderr when stdout is the
+    /// stream.
+    fn print(self, args: &SendArgs, to_listener: bool) -> anyhow::Result<()> {
+        let Summary {
+            sent,
+            start_at,
+            meter,
+            received,
+        } = self;
+        let seconds = meter.seconds();
+        let rate = meter.rate();
+        meter.finish();
+        let line = if args.json {
+            serde_json::to_string_pretty(&json!({
+                "sent": sent, "started_at_record": start_at, "seconds": seconds,
+                "rate_bytes_per_second": rate, "received": received,
+            }))?
+        } else {
+            format!(
+                "sent thin device {} of pool '{}'{}: {} records, {} changed bytes in \
+                 {seconds:.1} s",
+                args.id,
+                args.pool,
+                args.from.map_or(String::new(), |f| format!(" from {f}")),
+                sent["records"],
+                sent["changed_bytes"],
+            )
+        };
+        match to_listener {
+            true => println!("{line}"),
+            false => eprintln!("{line}"),
+        }
+        Ok(())
+    }
 }
 
 pub struct ReceiveOptions {

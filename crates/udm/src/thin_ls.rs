@@ -5,19 +5,11 @@ use std::path::Path;
 
 use anyhow::{bail, Context};
 use serde_json::Value;
-use udm::control::Request;
 
 use crate::client;
 
 pub fn show(control: &Path, pool: &str, json: bool) -> anyhow::Result<()> {
-    let response = client::call(
-        control,
-        Request::Status {
-            name: Some(pool.to_string()),
-            target: None,
-        },
-    )?;
-    let data = response.data.unwrap_or_default();
+    let data = client::status(control, pool)?;
     let Some(details) = data["targets"]
         .as_array()
         .and_then(|targets| targets.iter().find(|t| t["type"] == "thin-pool"))

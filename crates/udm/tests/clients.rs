@@ -83,18 +83,7 @@ fn qemu_img_convert_in_and_out_and_compare() {
     qemu_img_copy(src, &daemon.uri("vol"));
     same_content(src, &daemon.uri("vol"));
     let back = daemon.dir.path("back.qcow2");
-    tool(
-        "qemu-img",
-        &[
-            "convert",
-            "-f",
-            "raw",
-            "-O",
-            "qcow2",
-            &daemon.uri("vol"),
-            back.to_str().unwrap(),
-        ],
-    );
+    qemu_img_convert(&daemon.uri("vol"), "qcow2", &back);
     tool(
         "qemu-img",
         &[
@@ -175,22 +164,17 @@ fn nbdcopy_in_and_out_with_multi_conn() {
 #[test]
 fn fio_verify_with_several_jobs_and_deep_queues() {
     let (daemon, _) = linear_over_file("fio", 64 * MIB);
-    let uri = format!("--uri={}", daemon.uri("vol"));
-    let out = tool(
-        "fio",
+    let uri = daemon.uri("vol");
+    let out = fio_verified(
+        &uri,
         &[
             "--name=verify",
-            "--ioengine=nbd",
-            &uri,
             "--rw=randwrite",
             "--bs=4k",
             "--iodepth=32",
             "--numjobs=4",
             "--size=16M",
             "--offset_increment=16M",
-            "--verify=crc32c",
-            "--verify_state_save=0",
-            "--verify_fatal=1",
             "--group_reporting",
             "--output-format=json",
         ],
@@ -200,19 +184,14 @@ fn fio_verify_with_several_jobs_and_deep_queues() {
     assert!(json["jobs"][0]["write"]["io_bytes"].as_u64().unwrap() >= 64 * MIB);
     assert!(json["jobs"][0]["read"]["io_bytes"].as_u64().unwrap() >= 64 * MIB);
     // Mixed sizes, including requests larger than the preferred block size.
-    tool(
-        "fio",
+    fio_verified(
+        &uri,
         &[
             "--name=mixed",
-            "--ioengine=nbd",
-            &uri,
             "--rw=randrw",
             "--bsrange=4k-1m",
             "--iodepth=16",
             "--size=64M",
-            "--verify=crc32c",
-            "--verify_state_save=0",
-            "--verify_fatal=1",
         ],
     );
 }

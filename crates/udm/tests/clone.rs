@@ -63,24 +63,17 @@ fn fio_stomps_the_clone_while_it_hydrates_and_everything_verifies() {
         128,
         "0 4 hydration_threshold 64 hydration_batch_size 16",
     );
-    let uri = format!("--uri={}", daemon.uri("vol"));
     let fio_args = |extra: &[&str]| {
-        let mut args = vec![
+        let job = [
             "--name=stomp",
-            "--ioengine=nbd",
-            &uri,
             "--rw=randwrite",
             "--bsrange=4k-128k",
             "--iodepth=16",
             "--offset=8M",
             "--size=16M",
-            "--verify=crc32c",
-            "--verify_state_save=0",
-            "--verify_fatal=1",
             "--randseed=7",
         ];
-        args.extend_from_slice(extra);
-        tool("fio", &args)
+        fio_verified(&daemon.uri("vol"), &[&job[..], extra].concat())
     };
     fio_args(&[]);
     wait_hydrated(&daemon, "vol");

@@ -250,58 +250,35 @@ fn corrupt_clone_superblocks_are_refused_or_reported_never_reformatted() {
 fn a_second_daemon_on_the_same_state_dir_or_sockets_is_refused() {
     let daemon = Daemon::start("two-daemons");
     daemon.create_linear("vol", "disk.img", 4 * MIB);
-    let second = |state: &str, control: &str, nbd: &str| {
-        std::process::Command::new(UDM)
-            .args([
-                "daemon",
-                "--state-dir",
-                state,
-                "--control",
-                control,
-                "--nbd",
-            ])
-            .arg(format!("unix:{nbd}"))
-            .output()
-            .unwrap()
-    };
     let path = |name: &str| daemon.dir.path(name).display().to_string();
-
-    let out = second(
-        &path("state"),
-        &path("other-control.sock"),
-        &path("other-nbd.sock"),
+    // A second daemon on the state directory, control and NBD sockets named: refused at once
+    // (exit code 1), saying `why`.
+    let refused = |state: &str, control: &str, nbd: &str, why: &str| {
+        let out = std::process::Command::new(UDM)
+            .args(["daemon", "--state-dir", &path(state)])
+            .args(["--control", &path(control)])
+            .arg("--nbd")
+            .arg(format!("unix:{}", path(nbd)))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains(why), "{err}");
+    };
+    let running = format!("udm daemon already running (pid {})", daemon.pid());
+    refused("state", "other-control.sock", "other-nbd.sock", &running);
+    let in_use = "is in use by a running server";
+    refused(
+        "other-state",
+        "control.sock",
+        "other-nbd.sock",
+        &format!("control.sock {in_use}"),
     );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains(&format!(
-            "udm daemon already running (pid {})",
-            daemon.pid()
-        )),
-        "{err}"
-    );
-
-    let out = second(
-        &path("other-state"),
-        &path("control.sock"),
-        &path("other-nbd.sock"),
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("control.sock is in use by a running server"),
-        "{err}"
-    );
-    let out = second(
-        &path("other-state2"),
-        &path("other-control.sock"),
-        &path("nbd.sock"),
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("nbd.sock is in use by a running server"),
-        "{err}"
+    refused(
+        "other-state2",
+        "other-control.sock",
+        "nbd.sock",
+        &format!("nbd.sock {in_use}"),
     );
 
     // The first daemon still answers on both sockets.

@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -47,14 +47,19 @@ fn wait_hydrated(daemon: &Daemon) {
     assert!(out.ends_with("hydration complete"), "{out}");
 }
 
+/// A daemon whose remote requests time out after `timeout` seconds, with a 16 MiB source
+/// image of pattern `seed` and the socket path its nbdkit will serve it on.
+fn with_source(tag: &str, timeout: &str, seed: u64) -> (Daemon, PathBuf, PathBuf) {
+    let daemon = Daemon::start_with(tag, &["--remote-timeout", timeout]);
+    let source = daemon.dir.path("source.img");
+    let socket = daemon.dir.path("nbdkit.sock");
+    pattern_file(&source, 16 * MIB as usize, seed);
+    (daemon, source, socket)
+}
+
 #[test]
 fn a_clone_whose_remote_is_down_at_restart_comes_back_and_hydrates_once_it_returns() {
-    let mut daemon = Daemon::start_with("remote-restart", &["--remote-timeout", "2"]);
-    let (source, socket) = (
-        daemon.dir.path("source.img"),
-        daemon.dir.path("nbdkit.sock"),
-    );
-    pattern_file(&source, 16 * MIB as usize, 61);
+    let (mut daemon, source, socket) = with_source("remote-restart", "2", 61);
     let peer = nbdkit(&socket, &source, None);
     create_clone(&daemon, &remote(&socket), 16 * MIB, "1 no_hydration");
     let (ok, out) = qemu_io(&daemon.uri("vol"), "write -P 0x5 0 64k");
@@ -106,12 +111,7 @@ fn a_clone_whose_remote_is_down_at_restart_comes_back_and_hydrates_once_it_retur
 
 #[test]
 fn a_remote_shutting_down_cleanly_is_let_go_and_io_resumes_on_its_successor() {
-    let daemon = Daemon::start_with("remote-eshutdown", &["--remote-timeout", "20"]);
-    let (source, socket) = (
-        daemon.dir.path("source.img"),
-        daemon.dir.path("nbdkit.sock"),
-    );
-    pattern_file(&source, 16 * MIB as usize, 62);
+    let (daemon, source, socket) = with_source("remote-eshutdown", "20", 62);
     let mut data = std::fs::read(&source).unwrap();
     data[8 * MIB as usize..][..65536].fill(0x5a);
     std::fs::write(&source, &data).unwrap();
@@ -148,12 +148,7 @@ fn a_remote_shutting_down_cleanly_is_let_go_and_io_resumes_on_its_successor() {
 
 #[test]
 fn removing_a_clone_whose_remote_is_dead_does_not_wait_for_the_remote_timeout() {
-    let daemon = Daemon::start_with("remote-remove", &["--remote-timeout", "30"]);
-    let (source, socket) = (
-        daemon.dir.path("source.img"),
-        daemon.dir.path("nbdkit.sock"),
-    );
-    pattern_file(&source, 16 * MIB as usize, 63);
+    let (daemon, source, socket) = with_source("remote-remove", "30", 63);
     let peer = nbdkit(&socket, &source, None);
     // Slow hydration (1 MiB/s), so copies are under way when the remote dies.
     create_clone(

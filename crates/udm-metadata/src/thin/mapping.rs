@@ -24,7 +24,7 @@ pub fn unpack(v: u64) -> (u64, u32) {
     (v >> 24, (v & 0xff_ffff) as u32)
 }
 
-fn u64_of(v: &[u8]) -> u64 {
+pub fn u64_of(v: &[u8]) -> u64 {
     u64::from_le_bytes(v[..8].try_into().unwrap())
 }
 

@@ -203,29 +203,12 @@ impl<'a> Image<'a> {
     }
 }
 
-/// Checks the metadata image; the first problem found. `hints`: also the space maps'
-/// summary figures (nr_allocated, nr_free, none_free_before), which thin_restore leaves one
-/// off in the metadata map and which nothing checks or relies on but the writer.
-pub fn check(bytes: &[u8], hints: bool) -> Result<(), String> {
-    let mut img = Image {
-        bytes,
-        hints,
-        meta: HashMap::new(),
-        data: HashMap::new(),
-        walked: HashSet::new(),
-        entries: HashMap::new(),
-    };
-    let sb = img.block(0)?;
-    *img.meta.entry(0).or_default() += 1;
-    let mut superblocks = vec![sb];
-    let held = u64_at(sb, 56);
-    if held != 0 {
-        *img.meta.entry(held).or_default() += 1;
-        superblocks.push(img.block(held)?);
-    }
-    for s in superblocks {
+impl Image<'_> {
+    /// The devices of the mapping tree under superblock `s` are those of its details tree,
+    /// each with as many mappings as its details say; every data block mapped is counted.
+    fn check_devices(&mut self, s: &[u8]) -> Result<(), String> {
         let mut details = BTreeMap::new();
-        img.walk(
+        self.walk(
             u64_at(s, 328),
             Tree::Details,
             (0, None),
@@ -236,7 +219,7 @@ pub fn check(bytes: &[u8], hints: bool) -> Result<(), String> {
             },
         )?;
         let mut devices = BTreeMap::new();
-        img.walk(
+        self.walk(
             u64_at(s, 320),
             Tree::Top,
             (0, None),
@@ -261,6 +244,32 @@ pub fn check(bytes: &[u8], hints: bool) -> Result<(), String> {
                 "mapping tree {devices:?} and details {details:?} differ"
             ));
         }
+        Ok(())
+    }
+}
+
+/// Checks the metadata image; the first problem found. `hints`: also the space maps'
+/// summary figures (nr_allocated, nr_free, none_free_before), which thin_restore leaves one
+/// off in the metadata map and which nothing checks or relies on but the writer.
+pub fn check(bytes: &[u8], hints: bool) -> Result<(), String> {
+    let mut img = Image {
+        bytes,
+        hints,
+        meta: HashMap::new(),
+        data: HashMap::new(),
+        walked: HashSet::new(),
+        entries: HashMap::new(),
+    };
+    let sb = img.block(0)?;
+    *img.meta.entry(0).or_default() += 1;
+    let mut superblocks = vec![sb];
+    let held = u64_at(sb, 56);
+    if held != 0 {
+        *img.meta.entry(held).or_default() += 1;
+        superblocks.push(img.block(held)?);
+    }
+    for s in superblocks {
+        img.check_devices(s)?;
     }
     let (dsm, msm) = (&sb[64..96], &sb[192..224]);
     let mut data_bitmaps = Vec::new();

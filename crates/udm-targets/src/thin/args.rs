@@ -204,20 +204,25 @@ pub fn parse_dev_id(word: &str) -> Result<u32, String> {
 mod tests {
     use super::*;
 
-    fn pool(line: &str) -> Result<PoolLine, String> {
+    /// `line` read as the arguments of `target` by `parse`, every word used.
+    fn parsed<T>(
+        target: &str,
+        line: &str,
+        parse: fn(&mut Args) -> Result<T, TargetError>,
+    ) -> Result<T, String> {
         let tokens: Vec<String> = line.split_whitespace().map(str::to_string).collect();
-        let mut args = Args::new("thin-pool", &tokens);
-        let parsed = PoolLine::parse(&mut args).map_err(|e| e.to_string())?;
+        let mut args = Args::new(target, &tokens);
+        let parsed = parse(&mut args).map_err(|e| e.to_string())?;
         args.finish().map_err(|e| e.to_string())?;
         Ok(parsed)
     }
 
+    fn pool(line: &str) -> Result<PoolLine, String> {
+        parsed("thin-pool", line, PoolLine::parse)
+    }
+
     fn thin(line: &str) -> Result<ThinLine, String> {
-        let tokens: Vec<String> = line.split_whitespace().map(str::to_string).collect();
-        let mut args = Args::new("thin", &tokens);
-        let parsed = ThinLine::parse(&mut args).map_err(|e| e.to_string())?;
-        args.finish().map_err(|e| e.to_string())?;
-        Ok(parsed)
+        parsed("thin", line, ThinLine::parse)
     }
 
     #[test]

@@ -6,10 +6,10 @@
 //!
 //! One short mutex; the condition variable is signalled only when somebody waits.
 
+use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ops::Deref;
-use std::sync::{Condvar, Mutex};
 
 /// (thin device id, virtual block).
 pub type Key = (u32, u64);
@@ -65,27 +65,26 @@ pub struct Cell<C: Deref<Target = Cells>> {
 impl Cells {
     /// Holds `key` shared, waiting while someone holds it exclusively.
     pub fn shared<C: Deref<Target = Cells>>(cells: C, key: Key) -> Cell<C> {
-        cells.acquire(key, false);
-        Cell {
-            cells,
-            key,
-            exclusive: false,
-        }
+        Cells::hold(cells, key, false)
     }
 
     /// Holds `key` exclusively, waiting for every other holder.
     pub fn exclusive<C: Deref<Target = Cells>>(cells: C, key: Key) -> Cell<C> {
-        cells.acquire(key, true);
+        Cells::hold(cells, key, true)
+    }
+
+    fn hold<C: Deref<Target = Cells>>(cells: C, key: Key, exclusive: bool) -> Cell<C> {
+        cells.acquire(key, exclusive);
         Cell {
             cells,
             key,
-            exclusive: true,
+            exclusive,
         }
     }
 
     /// Holds `key` shared if nobody holds it exclusively (for callers that must not wait).
     pub fn try_shared<C: Deref<Target = Cells>>(cells: C, key: Key) -> Option<Cell<C>> {
-        let mut busy = cells.busy.lock().unwrap();
+        let mut busy = cells.busy.lock();
         let state = busy.cells.entry(key).or_default();
         if state.exclusive {
             return None;
@@ -100,7 +99,7 @@ impl Cells {
     }
 
     fn acquire(&self, key: Key, exclusive: bool) {
-        let mut busy = self.busy.lock().unwrap();
+        let mut busy = self.busy.lock();
         loop {
             let state = busy.cells.entry(key).or_default();
             let free = !state.exclusive && (!exclusive || state.shared == 0);
@@ -113,13 +112,13 @@ impl Cells {
                 return;
             }
             busy.waiters += 1;
-            busy = self.released.wait(busy).unwrap();
+            self.released.wait(&mut busy);
             busy.waiters -= 1;
         }
     }
 
     fn release(&self, key: Key, exclusive: bool) {
-        let mut busy = self.busy.lock().unwrap();
+        let mut busy = self.busy.lock();
         if let Some(state) = busy.cells.get_mut(&key) {
             if exclusive {
                 state.exclusive = false;
@@ -138,7 +137,7 @@ impl Cells {
     /// Cells held right now.
     #[cfg(test)]
     pub fn held(&self) -> usize {
-        self.busy.lock().unwrap().cells.len()
+        self.busy.lock().cells.len()
     }
 }
 

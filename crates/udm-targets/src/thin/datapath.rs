@@ -103,6 +103,42 @@ impl Thin {
         }
     }
 
+    /// Runs `piece` on each block's part of `[offset, offset + len)`, all again when the pool
+    /// ran out of space and has room again; then, for FUA, commits (what `flush` does).
+    fn each_piece(
+        &self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        piece: impl Fn(u64, u64, Range<usize>) -> std::result::Result<(), Stall>,
+    ) -> Result<()> {
+        let pieces = self.pieces(offset, len);
+        self.retrying_on_space(|| {
+            for (vblock, at, range) in &pieces {
+                piece(*vblock, *at, range.clone())?;
+            }
+            Ok(())
+        })?;
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `at` in data block `data_block`, this device's own.
+    fn write_provisioned(
+        &self,
+        data_block: u64,
+        at: u64,
+        data: &[u8],
+    ) -> std::result::Result<(), Stall> {
+        let offset = data_block * self.pool.block_bytes() + at;
+        Ok(self
+            .pool
+            .data()
+            .write(offset, data, WriteFlags::default())?)
+    }
+
     fn write_block(&self, vblock: u64, at: u64, data: &[u8]) -> std::result::Result<(), Stall> {
         let cells = &*self.pool.cells;
         let block = self.pool.block_bytes();
@@ -110,26 +146,14 @@ impl Thin {
             let _cell = Cells::shared(cells, self.key(vblock));
             if let Some(m) = self.pool.lookup(self.id(), vblock)? {
                 if !m.shared {
-                    let data_dev = self.pool.data();
-                    return Ok(data_dev.write(
-                        m.data_block * block + at,
-                        data,
-                        WriteFlags::default(),
-                    )?);
+                    return self.write_provisioned(m.data_block, at, data);
                 }
             }
         }
         let _cell = Cells::exclusive(cells, self.key(vblock));
         let source = match self.pool.lookup(self.id(), vblock)? {
-            Some(m) if !m.shared => {
-                // Provisioned by someone else while we waited for the cell.
-                let data_dev = self.pool.data();
-                return Ok(data_dev.write(
-                    m.data_block * block + at,
-                    data,
-                    WriteFlags::default(),
-                )?);
-            }
+            // Provisioned by someone else while we waited for the cell.
+            Some(m) if !m.shared => return self.write_provisioned(m.data_block, at, data),
             Some(m) => Source::Block(m.data_block),
             None if self.origin_reach(vblock * block, 1) > 0 => Source::Origin,
             None => Source::Zero,
@@ -325,18 +349,9 @@ impl BlockDevice for Thin {
     }
 
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
-        let pieces = self.pieces(offset, buf.len() as u64);
-        self.retrying_on_space(|| {
-            for (vblock, at, range) in &pieces {
-                self.write_block(*vblock, *at, &buf[range.clone()])?;
-            }
-            Ok(())
-        })?;
-        if flags.fua {
-            let _in = self.pool.enter()?;
-            self.pool.commit()?;
-        }
-        Ok(())
+        self.each_piece(offset, buf.len() as u64, flags.fua, |vblock, at, range| {
+            self.write_block(vblock, at, &buf[range])
+        })
     }
 
     fn flush(&self) -> Result<()> {
@@ -372,18 +387,9 @@ impl BlockDevice for Thin {
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        let pieces = self.pieces(offset, len);
-        self.retrying_on_space(|| {
-            for (vblock, at, range) in &pieces {
-                self.zero_piece(*vblock, *at, range.len() as u64, flags)?;
-            }
-            Ok(())
-        })?;
-        if flags.fua {
-            let _in = self.pool.enter()?;
-            self.pool.commit()?;
-        }
-        Ok(())
+        self.each_piece(offset, len, flags.fua, |vblock, at, range| {
+            self.zero_piece(vblock, at, range.len() as u64, flags)
+        })
     }
 
     /// Mapped blocks are data, unmapped ones holes — or what the external origin says of

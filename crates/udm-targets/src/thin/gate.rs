@@ -6,8 +6,8 @@
 //! `close` sets `closed`, then waits for the count to drain. With sequentially consistent
 //! order one of them always sees the other.
 
+use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
 
 pub struct Gate {
     in_flight: AtomicUsize,
@@ -44,9 +44,9 @@ impl Gate {
     /// Counts a request in, waiting while the gate is closed.
     pub fn enter(&self) {
         while !self.try_enter() {
-            let mut sleep = self.sleep.lock().unwrap();
+            let mut sleep = self.sleep.lock();
             while self.closed.load(Ordering::SeqCst) {
-                sleep = self.wake.wait(sleep).unwrap();
+                self.wake.wait(&mut sleep);
             }
         }
     }
@@ -54,7 +54,7 @@ impl Gate {
     pub fn leave(&self) {
         if self.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 && self.closed.load(Ordering::SeqCst)
         {
-            let _sleep = self.sleep.lock().unwrap();
+            let _sleep = self.sleep.lock();
             self.wake.notify_all();
         }
     }
@@ -64,15 +64,15 @@ impl Gate {
         if self.closed.swap(true, Ordering::SeqCst) {
             return false;
         }
-        let mut sleep = self.sleep.lock().unwrap();
+        let mut sleep = self.sleep.lock();
         while self.in_flight.load(Ordering::SeqCst) > 0 {
-            sleep = self.wake.wait(sleep).unwrap();
+            self.wake.wait(&mut sleep);
         }
         true
     }
 
     pub fn open(&self) {
-        let _sleep = self.sleep.lock().unwrap();
+        let _sleep = self.sleep.lock();
         self.closed.store(false, Ordering::SeqCst);
         self.wake.notify_all();
     }

@@ -7,9 +7,9 @@
 //! before it, never a stale one after. Snapshots change the `shared` flag of a whole device,
 //! whose I/O is suspended then; the pool clears the cache at every message and every abort.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
-use std::sync::Mutex;
 
 use udm_metadata::thin::Mapping;
 
@@ -25,11 +25,11 @@ pub struct MapCache {
 
 impl MapCache {
     pub fn get(&self, key: Key) -> Option<Mapping> {
-        self.entries.lock().unwrap().get(&key).copied()
+        self.entries.lock().get(&key).copied()
     }
 
     pub fn put(&self, key: Key, mapping: Mapping) {
-        let mut entries = self.entries.lock().unwrap();
+        let mut entries = self.entries.lock();
         if entries.len() >= CAPACITY {
             entries.clear();
         }
@@ -37,11 +37,11 @@ impl MapCache {
     }
 
     pub fn forget(&self, key: Key) {
-        self.entries.lock().unwrap().remove(&key);
+        self.entries.lock().remove(&key);
     }
 
     pub fn clear(&self) {
-        self.entries.lock().unwrap().clear();
+        self.entries.lock().clear();
     }
 }
 
@@ -64,6 +64,6 @@ mod tests {
         for v in 0..CAPACITY as u64 + 1 {
             cache.put((0, v), m);
         }
-        assert_eq!(cache.entries.lock().unwrap().len(), 1);
+        assert_eq!(cache.entries.lock().len(), 1);
     }
 }

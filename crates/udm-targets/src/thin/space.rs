@@ -6,8 +6,8 @@
 //! 0 = wait for ever) the pool switches to erroring, and waiting and new writes fail with
 //! ENOSPC until space comes back. With `error_if_no_space` they fail at once.
 
+use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use log::error;
@@ -62,13 +62,13 @@ impl From<BlockError> for Stall {
 impl Space {
     /// Something that may give space back happened: waiters retry.
     pub fn changed(&self) {
-        self.state.lock().unwrap().generation += 1;
+        self.state.lock().generation += 1;
         self.changed.notify_all();
     }
 
     /// Space is back (or the pool was rebound): the next shortage starts a new timeout.
     pub fn reset(&self) {
-        let mut state = self.state.lock().unwrap();
+        let mut state = self.state.lock();
         state.since = None;
         state.timed_out = false;
         state.generation += 1;
@@ -76,7 +76,7 @@ impl Space {
     }
 
     pub fn timed_out(&self) -> bool {
-        self.state.lock().unwrap().timed_out
+        self.state.lock().timed_out
     }
 }
 
@@ -90,7 +90,7 @@ impl Pool {
         let error_at_once = self.features().error_if_no_space;
         self.set_mode(Mode::OutOfDataSpace);
         let generation = {
-            let mut state = self.space.state.lock().unwrap();
+            let mut state = self.space.state.lock();
             state.since.get_or_insert_with(Instant::now);
             (!error_at_once && !state.timed_out).then_some(state.generation)
         };
@@ -103,7 +103,7 @@ impl Pool {
     /// Waits until space may have come back (then the caller retries) or the no-space
     /// timeout passes (then ENOSPC).
     pub fn wait_for_space(&self, generation: u64) -> Result<()> {
-        let mut state = self.space.state.lock().unwrap();
+        let mut state = self.space.state.lock();
         loop {
             if state.generation != generation {
                 return Ok(());
@@ -128,14 +128,11 @@ impl Pool {
                     return Err(self.no_space_error());
                 }
                 Some(deadline) => {
-                    state = self
-                        .space
+                    self.space
                         .changed
-                        .wait_timeout(state, deadline - Instant::now())
-                        .unwrap()
-                        .0;
+                        .wait_for(&mut state, deadline - Instant::now());
                 }
-                None => state = self.space.changed.wait(state).unwrap(),
+                None => self.space.changed.wait(&mut state),
             }
         }
     }

@@ -11,9 +11,11 @@ use crate::columns;
 use crate::replay;
 
 mod daemon_args;
+mod requests;
 mod values;
 
 pub use daemon_args::*;
+pub use requests::{verb, Print, Verb};
 pub use values::*;
 
 const DEFAULT_CONTROL: &str = "/run/udm/control.sock";

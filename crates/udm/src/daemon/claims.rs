@@ -290,10 +290,38 @@ impl BlockDevice for Claimed {
 mod tests {
     use super::*;
 
-    fn temp_file(tag: &str) -> std::path::PathBuf {
-        let path = std::env::temp_dir().join(format!("udm-claims-{tag}-{}", std::process::id()));
-        std::fs::write(&path, [0u8; 4096]).unwrap();
-        path
+    /// Claims on a scratch file of one test's own (removed when the test ends).
+    struct Scratch {
+        claims: Arc<Claims>,
+        path: std::path::PathBuf,
+    }
+
+    impl Scratch {
+        fn new(tag: &str) -> Scratch {
+            let path =
+                std::env::temp_dir().join(format!("udm-claims-{tag}-{}", std::process::id()));
+            std::fs::write(&path, [0u8; 4096]).unwrap();
+            Scratch {
+                claims: Arc::new(Claims::default()),
+                path,
+            }
+        }
+
+        /// A claim on the file by `owner` that must be granted.
+        fn grant(&self, owner: &str, mode: OpenMode) -> ClaimGuard {
+            self.claims.claim_file(&self.path, owner, mode).unwrap()
+        }
+
+        /// Fails the test unless a claim on the file by `owner` is refused saying `why`.
+        fn refuse(&self, owner: &str, mode: OpenMode, why: &str) {
+            refused_with(self.claims.claim_file(&self.path, owner, mode), why);
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 
     /// Fails the test unless `claim` was refused with a reason that contains `why`.
@@ -306,29 +334,14 @@ mod tests {
 
     #[test]
     fn exclusive_claims_exclude_other_devices_but_not_the_owner() {
-        let claims = Arc::new(Claims::default());
-        let path = temp_file("excl");
-        let live = claims
-            .claim_file(&path, "vol", OpenMode::Exclusive)
-            .unwrap();
+        let file = Scratch::new("excl");
+        let live = file.grant("vol", OpenMode::Exclusive);
         // The same device's next table (a reload) shares it.
-        let reload = claims
-            .claim_file(&path, "vol", OpenMode::Exclusive)
-            .unwrap();
-        refused_with(
-            claims.claim_file(&path, "other", OpenMode::Exclusive),
-            "in use by device 'vol'",
-        );
-        refused_with(
-            claims.claim_file(&path, "other", OpenMode::ReadWrite),
-            "in use by device 'vol'",
-        );
-        drop(live);
-        drop(reload);
-        claims
-            .claim_file(&path, "other", OpenMode::Exclusive)
-            .unwrap();
-        std::fs::remove_file(path).unwrap();
+        let reload = file.grant("vol", OpenMode::Exclusive);
+        file.refuse("other", OpenMode::Exclusive, "in use by device 'vol'");
+        file.refuse("other", OpenMode::ReadWrite, "in use by device 'vol'");
+        drop((live, reload));
+        file.grant("other", OpenMode::Exclusive);
     }
 
     #[test]
@@ -352,65 +365,42 @@ mod tests {
 
     #[test]
     fn a_renamed_owner_keeps_its_claims_and_releases_them_under_its_new_name() {
-        let claims = Arc::new(Claims::default());
-        let path = temp_file("rename");
-        let live = claims
-            .claim_file(&path, "old", OpenMode::Exclusive)
-            .unwrap();
-        claims.rename_owner("old", "new");
+        let file = Scratch::new("rename");
+        let live = file.grant("old", OpenMode::Exclusive);
+        file.claims.rename_owner("old", "new");
         // Its next table, built under the new name, shares the claim...
-        let reload = claims
-            .claim_file(&path, "new", OpenMode::Exclusive)
-            .unwrap();
+        let reload = file.grant("new", OpenMode::Exclusive);
         // ...and nobody else gets it, the old name included.
-        refused_with(
-            claims.claim_file(&path, "old", OpenMode::Exclusive),
-            "in use by device 'new'",
-        );
-        drop(live);
-        drop(reload);
-        claims
-            .claim_file(&path, "other", OpenMode::Exclusive)
-            .unwrap();
-        std::fs::remove_file(path).unwrap();
+        file.refuse("old", OpenMode::Exclusive, "in use by device 'new'");
+        drop((live, reload));
+        file.grant("other", OpenMode::Exclusive);
     }
 
     #[test]
     fn handover_claims_are_shared_between_devices_and_exclusive_towards_the_rest() {
-        let claims = Arc::new(Claims::default());
-        let path = temp_file("handover");
-        let snap = claims
-            .claim_file(&path, "snap", OpenMode::Handover)
-            .unwrap();
-        let merge = claims
-            .claim_file(&path, "base", OpenMode::Handover)
-            .unwrap();
+        let file = Scratch::new("handover");
+        let snap = file.grant("snap", OpenMode::Handover);
+        let merge = file.grant("base", OpenMode::Handover);
         for mode in [OpenMode::Exclusive, OpenMode::ReadWrite] {
-            refused_with(claims.claim_file(&path, "other", mode), "in use by device");
+            file.refuse("other", mode, "in use by device");
         }
         drop((snap, merge));
-        let _clone = claims
-            .claim_file(&path, "clone", OpenMode::Exclusive)
-            .unwrap();
-        refused_with(
-            claims.claim_file(&path, "base", OpenMode::Handover),
-            "in use by device 'clone'",
-        );
-        std::fs::remove_file(path).unwrap();
+        let _clone = file.grant("clone", OpenMode::Exclusive);
+        file.refuse("base", OpenMode::Handover, "in use by device 'clone'");
     }
 
     #[test]
     fn another_process_sees_the_lock() {
-        let claims = Arc::new(Claims::default());
-        let path = temp_file("ofd");
-        let _held = claims
-            .claim_file(&path, "vol", OpenMode::Exclusive)
-            .unwrap();
+        let file = Scratch::new("ofd");
+        let _held = file.grant("vol", OpenMode::Exclusive);
         // Another open file description stands for another process: OFD locks conflict
         // between descriptions, whoever owns them.
-        let other = File::options().read(true).write(true).open(&path).unwrap();
+        let other = File::options()
+            .read(true)
+            .write(true)
+            .open(&file.path)
+            .unwrap();
         let err = set_lock(&other, libc::F_RDLCK).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EAGAIN));
-        std::fs::remove_file(path).unwrap();
     }
 }

@@ -7,11 +7,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use log::{debug, warn};
+use log::debug;
 use serde_json::json;
 use udm_metadata::thin::Side;
 use udm_targets::TARGET_TYPES;
 
+use super::acceptor;
 use super::registry::Registry;
 use super::removal::{CLOSING_GRACE, RETRY_WAIT};
 use super::report::{self, Exports};
@@ -27,26 +28,13 @@ const MAX_REQUEST: u64 = 4 << 20;
 const WAIT_SLICE: Duration = Duration::from_millis(200);
 
 pub fn listen(path: &Path, registry: Arc<Registry>, exports: Exports) -> std::io::Result<()> {
-    let exports = Arc::new(exports);
     udm_nbd::remove_stale_socket(path)?;
     let listener = UnixListener::bind(path)?;
-    std::thread::Builder::new()
-        .name("control-accept".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                match stream {
-                    Ok(s) => {
-                        let registry = registry.clone();
-                        let exports = exports.clone();
-                        let _ = std::thread::Builder::new()
-                            .name("control".into())
-                            .spawn(move || serve(s, &registry, &exports));
-                    }
-                    Err(e) => warn!("control: accept failed: {e}"),
-                }
-            }
-        })?;
-    Ok(())
+    acceptor::spawn(
+        "control",
+        move || listener.accept().map(|(s, _)| s),
+        move |s| serve(s, &registry, &exports),
+    )
 }
 
 fn serve(stream: UnixStream, registry: &Arc<Registry>, exports: &Exports) {
@@ -136,6 +124,7 @@ fn hung_up(client: &UnixStream) -> bool {
     ready > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
 
+/// One arm per verb, each one call (a dispatch table: long only because the verbs are many).
 /// `client` is the requester's connection, watched by requests that block. Devices are named
 /// by name or UUID; the registry is asked under the device's name.
 fn execute(
@@ -145,45 +134,35 @@ fn execute(
     client: &UnixStream,
 ) -> Response {
     let named = |name: &str| registry.resolve(name).map(|d| d.name());
-    let result: Result<Response, Box<dyn std::error::Error>> = (|| {
+    let result: Answer = (|| {
         Ok(match request {
             Request::Create {
                 name,
                 table,
                 read_only,
                 uuid,
-            } => {
-                registry.create(&name, &table, read_only, uuid.as_deref())?;
-                Response::text("")
-            }
+            } => registry
+                .create(&name, &table, read_only, uuid.as_deref())
+                .map(done)?,
             Request::Load {
                 name,
                 table,
                 force,
                 read_only,
-            } => {
-                registry.load(&named(&name)?, &table, force, read_only)?;
-                Response::text("")
-            }
-            Request::Clear { name } => {
-                registry.clear(&named(&name)?)?;
-                Response::text("")
-            }
+            } => registry
+                .load(&named(&name)?, &table, force, read_only)
+                .map(done)?,
+            Request::Clear { name } => registry.clear(&named(&name)?).map(done)?,
             Request::Suspend { name, noflush } => {
-                registry.suspend(&named(&name)?, noflush)?;
-                Response::text("")
+                registry.suspend(&named(&name)?, noflush).map(done)?
             }
-            Request::Resume { name } => {
-                registry.resume(&named(&name)?)?;
-                Response::text("")
-            }
+            Request::Resume { name } => registry.resume(&named(&name)?).map(done)?,
             Request::Message {
                 name,
                 sector: _,
                 words,
             } if words.len() == 1 && words[0] == CANCEL_DEFERRED_REMOVE => {
-                registry.cancel_deferred_remove(&named(&name)?)?;
-                Response::text("")
+                registry.cancel_deferred_remove(&named(&name)?).map(done)?
             }
             Request::Message {
                 name,
@@ -204,101 +183,135 @@ fn execute(
             Request::Info { name } => report::info(registry, name.as_deref(), exports)?,
             Request::Deps { name } => report::deps(registry, name.as_deref())?,
             Request::Ls { tree } => report::ls(registry, tree),
-            Request::Wait { name, event_nr } => {
-                let device = registry.resolve(&name)?;
-                let after = event_nr.unwrap_or_else(|| device.events().current());
-                // In slices, so that the wait ends (and its thread with it) when the device
-                // goes away or nobody waits for the answer any more.
-                loop {
-                    let now = device.events().wait(after, WAIT_SLICE);
-                    if now > after {
-                        break Response::text(now.to_string());
-                    }
-                    registry.get(&device.name())?;
-                    if hung_up(client) {
-                        return Err("the client went away".into());
-                    }
-                }
-            }
+            Request::Wait { name, event_nr } => wait(registry, &name, event_nr, client)?,
             Request::Rename {
                 name,
                 new_name,
                 uuid,
-            } => {
-                let name = named(&name)?;
-                match (new_name, uuid) {
-                    (Some(new_name), None) => registry.rename(&name, &new_name)?,
-                    (None, Some(uuid)) => registry.set_uuid(&name, &uuid)?,
-                    _ => return Err("rename takes either a new name or a UUID".into()),
-                }
-                Response::text("")
-            }
+            } => rename(registry, &named(&name)?, new_name, uuid)?,
             Request::Remove {
                 name,
-                deferred: true,
-                ..
-            } => {
-                let name = named(&name)?;
-                match registry.remove_deferred(&name)? {
-                    true => Response::text(""),
-                    false => Response::text(format!(
-                        "device '{name}' is in use: it will be removed once unused"
-                    )),
-                }
-            }
-            Request::Remove {
-                name, force, retry, ..
-            } => {
-                let wait = if retry { RETRY_WAIT } else { CLOSING_GRACE };
-                registry.remove(&named(&name)?, force, wait)?;
-                Response::text("")
-            }
-            Request::RemoveAll { force } => {
-                registry.remove_all(force)?;
-                Response::text("")
-            }
-            Request::Finalize { name } => {
-                let name = named(&name)?;
-                match registry.finalize(&name)? {
-                    Some(table) => Response::text(table),
-                    None => Response::text(format!(
-                        "device '{name}' has no target with an end state (a clone): nothing \
-                         to finalize"
-                    )),
-                }
-            }
-            Request::Targets => Response::text(
-                TARGET_TYPES
-                    .iter()
-                    .map(|(name, _)| format!("{name:<16}v1.0.0"))
-                    .collect::<Vec<_>>()
-                    .join("\n"),
-            ),
+                force,
+                retry,
+                deferred,
+            } => remove(registry, &named(&name)?, force, retry, deferred)?,
+            Request::RemoveAll { force } => registry.remove_all(force).map(done)?,
+            Request::Finalize { name } => finalize(registry, &named(&name)?)?,
+            Request::Targets => targets(),
             Request::ThinDelta { pool, from, to } => thin_delta(&named(&pool)?, from, to)?,
             Request::Send { .. } | Request::Receive { .. } => {
                 unreachable!("streams are served by transfer.rs")
             }
-            Request::Stop => {
-                log::info!("stop requested over the control socket");
-                Response {
-                    data: Some(json!({
-                        "pid": std::process::id(), "state_dir": registry.state_dir,
-                    })),
-                    ..Response::text("")
-                }
-            }
-            Request::Version => Response {
-                data: Some(json!({
-                    "version": env!("CARGO_PKG_VERSION"), "protocol": PROTOCOL_VERSION,
-                })),
-                ..Response::text(format!(
-                    "udm daemon {} (control protocol {PROTOCOL_VERSION})",
-                    env!("CARGO_PKG_VERSION")
-                ))
-            },
+            Request::Stop => stopping(registry),
+            Request::Version => version(),
         })
     })();
     result.unwrap_or_else(Response::error)
+}
+
+type Answer = Result<Response, Box<dyn std::error::Error>>;
+
+/// The answer of a verb that only changes something.
+fn done<T>(_: T) -> Response {
+    Response::text("")
+}
+
+/// `wait`: until the device's event counter passes `event_nr` (default: its value now).
+/// In slices, so that the wait ends (and its thread with it) when the device goes away or
+/// nobody waits for the answer any more.
+fn wait(registry: &Registry, name: &str, event_nr: Option<u64>, client: &UnixStream) -> Answer {
+    let device = registry.resolve(name)?;
+    let after = event_nr.unwrap_or_else(|| device.events().current());
+    loop {
+        let now = device.events().wait(after, WAIT_SLICE);
+        if now > after {
+            return Ok(Response::text(now.to_string()));
+        }
+        registry.get(&device.name())?;
+        if hung_up(client) {
+            return Err("the client went away".into());
+        }
+    }
+}
+
+/// `rename`: a new name, or with `--setuuid` a new UUID.
+fn rename(
+    registry: &Registry,
+    name: &str,
+    new_name: Option<String>,
+    uuid: Option<String>,
+) -> Answer {
+    match (new_name, uuid) {
+        (Some(new_name), None) => registry.rename(name, &new_name)?,
+        (None, Some(uuid)) => registry.set_uuid(name, &uuid)?,
+        _ => return Err("rename takes either a new name or a UUID".into()),
+    }
+    Ok(Response::text(""))
+}
+
+/// `remove`: now (waiting for closing clients, longer with `--retry`), or once unused.
+fn remove(
+    registry: &Arc<Registry>,
+    name: &str,
+    force: bool,
+    retry: bool,
+    deferred: bool,
+) -> Answer {
+    if deferred {
+        return Ok(match registry.remove_deferred(name)? {
+            true => Response::text(""),
+            false => Response::text(format!(
+                "device '{name}' is in use: it will be removed once unused"
+            )),
+        });
+    }
+    let wait = if retry { RETRY_WAIT } else { CLOSING_GRACE };
+    registry.remove(name, force, wait)?;
+    Ok(Response::text(""))
+}
+
+/// `finalize`: a finished clone's device gets its end-state table.
+fn finalize(registry: &Registry, name: &str) -> Answer {
+    Ok(match registry.finalize(name)? {
+        Some(table) => Response::text(table),
+        None => Response::text(format!(
+            "device '{name}' has no target with an end state (a clone): nothing to finalize"
+        )),
+    })
+}
+
+/// `targets`: every target type, as dmsetup lists them.
+fn targets() -> Response {
+    Response::text(
+        TARGET_TYPES
+            .iter()
+            .map(|(name, _)| format!("{name:<16}v1.0.0"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
+}
+
+/// `stop`'s answer: who is stopping (the caller then signals this process).
+fn stopping(registry: &Registry) -> Response {
+    log::info!("stop requested over the control socket");
+    Response {
+        data: Some(json!({
+            "pid": std::process::id(), "state_dir": registry.state_dir,
+        })),
+        ..Response::text("")
+    }
+}
+
+fn version() -> Response {
+    Response {
+        data: Some(json!({
+            "version": env!("CARGO_PKG_VERSION"), "protocol": PROTOCOL_VERSION,
+        })),
+        ..Response::text(format!(
+            "udm daemon {} (control protocol {PROTOCOL_VERSION})",
+            env!("CARGO_PKG_VERSION")
+        ))
+    }
 }
 
 /// `thin delta`: runs of blocks that differ, named as thin_delta names them.

@@ -6,6 +6,7 @@
 //! (who may write which file or device) and `remotes.rs` (sizes of remote exports). [`run`]
 //! wires them to the NBD server, the FUSE export, the control socket, `/metrics` and systemd.
 
+mod acceptor;
 mod catalog;
 mod claims;
 mod control;

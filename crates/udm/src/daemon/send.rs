@@ -12,6 +12,7 @@ use serde_json::json;
 use udm_block::{AlignedBuf, BlockDevice};
 use udm_metadata::thin::Side;
 use udm_targets::replica::{self, PoolHandle};
+use udm_targets::Table;
 
 use super::device::Events;
 use super::receive::RECEIVING_PREFIX;
@@ -182,6 +183,54 @@ impl Send {
         })
     }
 
+    /// The thin device being sent, as a table of its own (none for an empty volume).
+    fn open_volume(&self, registry: &Registry) -> Result<Option<Table>, String> {
+        let h = &self.header;
+        if h.volume_bytes == 0 {
+            return Ok(None);
+        }
+        let owner = format!(
+            ".send-{}-{}-{}",
+            self.pool_name,
+            h.to_id,
+            SENDS.fetch_add(1, Ordering::Relaxed)
+        );
+        let line = format!(
+            "0 {} thin {} {}",
+            h.volume_bytes / 512,
+            self.pool_name,
+            h.to_id
+        );
+        registry
+            .build(&owner, &line, &Arc::new(Events::default()))
+            .map(Some)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Reads record `p`'s data into `buf`; its kind: unmapped (not changed), zero or data.
+    fn read_record(
+        &self,
+        table: Option<&Table>,
+        p: &Planned,
+        buf: &mut AlignedBuf,
+    ) -> Result<Kind, String> {
+        if !p.changed {
+            return Ok(Kind::Unmapped);
+        }
+        let data = &mut buf[..p.place.len as usize];
+        let table = table.expect("data lies inside the volume");
+        table.read(p.place.offset, data).map_err(|e| {
+            format!(
+                "reading thin device {} at byte {}: {e}",
+                self.header.to_id, p.place.offset
+            )
+        })?;
+        Ok(match data.iter().all(|&b| b == 0) {
+            true => Kind::Zero,
+            false => Kind::Data,
+        })
+    }
+
     /// Writes the stream from record `start_at` on (the header always).
     pub fn write(
         &self,
@@ -190,47 +239,14 @@ impl Send {
         out: &mut dyn Write,
     ) -> Result<(), String> {
         let h = &self.header;
-        let owner = format!(
-            ".send-{}-{}-{}",
-            self.pool_name,
-            h.to_id,
-            SENDS.fetch_add(1, Ordering::Relaxed)
-        );
-        let table = match h.volume_bytes {
-            0 => None,
-            bytes => Some(
-                registry
-                    .build(
-                        &owner,
-                        &format!("0 {} thin {} {}", bytes / 512, self.pool_name, h.to_id),
-                        &Arc::new(Events::default()),
-                    )
-                    .map_err(|e| e.to_string())?,
-            ),
-        };
+        let table = self.open_volume(registry)?;
         let io = |e: std::io::Error| format!("writing the stream: {e}");
         out.write_all(&h.encode()).map_err(io)?;
         let start = (start_at as usize).min(self.plan.len());
         let mut w = Writer::new(out, self.layout_before(start_at));
         // Records are read READ_AHEAD at a time in parallel, while the batch before is
         // written: one synchronous 1 MiB read at a time leaves the data device idle between.
-        let read = |p: &Planned, buf: &mut AlignedBuf| -> Result<Kind, String> {
-            if !p.changed {
-                return Ok(Kind::Unmapped);
-            }
-            let data = &mut buf[..p.place.len as usize];
-            let table = table.as_ref().expect("data lies inside the volume");
-            table.read(p.place.offset, data).map_err(|e| {
-                format!(
-                    "reading thin device {} at byte {}: {e}",
-                    h.to_id, p.place.offset
-                )
-            })?;
-            Ok(match data.iter().all(|&b| b == 0) {
-                true => Kind::Zero,
-                false => Kind::Data,
-            })
-        };
+        let read = |p: &Planned, buf: &mut AlignedBuf| self.read_record(table.as_ref(), p, buf);
         let mut bufs: Vec<AlignedBuf> = (0..2 * READ_AHEAD)
             .map(|_| AlignedBuf::zeroed(MAX_DATA as usize))
             .collect();

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use log::{debug, info, warn};
 use serde_json::json;
 
+use super::acceptor;
 use super::metrics::MetricsAddress;
 use super::receive::{self, partial_of};
 use super::registry::Registry;
@@ -135,22 +136,11 @@ pub fn listen(address: &MetricsAddress, registry: Arc<Registry>) -> std::io::Res
         "replication: receiving streams on tcp:{}",
         listener.local_addr()?
     );
-    std::thread::Builder::new()
-        .name("replication-accept".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                match stream {
-                    Ok(s) => {
-                        let registry = registry.clone();
-                        let _ = std::thread::Builder::new()
-                            .name("replication".into())
-                            .spawn(move || serve_tcp(s, &registry));
-                    }
-                    Err(e) => warn!("replication: accept failed: {e}"),
-                }
-            }
-        })?;
-    Ok(())
+    acceptor::spawn(
+        "replication",
+        move || listener.accept().map(|(s, _)| s),
+        move |s| serve_tcp(s, &registry),
+    )
 }
 
 fn serve_tcp(stream: TcpStream, registry: &Registry) {

@@ -137,11 +137,46 @@ pub fn extent(offset: u64, len: u64, kind: &str, description: &str) -> Vec<Strin
     ]
 }
 
+/// fio over NBD on `uri`, every write verified (crc32c, the first mismatch fatal, no state
+/// file left behind), with the job's own options in `job` (name, pattern, sizes, seed…).
+pub fn fio_verified_command(uri: &str, job: &[&str]) -> Command {
+    let mut fio = Command::new("fio");
+    fio.args(["--ioengine=nbd", &format!("--uri={uri}")])
+        .args([
+            "--verify=crc32c",
+            "--verify_state_save=0",
+            "--verify_fatal=1",
+        ])
+        .args(job);
+    fio
+}
+
+/// [`fio_verified_command`] run to its end; fio's output.
+pub fn fio_verified(uri: &str, job: &[&str]) -> String {
+    run_ok(&mut fio_verified_command(uri, job))
+}
+
 /// `qemu-img convert` of a raw image (file or URI) onto an existing raw one, in place (`-n`).
 pub fn qemu_img_copy(from: &str, onto: &str) {
     tool(
         "qemu-img",
         &["convert", "-n", "-f", "raw", "-O", "raw", from, onto],
+    );
+}
+
+/// `qemu-img convert` of a raw image (file or URI) into a new image `into` of `format`.
+pub fn qemu_img_convert(from: &str, format: &str, into: &Path) {
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            format,
+            from,
+            into.to_str().unwrap(),
+        ],
     );
 }
 

@@ -36,6 +36,7 @@ fn ext4_and_xfs_on_linear(uring: &str) {
 
 #[test]
 fn ext4_on_a_clone_while_it_hydrates_and_fstrim_skips_unused_space() {
+    // Long on purpose: one end-to-end story (source image, clone, mount, hydrate, fstrim, compare) whose steps depend on each other.
     let daemon = fuse_daemon("fuse-clone");
     let tarball = real_tarball(&daemon.dir.0);
     // The source: an ext4 image holding the tarball's files (made without mounting).

@@ -8,23 +8,17 @@ fn fio_and_qemu_io_on_a_thin_volume_verify_and_the_pool_checks_clean() {
     let daemon = Daemon::start("thin-fio");
     let pool = make_pool(&daemon, "pool", 1024, "");
     make_volume(&daemon, &pool, "vol", 1, 64 * MIB);
-    let uri = format!("--uri={}", daemon.uri("vol"));
     let fio = |extra: &[&str]| {
-        let mut args = vec![
+        let job = [
             "--name=thin",
-            "--ioengine=nbd",
-            &uri,
             "--rw=randwrite",
             "--bsrange=4k-192k",
             "--iodepth=16",
             "--offset=4M",
             "--size=24M",
-            "--verify=crc32c",
-            "--verify_fatal=1",
             "--randseed=11",
         ];
-        args.extend_from_slice(extra);
-        tool("fio", &args)
+        fio_verified(&daemon.uri("vol"), &[&job[..], extra].concat())
     };
     fio(&[]);
     fio(&["--verify_only"]);

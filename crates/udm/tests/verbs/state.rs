@@ -73,29 +73,25 @@ fn table_swaps_under_load_give_clients_no_error() {
     let one = format!("0 131072 linear {d} 0");
     let two = format!("0 65536 linear {d} 0\n65536 65536 linear {d} 65536");
     daemon.create("vol", &one);
-    let uri = format!("--uri={}", daemon.uri("vol"));
-    let fio = std::process::Command::new("fio")
-        .args([
+    let fio = fio_verified_command(
+        &daemon.uri("vol"),
+        &[
             "--name=swap",
-            "--ioengine=nbd",
-            &uri,
             "--rw=randrw",
             "--bs=4k",
             "--iodepth=32",
             "--numjobs=2",
             "--size=32M",
             "--offset_increment=32M",
-            "--verify=crc32c",
-            "--verify_state_save=0",
-            "--verify_fatal=1",
             "--time_based",
             "--runtime=6",
             "--verify_backlog=1024",
             "--output-format=json",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("fio");
+        ],
+    )
+    .stdout(std::process::Stdio::piped())
+    .spawn()
+    .expect("fio");
     std::thread::sleep(Duration::from_millis(500));
     daemon.swap_tables("vol", &one, &two, 40, Duration::from_millis(50));
     let out = fio.wait_with_output().unwrap();

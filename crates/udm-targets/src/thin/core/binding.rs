@@ -1,0 +1,210 @@
+//! The pool's life with its tables: binding the live pool table at resume (growth, mode),
+//! suspend, the thin targets using it, status and messages.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use log::{error, info, warn};
+use udm_block::BlockDevice;
+use udm_metadata::thin::{DeviceInfo, ThinError, ThinMetadata, MAX_METADATA_BLOCKS};
+
+use super::{Bound, Meta, Pool, ThinUse};
+use crate::target::TargetError;
+use crate::thin::status::{metadata_low_water, Mode, PoolStatus};
+
+impl Pool {
+    /// Takes the live table's devices and features (at every resume of a pool table): grows
+    /// the metadata space if the table's metadata device is larger and the data space if
+    /// the table is, sets the mode the table asks for, and lets thin I/O through again.
+    pub fn bind(&self, bound: Bound, nr_blocks: u64, metadata: &Arc<dyn BlockDevice>) {
+        let read_only = bound.features.read_only;
+        *self.bound.write() = bound;
+        let mut meta = self.meta();
+        // A pool read-only because its metadata filled up grows (that is the way out of
+        // it); one read-only by its table, or failed, does not.
+        if !read_only {
+            let metadata_blocks =
+                (metadata.size() / udm_metadata::BLOCK_SIZE as u64).min(MAX_METADATA_BLOCKS);
+            let metadata_total = meta.md.metadata_usage().total;
+            self.grow(
+                &mut meta,
+                "metadata",
+                metadata_total,
+                metadata_blocks,
+                |md| md.resize_metadata(metadata.clone()),
+            );
+            let data_total = meta.md.data_usage().total;
+            self.grow(&mut meta, "data", data_total, nr_blocks, |md| {
+                md.resize_data(nr_blocks)
+            });
+        }
+        match self.mode() {
+            Mode::Fail => {}
+            _ if !read_only && meta.md.needs_check() => {
+                error!(
+                    "thin-pool '{}': unable to switch the pool to write mode until repaired \
+                     (thin_check, thin_repair)",
+                    self.name
+                );
+                self.set_mode(Mode::ReadOnly);
+            }
+            _ => self.set_mode(if read_only {
+                Mode::ReadOnly
+            } else {
+                Mode::Write
+            }),
+        }
+        self.low_water_triggered.store(false, Ordering::Release);
+        self.metadata_low_triggered.store(false, Ordering::Release);
+        self.space.reset();
+        if let Err(e) = self.commit_locked(&mut meta) {
+            warn!("thin-pool '{}': commit at resume failed: {e}", self.name);
+        }
+        drop(meta);
+        self.gate.open();
+    }
+
+    /// Grows the pool's `space` ("data" or "metadata") from `from` to `to` blocks with
+    /// `resize`, unless it is not larger, the pool has failed, or the metadata awaits repair.
+    fn grow(
+        &self,
+        meta: &mut Meta,
+        space: &str,
+        from: u64,
+        to: u64,
+        resize: impl FnOnce(&mut ThinMetadata) -> Result<(), ThinError>,
+    ) {
+        if to <= from || self.mode() == Mode::Fail {
+            return;
+        }
+        if meta.md.needs_check() {
+            error!(
+                "thin-pool '{}': unable to grow the {space} device until repaired",
+                self.name
+            );
+            return;
+        }
+        info!(
+            "thin-pool '{}': growing the {space} device from {from} to {to} blocks",
+            self.name
+        );
+        match resize(&mut meta.md) {
+            Ok(()) => self.mark_dirty(),
+            Err(e) => {
+                self.metadata_failed(meta, &format!("resize_{space}"), e);
+            }
+        }
+    }
+
+    /// Holds thin I/O and waits for what is in flight, then commits (pool suspend).
+    pub fn suspend(&self) {
+        self.gate.close();
+        if let Err(e) = self.commit() {
+            warn!("thin-pool '{}': commit at suspend failed: {e}", self.name);
+        }
+    }
+
+    /// Registers a thin target of device `id` in the table of device `owner`.
+    pub fn register_thin(&self, id: u32, owner: &str) -> u64 {
+        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+        self.thins.lock().push(ThinUse {
+            token,
+            id,
+            owner: owner.to_string(),
+            live: false,
+        });
+        token
+    }
+
+    pub fn set_thin_live(&self, token: u64, live: bool) {
+        if let Some(thin) = self.thins.lock().iter_mut().find(|t| t.token == token) {
+            thin.live = live;
+        }
+    }
+
+    pub fn unregister_thin(&self, token: u64) {
+        self.thins.lock().retain(|t| t.token != token);
+    }
+
+    /// The devices whose tables use thin device `id`: (name, live).
+    pub fn users_of(&self, id: u32) -> Vec<(String, bool)> {
+        let mut users: Vec<(String, bool)> = Vec::new();
+        for thin in self.thins.lock().iter().filter(|t| t.id == id) {
+            match users.iter_mut().find(|(name, _)| *name == thin.owner) {
+                Some((_, live)) => *live |= thin.live,
+                None => users.push((thin.owner.clone(), thin.live)),
+            }
+        }
+        users
+    }
+
+    pub fn device(&self, id: u32) -> Option<DeviceInfo> {
+        self.meta().md.device(id)
+    }
+
+    /// The status line's numbers. Commits first when running (as the kernel does, so the
+    /// metadata figures are current).
+    pub fn status(&self) -> PoolStatus {
+        if self.mode() != Mode::Fail && !self.gate.is_closed() {
+            if let Err(e) = self.commit() {
+                warn!("thin-pool '{}': commit for status failed: {e}", self.name);
+            }
+        }
+        let meta = self.meta();
+        let data = meta.md.data_usage();
+        let metadata = meta.md.metadata_usage();
+        let features = self.features();
+        PoolStatus {
+            mode: self.mode(),
+            transaction_id: meta.md.transaction_id(),
+            metadata_used: metadata.used,
+            metadata_total: metadata.total,
+            data_used: data.used,
+            data_total: data.total,
+            held_root: meta.md.held_root(),
+            discard_enabled: features.discard_enabled,
+            discard_passdown: features.discard_passdown,
+            error_if_no_space: features.error_if_no_space || self.space.timed_out(),
+            needs_check: meta.md.needs_check(),
+            metadata_low_water: metadata_low_water(metadata.total),
+        }
+    }
+
+    /// Runs a pool message that changes metadata, then commits (as the kernel does).
+    pub fn message(
+        &self,
+        run: impl FnOnce(&mut Meta) -> std::result::Result<(), ThinError>,
+        what: &str,
+    ) -> std::result::Result<(), TargetError> {
+        if self.mode() >= Mode::ReadOnly {
+            return Err(TargetError::new(format!(
+                "thin-pool: unable to service pool target messages in read-only or fail mode \
+                 (pool '{}' is {})",
+                self.name,
+                self.mode().word()
+            )));
+        }
+        let mut meta = self.meta();
+        // Snapshots change which of a device's blocks are shared, deletes unmap whole
+        // devices: the cache starts over.
+        self.maps.clear();
+        match run(&mut meta) {
+            Ok(()) => {}
+            Err(
+                e @ (ThinError::NoSuchDevice(_)
+                | ThinError::DeviceExists(_)
+                | ThinError::BadArgument(_)),
+            ) => return Err(TargetError::new(format!("thin-pool: {what}: {e}"))),
+            Err(e) => {
+                let e = self.metadata_failed(&mut meta, what, e);
+                return Err(TargetError::new(format!("thin-pool: {e}")));
+            }
+        }
+        self.mark_dirty();
+        self.commit_locked(&mut meta)
+            .map_err(|e| TargetError::new(format!("thin-pool: {what}: committing: {e}")))?;
+        // A delete may have freed blocks that requests are waiting for.
+        self.space.changed();
+        Ok(())
+    }
+}

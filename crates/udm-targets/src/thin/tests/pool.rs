@@ -1,0 +1,333 @@
+//! The pool's life: snapshots, running out of data or metadata space, reloads, refused
+//! lines and messages, durability across reopening, suspend.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use udm_block::{BlockDevice, BlockError, MapOp, MemoryDevice, WriteFlags};
+
+use super::*;
+
+#[test]
+fn a_snapshot_keeps_the_old_data_and_snapshots_of_it_too() {
+    let (rig, pool) = pool_with_thin(64, "");
+    let origin = rig.thin(4 * MIB, 1).unwrap();
+    write(&origin, 0, &filled(2 * BLOCK, 1));
+    // The origin is live: a snapshot now could catch half a write.
+    let err = rig
+        .message(&pool, "create_snap 2 1")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("active") && err.contains("suspend it first"),
+        "{err}"
+    );
+    origin.suspend();
+    rig.message(&pool, "create_snap 2 1").unwrap();
+    origin.resume();
+    let snap = rig.thin(4 * MIB, 2).unwrap();
+    assert_eq!(rig.data_used(&pool), 2, "a snapshot copies nothing");
+    // A partial write to a shared block copies it first; a whole-block write does not.
+    write(&origin, 4 * KIB, &filled(4 * KIB, 2));
+    write(&origin, BLOCK, &filled(BLOCK, 3));
+    assert_eq!(rig.data_used(&pool), 4);
+    let mut expected = filled(BLOCK, 1);
+    expected[4096..8192].fill(2);
+    assert_eq!(read(&origin, 0, BLOCK), expected);
+    assert_eq!(read(&origin, BLOCK, BLOCK), filled(BLOCK, 3));
+    assert_eq!(read(&snap, 0, 2 * BLOCK), filled(2 * BLOCK, 1));
+    // A snapshot of the snapshot, and a write to the snapshot.
+    drop(snap);
+    rig.message(&pool, "create_snap 3 2").unwrap();
+    let snap = rig.thin(4 * MIB, 2).unwrap();
+    let snap_of_snap = rig.thin(4 * MIB, 3).unwrap();
+    write(&snap, 0, &filled(4 * KIB, 9));
+    assert_eq!(read(&snap_of_snap, 0, 2 * BLOCK), filled(2 * BLOCK, 1));
+    assert_eq!(read(&snap, 0, 4 * KIB), filled(4 * KIB, 9));
+    assert_eq!(read(&origin, BLOCK, BLOCK), filled(BLOCK, 3));
+    assert_eq!(rig.data_used(&pool), 5);
+    // Deleting needs the device unused; then it frees what only it held.
+    let err = rig.message(&pool, "delete 2").unwrap_err().to_string();
+    assert!(err.contains("in use by"), "{err}");
+    drop(snap);
+    rig.message(&pool, "delete 2").unwrap();
+    assert_eq!(rig.data_used(&pool), 4, "the snapshot's own block is free");
+    drop(snap_of_snap);
+    rig.message(&pool, "delete 3").unwrap();
+    assert_eq!(
+        rig.data_used(&pool),
+        2,
+        "the blocks only the snapshots held are free"
+    );
+    let err = rig.message(&pool, "delete 3").unwrap_err().to_string();
+    assert!(err.contains("thin device 3 does not exist"), "{err}");
+}
+
+#[test]
+fn error_if_no_space_fails_at_once_and_says_so() {
+    let (rig, pool) = pool_with_thin(2, "1 error_if_no_space");
+    let thin = rig.thin(MIB, 1).unwrap();
+    write(&thin, 0, &filled(2 * BLOCK, 1));
+    let t = Instant::now();
+    let err = thin
+        .write(2 * BLOCK, &filled(4 * KIB, 1), WriteFlags::default())
+        .unwrap_err();
+    assert!(matches!(err, BlockError::NoSpace(_)), "{err:?}");
+    assert!(t.elapsed() < Duration::from_secs(1));
+    let status = rig.status(&pool);
+    assert!(
+        status.ends_with(" out_of_data_space discard_passdown error_if_no_space - 256 "),
+        "{status}"
+    );
+    // Writes to blocks already there still work, reads too.
+    write(&thin, 0, &filled(4 * KIB, 2));
+    assert_eq!(read(&thin, 0, 4 * KIB), filled(4 * KIB, 2));
+    // Freeing a block (committed) gives the pool its space back.
+    thin.discard(BLOCK, BLOCK).unwrap();
+    thin.flush().unwrap();
+    assert!(rig.status(&pool).contains(" rw "), "{}", rig.status(&pool));
+    write(&thin, 2 * BLOCK, &filled(4 * KIB, 1));
+}
+
+/// The one test that changes the process-wide no-space timeout (others never wait for it).
+#[test]
+fn out_of_space_queues_until_the_pool_grows_then_times_out() {
+    crate::thin::set_no_space_timeout(Duration::from_millis(400));
+    let rig = Rig::new(4 * MIB, 8 * BLOCK);
+    let pool = rig.pool(2 * BLOCK / 512, "128 1");
+    rig.message(&pool, "create_thin 1").unwrap();
+    let thin = Arc::new(rig.thin(MIB, 1).unwrap());
+    let events = rig.events.load(Ordering::SeqCst);
+    write(&*thin, 0, &filled(2 * BLOCK, 1));
+    assert!(
+        rig.events.load(Ordering::SeqCst) > events,
+        "the low water mark raised an event"
+    );
+    // The third block queues…
+    let writer = {
+        let thin = thin.clone();
+        std::thread::spawn(move || thin.write(2 * BLOCK, &filled(BLOCK, 3), WriteFlags::default()))
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!writer.is_finished(), "the write waits for space");
+    assert!(rig
+        .status(&pool)
+        .contains(" out_of_data_space discard_passdown queue_if_no_space "));
+    // …until the pool is reloaded larger (suspend does not wait for the queued write).
+    let bigger = rig
+        .build(
+            &rig.name,
+            &format!("0 {} thin-pool {{meta}} {{data}} 128 1", 4 * BLOCK / 512),
+        )
+        .unwrap();
+    pool.suspend();
+    bigger.resume();
+    writer.join().unwrap().unwrap();
+    assert_eq!(read(&*thin, 2 * BLOCK, BLOCK), filled(BLOCK, 3));
+    let status = rig.status(&bigger);
+    assert!(status.contains(" 3/4 - rw "), "{status}");
+    drop(pool);
+    // Full again: after the timeout the write fails, and so do the next ones at once.
+    write(&*thin, 3 * BLOCK, &filled(BLOCK, 4));
+    let t = Instant::now();
+    let err = thin
+        .write(4 * BLOCK, &filled(BLOCK, 5), WriteFlags::default())
+        .unwrap_err();
+    assert!(matches!(err, BlockError::NoSpace(_)), "{err:?}");
+    assert!(
+        t.elapsed() >= Duration::from_millis(350),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(rig
+        .status(&bigger)
+        .contains(" out_of_data_space discard_passdown error_if_no_space "));
+    let t = Instant::now();
+    assert!(thin
+        .write(5 * BLOCK, &filled(BLOCK, 5), WriteFlags::default())
+        .is_err());
+    assert!(t.elapsed() < Duration::from_millis(200));
+}
+
+#[test]
+fn a_reload_finds_the_same_pool_and_other_pools_are_refused() {
+    let (rig, pool) = pool_with_thin(32, "");
+    let thin = rig.thin(MIB, 1).unwrap();
+    write(&thin, 0, &filled(BLOCK, 6));
+    // Same devices, reloaded: the same pool, same data.
+    let again = rig.build(&rig.name, &pool.lines()[0]).unwrap();
+    pool.suspend();
+    again.resume();
+    assert_eq!(read(&thin, 0, BLOCK), filled(BLOCK, 6));
+    // Another metadata device under the same pool name.
+    rig.add("meta2", Arc::new(MemoryDevice::new(4 * MIB)));
+    let err = rig
+        .build(
+            &rig.name,
+            &format!("0 {} thin-pool {{meta2}} {{data}} 128 0", 32 * BLOCK / 512),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("a different pool cannot replace"), "{err}");
+    // Another pool on the same metadata.
+    let err = rig
+        .build(
+            &unique("pool"),
+            &format!("0 {} thin-pool {{meta}} {{data}} 128 0", 32 * BLOCK / 512),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("already in use by pool"), "{err}");
+    // Smaller, another block size, discards switched off: refused.
+    for (table, expected) in [
+        (
+            format!("0 {} thin-pool {{meta}} {{data}} 128 0", 16 * BLOCK / 512),
+            "too small",
+        ),
+        (
+            format!("0 {} thin-pool {{meta}} {{data}} 256 0", 32 * BLOCK / 512),
+            "block size",
+        ),
+        (
+            format!(
+                "0 {} thin-pool {{meta}} {{data}} 128 0 1 ignore_discard",
+                32 * BLOCK / 512
+            ),
+            "discard support",
+        ),
+    ] {
+        let err = rig.build(&rig.name, &table).err().unwrap().to_string();
+        assert!(err.contains(expected), "{table}: {err}");
+    }
+}
+
+#[test]
+fn thin_lines_that_name_nothing_are_refused() {
+    let (rig, pool) = pool_with_thin(16, "");
+    let err = rig.thin(MIB, 7).err().unwrap().to_string();
+    assert!(err.contains("thin device 7 does not exist"), "{err}");
+    let err = rig
+        .build("x", "0 8 thin {meta} 1")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("-meta' is not a thin-pool device"), "{err}");
+    pool.suspend();
+    let err = rig.thin(MIB, 1).err().unwrap().to_string();
+    assert!(
+        err.contains("while pool") && err.contains("is suspended"),
+        "{err}"
+    );
+    pool.resume();
+    rig.thin(MIB, 1).unwrap();
+}
+
+#[test]
+fn hostile_messages_change_nothing() {
+    let (rig, pool) = pool_with_thin(16, "");
+    let before = rig.status(&pool);
+    for text in [
+        "create_thin 1",
+        "create_thin 99999999",
+        "create_snap 5 4",
+        "create_snap 1 1",
+        "delete 4",
+        "set_transaction_id 5 6",
+        "release_metadata_snap",
+        "frobnicate",
+        "create_thin",
+    ] {
+        assert!(rig.message(&pool, text).is_err(), "{text} was accepted");
+    }
+    assert_eq!(rig.status(&pool), before);
+    rig.message(&pool, "set_transaction_id 0 1").unwrap();
+    assert!(rig.status(&pool).starts_with("1 "));
+    rig.message(&pool, "reserve_metadata_snap").unwrap();
+    let status = rig.status(&pool);
+    let held: Vec<&str> = status.split(' ').collect();
+    assert_ne!(held[3], "-", "{status}");
+    assert!(rig.message(&pool, "reserve_metadata_snap").is_err());
+    rig.message(&pool, "release_metadata_snap").unwrap();
+    assert!(rig.status(&pool).split(' ').nth(3) == Some("-"));
+}
+
+#[test]
+fn flushed_writes_survive_reopening_and_the_timer_commits_the_rest() {
+    let rig = Rig::new(4 * MIB, 64 * BLOCK);
+    let pool = rig.pool(64 * BLOCK / 512, "128 0");
+    rig.message(&pool, "create_thin 1").unwrap();
+    let thin = rig.thin(MIB, 1).unwrap();
+    write(&thin, 0, &filled(BLOCK, 1));
+    thin.flush().unwrap();
+    write(&thin, BLOCK, &filled(BLOCK, 2));
+    // Copy the devices as a crash would leave them, after the once-a-second commit.
+    std::thread::sleep(Duration::from_millis(1500));
+    let copy = |name: &str| {
+        let dev = rig.dev(name);
+        let copy = MemoryDevice::new(dev.size());
+        copy.write(0, &read(&*dev, 0, dev.size()), WriteFlags::default())
+            .unwrap();
+        Arc::new(copy) as Arc<dyn BlockDevice>
+    };
+    let other = Rig::new(MIB, MIB);
+    other.add("meta", copy("meta"));
+    other.add("data", copy("data"));
+    let _reopened = other.pool(64 * BLOCK / 512, "128 0");
+    let thin = other.thin(MIB, 1).unwrap();
+    assert_eq!(read(&thin, 0, BLOCK), filled(BLOCK, 1));
+    assert_eq!(read(&thin, BLOCK, BLOCK), filled(BLOCK, 2));
+}
+
+#[test]
+fn metadata_full_turns_the_pool_read_only() {
+    // A small metadata device; every thin device takes metadata blocks of its own.
+    let rig = Rig::new(MIB, 64 * BLOCK);
+    let pool = rig.pool(64 * BLOCK / 512, "128 0");
+    rig.message(&pool, "create_thin 0").unwrap();
+    let thin = rig.thin(MIB, 0).unwrap();
+    write(&thin, 0, &filled(BLOCK, 1));
+    thin.flush().unwrap();
+    let mut failure = None;
+    for id in 1..10_000 {
+        if let Err(e) = rig.message(&pool, &format!("create_thin {id}")) {
+            failure = Some(e.to_string());
+            break;
+        }
+    }
+    let failure = failure.expect("the metadata device filled up");
+    assert!(failure.contains("out of space"), "{failure}");
+    let status = rig.status(&pool);
+    assert!(status.contains(" ro "), "{status}");
+    let err = rig
+        .message(&pool, "create_thin 20000")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("read-only"), "{err}");
+    // Writes that need a block fail; reads and writes to mapped blocks still work.
+    let err = thin
+        .write(BLOCK, &filled(4 * KIB, 2), WriteFlags::default())
+        .unwrap_err();
+    assert!(matches!(err, BlockError::Io(_)), "{err:?}");
+    write(&thin, 0, &filled(4 * KIB, 3));
+    assert_eq!(read(&thin, 4 * KIB, 4 * KIB), filled(4 * KIB, 1));
+    assert_eq!(read(&thin, 0, 4 * KIB), filled(4 * KIB, 3));
+}
+
+#[test]
+fn suspending_the_pool_holds_thin_io_until_resume() {
+    let (rig, pool) = pool_with_thin(16, "");
+    let thin = Arc::new(rig.thin(MIB, 1).unwrap());
+    pool.suspend();
+    let reader = {
+        let thin = thin.clone();
+        std::thread::spawn(move || read(&*thin, 0, 4096))
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!reader.is_finished());
+    assert!(thin.map(MapOp::Read, 0, 4096).is_none());
+    pool.resume();
+    assert_eq!(reader.join().unwrap(), filled(4096, 0));
+}

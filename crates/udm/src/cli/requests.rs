@@ -1,0 +1,251 @@
+//! The verbs that are one control request: which request each sends, and how its answer is
+//! printed. The verbs that run in the client (the daemon, send and receive, loop devices,
+//! progress bars…) are answered in main.rs.
+
+use udm::control::Request;
+
+use super::{ColumnsArgs, Command, Control, ThinCommand};
+
+/// How a verb's answer is printed.
+pub enum Print {
+    /// The daemon's text.
+    Text,
+    /// The daemon's data as JSON.
+    Json,
+    /// `info -c`: columns drawn from the data.
+    Columns(ColumnsArgs),
+}
+
+impl Print {
+    fn json_or_text(json: bool) -> Print {
+        if json {
+            Print::Json
+        } else {
+            Print::Text
+        }
+    }
+}
+
+/// A verb read from the command line.
+pub enum Verb {
+    /// One control request to the daemon at `control`.
+    Request(Control, Request, Print),
+    /// A verb that runs in the client.
+    Local(Command),
+}
+
+/// What `command` asks of the daemon. One arm per verb, each only the verb's arguments moved
+/// into its request: a flat table, long because there are many verbs (reason for its length).
+pub fn verb(command: Command) -> anyhow::Result<Verb> {
+    let (control, request, print) = match command {
+        Command::Thin {
+            command:
+                ThinCommand::Delta {
+                    pool,
+                    from,
+                    to,
+                    json,
+                    control,
+                },
+        } => (
+            control,
+            Request::ThinDelta {
+                pool,
+                from: Some(from),
+                to,
+            },
+            Print::json_or_text(json),
+        ),
+        Command::Create {
+            name,
+            table,
+            readonly,
+            uuid,
+            control,
+        } => (
+            control,
+            Request::Create {
+                name,
+                table: table.text()?,
+                read_only: readonly,
+                uuid,
+            },
+            Print::Text,
+        ),
+        Command::Load {
+            name,
+            table,
+            readonly,
+            force,
+            control,
+        } => (
+            control,
+            Request::Load {
+                name,
+                table: table.text()?,
+                force,
+                read_only: readonly,
+            },
+            Print::Text,
+        ),
+        Command::Clear { name, control } => (control, Request::Clear { name }, Print::Text),
+        Command::Suspend {
+            name,
+            noflush,
+            control,
+        } => (control, Request::Suspend { name, noflush }, Print::Text),
+        Command::Resume { name, control } => (control, Request::Resume { name }, Print::Text),
+        Command::Message {
+            name,
+            sector,
+            words,
+            control,
+        } => (
+            control,
+            Request::Message {
+                name,
+                sector,
+                words,
+            },
+            Print::Text,
+        ),
+        Command::Status {
+            name,
+            target,
+            json,
+            control,
+        } => (
+            control,
+            Request::Status { name, target },
+            Print::json_or_text(json),
+        ),
+        Command::Table {
+            name,
+            target,
+            inactive,
+            control,
+        } => (
+            control,
+            Request::Table {
+                name,
+                target,
+                inactive,
+            },
+            Print::Text,
+        ),
+        Command::Info {
+            name,
+            columns,
+            json,
+            control,
+        } => {
+            let print = match (json, columns.wanted()) {
+                (true, _) => Print::Json,
+                (false, true) => Print::Columns(columns),
+                (false, false) => Print::Text,
+            };
+            (control, Request::Info { name }, print)
+        }
+        Command::Deps {
+            name,
+            json,
+            control,
+        } => (control, Request::Deps { name }, Print::json_or_text(json)),
+        Command::Ls {
+            tree,
+            json,
+            control,
+        } => (control, Request::Ls { tree }, Print::json_or_text(json)),
+        Command::Wait {
+            name,
+            event_nr,
+            progress: false,
+            control,
+        } => (control, Request::Wait { name, event_nr }, Print::Text),
+        Command::Rename {
+            name,
+            new,
+            setuuid,
+            control,
+        } => {
+            let (new_name, uuid) = match setuuid {
+                true => (None, Some(new)),
+                false => (Some(new), None),
+            };
+            (
+                control,
+                Request::Rename {
+                    name,
+                    new_name,
+                    uuid,
+                },
+                Print::Text,
+            )
+        }
+        Command::Remove {
+            name,
+            force,
+            retry,
+            deferred,
+            control,
+        } => (
+            control,
+            Request::Remove {
+                name,
+                force,
+                retry,
+                deferred,
+            },
+            Print::Text,
+        ),
+        Command::RemoveAll { force, control } => {
+            (control, Request::RemoveAll { force }, Print::Text)
+        }
+        Command::Finalize { name, control } => (control, Request::Finalize { name }, Print::Text),
+        Command::Targets { control } => (control, Request::Targets, Print::Text),
+        local => return Ok(Verb::Local(local)),
+    };
+    Ok(Verb::Request(control, request, print))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::cli::Cli;
+
+    fn verb_of(line: &str) -> Verb {
+        let cli = Cli::try_parse_from(line.split_whitespace()).unwrap();
+        verb(cli.command).unwrap()
+    }
+
+    #[test]
+    fn verbs_that_are_more_than_one_request_run_here() {
+        for line in [
+            "udm wait vol --progress",
+            "udm thin ls pool",
+            "udm version",
+            "udm stop",
+            "udm receive pool 3",
+        ] {
+            assert!(matches!(verb_of(line), Verb::Local(_)), "{line}");
+        }
+    }
+
+    #[test]
+    fn the_others_are_one_request_each() {
+        for (line, expected) in [
+            ("udm wait vol 3", "Wait"),
+            ("udm thin delta pool 2 3", "ThinDelta"),
+            ("udm info vol -c", "Info"),
+            ("udm rename vol --setuuid u-1", "Rename"),
+        ] {
+            let Verb::Request(_, request, _) = verb_of(line) else {
+                panic!("{line} ran here");
+            };
+            let sent = format!("{request:?}");
+            assert!(sent.contains(expected), "{line}: {sent}");
+        }
+    }
+}

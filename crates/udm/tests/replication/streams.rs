@@ -1,0 +1,145 @@
+//! Hostile streams (cut, corrupt, reordered, on the wrong base) and a receiver killed mid-stream:
+//! the replica stays as it was, and resumes.
+
+use super::*;
+
+/// Copies of `stream` damaged one way each: (what, the copy, what the receiver must say).
+fn damaged_copies(stream: &[u8]) -> [(&'static str, Vec<u8>, &'static str); 4] {
+    let starts = record_starts(stream);
+    assert!(starts.len() >= 5, "{} records", starts.len() - 1);
+    let mut corrupt = stream.to_vec();
+    corrupt[starts[1] + 28 + 1000] ^= 0x40;
+    let reordered = [
+        &stream[..starts[1]],
+        &stream[starts[2]..starts[3]],
+        &stream[starts[1]..starts[2]],
+        &stream[starts[3]..],
+    ]
+    .concat();
+    [
+        ("a corrupt byte", corrupt, "checksum is wrong"),
+        ("reordered records", reordered, "where record 1 belongs"),
+        (
+            "a cut stream",
+            stream[..starts[2] + 100].to_vec(),
+            "the stream is cut",
+        ),
+        (
+            "no trailer",
+            stream[..starts[starts.len() - 2]].to_vec(),
+            "the stream is cut",
+        ),
+    ]
+}
+
+#[test]
+fn cut_corrupt_truncated_reordered_and_wrong_base_streams_leave_the_replica_as_it_was() {
+    let (a, b, b_pool) = two_daemons("hostile");
+    qemu_io_ok(
+        &a.uri("vol"),
+        &["write -P 0x11 0 4M", "write -P 0x22 100M 2M"],
+    );
+    snapshot(&a, 2);
+    qemu_io_ok(
+        &a.uri("vol"),
+        &["write -P 0x33 1M 3M", "discard 100M 1M", "write -z 200M 1M"],
+    );
+    snapshot(&a, 3);
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x44 50M 1M"]);
+    snapshot(&a, 4);
+    let dir = &a.dir;
+    send_to_file(&a, 2, None, &dir.path("full"));
+    send_to_file(&a, 3, Some(2), &dir.path("inc"));
+    send_to_file(&a, 4, Some(3), &dir.path("inc2"));
+    succeeded(
+        receive(&b, 2, &std::fs::read(dir.path("full")).unwrap(), &[]),
+        "full receive",
+    );
+    let inc = std::fs::read(dir.path("inc")).unwrap();
+    let inc2 = std::fs::read(dir.path("inc2")).unwrap();
+    let before = (devices(&b), state(&b));
+    let damaged = damaged_copies(&inc);
+    let mut cases: Vec<(&str, &[u8], &[&str], &str)> = damaged
+        .iter()
+        .map(|(what, stream, expected)| (*what, &stream[..], &[][..], *expected))
+        .collect();
+    cases.push(("an unknown base", &inc2, &[], "wrong base"));
+    cases.push(("the wrong base", &inc2, &["--base", "2"], "wrong base"));
+    for (what, stream, args, expected) in cases {
+        let out = receive(&b, 3, stream, args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{what}: received");
+        assert!(err.contains(expected), "{what}: {err}");
+        assert_eq!(
+            (devices(&b), state(&b)),
+            before,
+            "{what}: the replica changed"
+        );
+    }
+    thin_check(&b, &b_pool);
+    same_snapshot(&a, &b, 2);
+    // The good stream still applies; then the next one onto it.
+    succeeded(receive(&b, 3, &inc, &[]), "incremental receive");
+    succeeded(receive(&b, 4, &inc2, &[]), "second incremental receive");
+    same_snapshot(&a, &b, 3);
+    same_snapshot(&a, &b, 4);
+    // Two receives of one stream at once, into two new devices: each gets its own staging.
+    let (b_ref, inc2) = (&b, &inc2);
+    std::thread::scope(|s| {
+        let twins = [5, 6].map(|id| s.spawn(move || receive(b_ref, id, inc2, &["--base", "3"])));
+        for twin in twins {
+            succeeded(twin.join().unwrap(), "concurrent receive");
+        }
+    });
+    for twin in [5, 6] {
+        with_thin(&b, "twin", twin, || {
+            with_thin(&b, "four", 4, || {
+                same_content(&b.uri("twin"), &b.uri("four"))
+            })
+        });
+    }
+    thin_check(&b, &b_pool);
+}
+
+#[test]
+fn a_receiver_killed_mid_stream_keeps_its_pool_and_resumes() {
+    let (a, mut b, b_pool) = two_daemons("kill");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x51 0 1M"]);
+    snapshot(&a, 2);
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x52 8M 192M"]);
+    snapshot(&a, 3);
+    send_to_file(&a, 2, None, &a.dir.path("first"));
+    send_to_file(&a, 3, Some(2), &a.dir.path("big"));
+    succeeded(
+        receive(&b, 2, &std::fs::read(a.dir.path("first")).unwrap(), &[]),
+        "first receive",
+    );
+    let big = std::fs::read(a.dir.path("big")).unwrap();
+    // Half the stream, then wait for progress to be durable, then kill -9.
+    let mut child = spawn_receive(&b, 3, &["--resume"]);
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(&big[..big.len() / 2]).unwrap();
+    wait_for(
+        || kept_records(&b, 3) > 0,
+        "durable progress of the receive",
+    );
+    // A staging device being written is no snapshot to send.
+    let staging = state(&b)["partial"]["3"]["staging"].to_string();
+    let err = b.udm_err(&["send", "pool", &staging]);
+    assert!(err.contains("staging device of a receive"), "{err}");
+    b.stop(libc::SIGKILL);
+    drop(stdin);
+    let _ = child.wait();
+    b.launch();
+    thin_check(&b, &b_pool);
+    same_snapshot(&a, &b, 2);
+    assert!(b
+        .udm_err(&["thin", "delta", "pool", "2", "3"])
+        .contains("does not exist"));
+    // The whole stream again: what the receiver kept is skipped.
+    let summary = succeeded(receive(&b, 3, &big, &["--resume"]), "resumed receive");
+    assert!(summary["resumed_from"].as_u64().unwrap() > 0, "{summary}");
+    same_snapshot(&a, &b, 3);
+    thin_check(&b, &b_pool);
+    assert!(state(&b)["partial"].as_object().unwrap().is_empty());
+}
