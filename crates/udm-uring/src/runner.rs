@@ -39,7 +39,14 @@ struct Mailbox {
 
 impl Mailbox {
     fn post(&self, job: Job) {
-        self.jobs.lock().push(job);
+        let mut jobs = self.jobs.lock();
+        jobs.push(job);
+        // Whoever found the mailbox empty has woken the thread, which has not taken the jobs
+        // yet: this one goes with them, without a wake (a syscall) of its own.
+        if jobs.len() > 1 {
+            return;
+        }
+        drop(jobs);
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a u64 to our eventfd.
         unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };

@@ -42,7 +42,7 @@ const BATCH_BYTES: u64 = 8 << 20;
 const BUSY_BATCH_BYTES: u64 = 1 << 20;
 const MAX_YIELD: Duration = Duration::from_millis(500);
 /// Copies of one batch's runs in flight at once (one while the user is busy).
-const COPIES: usize = 16;
+const COPIES: usize = 64;
 
 struct Control {
     paused: bool,
