@@ -3,7 +3,7 @@
 //! origin as it will be once merged: chunks the snapshot still holds are read and written on
 //! the COW device, the rest on the origin (saved first into any other snapshot of it). In the
 //! background, batches of chunks are copied from the end of the exception table back into the
-//! origin: hold the chunks, save them into the other snapshots, copy (16 at once, through the
+//! origin: hold the chunks, save them into the other snapshots, copy (64 at once, through the
 //! copier: on its io_uring ring when the devices map), flush the
 //! origin, then drop their records from the table's tail, as the kernel's merge but with up to
 //! 8 MiB of chunks per commit where the kernel merges one run of consecutive chunks. A restart resumes from what is left on the COW device; an event is raised when the
