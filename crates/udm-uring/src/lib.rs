@@ -29,6 +29,9 @@ use udm_block::{
     zero_chunk, BlockError, Completed, MapOp, MappedFile, Mapping, OnComplete, Piece, Place,
 };
 
+mod runner;
+pub use runner::{Runner, Then};
+
 /// Set in the `user_data` of every entry the engine submits; the ring's owner keeps it clear
 /// in its own.
 pub const ENGINE_TAG: u64 = 1 << 63;

@@ -41,16 +41,34 @@ fn snapshot(daemon: &Daemon, name: &str, origin: &Path, cow_size: u64, args: &st
     cow
 }
 
-fn qemu_io(uri: &str, commands: &[&str]) -> String {
+fn qemu_io(uri: &str, commands: &[impl AsRef<str>]) -> String {
     let mut args = vec!["-f", "raw"];
     for c in commands {
-        args.extend(["-c", c]);
+        args.extend(["-c", c.as_ref()]);
     }
     args.push(uri);
     let out = tool("qemu-io", &args);
     assert!(!out.contains("Pattern verification failed"), "{out}");
     assert!(!out.contains("failed:"), "{out}");
     out
+}
+
+/// qemu-io reads checking that a device of `mib` MiB holds `writes` (pattern, MiB, MiB)
+/// made in order over zeroes, one read per run of a pattern.
+fn reads_of(writes: &[(u8, usize, usize)], mib: usize) -> Vec<String> {
+    let mut bytes = vec![0u8; mib];
+    for &(byte, at, len) in writes {
+        bytes[at..at + len].fill(byte);
+    }
+    let mut reads = Vec::new();
+    let mut start = 0;
+    for i in 1..=mib {
+        if i == mib || bytes[i] != bytes[start] {
+            reads.push(format!("read -P {} {start}M {}M", bytes[start], i - start));
+            start = i;
+        }
+    }
+    reads
 }
 
 fn status(daemon: &Daemon, name: &str) -> String {
@@ -138,39 +156,22 @@ fn four_snapshots_of_one_origin_each_read_their_own_moment() {
         &format!("0 32768 snapshot-origin {}", origin.display()),
     );
     let base = daemon.uri("base");
+    // Each snapshot, its chunk size, then a write to the origin (pattern, MiB, MiB).
     let steps = [
-        ("s0", 8, "write -P 0x11 0 4M"),
-        ("s1", 16, "write -P 0x22 2M 4M"),
-        ("s2", 32, "write -P 0x33 1M 1M"),
-        ("s3", 128, "write -P 0x44 0 8M"),
+        ("s0", 8, (0x11, 0, 4)),
+        ("s1", 16, (0x22, 2, 4)),
+        ("s2", 32, (0x33, 1, 1)),
+        ("s3", 128, (0x44, 0, 8)),
     ];
-    for (name, chunk, write) in steps {
+    let writes: Vec<_> = steps.iter().map(|s| s.2).collect();
+    for (name, chunk, (byte, at, len)) in steps {
         snapshot(&daemon, name, &origin, 32 * MIB, &format!("P {chunk}"));
-        qemu_io(&base, &[write]);
+        qemu_io(&base, &[&format!("write -P {byte} {at}M {len}M")]);
     }
-    qemu_io(&daemon.uri("s0"), &["read -P 0 0 16M"]);
-    qemu_io(
-        &daemon.uri("s1"),
-        &["read -P 0x11 0 4M", "read -P 0 4M 12M"],
-    );
-    qemu_io(
-        &daemon.uri("s2"),
-        &[
-            "read -P 0x11 0 2M",
-            "read -P 0x22 2M 4M",
-            "read -P 0 6M 10M",
-        ],
-    );
-    qemu_io(
-        &daemon.uri("s3"),
-        &[
-            "read -P 0x11 0 1M",
-            "read -P 0x33 1M 1M",
-            "read -P 0x22 2M 4M",
-            "read -P 0 6M 10M",
-        ],
-    );
-    qemu_io(&base, &["read -P 0x44 0 8M", "read -P 0 8M 8M"]);
+    for (i, (name, _, _)) in steps.iter().enumerate() {
+        qemu_io(&daemon.uri(name), &reads_of(&writes[..i], 16));
+    }
+    qemu_io(&base, &reads_of(&writes, 16));
     assert_eq!(
         daemon.udm(&["table", "s3"]),
         format!(

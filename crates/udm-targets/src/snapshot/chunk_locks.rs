@@ -6,19 +6,36 @@
 //! write into a chunk a merge has yet to copy) holds it shared. Requests to different chunks
 //! never wait for each other. A waiting exclusive holder keeps new shared ones out, so a
 //! stream of reads cannot starve an origin write.
+//!
+//! The copier ([`super::copier`]) holds no thread while it waits for a chunk: it queues a
+//! callback ([`ChunkLocks::exclusive_then`]), which the last holder's release hands the chunk
+//! to, ahead of threads waiting for it.
 
 use parking_lot::{Condvar, Mutex};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 const SHARDS: usize = 64;
+
+/// Given the chunk once it is free (see [`ChunkLocks::exclusive_then`]).
+pub type Granted = Box<dyn FnOnce(ChunkGuard) + Send>;
 
 #[derive(Default)]
 struct Entry {
     shared: u32,
     exclusive: bool,
+    /// Exclusive holders waiting, threads and callbacks alike.
     exclusive_waiting: u32,
+    /// Threads waiting on the condition variable.
     waiting: u32,
+    /// Callbacks waiting, first come first served.
+    queued: VecDeque<Granted>,
+}
+
+impl Entry {
+    fn is_free(&self) -> bool {
+        !self.exclusive && self.shared == 0
+    }
 }
 
 #[derive(Default)]
@@ -98,6 +115,33 @@ impl ChunkLocks {
         self.guard(chunk, false)
     }
 
+    /// Holds `chunk` exclusively if that needs no waiting.
+    pub fn try_exclusive(self: &Arc<Self>, chunk: u64) -> Option<ChunkGuard> {
+        let mut chunks = self.shard(chunk).chunks.lock();
+        let entry = chunks.entry(chunk).or_default();
+        if !entry.is_free() || !entry.queued.is_empty() {
+            return None;
+        }
+        entry.exclusive = true;
+        drop(chunks);
+        Some(self.guard(chunk, true))
+    }
+
+    /// Holds `chunk` exclusively without a thread waiting for it: `granted` gets it at once
+    /// (on this thread) when it is free, else from the release that frees it, on that thread
+    /// (so it must be quick).
+    pub fn exclusive_then(self: &Arc<Self>, chunk: u64, granted: Granted) {
+        let mut chunks = self.shard(chunk).chunks.lock();
+        let entry = chunks.entry(chunk).or_default();
+        if entry.is_free() && entry.queued.is_empty() {
+            entry.exclusive = true;
+            drop(chunks);
+            return granted(self.guard(chunk, true));
+        }
+        entry.exclusive_waiting += 1;
+        entry.queued.push_back(granted);
+    }
+
     /// Holds `chunk` shared if that needs no waiting (for the non-blocking mapped path).
     pub fn try_shared(self: &Arc<Self>, chunk: u64) -> Option<ChunkGuard> {
         let mut chunks = self.shard(chunk).chunks.lock();
@@ -137,9 +181,17 @@ impl Drop for ChunkGuard {
         } else {
             entry.shared -= 1;
         }
+        if entry.is_free() {
+            if let Some(next) = entry.queued.pop_front() {
+                entry.exclusive = true;
+                entry.exclusive_waiting -= 1;
+                drop(chunks);
+                return next(self.locks.guard(self.chunk, true));
+            }
+        }
         if entry.waiting > 0 {
             shard.released.notify_all();
-        } else if entry.shared == 0 && !entry.exclusive {
+        } else if entry.is_free() {
             chunks.remove(&self.chunk);
         }
     }
@@ -171,6 +223,47 @@ mod tests {
             assert!(writer.join().unwrap() >= Duration::from_millis(25));
         });
         assert_eq!(locks.busy(), 0, "idle chunks leave nothing behind");
+    }
+
+    #[test]
+    fn a_queued_callback_gets_the_chunk_from_the_release_ahead_of_new_holders() {
+        let locks = Arc::new(ChunkLocks::default());
+        let reader = locks.shared(3);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sent = tx.clone();
+        locks.exclusive_then(3, Box::new(move |guard| sent.send(guard).unwrap()));
+        assert!(rx.try_recv().is_err(), "a shared holder keeps it");
+        assert!(locks.try_shared(3).is_none() && locks.try_exclusive(3).is_none());
+        locks.exclusive_then(3, Box::new(move |guard| tx.send(guard).unwrap()));
+        drop(reader);
+        let first = rx.try_recv().expect("handed over by the release");
+        assert!(rx.try_recv().is_err(), "one holder at a time");
+        drop(first);
+        let second = rx.try_recv().expect("the next in line");
+        assert!(locks.try_exclusive(3).is_none());
+        drop(second);
+        let free = locks.try_exclusive(3).expect("free again");
+        drop(free);
+        assert_eq!(locks.busy(), 0, "idle chunks leave nothing behind");
+    }
+
+    #[test]
+    fn a_thread_waiting_for_a_chunk_gets_it_after_the_queued_callbacks() {
+        let locks = Arc::new(ChunkLocks::default());
+        let held = locks.exclusive(8);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| drop(locks.exclusive(8)));
+            std::thread::sleep(Duration::from_millis(20));
+            let (tx, rx) = std::sync::mpsc::channel();
+            locks.exclusive_then(8, Box::new(move |guard| tx.send(guard).unwrap()));
+            drop(held);
+            let guard = rx.recv().unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            assert!(!waiter.is_finished(), "the callback holds it");
+            drop(guard);
+            waiter.join().unwrap();
+        });
+        assert_eq!(locks.busy(), 0);
     }
 
     #[test]

@@ -234,7 +234,7 @@ impl Snap {
     }
 
     /// How a copy-out's commit went: its exceptions visible, or the snapshot dropped.
-    fn committed(&self, records: &[Record], result: Result<(), StoreError>) {
+    pub fn committed(&self, records: &[Record], result: Result<(), StoreError>) {
         match result {
             Ok(()) => self.insert(records),
             Err(e) => self.invalidate(&format!("committing exceptions: {e}")),
@@ -293,7 +293,7 @@ impl Snap {
                 snap: self.clone(),
                 records,
                 ticket,
-                guards,
+                _guards: guards,
             }),
             Err(e) => {
                 self.invalidate(&format!("committing exceptions: {e}"));
@@ -308,7 +308,8 @@ pub struct Saving {
     snap: Arc<Snap>,
     records: Vec<Record>,
     ticket: u64,
-    guards: Vec<ChunkGuard>,
+    /// Let go once the commit is durable, by dropping the saving.
+    _guards: Vec<ChunkGuard>,
 }
 
 impl Saving {
@@ -316,26 +317,6 @@ impl Saving {
     pub fn finish(self) {
         let result = self.snap.store.wait(self.ticket);
         self.snap.committed(&self.records, result);
-    }
-
-    /// The same without waiting: once the commit is durable, the chunks are let go and
-    /// `then` is called, on the thread that finished the commit.
-    pub fn finish_then(self, then: impl FnOnce() + Send + 'static) {
-        let Saving {
-            snap,
-            records,
-            ticket,
-            guards,
-        } = self;
-        let store_snap = snap.clone();
-        store_snap.store.when_durable(
-            ticket,
-            Box::new(move |result| {
-                snap.committed(&records, result);
-                drop(guards);
-                then()
-            }),
-        );
     }
 }
 

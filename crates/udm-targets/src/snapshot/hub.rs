@@ -9,26 +9,17 @@
 //! devices, as a dm device and its backing disk are.
 
 use parking_lot::{Condvar, Mutex, RwLock};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use udm_block::{BlockDevice, Done, WorkerPool};
+use udm_block::{BlockDevice, Done};
 
+use super::copier;
 use super::cow::{OriginCache, Snap};
 use crate::rendezvous::Rendezvous;
 
 static HUBS: Rendezvous<Hub> = Rendezvous::new();
-
-/// Threads that copy origin chunks into snapshots for mapped origin writes. A copy holds one
-/// only while it reads the origin and writes the COW device (never through the commit), so
-/// this many copies run at once across every origin.
-const COPIERS: usize = 64;
-
-fn copiers() -> &'static Arc<WorkerPool> {
-    static POOL: OnceLock<Arc<WorkerPool>> = OnceLock::new();
-    POOL.get_or_init(|| WorkerPool::new("snapshot-copy", COPIERS))
-}
 
 pub struct Hub {
     /// The origin as the table that made the hub named it, for messages.
@@ -207,41 +198,12 @@ impl Hub {
         self.copy_out_ranges(origin, &[(offset, len)]);
     }
 
-    /// [`Hub::copy_out`] for a mapped origin write, holding no thread while the commits are
-    /// written: the copies run on the copy workers, and `done` is finished once every
-    /// snapshot's commit is durable (by the last commit to finish). The origin write goes
-    /// ahead either way, as with [`Hub::copy_out`].
-    pub fn copy_out_then(
-        self: &Arc<Self>,
-        origin: Arc<dyn BlockDevice>,
-        offset: u64,
-        len: u64,
-        done: Done,
-    ) {
-        let hub = self.clone();
-        copiers().submit(Box::new(move || {
-            let targets = hub.targets();
-            let savings: Vec<_> = OriginCache::with(&*origin, |cache| {
-                targets
-                    .iter()
-                    .filter_map(|snap| snap.begin_copy_out(cache, &[(offset, len)]))
-                    .collect()
-            });
-            if savings.is_empty() {
-                return done.finish(Ok(()));
-            }
-            let left = Arc::new((AtomicUsize::new(savings.len()), Mutex::new(Some(done))));
-            for saving in savings {
-                let left = left.clone();
-                saving.finish_then(move || {
-                    if left.0.fetch_sub(1, Ordering::AcqRel) == 1 {
-                        if let Some(done) = left.1.lock().take() {
-                            done.finish(Ok(()));
-                        }
-                    }
-                });
-            }
-        }));
+    /// [`Hub::copy_out`] for a mapped origin write, holding no thread while it waits: the
+    /// copier ([`super::copier`]) saves the chunks, and `done` is finished once every
+    /// snapshot's commit is durable. The origin write goes ahead either way, as with
+    /// [`Hub::copy_out`].
+    pub fn copy_out_then(&self, origin: Arc<dyn BlockDevice>, offset: u64, len: u64, done: Done) {
+        copier::copy_out(self.targets(), origin, offset, len, done)
     }
 
     /// [`Hub::copy_out`] for several ranges at once (a merge batch), with one commit per

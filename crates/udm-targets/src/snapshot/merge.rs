@@ -3,7 +3,8 @@
 //! origin as it will be once merged: chunks the snapshot still holds are read and written on
 //! the COW device, the rest on the origin (saved first into any other snapshot of it). In the
 //! background, batches of chunks are copied from the end of the exception table back into the
-//! origin: hold the chunks, save them into the other snapshots, copy (many at once), flush the
+//! origin: hold the chunks, save them into the other snapshots, copy (64 at once, through the
+//! copier: on its io_uring ring when the devices map), flush the
 //! origin, then drop their records from the table's tail, as the kernel's merge but with up to
 //! 8 MiB of chunks per commit where the kernel merges one run of consecutive chunks. A restart resumes from what is left on the COW device; an event is raised when the
 //! merge is done (udm adds: the kernel raises none) and when it fails.
@@ -24,6 +25,7 @@ use udm_block::{
 use udm_metadata::snapshot::Record;
 
 use super::chunk_locks::ChunkGuard;
+use super::copier;
 use super::cow::Snap;
 use super::hub::RoleGuard;
 use super::{details, each_chunk, parse, status_line, Persistence, SnapshotArgs};
@@ -39,8 +41,8 @@ const BATCH_BYTES: u64 = 8 << 20;
 /// I/O more than its copies do, so these are not tiny, and the pauses long.
 const BUSY_BATCH_BYTES: u64 = 1 << 20;
 const MAX_YIELD: Duration = Duration::from_millis(500);
-/// Threads copying the runs of one batch (one while the user is busy).
-const COPY_THREADS: usize = 16;
+/// Copies of one batch's runs in flight at once (one while the user is busy).
+const COPIES: usize = 64;
 
 struct Control {
     paused: bool,
@@ -248,49 +250,50 @@ impl Inner {
         Ok(count)
     }
 
-    /// Copies each run from the COW device to the origin, a few runs at a time.
+    /// Copies each run from the COW device to the origin, a few runs at a time, through the
+    /// copier ([`copier::io`]: on its ring when the devices map, else on its threads); this
+    /// thread only waits for them.
     fn copy_runs(&self, runs: &[&[Record]]) -> std::result::Result<(), String> {
         let snap = self.snap();
-        let origin = &*self.args.origin;
-        let size = origin.size();
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let copier = || -> std::result::Result<(), String> {
-            let mut buf = AlignedBuf::new();
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(run) = runs.get(i) else {
-                    return Ok(());
-                };
-                let (at, len) = run_bytes(snap, run, size);
-                if len == 0 {
-                    continue;
-                }
-                buf.resize(len as usize);
-                let from = run[0].new * snap.chunk;
-                snap.cow
-                    .read(from, &mut buf)
-                    .map_err(|e| format!("reading COW chunk {}: {e}", run[0].new))?;
-                origin
-                    .write(at, &buf, WriteFlags::default())
-                    .map_err(|e| format!("writing origin chunk {}: {e}", run[0].old))?;
-            }
-        };
+        let size = self.args.origin.size();
+        let mut copies = runs.iter().filter_map(|run| {
+            let (at, len) = run_bytes(snap, run, size);
+            (len > 0).then_some((run[0], at, len))
+        });
         // While the user has I/O going, one copy at a time: the merge's share is its pauses'
         // to decide, not a burst of parallel copies in front of the user's requests.
-        let threads = if self.activity.busy() {
-            1
-        } else {
-            COPY_THREADS.min(runs.len())
-        };
-        std::thread::scope(|s| {
-            let workers: Vec<_> = (1..threads).map(|_| s.spawn(copier)).collect();
-            let mine = copier();
-            workers
-                .into_iter()
-                .map(|w| w.join().expect("merge copier panicked"))
-                .chain(std::iter::once(mine))
-                .collect::<std::result::Result<(), String>>()
-        })
+        let window = if self.activity.busy() { 1 } else { COPIES };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (mut in_flight, mut failed) = (0, None);
+        loop {
+            while in_flight < window && failed.is_none() {
+                let Some((record, at, len)) = copies.next() else {
+                    break;
+                };
+                in_flight += 1;
+                let (told, origin) = (Told(Some(tx.clone())), self.args.origin.clone());
+                let buf = AlignedBuf::zeroed(len as usize);
+                let from = record.new * snap.chunk;
+                copier::io(snap.cow.clone(), None, from, buf, move |read, buf| {
+                    if let Err(e) = read {
+                        return told.tell(Err(format!("reading COW chunk {}: {e}", record.new)));
+                    }
+                    let flags = Some(WriteFlags::default());
+                    copier::io(origin, flags, at, buf, move |written, _| {
+                        let why = |e| format!("writing origin chunk {}: {e}", record.old);
+                        told.tell(written.map_err(why))
+                    });
+                });
+            }
+            if in_flight == 0 {
+                return failed.map_or(Ok(()), Err);
+            }
+            let copied = rx.recv().expect("this function holds a sender");
+            in_flight -= 1;
+            if let Err(e) = copied {
+                failed.get_or_insert(e);
+            }
+        }
     }
 
     fn pause(&self, paused: bool) {
@@ -340,6 +343,26 @@ impl Inner {
         match origin_run {
             Some((start, run)) => write_origin(start, run),
             None => Ok(()),
+        }
+    }
+}
+
+/// How one copy of a merge went, told once: dropped untold (a callback that panicked), it
+/// says the copy failed rather than leave the merge waiting for ever.
+struct Told(Option<std::sync::mpsc::Sender<std::result::Result<(), String>>>);
+
+impl Told {
+    fn tell(mut self, result: std::result::Result<(), String>) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(result);
+        }
+    }
+}
+
+impl Drop for Told {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(Err("a merge copy was abandoned".into()));
         }
     }
 }

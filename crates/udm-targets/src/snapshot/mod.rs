@@ -11,9 +11,11 @@
 //!
 //! The pieces: [`hub`] (one per origin: the snapshots that must see its writes), [`cow`]
 //! (one per COW device: its store, exceptions and chunk locks), [`exceptions`],
-//! [`chunk_locks`]; the on-disk store is `udm_metadata::snapshot`.
+//! [`chunk_locks`], [`copier`] (the copy-out of a mapped origin write, asynchronous steps on
+//! io_uring as the kernel's kcopyd); the on-disk store is `udm_metadata::snapshot`.
 
 mod chunk_locks;
+mod copier;
 mod cow;
 mod exceptions;
 mod hub;

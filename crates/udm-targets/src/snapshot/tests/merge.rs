@@ -1,0 +1,138 @@
+//! Merging a snapshot back into its origin (online rollback).
+
+use super::*;
+
+#[test]
+fn one_merge_per_origin_and_never_beside_another_devices_snapshot_origin() {
+    let rig = Rig::new(4 * MIB);
+    let (a, b) = (rig.cow(4 * MIB), rig.cow(4 * MIB));
+    let o = rig.origin.clone();
+    let origin = rig.origin_table();
+    drop(rig.snapshot(&a, "P 8"));
+    drop(rig.snapshot(&b, "P 8"));
+    let err = rig
+        .try_table("other", &format!("snapshot-merge {o} {a} P 8"))
+        .err()
+        .unwrap();
+    assert!(
+        err.contains("serves origin") && err.contains("with snapshot-origin"),
+        "{err}"
+    );
+    // In the origin device's own table, the merge takes the snapshot-origin's place.
+    let merge = rig.table("origin-dev", &format!("snapshot-merge {o} {a} P 8"));
+    drop(origin);
+    let err = rig
+        .try_table("third", &format!("snapshot-merge {o} {b} P 8"))
+        .err()
+        .unwrap();
+    assert!(err.contains("already being merged"), "{err}");
+    // The same COW device merged by a second device: two merges would copy it back twice.
+    let err = rig
+        .try_table("third", &format!("snapshot-merge {o} {a} P 8"))
+        .err()
+        .unwrap();
+    assert!(
+        err.contains("already being merged by device 'origin-dev'"),
+        "{err}"
+    );
+    let err = rig
+        .try_table("fourth", &format!("snapshot-origin {o}"))
+        .err()
+        .unwrap();
+    assert!(
+        err.contains("is being merged by device 'origin-dev'"),
+        "{err}"
+    );
+    let fresh = rig.cow(4 * MIB);
+    let err = rig
+        .try_table("fifth", &format!("snapshot {o} {fresh} P 8"))
+        .err()
+        .unwrap();
+    assert!(
+        err.contains("take snapshots of it once the merge is done"),
+        "{err}"
+    );
+    drop(merge);
+    rig.table("fourth", &format!("snapshot-origin {o}"));
+}
+
+/// Drives a merge to its end, checking the progress it reports on the way.
+fn wait_merged(merge: &Table, events: &AtomicU64, events_before: u64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while events.load(Ordering::SeqCst) == events_before {
+        assert!(
+            Instant::now() < deadline,
+            "merge did not finish: {}",
+            target(merge).status()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let details = target(merge).status_details().unwrap();
+    assert_eq!(details["progress"]["complete"], true, "{details}");
+    assert_eq!(
+        details["progress"]["done_bytes"],
+        details["progress"]["total_bytes"]
+    );
+}
+
+#[test]
+fn a_merge_rolls_the_origin_back_while_writes_go_on_and_resumes_after_a_restart() {
+    let rig = Rig::new(8 * MIB);
+    let cow = rig.cow(16 * MIB);
+    let o = rig.origin.clone();
+    let origin = rig.origin_table();
+    let snap = rig.snapshot(&cow, "P 8");
+    // Change most of the origin, in scattered writes.
+    for i in 0..1500u64 {
+        write(&origin, (i * 5573 * 4096) % (8 * MIB), 4096, 1000 + i);
+    }
+    let snapshot_view = read(&snap, 0, 8 * MIB as usize);
+    assert!(snapshot_view[..] == original(8 * MIB)[..]);
+    // The LVM way: suspend the origin, drop the snapshot device, load the merge in the
+    // origin device's place.
+    drop(snap);
+    drop(origin);
+    let merge = rig.table("origin-dev", &format!("snapshot-merge {o} {cow} P 8"));
+    target(&merge).message(&["max_merge_rate", "4096"]).unwrap();
+    // At once the device reads as the snapshot did.
+    assert!(read(&merge, 0, 8 * MIB as usize)[..] == snapshot_view[..]);
+    // A restart in the middle: the table goes away and comes back from the devices.
+    std::thread::sleep(Duration::from_millis(300));
+    merge.suspend();
+    let left = |merge: &Table| target(merge).status_details().unwrap()["exceptions"].as_u64();
+    let before = left(&merge).unwrap();
+    drop(merge);
+    let merge = rig.table("origin-dev", &format!("snapshot-merge {o} {cow} P 8"));
+    // It goes on from what is left on the COW device (already merging again).
+    let after = left(&merge).unwrap();
+    assert!(
+        after <= before && after > 0,
+        "{before} chunks left, then {after}"
+    );
+    // Writes while merging: into merged and unmerged chunks alike.
+    let events = rig.events.load(Ordering::SeqCst);
+    let mut expected = snapshot_view;
+    for i in 0..200u64 {
+        let at = (i * 7919 * 4096 + 512) % (8 * MIB - 8192);
+        let data = pattern(6144, 5000 + i);
+        merge.write(at, &data, WriteFlags::default()).unwrap();
+        expected[at as usize..at as usize + 6144].copy_from_slice(&data);
+    }
+    target(&merge).message(&["max_merge_rate", "0"]).unwrap();
+    wait_merged(&merge, &rig.events, events);
+    let status = target(&merge).status();
+    let (allocated, metadata) = parse_status(&status);
+    assert_eq!(allocated, metadata, "merged: {status}");
+    assert!(read(&merge, 0, 8 * MIB as usize)[..] == expected[..]);
+    assert!(read(&*rig.device(&o), 0, 8 * MIB as usize)[..] == expected[..]);
+    assert_eq!(
+        target(&merge).replacement().unwrap().unwrap(),
+        format!("snapshot-origin {o}")
+    );
+}
+
+fn parse_status(status: &str) -> (u64, u64) {
+    let (used, metadata) = status.split_once(' ').unwrap();
+    let allocated = used.split_once('/').unwrap().0;
+    (allocated.parse().unwrap(), metadata.parse().unwrap())
+}
