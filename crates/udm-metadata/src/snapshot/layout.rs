@@ -187,27 +187,9 @@ impl Walk {
 /// named twice. `Ok(None)` for a blank device. An invalid store's areas are not read (the
 /// kernel ignores them too).
 pub fn walk(dev: &dyn BlockDevice) -> Result<Option<Walk>, StoreError> {
-    if dev.size() < SECTOR_SIZE {
-        return Err(StoreError::TooSmall(format!(
-            "the COW device has {} bytes, less than its header's sector",
-            dev.size()
-        )));
-    }
-    let mut first = AlignedBuf::zeroed(SECTOR_SIZE as usize);
-    dev.read(0, &mut first)?;
-    let Some(header) = decode_header(&first)? else {
+    let Some((header, geometry)) = read_header(dev)? else {
         return Ok(None);
     };
-    let geometry = Geometry::new(header.chunk_sectors, dev.size());
-    if geometry.chunks < 2 {
-        return Err(StoreError::TooSmall(format!(
-            "the COW device ({} sectors) is smaller than its header and first metadata area \
-             ({} sectors with its chunk size of {})",
-            dev.size() / SECTOR_SIZE,
-            2 * header.chunk_sectors,
-            header.chunk_sectors
-        )));
-    }
     let mut found = Walk {
         header,
         records: Vec::new(),
@@ -218,8 +200,7 @@ pub fn walk(dev: &dyn BlockDevice) -> Result<Option<Walk>, StoreError> {
         return Ok(Some(found));
     }
     let per_area = geometry.per_area();
-    let mut olds = std::collections::HashSet::new();
-    let mut news = std::collections::HashSet::new();
+    let mut seen = Seen::default();
     let mut area = AlignedBuf::zeroed(geometry.chunk_bytes() as usize);
     loop {
         let chunk = geometry.area_chunk(found.current_area);
@@ -244,39 +225,70 @@ pub fn walk(dev: &dyn BlockDevice) -> Result<Option<Walk>, StoreError> {
                 return Ok(Some(found));
             }
             let at = || format!("record {index} of metadata area {}", found.current_area);
-            if record.new >= geometry.chunks {
-                return Err(StoreError::Corrupt(format!(
-                    "{} points to COW chunk {}, past the end of the device ({} chunks): \
-                     truncated?",
-                    at(),
-                    record.new,
-                    geometry.chunks
-                )));
-            }
-            if geometry.is_metadata(record.new) {
-                return Err(StoreError::Corrupt(format!(
-                    "{} points to chunk {}, which holds metadata",
-                    at(),
-                    record.new
-                )));
-            }
-            if !olds.insert(record.old) {
-                return Err(StoreError::Corrupt(format!(
-                    "{} saves origin chunk {} a second time",
-                    at(),
-                    record.old
-                )));
-            }
-            if !news.insert(record.new) {
-                return Err(StoreError::Corrupt(format!(
-                    "{} uses COW chunk {} a second time",
-                    at(),
-                    record.new
-                )));
-            }
+            seen.check(&geometry, record, at)?;
             found.records.push(record);
         }
         found.current_area += 1;
+    }
+}
+
+/// The header of a COW device and the geometry it gives the device; `None` for a blank one.
+/// Refuses a device too small for its header and first metadata area.
+fn read_header(dev: &dyn BlockDevice) -> Result<Option<(Header, Geometry)>, StoreError> {
+    if dev.size() < SECTOR_SIZE {
+        return Err(StoreError::TooSmall(format!(
+            "the COW device has {} bytes, less than its header's sector",
+            dev.size()
+        )));
+    }
+    let mut first = AlignedBuf::zeroed(SECTOR_SIZE as usize);
+    dev.read(0, &mut first)?;
+    let Some(header) = decode_header(&first)? else {
+        return Ok(None);
+    };
+    let geometry = Geometry::new(header.chunk_sectors, dev.size());
+    if geometry.chunks < 2 {
+        return Err(StoreError::TooSmall(format!(
+            "the COW device ({} sectors) is smaller than its header and first metadata area \
+             ({} sectors with its chunk size of {})",
+            dev.size() / SECTOR_SIZE,
+            2 * header.chunk_sectors,
+            header.chunk_sectors
+        )));
+    }
+    Ok(Some((header, geometry)))
+}
+
+/// The origin and COW chunks the records read so far name: each may be named once.
+#[derive(Default)]
+struct Seen {
+    olds: std::collections::HashSet<u64>,
+    news: std::collections::HashSet<u64>,
+}
+
+impl Seen {
+    /// Checks `record` (found `at()`) against the device and the records before it.
+    fn check(
+        &mut self,
+        geometry: &Geometry,
+        record: Record,
+        at: impl Fn() -> String,
+    ) -> Result<(), StoreError> {
+        let problem = if record.new >= geometry.chunks {
+            format!(
+                "points to COW chunk {}, past the end of the device ({} chunks): truncated?",
+                record.new, geometry.chunks
+            )
+        } else if geometry.is_metadata(record.new) {
+            format!("points to chunk {}, which holds metadata", record.new)
+        } else if !self.olds.insert(record.old) {
+            format!("saves origin chunk {} a second time", record.old)
+        } else if !self.news.insert(record.new) {
+            format!("uses COW chunk {} a second time", record.new)
+        } else {
+            return Ok(());
+        };
+        Err(StoreError::Corrupt(format!("{} {problem}", at())))
     }
 }
 
