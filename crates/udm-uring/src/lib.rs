@@ -24,7 +24,7 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use io_uring::{opcode, squeue, types};
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use udm_block::{
     zero_chunk, BlockError, Completed, MapOp, MappedFile, Mapping, OnComplete, Piece, Place,
 };
@@ -43,6 +43,29 @@ const MAX_TRANSFER: u64 = 1 << 30;
 /// True for completions of entries the engine submitted.
 pub fn is_engine(user_data: u64) -> bool {
     user_data & ENGINE_TAG != 0
+}
+
+/// Pushes entries from the front of `entries` into `ring`'s submission queue until it is
+/// full; returns how many went in. Every ring owner (the NBD loop, a FUSE queue, the runner)
+/// keeps a backlog longer than its queue can take at once and drains it this way.
+///
+/// # Safety
+///
+/// Each entry's buffers must stay valid until its completion is handled.
+pub unsafe fn push_some<S: squeue::EntryMarker, C: cqueue::EntryMarker>(
+    ring: &mut IoUring<S, C>,
+    entries: &[S],
+) -> usize {
+    let mut sq = ring.submission();
+    let mut pushed = 0;
+    for entry in entries {
+        // SAFETY: the caller keeps the entry's buffers valid until its completion.
+        if unsafe { sq.push(entry) }.is_err() {
+            break;
+        }
+        pushed += 1;
+    }
+    pushed
 }
 
 /// Whether io_uring can be used here; the error is one line naming why not (disabled by

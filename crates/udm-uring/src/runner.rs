@@ -215,17 +215,9 @@ impl Thread {
     fn submit_queued(&mut self) {
         let mut done = 0;
         while done < self.queued.len() {
-            {
-                let mut sq = self.ring.submission();
-                while done < self.queued.len() {
-                    // SAFETY: every entry's buffer is held in `running` (or is the wake
-                    // value) until its completion is handled.
-                    if unsafe { sq.push(&self.queued[done]) }.is_err() {
-                        break;
-                    }
-                    done += 1;
-                }
-            }
+            // SAFETY: every entry's buffer is held in `running` (or is the wake value) until
+            // its completion is handled.
+            done += unsafe { crate::push_some(&mut self.ring, &self.queued[done..]) };
             if done < self.queued.len() {
                 if let Err(e) = self.ring.submit() {
                     if !matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EINTR)) {

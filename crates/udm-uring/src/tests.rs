@@ -413,3 +413,21 @@ fn write_zeroes_where_the_file_cannot_zero_a_range_writes_zeroes_unless_only_fas
         );
     }
 }
+
+#[test]
+fn push_some_fills_the_submission_queue_and_says_how_many_went_in() {
+    let mut ring = IoUring::new(4).unwrap();
+    let nops: Vec<_> = (0..6)
+        .map(|i| opcode::Nop::new().build().user_data(i))
+        .collect();
+    // SAFETY: a no-op has no buffers.
+    assert_eq!(unsafe { push_some(&mut ring, &nops) }, 4);
+    assert_eq!(unsafe { push_some(&mut ring, &nops[4..]) }, 0);
+    ring.submit_and_wait(4).unwrap();
+    let mut seen: Vec<_> = ring.completion().map(|c| c.user_data()).collect();
+    assert_eq!(unsafe { push_some(&mut ring, &nops[4..]) }, 2);
+    ring.submit_and_wait(2).unwrap();
+    seen.extend(ring.completion().map(|c| c.user_data()));
+    assert_eq!(seen, (0..6).collect::<Vec<_>>());
+    assert_eq!(unsafe { push_some(&mut ring, &[]) }, 0);
+}

@@ -181,17 +181,11 @@ impl Serving {
     /// Moves the backlog to the ring and submits it; with `wait`, until a completion comes.
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {
         loop {
-            {
-                let mut sq = self.queue.ring.submission();
-                while let Some(entry) = self.backlog.front() {
-                    // SAFETY: every entry's buffers (slots, the engine's requests) stay valid
-                    // until its completion is reaped.
-                    if unsafe { sq.push(entry) }.is_err() {
-                        break;
-                    }
-                    self.backlog.pop_front();
-                }
-            }
+            let backlog = self.backlog.make_contiguous();
+            // SAFETY: every entry's buffers (slots, the engine's requests) stay valid until its
+            // completion is reaped.
+            let pushed = unsafe { udm_uring::push_some(&mut self.queue.ring, backlog) };
+            self.backlog.drain(..pushed);
             let more = !self.backlog.is_empty();
             let want = usize::from(wait && !more);
             match self.queue.ring.submit_and_wait(want) {

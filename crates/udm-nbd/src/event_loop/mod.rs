@@ -425,17 +425,9 @@ impl EventLoop {
     fn submit_queued(&mut self) {
         let mut done = 0;
         while done < self.queued.len() {
-            {
-                let mut sq = self.ring.submission();
-                while done < self.queued.len() {
-                    // SAFETY: every entry's buffers are owned by a connection, a mapped
-                    // request or the loop, and stay alive until its completion is handled.
-                    if unsafe { sq.push(&self.queued[done]) }.is_err() {
-                        break;
-                    }
-                    done += 1;
-                }
-            }
+            // SAFETY: every entry's buffers are owned by a connection, a mapped request or the
+            // loop, and stay alive until its completion is handled.
+            done += unsafe { udm_uring::push_some(&mut self.ring, &self.queued[done..]) };
             if done < self.queued.len() {
                 match self.ring.submit() {
                     Ok(_) => {}
