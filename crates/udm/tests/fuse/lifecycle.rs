@@ -438,38 +438,14 @@ fn a_device_on_a_remote_export_reads_and_writes_through_its_client(uring: &str) 
     daemon.create("remote", &format!("0 16384 linear {} 0", server.uri("vol")));
     let file = daemon.dir.path("fuse").join("remote");
     let data = daemon.dir.path("data.bin");
-    tool(
-        "dd",
-        &[
-            "if=/dev/urandom",
-            &format!("of={}", data.display()),
-            "bs=64k",
-            "count=32",
-        ],
-    );
-    tool(
-        "dd",
-        &[
-            &format!("if={}", data.display()),
-            &format!("of={}", file.display()),
-            "bs=64k",
-            "seek=16",
-            "oflag=direct",
-            "conv=notrunc,fsync",
-        ],
+    dd(Path::new("/dev/urandom"), &data, &["count=32"]);
+    dd(
+        &data,
+        &file,
+        &["seek=16", "oflag=direct", "conv=notrunc,fsync"],
     );
     let back = daemon.dir.path("back.bin");
-    tool(
-        "dd",
-        &[
-            &format!("if={}", file.display()),
-            &format!("of={}", back.display()),
-            "bs=64k",
-            "skip=16",
-            "count=32",
-            "iflag=direct",
-        ],
-    );
+    dd(&file, &back, &["skip=16", "count=32", "iflag=direct"]);
     let written = std::fs::read(&data).unwrap();
     assert!(
         std::fs::read(&back).unwrap() == written,
@@ -479,5 +455,17 @@ fn a_device_on_a_remote_export_reads_and_writes_through_its_client(uring: &str) 
     assert!(
         stored[1 << 20..3 << 20] == written[..],
         "the export holds other data"
+    );
+}
+
+/// dd from `from` to `to` in 64 KiB blocks, with `operands` (offsets, O_DIRECT, sync).
+fn dd(from: &Path, to: &Path, operands: &[&str]) {
+    let (input, output) = (
+        format!("if={}", from.display()),
+        format!("of={}", to.display()),
+    );
+    tool(
+        "dd",
+        &[&[input.as_str(), output.as_str(), "bs=64k"], operands].concat(),
     );
 }
