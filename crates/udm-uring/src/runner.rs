@@ -335,14 +335,14 @@ mod tests {
         let runner = Runner::start("test-runner", 4).unwrap();
         let (path, f) = file("fail");
         let (tx, rx) = mpsc::channel();
+        // Reads `mapping` into a buffer of `len` bytes; the outcome comes back on `rx`.
+        let read = |mapping: Mapping, len: usize| {
+            let told = tx.clone();
+            let tell: Then = Box::new(move |outcome, _| told.send(outcome).unwrap());
+            runner.run(MapOp::Read, mapping, AlignedBuf::zeroed(len), tell);
+        };
         let step = Pending::new(|done: Done| done.finish(Err(BlockError::Io("no".into()))));
-        let told = tx.clone();
-        runner.run(
-            MapOp::Read,
-            at(&f, 0, 4096).after(step),
-            AlignedBuf::zeroed(4096),
-            Box::new(move |outcome, _| told.send(outcome).unwrap()),
-        );
+        read(at(&f, 0, 4096).after(step), 4096);
         assert!(matches!(rx.recv().unwrap(), Outcome::Done(Err(_))));
         runner.run(
             MapOp::Read,
@@ -351,20 +351,9 @@ mod tests {
             Box::new(|_, _| panic!("a callback's bug")),
         );
         // A buffer shorter than the mapping is refused, not read past.
-        let told = tx.clone();
-        runner.run(
-            MapOp::Read,
-            at(&f, 0, 8192),
-            AlignedBuf::zeroed(4096),
-            Box::new(move |outcome, _| told.send(outcome).unwrap()),
-        );
+        read(at(&f, 0, 8192), 4096);
         assert!(matches!(rx.recv().unwrap(), Outcome::Done(Err(_))));
-        runner.run(
-            MapOp::Read,
-            at(&f, 0, 4096),
-            AlignedBuf::zeroed(4096),
-            Box::new(move |outcome, _| tx.send(outcome).unwrap()),
-        );
+        read(at(&f, 0, 4096), 4096);
         assert!(matches!(rx.recv().unwrap(), Outcome::Done(Ok(()))));
         std::fs::remove_file(path).unwrap();
     }
