@@ -143,12 +143,8 @@ fn a_suspend_a_remove_and_a_shutdown_never_wait_for_a_path() {
         std::thread::sleep(Duration::from_millis(20));
     }
     // A suspend fails it rather than wait for a path that may never come.
-    let suspend = Command::new("timeout")
-        .args(["5", UDM, "suspend", "mp"])
-        .env("UDM_CONTROL", a.control())
-        .status()
-        .unwrap();
-    assert!(suspend.success(), "udm suspend waited for a path");
+    let suspend = udm_within_5s(&a, &["suspend", "mp"]);
+    assert!(suspend, "udm suspend waited for a path");
     assert_eq!(client.reply().unwrap(), (libc::EIO as u32, 2));
     a.udm(&["resume", "mp"]);
 
@@ -281,11 +277,18 @@ fn a_multipath_over_a_suspended_device_is_removed_without_waiting_for_it() {
     a.udm(&["suspend", "x"]);
     // The checker's round comes while x is suspended.
     std::thread::sleep(Duration::from_millis(1500));
-    let remove = Command::new("timeout")
-        .args(["5", UDM, "remove", "mp"])
-        .env("UDM_CONTROL", a.control())
-        .status()
-        .unwrap();
+    let remove = udm_within_5s(&a, &["remove", "mp"]);
     a.udm(&["resume", "x"]);
-    assert!(remove.success(), "removing the multipath waited for x");
+    assert!(remove, "removing the multipath waited for x");
+}
+
+/// Runs `udm args` against `daemon` under a 5 s timeout: true when it succeeded in time.
+fn udm_within_5s(daemon: &Daemon, args: &[&str]) -> bool {
+    Command::new("timeout")
+        .args(["5", UDM])
+        .args(args)
+        .env("UDM_CONTROL", daemon.control())
+        .status()
+        .unwrap()
+        .success()
 }
