@@ -22,6 +22,7 @@
 //! - zero pieces are filled (reads) or dropped (writes) without a submission.
 
 use std::any::Any;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
@@ -66,6 +67,16 @@ pub unsafe fn push_some<S: squeue::EntryMarker, C: cqueue::EntryMarker>(
         pushed += 1;
     }
     pushed
+}
+
+/// An entry that reads an eventfd's 8-byte count into `into`: how a ring owner's thread is
+/// woken from its wait when other threads hand it work. `into` must stay put until the
+/// completion (a boxed value the owner keeps).
+pub fn eventfd_read(fd: &impl AsRawFd, into: &mut u64, user_data: u64) -> squeue::Entry {
+    let into: *mut u64 = into;
+    opcode::Read::new(types::Fd(fd.as_raw_fd()), into.cast(), 8)
+        .build()
+        .user_data(user_data)
 }
 
 /// Whether io_uring can be used here; the error is one line naming why not (disabled by

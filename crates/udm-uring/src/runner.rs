@@ -9,7 +9,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use io_uring::{opcode, squeue, types, IoUring};
+use io_uring::{squeue, IoUring};
 use log::error;
 use parking_lot::Mutex;
 use udm_block::{AlignedBuf, BlockError, MapOp, Mapping};
@@ -202,13 +202,8 @@ impl Thread {
     }
 
     fn arm_wake(&mut self) {
-        let fd = types::Fd(self.mailbox.wake.as_raw_fd());
-        let into: *mut u64 = &mut *self.wake_value;
-        self.queued.push(
-            opcode::Read::new(fd, into.cast(), 8)
-                .build()
-                .user_data(WAKE),
-        );
+        let wake = crate::eventfd_read(&self.mailbox.wake, &mut self.wake_value, WAKE);
+        self.queued.push(wake);
     }
 
     /// Moves queued entries into the submission queue, submitting whenever it is full.

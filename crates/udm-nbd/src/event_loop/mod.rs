@@ -456,13 +456,9 @@ impl EventLoop {
     }
 
     fn arm_wake(&mut self) {
-        let fd = types::Fd(self.mailbox.wake.as_raw_fd());
-        let into: *mut u64 = &mut *self.wake_value;
-        self.queued.push(
-            opcode::Read::new(fd, into.cast(), 8)
-                .build()
-                .user_data(user_data(0, WAKE)),
-        );
+        let wake =
+            udm_uring::eventfd_read(&self.mailbox.wake, &mut self.wake_value, user_data(0, WAKE));
+        self.queued.push(wake);
     }
 
     fn complete(&mut self, user_data: u64, result: i32) {

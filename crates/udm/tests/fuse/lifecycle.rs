@@ -190,17 +190,7 @@ fn slow_and_fast(tag: &str, args: &[&str], delay_ms: u32) -> Daemon {
 fn over_io_uring_delayed_reads_wait_without_taking_pool_threads() {
     // One pool thread; a delay over a file maps, so its reads wait for their timer parked
     // in their ring entries, all at once, rather than in turn on the pool.
-    let daemon = Daemon::start_with(
-        "fuse-delay-parked",
-        &[
-            "--fuse",
-            "{dir}/fuse",
-            "--fuse-uring",
-            "on",
-            "--fuse-threads",
-            "1",
-        ],
-    );
+    let daemon = one_uring_thread("fuse-delay-parked");
     let disk = daemon.sparse("slow.img", 4 * MIB);
     daemon.create("slow", &format!("0 8192 delay {} 0 2000", disk.display()));
     let fuse = daemon.dir.path("fuse");
@@ -373,17 +363,7 @@ fn udm_fuse_mounted(path: &Path) -> bool {
 fn over_io_uring_first_writes_to_a_snapshot_origin_save_the_old_data_first() {
     // A first write to a chunk waits, parked in its ring entry, for the chunk's copy into
     // the snapshot and its commit; then it goes to the engine.
-    let daemon = Daemon::start_with(
-        "fuse-snapshot-origin",
-        &[
-            "--fuse",
-            "{dir}/fuse",
-            "--fuse-uring",
-            "on",
-            "--fuse-threads",
-            "1",
-        ],
-    );
+    let daemon = one_uring_thread("fuse-snapshot-origin");
     let origin = daemon.dir.path("origin.img");
     pattern_file(&origin, 4 * MIB as usize, 7);
     let original = std::fs::read(&origin).unwrap();
@@ -468,4 +448,18 @@ fn dd(from: &Path, to: &Path, operands: &[&str]) {
         "dd",
         &[&[input.as_str(), output.as_str(), "bs=64k"], operands].concat(),
     );
+}
+
+/// A daemon whose FUSE mount is served over io_uring by one thread, so that requests meet
+/// in that thread's ring.
+fn one_uring_thread(tag: &str) -> Daemon {
+    let args = [
+        "--fuse",
+        "{dir}/fuse",
+        "--fuse-uring",
+        "on",
+        "--fuse-threads",
+        "1",
+    ];
+    Daemon::start_with(tag, &args)
 }

@@ -37,13 +37,8 @@ fn reads_writes_and_flushes_down_remote_paths_take_no_pool_thread() {
         "--table",
         &format!("0 {} linear {export} 0", 16 * MIB / 512),
     ]);
-    a.udm(&[
-        "message",
-        "mp",
-        "0",
-        "fail_path",
-        &peer_path(&peer, "second.sock"),
-    ]);
+    let second = peer_path(&peer, "second.sock");
+    a.udm(&["message", "mp", "0", "fail_path", &second]);
     for name in ["mp", "lin"] {
         write_and_read_back(&a, name);
     }
@@ -73,13 +68,8 @@ fn a_multipath_restored_with_its_paths_down_takes_no_pool_thread_once_they_are_b
         std::thread::sleep(Duration::from_millis(100));
     }
     // One path, so that the flush maps too (over two it goes to the pool, one down each).
-    a.udm(&[
-        "message",
-        "mp",
-        "0",
-        "fail_path",
-        &peer_path(&peer, "second.sock"),
-    ]);
+    let second = peer_path(&peer, "second.sock");
+    a.udm(&["message", "mp", "0", "fail_path", &second]);
     write_and_read_back(&a, "mp");
     assert_eq!(a.pool_threads(), 0, "{}", a.log());
 }
