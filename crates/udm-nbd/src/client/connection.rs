@@ -65,6 +65,19 @@ pub(super) struct Slot {
     pub(super) wake: Condvar,
 }
 
+impl Slot {
+    /// The slot of a request for `len` bytes at `offset`, starting in `state`.
+    pub(super) fn new(command: u16, offset: u64, len: u32, state: SlotState) -> Slot {
+        Slot {
+            command,
+            offset,
+            len,
+            state: Mutex::new(state),
+            wake: Condvar::new(),
+        }
+    }
+}
+
 #[derive(Default)]
 pub(super) struct InFlight {
     pub(super) slots: HashMap<u64, Arc<Slot>>,

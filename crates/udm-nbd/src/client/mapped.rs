@@ -15,7 +15,6 @@
 //! methods, which wait for the connection (or, with `fail_fast`, fail at once, for a
 //! multipath to send the request down another path).
 
-use parking_lot::{Condvar, Mutex};
 use std::io::{self, Read};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -120,11 +119,11 @@ impl Shared {
         let len = buf.len() as u32;
         let cookie = self.next_cookie.fetch_add(1, Ordering::Relaxed);
         let replies_before = conn.replies.load(Ordering::Acquire);
-        let slot = Arc::new(Slot {
+        let slot = Arc::new(Slot::new(
             command,
             offset,
             len,
-            state: Mutex::new(SlotState {
+            SlotState {
                 cookie,
                 dest: (command == CMD_READ).then(|| Dest {
                     ptr: buf.as_mut_ptr(),
@@ -138,9 +137,8 @@ impl Shared {
                 }),
                 sending: true,
                 ..SlotState::default()
-            }),
-            wake: Condvar::new(),
-        });
+            },
+        ));
         if !conn.register(cookie, &slot) {
             slot.state.lock().outcome = Some(Outcome::Lost);
             return finish_send(&slot);

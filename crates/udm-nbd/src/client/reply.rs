@@ -261,7 +261,6 @@ fn block_error(code: u32, message: &str) -> BlockError {
 
 #[cfg(test)]
 mod tests {
-    use parking_lot::{Condvar, Mutex};
 
     use super::*;
     use crate::client::connection::SlotState;
@@ -292,13 +291,7 @@ mod tests {
 
     #[test]
     fn chunks_outside_the_read_are_refused() {
-        let slot = Slot {
-            command: CMD_READ,
-            offset: 4096,
-            len: 8192,
-            state: Mutex::new(SlotState::default()),
-            wake: Condvar::new(),
-        };
+        let slot = Slot::new(CMD_READ, 4096, 8192, SlotState::default());
         assert_eq!(position(&slot, 4096, 8192).unwrap(), 0);
         assert_eq!(position(&slot, 8192, 4096).unwrap(), 4096);
         assert!(position(&slot, 0, 512).is_err());

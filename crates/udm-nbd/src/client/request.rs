@@ -3,7 +3,6 @@
 //! failed once `io_timeout` has passed (dropping a connection whose server stopped answering
 //! on the way).
 
-use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -47,16 +46,11 @@ impl NbdClient {
             ),
             Payload::Write(data) => (None, data),
         };
-        let slot = Arc::new(Slot {
-            command,
-            offset,
-            len,
-            state: Mutex::new(SlotState {
-                dest,
-                ..SlotState::default()
-            }),
-            wake: Condvar::new(),
-        });
+        let state = SlotState {
+            dest,
+            ..SlotState::default()
+        };
+        let slot = Arc::new(Slot::new(command, offset, len, state));
         loop {
             let conn = shared.wait_connected(deadline)?;
             let cookie = shared.next_cookie.fetch_add(1, Ordering::Relaxed);
