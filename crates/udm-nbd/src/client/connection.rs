@@ -76,6 +76,17 @@ impl Slot {
             wake: Condvar::new(),
         }
     }
+
+    /// The request header asking for this slot's operation under `cookie`.
+    pub(super) fn header(&self, flags: u16, cookie: u64) -> [u8; REQUEST_HEADER_LEN] {
+        encode_request(&Request {
+            flags,
+            command: self.command,
+            cookie,
+            offset: self.offset,
+            length: self.len,
+        })
+    }
 }
 
 #[derive(Default)]

@@ -143,13 +143,7 @@ impl Shared {
             slot.state.lock().outcome = Some(Outcome::Lost);
             return finish_send(&slot);
         }
-        let header = encode_request(&Request {
-            flags,
-            command,
-            cookie,
-            offset,
-            length: len,
-        });
+        let header = slot.header(flags, cookie);
         let data: &[u8] = if command == CMD_WRITE {
             // SAFETY: the executor lends the write's data until the transfer is done, which
             // `sending` holds off until the send below is over.

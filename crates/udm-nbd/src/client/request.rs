@@ -12,7 +12,6 @@ use udm_block::{BlockError, Extent};
 use super::connection::{finish, Conn, Dest, Outcome, Slot, SlotState};
 use super::reconnect::Shared;
 use super::NbdClient;
-use crate::protocol::*;
 
 /// What a request carries besides its header: nothing, the buffer a read lands in, or the data
 /// a write sends.
@@ -59,13 +58,7 @@ impl NbdClient {
                 continue;
             }
             let replies_before = conn.replies.load(Ordering::Acquire);
-            let header = encode_request(&Request {
-                flags,
-                command,
-                cookie,
-                offset,
-                length: len,
-            });
+            let header = slot.header(flags, cookie);
             if let Err(e) = conn.send(&header, data) {
                 // Breaking the connection marks this slot lost too; it is resent below.
                 shared.connection_lost(&conn, &format!("sending a request: {e}"));
