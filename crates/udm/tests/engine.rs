@@ -381,29 +381,7 @@ fn pipelined_large_and_small_writes_are_stored_whole() {
     let _serial = serial();
     let daemon = Daemon::start_with("engine-large-writes", &["--nbd-engine", "uring"]);
     daemon.create_linear("vol", "disk.img", 64 << 20);
-    let mut rng = udm_testkit::Rng::new(11);
-    let sizes = [
-        256 << 10,
-        256 << 10,
-        4096,
-        256 << 10,
-        20_992,
-        16 << 10,
-        (16 << 10) - 512,
-        512,
-        1 << 20,
-        4096,
-    ];
-    let mut writes = Vec::new();
-    let mut offset = 0u64;
-    for round in 0..4 {
-        for &len in &sizes {
-            let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
-            writes.push((offset, data));
-            // Apart by whole sectors, not pages, so offsets are not page-aligned.
-            offset += len as u64 + 512 * (round + 1);
-        }
-    }
+    let writes = pipelined_writes();
     let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
     // All sent before any reply is read: the replies (16 bytes each) fit the socket.
     for (cookie, (offset, data)) in writes.iter().enumerate() {
@@ -443,9 +421,41 @@ fn pipelined_large_and_small_writes_are_stored_whole() {
             data.len()
         );
     }
+    a_header_trickling_in_after_a_large_write_is_read_whole(&mut client);
+}
 
-    // After a large write, the next request's header trickling in a byte at a time (the
-    // loop asks for what is left of one header each time) is read whole.
+/// Writes of 256 KiB down to 512 bytes (some no multiple of a page), four rounds, each a
+/// few sectors apart so that offsets are not page-aligned: (offset, data).
+fn pipelined_writes() -> Vec<(u64, Vec<u8>)> {
+    let mut rng = udm_testkit::Rng::new(11);
+    let sizes = [
+        256 << 10,
+        256 << 10,
+        4096,
+        256 << 10,
+        20_992,
+        16 << 10,
+        (16 << 10) - 512,
+        512,
+        1 << 20,
+        4096,
+    ];
+    let mut writes = Vec::new();
+    let mut offset = 0u64;
+    for round in 0..4 {
+        for &len in &sizes {
+            let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+            writes.push((offset, data));
+            // Apart by whole sectors, not pages, so offsets are not page-aligned.
+            offset += len as u64 + 512 * (round + 1);
+        }
+    }
+    writes
+}
+
+/// After a large write, the next request's header trickling in a byte at a time (the loop
+/// asks for what is left of one header each time) is read whole.
+fn a_header_trickling_in_after_a_large_write_is_read_whole(client: &mut RawClient) {
     let data = vec![0x5a; 256 << 10];
     client.send(0, NBD_CMD_WRITE, 100, 32 << 20, data.len() as u32, &data);
     assert_eq!(client.reply().unwrap(), (0, 100));
