@@ -138,7 +138,10 @@ fn a_client_that_vanishes_while_its_first_writes_copy_out_leaves_nothing_behind(
 fn kill_9_with_hundreds_of_copy_outs_in_flight_keeps_the_snapshot_exact() {
     let mut daemon = Daemon::start("snap-kill-load");
     let (origin, original) = origin_of(&daemon, 64 * MIB);
-    snapshot(&daemon, "snap", &origin, 64 * MIB, "P 8");
+    // Room for every chunk of the origin and the metadata areas that record them (64 areas of
+    // 4 KiB): three rounds of random writes can touch nearly every chunk, and a COW no larger
+    // than the origin then fills up and invalidates the snapshot.
+    snapshot(&daemon, "snap", &origin, 72 * MIB, "P 8");
     for round in 0..3 {
         let uri = format!("--uri={}", daemon.uri("base"));
         let mut writer = std::process::Command::new("fio")
