@@ -45,15 +45,21 @@ pub fn push_extent(extents: &mut Vec<Extent>, extent: Extent) {
     }
 }
 
-/// Keeps an answer honest for `[offset, offset + len)`: within `len`, never empty (one data
-/// extent when nothing is left), so a client always learns about at least one byte.
-pub fn clamp_extents(extents: &mut Vec<Extent>, len: u64) {
+/// Cuts an answer for `[offset, offset + len)` to `len` bytes, dropping what lies beyond
+/// (it may be left empty).
+pub fn clip_extents(extents: &mut Vec<Extent>, len: u64) {
     let mut left = len;
     extents.retain_mut(|e| {
         e.len = e.len.min(left);
         left -= e.len;
         e.len > 0
     });
+}
+
+/// Keeps an answer honest for `[offset, offset + len)`: within `len`, never empty (one data
+/// extent when nothing is left), so a client always learns about at least one byte.
+pub fn clamp_extents(extents: &mut Vec<Extent>, len: u64) {
+    clip_extents(extents, len);
     if extents.is_empty() {
         extents.push(Extent::data(len));
     }

@@ -20,8 +20,8 @@ mod pool;
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
 pub use device::{
-    clamp_extents, merge_extents, push_extent, write_zeroes_by_writing, zero_chunk, BlockDevice,
-    Capabilities, Extent, WriteFlags, ZeroFlags, EXTENT_HOLE, EXTENT_ZERO,
+    clamp_extents, clip_extents, merge_extents, push_extent, write_zeroes_by_writing, zero_chunk,
+    BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags, EXTENT_HOLE, EXTENT_ZERO,
 };
 pub use error::{BlockError, Result};
 pub use export::{Export, ExportCatalog, MetaContext};

@@ -161,12 +161,7 @@ impl Session {
                 for (id, context) in &self.contexts {
                     let mut extents = context.extents(offset, len)?;
                     // Within the request, whatever the context answered.
-                    let mut left = len;
-                    extents.retain_mut(|e| {
-                        e.len = e.len.min(left);
-                        left -= e.len;
-                        e.len > 0
-                    });
+                    udm_block::clip_extents(&mut extents, len);
                     if extents.is_empty() {
                         return Err(BlockError::Io(format!(
                             "meta context {id} answered nothing"
