@@ -46,6 +46,16 @@ impl BlockError {
         }
     }
 
+    /// A read that met the end of its file inside the device. Tables are checked against a
+    /// file's size when they load, so the file shrank under the device (someone truncated it).
+    pub fn past_end_of_file(path: &std::path::Path, offset: u64, len: u64) -> Self {
+        BlockError::Io(format!(
+            "read {} at {offset}+{len}: past the end of the file, which shrank under the \
+             device (truncated since the table loaded?)",
+            path.display()
+        ))
+    }
+
     /// The errno this error stands for; the single mapping used by every export.
     pub fn errno(&self) -> i32 {
         match self {

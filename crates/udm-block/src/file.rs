@@ -147,7 +147,8 @@ impl FileDevice {
     }
 }
 
-fn pread_full(fd: i32, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+/// Reads all of `buf`, or up to the end of the file: returns how much it read.
+fn pread_full(fd: i32, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
     let mut done = 0;
     while done < buf.len() {
         // SAFETY: the pointer and length describe the unfilled tail of buf.
@@ -161,11 +162,7 @@ fn pread_full(fd: i32, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
         };
         match n {
             n if n > 0 => done += n as usize,
-            0 => {
-                // Past the end of a file that shrank under us: reads as zeroes.
-                buf[done..].fill(0);
-                return Ok(());
-            }
+            0 => return Ok(done),
             _ => {
                 let err = std::io::Error::last_os_error();
                 if err.kind() != std::io::ErrorKind::Interrupted {
@@ -174,7 +171,7 @@ fn pread_full(fd: i32, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
             }
         }
     }
-    Ok(())
+    Ok(done)
 }
 
 fn pwrite_full(fd: i32, buf: &[u8], offset: u64, fua: bool) -> std::io::Result<()> {
@@ -227,8 +224,14 @@ impl BlockDevice for FileDevice {
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let len = buf.len();
-        self.with_fd(|fd| pread_full(fd, buf, offset))
-            .map_err(|e| BlockError::from_io(self.context("read", offset, len), e))
+        let mut read = 0;
+        self.with_fd(|fd| pread_full(fd, buf, offset).map(|n| read = n))
+            .map_err(|e| BlockError::from_io(self.context("read", offset, len), e))?;
+        if read < len {
+            // See BlockError::past_end_of_file: zeroes here would be data nobody wrote.
+            return Err(BlockError::past_end_of_file(&self.path, offset, len as u64));
+        }
+        Ok(())
     }
 
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
@@ -300,11 +303,19 @@ impl BlockDevice for FileDevice {
         let mut extents = Vec::new();
         let mut pos = offset;
         let err = |e| BlockError::from_io(self.context("seek", offset, len as usize), e);
+        // What lies past the file's end now (it shrank under the device) is not a hole: it
+        // is reported as data, so that whoever skips holes (a clone's hydration) reads it and
+        // gets the error instead of taking it for zeroes.
+        let file_end = self.files.current_len().map_err(err)? / SECTOR_SIZE * SECTOR_SIZE;
         while pos < end && extents.len() < MAX_EXTENTS {
+            if pos >= file_end {
+                extents.push(Extent::data(end - pos));
+                break;
+            }
             let data = self
                 .seek(pos, libc::SEEK_DATA)
                 .map_err(err)?
-                .unwrap_or(end)
+                .unwrap_or(file_end)
                 .min(end);
             if data > pos {
                 extents.push(Extent::hole(data - pos));
@@ -354,6 +365,35 @@ mod tests {
         assert_eq!(extents.iter().map(|e| e.len).sum::<u64>(), 4 << 20);
         assert_eq!(extents[0], Extent::hole(1 << 20));
         assert_eq!(extents[1].flags, 0);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// Someone truncates the file under a device: reads past the new end fail naming the
+    /// file, and block status calls that part data, so nothing takes it for zeroes.
+    #[test]
+    fn a_file_truncated_under_the_device_fails_reads_past_its_end() {
+        let (path, file) = temp_file(4 << 20);
+        let dev = FileDevice::open(&path, OpenMode::ReadWrite).unwrap();
+        let mut data = crate::AlignedBuf::zeroed(8192);
+        data.fill(7);
+        dev.write(0, &data, WriteFlags::default()).unwrap();
+        file.set_len(4096).unwrap();
+
+        let mut buf = crate::AlignedBuf::zeroed(8192);
+        let err = dev.read(0, &mut buf).unwrap_err();
+        assert_eq!(err.errno(), libc::EIO);
+        let text = err.to_string();
+        assert!(
+            text.contains(&*path.to_string_lossy()) && text.contains("shrank"),
+            "{text}"
+        );
+        dev.read(0, &mut buf[..4096]).unwrap();
+        assert!(buf[..4096].iter().all(|&b| b == 7));
+
+        let extents = dev.block_status(0, 4 << 20).unwrap();
+        assert_eq!(extents.iter().map(|e| e.len).sum::<u64>(), 4 << 20);
+        let last = extents.last().unwrap();
+        assert_eq!((last.len, last.flags), ((4 << 20) - 4096, 0), "{extents:?}");
         std::fs::remove_file(&path).unwrap();
     }
 

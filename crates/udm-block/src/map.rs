@@ -94,6 +94,11 @@ impl MappedFile {
         &self.path
     }
 
+    /// The file's length now, which is not the device's size if someone truncated the file.
+    pub fn current_len(&self) -> std::io::Result<u64> {
+        self.buffered.metadata().map(|m| m.len())
+    }
+
     /// The descriptor for data: O_DIRECT when there is one.
     pub fn data_fd(&self) -> RawFd {
         self.direct.as_ref().unwrap_or(&self.buffered).as_raw_fd()

@@ -262,7 +262,7 @@ impl Engine {
         if piece.finished {
             return None;
         }
-        match advance(op, request.buf, piece, result) {
+        match advance(op, piece, result) {
             Step::Again => {
                 push(entry(request, slot, index));
                 return None;
@@ -270,6 +270,11 @@ impl Engine {
             Step::Done => {}
             Step::Failed(errno) => {
                 let error = piece_error(op, piece, errno);
+                request.error.get_or_insert(error);
+            }
+            Step::PastEnd => {
+                let error =
+                    BlockError::past_end_of_file(piece.file.path(), piece.offset, piece.len);
                 request.error.get_or_insert(error);
             }
         }
@@ -306,6 +311,8 @@ enum Step {
     Again,
     Done,
     Failed(i32),
+    /// A read met the end of its file: the file shrank under the device.
+    PastEnd,
 }
 /// The pieces of a mapping that are file I/O, one sync per file for a flush; a read's zero
 /// pieces are zeroed in `buf` here.
@@ -350,12 +357,12 @@ unsafe fn file_pieces(op: MapOp, mapping_pieces: Vec<Piece>, buf: *mut u8) -> Ve
 }
 
 /// Accounts one completion of a piece.
-fn advance(op: MapOp, buf: *mut u8, piece: &mut FilePiece, result: i32) -> Step {
+fn advance(op: MapOp, piece: &mut FilePiece, result: i32) -> Step {
     if !op.is_fill() {
-        return advance_transfer(op, buf, piece, result);
+        return advance_transfer(op, piece, result);
     }
     let step = match piece.fill {
-        Fill::Write => advance_transfer(op, buf, piece, result),
+        Fill::Write => advance_transfer(op, piece, result),
         Fill::Sync if result < 0 && matches!(-result, libc::EINTR | libc::EAGAIN) => Step::Again,
         Fill::Sync if result < 0 => Step::Failed(-result),
         Fill::Sync => return Step::Done,
@@ -371,7 +378,7 @@ fn advance(op: MapOp, buf: *mut u8, piece: &mut FilePiece, result: i32) -> Step 
 }
 
 /// Accounts one completion of a read or write (or of writing zeroes).
-fn advance_transfer(op: MapOp, buf: *mut u8, piece: &mut FilePiece, result: i32) -> Step {
+fn advance_transfer(op: MapOp, piece: &mut FilePiece, result: i32) -> Step {
     if result < 0 {
         let errno = -result;
         return match errno {
@@ -388,14 +395,15 @@ fn advance_transfer(op: MapOp, buf: *mut u8, piece: &mut FilePiece, result: i32)
     }
     let n = result as u64;
     if n == 0 {
-        if op == MapOp::Read {
-            // Past the end of a file that shrank under us: reads as zeroes, as pread does.
-            let rest = (piece.len - piece.done) as usize;
-            // SAFETY: the unfilled tail of this piece lies within the request's buffer.
-            unsafe { std::ptr::write_bytes(buf.add((piece.at + piece.done) as usize), 0, rest) };
-            return Step::Done;
-        }
-        return Step::Failed(libc::EIO);
+        // The table was checked against the file's size when it loaded, so a read that finds
+        // the end inside the device means the file shrank under it. That fails, as the
+        // kernel's I/O past a shrunk device does: zeroes would be data nobody wrote, and a
+        // clone would copy them as hydrated.
+        return if op == MapOp::Read {
+            Step::PastEnd
+        } else {
+            Step::Failed(libc::EIO)
+        };
     }
     piece.done += n;
     if piece.done < piece.len {

@@ -121,6 +121,67 @@ fn shrinking_a_device_under_another_is_refused_or_fails_its_io() {
     assert!(daemon.log().contains("cannot restore device 'top'"));
 }
 
+/// Someone truncates a clone's source file while it hydrates (an operator's slip, a script
+/// reusing the name). What is gone must not come back as zeroes: reads of it fail, and the
+/// hydration never marks those regions copied, so restoring the file lets it finish right.
+#[test]
+fn a_clone_source_truncated_under_it_fails_reads_and_hydrates_no_zeroes() {
+    let daemon = Daemon::start("clone-source-shrinks");
+    let (meta, dest, source) = clone_files(&daemon, 16 * MIB, 11);
+    let original = std::fs::read(&source).unwrap();
+    daemon.create(
+        "vol",
+        &clone_table(&meta, &dest, &source, 32768, "8 1 no_hydration"),
+    );
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&source)
+        .unwrap()
+        .set_len(4 * MIB)
+        .unwrap();
+
+    let uri = daemon.uri("vol");
+    qemu_io_eio(&uri, "read 8M 4k");
+    // Inside what is left of the source, reads go on as before.
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
+    client.send(0, NBD_CMD_READ, 1, MIB, 4096, &[]);
+    assert_eq!(client.reply().unwrap(), (0, 1));
+    let mut head = vec![0u8; 4096];
+    std::io::Read::read_exact(&mut client.stream, &mut head).unwrap();
+    assert_eq!(head, original[MIB as usize..MIB as usize + 4096]);
+    drop(client);
+
+    daemon.udm(&["message", "vol", "0", "enable_hydration"]);
+    wait_for(
+        || daemon.log().contains("shrank"),
+        "the hydration's warning",
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let status = daemon.udm(&["status", "vol"]);
+    let hydrated: u64 = status
+        .split_whitespace()
+        .nth(6)
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        hydrated <= 1024,
+        "regions past the source's end were marked hydrated: {status}"
+    );
+
+    // The file comes back: the hydration finishes with the real data.
+    std::fs::write(&source, &original).unwrap();
+    wait_for(
+        || daemon.udm(&["status", "vol"]).contains(" 4096/4096 "),
+        "the hydration to finish",
+    );
+    daemon.udm(&["remove", "vol"]);
+    assert_eq!(std::fs::read(&dest).unwrap(), original);
+}
+
 /// dmsetup's habit: `reload` then `resume`, with no `suspend` in between.
 #[test]
 fn reload_and_resume_without_suspend_keeps_a_clones_writes() {
