@@ -55,6 +55,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     let bound = bound(&line, &data, &ctx.raise_event);
     let pool = Pool::find_or_open(Opening {
         owner: ctx.owner,
+        metadata_name: &line.metadata,
         metadata_key: device_key(&line.metadata, &*metadata),
         data_key: device_key(&line.data, &*data),
         metadata: metadata.clone(),

@@ -106,6 +106,8 @@ impl<P: std::ops::Deref<Target = Pool>> Drop for InFlight<P> {
 /// What opening or reloading a pool needs from its table line.
 pub struct Opening<'a> {
     pub owner: &'a str,
+    /// The metadata device as the table names it, for messages (the key is its identity).
+    pub metadata_name: &'a str,
     pub metadata_key: String,
     pub data_key: String,
     pub metadata: Arc<dyn BlockDevice>,
@@ -124,7 +126,7 @@ impl Pool {
             if let Some(other) = BY_METADATA.get(&opening.metadata_key) {
                 return Err(format!(
                     "metadata device '{}' is already in use by pool '{}'",
-                    opening.metadata_key, other.name
+                    opening.metadata_name, other.name
                 ));
             }
             let pool = Pool::open(&opening)?;
@@ -164,7 +166,7 @@ impl Pool {
                 "metadata device '{}' ({metadata_blocks} blocks) is smaller than the \
                  metadata of pool '{}' ({metadata_total} blocks): a metadata device cannot \
                  shrink",
-                opening.metadata_key, pool.name
+                opening.metadata_name, pool.name
             ));
         }
         let total = pool.meta().md.data_usage().total;
@@ -182,7 +184,7 @@ impl Pool {
         if opening.bound.features.read_only && superblock_is_blank(&*opening.metadata)? {
             return Err(format!(
                 "read_only: metadata device '{}' holds no pool to open (it is all zeroes)",
-                opening.metadata_key
+                opening.metadata_name
             ));
         }
         let md = ThinMetadata::open(
@@ -190,7 +192,7 @@ impl Pool {
             opening.block_sectors as u32,
             opening.nr_blocks,
         )
-        .map_err(|e| format!("metadata device '{}': {e}", opening.metadata_key))?;
+        .map_err(|e| format!("metadata device '{}': {e}", opening.metadata_name))?;
         let mode = if opening.bound.features.read_only || md.needs_check() {
             Mode::ReadOnly
         } else {

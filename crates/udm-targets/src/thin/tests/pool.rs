@@ -180,7 +180,12 @@ fn a_reload_finds_the_same_pool_and_other_pools_are_refused() {
         .err()
         .unwrap()
         .to_string();
-    assert!(err.contains("already in use by pool"), "{err}");
+    // Named as the table names it, not by its identity (`file:DEV:INODE` for files).
+    let named = format!("metadata device '{}'", rig.unique_name("meta"));
+    assert!(
+        err.contains("already in use by pool") && err.contains(&named),
+        "{err}"
+    );
     // Smaller, another block size, discards switched off: refused.
     for (table, expected) in [
         (
