@@ -95,6 +95,34 @@ impl DaemonError {
     }
 }
 
+/// Every open file holds two descriptors (O_DIRECT and buffered) and every NBD connection
+/// one, so a host serving hundreds of volumes passes the usual soft limit of 1,024 long before
+/// its hard limit. A server raises its own soft limit (systemd's advice for services, and
+/// what nbdkit and qemu do); it is logged so the number is known when it runs out anyway.
+fn raise_descriptor_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit write and read the one struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 || limit.rlim_cur >= limit.rlim_max
+        {
+            return;
+        }
+        let wanted = libc::rlimit {
+            rlim_cur: limit.rlim_max,
+            rlim_max: limit.rlim_max,
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) == 0 {
+            info!(
+                "open files: soft limit raised from {} to {}",
+                limit.rlim_cur, limit.rlim_max
+            );
+        }
+    }
+}
+
 /// Runs the daemon until SIGTERM or SIGINT, then stops in order: waits for the FUSE mount's
 /// users, unmounts, flushes every device, removes the sockets. Under systemd (`Type=notify`)
 /// it says READY=1 once every device is restored and every listener is up, and STOPPING=1
@@ -105,6 +133,7 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         // (set before any thread starts, since threads inherit it).
         udm_fuse::set_io_flusher();
     }
+    raise_descriptor_limit();
     let signals = signals::block_shutdown_signals();
     let _state_lock = lock_state_dir(&options.state_dir)?;
     let registry = Arc::new(

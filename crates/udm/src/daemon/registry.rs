@@ -194,6 +194,7 @@ impl Registry {
         let resolver = TableResolver {
             registry: self,
             owner,
+            opened: Default::default(),
         };
         let events = events.clone();
         Ok(Table::build(

@@ -2,9 +2,13 @@
 //! devices, each claimed in the name of the device whose table it is, and no device that
 //! would depend on itself.
 
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use udm_block::{BlockDevice, FileDevice, OpenMode};
 use udm_targets::{Reference, Resolver, TargetError};
@@ -12,11 +16,19 @@ use udm_targets::{Reference, Resolver, TargetError};
 use super::claims::Claimed;
 use super::registry::Registry;
 
+/// A file as one table opened it: (device, inode, read-only).
+type OpenedKey = (u64, u64, bool);
+
 /// Opens the references of one device's table.
 pub(super) struct TableResolver<'a> {
     pub(super) registry: &'a Registry,
     /// The device whose table this is: what it opens is claimed in its name.
     pub(super) owner: &'a str,
+    /// Files this table opened shared (read-only or read-write), by (device, inode) and mode:
+    /// a table of many segments on one file opens it once, as the kernel's dm_get_device
+    /// does. Before, each segment opened it again (two descriptors each), and a table of
+    /// 10,000 `linear` lines on one file ran the daemon out of descriptors.
+    pub(super) opened: Mutex<HashMap<OpenedKey, Arc<dyn BlockDevice>>>,
 }
 
 impl Resolver for TableResolver<'_> {
@@ -42,8 +54,28 @@ impl Resolver for TableResolver<'_> {
 }
 
 impl TableResolver<'_> {
-    /// A file or block device, claimed unless opened read-only.
+    /// A file or block device, claimed unless opened read-only; opened once per table unless
+    /// exclusive (an exclusive user named twice must still be refused by the claims).
     fn open_file(&self, path: &Path, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        if mode.is_exclusive() {
+            return self.open_and_claim_file(path, mode);
+        }
+        let meta = std::fs::metadata(path)
+            .map_err(|e| TargetError::new(format!("{}: {e}", path.display())))?;
+        let key = (meta.dev(), meta.ino(), mode == OpenMode::ReadOnly);
+        if let Some(dev) = self.opened.lock().get(&key) {
+            return Ok(dev.clone());
+        }
+        let dev = self.open_and_claim_file(path, mode)?;
+        self.opened.lock().insert(key, dev.clone());
+        Ok(dev)
+    }
+
+    fn open_and_claim_file(
+        &self,
+        path: &Path,
+        mode: OpenMode,
+    ) -> Result<Arc<dyn BlockDevice>, TargetError> {
         let claim = match mode {
             OpenMode::ReadOnly => None,
             _ => Some(

@@ -6,6 +6,7 @@ mod clients;
 mod common;
 mod errors;
 mod state;
+mod tables;
 
 use std::time::Duration;
 

@@ -1,0 +1,42 @@
+//! Tables as large as users write them: LVM-style maps of thousands of segments.
+
+use super::*;
+
+fn open_descriptors(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+/// 4,000 `linear` lines on one file: the file is opened once for the table, as the kernel's
+/// dm_get_device does (each line opened it again, two descriptors each, and 10,000 lines ran
+/// the daemon out of descriptors), and a client maps the device line by line without the
+/// daemon walking the rest of the table for every answer.
+#[test]
+fn a_table_of_thousands_of_segments_on_one_file_opens_it_once_and_serves_it() {
+    let daemon = Daemon::start("many-segments");
+    let disk = daemon.dir.path("disk.img");
+    sparse_file(&disk, 16 * MIB);
+    let segments = 4000u64;
+    let table: String = (0..segments)
+        .map(|i| format!("{} 8 linear {} {}\n", i * 8, disk.display(), i * 8))
+        .collect();
+    let before = open_descriptors(daemon.pid());
+    let table_file = daemon.dir.path("vol.table");
+    std::fs::write(&table_file, table).unwrap();
+    daemon.udm(&[
+        "create",
+        "vol",
+        "--table-file",
+        table_file.to_str().unwrap(),
+    ]);
+    let added = open_descriptors(daemon.pid()) - before;
+    assert!(added < 16, "{added} descriptors for one file");
+
+    let uri = daemon.uri("vol");
+    qemu_io_ok(&uri, &["write -P 0x3c 4092k 8k", "flush"]);
+    qemu_io_ok(&uri, &["read -P 0x3c 4092k 8k"]);
+    let map = nbd_map(&uri);
+    let mapped: u64 = map.iter().map(|e| e[1].parse::<u64>().unwrap()).sum();
+    assert_eq!(mapped, segments * 4096, "{map:?}");
+}
