@@ -22,12 +22,14 @@ pub fn call(socket: &Path, request: Request) -> anyhow::Result<Response> {
         request,
     })?;
     line.push(b'\n');
-    stream.write_all(&line)?;
+    // A daemon that refuses a request part-way (one too long) answers and closes: the write
+    // then fails with EPIPE, and the answer, which says why, is still there to read.
+    let sent = stream.write_all(&line);
     let mut answer = String::new();
-    BufReader::new(stream)
-        .read_line(&mut answer)
-        .context("reading the daemon's answer")?;
+    let read = BufReader::new(stream).read_line(&mut answer);
     if answer.is_empty() {
+        sent.context("sending the request to the daemon")?;
+        read.context("reading the daemon's answer")?;
         bail!("the daemon closed the connection without answering");
     }
     let response: Response = serde_json::from_str(&answer).context("malformed answer")?;

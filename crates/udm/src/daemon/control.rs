@@ -53,7 +53,10 @@ fn serve(stream: UnixStream, registry: &Arc<Registry>, exports: &Exports) {
             Ok(_) if !line.ends_with(b"\n") => {
                 let _ = reply(
                     &mut writer,
-                    &Response::error("request too long or not terminated"),
+                    &Response::error(format!(
+                        "request too long (over {} MiB) or not terminated",
+                        MAX_REQUEST >> 20
+                    )),
                 );
                 return;
             }

@@ -40,3 +40,23 @@ fn a_table_of_thousands_of_segments_on_one_file_opens_it_once_and_serves_it() {
     let mapped: u64 = map.iter().map(|e| e[1].parse::<u64>().unwrap()).sum();
     assert_eq!(mapped, segments * 4096, "{map:?}");
 }
+
+/// A table larger than one control request may be (4 MiB) is refused, and the user reads
+/// why, not the EPIPE the daemon's early close gives the sender.
+#[test]
+fn a_table_larger_than_a_request_may_be_is_refused_saying_why() {
+    let daemon = Daemon::start("huge-table");
+    let table_file = daemon.dir.path("huge.table");
+    let table: String = (0..400_000u64)
+        .map(|i| format!("{} 8 zero\n", i * 8))
+        .collect();
+    std::fs::write(&table_file, table).unwrap();
+    let err = daemon.udm_err(&[
+        "create",
+        "vol",
+        "--table-file",
+        table_file.to_str().unwrap(),
+    ]);
+    assert!(err.contains("request too long"), "{err}");
+    assert!(daemon.udm(&["ls"]).contains("No devices found"));
+}
