@@ -1,12 +1,12 @@
 //! `udm attach` and `udm detach`: a loop device over a device's file in the FUSE mount.
 
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 
 use crate::client;
 use udm::control::Request;
+use udm::daemon::loopback::{loop_backing, LoopBacking};
 
 /// `losetup --direct-io=on -f --show` on the device's file in the daemon's FUSE mount.
 pub fn attach(control: &Path, name: &str) -> anyhow::Result<()> {
@@ -73,26 +73,9 @@ pub fn detach(loop_device: &Path) -> anyhow::Result<()> {
 
 /// The file a loop device is bound to, as the kernel shows it in sysfs.
 fn loop_backing_file(loop_device: &Path) -> anyhow::Result<PathBuf> {
-    let meta = std::fs::metadata(loop_device).with_context(|| loop_device.display().to_string())?;
-    let rdev = meta.rdev();
-    let sysfs = PathBuf::from(format!(
-        "/sys/dev/block/{}:{}/loop",
-        libc::major(rdev),
-        libc::minor(rdev)
-    ));
-    if !meta.file_type().is_block_device() || !sysfs.is_dir() {
-        bail!("{} is not a loop device", loop_device.display());
+    match loop_backing(loop_device).with_context(|| loop_device.display().to_string())? {
+        LoopBacking::File(file) => Ok(file),
+        LoopBacking::Detached => bail!("{} is not attached to a file", loop_device.display()),
+        LoopBacking::NotALoopDevice => bail!("{} is not a loop device", loop_device.display()),
     }
-    let text = match std::fs::read_to_string(sysfs.join("backing_file")) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            bail!("{} is not attached to a file", loop_device.display())
-        }
-        Err(e) => return Err(e).context(format!("{}/backing_file", sysfs.display())),
-    };
-    // A file removed since (a udm device removed while attached) shows as "PATH (deleted)".
-    let text = text.trim_end_matches('\n');
-    Ok(PathBuf::from(
-        text.strip_suffix(" (deleted)").unwrap_or(text),
-    ))
 }

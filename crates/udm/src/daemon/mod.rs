@@ -13,6 +13,7 @@ mod control;
 mod delta_context;
 mod device;
 mod listener;
+pub mod loopback;
 mod metrics;
 pub mod notify;
 mod persist;
@@ -141,6 +142,9 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
             format!("state dir {}", options.state_dir.display()),
         ))?,
     );
+    if let Some(mountpoint) = &options.fuse {
+        registry.fuse_mount.set(mountpoint);
+    }
     let restored = registry
         .restore()
         .map_err(DaemonError::io("reading the state dir".into()))?;

@@ -11,10 +11,11 @@ use std::time::{Duration, Instant};
 use log::{info, warn};
 use thiserror::Error;
 use udm_block::{BlockDevice, SECTOR_SIZE};
-use udm_targets::{Table, TargetError};
+use udm_targets::{Reference, Table, TargetError};
 
 use super::claims::Claims;
 use super::device::{Device, Events};
+use super::loopback::FuseMount;
 use super::remotes::Remotes;
 use super::resolver::TableResolver;
 
@@ -50,6 +51,8 @@ pub struct Registry {
     /// Opens remote (NBD) references; knows their sizes for restoring while they are down.
     pub(super) remotes: Remotes,
     pub(super) claims: Arc<Claims>,
+    /// Paths into the daemon's own FUSE mount are its devices, for the cycle checks.
+    pub(super) fuse_mount: FuseMount,
 }
 
 pub(super) fn check_name(name: &str) -> Result<()> {
@@ -106,6 +109,7 @@ impl Registry {
             state_dir: state_dir.to_path_buf(),
             remotes: Remotes::new(state_dir, remote_timeout),
             claims: Arc::default(),
+            fuse_mount: FuseMount::default(),
         })
     }
 
@@ -154,8 +158,12 @@ impl Registry {
         let mut deps: Vec<String> = Vec::new();
         for table in tables {
             for r in table.references() {
-                if map.contains_key(&r) && !deps.contains(&r) {
-                    deps.push(r);
+                let name = match Reference::parse(&r) {
+                    Reference::Path(path) => self.fuse_mount.device_behind(Path::new(path)),
+                    _ => Some(r),
+                };
+                if let Some(name) = name.filter(|n| map.contains_key(n) && !deps.contains(n)) {
+                    deps.push(name);
                 }
             }
         }

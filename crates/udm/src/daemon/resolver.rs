@@ -57,6 +57,14 @@ impl TableResolver<'_> {
     /// A file or block device, claimed unless opened read-only; opened once per table unless
     /// exclusive (an exclusive user named twice must still be refused by the claims).
     fn open_file(&self, path: &Path, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        if let Some(name) = self.registry.fuse_mount.device_behind(path) {
+            self.check_no_cycle(&name).map_err(|e| {
+                TargetError::new(format!(
+                    "{} reads udm's own device '{name}' through its FUSE file: {e}",
+                    path.display()
+                ))
+            })?;
+        }
         if mode.is_exclusive() {
             return self.open_and_claim_file(path, mode);
         }
@@ -94,13 +102,18 @@ impl TableResolver<'_> {
     }
 
     /// Another udm device, unless that would make a cycle; claimed unless opened read-only.
-    fn open_device(&self, name: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+    fn check_no_cycle(&self, name: &str) -> Result<(), TargetError> {
         if name == self.owner || self.registry.depends_on(name, self.owner) {
             return Err(TargetError::new(format!(
                 "using device '{name}' would make '{}' depend on itself",
                 self.owner
             )));
         }
+        Ok(())
+    }
+
+    fn open_device(&self, name: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        self.check_no_cycle(name)?;
         let device = self.registry.get(name).map_err(|_| {
             TargetError::new(format!(
                 "no device named '{name}' (paths start with / or ./, remote exports \

@@ -142,6 +142,39 @@ fn detach_refuses_loop_devices_udm_did_not_make() {
     assert_eq!(backing_file(&mine.0), None);
 }
 
+/// A table that reads a device's own FUSE file, or a loop device on it, loops every read
+/// through the kernel back into udm until the FUSE queues fill and the mount hangs for good
+/// (found by hand: `dd` on the loop device stuck in D state, the mount dead). Such paths are
+/// the device they lead to, and the cycle check refuses them as it refuses names.
+#[test]
+fn tables_reading_udms_own_fuse_files_are_held_to_the_cycle_check() {
+    let daemon = fuse_daemon("fuse-cycle");
+    let disk = daemon.sparse("disk.img", 4 * MIB);
+    daemon.create("vol", &format!("0 8192 linear {} 0", disk.display()));
+    let dev = Loop::attach(&daemon, "vol");
+    let file = daemon.dir.path("fuse/vol");
+    for path in [dev.0.clone(), file.display().to_string()] {
+        daemon.udm(&["suspend", "vol"]);
+        let err = daemon.udm_err(&["load", "vol", "--table", &format!("0 8192 linear {path} 0")]);
+        assert!(
+            err.contains("reads udm's own device 'vol'") && err.contains("depend on itself"),
+            "{err}"
+        );
+        daemon.udm(&["resume", "vol"]);
+    }
+    // Through another device: top reads vol's loop device, so vol may not read top.
+    daemon.create("top", &format!("0 8192 linear {} 0", dev.0));
+    let err = daemon.udm_err(&["load", "vol", "--table", "0 8192 linear top 0"]);
+    assert!(err.contains("depend on itself"), "{err}");
+    // And nothing hangs: the device still reads through its loop device.
+    dd(
+        Path::new(&dev.0),
+        Path::new("/dev/null"),
+        &["bs=4k", "count=4", "iflag=direct"],
+    );
+    daemon.udm(&["remove", "top"]);
+}
+
 /// `dd` reading one block of `bs` bytes at block `skip` of `file` with O_DIRECT (one FUSE
 /// request), in the background.
 fn dd_in_background(file: &Path, bs: usize, skip: usize) -> std::process::Child {
