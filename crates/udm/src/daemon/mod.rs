@@ -143,8 +143,9 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         ))?,
     );
     if let Some(mountpoint) = &options.fuse {
-        registry.fuse_mount.set(mountpoint);
+        registry.own_exports.set_fuse(mountpoint);
     }
+    registry.own_exports.set_nbd(&options.nbd);
     let restored = registry
         .restore()
         .map_err(DaemonError::io("reading the state dir".into()))?;

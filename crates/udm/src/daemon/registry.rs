@@ -15,7 +15,7 @@ use udm_targets::{Reference, Table, TargetError};
 
 use super::claims::Claims;
 use super::device::{Device, Events};
-use super::loopback::FuseMount;
+use super::loopback::OwnExports;
 use super::remotes::Remotes;
 use super::resolver::TableResolver;
 
@@ -51,8 +51,8 @@ pub struct Registry {
     /// Opens remote (NBD) references; knows their sizes for restoring while they are down.
     pub(super) remotes: Remotes,
     pub(super) claims: Arc<Claims>,
-    /// Paths into the daemon's own FUSE mount are its devices, for the cycle checks.
-    pub(super) fuse_mount: FuseMount,
+    /// References that lead back into this daemon are its devices, for the cycle checks.
+    pub(super) own_exports: OwnExports,
 }
 
 pub(super) fn check_name(name: &str) -> Result<()> {
@@ -109,7 +109,7 @@ impl Registry {
             state_dir: state_dir.to_path_buf(),
             remotes: Remotes::new(state_dir, remote_timeout),
             claims: Arc::default(),
-            fuse_mount: FuseMount::default(),
+            own_exports: OwnExports::default(),
         })
     }
 
@@ -159,8 +159,8 @@ impl Registry {
         for table in tables {
             for r in table.references() {
                 let name = match Reference::parse(&r) {
-                    Reference::Path(path) => self.fuse_mount.device_behind(Path::new(path)),
-                    _ => Some(r),
+                    Reference::Device(_) => Some(r),
+                    _ => self.own_exports.device_behind(&r),
                 };
                 if let Some(name) = name.filter(|n| map.contains_key(n) && !deps.contains(n)) {
                     deps.push(name);

@@ -33,6 +33,7 @@ pub(super) struct TableResolver<'a> {
 
 impl Resolver for TableResolver<'_> {
     fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        self.check_not_our_own(reference)?;
         match Reference::parse(reference) {
             Reference::Path(path) => self.open_file(Path::new(path), mode),
             Reference::Remote(uri) => self.registry.remotes.open(uri, mode),
@@ -46,6 +47,7 @@ impl Resolver for TableResolver<'_> {
         mode: OpenMode,
         timeout: Duration,
     ) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        self.check_not_our_own(reference)?;
         match Reference::parse(reference) {
             Reference::Remote(uri) => self.registry.remotes.open_path(uri, mode, timeout),
             _ => self.open(reference, mode),
@@ -57,14 +59,6 @@ impl TableResolver<'_> {
     /// A file or block device, claimed unless opened read-only; opened once per table unless
     /// exclusive (an exclusive user named twice must still be refused by the claims).
     fn open_file(&self, path: &Path, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
-        if let Some(name) = self.registry.fuse_mount.device_behind(path) {
-            self.check_no_cycle(&name).map_err(|e| {
-                TargetError::new(format!(
-                    "{} reads udm's own device '{name}' through its FUSE file: {e}",
-                    path.display()
-                ))
-            })?;
-        }
         if mode.is_exclusive() {
             return self.open_and_claim_file(path, mode);
         }
@@ -102,6 +96,16 @@ impl TableResolver<'_> {
     }
 
     /// Another udm device, unless that would make a cycle; claimed unless opened read-only.
+    /// A path or URI that leads back into this daemon is the device it reaches.
+    fn check_not_our_own(&self, reference: &str) -> Result<(), TargetError> {
+        match self.registry.own_exports.device_behind(reference) {
+            Some(name) => self.check_no_cycle(&name).map_err(|e| {
+                TargetError::new(format!("{reference} reads udm's own device '{name}': {e}"))
+            }),
+            None => Ok(()),
+        }
+    }
+
     fn check_no_cycle(&self, name: &str) -> Result<(), TargetError> {
         if name == self.owner || self.registry.depends_on(name, self.owner) {
             return Err(TargetError::new(format!(
