@@ -177,7 +177,7 @@ fn tables_reading_udms_own_fuse_files_are_held_to_the_cycle_check() {
 
 /// `dd` reading one block of `bs` bytes at block `skip` of `file` with O_DIRECT (one FUSE
 /// request), in the background.
-fn dd_in_background(file: &Path, bs: usize, skip: usize) -> std::process::Child {
+pub(super) fn dd_in_background(file: &Path, bs: usize, skip: usize) -> std::process::Child {
     Command::new("dd")
         .arg(format!("if={}", file.display()))
         .args([
@@ -195,7 +195,7 @@ fn dd_in_background(file: &Path, bs: usize, skip: usize) -> std::process::Child 
 }
 
 /// Reads in flight in a delay target: the first number of its status.
-fn delayed_reads(daemon: &Daemon, name: &str) -> u64 {
+pub(super) fn delayed_reads(daemon: &Daemon, name: &str) -> u64 {
     let json: serde_json::Value =
         serde_json::from_str(&daemon.udm(&["status", name, "--json"])).unwrap();
     let status = json["targets"][0]["status"].as_str().unwrap().to_string();

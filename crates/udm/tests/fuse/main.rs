@@ -32,6 +32,7 @@ macro_rules! over_both_transports {
 }
 
 // After the macro, which they use.
+mod attacks;
 mod filesystems;
 mod lifecycle;
 mod log_replay;
