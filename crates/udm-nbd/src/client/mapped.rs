@@ -3,6 +3,8 @@
 //! executor starts it with the request's buffer, which sends the request on the connection
 //! from the executor's own thread, and the reader thread puts the reply into the buffer and
 //! calls the transfer's [`Done`], which hands the request back to the executor to answer.
+//! An executor that batches (the NBD event loop: see [`udm_block::batch`]) has the requests
+//! it starts in one wake-up sent together when it is done, one write per connection.
 //!
 //! Timing is the synchronous requests' (see `request`): a mapped request older than
 //! `io_timeout` fails, and the connection is dropped when the server sent nothing since it
