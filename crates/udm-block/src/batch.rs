@@ -74,7 +74,10 @@ mod tests {
     use super::*;
     use std::rc::Rc;
 
-    fn recorder() -> (Rc<RefCell<Vec<u32>>>, impl Fn(u32) -> Box<dyn FnOnce()>) {
+    type Log = Rc<RefCell<Vec<u32>>>;
+
+    /// A log, and work that adds a number to it.
+    fn recorder() -> (Log, impl Fn(u32) -> Box<dyn FnOnce()>) {
         let log = Rc::new(RefCell::new(Vec::new()));
         let at = log.clone();
         (log, move |n| {
