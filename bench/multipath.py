@@ -112,20 +112,25 @@ def multipath_table(sectors: int, selector: str, path_args: str, uris: list[str]
 
 
 def measure(wl: Workload, system: System, host: Daemon, args, out_dir: Path, stem: str,
-            cells: dict, key, tag: str, extra: list | None = None):
-    """One fio run; the sample (with the host daemon's CPU per I/O) joins cells[key]."""
+            cells: dict, key, tag: str, storage: Daemon | None = None):
+    """One fio run; the sample (with the host daemon's CPU per I/O, and the storage
+    daemon's when given) joins cells[key]."""
     cell = cells.setdefault(key, Cell())
-    cmd = fio_cmd(wl, system, args, out_dir / f"{stem}.json") + (extra or [])
+    cmd = fio_cmd(wl, system, args, out_dir / f"{stem}.json")
     pid = host.service.proc.pid
     cpu0 = proc_cpu_seconds(pid)
+    storage_cpu0 = proc_cpu_seconds(storage.service.proc.pid) if storage else None
     smp = fio_cell(cmd, lambda c: run(c, timeout=args.runtime + 120, check=False, quiet=True),
                    parse_fio_json, wl, cell, out_dir, stem, tag)
     if smp is None:
         return None
     smp.cpu_us_per_io = cpu_us_per_io(cpu0, proc_cpu_seconds(pid), smp.ios)
+    smp.storage_cpu_us_per_io = cpu_us_per_io(
+        storage_cpu0, proc_cpu_seconds(storage.service.proc.pid), smp.ios) if storage else None
     cell.samples.append(smp)
+    storage_note = f", storage CPU {fmt_cpu(smp.storage_cpu_us_per_io)} µs/IO" if storage else ""
     log(f"{tag}: {fmt_value(smp.value, wl.metric)}, host CPU "
-        f"{fmt_cpu(smp.cpu_us_per_io)} µs/IO")
+        f"{fmt_cpu(smp.cpu_us_per_io)} µs/IO{storage_note}")
     return smp
 
 
@@ -151,7 +156,7 @@ def part_rr_vs_linear(host, storage, sectors, args, out_dir, cells) -> None:
                 for key in pair if rep % 2 else reversed(pair):
                     system = next(s for s in systems if s.key == key)
                     measure(wl, system, host, args, out_dir, f"{wl.key}.{key}.r{rep}", cells,
-                            (wl.key, key), f"{wl.key} {key} r{rep}")
+                            (wl.key, key), f"{wl.key} {key} r{rep}", storage=storage)
 
 
 def start_delay_peers(tmp: Path, size: int) -> list[Service]:
@@ -251,24 +256,25 @@ def rr_section(med, ratio, bars) -> list:
     header = ["workload"]
     for backend, label in BACKENDS:
         header += [f"rr ×2, {label}", f"linear, {label}", "rr / linear",
-                   "CPU µs/IO rr / linear"]
+                   "host CPU µs/IO rr / linear", "storage CPU µs/IO rr / linear"]
     rows = []
     for wl in WORKLOADS:
         row = [wl.label + (" (IOPS)" if wl.metric == "iops" else " (MB/s)")]
         for backend, label in BACKENDS:
             mp, lin = med((wl.key, f"mp-{backend}")), med((wl.key, f"lin-{backend}"))
             r = ratio(mp, lin)
-            cpu = (med((wl.key, f"mp-{backend}"), "cpu_us_per_io"),
-                   med((wl.key, f"lin-{backend}"), "cpu_us_per_io"))
-            row += [fmt_value(mp, wl.metric), fmt_value(lin, wl.metric), fmt_ratio(r),
-                    f"{fmt_cpu(cpu[0])} / {fmt_cpu(cpu[1])}"]
+            cpu = [" / ".join(fmt_cpu(med((wl.key, f"{sys}-{backend}"), attr))
+                              for sys in ("mp", "lin"))
+                   for attr in ("cpu_us_per_io", "storage_cpu_us_per_io")]
+            row += [fmt_value(mp, wl.metric), fmt_value(lin, wl.metric), fmt_ratio(r), *cpu]
             if r is not None:
                 bars.append((f"{wl.label}, {label}: round-robin ×2 / linear = {r:.2f}× "
                              f"(≥ {BAR_RR}×)", judge(r, BAR_RR)))
         rows.append(row)
     lines.append(markdown_table(header, rows))
-    lines += ["", "CPU: the multipath host daemon's utime + stime over the run / I/Os fio "
-              "completed (the storage daemon not counted)."]
+    lines += ["", "CPU: the multipath host daemon's (and the storage daemon's) utime + stime "
+              "over the run / I/Os fio completed. Round-robin's two paths are two connections "
+              "to the storage daemon, each carrying half of every batch of requests."]
     return lines
 
 

@@ -6,6 +6,7 @@
 //! once (the model of nbdkit's thread pool), which keeps each target a plain piece of code with
 //! no runtime of its own and no second, asynchronous copy of it.
 
+pub mod batch;
 mod buffer;
 mod checked;
 mod device;
@@ -17,6 +18,7 @@ mod memory;
 pub mod pending;
 mod pool;
 
+pub use batch::{at_batch_end, Batch};
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
 pub use device::{

@@ -3,6 +3,8 @@
 //! executor starts it with the request's buffer, which sends the request on the connection
 //! from the executor's own thread, and the reader thread puts the reply into the buffer and
 //! calls the transfer's [`Done`], which hands the request back to the executor to answer.
+//! An executor that batches (the NBD event loop: see [`udm_block::batch`]) has the requests
+//! it starts in one wake-up sent together when it is done, one write per connection.
 //!
 //! Timing is the synchronous requests' (see `request`): a mapped request older than
 //! `io_timeout` fails, and the connection is dropped when the server sent nothing since it
@@ -22,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use udm_block::{BlockError, Done, MapOp, Mapping, Transfer, TransferBuf};
 
-use super::connection::{finish_send, Conn, Dest, Outcome, Slot, SlotState};
+use super::connection::{finish_send, Conn, Dest, Outcome, Outgoing, Slot, SlotState};
 use super::reconnect::Shared;
 use super::{ClientOptions, NbdClient};
 use crate::protocol::*;
@@ -146,16 +148,29 @@ impl Shared {
         let header = slot.header(flags, cookie);
         let data: &[u8] = if command == CMD_WRITE {
             // SAFETY: the executor lends the write's data until the transfer is done, which
-            // `sending` holds off until the send below is over.
+            // `sending` holds off until the outbox holding it has been written.
             unsafe { std::slice::from_raw_parts(buf.as_mut_ptr(), buf.len()) }
         } else {
             &[]
         };
-        if let Err(e) = conn.send(&header, data) {
-            // Breaking the connection marks this slot lost too: it settles once sent.
-            self.connection_lost(&conn, &format!("sending a request: {e}"));
+        // The requests an executor starts in one wake-up go out together, in one write per
+        // connection, when its batch ends (at once when it has none open).
+        if conn.queue(Outgoing::new(header, data, slot)) {
+            udm_block::at_batch_end(move || self.send_outbox(&conn));
         }
-        finish_send(&slot);
+    }
+
+    /// Writes the connection's outbox; every request in it has been sent (or is lost, with
+    /// the connection, when the write fails) and may settle.
+    fn send_outbox(&self, conn: &Arc<Conn>) {
+        let (result, slots) = conn.send_outbox();
+        if let Err(e) = result {
+            // Breaking the connection marks these slots lost too: they settle once sent.
+            self.connection_lost(conn, &format!("sending a request: {e}"));
+        }
+        for slot in slots {
+            finish_send(&slot);
+        }
     }
 }
 

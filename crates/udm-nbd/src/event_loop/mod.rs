@@ -391,6 +391,9 @@ impl EventLoop {
                     }
                 }
             }
+            // Requests this wake-up sends to remote exports (a multipath's or a linear's
+            // NBD paths) go out together when it ends: one write per connection.
+            let _batch = udm_block::Batch::open();
             self.reap();
             while let Some((user_data, result)) = self.backlog.pop_front() {
                 // A bug here must not take every connection of the loop down with it.

@@ -115,18 +115,28 @@ fn connect_reports_what_went_wrong() {
 /// connection after another until a client says goodbye with NBD_CMD_DISC.
 struct MinimalServer {
     disk: Mutex<Vec<u8>>,
-    /// Answer the first request of the first connection with garbage.
-    garbage_first: bool,
+    /// How the first request of the first connection is answered.
+    first: First,
     connections: AtomicUsize,
     saw_disc: AtomicBool,
 }
 
+/// How a [`MinimalServer`] answers the first request it is sent.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum First {
+    Right,
+    /// With bytes that are no reply.
+    Garbage,
+    /// With a reply under a cookie the client never sent.
+    BogusCookie,
+}
+
 impl MinimalServer {
-    fn start(dir: &TempDir, garbage_first: bool) -> (Arc<MinimalServer>, JoinHandle<()>) {
+    fn start(dir: &TempDir, first: First) -> (Arc<MinimalServer>, JoinHandle<()>) {
         let listener = UnixListener::bind(socket(dir)).unwrap();
         let server = Arc::new(MinimalServer {
             disk: Mutex::new(vec![0u8; 4 * MIB as usize]),
-            garbage_first,
+            first,
             connections: AtomicUsize::new(0),
             saw_disc: AtomicBool::new(false),
         });
@@ -134,8 +144,11 @@ impl MinimalServer {
             let server = server.clone();
             move || {
                 for stream in listener.incoming() {
-                    let first = server.connections.fetch_add(1, Ordering::AcqRel) == 0;
-                    if server.serve(stream.unwrap(), first && server.garbage_first) {
+                    let first = match server.connections.fetch_add(1, Ordering::AcqRel) {
+                        0 => server.first,
+                        _ => First::Right,
+                    };
+                    if server.serve(stream.unwrap(), first) {
                         return;
                     }
                 }
@@ -145,7 +158,7 @@ impl MinimalServer {
     }
 
     /// Serves one connection; true when it ended with NBD_CMD_DISC.
-    fn serve(&self, mut s: UnixStream, garbage: bool) -> bool {
+    fn serve(&self, mut s: UnixStream, first: First) -> bool {
         let mut greeting = NBDMAGIC.to_be_bytes().to_vec();
         greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
         greeting.extend_from_slice(&FLAG_FIXED_NEWSTYLE.to_be_bytes());
@@ -177,9 +190,14 @@ impl MinimalServer {
                 return false;
             }
             let r = parse_request(&header).unwrap();
-            if garbage {
+            let wrong = match first {
+                First::Right => None,
+                First::Garbage => Some([0xde; 16].to_vec()),
+                First::BogusCookie => Some(simple_reply(r.cookie ^ 0x5a5a_0000, 0).to_vec()),
+            };
+            if let Some(wrong) = wrong {
                 // Then wait for the client to hang up, as it must.
-                s.write_all(&[0xde; 16]).unwrap();
+                s.write_all(&wrong).unwrap();
                 let _ = s.read_to_end(&mut Vec::new());
                 return false;
             }
@@ -208,7 +226,7 @@ impl MinimalServer {
 #[test]
 fn a_server_without_options_is_reached_through_export_name() {
     let dir = scratch("minimal");
-    let (server, thread) = MinimalServer::start(&dir, false);
+    let (server, thread) = MinimalServer::start(&dir, First::Right);
     let client = NbdClient::connect(&uri(&dir), ClientOptions::default()).unwrap();
     let caps = client.capabilities();
     assert!(!caps.native_fua && !caps.discard && !caps.fast_zero);
@@ -238,10 +256,37 @@ fn a_server_without_options_is_reached_through_export_name() {
 #[test]
 fn a_protocol_error_from_the_server_means_reconnect_and_resend() {
     let dir = scratch("garbage");
-    let (server, thread) = MinimalServer::start(&dir, true);
+    let (server, thread) = MinimalServer::start(&dir, First::Garbage);
     server.disk.lock()[..4096].copy_from_slice(&pattern(4096, 4));
     let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
     assert!(read(&client, 0, 4096)[..] == pattern(4096, 4)[..]);
+    assert_eq!(server.connections.load(Ordering::Acquire), 2);
+    drop(client);
+    thread.join().unwrap();
+}
+
+#[test]
+fn a_reply_under_a_cookie_never_sent_means_reconnect_and_resend() {
+    let dir = scratch("bogus-cookie");
+    let (server, thread) = MinimalServer::start(&dir, First::BogusCookie);
+    server.disk.lock()[..4096].copy_from_slice(&pattern(4096, 6));
+    let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
+    // A mapped read: the first connection dies under it, and it asks for the synchronous
+    // way, which reads on the second.
+    let mut buf = AlignedBuf::zeroed(4096);
+    let mapping = client.map(udm_block::MapOp::Read, 0, 4096).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    // SAFETY: `buf` is untouched until the transfer has ended (the wait below).
+    unsafe {
+        mapping.when_ready_with(buf.as_mut_ptr(), move |ready| {
+            tx.send(matches!(ready, udm_block::Ready::Retry)).unwrap()
+        })
+    };
+    assert!(
+        rx.recv_timeout(Duration::from_secs(10)).unwrap(),
+        "not retried"
+    );
+    assert!(read(&client, 0, 4096)[..] == pattern(4096, 6)[..]);
     assert_eq!(server.connections.load(Ordering::Acquire), 2);
     drop(client);
     thread.join().unwrap();

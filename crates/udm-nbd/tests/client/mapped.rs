@@ -215,3 +215,85 @@ fn a_client_whose_last_owner_is_a_mapped_requests_completion_is_let_go() {
         !thread_named("nbd-client-last")
     });
 }
+
+/// Starts `op` on each buffer (at its index × its length) as an executor does; each sends
+/// its index and how it ended on the channel it returns.
+fn start_each(
+    dev: &dyn BlockDevice,
+    op: MapOp,
+    bufs: &mut [AlignedBuf],
+) -> mpsc::Receiver<(usize, Ended)> {
+    let (tx, rx) = mpsc::channel();
+    for (i, buf) in bufs.iter_mut().enumerate() {
+        let len = buf.len() as u64;
+        let mapping = dev.map(op, i as u64 * len, len).expect("mapped");
+        let tx = tx.clone();
+        // SAFETY: the callers keep every buffer untouched until its request has ended.
+        unsafe {
+            mapping.when_ready_with(buf.as_mut_ptr(), move |ready| {
+                let ended = match ready {
+                    Ready::Go(_) => Ended::Done,
+                    Ready::Failed(e) => Ended::Failed(e),
+                    Ready::Retry => Ended::Retry,
+                };
+                tx.send((i, ended)).unwrap()
+            })
+        };
+    }
+    rx
+}
+
+#[test]
+fn requests_started_in_one_batch_go_out_together_when_it_ends() {
+    let dir = scratch("mapped-batch");
+    let _server = nbdkit(&dir, &["memory", "64M"]);
+    let client = connect(&uri(&dir), options(Duration::from_secs(30)));
+    let mut bufs: Vec<AlignedBuf> = (0..32).map(|i| pattern(4096, 100 + i)).collect();
+    let batch = udm_block::Batch::open();
+    let ended = start_each(&client, MapOp::Write { fua: false }, &mut bufs);
+    // Nothing went out yet, so nothing came back.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        ended.try_recv().is_err(),
+        "a request was sent before the batch ended"
+    );
+    drop(batch);
+    for _ in 0..32 {
+        let (i, how) = ended.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(matches!(how, Ended::Done), "request {i}: {how:?}");
+    }
+    for (i, buf) in bufs.iter().enumerate() {
+        assert!(
+            read(&client, i as u64 * 4096, 4096)[..] == buf[..],
+            "request {i}"
+        );
+    }
+}
+
+#[test]
+fn a_batch_whose_server_dies_while_it_is_written_has_every_request_retried() {
+    // Writes wait 20 s in the server: its threads stop reading, the socket fills, and the
+    // batch's write blocks until the server is killed.
+    let dir = scratch("mapped-batch-killed");
+    let server = nbdkit(&dir, &["--filter=delay", "memory", "64M", "delay-write=20"]);
+    let client = connect(&uri(&dir), options(Duration::from_secs(30)));
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        drop(server)
+    });
+    let mut bufs: Vec<AlignedBuf> = (0..48).map(|i| pattern(256 << 10, i)).collect();
+    let started = Instant::now();
+    let batch = udm_block::Batch::open();
+    let ended = start_each(&client, MapOp::Write { fua: false }, &mut bufs);
+    drop(batch);
+    killer.join().unwrap();
+    for _ in 0..48 {
+        let (i, how) = ended.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(matches!(how, Ended::Retry), "request {i}: {how:?}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}

@@ -152,9 +152,9 @@ fn a_suspend_a_remove_and_a_shutdown_never_wait_for_a_path() {
     peer.launch();
 }
 
-/// fio on `uri`: 4 KiB random writes over 8 MiB, each block read back and checked; asserts
-/// that every one was done and verified without an error.
-fn fio_verifies(uri: &str, log: impl Fn() -> String) {
+/// fio on `uri`: 4 KiB random writes over `size` (fio's notation), each block read back and
+/// checked; asserts that every one was done and verified without an error.
+fn fio_verifies(uri: &str, size: &str, log: impl Fn() -> String) {
     let out = Command::new("fio")
         .args([
             "--name=mp",
@@ -163,7 +163,7 @@ fn fio_verifies(uri: &str, log: impl Fn() -> String) {
             "--rw=randwrite",
             "--bs=4k",
             "--iodepth=16",
-            "--size=8M",
+            &format!("--size={size}"),
             "--verify=crc32c",
             "--verify_fatal=1",
             "--verify_state_save=0",
@@ -221,7 +221,7 @@ fn remapped_requests_that_fail_on_a_file_path_go_down_another_path() {
     let error = format!("0 {} error", 16 * MIB / 512);
     peer.udm(&["load", "p", "--table", &error]);
     peer.udm(&["resume", "p"]);
-    fio_verifies(&a.uri("mp"), || a.log());
+    fio_verifies(&a.uri("mp"), "8M", || a.log());
     assert_eq!(fuse_state(), "F 1", "{}", a.log());
     // Probed every second, the path stays failed while it fails...
     std::thread::sleep(Duration::from_millis(1500));
@@ -234,7 +234,7 @@ fn remapped_requests_that_fail_on_a_file_path_go_down_another_path() {
         || fuse_state() == "A 1",
         "the checker to reinstate the path",
     );
-    fio_verifies(&a.uri("mp"), || a.log());
+    fio_verifies(&a.uri("mp"), "8M", || a.log());
     // The same through A's own FUSE export (its io_uring queues remap too).
     peer.udm(&["load", "p", "--table", &error]);
     peer.udm(&["resume", "p"]);
@@ -281,4 +281,84 @@ fn udm_within_5s(daemon: &Daemon, args: &[&str]) -> bool {
         .status()
         .unwrap()
         .success()
+}
+
+/// Four hundred writes queue while both paths are down (`queue_if_no_path`: more than the
+/// event loop's queue depth and the pool's threads), and every one is done, in place, once
+/// a path is back.
+#[test]
+fn four_hundred_requests_queued_with_no_path_all_complete_when_a_path_returns() {
+    let (mut peer, a, _) =
+        peer_and_multipath("mp-queued-400", "3 queue_if_no_path checker_interval 1");
+    peer.stop(libc::SIGKILL);
+    let block = |i: u64| [(i % 251) as u8 + 1; 4096];
+    let mut client = RawClient::connect(&a.nbd_socket(), "mp");
+    // The server stops reading once its queue is full: the writes go from a thread of their
+    // own, which is done once the path is back.
+    let sender = std::thread::spawn(move || {
+        for i in 0..400u64 {
+            client.send(0, NBD_CMD_WRITE, i, i * 8192, 4096, &block(i));
+        }
+        client
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !a.udm(&["status", "mp"]).contains("multipath 2 1 ") {
+        assert!(Instant::now() < deadline, "the writes do not queue");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    peer.launch();
+    let mut client = sender.join().unwrap();
+    let mut done = vec![false; 400];
+    for _ in 0..400 {
+        let (error, cookie) = client.reply().unwrap();
+        assert_eq!(error, 0, "write {cookie}; log:\n{}", a.log());
+        done[cookie as usize] = true;
+    }
+    assert!(done.iter().all(|&d| d));
+    for i in (0..400u64).step_by(37) {
+        client.send(0, NBD_CMD_READ, 1000 + i, i * 8192, 4096, &[]);
+        assert_eq!(client.reply().unwrap(), (0, 1000 + i));
+        let mut back = [0u8; 4096];
+        client.stream.read_exact(&mut back).unwrap();
+        assert!(back == block(i), "block {i} reads back wrong");
+    }
+}
+
+/// A path's server that stops answering in the middle of a burst (SIGSTOP: its connections
+/// stay up, nothing more is read or answered, the socket fills) is failed after
+/// `path_timeout`, and its requests go down the other path: fio sees no error and verifies
+/// every write. Two servers over one file, as two controllers reach one LUN.
+#[test]
+fn a_path_whose_server_stops_answering_mid_burst_is_failed_and_io_goes_on() {
+    let b = Daemon::start("mp-stall-b");
+    let disk = b.create_linear("vol", "disk.img", 16 * MIB);
+    let c = Daemon::start("mp-stall-c");
+    c.create("vol", &linear_table(&disk, 16 * MIB));
+    let a = Daemon::start("mp-stall");
+    let paths = [&b, &c].map(|d| format!("{} 1", peer_path(d, "nbd.sock")));
+    let table = format!(
+        "0 {} multipath 2 path_timeout 1 0 1 1 round-robin 0 2 1 {}",
+        16 * MIB / 512,
+        paths.join(" ")
+    );
+    a.create("mp", &table);
+    let stalled = b.pid() as i32;
+    let stopper = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        // SAFETY: signals a child of this test, resumed below.
+        unsafe { libc::kill(stalled, libc::SIGSTOP) };
+    });
+    let started = Instant::now();
+    fio_verifies(&a.uri("mp"), "16M", || a.log());
+    stopper.join().unwrap();
+    let status = a.udm(&["status", "mp"]);
+    // SAFETY: as above.
+    unsafe { libc::kill(stalled, libc::SIGCONT) };
+    assert!(
+        started.elapsed() > Duration::from_millis(200),
+        "fio was done before the server stopped"
+    );
+    let stalled_path = format!("{} F 1", peer_path(&b, "nbd.sock"));
+    assert!(status.contains(&stalled_path), "{status}\n{}", a.log());
 }
