@@ -162,6 +162,22 @@ impl Snap {
             .all(|c| self.exceptions.get(c).is_some())
     }
 
+    /// Where the snapshot's own reads and writes find chunk `chunk`: its COW chunk once saved
+    /// (an exception never moves while the snapshot serves, so that needs no hold); else
+    /// `None`, with the chunk held (shared to read, exclusive to write) so that no copy-out
+    /// saves it meanwhile, and looked up again once held: one may have saved it while we
+    /// waited. The guard, if any, is for the caller to keep until its I/O is done.
+    pub fn settle(&self, chunk: u64, exclusive: bool) -> (Option<u64>, Option<ChunkGuard>) {
+        if let Some(new) = self.exceptions.get(chunk) {
+            return (Some(new), None);
+        }
+        let held = match exclusive {
+            true => self.locks.exclusive(chunk),
+            false => self.locks.shared(chunk),
+        };
+        (self.exceptions.get(chunk), Some(held))
+    }
+
     /// Where byte `offset` of the origin lives in COW chunk `new`.
     pub fn cow_offset(&self, new: u64, offset: u64) -> u64 {
         new * self.chunk + offset % self.chunk
