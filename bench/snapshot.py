@@ -52,6 +52,8 @@ from report import human_size, markdown_table, parse_size, write_results  # noqa
 SECTOR = 512
 POOL_THREADS = 128
 JOBS = [1, 2, 4, 8]
+# A copy-out's stages as `udm status --json` reports them (mean microseconds each).
+STAGES = ["chunk_locks", "origin_read", "cow_write", "commit"]
 RANDWRITE = Workload("randwrite-4k-qd32", "randwrite 4k qd32", "randwrite", "4k", 32)
 RANDREAD = Workload("randread-4k-qd32", "randread 4k qd32", "randread", "4k", 32)
 BAR_SCALING = 6.0
@@ -159,9 +161,12 @@ class Bench:
                     if system == "snapshot":
                         commits = d["commits"] / self.args.runtime
                         per = d["exceptions_committed"] / max(d["commits"], 1)
-                        seen += f", {commits:.0f} commits/s of {per:.1f} exceptions"
+                        st = d["copy_out_stages"]
+                        stages = "/".join(f"{st[k + '_us'] / 1000:.1f}" for k in STAGES)
+                        seen += (f", {commits:.0f} commits/s of {per:.1f} exceptions, copy-out "
+                                 f"ms {'/'.join(STAGES)} {stages}")
                         evidence[jobs].append({"cpu": cpu, "commits_per_s": commits,
-                                               "exceptions_per_commit": per})
+                                               "exceptions_per_commit": per, "stages_us": st})
                     log(f"seed: {system} jobs {jobs}: {r['iops']:.0f} IOPS ({seen})")
                     cells[(system, jobs)].append(r["iops"])
         for name in ("sbase", "slin", "cdelay", "odelay"):

@@ -13,6 +13,7 @@ use udm_metadata::snapshot::{ExceptionStore, Record, StoreError};
 use super::chunk_locks::{ChunkGuard, ChunkLocks};
 use super::exceptions::ExceptionTable;
 use super::hub::Hub;
+use super::stages::Stages;
 use crate::rendezvous::Rendezvous;
 use crate::target::EventSink;
 
@@ -38,6 +39,8 @@ pub struct Snap {
     pub chunk: u64,
     pub exceptions: ExceptionTable,
     pub locks: Arc<ChunkLocks>,
+    /// Where the asynchronous copy-outs' time goes.
+    pub stages: Stages,
     valid: AtomicBool,
     /// A `PO` snapshot whose COW device filled up on a write to the snapshot: writes to it
     /// fail, reads go on.
@@ -90,6 +93,7 @@ impl SnapHandle {
                     chunk,
                     exceptions: ExceptionTable::new(&records),
                     locks: Arc::default(),
+                    stages: Stages::default(),
                     valid: AtomicBool::new(valid),
                     overflow: AtomicBool::new(false),
                     merging: AtomicBool::new(false),
