@@ -161,10 +161,13 @@ class Bench:
                     if system == "snapshot":
                         commits = d["commits"] / self.args.runtime
                         per = d["exceptions_committed"] / max(d["commits"], 1)
-                        st = d["copy_out_stages"]
-                        stages = "/".join(f"{st[k + '_us'] / 1000:.1f}" for k in STAGES)
-                        seen += (f", {commits:.0f} commits/s of {per:.1f} exceptions, copy-out "
-                                 f"ms {'/'.join(STAGES)} {stages}")
+                        seen += f", {commits:.0f} commits/s of {per:.1f} exceptions"
+                        # (Older binaries do not time the stages.)
+                        st = d.get("copy_out_stages", {})
+                        if st:
+                            stages = "/".join(f"{st[k + '_us'] / 1000:.1f}" for k in STAGES)
+                            seen += f", copy-out ms {'/'.join(STAGES)} {stages}"
+
                         evidence[jobs].append({"cpu": cpu, "commits_per_s": commits,
                                                "exceptions_per_commit": per, "stages_us": st})
                     log(f"seed: {system} jobs {jobs}: {r['iops']:.0f} IOPS ({seen})")
