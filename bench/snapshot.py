@@ -52,6 +52,8 @@ from report import human_size, markdown_table, parse_size, write_results  # noqa
 SECTOR = 512
 POOL_THREADS = 128
 JOBS = [1, 2, 4, 8]
+# A copy-out's stages as `udm status --json` reports them (mean microseconds each).
+STAGES = ["chunk_locks", "origin_read", "cow_write", "commit"]
 RANDWRITE = Workload("randwrite-4k-qd32", "randwrite 4k qd32", "randwrite", "4k", 32)
 RANDREAD = Workload("randread-4k-qd32", "randread 4k qd32", "randread", "4k", 32)
 BAR_SCALING = 6.0
@@ -106,6 +108,11 @@ class Bench:
         sample = parse_fio_json(out_json, wl)
         return {"iops": sample.iops, "lat_us": sample.lat_mean_us, "json": out_json.name}
 
+    def daemon_cpu(self) -> float:
+        """CPU seconds the daemon has used so far (user and system)."""
+        fields = Path(f"/proc/{self.daemon.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def fresh_file(self, name: str, size: int) -> Path:
         """A file of `size` whose every block is written (no unwritten extents to convert on
         the first writes, as on a real logical volume)."""
@@ -131,25 +138,45 @@ class Bench:
         self.create("cdelay", f"0 {sectors} delay {cow} 0 1")
         self.create("sbase", f"0 {sectors} snapshot-origin odelay")
         self.create("slin", f"0 {sectors} linear odelay 0")
-        cells = {(sys_, j): [] for sys_ in ("snapshot", "linear") for j in JOBS}
+        jobs_list = self.args.jobs
+        cells = {(sys_, j): [] for sys_ in ("snapshot", "linear") for j in jobs_list}
+        evidence = {j: [] for j in jobs_list}
         for rep in range(self.args.repeat):
-            for jobs in JOBS:
+            for jobs in jobs_list:
                 order = ["snapshot", "linear"] if rep % 2 == 0 else ["linear", "snapshot"]
                 for system in order:
+                    cpu = self.daemon_cpu()
                     if system == "snapshot":
                         self.blank_cow(cow)
                         self.create("ssnap", f"0 {sectors} snapshot odelay cdelay P 8")
                         r = self.fio(RANDWRITE, self.uri("sbase"), f"seed-snap-j{jobs}", jobs)
+                        d = self.status("ssnap")["targets"][0]["details"]
                         self.remove("ssnap")
                     else:
                         r = self.fio(RANDWRITE, self.uri("slin"), f"seed-linear-j{jobs}", jobs)
-                    log(f"seed: {system} jobs {jobs}: {r['iops']:.0f} IOPS")
+                    # Where the time goes: the daemon's CPU (of 2 cores: is it CPU-bound?) and,
+                    # for the snapshot, how many commits and how many exceptions in each.
+                    cpu = (self.daemon_cpu() - cpu) / self.args.runtime
+                    seen = f"daemon CPU {cpu:.2f} cores, load {os.getloadavg()[0]:.1f}"
+                    if system == "snapshot":
+                        commits = d["commits"] / self.args.runtime
+                        per = d["exceptions_committed"] / max(d["commits"], 1)
+                        seen += f", {commits:.0f} commits/s of {per:.1f} exceptions"
+                        # (Older binaries do not time the stages.)
+                        st = d.get("copy_out_stages", {})
+                        if st:
+                            stages = "/".join(f"{st[k + '_us'] / 1000:.1f}" for k in STAGES)
+                            seen += f", copy-out ms {'/'.join(STAGES)} {stages}"
+
+                        evidence[jobs].append({"cpu": cpu, "commits_per_s": commits,
+                                               "exceptions_per_commit": per, "stages_us": st})
+                    log(f"seed: {system} jobs {jobs}: {r['iops']:.0f} IOPS ({seen})")
                     cells[(system, jobs)].append(r["iops"])
         for name in ("sbase", "slin", "cdelay", "odelay"):
             self.remove(name)
         med = {f"{s}-{j}": statistics.median(v) for (s, j), v in cells.items()}
         runs = {f"{s}-{j}": v for (s, j), v in cells.items()}
-        return {"median_iops": med, "runs": runs}
+        return {"median_iops": med, "runs": runs, "snapshot_evidence": evidence}
 
     # ---------------------------------------------------------------------- 2. first write
 
@@ -304,12 +331,13 @@ def report(seed, first, merge, meta) -> tuple[str, dict]:
         m = seed["median_iops"]
         rows = [[f"{j}", f"{m[f'snapshot-{j}']:.0f}", f"{m[f'linear-{j}']:.0f}",
                  f"{ratio(m[f'snapshot-{j}'], m[f'linear-{j}']):.2f}x",
-                 f"{ratio(m[f'snapshot-{j}'], m['snapshot-1']):.2f}x"] for j in JOBS]
+                 f"{ratio(m[f'snapshot-{j}'], m.get('snapshot-1')):.2f}x"]
+                for j in JOBS if f"snapshot-{j}" in m]
         out += ["### Seed 002's table: origin 4 KiB random writes, depth 32, one snapshot, "
                 "origin and COW behind a 1 ms delay", "",
                 markdown_table(["fio jobs", "snapshot-origin IOPS", "linear IOPS",
                                 "snapshot / linear", "vs 1 job"], rows), ""]
-        scaling = ratio(m["snapshot-8"], m["snapshot-1"])
+        scaling = ratio(m.get("snapshot-8"), m.get("snapshot-1"))
         bars.append((f"8 jobs >= {BAR_SCALING:g}x one job (seed 002)", scaling, BAR_SCALING))
     if first:
         m = first["median_iops"]
@@ -367,6 +395,8 @@ def main(argv=None) -> int:
                          "256M; 32M with --quick)")
     ap.add_argument("--pool-threads", type=int, default=POOL_THREADS,
                     help=f"the daemon's --nbd-pool-threads (default {POOL_THREADS})")
+    ap.add_argument("--jobs", type=lambda v: [int(j) for j in v.split(",")], default=JOBS,
+                    help="fio job counts of the seed table (default 1,2,4,8)")
     ap.add_argument("--sections", default="seed,first,merge",
                     help="comma-separated subset of seed, first, merge")
     common.add_run_args(ap, out="bench/results/snapshot", out_help="results directory",
@@ -377,6 +407,8 @@ def main(argv=None) -> int:
     common.resolve_sizing(args)
     if args.merge_size is None:
         args.merge_size = parse_size("32M" if args.quick else "256M")
+    if not {1, 8} <= set(args.jobs):
+        ap.error("--jobs must include 1 and 8 (the bar is their ratio)")
     if args.merge_size > args.size:
         ap.error("--merge-size must not exceed --size")
     sections = {s.strip() for s in args.sections.split(",")}

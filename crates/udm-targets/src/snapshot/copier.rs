@@ -17,6 +17,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use log::warn;
 use parking_lot::Mutex;
@@ -26,6 +27,7 @@ use udm_uring::{Outcome, Runner};
 
 use super::chunk_locks::ChunkGuard;
 use super::cow::Snap;
+use super::stages::Marks;
 
 /// Threads for copies through devices that do not map, each held for one read or write; and
 /// the kernel's workers for the runner's FUA writes to COW files (each waits for the disk),
@@ -118,6 +120,7 @@ pub fn copy_out(
         held: Vec::new(),
         origin,
         done,
+        began: Instant::now(),
     }
     .next();
 }
@@ -128,6 +131,7 @@ struct Locking {
     held: Vec<(Arc<Snap>, u64, ChunkGuard)>,
     origin: Arc<dyn BlockDevice>,
     done: Done,
+    began: Instant,
 }
 
 impl Locking {
@@ -164,8 +168,13 @@ impl Locking {
     /// Steps 2 to 4 for every chunk held.
     fn copy(self) {
         let Locking {
-            held, origin, done, ..
+            held,
+            origin,
+            done,
+            began,
+            ..
         } = self;
+        let marks = (began, Instant::now());
         if held.is_empty() {
             return done.finish(Ok(()));
         }
@@ -185,6 +194,7 @@ impl Locking {
                     write.left.fetch_add(1, Ordering::Relaxed);
                     let save = Arc::new(Save {
                         snap,
+                        marks,
                         write: write.clone(),
                         left: AtomicUsize::new(0),
                         saved: Mutex::default(),
@@ -201,6 +211,7 @@ impl Locking {
             let buf = AlignedBuf::zeroed((end - start) as usize);
             io(origin.clone(), None, start, buf, move |result, data| {
                 for (save, chunk) in chunks {
+                    save.saved.lock().read = Some(Instant::now());
                     match &result {
                         Ok(()) => save.clone().save(chunk, &data),
                         Err(e) => save
@@ -235,6 +246,8 @@ impl Write {
 /// One snapshot's part of a copy-out: its chunks held, their COW writes, then its commit.
 struct Save {
     snap: Arc<Snap>,
+    /// When the copy-out began and when it held its chunks.
+    marks: (Instant, Instant),
     write: Arc<Write>,
     /// COW writes not finished yet.
     left: AtomicUsize,
@@ -246,6 +259,8 @@ struct Saved {
     records: Vec<Record>,
     guards: Vec<ChunkGuard>,
     failed: bool,
+    /// When the last origin read for it was done.
+    read: Option<Instant>,
 }
 
 impl Save {
@@ -296,12 +311,15 @@ impl Save {
             records,
             guards,
             failed,
+            read,
         } = std::mem::take(&mut *self.saved.lock());
+        let written = Instant::now();
         if failed || records.is_empty() {
             drop(guards);
             return self.write.one_done();
         }
         let (snap, write) = (self.snap.clone(), self.write.clone());
+        let ((began, held), read) = (self.marks, read.unwrap_or(written));
         let ticket = match self.snap.store.submit(&records) {
             Ok(ticket) => ticket,
             // Off this thread, as in `failed`.
@@ -316,6 +334,14 @@ impl Save {
         self.snap.store.when_durable(
             ticket,
             Box::new(move |result| {
+                let durable = Instant::now();
+                snap.stages.add(&Marks {
+                    began,
+                    held,
+                    read,
+                    written,
+                    durable,
+                });
                 snap.committed(&records, result);
                 drop(guards);
                 write.one_done()

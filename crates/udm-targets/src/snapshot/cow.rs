@@ -13,6 +13,7 @@ use udm_metadata::snapshot::{ExceptionStore, Record, StoreError};
 use super::chunk_locks::{ChunkGuard, ChunkLocks};
 use super::exceptions::ExceptionTable;
 use super::hub::Hub;
+use super::stages::Stages;
 use crate::rendezvous::Rendezvous;
 use crate::target::EventSink;
 
@@ -38,6 +39,8 @@ pub struct Snap {
     pub chunk: u64,
     pub exceptions: ExceptionTable,
     pub locks: Arc<ChunkLocks>,
+    /// Where the asynchronous copy-outs' time goes.
+    pub stages: Stages,
     valid: AtomicBool,
     /// A `PO` snapshot whose COW device filled up on a write to the snapshot: writes to it
     /// fail, reads go on.
@@ -90,6 +93,7 @@ impl SnapHandle {
                     chunk,
                     exceptions: ExceptionTable::new(&records),
                     locks: Arc::default(),
+                    stages: Stages::default(),
                     valid: AtomicBool::new(valid),
                     overflow: AtomicBool::new(false),
                     merging: AtomicBool::new(false),
@@ -160,6 +164,22 @@ impl Snap {
     pub fn has_all(&self, offset: u64, len: u64) -> bool {
         self.chunks(offset, len)
             .all(|c| self.exceptions.get(c).is_some())
+    }
+
+    /// Where the snapshot's own reads and writes find chunk `chunk`: its COW chunk once saved
+    /// (an exception never moves while the snapshot serves, so that needs no hold); else
+    /// `None`, with the chunk held (shared to read, exclusive to write) so that no copy-out
+    /// saves it meanwhile, and looked up again once held: one may have saved it while we
+    /// waited. The guard, if any, is for the caller to keep until its I/O is done.
+    pub fn settle(&self, chunk: u64, exclusive: bool) -> (Option<u64>, Option<ChunkGuard>) {
+        if let Some(new) = self.exceptions.get(chunk) {
+            return (Some(new), None);
+        }
+        let held = match exclusive {
+            true => self.locks.exclusive(chunk),
+            false => self.locks.shared(chunk),
+        };
+        (self.exceptions.get(chunk), Some(held))
     }
 
     /// Where byte `offset` of the origin lives in COW chunk `new`.

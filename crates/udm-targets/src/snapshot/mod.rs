@@ -23,6 +23,7 @@ mod merge;
 mod origin;
 #[allow(clippy::module_inception)]
 mod snapshot;
+mod stages;
 
 use std::sync::Arc;
 
@@ -290,6 +291,7 @@ fn details(snap: &Snap) -> serde_json::Value {
         "metadata_sectors": usage.metadata,
         "commits": stats.commits,
         "exceptions_committed": stats.records,
+        "copy_out_stages": snap.stages.json(),
     })
 }
 

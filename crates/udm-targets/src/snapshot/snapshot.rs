@@ -152,15 +152,9 @@ impl BlockDevice for Snapshot {
             snap.chunk,
             offset,
             buf.len() as u64,
-            |chunk, at, _, range| {
-                if let Some(new) = snap.exceptions.get(chunk) {
-                    return snap.cow.read(snap.cow_offset(new, at), &mut buf[range]);
-                }
-                let _held = snap.locks.shared(chunk);
-                match snap.exceptions.get(chunk) {
-                    Some(new) => snap.cow.read(snap.cow_offset(new, at), &mut buf[range]),
-                    None => self.args.origin.read(at, &mut buf[range]),
-                }
+            |chunk, at, _, range| match snap.settle(chunk, false) {
+                (Some(new), _held) => snap.cow.read(snap.cow_offset(new, at), &mut buf[range]),
+                (None, _held) => self.args.origin.read(at, &mut buf[range]),
             },
         )
     }
@@ -177,15 +171,9 @@ impl BlockDevice for Snapshot {
             snap.chunk,
             offset,
             buf.len() as u64,
-            |chunk, at, _, range| {
-                if let Some(new) = snap.exceptions.get(chunk) {
-                    return snap.cow.write(snap.cow_offset(new, at), &buf[range], flags);
-                }
-                let _held = snap.locks.exclusive(chunk);
-                match snap.exceptions.get(chunk) {
-                    Some(new) => snap.cow.write(snap.cow_offset(new, at), &buf[range], flags),
-                    None => self.write_new_chunk(chunk, at, &buf[range]),
-                }
+            |chunk, at, _, range| match snap.settle(chunk, true) {
+                (Some(new), _held) => snap.cow.write(snap.cow_offset(new, at), &buf[range], flags),
+                (None, _held) => self.write_new_chunk(chunk, at, &buf[range]),
             },
         )
     }
