@@ -318,6 +318,13 @@ class WavesRun(Run):
         st = stages(parsed, key == "udm-linear", wl.qd * wl.jobs, smp.iops)
         print(f"\n{wl.key} {key} r{rnd}: {smp.iops:.0f} IOPS, p99 {smp.lat_p99_us:.0f} µs, "
               f"load {load}, {len(text.splitlines())} trace lines")
+        lost = sum(int(n) for n in re.findall(r"LOST (\d+) EVENTS", text))
+        used = sum(v[0] for k, v in st.items() if not k.startswith("_") and "client" not in k)
+        if lost or used > wl.qd * wl.jobs:
+            # Counts that drift (a lost completion never leaves its stage) make stages hold
+            # more than the depth.
+            print(f"  WARNING: the trace lost {lost} events; stages hold {used:.0f} requests "
+                  f"for a depth of {wl.qd * wl.jobs}: read the stage times as unreliable")
         for name, value in st.items():
             if name.startswith("_"):
                 print(f"  {name[1:].replace('_', ' ')} (share of requests): {value}")
