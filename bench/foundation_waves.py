@@ -13,10 +13,12 @@ stage takes per request:
          -> completed by it -> engine completion -> reply sent (sendmsg completion) -> client
   file / qemu-nbd: the same without the socket stages (fio's or qemu-nbd's ring).
 
-"client" is what is left of depth/IOPS: the time a request spends in fio (and libnbd) and
-the socket. It also prints how requests arrive and leave (requests per receive, replies per
-send) and how the disk completes them (completions less than 20 µs apart), which shows
-whether the depth moves in waves.
+"rest" is what is left of depth/IOPS: the time a request spends in fio (and libnbd) and
+the socket (for qemu-nbd also in its own work outside its ring). It also prints how requests
+arrive and leave (requests per receive, replies per send) and how the disk completes them
+(completions less than 20 µs apart), which shows whether the depth moves in waves. The
+block stages' occupancy is kept by sector (exact); the others are differences of running
+counts, offset so that each stage is empty at its emptiest.
 
 Needs root (tracefs) and the same tools as foundation.py.
 
@@ -153,7 +155,7 @@ def parse(text: str, tracer: Tracer, ring_owner) -> dict:
         if event.startswith("block_"):
             s = SECTOR.search(rest.split(")")[-1] if event != "block_bio_queue" else rest)
             if s and tracer.mine(int(s.group(1))):
-                raw.append((ts, event, None, 0, 0))
+                raw.append((ts, event, None, int(s.group(1)), int(s.group(2))))
             continue
         fields = dict(re.findall(r"(\w+) (\S+?),", rest + ","))
         ring = fields.get("ring")
@@ -167,12 +169,14 @@ def parse(text: str, tracer: Tracer, ring_owner) -> dict:
     return {"rings": rings, "events": sorted(raw, key=lambda e: e[0])}
 
 
-def stages(parsed: dict, server: bool, depth: int, iops: float) -> dict:
-    """Mean requests in each stage and the time per request it makes (Little's law)."""
+def stages(parsed: dict, server: bool, depth: int, iops: float, rest: str) -> dict:
+    """Mean requests in each stage and the time per request it makes (Little's law); `rest`
+    names what is left of depth / IOPS."""
     rings = parsed["rings"]
     counts = collections.Counter()
     recv_bytes, send_bytes = [], []
     series = []
+    queued, device = set(), set()
     for ts, kind, ring, data, result in parsed["events"]:
         if kind in ("sqe", "cqe"):
             owner = rings.get(ring)
@@ -194,6 +198,16 @@ def stages(parsed: dict, server: bool, depth: int, iops: float) -> dict:
                 counts["submitted" if kind == "sqe" else "completed"] += 1
         else:
             counts[kind] += 1
+            # Occupancy of the block stages by sector, exact where counts would drift (a
+            # request the block layer merged from several bios is issued once).
+            if kind == "block_bio_queue":
+                queued.add(data)
+            elif kind == "block_rq_issue":
+                queued -= {q for q in queued if data <= q < data + max(result, 1)}
+                device.add(data)
+            else:
+                device.discard(data)
+            counts["queued"], counts["at_device"] = len(queued), len(device)
         series.append((ts, dict(counts)))
     if len(series) < 2 or not counts["submitted"]:
         return {}
@@ -212,13 +226,19 @@ def stages(parsed: dict, server: bool, depth: int, iops: float) -> dict:
     lowest = [0.0] * len(pairs)
     t0, prev = series[0][0], series[0][1]
     last = t0
+    # Stages whose occupancy is known exactly (not a difference of two running counts).
+    exact = {("block_bio_queue", "block_rq_issue"): "queued",
+             ("block_rq_issue", "block_rq_complete"): "at_device"}
     for ts, c in series[1:]:
         got = dict(prev)
         if server:
             got["received"] = prev.get("recv_bytes", 0) / units["recv"] if units["recv"] else 0
             got["sent"] = prev.get("send_bytes", 0) / units["send"] if units["send"] else 0
         for i, (a, b) in enumerate(pairs):
-            d = got.get(a, 0) - got.get(b, 0)
+            if (a, b) in exact:
+                d = got.get(exact[a, b], 0)
+            else:
+                d = got.get(a, 0) - got.get(b, 0)
             area[i] += d * (ts - last)
             lowest[i] = min(lowest[i], d)
         last, prev = ts, c
@@ -228,7 +248,7 @@ def stages(parsed: dict, server: bool, depth: int, iops: float) -> dict:
         mean = area[i] / span - lowest[i]
         out[name] = (mean, mean / iops * 1e6)
     used = sum(m for m, _ in out.values())
-    out["client (rest of depth/IOPS)"] = (depth - used, (depth - used) / iops * 1e6)
+    out[rest] = (depth - used, (depth - used) / iops * 1e6)
     out["_per_receive"] = _share([round(b / units["recv"]) for b in recv_bytes]) \
         if units["recv"] else ""
     out["_per_send"] = _share([round(b / units["send"]) for b in send_bytes]) \
@@ -315,11 +335,13 @@ class WavesRun(Run):
         smp = parse_fio_json(out, wl)
         load = Path("/proc/loadavg").read_text().split()[0]
         parsed = parse(text, tracer, lambda comm, tid: owner(comm, tid, fio))
-        st = stages(parsed, key == "udm-linear", wl.qd * wl.jobs, smp.iops)
+        rest = {"udm-linear": "rest: client and socket", "file": "rest: fio",
+                "qemu-nbd": "rest: client, socket, qemu-nbd"}[key]
+        st = stages(parsed, key == "udm-linear", wl.qd * wl.jobs, smp.iops, rest)
         print(f"\n{wl.key} {key} r{rnd}: {smp.iops:.0f} IOPS, p99 {smp.lat_p99_us:.0f} µs, "
               f"load {load}, {len(text.splitlines())} trace lines")
         lost = sum(int(n) for n in re.findall(r"LOST (\d+) EVENTS", text))
-        used = sum(v[0] for k, v in st.items() if not k.startswith("_") and "client" not in k)
+        used = sum(v[0] for k, v in st.items() if not k.startswith(("_", "rest")))
         if lost or used > wl.qd * wl.jobs:
             # Counts that drift (a lost completion never leaves its stage) make stages hold
             # more than the depth.
@@ -329,7 +351,7 @@ class WavesRun(Run):
             if name.startswith("_"):
                 print(f"  {name[1:].replace('_', ' ')} (share of requests): {value}")
             else:
-                print(f"  {name:<28} {value[0]:5.1f} requests  {value[1]:7.1f} µs each")
+                print(f"  {name:<32} {value[0]:5.1f} requests  {value[1]:7.1f} µs each")
         sys.stdout.flush()
 
 
