@@ -23,7 +23,7 @@ counts, offset so that each stage is empty at its emptiest.
 Needs root (tracefs) and the same tools as foundation.py.
 
 Usage:  python3 bench/foundation_waves.py [--runtime 3] [--rounds 2]
-            [--workloads randwrite-4k-qd32,randread-4k-qd32] [--jobs 1]
+            [--workloads randwrite-4k-qd32,randread-4k-qd32] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import BenchError, select_workloads, trap_signals  # noqa: E402
-from foundation import Run, WORKLOADS, find_udm  # noqa: E402
+from foundation import Run, WORKLOADS, find_udm, with_jobs  # noqa: E402
 from harness import Workload, fio_cmd, parse_fio_json  # noqa: E402
 
 TRACEFS = Path("/sys/kernel/tracing")
@@ -282,13 +282,22 @@ def main(argv=None) -> int:
         repeat=False, out="bench/results/foundation-waves")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
     ap.add_argument("--workloads", default="randwrite-4k-qd32,randread-4k-qd32")
+    ap.add_argument("--jobs", default="",
+                    help="comma-separated fio job counts: each depth-32 row also with N jobs "
+                         "at depth 32/N and at depth 32 (as foundation.py --jobs)")
     args = ap.parse_args(argv)
+    try:
+        jobs = [int(x) for x in args.jobs.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--jobs {args.jobs!r} is not a list of numbers")
+    if any(n < 2 or 32 % n for n in jobs):
+        ap.error("--jobs counts must be at least 2 and divide 32")
     common.resolve_sizing(args)
     args.repeat = 1
     if not (TRACEFS / "instances").is_dir():
         log(f"{TRACEFS} is not mounted or not writable (root needed)")
         return 2
-    workloads = select_workloads(ap, args.workloads, list(WORKLOADS))
+    workloads = with_jobs(select_workloads(ap, args.workloads, list(WORKLOADS)), jobs)
     trap_signals()
 
     def make_run(out_dir, udm_bin, tmp):
