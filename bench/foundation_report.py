@@ -64,6 +64,32 @@ def bar_lines(wl: Workload, ratio, p99_ratio, labels: dict) -> list:
     return out
 
 
+def serial_bound_lines(results) -> list:
+    """For each depth-32 row: what udm linear would reach if the transport (udm zero, same
+    client) and the disk (fio on the file) took turns instead of overlapping, 1 / (1/zero +
+    1/file), and how fast the transport would have to be for the file bar under that model.
+    A client that processes a depth's worth of replies before it sends the next requests
+    (fio's nbd engine, qemu's NBD client) meets a disk that completes a depth's worth together
+    in waves, and the row lands on this bound (docs/architecture.md, "Where the time goes at
+    depth 32")."""
+    r = Results(results)
+    out = []
+    for wl in WORKLOADS:
+        zero, file, linear = (r.med(wl, k) for k in ("udm-zero", "file", "udm-linear"))
+        if wl.qd != 32 or wl.metric != "iops" or not (zero and file and linear):
+            continue
+        bound = 1 / (1 / zero + 1 / file)
+        text = (f"{wl.label}: serial bound {bound / 1e3:.1f}k ({bound / file:.2f}× the file); "
+                f"udm linear {linear / 1e3:.1f}k = {linear / bound:.2f}× the bound")
+        bar = BAR_FILE.get(wl.key) if wl.jobs == 1 else None
+        if bar:
+            need = file * bar / (1 - bar)
+            text += (f"; for {bar}× the file in series the transport would need "
+                     f"{need / 1e3:.0f}k ({need / zero:.1f}× udm zero's)")
+        out.append(text)
+    return out
+
+
 def tabulate(results, systems):
     """Per workload: the rows of the three tables, the bars, the ratios and results.json's
     summary; what `build_table` prints."""
@@ -172,6 +198,13 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
                "divided by the I/Os fio completed. fio on file: fio's own usr + sys CPU (no "
                "server). The fio client's CPU on the NBD rows is not included.")
     out.append("")
+    serial = serial_bound_lines(results)
+    if serial:
+        out.append("### Transport and disk in series (4 KiB, depth 32)")
+        out.append("")
+        out += [f"- {line}" for line in serial]
+        summary["_serial_bound"] = serial
+        out.append("")
     out.append("### Bars (issue #10)")
     out.append("")
     for text, ok in bars:

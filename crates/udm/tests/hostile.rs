@@ -469,3 +469,137 @@ print("flood done")
     // The 32 MiB buffers went back after their replies.
     assert!(now <= before + slack, "{} MiB still resident", now >> 20);
 }
+
+/// Open file descriptors of a process.
+fn fds_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+#[test]
+fn clients_that_vanish_with_a_full_queue_give_back_their_slots_and_buffers() {
+    // Four places for this uid: a slot kept by any of the 40 clients below would lock it out.
+    let daemon = Daemon::start_with("hostile-vanish", &["--nbd-max-connections-per-client", "4"]);
+    daemon.create_linear("vol", "disk.img", 8 << 20);
+    let mut bystander = RawClient::connect(&daemon.nbd_socket(), "vol");
+    check_bystander(&mut bystander, 1);
+    let (fds, (_, rss)) = (fds_of(daemon.pid()), memory_of(daemon.pid()));
+    let data = vec![7u8; 4096];
+    for round in 0..40u64 {
+        // At most 3 of them at once (with the bystander, the cap): wait for a place, which a
+        // leaked slot would never give back.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let mut client = loop {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "round {round}: no connection slot came back"
+            );
+            let mut s = connect_raw(&daemon);
+            s.write_all(&0u32.to_be_bytes()).unwrap();
+            s.write_all(&option(
+                7,
+                &[&3u32.to_be_bytes()[..], b"vol", &[0, 0]].concat(),
+            ))
+            .unwrap();
+            let (_, kind, _) = option_reply(&mut s);
+            if kind == 3 {
+                while option_reply(&mut s).1 != 1 {}
+                break s;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        // 32 writes and 32 reads in flight, then gone without reading a reply (every other
+        // one mid-request).
+        let mut burst = Vec::new();
+        for i in 0..64u64 {
+            let (command, len) = if i < 32 { (1u16, 4096) } else { (0, 4096) };
+            burst.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+            burst.extend_from_slice(&0u16.to_be_bytes());
+            burst.extend_from_slice(&command.to_be_bytes());
+            burst.extend_from_slice(&i.to_be_bytes());
+            // Away from the bystander's blocks (the first few).
+            burst.extend_from_slice(&((1 << 20) + (i % 1024) * 4096).to_be_bytes());
+            burst.extend_from_slice(&(len as u32).to_be_bytes());
+            if command == 1 {
+                burst.extend_from_slice(&data);
+            }
+        }
+        if round % 2 == 1 {
+            burst.truncate(burst.len() - 2000);
+        }
+        client.write_all(&burst).unwrap();
+        drop(client);
+    }
+    check_bystander(&mut bystander, 2);
+    // Every vanished client's place comes back: three new ones connect beside the bystander.
+    wait_for(
+        || fds_of(daemon.pid()) <= fds,
+        "the daemon's descriptors to come back",
+    );
+    let others: Vec<RawClient> = (0..3)
+        .map(|_| RawClient::connect(&daemon.nbd_socket(), "vol"))
+        .collect();
+    drop(others);
+    let (_, after) = memory_of(daemon.pid());
+    assert!(
+        after <= rss + (64 << 20),
+        "RSS grew from {} MiB to {} MiB",
+        rss >> 20,
+        after >> 20
+    );
+}
+
+#[test]
+fn a_client_that_never_reads_its_replies_is_held_back_and_others_are_served() {
+    let daemon = daemon_with_volume("hostile-unread");
+    let mut bystander = RawClient::connect(&daemon.nbd_socket(), "vol");
+    let (_, rss) = memory_of(daemon.pid());
+    let mut flood = RawClient::connect(&daemon.nbd_socket(), "vol");
+    flood.stream.set_nonblocking(true).unwrap();
+    // 10,000 writes of 4 KiB (40 MiB), sent as fast as the server takes them.
+    let data = vec![3u8; 4096];
+    let mut burst = Vec::new();
+    for i in 0..10_000u64 {
+        burst.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        burst.extend_from_slice(&0u16.to_be_bytes());
+        burst.extend_from_slice(&NBD_CMD_WRITE.to_be_bytes());
+        burst.extend_from_slice(&i.to_be_bytes());
+        burst.extend_from_slice(&((1 << 20) + (i % 1024) * 4096).to_be_bytes());
+        burst.extend_from_slice(&4096u32.to_be_bytes());
+        burst.extend_from_slice(&data);
+    }
+    // Sends until the server has taken nothing for a second (10 s at most).
+    let (mut sent, start) = (0, std::time::Instant::now());
+    let mut progress = start;
+    while sent < burst.len()
+        && progress.elapsed() < Duration::from_secs(1)
+        && start.elapsed() < Duration::from_secs(10)
+    {
+        match flood.stream.write(&burst[sent..]) {
+            Ok(n) => {
+                sent += n;
+                progress = std::time::Instant::now();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    // The server stops reading once its replies are not taken (about half of the flood fits
+    // in the sockets' buffers, as replies and requests): the rest waits in the client.
+    assert!(
+        sent < burst.len() && progress.elapsed() >= Duration::from_secs(1),
+        "the server took {sent} bytes of {} and was still taking more",
+        burst.len()
+    );
+    check_bystander(&mut bystander, 3);
+    let (_, now) = memory_of(daemon.pid());
+    assert!(
+        now <= rss + (64 << 20),
+        "RSS grew from {} MiB to {} MiB",
+        rss >> 20,
+        now >> 20
+    );
+}
