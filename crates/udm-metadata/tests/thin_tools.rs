@@ -60,9 +60,21 @@ impl Pool {
         self.model.get_mut(&id).unwrap().insert(vblock, b);
     }
 
+    fn write_all(&mut self, id: u32, vblocks: impl IntoIterator<Item = u64>) {
+        for vblock in vblocks {
+            self.write(id, vblock);
+        }
+    }
+
     fn discard(&mut self, id: u32, vblock: u64) {
         self.meta.remove(id, vblock).unwrap();
         self.model.get_mut(&id).unwrap().remove(&vblock);
+    }
+
+    fn discard_all(&mut self, id: u32, vblocks: impl IntoIterator<Item = u64>) {
+        for vblock in vblocks {
+            self.discard(id, vblock);
+        }
     }
 
     fn random(&mut self, below: u64) -> u64 {
@@ -102,9 +114,7 @@ fn a_new_pool_passes_thin_check_and_reopens() {
         (128, 1000, 0)
     );
     pool.create(1);
-    for vb in 0..10 {
-        pool.write(1, vb);
-    }
+    pool.write_all(1, 0..10);
     pool.commit_and_check("ten mappings");
     pool.reopen();
     assert_eq!(pool.meta.lookup(1, 3).unwrap().unwrap().data_block, 3);
@@ -123,9 +133,7 @@ fn thousands_of_mappings_snapshots_of_snapshots_and_deletes_stay_thin_check_clea
 
     // Sequential writes: a three-level tree (more than 252 full leaves).
     pool.create(1);
-    for vb in 0..70_000 {
-        pool.write(1, vb);
-    }
+    pool.write_all(1, 0..70_000);
     pool.commit_and_check("70,000 sequential mappings");
     // Random writes into a second device: splits two into three, overwrites.
     pool.create(2);
@@ -174,9 +182,7 @@ fn thousands_of_mappings_snapshots_of_snapshots_and_deletes_stay_thin_check_clea
         .copied()
         .filter(|v| v % 3 != 0)
         .collect();
-    for vb in victims {
-        pool.discard(1, vb);
-    }
+    pool.discard_all(1, victims);
     for _ in 0..3_000 {
         let vb = pool.random(80_000);
         pool.discard(5, vb);
@@ -190,9 +196,7 @@ fn thousands_of_mappings_snapshots_of_snapshots_and_deletes_stay_thin_check_clea
         pool.delete(id);
     }
     let left: Vec<u64> = pool.model[&5].keys().copied().collect();
-    for vb in left {
-        pool.discard(5, vb);
-    }
+    pool.discard_all(5, left);
     pool.commit_and_check("everything unmapped");
     assert_eq!(pool.meta.data_usage().used, 0);
     assert_eq!(pool.meta.highest_mapped(5).unwrap(), None);
@@ -310,18 +314,14 @@ fn a_metadata_snapshot_keeps_its_view_while_the_pool_changes() {
     let scratch = TempDir::new("thin-msnap");
     let mut pool = Pool::new(&scratch, 16 << 20, 100_000);
     pool.create(1);
-    for vb in 0..3_000 {
-        pool.write(1, vb);
-    }
+    pool.write_all(1, 0..3_000);
     pool.snap(2, 1);
     pool.commit_and_check("before the metadata snapshot");
     let before = pool.model.clone();
     pool.meta.reserve_metadata_snap().unwrap();
     let held = pool.meta.held_root().unwrap();
     assert!(pool.meta.reserve_metadata_snap().is_err(), "only one");
-    for vb in 1_000..2_500 {
-        pool.write(1, vb);
-    }
+    pool.write_all(1, 1_000..2_500);
     pool.delete(2);
     pool.create(3);
     pool.write(3, 7);
@@ -353,9 +353,7 @@ fn a_grown_metadata_device_is_used_and_stays_clean() {
     let scratch = TempDir::new("thin-grow");
     let mut pool = Pool::new(&scratch, 4 << 20, 10_000);
     pool.create(1);
-    for vb in 0..2_000 {
-        pool.write(1, vb);
-    }
+    pool.write_all(1, 0..2_000);
     pool.commit_and_check("small metadata device");
     assert_eq!(pool.meta.metadata_usage().total, 1024);
     // Past one metadata bitmap (16,320 blocks): the map gains bitmaps.
@@ -371,9 +369,7 @@ fn a_grown_metadata_device_is_used_and_stays_clean() {
     assert_eq!(pool.meta.metadata_usage().total, 20_480);
     assert_eq!(pool.meta.data_usage().total, 30_000);
     check(&pool.path, "after growing both devices");
-    for vb in 2_000..25_000 {
-        pool.write(1, vb);
-    }
+    pool.write_all(1, 2_000..25_000);
     pool.commit_and_check("writes into the grown pool");
 }
 
