@@ -62,8 +62,7 @@ fn a_clone_whose_remote_is_down_at_restart_comes_back_and_hydrates_once_it_retur
     let (mut daemon, source, socket) = with_source("remote-restart", "2", 61);
     let peer = nbdkit(&socket, &source, None);
     create_clone(&daemon, &remote(&socket), 16 * MIB, "1 no_hydration");
-    let (ok, out) = qemu_io(&daemon.uri("vol"), "write -P 0x5 0 64k");
-    assert!(ok, "{out}");
+    qemu_io_ok(&daemon.uri("vol"), &["write -P 0x5 0 64k"]);
     let mut expected = std::fs::read(&source).unwrap();
     expected[..65536].fill(5);
     std::fs::write(daemon.dir.path("expected.img"), &expected).unwrap();
@@ -77,8 +76,7 @@ fn a_clone_whose_remote_is_down_at_restart_comes_back_and_hydrates_once_it_retur
         daemon.log()
     );
     // What is on the destination reads; what needs the source fails after the timeout.
-    let (ok, out) = qemu_io(&daemon.uri("vol"), "read -P 0x5 0 64k");
-    assert!(ok, "{out}");
+    qemu_io_ok(&daemon.uri("vol"), &["read -P 0x5 0 64k"]);
     let started = Instant::now();
     let (ok, out) = qemu_io(&daemon.uri("vol"), "read 8M 4k");
     assert!(!ok && out.contains("Input/output error"), "{out}");
@@ -98,8 +96,7 @@ fn a_clone_whose_remote_is_down_at_restart_comes_back_and_hydrates_once_it_retur
 
     // The remote comes back: reads work again and hydration finishes.
     let _peer = nbdkit(&socket, &source, None);
-    let (ok, out) = qemu_io(&daemon.uri("vol"), "read 8M 4k");
-    assert!(ok, "{out}");
+    qemu_io_ok(&daemon.uri("vol"), &["read 8M 4k"]);
     daemon.udm(&["message", "vol", "0", "enable_hydration"]);
     wait_hydrated(&daemon);
     same_content(
