@@ -66,6 +66,13 @@ impl Pool {
         }
     }
 
+    /// Thin device `id`, new, with `vblocks` written; then commits and checks.
+    fn create_written(&mut self, id: u32, vblocks: impl IntoIterator<Item = u64>, when: &str) {
+        self.create(id);
+        self.write_all(id, vblocks);
+        self.commit_and_check(when);
+    }
+
     fn discard(&mut self, id: u32, vblock: u64) {
         self.meta.remove(id, vblock).unwrap();
         self.model.get_mut(&id).unwrap().remove(&vblock);
@@ -113,9 +120,7 @@ fn a_new_pool_passes_thin_check_and_reopens() {
         (d.data_block_size, d.nr_data_blocks, d.devices.len()),
         (128, 1000, 0)
     );
-    pool.create(1);
-    pool.write_all(1, 0..10);
-    pool.commit_and_check("ten mappings");
+    pool.create_written(1, 0..10, "ten mappings");
     pool.reopen();
     assert_eq!(pool.meta.lookup(1, 3).unwrap().unwrap().data_block, 3);
     assert_eq!(pool.meta.highest_mapped(1).unwrap(), Some(9));
@@ -132,9 +137,7 @@ fn thousands_of_mappings_snapshots_of_snapshots_and_deletes_stay_thin_check_clea
     let mut pool = Pool::new(&scratch, 64 << 20, 200_000);
 
     // Sequential writes: a three-level tree (more than 252 full leaves).
-    pool.create(1);
-    pool.write_all(1, 0..70_000);
-    pool.commit_and_check("70,000 sequential mappings");
+    pool.create_written(1, 0..70_000, "70,000 sequential mappings");
     // Random writes into a second device: splits two into three, overwrites.
     pool.create(2);
     for _ in 0..6_000 {
@@ -323,9 +326,7 @@ fn a_metadata_snapshot_keeps_its_view_while_the_pool_changes() {
     assert!(pool.meta.reserve_metadata_snap().is_err(), "only one");
     pool.write_all(1, 1_000..2_500);
     pool.delete(2);
-    pool.create(3);
-    pool.write(3, 7);
-    pool.commit_and_check("with a metadata snapshot held");
+    pool.create_written(3, [7], "with a metadata snapshot held");
     assert_eq!(pool.meta.held_root(), Some(held));
     let snap = dump(&pool.path, true);
     assert_eq!(snap.devices.len(), 2);
@@ -352,9 +353,7 @@ fn a_metadata_snapshot_keeps_its_view_while_the_pool_changes() {
 fn a_grown_metadata_device_is_used_and_stays_clean() {
     let scratch = TempDir::new("thin-grow");
     let mut pool = Pool::new(&scratch, 4 << 20, 10_000);
-    pool.create(1);
-    pool.write_all(1, 0..2_000);
-    pool.commit_and_check("small metadata device");
+    pool.create_written(1, 0..2_000, "small metadata device");
     assert_eq!(pool.meta.metadata_usage().total, 1024);
     // Past one metadata bitmap (16,320 blocks): the map gains bitmaps.
     std::fs::OpenOptions::new()
@@ -377,9 +376,7 @@ fn a_grown_metadata_device_is_used_and_stays_clean() {
 fn needs_check_is_cleared_by_thin_check() {
     let scratch = TempDir::new("thin-needscheck");
     let mut pool = Pool::new(&scratch, 4 << 20, 1_000);
-    pool.create(1);
-    pool.write(1, 0);
-    pool.commit_and_check("before needs_check");
+    pool.create_written(1, [0], "before needs_check");
     pool.meta.set_needs_check().unwrap();
     assert_eq!(
         ThinMetadata::open(pool.dev.clone(), 128, 1_000).unwrap_err(),
