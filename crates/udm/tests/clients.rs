@@ -199,10 +199,8 @@ fn fio_verify_with_several_jobs_and_deep_queues() {
 #[test]
 fn a_stack_of_targets_serves_data_where_the_table_says() {
     let daemon = Daemon::start("stack");
-    let a = daemon.dir.path("a.img");
-    let b = daemon.dir.path("b.img");
-    sparse_file(&a, 8 * MIB);
-    sparse_file(&b, 8 * MIB);
+    let a = daemon.sparse("a.img", 8 * MIB);
+    let b = daemon.sparse("b.img", 8 * MIB);
     let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
     daemon.create("stripes", &format!("0 16384 striped 2 128 {a} 0 {b} 0"));
     daemon.create("top", "0 8192 linear stripes 8192\n8192 8192 zero");

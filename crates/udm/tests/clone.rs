@@ -247,9 +247,8 @@ fn a_remote_source_goes_away_and_comes_back_while_the_clone_hydrates() {
     };
     let peer = serve();
     let remote = format!("nbd+unix:///?socket={}", socket.display());
-    let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
-    sparse_file(&dest, 32 * MIB);
-    sparse_file(&meta, MIB);
+    let dest = daemon.sparse("dest.img", 32 * MIB);
+    let meta = daemon.sparse("meta.img", MIB);
     daemon.create("vol", &format!(
         "0 65536 clone {} {} {remote} 128 1 no_hydration 4 hydration_threshold 64 hydration_batch_size 8",
         meta.display(), dest.display()

@@ -22,16 +22,14 @@ struct CloneFiles {
 
 impl CloneFiles {
     fn new(daemon: &Daemon, size: u64, seed: u64) -> CloneFiles {
-        let files = CloneFiles {
-            meta: daemon.dir.path("meta"),
-            dest: daemon.dir.path("dest"),
-            source: daemon.dir.path("source"),
+        let source = daemon.dir.path("source");
+        pattern_file(&source, size as usize, seed);
+        CloneFiles {
+            meta: daemon.sparse("meta", 4 * MIB),
+            dest: daemon.sparse("dest", size),
+            source,
             size,
-        };
-        sparse_file(&files.meta, 4 * MIB);
-        sparse_file(&files.dest, size);
-        pattern_file(&files.source, size as usize, seed);
-        files
+        }
     }
 
     /// The clone's table line over the whole source, `rest` after its devices.
@@ -317,12 +315,10 @@ fn state_a_target_keeps_on_a_file_is_claimed_against_other_tables_and_processes(
     assert!(err.contains("in use by device 'vol'"), "{err}");
     // Sharing the read-only source is fine.
     let second = CloneFiles {
-        meta: daemon.dir.path("meta2"),
-        dest: daemon.dir.path("dest2"),
+        meta: daemon.sparse("meta2", 4 * MIB),
+        dest: daemon.sparse("dest2", 16 * MIB),
         ..files
     };
-    sparse_file(&second.meta, 4 * MIB);
-    sparse_file(&second.dest, 16 * MIB);
     daemon.create("vol2", &second.table("128"));
 
     // Another udm process on the same files is refused too.

@@ -28,9 +28,8 @@ fn remote(socket: &Path) -> String {
 
 /// `vol`: a clone of the remote onto fresh files in the daemon's directory.
 fn create_clone(daemon: &Daemon, remote: &str, size: u64, options: &str) {
-    let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
-    sparse_file(&dest, size);
-    sparse_file(&meta, MIB);
+    let dest = daemon.sparse("dest.img", size);
+    let meta = daemon.sparse("meta.img", MIB);
     daemon.create(
         "vol",
         &format!(
