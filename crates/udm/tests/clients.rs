@@ -5,8 +5,6 @@ mod common;
 
 use common::*;
 
-const MIB: u64 = 1 << 20;
-
 fn linear_over_file(tag: &str, size: u64) -> (Daemon, std::path::PathBuf) {
     let daemon = Daemon::start(tag);
     let disk = daemon.create_linear("vol", "disk.img", size);

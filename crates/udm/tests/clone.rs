@@ -8,8 +8,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-const MIB: u64 = 1 << 20;
-
 fn wait_hydrated(daemon: &Daemon, name: &str) {
     let out = daemon.udm(&["wait", name, "--progress"]);
     assert!(out.ends_with("hydration complete"), "{out}");

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use common::*;
 
-const MIB: u64 = 1 << 20;
 const EIO: u32 = 5;
 
 /// A clone's metadata, destination and random source of `size` bytes, in a daemon's directory.

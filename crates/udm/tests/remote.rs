@@ -8,8 +8,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-const MIB: u64 = 1 << 20;
-
 /// nbdkit serving `image` on `socket`, each read taking `read_delay` (nbdkit's syntax) if set.
 fn nbdkit(socket: &Path, image: &Path, read_delay: Option<&str>) -> Peer {
     let mut args = vec!["-f", "-U", socket.to_str().unwrap()];

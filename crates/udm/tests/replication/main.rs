@@ -18,7 +18,6 @@ use common::*;
 use serde_json::Value;
 use udm_testkit::run_ok;
 
-const MIB: u64 = 1 << 20;
 /// The replicated volume (the size).
 const VOLUME: u64 = 1 << 30;
 /// The receiving host's address and replication port.

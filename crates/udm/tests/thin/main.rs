@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use common::*;
 
 const KIB: u64 = 1024;
-const MIB: u64 = 1 << 20;
 /// 64 KiB data blocks (128 sectors), the tests' block size.
 const BLOCK: u64 = 64 * KIB;
 

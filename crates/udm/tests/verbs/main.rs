@@ -10,5 +10,3 @@ mod state;
 use std::time::Duration;
 
 use common::*;
-
-const MIB: u64 = 1 << 20;
