@@ -423,9 +423,66 @@ fn tool(cmd: &str, args: &[&str], path: &std::path::Path) -> String {
     run_ok(Command::new(cmd).args(args).arg(path))
 }
 
+/// What `thin_delta` says of each virtual block of two devices: same, different, left_only or
+/// right_only.
+fn thin_delta(path: &std::path::Path, left: u32, right: u32) -> BTreeMap<u64, &'static str> {
+    let xml = tool(
+        "thin_delta",
+        &["--snap1", &left.to_string(), "--snap2", &right.to_string()],
+        path,
+    );
+    let mut dumped = BTreeMap::new();
+    for line in xml.lines().map(str::trim) {
+        let Some(kind) = ["same", "different", "left_only", "right_only"]
+            .into_iter()
+            .find(|k| line.starts_with(&format!("<{k} ")))
+        else {
+            continue;
+        };
+        let field = |name: &str| -> u64 {
+            let at = line.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
+            line[at..].split('"').next().unwrap().parse().unwrap()
+        };
+        for vb in field("begin")..field("begin") + field("length") {
+            dumped.insert(vb, kind);
+        }
+    }
+    dumped
+}
+
+/// What thin_delta should say, from two devices' mappings (virtual to data block).
+fn expected_delta(l: &BTreeMap<u64, u64>, r: &BTreeMap<u64, u64>) -> BTreeMap<u64, &'static str> {
+    let mut expected = BTreeMap::new();
+    for vb in l.keys().chain(r.keys()) {
+        let kind = match (l.get(vb), r.get(vb)) {
+            (Some(a), Some(b)) if a == b => "same",
+            (Some(_), Some(_)) => "different",
+            (Some(_), None) => "left_only",
+            _ => "right_only",
+        };
+        expected.insert(*vb, kind);
+    }
+    expected
+}
+
+/// udm's own delta of two devices, block by block, in thin_delta's words.
+fn udm_delta(meta: &mut ThinMetadata, left: u32, right: u32) -> BTreeMap<u64, &'static str> {
+    let mut ours = BTreeMap::new();
+    for run in meta.delta(Some(left), right).unwrap() {
+        let kind = match run.side {
+            Side::LeftOnly => "left_only",
+            Side::RightOnly => "right_only",
+            Side::Different => "different",
+        };
+        for vb in run.begin..run.begin + run.len {
+            ours.insert(vb, kind);
+        }
+    }
+    ours
+}
+
 #[test]
 fn thin_delta_and_thin_ls_agree_with_udms_mappings() {
-    // Long on purpose: one scenario (map, snapshot, change, delete) judged by thin_delta and thin_ls at each step; read top to bottom.
     let scratch = TempDir::new("thin-delta");
     let mut pool = Pool::new(&scratch, 16 << 20, 50_000);
     pool.create(1);
@@ -449,54 +506,13 @@ fn thin_delta_and_thin_ls_agree_with_udms_mappings() {
     let view = tpt::udm_view(&mut pool.meta);
 
     for (left, right) in [(1u32, 2u32), (2, 3), (1, 3)] {
-        let xml = tool(
-            "thin_delta",
-            &["--snap1", &left.to_string(), "--snap2", &right.to_string()],
-            &pool.path,
-        );
-        let mut dumped = BTreeMap::new();
-        for line in xml.lines().map(str::trim) {
-            let Some(kind) = ["same", "different", "left_only", "right_only"]
-                .into_iter()
-                .find(|k| line.starts_with(&format!("<{k} ")))
-            else {
-                continue;
-            };
-            let field = |name: &str| -> u64 {
-                let at = line.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
-                line[at..].split('"').next().unwrap().parse().unwrap()
-            };
-            for vb in field("begin")..field("begin") + field("length") {
-                dumped.insert(vb, kind);
-            }
-        }
-        let (l, r) = (&view[&left].1, &view[&right].1);
-        let mut expected = BTreeMap::new();
-        for vb in l.keys().chain(r.keys()) {
-            let kind = match (l.get(vb), r.get(vb)) {
-                (Some(a), Some(b)) if a == b => "same",
-                (Some(_), Some(_)) => "different",
-                (Some(_), None) => "left_only",
-                _ => "right_only",
-            };
-            expected.insert(*vb, kind);
-        }
+        let mut dumped = thin_delta(&pool.path, left, right);
         assert!(
-            dumped == expected,
+            dumped == expected_delta(&view[&left].1, &view[&right].1),
             "thin_delta {left} {right} differs from udm's mappings"
         );
         // udm's own delta (the walk that skips shared subtrees) names the same blocks.
-        let mut ours = BTreeMap::new();
-        for run in pool.meta.delta(Some(left), right).unwrap() {
-            let kind = match run.side {
-                Side::LeftOnly => "left_only",
-                Side::RightOnly => "right_only",
-                Side::Different => "different",
-            };
-            for vb in run.begin..run.begin + run.len {
-                ours.insert(vb, kind);
-            }
-        }
+        let ours = udm_delta(&mut pool.meta, left, right);
         dumped.retain(|_, kind| *kind != "same");
         assert!(
             ours == dumped,
