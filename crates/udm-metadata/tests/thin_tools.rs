@@ -60,9 +60,28 @@ impl Pool {
         self.model.get_mut(&id).unwrap().insert(vblock, b);
     }
 
+    fn write_all(&mut self, id: u32, vblocks: impl IntoIterator<Item = u64>) {
+        for vblock in vblocks {
+            self.write(id, vblock);
+        }
+    }
+
+    /// Thin device `id`, new, with `vblocks` written; then commits and checks.
+    fn create_written(&mut self, id: u32, vblocks: impl IntoIterator<Item = u64>, when: &str) {
+        self.create(id);
+        self.write_all(id, vblocks);
+        self.commit_and_check(when);
+    }
+
     fn discard(&mut self, id: u32, vblock: u64) {
         self.meta.remove(id, vblock).unwrap();
         self.model.get_mut(&id).unwrap().remove(&vblock);
+    }
+
+    fn discard_all(&mut self, id: u32, vblocks: impl IntoIterator<Item = u64>) {
+        for vblock in vblocks {
+            self.discard(id, vblock);
+        }
     }
 
     fn random(&mut self, below: u64) -> u64 {
@@ -101,11 +120,7 @@ fn a_new_pool_passes_thin_check_and_reopens() {
         (d.data_block_size, d.nr_data_blocks, d.devices.len()),
         (128, 1000, 0)
     );
-    pool.create(1);
-    for vb in 0..10 {
-        pool.write(1, vb);
-    }
-    pool.commit_and_check("ten mappings");
+    pool.create_written(1, 0..10, "ten mappings");
     pool.reopen();
     assert_eq!(pool.meta.lookup(1, 3).unwrap().unwrap().data_block, 3);
     assert_eq!(pool.meta.highest_mapped(1).unwrap(), Some(9));
@@ -122,11 +137,7 @@ fn thousands_of_mappings_snapshots_of_snapshots_and_deletes_stay_thin_check_clea
     let mut pool = Pool::new(&scratch, 64 << 20, 200_000);
 
     // Sequential writes: a three-level tree (more than 252 full leaves).
-    pool.create(1);
-    for vb in 0..70_000 {
-        pool.write(1, vb);
-    }
-    pool.commit_and_check("70,000 sequential mappings");
+    pool.create_written(1, 0..70_000, "70,000 sequential mappings");
     // Random writes into a second device: splits two into three, overwrites.
     pool.create(2);
     for _ in 0..6_000 {
@@ -174,9 +185,7 @@ fn thousands_of_mappings_snapshots_of_snapshots_and_deletes_stay_thin_check_clea
         .copied()
         .filter(|v| v % 3 != 0)
         .collect();
-    for vb in victims {
-        pool.discard(1, vb);
-    }
+    pool.discard_all(1, victims);
     for _ in 0..3_000 {
         let vb = pool.random(80_000);
         pool.discard(5, vb);
@@ -190,9 +199,7 @@ fn thousands_of_mappings_snapshots_of_snapshots_and_deletes_stay_thin_check_clea
         pool.delete(id);
     }
     let left: Vec<u64> = pool.model[&5].keys().copied().collect();
-    for vb in left {
-        pool.discard(5, vb);
-    }
+    pool.discard_all(5, left);
     pool.commit_and_check("everything unmapped");
     assert_eq!(pool.meta.data_usage().used, 0);
     assert_eq!(pool.meta.highest_mapped(5).unwrap(), None);
@@ -310,22 +317,16 @@ fn a_metadata_snapshot_keeps_its_view_while_the_pool_changes() {
     let scratch = TempDir::new("thin-msnap");
     let mut pool = Pool::new(&scratch, 16 << 20, 100_000);
     pool.create(1);
-    for vb in 0..3_000 {
-        pool.write(1, vb);
-    }
+    pool.write_all(1, 0..3_000);
     pool.snap(2, 1);
     pool.commit_and_check("before the metadata snapshot");
     let before = pool.model.clone();
     pool.meta.reserve_metadata_snap().unwrap();
     let held = pool.meta.held_root().unwrap();
     assert!(pool.meta.reserve_metadata_snap().is_err(), "only one");
-    for vb in 1_000..2_500 {
-        pool.write(1, vb);
-    }
+    pool.write_all(1, 1_000..2_500);
     pool.delete(2);
-    pool.create(3);
-    pool.write(3, 7);
-    pool.commit_and_check("with a metadata snapshot held");
+    pool.create_written(3, [7], "with a metadata snapshot held");
     assert_eq!(pool.meta.held_root(), Some(held));
     let snap = dump(&pool.path, true);
     assert_eq!(snap.devices.len(), 2);
@@ -352,11 +353,7 @@ fn a_metadata_snapshot_keeps_its_view_while_the_pool_changes() {
 fn a_grown_metadata_device_is_used_and_stays_clean() {
     let scratch = TempDir::new("thin-grow");
     let mut pool = Pool::new(&scratch, 4 << 20, 10_000);
-    pool.create(1);
-    for vb in 0..2_000 {
-        pool.write(1, vb);
-    }
-    pool.commit_and_check("small metadata device");
+    pool.create_written(1, 0..2_000, "small metadata device");
     assert_eq!(pool.meta.metadata_usage().total, 1024);
     // Past one metadata bitmap (16,320 blocks): the map gains bitmaps.
     std::fs::OpenOptions::new()
@@ -371,9 +368,7 @@ fn a_grown_metadata_device_is_used_and_stays_clean() {
     assert_eq!(pool.meta.metadata_usage().total, 20_480);
     assert_eq!(pool.meta.data_usage().total, 30_000);
     check(&pool.path, "after growing both devices");
-    for vb in 2_000..25_000 {
-        pool.write(1, vb);
-    }
+    pool.write_all(1, 2_000..25_000);
     pool.commit_and_check("writes into the grown pool");
 }
 
@@ -381,9 +376,7 @@ fn a_grown_metadata_device_is_used_and_stays_clean() {
 fn needs_check_is_cleared_by_thin_check() {
     let scratch = TempDir::new("thin-needscheck");
     let mut pool = Pool::new(&scratch, 4 << 20, 1_000);
-    pool.create(1);
-    pool.write(1, 0);
-    pool.commit_and_check("before needs_check");
+    pool.create_written(1, [0], "before needs_check");
     pool.meta.set_needs_check().unwrap();
     assert_eq!(
         ThinMetadata::open(pool.dev.clone(), 128, 1_000).unwrap_err(),
@@ -430,9 +423,66 @@ fn tool(cmd: &str, args: &[&str], path: &std::path::Path) -> String {
     run_ok(Command::new(cmd).args(args).arg(path))
 }
 
+/// What `thin_delta` says of each virtual block of two devices: same, different, left_only or
+/// right_only.
+fn thin_delta(path: &std::path::Path, left: u32, right: u32) -> BTreeMap<u64, &'static str> {
+    let xml = tool(
+        "thin_delta",
+        &["--snap1", &left.to_string(), "--snap2", &right.to_string()],
+        path,
+    );
+    let mut dumped = BTreeMap::new();
+    for line in xml.lines().map(str::trim) {
+        let Some(kind) = ["same", "different", "left_only", "right_only"]
+            .into_iter()
+            .find(|k| line.starts_with(&format!("<{k} ")))
+        else {
+            continue;
+        };
+        let field = |name: &str| -> u64 {
+            let at = line.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
+            line[at..].split('"').next().unwrap().parse().unwrap()
+        };
+        for vb in field("begin")..field("begin") + field("length") {
+            dumped.insert(vb, kind);
+        }
+    }
+    dumped
+}
+
+/// What thin_delta should say, from two devices' mappings (virtual to data block).
+fn expected_delta(l: &BTreeMap<u64, u64>, r: &BTreeMap<u64, u64>) -> BTreeMap<u64, &'static str> {
+    let mut expected = BTreeMap::new();
+    for vb in l.keys().chain(r.keys()) {
+        let kind = match (l.get(vb), r.get(vb)) {
+            (Some(a), Some(b)) if a == b => "same",
+            (Some(_), Some(_)) => "different",
+            (Some(_), None) => "left_only",
+            _ => "right_only",
+        };
+        expected.insert(*vb, kind);
+    }
+    expected
+}
+
+/// udm's own delta of two devices, block by block, in thin_delta's words.
+fn udm_delta(meta: &mut ThinMetadata, left: u32, right: u32) -> BTreeMap<u64, &'static str> {
+    let mut ours = BTreeMap::new();
+    for run in meta.delta(Some(left), right).unwrap() {
+        let kind = match run.side {
+            Side::LeftOnly => "left_only",
+            Side::RightOnly => "right_only",
+            Side::Different => "different",
+        };
+        for vb in run.begin..run.begin + run.len {
+            ours.insert(vb, kind);
+        }
+    }
+    ours
+}
+
 #[test]
 fn thin_delta_and_thin_ls_agree_with_udms_mappings() {
-    // Long on purpose: one scenario (map, snapshot, change, delete) judged by thin_delta and thin_ls at each step; read top to bottom.
     let scratch = TempDir::new("thin-delta");
     let mut pool = Pool::new(&scratch, 16 << 20, 50_000);
     pool.create(1);
@@ -456,54 +506,13 @@ fn thin_delta_and_thin_ls_agree_with_udms_mappings() {
     let view = tpt::udm_view(&mut pool.meta);
 
     for (left, right) in [(1u32, 2u32), (2, 3), (1, 3)] {
-        let xml = tool(
-            "thin_delta",
-            &["--snap1", &left.to_string(), "--snap2", &right.to_string()],
-            &pool.path,
-        );
-        let mut dumped = BTreeMap::new();
-        for line in xml.lines().map(str::trim) {
-            let Some(kind) = ["same", "different", "left_only", "right_only"]
-                .into_iter()
-                .find(|k| line.starts_with(&format!("<{k} ")))
-            else {
-                continue;
-            };
-            let field = |name: &str| -> u64 {
-                let at = line.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
-                line[at..].split('"').next().unwrap().parse().unwrap()
-            };
-            for vb in field("begin")..field("begin") + field("length") {
-                dumped.insert(vb, kind);
-            }
-        }
-        let (l, r) = (&view[&left].1, &view[&right].1);
-        let mut expected = BTreeMap::new();
-        for vb in l.keys().chain(r.keys()) {
-            let kind = match (l.get(vb), r.get(vb)) {
-                (Some(a), Some(b)) if a == b => "same",
-                (Some(_), Some(_)) => "different",
-                (Some(_), None) => "left_only",
-                _ => "right_only",
-            };
-            expected.insert(*vb, kind);
-        }
+        let mut dumped = thin_delta(&pool.path, left, right);
         assert!(
-            dumped == expected,
+            dumped == expected_delta(&view[&left].1, &view[&right].1),
             "thin_delta {left} {right} differs from udm's mappings"
         );
         // udm's own delta (the walk that skips shared subtrees) names the same blocks.
-        let mut ours = BTreeMap::new();
-        for run in pool.meta.delta(Some(left), right).unwrap() {
-            let kind = match run.side {
-                Side::LeftOnly => "left_only",
-                Side::RightOnly => "right_only",
-                Side::Different => "different",
-            };
-            for vb in run.begin..run.begin + run.len {
-                ours.insert(vb, kind);
-            }
-        }
+        let ours = udm_delta(&mut pool.meta, left, right);
         dumped.retain(|_, kind| *kind != "same");
         assert!(
             ours == dumped,

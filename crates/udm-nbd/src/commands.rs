@@ -12,7 +12,7 @@ use udm_block::{
 };
 
 use crate::budget::Payload;
-use crate::handshake::{Contexts, MAX_PAYLOAD};
+use crate::handshake::{Contexts, Negotiated, MAX_PAYLOAD};
 use crate::protocol::*;
 
 pub(crate) type Device = Checked<Arc<dyn BlockDevice>>;
@@ -53,6 +53,26 @@ impl Reply {
 }
 
 impl Session {
+    /// The session a negotiated connection serves, and the export's open guard, which the
+    /// caller keeps until the connection's last request is done (it holds the open count).
+    pub fn start(negotiated: Negotiated) -> (Session, Box<dyn Any + Send + Sync>) {
+        let Negotiated {
+            name,
+            export,
+            structured,
+            base_allocation,
+            contexts,
+        } = negotiated;
+        let session = Session {
+            name,
+            device: Arc::new(Checked::new(export.device, export.read_only)),
+            structured,
+            base_allocation,
+            contexts,
+        };
+        (session, export.open_guard)
+    }
+
     /// The checks that need no device: flags, arguments, sizes. A request that fails them
     /// gets an error reply and the connection goes on.
     pub fn validate(&self, r: &Request) -> Result<(), BlockError> {

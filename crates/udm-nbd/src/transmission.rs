@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::{info, warn};
-use udm_block::Checked;
 
 use crate::budget::{BufferBudget, Payload};
 use crate::commands::Session;
@@ -41,25 +40,13 @@ pub fn serve(
     config: &ServerConfig,
     budget: &Arc<BufferBudget>,
 ) -> io::Result<()> {
-    let Negotiated {
-        name,
-        export,
-        structured,
-        base_allocation,
-        contexts,
-    } = negotiated;
+    let (session, open_guard) = Session::start(negotiated);
     // The idle timeout is the socket's: a read waiting for the next request wakes up then.
     stream.set_read_timeout(config.idle_timeout)?;
     let conn = Connection {
         writer: Mutex::new(stream.try_clone()?),
         reader: Mutex::new(BufReader::with_capacity(READ_BUFFER, stream)),
-        session: Session {
-            name,
-            device: Arc::new(Checked::new(export.device.clone(), export.read_only)),
-            structured,
-            base_allocation,
-            contexts,
-        },
+        session,
         closing: AtomicBool::new(false),
         budget,
         idle_timeout: config.idle_timeout,
@@ -77,7 +64,7 @@ pub fn serve(
         }
     });
     // The export (and its open count) is released when the last worker is done.
-    drop(export);
+    drop(open_guard);
     Ok(())
 }
 

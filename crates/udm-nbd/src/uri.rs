@@ -60,7 +60,7 @@ impl FromStr for NbdUri {
 
     /// Accepts `nbd://HOST[:PORT]/EXPORT` (HOST may be `[IPv6]`) and
     /// `nbd+unix:///EXPORT?socket=PATH`. Percent-escapes in the export and the socket path are
-    /// decoded. Long: both forms and their errors in one pass over the text.
+    /// decoded.
     fn from_str(uri: &str) -> Result<Self, UriError> {
         let malformed = |what: String| UriError::Malformed {
             uri: uri.to_string(),
@@ -96,44 +96,8 @@ impl FromStr for NbdUri {
             Some(i) => before_query.split_at(i),
             None => (before_query, ""),
         };
-        let export = decode(path.strip_prefix('/').unwrap_or(path))
-            .map_err(|e| malformed(format!("export name: {e}")))?;
-        let export = String::from_utf8(export)
-            .map_err(|_| malformed("export name is not valid UTF-8".into()))?;
-        if export.contains('\0') {
-            return Err(malformed("export name contains a NUL byte".into()));
-        }
-        if export.len() > MAX_EXPORT_NAME {
-            return Err(malformed(format!(
-                "export name of {} bytes exceeds the protocol's {MAX_EXPORT_NAME}",
-                export.len()
-            )));
-        }
-        let mut socket = None;
-        for param in query.into_iter().flat_map(|q| q.split('&')) {
-            match param.split_once('=') {
-                Some(("socket", value)) if unix => {
-                    if socket.is_some() {
-                        return Err(malformed("'socket' given twice".into()));
-                    }
-                    let path = decode(value).map_err(|e| malformed(format!("socket: {e}")))?;
-                    if path.is_empty() {
-                        return Err(malformed("empty socket path".into()));
-                    }
-                    socket = Some(PathBuf::from(std::ffi::OsString::from_vec(path)));
-                }
-                Some(("socket", _)) => {
-                    return Err(malformed(
-                        "'socket' belongs to nbd+unix:// URIs, not nbd://".into(),
-                    ))
-                }
-                _ => {
-                    return Err(malformed(format!(
-                        "query parameter '{param}' is not supported"
-                    )))
-                }
-            }
-        }
+        let export = parse_export(path.strip_prefix('/').unwrap_or(path)).map_err(malformed)?;
+        let socket = parse_query(query, unix).map_err(malformed)?;
         let address = if unix {
             if !authority.is_empty() {
                 return Err(malformed(format!(
@@ -150,6 +114,47 @@ impl FromStr for NbdUri {
         };
         Ok(NbdUri { address, export })
     }
+}
+
+/// The export name from the URI's path (without its leading '/'): decoded, UTF-8, within the
+/// protocol's limits.
+fn parse_export(path: &str) -> Result<String, String> {
+    let export = decode(path).map_err(|e| format!("export name: {e}"))?;
+    let export = String::from_utf8(export).map_err(|_| "export name is not valid UTF-8")?;
+    if export.contains('\0') {
+        return Err("export name contains a NUL byte".into());
+    }
+    if export.len() > MAX_EXPORT_NAME {
+        return Err(format!(
+            "export name of {} bytes exceeds the protocol's {MAX_EXPORT_NAME}",
+            export.len()
+        ));
+    }
+    Ok(export)
+}
+
+/// The query's one parameter, `socket=PATH`, which only `nbd+unix://` URIs take.
+fn parse_query(query: Option<&str>, unix: bool) -> Result<Option<PathBuf>, String> {
+    let mut socket = None;
+    for param in query.into_iter().flat_map(|q| q.split('&')) {
+        match param.split_once('=') {
+            Some(("socket", value)) if unix => {
+                if socket.is_some() {
+                    return Err("'socket' given twice".into());
+                }
+                let path = decode(value).map_err(|e| format!("socket: {e}"))?;
+                if path.is_empty() {
+                    return Err("empty socket path".into());
+                }
+                socket = Some(PathBuf::from(std::ffi::OsString::from_vec(path)));
+            }
+            Some(("socket", _)) => {
+                return Err("'socket' belongs to nbd+unix:// URIs, not nbd://".into())
+            }
+            _ => return Err(format!("query parameter '{param}' is not supported")),
+        }
+    }
+    Ok(socket)
 }
 
 /// `HOST[:PORT]` or `[IPV6][:PORT]`.
@@ -251,27 +256,16 @@ mod tests {
 
     #[test]
     fn tcp_forms_parse() {
-        assert_eq!(
-            parse("nbd://backup-host/vol").unwrap(),
-            tcp("backup-host", DEFAULT_PORT, "vol")
-        );
-        assert_eq!(
-            parse("nbd://10.0.0.2:10900/a/b").unwrap(),
-            tcp("10.0.0.2", 10900, "a/b")
-        );
-        assert_eq!(
-            parse("nbd://[::1]/vol").unwrap(),
-            tcp("::1", DEFAULT_PORT, "vol")
-        );
-        assert_eq!(
-            parse("nbd://[fe80::2]:7000/").unwrap(),
-            tcp("fe80::2", 7000, "")
-        );
-        assert_eq!(parse("NBD://host").unwrap(), tcp("host", DEFAULT_PORT, ""));
-        assert_eq!(
-            parse("nbd://host/my%20disk").unwrap(),
-            tcp("host", DEFAULT_PORT, "my disk")
-        );
+        for (text, host, port, export) in [
+            ("nbd://backup-host/vol", "backup-host", DEFAULT_PORT, "vol"),
+            ("nbd://10.0.0.2:10900/a/b", "10.0.0.2", 10900, "a/b"),
+            ("nbd://[::1]/vol", "::1", DEFAULT_PORT, "vol"),
+            ("nbd://[fe80::2]:7000/", "fe80::2", 7000, ""),
+            ("NBD://host", "host", DEFAULT_PORT, ""),
+            ("nbd://host/my%20disk", "host", DEFAULT_PORT, "my disk"),
+        ] {
+            assert_eq!(parse(text).unwrap(), tcp(host, port, export), "{text}");
+        }
     }
 
     #[test]

@@ -173,7 +173,7 @@ impl Target for Delay {
 
 #[cfg(test)]
 mod tests {
-    use crate::testing::{build, memory_resolver};
+    use crate::testing::{assert_refused, build, memory_resolver};
     use std::time::Instant;
     use udm_block::{BlockDevice, WriteFlags};
 
@@ -234,12 +234,12 @@ mod tests {
     #[test]
     fn refuses_wrong_argument_counts() {
         let resolver = memory_resolver(&[("a", 1 << 20)]);
-        let err = build(&resolver, "0 8 delay a 0").err().unwrap().to_string();
-        assert!(err.contains("expected 3, 6 or 9 arguments"), "{err}");
-        let err = build(&resolver, "0 8 delay a 0 x")
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(err.contains("invalid <delay ms> 'x'"), "{err}");
+        assert_refused(
+            &resolver,
+            &[
+                ("0 8 delay a 0", "expected 3, 6 or 9 arguments"),
+                ("0 8 delay a 0 x", "invalid <delay ms> 'x'"),
+            ],
+        );
     }
 }

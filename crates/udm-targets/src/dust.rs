@@ -215,7 +215,7 @@ impl Target for Filtered<Dust> {
 
 #[cfg(test)]
 mod tests {
-    use crate::testing::{build, memory_resolver};
+    use crate::testing::{assert_refused, build, memory_resolver};
     use udm_block::{BlockDevice, WriteFlags};
 
     use udm_testkit::conformance;
@@ -266,10 +266,9 @@ mod tests {
     #[test]
     fn refuses_bad_block_sizes() {
         let resolver = memory_resolver(&[("a", 1 << 20)]);
-        let err = build(&resolver, "0 8 dust a 0 1000")
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(err.contains("invalid <block size> 1000"), "{err}");
+        assert_refused(
+            &resolver,
+            &[("0 8 dust a 0 1000", "invalid <block size> 1000")],
+        );
     }
 }

@@ -213,7 +213,7 @@ impl Target for Filtered<Flakey> {
 
 #[cfg(test)]
 mod tests {
-    use crate::testing::{build, memory_resolver};
+    use crate::testing::{assert_refused, build, memory_resolver};
     use udm_block::{BlockDevice, WriteFlags};
 
     use udm_testkit::conformance;
@@ -272,27 +272,27 @@ mod tests {
     #[test]
     fn refuses_bad_features() {
         let resolver = memory_resolver(&[("a", 1 << 20)]);
-        for (text, expected) in [
-            ("0 8 flakey a 0 0 0", "total (up + down) interval is zero"),
-            (
-                "0 8 flakey a 0 1 1 2 drop_writes",
-                "<#feature args> is 2 but 1 follow",
-            ),
-            (
-                "0 8 flakey a 0 1 1 1 bogus",
-                "unknown or repeated feature 'bogus'",
-            ),
-            (
-                "0 8 flakey a 0 1 1 2 drop_writes error_writes",
-                "mutually exclusive",
-            ),
-            (
-                "0 8 flakey a 0 1 1 5 corrupt_bio_byte 1 x 0 0",
-                "direction must be r or w",
-            ),
-        ] {
-            let err = build(&resolver, text).err().unwrap().to_string();
-            assert!(err.contains(expected), "{text}: {err}");
-        }
+        assert_refused(
+            &resolver,
+            &[
+                ("0 8 flakey a 0 0 0", "total (up + down) interval is zero"),
+                (
+                    "0 8 flakey a 0 1 1 2 drop_writes",
+                    "<#feature args> is 2 but 1 follow",
+                ),
+                (
+                    "0 8 flakey a 0 1 1 1 bogus",
+                    "unknown or repeated feature 'bogus'",
+                ),
+                (
+                    "0 8 flakey a 0 1 1 2 drop_writes error_writes",
+                    "mutually exclusive",
+                ),
+                (
+                    "0 8 flakey a 0 1 1 5 corrupt_bio_byte 1 x 0 0",
+                    "direction must be r or w",
+                ),
+            ],
+        );
     }
 }

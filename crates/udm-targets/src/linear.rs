@@ -42,7 +42,7 @@ impl Target for Filtered<Linear> {
 
 #[cfg(test)]
 mod tests {
-    use crate::testing::{build, memory_resolver};
+    use crate::testing::{assert_refused, build, memory_resolver};
     use udm_block::BlockDevice;
 
     use udm_testkit::{conformance, pattern};
@@ -62,27 +62,15 @@ mod tests {
     #[test]
     fn refuses_what_does_not_fit_and_names_the_token() {
         let resolver = memory_resolver(&[("a", 1 << 20)]);
-        let err = build(&resolver, "0 2048 linear a 1")
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(err.contains("has 2048 sectors"), "{err}");
-        let err = build(&resolver, "0 8 linear a x1")
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(err.contains("invalid <offset> 'x1'"), "{err}");
-        let err = build(&resolver, "0 8 linear a").err().unwrap().to_string();
-        assert!(err.contains("missing argument <offset>"), "{err}");
-        let err = build(&resolver, "0 8 linear a 0 extra")
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(err.contains("unexpected argument 'extra'"), "{err}");
-        let err = build(&resolver, "0 8 linear nosuch 0")
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(err.contains("'nosuch'"), "{err}");
+        assert_refused(
+            &resolver,
+            &[
+                ("0 2048 linear a 1", "has 2048 sectors"),
+                ("0 8 linear a x1", "invalid <offset> 'x1'"),
+                ("0 8 linear a", "missing argument <offset>"),
+                ("0 8 linear a 0 extra", "unexpected argument 'extra'"),
+                ("0 8 linear nosuch 0", "'nosuch'"),
+            ],
+        );
     }
 }

@@ -271,7 +271,7 @@ impl Target for Striped {
 
 #[cfg(test)]
 mod tests {
-    use crate::testing::{build, memory_resolver};
+    use crate::testing::{assert_refused, build, memory_resolver};
     use udm_block::{BlockDevice, Extent};
 
     use udm_testkit::{conformance, pattern};
@@ -321,21 +321,21 @@ mod tests {
     #[test]
     fn refuses_bad_geometry() {
         let resolver = memory_resolver(&[("a", 8 << 20), ("b", 8 << 20)]);
-        for (text, expected) in [
-            (
-                "0 16384 striped 2 4 a 0 b 0",
-                "below the minimum of 8 sectors",
-            ),
-            (
-                "0 16376 striped 2 8 a 0 b 0",
-                "not a multiple of chunk size 8 x 2",
-            ),
-            ("0 16384 striped 2 8 a 0", "expected 2 <dev> <offset> pairs"),
-            ("0 16384 striped 0 8", "<#stripes> must be at least 1"),
-            ("0 16384 striped 2 8 a 16384 b 0", "device 'a' has"),
-        ] {
-            let err = build(&resolver, text).err().unwrap().to_string();
-            assert!(err.contains(expected), "{text}: {err}");
-        }
+        assert_refused(
+            &resolver,
+            &[
+                (
+                    "0 16384 striped 2 4 a 0 b 0",
+                    "below the minimum of 8 sectors",
+                ),
+                (
+                    "0 16376 striped 2 8 a 0 b 0",
+                    "not a multiple of chunk size 8 x 2",
+                ),
+                ("0 16384 striped 2 8 a 0", "expected 2 <dev> <offset> pairs"),
+                ("0 16384 striped 0 8", "<#stripes> must be at least 1"),
+                ("0 16384 striped 2 8 a 16384 b 0", "device 'a' has"),
+            ],
+        );
     }
 }

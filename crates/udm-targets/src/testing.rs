@@ -32,6 +32,17 @@ pub fn build(resolver: &dyn Resolver, text: &str) -> Result<Table, TargetError> 
     Ok(table)
 }
 
+/// Asserts that each table line is refused with an error that contains its expected words.
+pub fn assert_refused(resolver: &dyn Resolver, cases: &[(&str, &str)]) {
+    for (text, expected) in cases {
+        let err = match build(resolver, text) {
+            Ok(_) => panic!("{text}: accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(expected), "{text}: {err}");
+    }
+}
+
 /// Builds a table whose events are counted, and makes it live.
 pub fn build_counting_events(
     resolver: &dyn Resolver,

@@ -5,8 +5,6 @@ mod common;
 
 use common::*;
 
-const MIB: u64 = 1 << 20;
-
 fn linear_over_file(tag: &str, size: u64) -> (Daemon, std::path::PathBuf) {
     let daemon = Daemon::start(tag);
     let disk = daemon.create_linear("vol", "disk.img", size);
@@ -199,10 +197,8 @@ fn fio_verify_with_several_jobs_and_deep_queues() {
 #[test]
 fn a_stack_of_targets_serves_data_where_the_table_says() {
     let daemon = Daemon::start("stack");
-    let a = daemon.dir.path("a.img");
-    let b = daemon.dir.path("b.img");
-    sparse_file(&a, 8 * MIB);
-    sparse_file(&b, 8 * MIB);
+    let a = daemon.sparse("a.img", 8 * MIB);
+    let b = daemon.sparse("b.img", 8 * MIB);
     let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
     daemon.create("stripes", &format!("0 16384 striped 2 128 {a} 0 {b} 0"));
     daemon.create("top", "0 8192 linear stripes 8192\n8192 8192 zero");

@@ -8,8 +8,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-const MIB: u64 = 1 << 20;
-
 fn wait_hydrated(daemon: &Daemon, name: &str) {
     let out = daemon.udm(&["wait", name, "--progress"]);
     assert!(out.ends_with("hydration complete"), "{out}");
@@ -247,9 +245,8 @@ fn a_remote_source_goes_away_and_comes_back_while_the_clone_hydrates() {
     };
     let peer = serve();
     let remote = format!("nbd+unix:///?socket={}", socket.display());
-    let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
-    sparse_file(&dest, 32 * MIB);
-    sparse_file(&meta, MIB);
+    let dest = daemon.sparse("dest.img", 32 * MIB);
+    let meta = daemon.sparse("meta.img", MIB);
     daemon.create("vol", &format!(
         "0 65536 clone {} {} {remote} 128 1 no_hydration 4 hydration_threshold 64 hydration_batch_size 8",
         meta.display(), dest.display()

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use udm_testkit::{pattern, Rng};
 
-const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 4096;
 const SIZE: u64 = 16 * MIB;
 const FUA: u16 = 1;

@@ -9,29 +9,47 @@ use std::time::Duration;
 
 use common::*;
 
-const MIB: u64 = 1 << 20;
 const EIO: u32 = 5;
 
-/// Metadata, destination and a random source of `size` bytes in the daemon's directory.
-fn clone_files(daemon: &Daemon, size: u64, seed: u64) -> (PathBuf, PathBuf, PathBuf) {
-    let (meta, dest, source) = (
-        daemon.dir.path("meta"),
-        daemon.dir.path("dest"),
-        daemon.dir.path("source"),
-    );
-    sparse_file(&meta, 4 * MIB);
-    sparse_file(&dest, size);
-    pattern_file(&source, size as usize, seed);
-    (meta, dest, source)
+/// A clone's metadata, destination and random source of `size` bytes, in a daemon's directory.
+struct CloneFiles {
+    meta: PathBuf,
+    dest: PathBuf,
+    source: PathBuf,
+    size: u64,
 }
 
-fn clone_table(meta: &Path, dest: &Path, source: &Path, sectors: u64, rest: &str) -> String {
-    format!(
-        "0 {sectors} clone {} {} {} {rest}",
-        meta.display(),
-        dest.display(),
-        source.display()
-    )
+impl CloneFiles {
+    fn new(daemon: &Daemon, size: u64, seed: u64) -> CloneFiles {
+        let source = daemon.dir.path("source");
+        pattern_file(&source, size as usize, seed);
+        CloneFiles {
+            meta: daemon.sparse("meta", 4 * MIB),
+            dest: daemon.sparse("dest", size),
+            source,
+            size,
+        }
+    }
+
+    /// The clone's table line over the whole source, `rest` after its devices.
+    fn table(&self, rest: &str) -> String {
+        format!(
+            "0 {} clone {} {} {} {rest}",
+            self.size / 512,
+            self.meta.display(),
+            self.dest.display(),
+            self.source.display()
+        )
+    }
+}
+
+/// Creates device `vol`, a clone of a random source of `size` bytes (from `seed`) with `rest`
+/// after its devices; returns its files and its table line.
+fn create_clone_vol(daemon: &Daemon, size: u64, seed: u64, rest: &str) -> (CloneFiles, String) {
+    let files = CloneFiles::new(daemon, size, seed);
+    let table = files.table(rest);
+    daemon.create("vol", &table);
+    (files, table)
 }
 
 fn read_file_at(path: &Path, offset: u64, len: usize) -> Vec<u8> {
@@ -186,9 +204,7 @@ fn a_clone_source_truncated_under_it_fails_reads_and_hydrates_no_zeroes() {
 #[test]
 fn reload_and_resume_without_suspend_keeps_a_clones_writes() {
     let mut daemon = Daemon::start("clone-reload");
-    let (meta, dest, source) = clone_files(&daemon, 64 * MIB, 3);
-    let table = clone_table(&meta, &dest, &source, 131072, "128 1 no_hydration");
-    daemon.create("vol", &table);
+    let (files, table) = create_clone_vol(&daemon, 64 * MIB, 3, "128 1 no_hydration");
 
     // A whole-region write: it goes to the destination and sets a bit, committed at the next
     // FLUSH or second; no flush is sent here.
@@ -213,15 +229,13 @@ fn reload_and_resume_without_suspend_keeps_a_clones_writes() {
     daemon.launch();
     daemon.udm(&["message", "vol", "0", "enable_hydration"]);
     daemon.udm(&["wait", "vol", "--progress"]);
-    assert!(read_file_at(&dest, 8 * MIB, 64 * 1024) == pattern);
+    assert!(read_file_at(&files.dest, 8 * MIB, 64 * 1024) == pattern);
 }
 
 #[test]
 fn finalize_leaves_a_suspended_device_and_an_inactive_table_alone() {
     let daemon = Daemon::start("finalize-respect");
-    let (meta, dest, source) = clone_files(&daemon, 8 * MIB, 5);
-    let table = clone_table(&meta, &dest, &source, 16384, "128");
-    daemon.create("vol", &table);
+    create_clone_vol(&daemon, 8 * MIB, 5, "128");
     daemon.udm(&["wait", "vol", "--progress"]);
 
     daemon.udm(&["suspend", "vol"]);
@@ -257,9 +271,7 @@ fn flip_byte(path: &Path, offset: u64) {
 #[test]
 fn corrupt_clone_superblocks_are_refused_or_reported_never_reformatted() {
     let mut daemon = Daemon::start("clone-corrupt");
-    let (meta, dest, source) = clone_files(&daemon, 16 * MIB, 9);
-    let table = clone_table(&meta, &dest, &source, 32768, "128 1 no_hydration");
-    daemon.create("vol", &table);
+    let (files, table) = create_clone_vol(&daemon, 16 * MIB, 9, "128 1 no_hydration");
     // Two flushed writes: two commits, so both superblock slots hold one.
     for (at, byte) in [("1M", "0x11"), ("2M", "0x22")] {
         qemu_io_ok(
@@ -276,7 +288,7 @@ fn corrupt_clone_superblocks_are_refused_or_reported_never_reformatted() {
 
     // The newest slot damaged: the older commit is used, and everyone is told.
     let newest = (transaction - 1) % 2; // transaction 1 is in slot 0, 2 in slot 1, 3 in 0…
-    flip_byte(&meta, newest * 4096 + 200);
+    flip_byte(&files.meta, newest * 4096 + 200);
     daemon.launch();
     let status: serde_json::Value =
         serde_json::from_str(&daemon.udm(&["status", "vol", "--json"])).unwrap();
@@ -290,8 +302,8 @@ fn corrupt_clone_superblocks_are_refused_or_reported_never_reformatted() {
     daemon.stop(libc::SIGTERM);
 
     // Both slots damaged: the device is not brought back, and nothing is reformatted.
-    flip_byte(&meta, (1 - newest) * 4096 + 200);
-    let meta_before = std::fs::read(&meta).unwrap();
+    flip_byte(&files.meta, (1 - newest) * 4096 + 200);
+    let meta_before = std::fs::read(&files.meta).unwrap();
     daemon.launch();
     assert!(
         daemon.log().contains("refusing to use or reformat it"),
@@ -302,7 +314,7 @@ fn corrupt_clone_superblocks_are_refused_or_reported_never_reformatted() {
     let err = daemon.udm_err(&["create", "vol2", "--table", &table]);
     assert!(err.contains("refusing to use or reformat it"), "{err}");
     assert!(
-        std::fs::read(&meta).unwrap() == meta_before,
+        std::fs::read(&files.meta).unwrap() == meta_before,
         "the metadata was rewritten"
     );
 }
@@ -350,41 +362,39 @@ fn a_second_daemon_on_the_same_state_dir_or_sockets_is_refused() {
 #[test]
 fn state_a_target_keeps_on_a_file_is_claimed_against_other_tables_and_processes() {
     let daemon = Daemon::start("claims");
-    let (meta, dest, source) = clone_files(&daemon, 16 * MIB, 4);
-    let clone_of = |meta: &Path, dest: &Path| clone_table(meta, dest, &source, 32768, "128");
-    daemon.create("vol", &clone_of(&meta, &dest));
+    let (files, table) = create_clone_vol(&daemon, 16 * MIB, 4, "128");
 
-    let err = daemon.udm_err(&["create", "twin", "--table", &clone_of(&meta, &dest)]);
+    let err = daemon.udm_err(&["create", "twin", "--table", &table]);
     assert!(err.contains("in use by device 'vol'"), "{err}");
     let err = daemon.udm_err(&[
         "create",
         "peek",
         "--table",
-        &format!("0 32768 linear {} 0", dest.display()),
+        &format!("0 32768 linear {} 0", files.dest.display()),
     ]);
     assert!(err.contains("in use by device 'vol'"), "{err}");
     // Sharing the read-only source is fine.
-    let (meta2, dest2) = (daemon.dir.path("meta2"), daemon.dir.path("dest2"));
-    sparse_file(&meta2, 4 * MIB);
-    sparse_file(&dest2, 16 * MIB);
-    daemon.create("vol2", &clone_of(&meta2, &dest2));
+    let second = CloneFiles {
+        meta: daemon.sparse("meta2", 4 * MIB),
+        dest: daemon.sparse("dest2", 16 * MIB),
+        ..files
+    };
+    daemon.create("vol2", &second.table("128"));
 
     // Another udm process on the same files is refused too.
     let other = Daemon::start("claims-other");
-    let err = other.udm_err(&["create", "twin", "--table", &clone_of(&meta, &dest)]);
+    let err = other.udm_err(&["create", "twin", "--table", &table]);
     assert!(err.contains("in use by another process"), "{err}");
 
     // Removing the holder releases its claims.
     daemon.udm(&["remove", "vol"]);
-    daemon.create("again", &clone_of(&meta, &dest));
+    daemon.create("again", &table);
 }
 
 #[test]
 fn settings_suspension_and_inactive_tables_survive_a_crash() {
     let mut daemon = Daemon::start("persist-settings");
-    let (meta, dest, source) = clone_files(&daemon, 16 * MIB, 8);
-    let table = clone_table(&meta, &dest, &source, 32768, "8");
-    daemon.create("vol", &table);
+    create_clone_vol(&daemon, 16 * MIB, 8, "8");
     for message in [
         "disable_hydration",
         "hydration_threshold 7",

@@ -16,6 +16,16 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock()
 }
 
+/// A daemon serving NBD on io_uring event loops (`extra`: more options) with `vol`, a linear
+/// device of `size` bytes on disk.img.
+fn uring_daemon_with_vol(tag: &str, size: u64, extra: &[&str]) -> Daemon {
+    let mut args = vec!["--nbd-engine", "uring"];
+    args.extend_from_slice(extra);
+    let daemon = Daemon::start_with(tag, &args);
+    daemon.create_linear("vol", "disk.img", size);
+    daemon
+}
+
 /// Writes a block, pipelined with a read of another, on one raw connection.
 fn exercise(client: &mut RawClient, id: u64, rounds: u64) {
     for round in 0..rounds {
@@ -34,8 +44,7 @@ fn exercise(client: &mut RawClient, id: u64, rounds: u64) {
 #[test]
 fn sixty_four_connections_are_served_by_a_few_threads() {
     let _serial = serial();
-    let daemon = Daemon::start_with("engine-64", &["--nbd-engine", "uring", "--nbd-loops", "2"]);
-    daemon.create_linear("vol", "disk.img", 64 << 20);
+    let daemon = uring_daemon_with_vol("engine-64", 64 << 20, &["--nbd-loops", "2"]);
     let (idle, _) = daemon.threads();
     let mut clients: Vec<RawClient> = (0..64)
         .map(|_| RawClient::connect(&daemon.nbd_socket(), "vol"))
@@ -196,11 +205,7 @@ fn both_engines_serve_the_same_bytes_to_real_clients() {
 #[test]
 fn a_client_that_stops_reading_replies_costs_no_thread_and_others_go_on() {
     let _serial = serial();
-    let daemon = Daemon::start_with(
-        "engine-stall",
-        &["--nbd-engine", "uring", "--nbd-loops", "1"],
-    );
-    daemon.create_linear("vol", "disk.img", 64 << 20);
+    let daemon = uring_daemon_with_vol("engine-stall", 64 << 20, &["--nbd-loops", "1"]);
     let (idle, _) = daemon.threads();
     // Asks for 64 MiB of reads and never reads a byte of the replies.
     let mut stalled = RawClient::connect(&daemon.nbd_socket(), "vol");
@@ -304,8 +309,7 @@ fn requests_to_a_suspended_device_wait_without_taking_the_pool_from_others() {
 #[test]
 fn large_writes_arriving_in_pieces_or_cut_off_are_stored_whole_or_not_at_all() {
     let _serial = serial();
-    let daemon = Daemon::start_with("engine-trickle", &["--nbd-engine", "uring"]);
-    daemon.create_linear("vol", "disk.img", 16 << 20);
+    let daemon = uring_daemon_with_vol("engine-trickle", 16 << 20, &[]);
     let mut rng = udm_testkit::Rng::new(10);
     let data: Vec<u8> = (0..1 << 20).map(|_| rng.next() as u8).collect();
 
@@ -379,8 +383,7 @@ fn pipelined_large_and_small_writes_are_stored_whole() {
     // loop asks for one header at a time: a burst mixing them with small writes (and sizes
     // that are no multiple of a page) must still land byte for byte where each says.
     let _serial = serial();
-    let daemon = Daemon::start_with("engine-large-writes", &["--nbd-engine", "uring"]);
-    daemon.create_linear("vol", "disk.img", 64 << 20);
+    let daemon = uring_daemon_with_vol("engine-large-writes", 64 << 20, &[]);
     let writes = pipelined_writes();
     let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
     // All sent before any reply is read: the replies (16 bytes each) fit the socket.
@@ -478,12 +481,10 @@ fn a_header_trickling_in_after_a_large_write_is_read_whole(client: &mut RawClien
 #[test]
 fn discards_and_write_zeroes_on_linear_go_to_the_file_on_the_engine() {
     let _serial = serial();
-    let daemon = Daemon::start_with("engine-fill", &["--nbd-engine", "uring"]);
-    daemon.create_linear("vol", "disk.img", 16 << 20);
+    let daemon = uring_daemon_with_vol("engine-fill", 16 << 20, &[]);
     let uri = daemon.uri("vol");
     let io = |command: &str| {
-        let (ok, out) = qemu_io(&uri, command);
-        assert!(ok, "{command}: {out}");
+        qemu_io_ok(&uri, &[command]);
     };
     io("write -P 0xaa 0 8M");
     io("discard 1M 1M");
@@ -544,8 +545,7 @@ fn a_discard_over_many_stripes_goes_the_synchronous_way_and_a_short_one_does_not
     ]);
     let uri = daemon.uri("vol");
     let io = |command: &str| {
-        let (ok, out) = qemu_io(&uri, command);
-        assert!(ok, "{command}: {out}");
+        qemu_io_ok(&uri, &[command]);
     };
     io("write -P 0xaa 0 64M");
     io("discard 0 1M"); // 256 chunks: mapped

@@ -7,8 +7,6 @@ mod common;
 
 use common::*;
 
-const MIB: u64 = 1 << 20;
-
 struct Rig {
     daemon: Daemon,
     source: std::path::PathBuf,

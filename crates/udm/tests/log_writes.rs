@@ -7,8 +7,6 @@ use std::path::PathBuf;
 
 use common::*;
 
-const MIB: u64 = 1 << 20;
-
 /// A daemon with `lw`, a log-writes device over an 8 MiB file, logging onto a file of
 /// `log_size` bytes; returns the daemon and the two files' paths.
 fn log_writes(tag: &str, log_size: u64) -> (Daemon, PathBuf, PathBuf) {

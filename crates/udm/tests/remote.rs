@@ -8,8 +8,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-const MIB: u64 = 1 << 20;
-
 /// nbdkit serving `image` on `socket`, each read taking `read_delay` (nbdkit's syntax) if set.
 fn nbdkit(socket: &Path, image: &Path, read_delay: Option<&str>) -> Peer {
     let mut args = vec!["-f", "-U", socket.to_str().unwrap()];
@@ -28,9 +26,8 @@ fn remote(socket: &Path) -> String {
 
 /// `vol`: a clone of the remote onto fresh files in the daemon's directory.
 fn create_clone(daemon: &Daemon, remote: &str, size: u64, options: &str) {
-    let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
-    sparse_file(&dest, size);
-    sparse_file(&meta, MIB);
+    let dest = daemon.sparse("dest.img", size);
+    let meta = daemon.sparse("meta.img", MIB);
     daemon.create(
         "vol",
         &format!(
@@ -62,8 +59,7 @@ fn a_clone_whose_remote_is_down_at_restart_comes_back_and_hydrates_once_it_retur
     let (mut daemon, source, socket) = with_source("remote-restart", "2", 61);
     let peer = nbdkit(&socket, &source, None);
     create_clone(&daemon, &remote(&socket), 16 * MIB, "1 no_hydration");
-    let (ok, out) = qemu_io(&daemon.uri("vol"), "write -P 0x5 0 64k");
-    assert!(ok, "{out}");
+    qemu_io_ok(&daemon.uri("vol"), &["write -P 0x5 0 64k"]);
     let mut expected = std::fs::read(&source).unwrap();
     expected[..65536].fill(5);
     std::fs::write(daemon.dir.path("expected.img"), &expected).unwrap();
@@ -77,8 +73,7 @@ fn a_clone_whose_remote_is_down_at_restart_comes_back_and_hydrates_once_it_retur
         daemon.log()
     );
     // What is on the destination reads; what needs the source fails after the timeout.
-    let (ok, out) = qemu_io(&daemon.uri("vol"), "read -P 0x5 0 64k");
-    assert!(ok, "{out}");
+    qemu_io_ok(&daemon.uri("vol"), &["read -P 0x5 0 64k"]);
     let started = Instant::now();
     let (ok, out) = qemu_io(&daemon.uri("vol"), "read 8M 4k");
     assert!(!ok && out.contains("Input/output error"), "{out}");
@@ -98,8 +93,7 @@ fn a_clone_whose_remote_is_down_at_restart_comes_back_and_hydrates_once_it_retur
 
     // The remote comes back: reads work again and hydration finishes.
     let _peer = nbdkit(&socket, &source, None);
-    let (ok, out) = qemu_io(&daemon.uri("vol"), "read 8M 4k");
-    assert!(ok, "{out}");
+    qemu_io_ok(&daemon.uri("vol"), &["read 8M 4k"]);
     daemon.udm(&["message", "vol", "0", "enable_hydration"]);
     wait_hydrated(&daemon);
     same_content(

@@ -246,9 +246,8 @@ fn metrics_show_a_clone_hydrating_to_the_end() {
     let port = metrics_port(&daemon);
     let source = daemon.dir.path("source.img");
     pattern_file(&source, 4 << 20, 7);
-    let (meta, dest) = (daemon.dir.path("meta.img"), daemon.dir.path("dest.img"));
-    sparse_file(&meta, 1 << 20);
-    sparse_file(&dest, 4 << 20);
+    let meta = daemon.sparse("meta.img", 1 << 20);
+    let dest = daemon.sparse("dest.img", 4 << 20);
     let table = format!(
         "0 8192 clone {} {} {} 8 1 no_hydration",
         meta.display(),

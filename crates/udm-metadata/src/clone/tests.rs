@@ -12,6 +12,14 @@ fn geometry(regions: u64) -> CloneGeometry {
     }
 }
 
+/// Clone metadata for `regions` regions, formatted on a fresh 4 MiB memory device.
+fn formatted(regions: u64) -> (Arc<MemoryDevice>, CloneGeometry, CloneMetadata) {
+    let dev = Arc::new(MemoryDevice::new(4 << 20));
+    let g = geometry(regions);
+    let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+    (dev, g, meta)
+}
+
 fn no_data() -> Result<(), BlockError> {
     Ok(())
 }
@@ -47,9 +55,7 @@ fn the_count_matches_the_bits_whatever_a_reload_races_with() {
 
 #[test]
 fn formats_a_blank_device_and_reopens_committed_bits() {
-    let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(4 << 20));
-    let g = geometry(100_000);
-    let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+    let (dev, g, meta) = formatted(100_000);
     assert_eq!(meta.hydrated_count(), 0);
     assert_eq!(meta.set_hydrated(5..10), 5);
     assert_eq!(meta.set_hydrated(8..12), 2);
@@ -69,9 +75,7 @@ fn formats_a_blank_device_and_reopens_committed_bits() {
 
 #[test]
 fn alternating_commits_keep_both_areas_consistent() {
-    let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(4 << 20));
-    let g = geometry(200_000);
-    let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+    let (dev, g, meta) = formatted(200_000);
     // Each commit touches a different bitmap block; reopening after each must see all.
     for round in 0..6u64 {
         meta.set_hydrated(round * 33_000..round * 33_000 + 3);
@@ -114,9 +118,7 @@ fn refuses_mismatched_small_and_garbage_devices() {
 
 #[test]
 fn a_torn_superblock_falls_back_to_the_previous_commit() {
-    let dev = Arc::new(MemoryDevice::new(4 << 20));
-    let g = geometry(1000);
-    let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+    let (dev, g, meta) = formatted(1000);
     meta.set_hydrated(0..10);
     meta.commit(&no_data).unwrap(); // transaction 2 in slot B
     meta.set_hydrated(10..20);
@@ -152,9 +154,7 @@ fn corrupt(dev: &MemoryDevice, block: u64) {
 
 #[test]
 fn both_superblocks_corrupt_after_a_commit_are_refused_not_reformatted() {
-    let dev = Arc::new(MemoryDevice::new(4 << 20));
-    let g = geometry(1000);
-    let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+    let (dev, g, meta) = formatted(1000);
     meta.set_hydrated(0..10);
     meta.commit(&no_data).unwrap();
     corrupt(&dev, 0);
@@ -199,9 +199,7 @@ fn a_format_torn_before_any_commit_is_redone() {
 
 #[test]
 fn a_failed_data_flush_commits_nothing_and_keeps_changes_pending() {
-    let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(4 << 20));
-    let g = geometry(1000);
-    let meta = CloneMetadata::open(dev.clone(), g).unwrap();
+    let (dev, g, meta) = formatted(1000);
     meta.set_hydrated(0..4);
     let failing = || Err(BlockError::Io("destination flush failed".into()));
     assert!(meta.commit(&failing).is_err());

@@ -29,6 +29,13 @@ fn device() -> Arc<Counting> {
     Arc::new(Counting(MemoryDevice::new(8 << 20), AtomicU64::new(0)))
 }
 
+/// Pool metadata for `data_blocks` blocks of 128 sectors, formatted on a fresh device.
+fn pool(data_blocks: u64) -> (Arc<Counting>, ThinMetadata) {
+    let dev = device();
+    let meta = ThinMetadata::open(dev.clone(), 128, data_blocks).unwrap();
+    (dev, meta)
+}
+
 fn map_new(meta: &mut ThinMetadata, id: u32, vblock: u64) -> u64 {
     let b = meta.alloc_data_block().unwrap().unwrap();
     meta.insert(id, vblock, b).unwrap();
@@ -43,8 +50,7 @@ fn the_pool_can_move_between_threads() {
 
 #[test]
 fn warm_lookups_read_nothing_from_disk() {
-    let dev = device();
-    let mut meta = ThinMetadata::open(dev.clone(), 128, 100_000).unwrap();
+    let (dev, mut meta) = pool(100_000);
     meta.create_thin(1).unwrap();
     for vb in 0..20_000 {
         map_new(&mut meta, 1, vb * 2);
@@ -81,7 +87,7 @@ fn a_tree_of_three_levels_splits_its_inner_nodes() {
 
 #[test]
 fn freed_blocks_do_not_crowd_live_ones_out_of_the_cache() {
-    let mut meta = ThinMetadata::open(device(), 128, 100_000).unwrap();
+    let mut meta = pool(100_000).1;
     meta.set_cache_blocks(1000);
     meta.create_thin(1).unwrap();
     // Random inserts copy a leaf each, commit after commit: thousands of freed blocks.
@@ -108,7 +114,7 @@ fn freed_blocks_do_not_crowd_live_ones_out_of_the_cache() {
 
 #[test]
 fn refused_arguments_leave_the_transaction_usable() {
-    let mut meta = ThinMetadata::open(device(), 128, 1000).unwrap();
+    let mut meta = pool(1000).1;
     assert!(matches!(
         ThinMetadata::open(device(), 100, 1000),
         Err(ThinError::BadArgument(_))
@@ -147,7 +153,7 @@ fn refused_arguments_leave_the_transaction_usable() {
 
 #[test]
 fn sharing_follows_snapshot_time_and_blocks_free_when_the_last_user_goes() {
-    let mut meta = ThinMetadata::open(device(), 128, 1000).unwrap();
+    let mut meta = pool(1000).1;
     meta.create_thin(1).unwrap();
     let old = map_new(&mut meta, 1, 5);
     assert!(!meta.lookup(1, 5).unwrap().unwrap().shared);
@@ -184,7 +190,7 @@ fn sharing_follows_snapshot_time_and_blocks_free_when_the_last_user_goes() {
 
 #[test]
 fn released_and_aborted_blocks_come_back() {
-    let mut meta = ThinMetadata::open(device(), 128, 1000).unwrap();
+    let mut meta = pool(1000).1;
     meta.create_thin(1).unwrap();
     meta.commit().unwrap();
     let a = meta.alloc_data_block().unwrap().unwrap();
@@ -211,8 +217,7 @@ fn released_and_aborted_blocks_come_back() {
 
 #[test]
 fn a_commit_with_nothing_new_writes_nothing() {
-    let dev = device();
-    let mut meta = ThinMetadata::open(dev.clone(), 128, 1000).unwrap();
+    let (dev, mut meta) = pool(1000);
     meta.create_thin(1).unwrap();
     meta.commit().unwrap();
     let writes = dev.1.load(Ordering::SeqCst);
@@ -227,8 +232,7 @@ fn a_commit_with_nothing_new_writes_nothing() {
 
 #[test]
 fn needs_check_is_written_at_once_and_refused_on_open() {
-    let dev = device();
-    let mut meta = ThinMetadata::open(dev.clone(), 128, 1000).unwrap();
+    let (dev, mut meta) = pool(1000);
     meta.create_thin(1).unwrap();
     meta.commit().unwrap();
     meta.create_thin(2).unwrap();
@@ -241,8 +245,7 @@ fn needs_check_is_written_at_once_and_refused_on_open() {
 
 #[test]
 fn the_pool_grows_with_its_devices() {
-    let dev = device();
-    let mut meta = ThinMetadata::open(dev.clone(), 128, 1000).unwrap();
+    let (dev, mut meta) = pool(1000);
     assert_eq!(
         meta.data_usage(),
         Usage {

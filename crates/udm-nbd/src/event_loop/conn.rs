@@ -10,27 +10,15 @@ impl EventLoop {
             negotiated,
             slot,
         } = attach;
-        let Negotiated {
-            name,
-            export,
-            structured,
-            base_allocation,
-            contexts,
-        } = negotiated;
         // Timeouts are the loop's now; the socket's own would only confuse io_uring.
         let _ = stream.set_read_timeout(None);
         let _ = stream.set_write_timeout(None);
-        let session = Arc::new(Session {
-            name,
-            device: Arc::new(Checked::new(export.device.clone(), export.read_only)),
-            structured,
-            base_allocation,
-            contexts,
-        });
+        let (session, open_guard) = Session::start(negotiated);
+        let session = Arc::new(session);
         let conn = Conn {
             session,
             stream,
-            _export: export.open_guard,
+            _export: open_guard,
             _slot: slot,
             buf: vec![0u8; RECEIVE_BUFFER].into_boxed_slice(),
             start: 0,

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 use log::{debug, error, info, warn};
-use udm_block::{BlockDevice, BlockError, Checked, MapOp, Mapping, Ready, WorkerPool as Pool};
+use udm_block::{BlockDevice, BlockError, MapOp, Mapping, Ready, WorkerPool as Pool};
 use udm_uring::{is_engine, Engine, Outcome as MappedOutcome};
 
 use crate::budget::{BufferBudget, Payload};

@@ -451,11 +451,11 @@ mod tests {
     const SLOW: Duration = Duration::from_millis(300);
 
     /// A registry with `base` (a zero device) and `slow` (a delay over it).
-    fn registry(dir: &TempDir) -> Registry {
-        let registry = Registry::new(&dir.path("state"), Duration::from_secs(1)).unwrap();
-        registry.create("base", "0 2048 zero", false, None).unwrap();
+    fn registry(dir: &TempDir) -> Arc<Registry> {
+        let registry = Registry::in_scratch(dir);
+        registry.must_create("base", "0 2048 zero");
         let table = format!("0 2048 delay base 0 {}", SLOW.as_millis());
-        registry.create("slow", &table, false, None).unwrap();
+        registry.must_create("slow", &table);
         registry
     }
 

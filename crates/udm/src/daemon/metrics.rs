@@ -369,11 +369,9 @@ mod tests {
     #[test]
     fn the_exposition_counts_what_reached_each_device() {
         let dir = TempDir::new("metrics");
-        let registry = Registry::new(&dir.path("state"), Duration::from_secs(1)).unwrap();
-        let vol = registry.create("vol", "0 2048 zero", false, None).unwrap();
-        registry
-            .create("top", "0 2048 linear vol 0", false, None)
-            .unwrap();
+        let registry = Registry::in_scratch(&dir);
+        let vol = registry.must_create("vol", "0 2048 zero");
+        registry.must_create("top", "0 2048 linear vol 0");
         let mut buf = AlignedBuf::zeroed(4096);
         let top = registry.get("top").unwrap();
         top.read(0, &mut buf).unwrap();

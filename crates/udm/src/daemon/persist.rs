@@ -246,10 +246,6 @@ mod tests {
 
     use super::*;
 
-    fn registry(dir: &TempDir) -> Arc<Registry> {
-        Arc::new(Registry::new(&dir.path("state"), Duration::from_secs(1)).unwrap())
-    }
-
     /// What a device looks like from outside, to compare before and after a restart.
     fn describe(r: &Registry, name: &str) -> (Vec<String>, Option<Vec<String>>, bool, bool) {
         let d = r.get(name).unwrap();
@@ -262,17 +258,15 @@ mod tests {
         let dir = TempDir::new("restore");
         let names = ["base", "bad", "mid", "top", "ro"];
         let before = {
-            let r = registry(&dir);
+            let r = Registry::in_scratch(&dir);
             // Names sort against the stack (top < mid < base would be read first), so the
             // restore has to wait for lower devices whatever order it reads the records in.
-            r.create("base", "0 4096 zero", false, None).unwrap();
-            r.create("bad", "0 4096 dust base 0 512", false, None)
-                .unwrap();
-            r.create("mid", "0 4096 linear bad 0", false, None).unwrap();
-            r.create("top", "0 2048 linear mid 2048", false, None)
-                .unwrap();
+            r.must_create("base", "0 4096 zero");
+            r.must_create("bad", "0 4096 dust base 0 512");
+            r.must_create("mid", "0 4096 linear bad 0");
+            r.must_create("top", "0 2048 linear mid 2048");
             r.create("ro", "0 8 zero", true, None).unwrap();
-            r.create("gone", "0 8 zero", false, None).unwrap();
+            r.must_create("gone", "0 8 zero");
             r.remove("gone", false, Duration::ZERO).unwrap();
             r.message("bad", 0, &["addbadblock", "3"]).unwrap();
             r.message("bad", 0, &["enable"]).unwrap();
@@ -280,7 +274,7 @@ mod tests {
             r.suspend("mid", false).unwrap();
             names.map(|n| describe(&r, n))
         };
-        let r = registry(&dir);
+        let r = Registry::in_scratch(&dir);
         assert_eq!(r.restore().unwrap(), names.len());
         assert_eq!(names.map(|n| describe(&r, n)), before);
         assert!(r.get("gone").is_err());
@@ -299,15 +293,15 @@ mod tests {
     fn a_damaged_record_is_skipped_and_the_rest_restored() {
         let dir = TempDir::new("damaged");
         {
-            let r = registry(&dir);
-            r.create("good", "0 8 zero", false, None).unwrap();
-            r.create("lost", "0 8 zero", false, None).unwrap();
+            let r = Registry::in_scratch(&dir);
+            r.must_create("good", "0 8 zero");
+            r.must_create("lost", "0 8 zero");
         }
         std::fs::write(dir.path("state/devices/lost.json"), b"{ torn").unwrap();
         // A record whose lower device never comes back cannot be built; it stays on disk.
         let orphan = br#"{"name":"orphan","read_only":false,"table":["0 8 linear nowhere 0"]}"#;
         std::fs::write(dir.path("state/devices/orphan.json"), orphan).unwrap();
-        let r = registry(&dir);
+        let r = Registry::in_scratch(&dir);
         assert_eq!(r.restore().unwrap(), 1);
         assert_eq!(r.all().len(), 1);
         assert!(dir.path("state/devices/orphan.json").exists());
@@ -324,7 +318,7 @@ mod tests {
             f.set_len(1 << 20).unwrap();
         }
         {
-            let r = registry(&dir);
+            let r = Registry::in_scratch(&dir);
             let meta = dir.path("meta.img");
             let dest = dir.path("dest.img");
             r.create(
@@ -334,18 +328,18 @@ mod tests {
                 None,
             )
             .unwrap();
-            r.create("source", "0 2048 zero", false, None).unwrap();
+            r.must_create("source", "0 2048 zero");
             // No background copy: it would commit to the suspended metadata device.
             let clone = format!(
                 "0 2048 clone meta {} source 8 1 no_hydration",
                 dest.display()
             );
-            r.create("clone", &clone, false, None).unwrap();
+            r.must_create("clone", &clone);
             r.suspend("meta", false).unwrap();
         }
         let (done, restored) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            let r = registry(&dir);
+            let r = Registry::in_scratch(&dir);
             done.send(r.restore().unwrap()).unwrap();
             // Keep the devices (and their files) until the test has its answer.
             std::thread::sleep(Duration::from_secs(1));

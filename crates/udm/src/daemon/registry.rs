@@ -459,16 +459,28 @@ impl Registry {
     }
 }
 
+/// What the daemon's unit tests build on: a registry in a scratch directory, devices that
+/// must be created.
+#[cfg(test)]
+impl Registry {
+    /// A registry keeping its state under `dir`/state.
+    pub(super) fn in_scratch(dir: &udm_testkit::TempDir) -> Arc<Registry> {
+        Arc::new(Registry::new(&dir.path("state"), Duration::from_secs(1)).unwrap())
+    }
+
+    /// Creates device `name` (read-write, no UUID) with `table`, which must succeed.
+    pub(super) fn must_create(&self, name: &str, table: &str) -> Arc<Device> {
+        self.create(name, table, false, None)
+            .unwrap_or_else(|e| panic!("creating {name}: {e}"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use udm_block::{AlignedBuf, BlockDevice};
     use udm_testkit::TempDir;
 
     use super::*;
-
-    fn registry(dir: &TempDir) -> Registry {
-        Registry::new(&dir.path("state"), Duration::from_secs(1)).unwrap()
-    }
 
     fn error(result: Result<impl Sized>) -> String {
         match result {
@@ -480,10 +492,10 @@ mod tests {
     #[test]
     fn no_device_may_come_to_depend_on_itself() {
         let dir = TempDir::new("cycles");
-        let r = registry(&dir);
-        r.create("a", "0 2048 zero", false, None).unwrap();
-        r.create("b", "0 2048 linear a 0", false, None).unwrap();
-        r.create("c", "0 2048 linear b 0", false, None).unwrap();
+        let r = Registry::in_scratch(&dir);
+        r.must_create("a", "0 2048 zero");
+        r.must_create("b", "0 2048 linear a 0");
+        r.must_create("c", "0 2048 linear b 0");
         for (text, through) in [
             ("0 2048 linear a 0", "a"),
             ("0 2048 linear b 0", "b"),
@@ -498,7 +510,7 @@ mod tests {
             );
         }
         // An inactive table counts as a use too: once loaded it may become live.
-        r.create("d", "0 2048 zero", false, None).unwrap();
+        r.must_create("d", "0 2048 zero");
         r.load("d", "0 2048 linear c 0", false, false).unwrap();
         let e = error(r.load("a", "0 2048 linear d 0", false, false));
         assert!(e.contains("depend on itself"), "{e}");
@@ -508,10 +520,9 @@ mod tests {
     #[test]
     fn a_device_in_use_is_neither_removed_nor_shrunk_under_its_users() {
         let dir = TempDir::new("holders");
-        let r = registry(&dir);
-        r.create("base", "0 2048 zero", false, None).unwrap();
-        r.create("top", "0 1024 linear base 1024", false, None)
-            .unwrap();
+        let r = Registry::in_scratch(&dir);
+        r.must_create("base", "0 2048 zero");
+        r.must_create("top", "0 1024 linear base 1024");
         assert_eq!(r.holders("base"), ["top"]);
         let e = error(r.remove("base", true, Duration::ZERO));
         assert!(e.contains("used by top"), "{e}");
@@ -527,8 +538,8 @@ mod tests {
     #[test]
     fn a_forced_remove_fails_the_io_of_whoever_still_has_it_open() {
         let dir = TempDir::new("force");
-        let r = registry(&dir);
-        let device = r.create("vol", "0 2048 zero", false, None).unwrap();
+        let r = Registry::in_scratch(&dir);
+        let device = r.must_create("vol", "0 2048 zero");
         let handle = device.open(false);
         let e = error(r.remove("vol", false, Duration::ZERO));
         assert!(e.contains("open by 1 client(s)"), "{e}");
@@ -542,12 +553,12 @@ mod tests {
     #[test]
     fn names_are_checked() {
         let dir = TempDir::new("names");
-        let r = registry(&dir);
+        let r = Registry::in_scratch(&dir);
         for bad in ["", ".hidden", "-x", "a/b", "a b", &"n".repeat(128)] {
             let e = error(r.create(bad, "0 8 zero", false, None));
             assert!(e.contains("invalid device name"), "{bad}: {e}");
         }
-        r.create("ok_1.2+3-4:5@6", "0 8 zero", false, None).unwrap();
+        r.must_create("ok_1.2+3-4:5@6", "0 8 zero");
         let e = error(r.create("ok_1.2+3-4:5@6", "0 8 zero", false, None));
         assert!(e.contains("already exists"), "{e}");
     }

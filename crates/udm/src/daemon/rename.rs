@@ -60,16 +60,10 @@ impl Registry {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-    use std::time::Duration;
 
     use udm_testkit::TempDir;
 
     use super::*;
-
-    fn registry(dir: &TempDir) -> Arc<Registry> {
-        Arc::new(Registry::new(&dir.path("state"), Duration::from_secs(1)).unwrap())
-    }
 
     #[test]
     fn a_renamed_device_keeps_its_state_and_comes_back_under_its_new_name() {
@@ -80,8 +74,8 @@ mod tests {
             .set_len(1 << 20)
             .unwrap();
         {
-            let r = registry(&dir);
-            r.create("base", "0 2048 zero", false, None).unwrap();
+            let r = Registry::in_scratch(&dir);
+            r.must_create("base", "0 2048 zero");
             // The log is claimed exclusively under the device's name.
             let table = format!("0 2048 log-writes base {}", meta.display());
             r.create("old", &table, false, Some("U-1")).unwrap();
@@ -107,7 +101,7 @@ mod tests {
             assert!(r.rename("new", "U-1").is_err());
             assert!(r.create("U-1", "0 8 zero", false, None).is_err());
         }
-        let r = registry(&dir);
+        let r = Registry::in_scratch(&dir);
         assert_eq!(r.restore().unwrap(), 2);
         assert_eq!(r.get("new").unwrap().uuid().as_deref(), Some("U-1"));
         assert!(r.get("old").is_err());
@@ -118,15 +112,15 @@ mod tests {
     fn a_rename_cut_short_by_a_crash_is_finished_at_restart() {
         let dir = TempDir::new("rename-crash");
         {
-            let r = registry(&dir);
-            r.create("old", "0 8 zero", false, None).unwrap();
+            let r = Registry::in_scratch(&dir);
+            r.must_create("old", "0 8 zero");
         }
         // The first half of a rename: the record already names the device 'new', but the
         // file is still old.json.
         let path = dir.path("state/devices/old.json");
         let record = std::fs::read_to_string(&path).unwrap();
         std::fs::write(&path, record.replace("\"old\"", "\"new\"")).unwrap();
-        let r = registry(&dir);
+        let r = Registry::in_scratch(&dir);
         assert_eq!(r.restore().unwrap(), 1);
         assert!(r.get("new").is_ok());
         assert!(!path.exists());
@@ -136,8 +130,8 @@ mod tests {
     #[test]
     fn a_uuid_is_set_once() {
         let dir = TempDir::new("setuuid");
-        let r = registry(&dir);
-        r.create("a", "0 8 zero", false, None).unwrap();
+        let r = Registry::in_scratch(&dir);
+        r.must_create("a", "0 8 zero");
         r.create("b", "0 8 zero", false, Some("taken")).unwrap();
         assert!(r.set_uuid("a", "taken").is_err());
         assert!(r.set_uuid("a", "has space").is_err());

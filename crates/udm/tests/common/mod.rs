@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 pub const UDM: &str = env!("CARGO_BIN_EXE_udm");
 
+pub const MIB: u64 = 1 << 20;
+
 #[allow(unused_imports)] // as above
 pub use raw::*;
 #[allow(unused_imports)] // as above

@@ -14,8 +14,7 @@ fn ext4_and_xfs_on_linear(uring: &str) {
     let daemon = fuse_daemon_over(&format!("fuse-linear-{uring}"), uring);
     let tarball = real_tarball(&daemon.dir.0);
     for fs in ["ext4", "xfs"] {
-        let disk = daemon.dir.path(&format!("{fs}.img"));
-        sparse_file(&disk, 512 * MIB);
+        let disk = daemon.sparse(&format!("{fs}.img"), 512 * MIB);
         daemon.create(
             fs,
             &format!("0 {} linear {} 0", 512 * MIB / 512, disk.display()),
@@ -53,9 +52,8 @@ fn ext4_on_a_clone_while_it_hydrates_and_fstrim_skips_unused_space() {
     );
     let source = daemon.dir.path("source.img");
     ext4_image_of(&tree, &source, 256 * MIB);
-    let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
-    sparse_file(&dest, 256 * MIB);
-    sparse_file(&meta, 4 * MIB);
+    let dest = daemon.sparse("dest.img", 256 * MIB);
+    let meta = daemon.sparse("meta.img", 4 * MIB);
     daemon.create(
         "slow",
         &format!(
@@ -130,9 +128,8 @@ fn thin_pool_used(daemon: &Daemon, pool: &str) -> u64 {
 fn ext4_on_a_thin_volume_with_a_snapshot_taken_while_mounted() {
     let daemon = fuse_daemon("fuse-thin");
     let tarball = real_tarball(&daemon.dir.0);
-    let (meta, data) = (daemon.dir.path("pool.meta"), daemon.dir.path("pool.data"));
-    sparse_file(&meta, 16 * MIB);
-    sparse_file(&data, 512 * MIB);
+    let meta = daemon.sparse("pool.meta", 16 * MIB);
+    let data = daemon.sparse("pool.data", 512 * MIB);
     daemon.create("pool", &thin_pool_table(&meta, &data, 512 * MIB, "0"));
     daemon.udm(&["message", "pool", "0", "create_thin", "1"]);
     let volume = |name: &str, id: u32| {
@@ -258,9 +255,8 @@ fn xfs_made_on_a_clone_while_it_hydrates() {
     // clone copies it underneath.
     let source = daemon.dir.path("source.img");
     pattern_file(&source, 512 * MIB as usize, 8);
-    let (dest, meta) = (daemon.dir.path("dest.img"), daemon.dir.path("meta.img"));
-    sparse_file(&dest, 512 * MIB);
-    sparse_file(&meta, 4 * MIB);
+    let dest = daemon.sparse("dest.img", 512 * MIB);
+    let meta = daemon.sparse("meta.img", 4 * MIB);
     daemon.create("vol", &format!(
         "0 1048576 clone {} {} {} 16 0 6 hydration_threshold 64 hydration_batch_size 16 max_hydration_rate 65536",
         meta.display(), dest.display(), source.display()

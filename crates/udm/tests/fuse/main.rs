@@ -14,8 +14,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-const MIB: u64 = 1 << 20;
-
 /// Two tests of `$check(uring)`: one over FUSE's io_uring transport, one over /dev/fuse.
 macro_rules! over_both_transports {
     ($check:ident: $over_io_uring:ident, $over_dev_fuse:ident) => {

@@ -18,7 +18,6 @@ use common::*;
 use serde_json::Value;
 use udm_testkit::run_ok;
 
-const MIB: u64 = 1 << 20;
 /// The replicated volume (the size).
 const VOLUME: u64 = 1 << 30;
 /// The receiving host's address and replication port.
@@ -31,10 +30,8 @@ struct Pool {
 
 /// A pool "pool" of 2 GiB of 64 KiB blocks on fresh files in the daemon's directory.
 fn make_pool(daemon: &Daemon) -> Pool {
-    let meta = daemon.dir.path("pool.meta");
-    let data = daemon.dir.path("pool.data");
-    sparse_file(&meta, 16 * MIB);
-    sparse_file(&data, 2 * VOLUME);
+    let meta = daemon.sparse("pool.meta", 16 * MIB);
+    let data = daemon.sparse("pool.data", 2 * VOLUME);
     let table = format!(
         "0 {} thin-pool {} {} 128 0",
         2 * VOLUME / 512,

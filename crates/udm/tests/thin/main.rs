@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use common::*;
 
 const KIB: u64 = 1024;
-const MIB: u64 = 1 << 20;
 /// 64 KiB data blocks (128 sectors), the tests' block size.
 const BLOCK: u64 = 64 * KIB;
 
@@ -29,10 +28,8 @@ struct Pool {
 /// Creates a pool of `blocks` 64 KiB data blocks on fresh files (8 MiB of metadata) with
 /// the features `features` (`<#features> <feature>*`, or "").
 fn make_pool(daemon: &Daemon, name: &str, blocks: u64, features: &str) -> Pool {
-    let meta = daemon.dir.path(&format!("{name}.meta"));
-    let data = daemon.dir.path(&format!("{name}.data"));
-    sparse_file(&meta, 8 * MIB);
-    sparse_file(&data, blocks * BLOCK);
+    let meta = daemon.sparse(&format!("{name}.meta"), 8 * MIB);
+    let data = daemon.sparse(&format!("{name}.data"), blocks * BLOCK);
     let table = thin_pool_table(&meta, &data, blocks * BLOCK, &format!("4 {features}"));
     daemon.create(name, &table);
     Pool {

@@ -227,9 +227,8 @@ fn snapshots_keep_old_data_chain_and_delete_frees_exactly() {
 #[test]
 fn a_pool_made_by_thin_restore_serves_the_data_its_xml_maps() {
     let daemon = Daemon::start("thin-restore");
-    let meta = daemon.dir.path("restored.meta");
+    let meta = daemon.sparse("restored.meta", 8 * MIB);
     let data = daemon.dir.path("restored.data");
-    sparse_file(&meta, 8 * MIB);
     // Data blocks 0..16, block n filled with byte 0x10 + n.
     let mut bytes = vec![0u8; (16 * BLOCK) as usize];
     for (n, block) in bytes.chunks_mut(BLOCK as usize).enumerate() {

@@ -11,5 +11,3 @@ mod tables;
 use std::time::Duration;
 
 use common::*;
-
-const MIB: u64 = 1 << 20;
