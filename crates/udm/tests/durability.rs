@@ -145,15 +145,12 @@ fn shrinking_a_device_under_another_is_refused_or_fails_its_io() {
 #[test]
 fn a_clone_source_truncated_under_it_fails_reads_and_hydrates_no_zeroes() {
     let daemon = Daemon::start("clone-source-shrinks");
-    let (meta, dest, source) = clone_files(&daemon, 16 * MIB, 11);
-    let original = std::fs::read(&source).unwrap();
-    daemon.create(
-        "vol",
-        &clone_table(&meta, &dest, &source, 32768, "8 1 no_hydration"),
-    );
+    let (files, _) = create_clone_vol(&daemon, 16 * MIB, 11, "8 1 no_hydration");
+    let (source, dest) = (&files.source, &files.dest);
+    let original = std::fs::read(source).unwrap();
     std::fs::OpenOptions::new()
         .write(true)
-        .open(&source)
+        .open(source)
         .unwrap()
         .set_len(4 * MIB)
         .unwrap();
@@ -191,13 +188,13 @@ fn a_clone_source_truncated_under_it_fails_reads_and_hydrates_no_zeroes() {
     );
 
     // The file comes back: the hydration finishes with the real data.
-    std::fs::write(&source, &original).unwrap();
+    std::fs::write(source, &original).unwrap();
     wait_for(
         || daemon.udm(&["status", "vol"]).contains(" 4096/4096 "),
         "the hydration to finish",
     );
     daemon.udm(&["remove", "vol"]);
-    assert_eq!(std::fs::read(&dest).unwrap(), original);
+    assert_eq!(std::fs::read(dest).unwrap(), original);
 }
 
 /// dmsetup's habit: `reload` then `resume`, with no `suspend` in between.
