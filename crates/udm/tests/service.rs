@@ -189,6 +189,11 @@ fn metrics_count_exactly_what_fio_did() {
         .stdout(Stdio::piped())
         .spawn()
         .expect("fio");
+    // fio takes a while to start on a loaded machine: sample from its connection on.
+    wait_for(
+        || value(&scrape(port), "udm_open_count{device=\"vol\"}") == 1.0,
+        "fio's connection",
+    );
     // While fio runs, the counters move and its connection counts as an open.
     let mut reads = Vec::new();
     let mut saw_in_flight = false;
