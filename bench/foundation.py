@@ -351,18 +351,24 @@ def parse_args(argv):
                          "client (one fio thread) bounds a row. The bars judge the one-job "
                          "rows only.")
     args = ap.parse_args(argv)
-    try:
-        jobs = [int(x) for x in args.jobs.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--jobs {args.jobs!r} is not a list of numbers")
-    if any(n < 2 or 32 % n for n in jobs):
-        ap.error("--jobs counts must be at least 2 and divide 32")
+    jobs = parse_jobs(ap, args.jobs)
     common.resolve_sizing(args)
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
     # In place: build_table and draw_charts read the same list.
     WORKLOADS[:] = with_jobs(select_workloads(ap, args.workloads, list(WORKLOADS)), jobs)
     return args
+
+
+def parse_jobs(ap, text: str) -> list:
+    """--jobs: fio job counts, each at least 2 and a divisor of 32 (the rows keep depth 32)."""
+    try:
+        jobs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--jobs {text!r} is not a list of numbers")
+    if any(n < 2 or 32 % n for n in jobs):
+        ap.error("--jobs counts must be at least 2 and divide 32")
+    return jobs
 
 
 def with_jobs(workloads: list, jobs: list) -> list:

@@ -40,7 +40,7 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import BenchError, select_workloads, trap_signals  # noqa: E402
-from foundation import Run, WORKLOADS, find_udm, with_jobs  # noqa: E402
+from foundation import Run, WORKLOADS, find_udm, parse_jobs, with_jobs  # noqa: E402
 from harness import Workload, fio_cmd, parse_fio_json  # noqa: E402
 
 TRACEFS = Path("/sys/kernel/tracing")
@@ -286,12 +286,7 @@ def main(argv=None) -> int:
                     help="comma-separated fio job counts: each depth-32 row also with N jobs "
                          "at depth 32/N and at depth 32 (as foundation.py --jobs)")
     args = ap.parse_args(argv)
-    try:
-        jobs = [int(x) for x in args.jobs.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--jobs {args.jobs!r} is not a list of numbers")
-    if any(n < 2 or 32 % n for n in jobs):
-        ap.error("--jobs counts must be at least 2 and divide 32")
+    jobs = parse_jobs(ap, args.jobs)
     common.resolve_sizing(args)
     args.repeat = 1
     if not (TRACEFS / "instances").is_dir():

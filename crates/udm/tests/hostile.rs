@@ -470,13 +470,6 @@ print("flood done")
     assert!(now <= before + slack, "{} MiB still resident", now >> 20);
 }
 
-/// Open file descriptors of a process.
-fn fds_of(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .count()
-}
-
 #[test]
 fn clients_that_vanish_with_a_full_queue_give_back_their_slots_and_buffers() {
     // Four places for this uid: a slot kept by any of the 40 clients below would lock it out.
@@ -484,7 +477,7 @@ fn clients_that_vanish_with_a_full_queue_give_back_their_slots_and_buffers() {
     daemon.create_linear("vol", "disk.img", 8 << 20);
     let mut bystander = RawClient::connect(&daemon.nbd_socket(), "vol");
     check_bystander(&mut bystander, 1);
-    let (fds, (_, rss)) = (fds_of(daemon.pid()), memory_of(daemon.pid()));
+    let (fds, (_, rss)) = (open_descriptors(daemon.pid()), memory_of(daemon.pid()));
     let data = vec![7u8; 4096];
     for round in 0..40u64 {
         // At most 3 of them at once (with the bystander, the cap): wait for a place, which a
@@ -534,7 +527,7 @@ fn clients_that_vanish_with_a_full_queue_give_back_their_slots_and_buffers() {
     check_bystander(&mut bystander, 2);
     // Every vanished client's place comes back: three new ones connect beside the bystander.
     wait_for(
-        || fds_of(daemon.pid()) <= fds,
+        || open_descriptors(daemon.pid()) <= fds,
         "the daemon's descriptors to come back",
     );
     let others: Vec<RawClient> = (0..3)

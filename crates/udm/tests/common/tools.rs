@@ -200,3 +200,10 @@ pub fn nbdsh(script: &str) -> (bool, String) {
         .expect("nbdsh (python3-libnbd; scripts/install-deps.sh installs it)");
     (out.status.success(), udm_testkit::printed(&out))
 }
+
+/// Open file descriptors of a process.
+pub fn open_descriptors(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}

@@ -193,6 +193,46 @@ fn fio_within_two_minutes(args: &[&str]) {
     }
 }
 
+/// A 64 MiB origin of pattern `seed` and a COW device of `cow_size`, each behind a 1 ms
+/// `delay` (odelay, cdelay), with `base` (snapshot-origin) and `snap` (persistent, 4 KiB
+/// chunks) on them; returns a copy of the origin as it was.
+fn delayed_snapshot(daemon: &Daemon, seed: u64, cow_size: u64) -> std::path::PathBuf {
+    let origin = daemon.dir.path("origin.img");
+    pattern_file(&origin, 64 * MIB as usize, seed);
+    let original = daemon.dir.path("original.img");
+    std::fs::copy(&origin, &original).unwrap();
+    let cow = daemon.sparse("snap.cow", cow_size);
+    daemon.create(
+        "odelay",
+        &format!("0 131072 delay {} 0 1", origin.display()),
+    );
+    let cow_sectors = cow_size / 512;
+    daemon.create(
+        "cdelay",
+        &format!("0 {cow_sectors} delay {} 0 1", cow.display()),
+    );
+    daemon.create("base", "0 131072 snapshot-origin odelay");
+    daemon.create("snap", "0 131072 snapshot odelay cdelay P 8");
+    original
+}
+
+/// fio's 8 writers at depth 32 over 8 MiB each of `uri` (`--uri=…`), 4 KiB random writes.
+fn burst_of_eight(uri: &str) -> [&str; 10] {
+    [
+        "--name=burst",
+        "--ioengine=nbd",
+        uri,
+        "--rw=randwrite",
+        "--bs=4k",
+        "--iodepth=32",
+        "--numjobs=8",
+        "--size=8M",
+        "--offset_increment=8M",
+        // Jobs as threads: killing fio kills them all, none left writing to a dead socket.
+        "--thread",
+    ]
+}
+
 /// The attack on a COW device that fills in the middle of a burst of 8 writers at depth 32,
 /// origin and COW behind a 1 ms `delay` (copy-outs on the runner, commits filling area after
 /// area, the zeroing of the next area done ahead): killed -9 early in a burst, the snapshot
@@ -202,33 +242,10 @@ fn fio_within_two_minutes(args: &[&str]) {
 #[test]
 fn a_cow_that_fills_under_eight_writers_goes_invalid_and_the_origin_keeps_every_write() {
     let mut daemon = Daemon::start("snap-fill-burst");
-    let origin = daemon.dir.path("origin.img");
-    pattern_file(&origin, 64 * MIB as usize, 9);
-    let original = daemon.dir.path("original.img");
-    std::fs::copy(&origin, &original).unwrap();
     // 4096 chunks of 4 KiB: 15 metadata areas fill before it is full.
-    let cow = daemon.sparse("snap.cow", 16 * MIB);
-    daemon.create(
-        "odelay",
-        &format!("0 131072 delay {} 0 1", origin.display()),
-    );
-    daemon.create("cdelay", &format!("0 32768 delay {} 0 1", cow.display()));
-    daemon.create("base", "0 131072 snapshot-origin odelay");
-    daemon.create("snap", "0 131072 snapshot odelay cdelay P 8");
+    let original = delayed_snapshot(&daemon, 9, 16 * MIB);
     let uri = format!("--uri={}", daemon.uri("base"));
-    let burst = [
-        "--name=burst",
-        "--ioengine=nbd",
-        &uri,
-        "--rw=randwrite",
-        "--bs=4k",
-        "--iodepth=32",
-        "--numjobs=8",
-        "--size=8M",
-        "--offset_increment=8M",
-        // Jobs as threads: killing fio kills them all, none left writing to a dead socket.
-        "--thread",
-    ];
+    let burst = burst_of_eight(&uri);
     let mut writer = std::process::Command::new("fio")
         .args(burst)
         .args(["--time_based", "--runtime=30", "--norandommap"])
@@ -288,37 +305,20 @@ fn a_cow_that_fills_under_eight_writers_goes_invalid_and_the_origin_keeps_every_
 #[test]
 fn reloads_without_suspend_during_a_burst_of_eight_writers_lose_nothing() {
     let daemon = Daemon::start("snap-reload-burst");
-    let origin = daemon.dir.path("origin.img");
-    pattern_file(&origin, 64 * MIB as usize, 4);
-    let original = daemon.dir.path("original.img");
-    std::fs::copy(&origin, &original).unwrap();
-    let cow = daemon.sparse("snap.cow", 72 * MIB);
-    daemon.create(
-        "odelay",
-        &format!("0 131072 delay {} 0 1", origin.display()),
-    );
-    daemon.create("cdelay", &format!("0 147456 delay {} 0 1", cow.display()));
-    daemon.create("base", "0 131072 snapshot-origin odelay");
+    let original = delayed_snapshot(&daemon, 4, 72 * MIB);
     let snap_table = "0 131072 snapshot odelay cdelay P 8";
-    daemon.create("snap", snap_table);
     let uri = format!("--uri={}", daemon.uri("base"));
     let burst = [
-        "--name=burst",
-        "--ioengine=nbd",
-        &uri,
-        "--rw=randwrite",
-        "--bs=4k",
-        "--iodepth=32",
-        "--numjobs=8",
-        "--thread",
-        "--size=8M",
-        "--offset_increment=8M",
-        // Each pass writes and verifies its region again: long enough for every reload.
-        "--loops=4",
-        "--verify=crc32c",
-        "--verify_fatal=1",
-        "--verify_state_save=0",
-    ];
+        &burst_of_eight(&uri)[..],
+        &[
+            // Each pass writes and verifies its region again: long enough for every reload.
+            "--loops=4",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+        ],
+    ]
+    .concat();
     std::thread::scope(|s| {
         let writer = s.spawn(|| fio_within_two_minutes(&burst));
         for _ in 0..5 {

@@ -2,12 +2,6 @@
 
 use super::*;
 
-fn open_descriptors(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .count()
-}
-
 /// 4,000 `linear` lines on one file: the file is opened once for the table, as the kernel's
 /// dm_get_device does (each line opened it again, two descriptors each, and 10,000 lines ran
 /// the daemon out of descriptors), and a client maps the device line by line without the
