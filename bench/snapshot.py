@@ -409,9 +409,11 @@ def main(argv=None) -> int:
         args.merge_size = parse_size("32M" if args.quick else "256M")
     if not {1, 8} <= set(args.jobs):
         ap.error("--jobs must include 1 and 8 (the bar is their ratio)")
-    if args.merge_size > args.size:
-        ap.error("--merge-size must not exceed --size")
     sections = {s.strip() for s in args.sections.split(",")}
+    if "merge" in sections and args.merge_size * 9 > args.size * 8:
+        # Every changed chunk and its metadata go to a COW device as large as the origin.
+        ap.error("--merge-size must leave room in the COW device (as large as --size) for "
+                 "its metadata: at most 8/9 of --size")
     trap_signals()
     udm_bin = locate_udm(args, find_udm)
     if udm_bin is None:
