@@ -358,6 +358,8 @@ mod tests {
         );
     }
 
+    /// Long on purpose: one table of hostile lines and the words each refusal must contain,
+    /// read top to bottom; split, it would only scatter the table.
     #[test]
     fn hostile_lines_are_refused_naming_what_is_wrong() {
         let cases = [
