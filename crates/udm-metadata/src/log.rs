@@ -201,7 +201,7 @@ impl LogWriter {
         let needed = 1 + blocks_for(data_len);
         if (self.next_block + needed) * BLOCK_SIZE as u64 > self.dev.size() {
             self.cut_off = true;
-            self.write_superblock()?;
+            self.flush_then_record()?;
             self.dev.flush()?;
             return Ok(Appended::CutOff);
         }
@@ -230,10 +230,18 @@ impl LogWriter {
         self.next_block += needed;
         self.next_seq += 1;
         if matches!(kind, EntryKind::Flush | EntryKind::Mark) || fua {
-            self.write_superblock()?;
-            self.dev.flush()?;
+            self.flush_then_record()?;
         }
         Ok(Appended::Logged)
+    }
+
+    /// Makes every entry so far durable, then records their number in the superblock. In that
+    /// order, a superblock that reached the disk never counts an entry that did not, so a
+    /// reader takes a bad block among the counted entries for damage; the count itself
+    /// becomes durable with the next flush (a count one flush point behind is still true).
+    fn flush_then_record(&mut self) -> Result<(), MetadataError> {
+        self.dev.flush()?;
+        self.write_superblock()
     }
 }
 
@@ -256,6 +264,9 @@ pub struct LogReader {
     id: u64,
     next_block: u64,
     next_seq: u64,
+    /// Entries the superblock records as flushed: the log cannot end before them, so a block
+    /// among them that is not the next entry is damage, not the end.
+    flushed_entries: u64,
     cut_off: bool,
 }
 
@@ -283,6 +294,7 @@ impl LogReader {
             dev,
             next_block: 1,
             next_seq: 0,
+            flushed_entries: read_u64(&block, 40),
             cut_off: flags & FLAG_CUT_OFF != 0,
         })
     }
@@ -293,27 +305,52 @@ impl LogReader {
         self.cut_off
     }
 
-    /// The next entry and its data, or `None` at the end of the log (the first block that is
-    /// not the next entry of this log).
+    /// The next entry and its data, or `None` at the end of the log: the first block that is
+    /// not the next entry of this log, or an entry whose data did not all reach the log — after
+    /// the last flushed entry, where a power cut may have torn a write. Before it, either is
+    /// damage and an error.
     pub fn next_entry(&mut self) -> Result<Option<(LogEntry, AlignedBuf)>, MetadataError> {
+        match self.read_entry()? {
+            Ok(entry) => {
+                self.next_seq += 1;
+                Ok(Some(entry))
+            }
+            Err(why) if self.next_seq < self.flushed_entries => Err(MetadataError::Corrupt {
+                block: self.next_block,
+                what: format!(
+                    "entry {} {why}, but the superblock records {} entries as flushed: \
+                     the log is damaged",
+                    self.next_seq, self.flushed_entries
+                ),
+            }),
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// Reads the entry at `next_block`: `Ok(Err(why))` when what is there is not a whole entry
+    /// of this log.
+    fn read_entry(&mut self) -> Result<Result<(LogEntry, AlignedBuf), String>, MetadataError> {
         if (self.next_block + 1) * BLOCK_SIZE as u64 > self.dev.size() {
-            return Ok(None);
+            return Ok(Err("would start past the end of the log device".into()));
         }
         let mut header = AlignedBuf::zeroed(BLOCK_SIZE);
         self.dev
             .read(self.next_block * BLOCK_SIZE as u64, &mut header)?;
-        if verify(BlockType::LogEntry, self.next_block, &header).is_err()
-            || read_u64(&header, 16) != self.id
-            || read_u64(&header, 24) != self.next_seq
-        {
-            return Ok(None);
+        if let Err(e) = verify(BlockType::LogEntry, self.next_block, &header) {
+            return Ok(Err(format!("has a bad header ({e})")));
         }
-        let corrupt = |what: &str| MetadataError::Corrupt {
-            block: self.next_block,
-            what: what.into(),
-        };
+        if read_u64(&header, 16) != self.id {
+            return Ok(Err("belongs to another log".into()));
+        }
+        let seq = read_u64(&header, 24);
+        if seq != self.next_seq {
+            return Ok(Err(format!("has sequence number {seq}")));
+        }
         let kind = EntryKind::from_u32(u32::from_le_bytes(header[32..36].try_into().unwrap()))
-            .ok_or_else(|| corrupt("unknown entry kind"))?;
+            .ok_or_else(|| MetadataError::Corrupt {
+                block: self.next_block,
+                what: "unknown entry kind".into(),
+            })?;
         let data_len = read_u64(&header, 56);
         let mark_len =
             (u32::from_le_bytes(header[68..72].try_into().unwrap()) as usize).min(MAX_MARK);
@@ -327,7 +364,7 @@ impl LogReader {
         };
         let data_blocks = blocks_for(data_len);
         if (self.next_block + 1 + data_blocks) * BLOCK_SIZE as u64 > self.dev.size() {
-            return Err(corrupt("entry data runs past the end of the log device"));
+            return Ok(Err("has data running past the end of the log device".into()));
         }
         let mut data = AlignedBuf::zeroed((data_blocks as usize) * BLOCK_SIZE);
         if data_blocks > 0 {
@@ -337,11 +374,10 @@ impl LogReader {
         data.resize(data_len as usize);
         let stored_crc = u32::from_le_bytes(header[64..68].try_into().unwrap());
         if data_len > 0 && crc32c::crc32c(&data) != stored_crc {
-            return Err(corrupt("entry data fails its checksum"));
+            return Ok(Err("has data that fails its checksum".into()));
         }
         self.next_block += 1 + data_blocks;
-        self.next_seq += 1;
-        Ok(Some((entry, data)))
+        Ok(Ok((entry, data)))
     }
 }
 
@@ -405,6 +441,73 @@ mod tests {
                 (EntryKind::Discard, false)
             ]
         );
+    }
+
+    /// A log of two writes, a FLUSH and a third write, as a test's device would leave it.
+    fn flushed_log() -> Arc<dyn BlockDevice> {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(1 << 20));
+        let mut log = LogWriter::create(dev.clone()).unwrap();
+        for i in 0..2u8 {
+            let data = [i; 4096];
+            let write = Op::Write {
+                offset: 0,
+                data: &data,
+                fua: false,
+            };
+            log.append(write).unwrap();
+        }
+        log.append(Op::Flush).unwrap();
+        let data = [9u8; 4096];
+        log.append(Op::Write {
+            offset: 0,
+            data: &data,
+            fua: false,
+        })
+        .unwrap();
+        dev
+    }
+
+    fn entries_read(dev: Arc<dyn BlockDevice>) -> Result<u64, MetadataError> {
+        let mut reader = LogReader::open(dev)?;
+        let mut read = 0;
+        while reader.next_entry()?.is_some() {
+            read += 1;
+        }
+        Ok(read)
+    }
+
+    fn flip_byte(dev: &Arc<dyn BlockDevice>, offset: u64) {
+        let mut block = AlignedBuf::zeroed(BLOCK_SIZE);
+        let start = offset / BLOCK_SIZE as u64 * BLOCK_SIZE as u64;
+        dev.read(start, &mut block).unwrap();
+        block[(offset - start) as usize] ^= 0x5a;
+        dev.write(start, &block, WriteFlags::default()).unwrap();
+    }
+
+    #[test]
+    fn damage_before_the_last_flush_is_an_error_not_a_shorter_log() {
+        // Entry 1 is the second write: header at block 3, data at block 4.
+        for (what, offset) in [("header", 3 * 4096 + 40), ("data", 4 * 4096 + 7)] {
+            let dev = flushed_log();
+            assert_eq!(entries_read(dev.clone()).unwrap(), 4);
+            flip_byte(&dev, offset);
+            let err = entries_read(dev).expect_err(what).to_string();
+            assert!(
+                err.contains("entry 1") && err.contains("records 3 entries as flushed"),
+                "{what}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_torn_entry_after_the_last_flush_ends_the_log() {
+        // The write after the FLUSH (entry 3, header at block 6, data at block 7) was never
+        // flushed: a power cut may tear it, and the log ends before it.
+        for offset in [6 * 4096 + 40, 7 * 4096 + 7] {
+            let dev = flushed_log();
+            flip_byte(&dev, offset);
+            assert_eq!(entries_read(dev).unwrap(), 3);
+        }
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
 use common::*;
@@ -133,4 +134,32 @@ fn a_full_log_stops_logging_and_the_writes_go_on() {
     assert_eq!(replayed[..192 * 1024], logged[..192 * 1024]);
     assert!(replayed[192 * 1024..].iter().all(|&b| b == 0));
     assert!(logged[192 * 1024..256 * 1024].iter().all(|&b| b == 0x44));
+}
+
+#[test]
+fn a_log_damaged_before_its_last_flush_is_refused_naming_the_entry() {
+    let (daemon, _dev, log) = log_writes("log-damaged", 64 * MIB);
+    write_back(
+        &daemon.uri("lw"),
+        &["write -P 0x11 0 4k", "write -P 0x22 4k 4k", "flush"],
+    );
+    daemon.udm(&["remove", "lw"]);
+    // Entry 1's header is block 3: after the superblock and entry 0's header and data block.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&log)
+        .unwrap();
+    let mut byte = [0u8];
+    file.read_at(&mut byte, 3 * 4096 + 40).unwrap();
+    file.write_at(&[byte[0] ^ 0x5a], 3 * 4096 + 40).unwrap();
+    // Before, the log read as one entry long and the replay "passed" with no check point.
+    let target = daemon.sparse("replay.img", 8 * MIB);
+    let out = daemon.replay_log(&log, &target, &["--check", "flush", "--fsck", "true"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("entry 1 has a bad header") && err.contains("the log is damaged"),
+        "{err}"
+    );
 }
