@@ -15,9 +15,15 @@ use crate::block::{read_u64, seal, verify, write_u64, BlockType, MetadataError, 
 const MAGIC: &[u8; 8] = b"udmlogwr";
 const VERSION: u32 = 1;
 pub const MAX_MARK: usize = 256;
+/// A superblock and one entry header.
+pub const MIN_LOG_SIZE: u64 = 2 * BLOCK_SIZE as u64;
 /// Superblock flag: the log device filled up, and what happened after the last entry was not
 /// logged.
 const FLAG_CUT_OFF: u32 = 1;
+/// Where a restart entry's header keeps the id of the entries after it.
+const NEXT_ID_AT: usize = 72 + MAX_MARK;
+/// The text a restart entry shows where a mark shows its own.
+const RESTART_TEXT: &str = "udm restarted: writes not flushed before this may be missing";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
@@ -27,6 +33,9 @@ pub enum EntryKind {
     WriteZeroes = 3,
     Flush = 4,
     Mark = 5,
+    /// The daemon came back after a stop or a crash and goes on with this log: what was not
+    /// flushed before it may be missing. The entries after it carry a new log id.
+    Restart = 6,
 }
 
 impl EntryKind {
@@ -37,6 +46,7 @@ impl EntryKind {
             3 => EntryKind::WriteZeroes,
             4 => EntryKind::Flush,
             5 => EntryKind::Mark,
+            6 => EntryKind::Restart,
             _ => return None,
         })
     }
@@ -72,6 +82,10 @@ pub enum Op<'a> {
     },
     Flush,
     Mark(&'a str),
+    /// Written by [`LogWriter::resume`]: the entries after it carry `next_id`.
+    Restart {
+        next_id: u64,
+    },
 }
 
 impl Op<'_> {
@@ -82,6 +96,7 @@ impl Op<'_> {
             Op::WriteZeroes { .. } => EntryKind::WriteZeroes,
             Op::Flush => EntryKind::Flush,
             Op::Mark(_) => EntryKind::Mark,
+            Op::Restart { .. } => EntryKind::Restart,
         }
     }
 
@@ -97,7 +112,7 @@ impl Op<'_> {
         match *self {
             Op::Write { offset, data, .. } => (offset, data.len() as u64),
             Op::Discard { offset, len } | Op::WriteZeroes { offset, len, .. } => (offset, len),
-            Op::Flush | Op::Mark(_) => (0, 0),
+            Op::Flush | Op::Mark(_) | Op::Restart { .. } => (0, 0),
         }
     }
 
@@ -111,6 +126,7 @@ impl Op<'_> {
     fn mark(&self) -> &str {
         match self {
             Op::Mark(text) => text,
+            Op::Restart { .. } => RESTART_TEXT,
             _ => "",
         }
     }
@@ -127,6 +143,9 @@ pub enum Appended {
 /// Appends entries; one writer per log, callers serialise.
 pub struct LogWriter {
     dev: Arc<dyn BlockDevice>,
+    /// The superblock's id: the first entries'.
+    log_id: u64,
+    /// The id the next entry carries (a new one after each restart entry).
     id: u64,
     next_block: u64,
     next_seq: u64,
@@ -140,7 +159,7 @@ fn blocks_for(len: u64) -> u64 {
 impl LogWriter {
     /// Starts a new, empty log on `dev` (whatever it held before is ignored from now on).
     pub fn create(dev: Arc<dyn BlockDevice>) -> Result<Self, MetadataError> {
-        if dev.size() < 2 * BLOCK_SIZE as u64 {
+        if dev.size() < MIN_LOG_SIZE {
             return Err(MetadataError::Mismatch(
                 "log device smaller than 8 KiB".into(),
             ));
@@ -148,6 +167,7 @@ impl LogWriter {
         let id = random_id();
         let mut writer = LogWriter {
             dev,
+            log_id: id,
             id,
             next_block: 1,
             next_seq: 0,
@@ -155,6 +175,29 @@ impl LogWriter {
         };
         writer.write_superblock()?;
         writer.dev.flush()?;
+        Ok(writer)
+    }
+
+    /// Goes on with the log already on `dev` after the daemon restarted (a restart is not a
+    /// new table, so it must not throw the record away): appends a restart entry after the
+    /// last whole entry, and the entries after it carry a new id, so that an older entry past
+    /// the end (written before the crash, never flushed) can never be read as following them.
+    /// A log cut off before stays cut off; a damaged one is refused.
+    pub fn resume(dev: Arc<dyn BlockDevice>) -> Result<Self, MetadataError> {
+        let mut reader = LogReader::open(dev.clone())?;
+        reader.read_to_end()?;
+        let mut writer = LogWriter {
+            dev,
+            log_id: reader.log_id,
+            id: reader.id,
+            next_block: reader.next_block,
+            next_seq: reader.next_seq,
+            cut_off: reader.cut_off,
+        };
+        let next_id = random_id();
+        if writer.append(Op::Restart { next_id })? == Appended::Logged {
+            writer.id = next_id;
+        }
         Ok(writer)
     }
 
@@ -178,7 +221,7 @@ impl LogWriter {
         block[24..28].copy_from_slice(&VERSION.to_le_bytes());
         let flags = if self.cut_off { FLAG_CUT_OFF } else { 0 };
         block[28..32].copy_from_slice(&flags.to_le_bytes());
-        write_u64(&mut block, 32, self.id);
+        write_u64(&mut block, 32, self.log_id);
         write_u64(&mut block, 40, self.next_seq);
         write_u64(&mut block, 48, self.dev.size());
         seal(BlockType::LogSuperblock, 0, &mut block);
@@ -218,6 +261,9 @@ impl LogWriter {
         buf[64..68].copy_from_slice(&data_crc.to_le_bytes());
         buf[68..72].copy_from_slice(&(mark.len() as u32).to_le_bytes());
         buf[72..72 + mark.len()].copy_from_slice(mark);
+        if let Op::Restart { next_id } = op {
+            write_u64(&mut buf, NEXT_ID_AT, next_id);
+        }
         seal(BlockType::LogEntry, self.next_block, &mut buf[..BLOCK_SIZE]);
         if let Some(data) = data {
             buf[BLOCK_SIZE..BLOCK_SIZE + data.len()].copy_from_slice(data);
@@ -229,7 +275,11 @@ impl LogWriter {
         )?;
         self.next_block += needed;
         self.next_seq += 1;
-        if matches!(kind, EntryKind::Flush | EntryKind::Mark) || fua {
+        if matches!(
+            kind,
+            EntryKind::Flush | EntryKind::Mark | EntryKind::Restart
+        ) || fua
+        {
             self.flush_then_record()?;
         }
         Ok(Appended::Logged)
@@ -261,6 +311,8 @@ fn random_id() -> u64 {
 /// Reads a log back, entry by entry, with the data of writes.
 pub struct LogReader {
     dev: Arc<dyn BlockDevice>,
+    /// The superblock's id, and the id the next entry must carry.
+    log_id: u64,
     id: u64,
     next_block: u64,
     next_seq: u64,
@@ -290,6 +342,7 @@ impl LogReader {
         }
         let flags = u32::from_le_bytes(block[28..32].try_into().unwrap());
         Ok(LogReader {
+            log_id: read_u64(&block, 32),
             id: read_u64(&block, 32),
             dev,
             next_block: 1,
@@ -303,6 +356,12 @@ impl LogReader {
     /// entry, and those operations were not logged.
     pub fn is_cut_off(&self) -> bool {
         self.cut_off
+    }
+
+    /// Reads every entry left, checking each: an error if the log is damaged.
+    pub fn read_to_end(&mut self) -> Result<(), MetadataError> {
+        while self.next_entry()?.is_some() {}
+        Ok(())
     }
 
     /// The next entry and its data, or `None` at the end of the log: the first block that is
@@ -377,6 +436,9 @@ impl LogReader {
             return Ok(Err("has data that fails its checksum".into()));
         }
         self.next_block += 1 + data_blocks;
+        if kind == EntryKind::Restart {
+            self.id = read_u64(&header, NEXT_ID_AT);
+        }
         Ok(Ok((entry, data)))
     }
 }
@@ -508,6 +570,46 @@ mod tests {
             flip_byte(&dev, offset);
             assert_eq!(entries_read(dev).unwrap(), 3);
         }
+    }
+
+    #[test]
+    fn a_resumed_log_keeps_what_was_logged_and_ignores_older_leftovers_past_its_end() {
+        let dev = flushed_log();
+        // After a first restart entry (block 8), two discards never flushed: a crash tore the
+        // first (block 9) and kept the second (block 10), whose sequence number follows the
+        // second restart entry's, in its place.
+        let mut writer = LogWriter::resume(dev.clone()).unwrap();
+        writer
+            .append(Op::Discard {
+                offset: 0,
+                len: 4096,
+            })
+            .unwrap();
+        writer
+            .append(Op::Discard {
+                offset: 0,
+                len: 4096,
+            })
+            .unwrap();
+        drop(writer);
+        flip_byte(&dev, 9 * 4096 + 40);
+        let mut writer = LogWriter::resume(dev.clone()).unwrap();
+        let kinds = |dev: &Arc<dyn BlockDevice>| {
+            let mut reader = LogReader::open(dev.clone()).unwrap();
+            let mut kinds = Vec::new();
+            while let Some((entry, _)) = reader.next_entry().unwrap() {
+                kinds.push(entry.kind);
+            }
+            kinds
+        };
+        use EntryKind::*;
+        assert_eq!(kinds(&dev), [Write, Write, Flush, Write, Restart, Restart]);
+        // And what comes after the restart is read back.
+        writer.append(Op::Flush).unwrap();
+        assert_eq!(
+            kinds(&dev),
+            [Write, Write, Flush, Write, Restart, Restart, Flush]
+        );
     }
 
     #[test]

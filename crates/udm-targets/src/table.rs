@@ -115,6 +115,7 @@ impl Table {
                 owner,
                 len,
                 raise_event: raise_event.clone(),
+                restoring: resolver.restoring(),
                 needs: Default::default(),
             };
             let target = construct(&line.type_name, &line.args, &ctx).map_err(at)?;

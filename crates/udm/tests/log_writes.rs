@@ -163,3 +163,52 @@ fn a_log_damaged_before_its_last_flush_is_refused_naming_the_entry() {
         "{err}"
     );
 }
+
+#[test]
+fn the_log_goes_on_after_a_daemon_restart_and_a_new_table_starts_anew() {
+    let (mut daemon, dev, log) = log_writes("log-restart", 64 * MIB);
+    let replay_to_the_end = |daemon: &Daemon| {
+        let target = daemon.sparse("replay.img", 8 * MIB);
+        let out = daemon.replay_log(&log, &target, &["--verbose"]);
+        assert!(out.status.success(), "{out:?}");
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            std::fs::read(&target).unwrap(),
+        )
+    };
+    write_back(&daemon.uri("lw"), &["write -P 0x11 0 64k", "flush"]);
+    // Before, the restored table started a new log: the first write vanished from it, and the
+    // replay rebuilt a device that never was.
+    for (signal, data) in [(libc::SIGKILL, "0x22"), (libc::SIGTERM, "0x33")] {
+        daemon.stop(signal);
+        daemon.launch();
+        let offset = if signal == libc::SIGKILL {
+            "64k"
+        } else {
+            "128k"
+        };
+        write_back(
+            &daemon.uri("lw"),
+            &[&format!("write -P {data} {offset} 64k"), "flush"],
+        );
+    }
+    let (entries, replayed) = replay_to_the_end(&daemon);
+    assert_eq!(entries.matches("Restart").count(), 2, "{entries}");
+    assert!(entries.contains("udm restarted"), "{entries}");
+    assert!(replayed == std::fs::read(&dev).unwrap(), "{entries}");
+    // A table loaded by the user starts a new log when it goes live, as the kernel's does;
+    // while it waits inactive, the live table's log is untouched.
+    let table = daemon.udm(&["table", "lw"]);
+    daemon.udm(&["load", "lw", "--table", &table]);
+    write_back(&daemon.uri("lw"), &["write -P 0x44 0 4k", "flush"]);
+    assert!(replay_to_the_end(&daemon)
+        .0
+        .contains("Write offset 0 len 4096"));
+    daemon.udm(&["resume", "lw"]);
+    write_back(&daemon.uri("lw"), &["write -P 0x55 4k 4k", "flush"]);
+    let (entries, _) = replay_to_the_end(&daemon);
+    assert!(
+        !entries.contains("Restart") && entries.contains("Write offset 4096 len 4096"),
+        "{entries}"
+    );
+}

@@ -173,6 +173,7 @@ impl Registry {
             saved.uuid.as_deref(),
             &saved.table.join("\n"),
             saved.read_only,
+            true,
             restore_settings,
         )?;
         if let Some(inactive) = &saved.inactive {

@@ -199,10 +199,23 @@ impl Registry {
     }
 
     pub(super) fn build(&self, owner: &str, text: &str, events: &Arc<Events>) -> Result<Table> {
+        self.build_as(owner, text, events, false)
+    }
+
+    /// [`Registry::build`], saying whether the table brings its device back after a restart
+    /// (see [`udm_targets::Resolver::restoring`]).
+    fn build_as(
+        &self,
+        owner: &str,
+        text: &str,
+        events: &Arc<Events>,
+        restoring: bool,
+    ) -> Result<Table> {
         let resolver = TableResolver {
             registry: self,
             owner,
             opened: Default::default(),
+            restoring,
         };
         let events = events.clone();
         Ok(Table::build(
@@ -225,7 +238,7 @@ impl Registry {
             check_uuid(uuid)?;
         }
         let _changes = self.changes.lock();
-        let device = self.build_device(name, uuid, text, read_only, |_| {})?;
+        let device = self.build_device(name, uuid, text, read_only, false, |_| {})?;
         self.save(&device)?;
         self.map().insert(name.to_string(), device.clone());
         info!(
@@ -245,6 +258,7 @@ impl Registry {
         uuid: Option<&str>,
         text: &str,
         read_only: bool,
+        restoring: bool,
         before_live: impl FnOnce(&Table),
     ) -> Result<Arc<Device>> {
         self.check_unused(name)?;
@@ -252,7 +266,7 @@ impl Registry {
             self.check_unused(uuid)?;
         }
         let events = Arc::new(Events::default());
-        let table = self.build(name, text, &events)?;
+        let table = self.build_as(name, text, &events, restoring)?;
         before_live(&table);
         Ok(Arc::new(Device::new(
             name.to_string(),
