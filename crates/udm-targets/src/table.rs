@@ -126,13 +126,7 @@ impl Table {
             });
             next += line.len;
         }
-        let capabilities = Capabilities::weakest(
-            segments
-                .iter()
-                .map(|s| s.target.capabilities())
-                .collect::<Vec<_>>()
-                .iter(),
-        );
+        let capabilities = Capabilities::weakest(segments.iter().map(|s| s.target.capabilities()));
         Ok(Table {
             segments,
             size: next * SECTOR_SIZE,

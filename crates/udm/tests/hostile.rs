@@ -407,6 +407,17 @@ fn idle_connections_are_closed_and_busy_ones_are_not() {
 }
 
 /// VmHWM (peak) and VmRSS of a process, in bytes.
+/// Asserts that the daemon's resident memory has not grown more than 64 MiB past `rss`.
+fn assert_rss_near(daemon: &Daemon, rss: u64) {
+    let (_, now) = memory_of(daemon.pid());
+    assert!(
+        now <= rss + (64 << 20),
+        "RSS grew from {} MiB to {} MiB",
+        rss >> 20,
+        now >> 20
+    );
+}
+
 fn memory_of(pid: u32) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let field = |name: &str| {
@@ -534,13 +545,7 @@ fn clients_that_vanish_with_a_full_queue_give_back_their_slots_and_buffers() {
         .map(|_| RawClient::connect(&daemon.nbd_socket(), "vol"))
         .collect();
     drop(others);
-    let (_, after) = memory_of(daemon.pid());
-    assert!(
-        after <= rss + (64 << 20),
-        "RSS grew from {} MiB to {} MiB",
-        rss >> 20,
-        after >> 20
-    );
+    assert_rss_near(&daemon, rss);
 }
 
 #[test]
@@ -588,11 +593,5 @@ fn a_client_that_never_reads_its_replies_is_held_back_and_others_are_served() {
         burst.len()
     );
     check_bystander(&mut bystander, 3);
-    let (_, now) = memory_of(daemon.pid());
-    assert!(
-        now <= rss + (64 << 20),
-        "RSS grew from {} MiB to {} MiB",
-        rss >> 20,
-        now >> 20
-    );
+    assert_rss_near(&daemon, rss);
 }

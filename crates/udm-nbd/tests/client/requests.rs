@@ -33,11 +33,7 @@ fn conformance_against_nbdkit_without_structured_replies() {
 #[test]
 fn conformance_against_qemu_nbd() {
     let dir = scratch("qemu");
-    let image = dir.path("disk.img");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(64 * MIB)
-        .unwrap();
+    let image = dir.sparse("disk.img", 64 * MIB);
     let socket = socket(&dir);
     let _server = Server::start(
         &dir,

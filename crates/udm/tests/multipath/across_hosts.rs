@@ -311,9 +311,10 @@ fn a_clone_hydrating_from_the_multipath_completes_when_a_server_is_killed() {
         return;
     };
     lab.multipath(&[]);
-    let (meta, dest) = (lab.a.dir.path("meta.img"), lab.a.dir.path("dest.img"));
-    sparse_file(&meta, MIB);
-    sparse_file(&dest, SIZE);
+    let (meta, dest) = (
+        lab.a.sparse("meta.img", MIB),
+        lab.a.sparse("dest.img", SIZE),
+    );
     // 16 MiB/s: four seconds to copy, so B dies mid-way.
     let table = format!(
         "0 {} clone {} {} mp 128 0 2 max_hydration_rate 16384",

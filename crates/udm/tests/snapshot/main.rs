@@ -30,8 +30,7 @@ fn origin_of(daemon: &Daemon, size: u64) -> (PathBuf, PathBuf) {
 
 /// A snapshot device `name` of the origin on a fresh COW file of `cow_size` bytes.
 fn snapshot(daemon: &Daemon, name: &str, origin: &Path, cow_size: u64, args: &str) -> PathBuf {
-    let cow = daemon.dir.path(&format!("{name}.cow"));
-    sparse_file(&cow, cow_size);
+    let cow = daemon.sparse(&format!("{name}.cow"), cow_size);
     let size = std::fs::metadata(origin).unwrap().len();
     daemon.create(
         name,

@@ -172,8 +172,7 @@ fn an_origin_named_another_way_is_still_one_origin() {
         &format!("0 16384 snapshot-origin {}", file.display()),
     ]);
     for (name, origin) in [("hard", &hard), ("soft", &soft)] {
-        let cow = daemon.dir.path(&format!("{name}.cow"));
-        sparse_file(&cow, 8 * MIB);
+        let cow = daemon.sparse(&format!("{name}.cow"), 8 * MIB);
         daemon.udm(&[
             "create",
             name,

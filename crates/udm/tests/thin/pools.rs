@@ -105,13 +105,13 @@ fn attacks_on_the_pool_are_refused_and_leave_it_clean() {
     make_volume(&daemon, &pool, "vol", 1, 4 * MIB);
     fill(&daemon, "vol", 9, 0, BLOCK);
     // A second pool on the same metadata device, however it is named.
+    let other_data = daemon.sparse("other.data", 64 * BLOCK);
     let other = format!(
         "0 {} thin-pool {} {} 128 0",
         64 * BLOCK / 512,
         pool.meta.display(),
-        daemon.dir.path("other.data").display()
+        other_data.display()
     );
-    sparse_file(&daemon.dir.path("other.data"), 64 * BLOCK);
     let err = daemon.udm_err(&["create", "pool2", "--table", &other]);
     assert!(err.contains("pool.meta"), "{err}");
     // A thin line with an unknown id, or on something that is not a pool.
