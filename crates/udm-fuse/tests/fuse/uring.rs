@@ -234,6 +234,15 @@ impl BlockDevice for Slow {
     }
 }
 
+/// Fills a catalog with `slow` and `fast`, a file device of 4 MiB.
+fn slow_and_fast(slow: &Arc<Slow>) -> impl FnOnce(&TempDir, &Devices) + '_ {
+    move |dir, catalog| {
+        catalog.add("slow", slow.clone(), false);
+        let fast = file_device(dir, "fast.img", 4 * MIB);
+        catalog.add("fast", Arc::new(fast), false);
+    }
+}
+
 /// Starts `count` threads each reading 4 KiB of `path` with O_DIRECT (one request each).
 fn read_in_background(
     path: &Path,
@@ -266,11 +275,7 @@ fn over_io_uring_a_slow_device_does_not_hold_up_a_fast_one() {
         io_uring: UringMode::On,
         ..FuseConfig::default()
     };
-    let (_dir, catalog, export) = mounted_with("slow", config, |dir, catalog| {
-        catalog.add("slow", slow.clone(), false);
-        let fast = file_device(dir, "fast.img", 4 * MIB);
-        catalog.add("fast", Arc::new(fast), false);
-    });
+    let (_dir, catalog, export) = mounted_with("slow", config, slow_and_fast(&slow));
     let mnt = export.mountpoint().to_path_buf();
     let readers = read_in_background(&mnt.join("slow"), 4);
     slow.wait_reading(2);
@@ -305,11 +310,7 @@ fn unmount_with_requests_in_flight_ends_in_bounded_time() {
     each_transport(|mode| {
         // Longer than the grace a busy mount is served after it is detached.
         let slow = Slow::new(MIB, Duration::from_secs(5));
-        let (_dir, catalog, export) = mounted("inflight", mode, |dir, catalog| {
-            catalog.add("slow", slow.clone(), false);
-            let fast = file_device(dir, "fast.img", 4 * MIB);
-            catalog.add("fast", Arc::new(fast), false);
-        });
+        let (_dir, catalog, export) = mounted("inflight", mode, slow_and_fast(&slow));
         let mnt = export.mountpoint().to_path_buf();
         let readers = read_in_background(&mnt.join("slow"), 3);
         // And the fast device busy with a stream of requests.
