@@ -16,12 +16,16 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock()
 }
 
-/// A daemon serving NBD on io_uring event loops (`extra`: more options) with `vol`, a linear
-/// device of `size` bytes on disk.img.
-fn uring_daemon_with_vol(tag: &str, size: u64, extra: &[&str]) -> Daemon {
+/// A daemon serving NBD on io_uring event loops (`extra`: more options).
+fn uring_daemon(tag: &str, extra: &[&str]) -> Daemon {
     let mut args = vec!["--nbd-engine", "uring"];
     args.extend_from_slice(extra);
-    let daemon = Daemon::start_with(tag, &args);
+    Daemon::start_with(tag, &args)
+}
+
+/// [`uring_daemon`] with `vol`, a linear device of `size` bytes on disk.img.
+fn uring_daemon_with_vol(tag: &str, size: u64, extra: &[&str]) -> Daemon {
+    let daemon = uring_daemon(tag, extra);
     daemon.create_linear("vol", "disk.img", size);
     daemon
 }
@@ -83,10 +87,7 @@ fn sixty_four_connections_are_served_by_a_few_threads() {
 fn a_slow_target_does_not_stall_remapped_io_on_the_same_loop() {
     let _serial = serial();
     // One loop: the slow device's connection and the fast one share it.
-    let daemon = Daemon::start_with(
-        "engine-slow",
-        &["--nbd-engine", "uring", "--nbd-loops", "1"],
-    );
+    let daemon = uring_daemon("engine-slow", &["--nbd-loops", "1"]);
     let disk = daemon.create_linear("fast", "disk.img", 8 << 20);
     daemon.udm(&[
         "create",
@@ -276,10 +277,7 @@ fn without_io_uring_the_daemon_says_why_and_serves_with_threads() {
 #[test]
 fn requests_to_a_suspended_device_wait_without_taking_the_pool_from_others() {
     let _serial = serial();
-    let daemon = Daemon::start_with(
-        "engine-suspend",
-        &["--nbd-engine", "uring", "--nbd-pool-threads", "2"],
-    );
+    let daemon = uring_daemon("engine-suspend", &["--nbd-pool-threads", "2"]);
     daemon.create_linear("held", "held.img", 8 << 20);
     daemon.create_linear("other", "other.img", 8 << 20);
     daemon.udm(&["suspend", "held"]);
@@ -524,25 +522,14 @@ fn discards_and_write_zeroes_on_linear_go_to_the_file_on_the_engine() {
 #[test]
 fn a_discard_over_many_stripes_goes_the_synchronous_way_and_a_short_one_does_not() {
     let _serial = serial();
-    let daemon = Daemon::start_with("engine-fill-striped", &["--nbd-engine", "uring"]);
-    let dir = daemon.control().parent().unwrap().to_path_buf();
-    for f in ["a.img", "b.img"] {
-        std::fs::File::create(dir.join(f))
-            .unwrap()
-            .set_len(32 << 20)
-            .unwrap();
-    }
+    let daemon = uring_daemon("engine-fill-striped", &[]);
+    let (a, b) = (
+        daemon.sparse("a.img", 32 << 20),
+        daemon.sparse("b.img", 32 << 20),
+    );
     // 4 KiB chunks: a 64 MiB device has 16,384 of them.
-    daemon.udm(&[
-        "create",
-        "vol",
-        "--table",
-        &format!(
-            "0 131072 striped 2 8 {} 0 {} 0",
-            dir.join("a.img").display(),
-            dir.join("b.img").display()
-        ),
-    ]);
+    let table = format!("0 131072 striped 2 8 {} 0 {} 0", a.display(), b.display());
+    daemon.create("vol", &table);
     let uri = daemon.uri("vol");
     let io = |command: &str| {
         qemu_io_ok(&uri, &[command]);
