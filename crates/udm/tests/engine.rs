@@ -315,12 +315,7 @@ fn large_writes_arriving_in_pieces_or_cut_off_are_stored_whole_or_not_at_all() {
     // request's buffer, a piece at a time), with a read of another range pipelined right
     // behind its last byte (the two may be answered in either order).
     let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
-    let mut first = 0x2560_9513u32.to_be_bytes().to_vec();
-    first.extend_from_slice(&0u16.to_be_bytes());
-    first.extend_from_slice(&NBD_CMD_WRITE.to_be_bytes());
-    first.extend_from_slice(&1u64.to_be_bytes());
-    first.extend_from_slice(&(1u64 << 20).to_be_bytes());
-    first.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    let mut first = request_header(0, NBD_CMD_WRITE, 1, 1 << 20, 1 << 20);
     first.extend_from_slice(&data[..1000]);
     client.stream.write_all(&first).unwrap();
     for piece in data[1000..data.len() - 5000].chunks(100_000) {
@@ -328,12 +323,7 @@ fn large_writes_arriving_in_pieces_or_cut_off_are_stored_whole_or_not_at_all() {
         client.stream.write_all(piece).unwrap();
     }
     let mut last = data[data.len() - 5000..].to_vec();
-    last.extend_from_slice(&0x2560_9513u32.to_be_bytes());
-    last.extend_from_slice(&0u16.to_be_bytes());
-    last.extend_from_slice(&NBD_CMD_READ.to_be_bytes());
-    last.extend_from_slice(&2u64.to_be_bytes());
-    last.extend_from_slice(&(8u64 << 20).to_be_bytes());
-    last.extend_from_slice(&4096u32.to_be_bytes());
+    last.extend_from_slice(&request_header(0, NBD_CMD_READ, 2, 8 << 20, 4096));
     client.stream.write_all(&last).unwrap();
     let mut back = vec![0u8; 1 << 20];
     let mut cookies = Vec::new();
@@ -356,12 +346,7 @@ fn large_writes_arriving_in_pieces_or_cut_off_are_stored_whole_or_not_at_all() {
     // stored, and the daemon serves the next client.
     for cut in [100, 200_000, (1 << 20) - 1] {
         let mut gone = RawClient::connect(&daemon.nbd_socket(), "vol");
-        let mut req = 0x2560_9513u32.to_be_bytes().to_vec();
-        req.extend_from_slice(&0u16.to_be_bytes());
-        req.extend_from_slice(&NBD_CMD_WRITE.to_be_bytes());
-        req.extend_from_slice(&3u64.to_be_bytes());
-        req.extend_from_slice(&(4u64 << 20).to_be_bytes());
-        req.extend_from_slice(&(1u32 << 20).to_be_bytes());
+        let mut req = request_header(0, NBD_CMD_WRITE, 3, 4 << 20, 1 << 20);
         req.extend_from_slice(&vec![0xee; cut]);
         gone.stream.write_all(&req).unwrap();
         std::thread::sleep(Duration::from_millis(50));
@@ -460,12 +445,7 @@ fn a_header_trickling_in_after_a_large_write_is_read_whole(client: &mut RawClien
     let data = vec![0x5a; 256 << 10];
     client.send(0, NBD_CMD_WRITE, 100, 32 << 20, data.len() as u32, &data);
     assert_eq!(client.reply().unwrap(), (0, 100));
-    let mut header = 0x2560_9513u32.to_be_bytes().to_vec();
-    header.extend_from_slice(&0u16.to_be_bytes());
-    header.extend_from_slice(&NBD_CMD_READ.to_be_bytes());
-    header.extend_from_slice(&101u64.to_be_bytes());
-    header.extend_from_slice(&((32u64 << 20) + 4096).to_be_bytes());
-    header.extend_from_slice(&4096u32.to_be_bytes());
+    let header = request_header(0, NBD_CMD_READ, 101, (32 << 20) + 4096, 4096);
     for byte in header {
         client.stream.write_all(&[byte]).unwrap();
         std::thread::sleep(Duration::from_millis(2));
