@@ -182,10 +182,7 @@ fn fio_within_two_minutes(args: &[&str]) {
 /// `delay` (odelay, cdelay), with `base` (snapshot-origin) and `snap` (persistent, 4 KiB
 /// chunks) on them; returns a copy of the origin as it was.
 fn delayed_snapshot(daemon: &Daemon, seed: u64, cow_size: u64) -> std::path::PathBuf {
-    let origin = daemon.dir.path("origin.img");
-    pattern_file(&origin, 64 * MIB as usize, seed);
-    let original = daemon.dir.path("original.img");
-    std::fs::copy(&origin, &original).unwrap();
+    let (origin, original) = patterned_with_copy(daemon, "origin.img", 64 * MIB, seed);
     let cow = daemon.sparse("snap.cow", cow_size);
     daemon.create(
         "odelay",
