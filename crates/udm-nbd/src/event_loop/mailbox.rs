@@ -23,6 +23,7 @@ pub(super) enum Message {
 /// Where other threads leave work for a loop; the eventfd wakes it.
 pub(super) struct Mailbox {
     messages: Mutex<Vec<Message>>,
+    /// The eventfd the loop keeps a read on; a post that finds the list empty writes it.
     pub wake: OwnedFd,
     /// Connections attached to the loop and not yet detached.
     pub connections: AtomicUsize,
