@@ -315,8 +315,7 @@ mod tests {
     fn devices_built_on_a_suspended_device_are_built_before_it_is_suspended() {
         let dir = TempDir::new("restore-suspended");
         for file in ["meta.img", "dest.img"] {
-            let f = std::fs::File::create(dir.path(file)).unwrap();
-            f.set_len(1 << 20).unwrap();
+            dir.sparse(file, 1 << 20);
         }
         {
             let r = Registry::in_scratch(&dir);
