@@ -334,3 +334,48 @@ fn a_paused_hydration_says_so_and_every_step_is_logged() {
         "{log}"
     );
 }
+
+#[test]
+fn idle_clones_hold_no_copy_threads_and_hydrating_ones_what_their_settings_use() {
+    let daemon = Daemon::start("clone-threads");
+    let source = daemon.dir.path("source.img");
+    pattern_file(&source, 8 * MIB as usize, 3);
+    let (before, _) = daemon.threads();
+    for i in 0..20 {
+        let meta = daemon.sparse(&format!("meta{i}.img"), 4 * MIB);
+        let dest = daemon.sparse(&format!("dest{i}.img"), 8 * MIB);
+        let table = format!(
+            "0 16384 clone {} {} {} 8 1 no_hydration",
+            meta.display(),
+            dest.display(),
+            source.display()
+        );
+        daemon.create(&format!("c{i}"), &table);
+    }
+    // A committer each. Before, 17 threads each: 16 copy threads waking ten times a second
+    // whether or not there was anything to copy.
+    let (idle, _) = daemon.threads();
+    assert!(
+        idle <= before + 20,
+        "{before} threads before, {idle} with 20 idle clones"
+    );
+    assert_eq!(details(&daemon, "c0")["copy_threads"], 0);
+    for message in [
+        "max_hydration_rate 2048",
+        "hydration_threshold 4",
+        "enable_hydration",
+    ] {
+        let words: Vec<&str> = message.split(' ').collect();
+        daemon.udm(&[&["message", "c0", "0"][..], &words].concat());
+    }
+    // Threshold 4 with batches of one region: four threads copy, for as long as there is
+    // something to copy.
+    assert_eq!(details(&daemon, "c0")["copy_threads"], 4);
+    daemon.udm(&["message", "c0", "0", "max_hydration_rate", "0"]);
+    wait_hydrated(&daemon, "c0");
+    wait_for(
+        || details(&daemon, "c0")["copy_threads"] == 0,
+        "c0's copy threads to leave",
+    );
+    same_content(source.to_str().unwrap(), &daemon.uri("c0"));
+}

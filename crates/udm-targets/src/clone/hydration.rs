@@ -2,6 +2,11 @@
 //! `hydration_threshold` regions at a time, under an optional bandwidth cap, and step back
 //! while the user's I/O is in flight. A committer thread commits the bitmap once a second and
 //! samples progress for the copy rate.
+//!
+//! Workers run only while there is copying to do, as many as the settings can keep busy
+//! (threshold / batch size, at most [`WORKERS`]): a clone that is complete, paused, suspended
+//! or not hydrating holds its committer alone. A host of hundreds of clones must not hold 16
+//! idle threads for each (it did: 17 threads per clone, each waking ten times a second).
 
 use parking_lot::MutexGuard;
 use std::sync::Arc;
@@ -15,9 +20,9 @@ use super::regions::Claim;
 use super::Inner;
 use crate::pacing::RateLimit;
 
-/// Copy threads; `hydration_threshold` and `hydration_batch_size` decide how many of them
-/// copy at once (threshold / batch size, at least one).
-const WORKERS: usize = 16;
+/// Copy threads of one clone at most; `hydration_threshold` and `hydration_batch_size` decide
+/// how many run (threshold / batch size).
+const WORKERS: u64 = 16;
 /// The longest pause after a batch while the user is busy (see `pacing`): hydration keeps
 /// moving.
 const MAX_YIELD: Duration = Duration::from_millis(50);
@@ -60,6 +65,8 @@ pub(super) struct Hydration {
     /// Nothing is copied until the table goes live, nor while it is suspended.
     paused: bool,
     shutdown: bool,
+    /// Copy threads running.
+    workers: u64,
 }
 
 impl Hydration {
@@ -72,12 +79,18 @@ impl Hydration {
             // An inactive table must not touch what the live one is using.
             paused: true,
             shutdown: false,
+            workers: 0,
         }
     }
 
     /// Regions being copied right now.
     pub(super) fn in_flight(&self) -> u64 {
         self.in_flight
+    }
+
+    /// Copy threads running.
+    pub(super) fn workers(&self) -> u64 {
+        self.workers
     }
 
     /// Why no copy is starting while regions remain, if something holds it back: the user
@@ -151,26 +164,52 @@ impl Inner {
     }
 }
 
-/// Starts the workers and the committer; they run until [`stop`].
-pub(super) fn start(inner: &Arc<Inner>) -> Vec<JoinHandle<()>> {
-    let mut threads = Vec::new();
-    for i in 0..WORKERS {
+/// Starts the committer; it runs until [`stop`].
+pub(super) fn start_committer(inner: &Arc<Inner>) -> JoinHandle<()> {
+    let inner = inner.clone();
+    std::thread::Builder::new()
+        .name("clone-commit".into())
+        .spawn(move || committer(&inner))
+        .expect("spawn clone committer")
+}
+
+/// How many copy threads the state can keep busy: none while nothing may be copied for a
+/// reason only a change of settings, mode or suspension ends.
+fn wanted_workers(inner: &Inner, s: &Hydration) -> u64 {
+    if s.shutdown || s.paused_by().is_some() || inner.mode() != Mode::Write || inner.is_complete() {
+        return 0;
+    }
+    s.settings
+        .threshold
+        .div_ceil(s.settings.batch_size)
+        .min(WORKERS)
+}
+
+/// Starts the copy threads the state wants and has not got (after a resume or a change of
+/// settings); threads it no longer wants leave by themselves.
+pub(super) fn staff(inner: &Arc<Inner>) {
+    let mut state = inner.hydration.lock();
+    let mut copiers = inner.copiers.lock();
+    // The threads that have left are joined here, so that their handles do not pile up.
+    copiers.retain(|worker| !worker.is_finished());
+    while state.workers < wanted_workers(inner, &state) {
+        state.workers += 1;
         let inner = inner.clone();
-        threads.push(
+        copiers.push(
             std::thread::Builder::new()
-                .name(format!("clone-hydrate-{i}"))
+                .name("clone-hydrate".into())
                 .spawn(move || worker(&inner))
                 .expect("spawn hydration worker"),
         );
     }
-    let inner = inner.clone();
-    threads.push(
-        std::thread::Builder::new()
-            .name("clone-commit".into())
-            .spawn(move || committer(&inner))
-            .expect("spawn clone committer"),
-    );
-    threads
+}
+
+/// Waits for every thread, once [`stop`] has told them to go.
+pub(super) fn join(inner: &Inner, committer: Option<JoinHandle<()>>) {
+    let copiers = std::mem::take(&mut *inner.copiers.lock());
+    for thread in copiers.into_iter().chain(committer) {
+        let _ = thread.join();
+    }
 }
 
 /// Pausing waits for the batches in flight to finish.
@@ -205,7 +244,8 @@ fn may_copy(inner: &Inner, s: &Hydration) -> bool {
 fn worker(inner: &Inner) {
     let mut state = inner.hydration.lock();
     loop {
-        if state.shutdown {
+        if state.workers > wanted_workers(inner, &state) {
+            state.workers -= 1;
             return;
         }
         if !may_copy(inner, &state) {

@@ -67,6 +67,8 @@ struct Inner {
     completion_announced: AtomicBool,
     /// Hydrated bytes once a second, for the copy rate.
     progress: Throughput,
+    /// The copy threads started so far (see [`hydration::staff`]).
+    copiers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// The `clone` target.
@@ -76,8 +78,8 @@ pub struct CloneTarget {
     args: Vec<String>,
     /// Metadata, destination, source.
     references: Vec<String>,
-    /// The copy threads, from the first resume on; `None` while the table has never been live.
-    workers: Mutex<Option<Vec<JoinHandle<()>>>>,
+    /// The committer, from the first resume on; `None` while the table has never been live.
+    committer: Mutex<Option<JoinHandle<()>>>,
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
@@ -99,12 +101,13 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         raise_event: ctx.raise_event.clone(),
         completion_announced: AtomicBool::new(false),
         progress: Throughput::default(),
+        copiers: Mutex::default(),
     });
     Ok(Arc::new(CloneTarget {
         inner,
         args: parsed.line,
         references: parsed.references,
-        workers: Mutex::new(None),
+        committer: Mutex::new(None),
     }))
 }
 
@@ -153,19 +156,20 @@ impl Target for CloneTarget {
 
     /// The first resume makes the table live: the bitmap is reread (another clone on the same
     /// metadata may have been live while this table was loaded, and committed at its
-    /// suspend) and the copy threads start. Later resumes only let them copy again.
+    /// suspend) and the committer starts. Every resume lets the copy threads start again.
     fn resume(&self) {
-        let mut workers = self.workers.lock();
-        let first = workers.is_none();
+        let mut committer = self.committer.lock();
+        let first = committer.is_none();
         if first {
             if let Err(e) = self.inner.meta.load() {
                 self.inner
                     .metadata_failed(&format!("rereading metadata on activation: {e}"));
             }
-            *workers = Some(hydration::start(&self.inner));
+            *committer = Some(hydration::start_committer(&self.inner));
         }
-        drop(workers);
+        drop(committer);
         hydration::pause(&self.inner, false);
+        hydration::staff(&self.inner);
         if first {
             self.inner.log_start();
         }
@@ -186,9 +190,7 @@ impl Drop for CloneTarget {
                 self.inner.device
             );
         }
-        for worker in self.workers.lock().take().into_iter().flatten() {
-            let _ = worker.join();
-        }
+        hydration::join(&self.inner, self.committer.lock().take());
         if self.inner.mode() == Mode::Write {
             if let Err(e) = self.inner.commit() {
                 warn!("clone '{}': final commit failed: {e}", self.inner.device);

@@ -5,6 +5,7 @@
 use udm_block::SECTOR_SIZE;
 
 use super::commit::Mode;
+use super::hydration;
 use super::CloneTarget;
 use crate::args::Args;
 use crate::target::TargetError;
@@ -61,9 +62,9 @@ impl CloneTarget {
         let hydrated = s.meta.hydrated_count();
         let regions = s.meta.regions();
         let hydrated_bytes = (hydrated * s.region).min(s.len);
-        let (enabled, paused_by) = {
+        let (enabled, paused_by, copy_threads) = {
             let h = s.hydration.lock();
-            (h.settings.hydration_enabled, h.paused_by())
+            (h.settings.hydration_enabled, h.paused_by(), h.workers())
         };
         let state = match (hydrated >= regions, s.mode(), paused_by) {
             (true, ..) => "complete",
@@ -89,6 +90,7 @@ impl CloneTarget {
             "hydrated_bytes": hydrated_bytes,
             "hydrating_regions": s.claims.count(),
             "hydration_enabled": enabled,
+            "copy_threads": copy_threads,
             "copy_rate_bytes_per_second": rate.map(f64::round),
             "eta_seconds": eta,
             "complete": hydrated >= regions,
@@ -141,6 +143,7 @@ impl CloneTarget {
         s.log_pause_change(was, hydration.paused_by());
         drop(hydration);
         s.wake.notify_all();
+        hydration::staff(s);
         Ok(String::new())
     }
 
