@@ -20,7 +20,7 @@ use udm_block::{
     BlockDevice, BlockError, Capabilities, Extent, OpenMode, Result, WriteFlags, ZeroFlags,
     SECTOR_SIZE,
 };
-use udm_metadata::log::{Appended, LogReader, LogWriter, Op, MIN_LOG_SIZE};
+use udm_metadata::log::{Appended, LogReader, LogWriter, Op, MAX_MARK, MIN_LOG_SIZE};
 use udm_metadata::MetadataError;
 
 use crate::args::Args;
@@ -207,6 +207,13 @@ impl Target for LogWrites {
     fn message(&self, words: &[&str]) -> Result<String, TargetError> {
         match words {
             [mark, text] if mark.eq_ignore_ascii_case("mark") => {
+                // Cut short, a mark could not be found again by `replay-log --end-mark`.
+                if text.is_empty() || text.len() > MAX_MARK {
+                    return Err(TargetError::new(format!(
+                        "log-writes: a mark is 1 to {MAX_MARK} bytes; this one has {}",
+                        text.len()
+                    )));
+                }
                 let _alone = self.order.write();
                 match self.append(Op::Mark(text)) {
                     Ok(Appended::Logged) => Ok(String::new()),
@@ -267,6 +274,13 @@ mod tests {
         assert_eq!((last.kind, last.mark.as_str()), (EntryKind::Mark, "done"));
         assert!(writes > 10);
         assert!(table.target_at(0).unwrap().message(&["bogus"]).is_err());
+        for text in [String::new(), "x".repeat(257)] {
+            let err = table.target_at(0).unwrap().message(&["mark", &text]);
+            assert!(err
+                .unwrap_err()
+                .to_string()
+                .contains("a mark is 1 to 256 bytes"));
+        }
     }
 
     #[test]
