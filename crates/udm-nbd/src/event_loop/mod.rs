@@ -34,6 +34,7 @@ use crate::stream::Stream;
 use crate::ServerConfig;
 
 mod conn;
+mod placement;
 mod requests;
 
 const RECEIVE_BUFFER: usize = 256 << 10;
@@ -137,9 +138,11 @@ impl Mailbox {
     }
 }
 
-/// The running loops; each connection goes to the one serving the fewest.
+/// The running loops; each connection goes to its client's for its export, or else to the
+/// one serving the fewest (see [`placement`]).
 pub(crate) struct Loops {
     mailboxes: Vec<Arc<Mailbox>>,
+    placement: Arc<placement::Placement>,
 }
 
 impl Loops {
@@ -188,18 +191,32 @@ impl Loops {
                 .spawn(move || event_loop().run())?;
             mailboxes.push(mailbox);
         }
-        Ok(Loops { mailboxes })
+        Ok(Loops {
+            mailboxes,
+            placement: Arc::default(),
+        })
     }
 
-    /// Hands a connection to the loop serving the fewest. Dealt in turn instead, connections
-    /// that come and go (probes, short jobs) left long-lived ones piled on one loop while
-    /// another stood idle.
-    pub fn attach(&self, attach: Attach) {
-        let mailbox = self
-            .mailboxes
-            .iter()
-            .min_by_key(|m| m.connections.load(Ordering::Relaxed))
-            .expect("at least one loop");
+    /// Hands a connection to the loop of its client's other connections to its export (see
+    /// [`placement`]), or else to the loop serving the fewest. Dealt in turn instead,
+    /// connections that come and go (probes, short jobs) left long-lived ones piled on one
+    /// loop while another stood idle.
+    pub fn attach(&self, mut attach: Attach) {
+        let party = attach
+            .stream
+            .client_process()
+            .ok()
+            .map(|client| placement::Party::new(client, &attach.negotiated.name));
+        let fewest = || {
+            let count = |i: &usize| self.mailboxes[*i].connections.load(Ordering::Relaxed);
+            (0..self.mailboxes.len())
+                .min_by_key(count)
+                .expect("at least one loop")
+        };
+        let (index, member) = self.placement.place(party, fewest);
+        // The connection leaves its party when it is dropped, with the rest of its slot.
+        attach.slot = Box::new((attach.slot, member));
+        let mailbox = &self.mailboxes[index];
         mailbox.connections.fetch_add(1, Ordering::Relaxed);
         mailbox.post(Message::Attach(Box::new(attach)));
     }
