@@ -197,30 +197,6 @@ impl Loops {
         })
     }
 
-    /// Hands a connection to the loop of its client's other connections to its export (see
-    /// [`placement`]), or else to the loop serving the fewest. Dealt in turn instead,
-    /// connections that come and go (probes, short jobs) left long-lived ones piled on one
-    /// loop while another stood idle.
-    pub fn attach(&self, mut attach: Attach) {
-        let party = attach
-            .stream
-            .client_process()
-            .ok()
-            .map(|client| placement::Party::new(client, &attach.negotiated.name));
-        let fewest = || {
-            let count = |i: &usize| self.mailboxes[*i].connections.load(Ordering::Relaxed);
-            (0..self.mailboxes.len())
-                .min_by_key(count)
-                .expect("at least one loop")
-        };
-        let (index, member) = self.placement.place(party, fewest);
-        // The connection leaves its party when it is dropped, with the rest of its slot.
-        attach.slot = Box::new((attach.slot, member));
-        let mailbox = &self.mailboxes[index];
-        mailbox.connections.fetch_add(1, Ordering::Relaxed);
-        mailbox.post(Message::Attach(Box::new(attach)));
-    }
-
     /// Connections attached to each loop.
     #[cfg(test)]
     pub fn connections(&self) -> Vec<usize> {

@@ -2,16 +2,45 @@
 //! client that spreads its requests over several connections (a multipath's round-robin
 //! paths, a multi-conn client) sends a burst as a piece down each, and on one loop the pieces
 //! that arrived together are served in one wake-up, as one connection's burst would be. On
-//! loops of their own each piece costs a wake-up, a receive and a send of its own, which on
-//! a busy machine was what kept round-robin over two paths below `linear` over one. Other
+//! loops of their own each piece cost a wake-up, a receive and a send of its own: serving
+//! round-robin over two paths took the storage daemon of `bench/multipath.py` about twice
+//! the CPU per I/O of `linear` over one, and kept round-robin below `linear`. Other
 //! clients, and the same client's other exports, still spread over the loops (the one
 //! serving the fewest), and so does every fio job: each is a process of its own.
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::{Attach, Loops, Message};
 use crate::stream::ClientKey;
+
+impl Loops {
+    /// Hands a connection to the loop of its client's other connections to its export (see
+    /// the module documentation), or else to the loop serving the fewest. Dealt in turn instead,
+    /// connections that come and go (probes, short jobs) left long-lived ones piled on one
+    /// loop while another stood idle.
+    pub fn attach(&self, mut attach: Attach) {
+        let party = attach
+            .stream
+            .client_process()
+            .ok()
+            .map(|client| Party::new(client, &attach.negotiated.name));
+        let fewest = || {
+            let count = |i: &usize| self.mailboxes[*i].connections.load(Ordering::Relaxed);
+            (0..self.mailboxes.len())
+                .min_by_key(count)
+                .expect("at least one loop")
+        };
+        let (index, member) = self.placement.place(party, fewest);
+        // The connection leaves its party when it is dropped, with the rest of its slot.
+        attach.slot = Box::new((attach.slot, member));
+        let mailbox = &self.mailboxes[index];
+        mailbox.connections.fetch_add(1, Ordering::Relaxed);
+        mailbox.post(Message::Attach(Box::new(attach)));
+    }
+}
 
 /// One client's connections to one export.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
