@@ -169,9 +169,9 @@ def parse(text: str, tracer: Tracer, ring_owner) -> dict:
     return {"rings": rings, "events": sorted(raw, key=lambda e: e[0])}
 
 
-def stages(parsed: dict, server: bool, depth: int, iops: float, rest: str) -> dict:
-    """Mean requests in each stage and the time per request it makes (Little's law); `rest`
-    names what is left of depth / IOPS."""
+def _running_counts(parsed: dict, server: bool) -> tuple:
+    """The trace replayed: after each event, how many requests have passed each stage so far
+    (`series`, with the final `counts`), and the bytes of each receive and send."""
     rings = parsed["rings"]
     counts = collections.Counter()
     recv_bytes, send_bytes = [], []
@@ -209,6 +209,27 @@ def stages(parsed: dict, server: bool, depth: int, iops: float, rest: str) -> di
                 device.discard(data)
             counts["queued"], counts["at_device"] = len(queued), len(device)
         series.append((ts, dict(counts)))
+    return counts, series, recv_bytes, send_bytes
+
+
+def _completion_clusters(events: list) -> list:
+    """The sizes of the groups of device completions that came within 20 us of each other."""
+    comps = [ts for ts, kind, *_ in events if kind == "block_rq_complete"]
+    clusters, cur = [], 1
+    for a, b in zip(comps, comps[1:]):
+        if b - a < 20e-6:
+            cur += 1
+        else:
+            clusters.append(cur)
+            cur = 1
+    clusters.append(cur)
+    return clusters
+
+
+def stages(parsed: dict, server: bool, depth: int, iops: float, rest: str) -> dict:
+    """Mean requests in each stage and the time per request it makes (Little's law); `rest`
+    names what is left of depth / IOPS."""
+    counts, series, recv_bytes, send_bytes = _running_counts(parsed, server)
     if len(series) < 2 or not counts["submitted"]:
         return {}
     n = counts["submitted"]
@@ -253,16 +274,7 @@ def stages(parsed: dict, server: bool, depth: int, iops: float, rest: str) -> di
         if units["recv"] else ""
     out["_per_send"] = _share([round(b / units["send"]) for b in send_bytes]) \
         if units["send"] else ""
-    comps = [ts for ts, kind, *_ in parsed["events"] if kind == "block_rq_complete"]
-    clusters, cur = [], 1
-    for a, b in zip(comps, comps[1:]):
-        if b - a < 20e-6:
-            cur += 1
-        else:
-            clusters.append(cur)
-            cur = 1
-    clusters.append(cur)
-    out["_disk_clusters"] = _share(clusters)
+    out["_disk_clusters"] = _share(_completion_clusters(parsed["events"]))
     return out
 
 

@@ -349,7 +349,7 @@ def gap_section(gap, bars) -> list:
     return lines
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_sizing_args(ap, runtime=2, size_help="export size (default 1G)", repeat=True,
                            quick={"runtime": 2, "size": "256M", "repeat": 1})
@@ -365,9 +365,15 @@ def main(argv=None) -> int:
         charts_help="(no charts here; accepted for symmetry)")
     args = ap.parse_args(argv)
     common.resolve_sizing(args)
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    if not parts or parts - {"rr", "selectors", "gap"}:
-        ap.error(f"--parts: unknown parts {sorted(parts - {'rr', 'selectors', 'gap'})}")
+    args.parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not args.parts or args.parts - {"rr", "selectors", "gap"}:
+        ap.error(f"--parts: unknown parts {sorted(args.parts - {'rr', 'selectors', 'gap'})}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    parts = args.parts
     trap_signals()
     if not shutil.which("fio"):
         log("ERROR: fio not found (apt-get install fio)")

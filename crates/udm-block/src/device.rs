@@ -132,7 +132,7 @@ impl Capabilities {
     }
 
     /// What a device built on `children` can promise: the weakest of them.
-    pub fn weakest<'a>(children: impl IntoIterator<Item = &'a Capabilities>) -> Capabilities {
+    pub fn weakest(children: impl IntoIterator<Item = Capabilities>) -> Capabilities {
         // Each child can only take promises away.
         let mut caps = Capabilities::in_memory();
         for child in children {

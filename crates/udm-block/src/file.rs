@@ -307,26 +307,27 @@ impl BlockDevice for FileDevice {
         // is reported as data, so that whoever skips holes (a clone's hydration) reads it and
         // gets the error instead of taking it for zeroes.
         let file_end = self.files.current_len().map_err(err)? / SECTOR_SIZE * SECTOR_SIZE;
+        // Where the next data (or hole) from `pos` starts, within the request; `none` when
+        // the file has none.
+        let next = |pos, whence, none: u64| -> Result<u64> {
+            Ok(self
+                .seek(pos, whence)
+                .map_err(err)?
+                .unwrap_or(none)
+                .min(end))
+        };
         while pos < end && extents.len() < MAX_EXTENTS {
             if pos >= file_end {
                 extents.push(Extent::data(end - pos));
                 break;
             }
-            let data = self
-                .seek(pos, libc::SEEK_DATA)
-                .map_err(err)?
-                .unwrap_or(file_end)
-                .min(end);
+            let data = next(pos, libc::SEEK_DATA, file_end)?;
             if data > pos {
                 extents.push(Extent::hole(data - pos));
                 pos = data;
                 continue;
             }
-            let hole = self
-                .seek(pos, libc::SEEK_HOLE)
-                .map_err(err)?
-                .unwrap_or(end)
-                .min(end);
+            let hole = next(pos, libc::SEEK_HOLE, end)?;
             // Holes are reported at filesystem-block granularity; keep extents sector-aligned.
             let hole = hole
                 .next_multiple_of(SECTOR_SIZE)

@@ -8,11 +8,7 @@ use udm_testkit::{conformance, TempDir};
 #[test]
 fn a_file_passes_the_conformance_suite() {
     let dir = TempDir::new("file-conformance");
-    let path = dir.path("disk.img");
-    std::fs::File::create(&path)
-        .unwrap()
-        .set_len(8 << 20)
-        .unwrap();
+    let path = dir.sparse("disk.img", 8 << 20);
     conformance::run_all(&FileDevice::open(&path, OpenMode::ReadWrite).unwrap());
 }
 

@@ -15,9 +15,15 @@ use crate::block::{read_u64, seal, verify, write_u64, BlockType, MetadataError, 
 const MAGIC: &[u8; 8] = b"udmlogwr";
 const VERSION: u32 = 1;
 pub const MAX_MARK: usize = 256;
+/// A superblock and one entry header.
+pub const MIN_LOG_SIZE: u64 = 2 * BLOCK_SIZE as u64;
 /// Superblock flag: the log device filled up, and what happened after the last entry was not
 /// logged.
 const FLAG_CUT_OFF: u32 = 1;
+/// Where a restart entry's header keeps the id of the entries after it.
+const NEXT_ID_AT: usize = 72 + MAX_MARK;
+/// The text a restart entry shows where a mark shows its own.
+const RESTART_TEXT: &str = "udm restarted: writes not flushed before this may be missing";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
@@ -27,6 +33,9 @@ pub enum EntryKind {
     WriteZeroes = 3,
     Flush = 4,
     Mark = 5,
+    /// The daemon came back after a stop or a crash and goes on with this log: what was not
+    /// flushed before it may be missing. The entries after it carry a new log id.
+    Restart = 6,
 }
 
 impl EntryKind {
@@ -37,6 +46,7 @@ impl EntryKind {
             3 => EntryKind::WriteZeroes,
             4 => EntryKind::Flush,
             5 => EntryKind::Mark,
+            6 => EntryKind::Restart,
             _ => return None,
         })
     }
@@ -72,6 +82,10 @@ pub enum Op<'a> {
     },
     Flush,
     Mark(&'a str),
+    /// Written by [`LogWriter::resume`]: the entries after it carry `next_id`.
+    Restart {
+        next_id: u64,
+    },
 }
 
 impl Op<'_> {
@@ -82,6 +96,7 @@ impl Op<'_> {
             Op::WriteZeroes { .. } => EntryKind::WriteZeroes,
             Op::Flush => EntryKind::Flush,
             Op::Mark(_) => EntryKind::Mark,
+            Op::Restart { .. } => EntryKind::Restart,
         }
     }
 
@@ -97,7 +112,7 @@ impl Op<'_> {
         match *self {
             Op::Write { offset, data, .. } => (offset, data.len() as u64),
             Op::Discard { offset, len } | Op::WriteZeroes { offset, len, .. } => (offset, len),
-            Op::Flush | Op::Mark(_) => (0, 0),
+            Op::Flush | Op::Mark(_) | Op::Restart { .. } => (0, 0),
         }
     }
 
@@ -111,6 +126,7 @@ impl Op<'_> {
     fn mark(&self) -> &str {
         match self {
             Op::Mark(text) => text,
+            Op::Restart { .. } => RESTART_TEXT,
             _ => "",
         }
     }
@@ -127,6 +143,9 @@ pub enum Appended {
 /// Appends entries; one writer per log, callers serialise.
 pub struct LogWriter {
     dev: Arc<dyn BlockDevice>,
+    /// The superblock's id: the first entries'.
+    log_id: u64,
+    /// The id the next entry carries (a new one after each restart entry).
     id: u64,
     next_block: u64,
     next_seq: u64,
@@ -140,7 +159,7 @@ fn blocks_for(len: u64) -> u64 {
 impl LogWriter {
     /// Starts a new, empty log on `dev` (whatever it held before is ignored from now on).
     pub fn create(dev: Arc<dyn BlockDevice>) -> Result<Self, MetadataError> {
-        if dev.size() < 2 * BLOCK_SIZE as u64 {
+        if dev.size() < MIN_LOG_SIZE {
             return Err(MetadataError::Mismatch(
                 "log device smaller than 8 KiB".into(),
             ));
@@ -148,6 +167,7 @@ impl LogWriter {
         let id = random_id();
         let mut writer = LogWriter {
             dev,
+            log_id: id,
             id,
             next_block: 1,
             next_seq: 0,
@@ -155,6 +175,29 @@ impl LogWriter {
         };
         writer.write_superblock()?;
         writer.dev.flush()?;
+        Ok(writer)
+    }
+
+    /// Goes on with the log already on `dev` after the daemon restarted (a restart is not a
+    /// new table, so it must not throw the record away): appends a restart entry after the
+    /// last whole entry, and the entries after it carry a new id, so that an older entry past
+    /// the end (written before the crash, never flushed) can never be read as following them.
+    /// A log cut off before stays cut off; a damaged one is refused.
+    pub fn resume(dev: Arc<dyn BlockDevice>) -> Result<Self, MetadataError> {
+        let mut reader = LogReader::open(dev.clone())?;
+        reader.read_to_end()?;
+        let mut writer = LogWriter {
+            dev,
+            log_id: reader.log_id,
+            id: reader.id,
+            next_block: reader.next_block,
+            next_seq: reader.next_seq,
+            cut_off: reader.cut_off,
+        };
+        let next_id = random_id();
+        if writer.append(Op::Restart { next_id })? == Appended::Logged {
+            writer.id = next_id;
+        }
         Ok(writer)
     }
 
@@ -178,7 +221,7 @@ impl LogWriter {
         block[24..28].copy_from_slice(&VERSION.to_le_bytes());
         let flags = if self.cut_off { FLAG_CUT_OFF } else { 0 };
         block[28..32].copy_from_slice(&flags.to_le_bytes());
-        write_u64(&mut block, 32, self.id);
+        write_u64(&mut block, 32, self.log_id);
         write_u64(&mut block, 40, self.next_seq);
         write_u64(&mut block, 48, self.dev.size());
         seal(BlockType::LogSuperblock, 0, &mut block);
@@ -201,7 +244,7 @@ impl LogWriter {
         let needed = 1 + blocks_for(data_len);
         if (self.next_block + needed) * BLOCK_SIZE as u64 > self.dev.size() {
             self.cut_off = true;
-            self.write_superblock()?;
+            self.flush_then_record()?;
             self.dev.flush()?;
             return Ok(Appended::CutOff);
         }
@@ -218,6 +261,9 @@ impl LogWriter {
         buf[64..68].copy_from_slice(&data_crc.to_le_bytes());
         buf[68..72].copy_from_slice(&(mark.len() as u32).to_le_bytes());
         buf[72..72 + mark.len()].copy_from_slice(mark);
+        if let Op::Restart { next_id } = op {
+            write_u64(&mut buf, NEXT_ID_AT, next_id);
+        }
         seal(BlockType::LogEntry, self.next_block, &mut buf[..BLOCK_SIZE]);
         if let Some(data) = data {
             buf[BLOCK_SIZE..BLOCK_SIZE + data.len()].copy_from_slice(data);
@@ -229,11 +275,23 @@ impl LogWriter {
         )?;
         self.next_block += needed;
         self.next_seq += 1;
-        if matches!(kind, EntryKind::Flush | EntryKind::Mark) || fua {
-            self.write_superblock()?;
-            self.dev.flush()?;
+        if matches!(
+            kind,
+            EntryKind::Flush | EntryKind::Mark | EntryKind::Restart
+        ) || fua
+        {
+            self.flush_then_record()?;
         }
         Ok(Appended::Logged)
+    }
+
+    /// Makes every entry so far durable, then records their number in the superblock. In that
+    /// order, a superblock that reached the disk never counts an entry that did not, so a
+    /// reader takes a bad block among the counted entries for damage; the count itself
+    /// becomes durable with the next flush (a count one flush point behind is still true).
+    fn flush_then_record(&mut self) -> Result<(), MetadataError> {
+        self.dev.flush()?;
+        self.write_superblock()
     }
 }
 
@@ -253,9 +311,14 @@ fn random_id() -> u64 {
 /// Reads a log back, entry by entry, with the data of writes.
 pub struct LogReader {
     dev: Arc<dyn BlockDevice>,
+    /// The superblock's id, and the id the next entry must carry.
+    log_id: u64,
     id: u64,
     next_block: u64,
     next_seq: u64,
+    /// Entries the superblock records as flushed: the log cannot end before them, so a block
+    /// among them that is not the next entry is damage, not the end.
+    flushed_entries: u64,
     cut_off: bool,
 }
 
@@ -279,10 +342,12 @@ impl LogReader {
         }
         let flags = u32::from_le_bytes(block[28..32].try_into().unwrap());
         Ok(LogReader {
+            log_id: read_u64(&block, 32),
             id: read_u64(&block, 32),
             dev,
             next_block: 1,
             next_seq: 0,
+            flushed_entries: read_u64(&block, 40),
             cut_off: flags & FLAG_CUT_OFF != 0,
         })
     }
@@ -293,27 +358,58 @@ impl LogReader {
         self.cut_off
     }
 
-    /// The next entry and its data, or `None` at the end of the log (the first block that is
-    /// not the next entry of this log).
+    /// Reads every entry left, checking each: an error if the log is damaged.
+    pub fn read_to_end(&mut self) -> Result<(), MetadataError> {
+        while self.next_entry()?.is_some() {}
+        Ok(())
+    }
+
+    /// The next entry and its data, or `None` at the end of the log: the first block that is
+    /// not the next entry of this log, or an entry whose data did not all reach the log — after
+    /// the last flushed entry, where a power cut may have torn a write. Before it, either is
+    /// damage and an error.
     pub fn next_entry(&mut self) -> Result<Option<(LogEntry, AlignedBuf)>, MetadataError> {
+        match self.read_entry()? {
+            Ok(entry) => {
+                self.next_seq += 1;
+                Ok(Some(entry))
+            }
+            Err(why) if self.next_seq < self.flushed_entries => Err(MetadataError::Corrupt {
+                block: self.next_block,
+                what: format!(
+                    "entry {} {why}, but the superblock records {} entries as flushed: \
+                     the log is damaged",
+                    self.next_seq, self.flushed_entries
+                ),
+            }),
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// Reads the entry at `next_block`: `Ok(Err(why))` when what is there is not a whole entry
+    /// of this log.
+    fn read_entry(&mut self) -> Result<Result<(LogEntry, AlignedBuf), String>, MetadataError> {
         if (self.next_block + 1) * BLOCK_SIZE as u64 > self.dev.size() {
-            return Ok(None);
+            return Ok(Err("would start past the end of the log device".into()));
         }
         let mut header = AlignedBuf::zeroed(BLOCK_SIZE);
         self.dev
             .read(self.next_block * BLOCK_SIZE as u64, &mut header)?;
-        if verify(BlockType::LogEntry, self.next_block, &header).is_err()
-            || read_u64(&header, 16) != self.id
-            || read_u64(&header, 24) != self.next_seq
-        {
-            return Ok(None);
+        if let Err(e) = verify(BlockType::LogEntry, self.next_block, &header) {
+            return Ok(Err(format!("has a bad header ({e})")));
         }
-        let corrupt = |what: &str| MetadataError::Corrupt {
-            block: self.next_block,
-            what: what.into(),
-        };
+        if read_u64(&header, 16) != self.id {
+            return Ok(Err("belongs to another log".into()));
+        }
+        let seq = read_u64(&header, 24);
+        if seq != self.next_seq {
+            return Ok(Err(format!("has sequence number {seq}")));
+        }
         let kind = EntryKind::from_u32(u32::from_le_bytes(header[32..36].try_into().unwrap()))
-            .ok_or_else(|| corrupt("unknown entry kind"))?;
+            .ok_or_else(|| MetadataError::Corrupt {
+                block: self.next_block,
+                what: "unknown entry kind".into(),
+            })?;
         let data_len = read_u64(&header, 56);
         let mark_len =
             (u32::from_le_bytes(header[68..72].try_into().unwrap()) as usize).min(MAX_MARK);
@@ -327,7 +423,7 @@ impl LogReader {
         };
         let data_blocks = blocks_for(data_len);
         if (self.next_block + 1 + data_blocks) * BLOCK_SIZE as u64 > self.dev.size() {
-            return Err(corrupt("entry data runs past the end of the log device"));
+            return Ok(Err("has data running past the end of the log device".into()));
         }
         let mut data = AlignedBuf::zeroed((data_blocks as usize) * BLOCK_SIZE);
         if data_blocks > 0 {
@@ -337,11 +433,13 @@ impl LogReader {
         data.resize(data_len as usize);
         let stored_crc = u32::from_le_bytes(header[64..68].try_into().unwrap());
         if data_len > 0 && crc32c::crc32c(&data) != stored_crc {
-            return Err(corrupt("entry data fails its checksum"));
+            return Ok(Err("has data that fails its checksum".into()));
         }
         self.next_block += 1 + data_blocks;
-        self.next_seq += 1;
-        Ok(Some((entry, data)))
+        if kind == EntryKind::Restart {
+            self.id = read_u64(&header, NEXT_ID_AT);
+        }
+        Ok(Ok((entry, data)))
     }
 }
 
@@ -404,6 +502,113 @@ mod tests {
                 (EntryKind::Write, true),
                 (EntryKind::Discard, false)
             ]
+        );
+    }
+
+    /// A log of two writes, a FLUSH and a third write, as a test's device would leave it.
+    fn flushed_log() -> Arc<dyn BlockDevice> {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(1 << 20));
+        let mut log = LogWriter::create(dev.clone()).unwrap();
+        for i in 0..2u8 {
+            let data = [i; 4096];
+            let write = Op::Write {
+                offset: 0,
+                data: &data,
+                fua: false,
+            };
+            log.append(write).unwrap();
+        }
+        log.append(Op::Flush).unwrap();
+        let data = [9u8; 4096];
+        log.append(Op::Write {
+            offset: 0,
+            data: &data,
+            fua: false,
+        })
+        .unwrap();
+        dev
+    }
+
+    fn entries_read(dev: Arc<dyn BlockDevice>) -> Result<u64, MetadataError> {
+        let mut reader = LogReader::open(dev)?;
+        let mut read = 0;
+        while reader.next_entry()?.is_some() {
+            read += 1;
+        }
+        Ok(read)
+    }
+
+    fn flip_byte(dev: &Arc<dyn BlockDevice>, offset: u64) {
+        let mut block = AlignedBuf::zeroed(BLOCK_SIZE);
+        let start = offset / BLOCK_SIZE as u64 * BLOCK_SIZE as u64;
+        dev.read(start, &mut block).unwrap();
+        block[(offset - start) as usize] ^= 0x5a;
+        dev.write(start, &block, WriteFlags::default()).unwrap();
+    }
+
+    #[test]
+    fn damage_before_the_last_flush_is_an_error_not_a_shorter_log() {
+        // Entry 1 is the second write: header at block 3, data at block 4.
+        for (what, offset) in [("header", 3 * 4096 + 40), ("data", 4 * 4096 + 7)] {
+            let dev = flushed_log();
+            assert_eq!(entries_read(dev.clone()).unwrap(), 4);
+            flip_byte(&dev, offset);
+            let err = entries_read(dev).expect_err(what).to_string();
+            assert!(
+                err.contains("entry 1") && err.contains("records 3 entries as flushed"),
+                "{what}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_torn_entry_after_the_last_flush_ends_the_log() {
+        // The write after the FLUSH (entry 3, header at block 6, data at block 7) was never
+        // flushed: a power cut may tear it, and the log ends before it.
+        for offset in [6 * 4096 + 40, 7 * 4096 + 7] {
+            let dev = flushed_log();
+            flip_byte(&dev, offset);
+            assert_eq!(entries_read(dev).unwrap(), 3);
+        }
+    }
+
+    #[test]
+    fn a_resumed_log_keeps_what_was_logged_and_ignores_older_leftovers_past_its_end() {
+        let dev = flushed_log();
+        // After a first restart entry (block 8), two discards never flushed: a crash tore the
+        // first (block 9) and kept the second (block 10), whose sequence number follows the
+        // second restart entry's, in its place.
+        let mut writer = LogWriter::resume(dev.clone()).unwrap();
+        writer
+            .append(Op::Discard {
+                offset: 0,
+                len: 4096,
+            })
+            .unwrap();
+        writer
+            .append(Op::Discard {
+                offset: 0,
+                len: 4096,
+            })
+            .unwrap();
+        drop(writer);
+        flip_byte(&dev, 9 * 4096 + 40);
+        let mut writer = LogWriter::resume(dev.clone()).unwrap();
+        let kinds = |dev: &Arc<dyn BlockDevice>| {
+            let mut reader = LogReader::open(dev.clone()).unwrap();
+            let mut kinds = Vec::new();
+            while let Some((entry, _)) = reader.next_entry().unwrap() {
+                kinds.push(entry.kind);
+            }
+            kinds
+        };
+        use EntryKind::*;
+        assert_eq!(kinds(&dev), [Write, Write, Flush, Write, Restart, Restart]);
+        // And what comes after the restart is read back.
+        writer.append(Op::Flush).unwrap();
+        assert_eq!(
+            kinds(&dev),
+            [Write, Write, Flush, Write, Restart, Restart, Flush]
         );
     }
 

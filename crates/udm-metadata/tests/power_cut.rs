@@ -14,6 +14,29 @@ use udm_metadata::snapshot::{ExceptionStore, Geometry, PersistentStore, Record, 
 use udm_metadata::{CloneGeometry, CloneMetadata, ThinMetadata};
 use udm_testkit::{CrashDevice, PowerSwitch, Rng, TempDir};
 
+/// Runs `round(seed, cut_at)` for each seed with the power cut at write `first`, then at the
+/// next, and so on until a round ends before its cut. `round` says whether the power was cut
+/// (then it has checked what survived). Asserts that at least `at_least` cuts were checked.
+fn at_every_write(
+    what: &str,
+    seeds: std::ops::Range<u64>,
+    first: u64,
+    at_least: usize,
+    mut round: impl FnMut(u64, u64) -> bool,
+) {
+    let mut cuts = 0;
+    for seed in seeds {
+        for cut_at in first.. {
+            if !round(seed, cut_at) {
+                break;
+            }
+            cuts += 1;
+        }
+    }
+    assert!(cuts >= at_least, "only {cuts} cut points exercised");
+    eprintln!("{what}: {cuts} power-cut points checked");
+}
+
 #[test]
 fn clone_metadata_survives_a_power_cut_at_every_write() {
     // 40,000 regions: several bitmap blocks per area, so commits write runs of blocks.
@@ -21,64 +44,56 @@ fn clone_metadata_survives_a_power_cut_at_every_write() {
         region_sectors: 8,
         target_sectors: 40_000 * 8,
     };
-    let mut cuts = 0;
     // Several seeds: each tears the in-flight and unflushed writes differently.
-    for (seed, mut cut_at) in (0..5u64).map(|seed| (seed, 1u64)) {
-        loop {
-            let dev = Arc::new(CrashDevice::new(1 << 20, cut_at, cut_at * 31 + seed));
-            let mut committed = BTreeSet::new();
-            let mut ever_set = BTreeSet::new();
-            let mut rng = Rng::new(cut_at);
-            if let Ok(meta) = CloneMetadata::open(dev.clone(), geometry) {
-                for _ in 0..20 {
-                    for _ in 0..(rng.below(50)) {
-                        let first = rng.below(40_000);
-                        let len = 1 + rng.below(8);
-                        let range = first..(first + len).min(40_000);
-                        ever_set.extend(range.clone());
-                        meta.set_hydrated(range);
-                    }
-                    match meta.commit(&|| Ok(())) {
-                        Ok(_) => committed = ever_set.clone(),
-                        Err(_) => break,
-                    }
+    at_every_write("clone metadata", 0..5, 1, 200, |seed, cut_at| {
+        let dev = Arc::new(CrashDevice::new(1 << 20, cut_at, cut_at * 31 + seed));
+        let mut committed = BTreeSet::new();
+        let mut ever_set = BTreeSet::new();
+        let mut rng = Rng::new(cut_at);
+        if let Ok(meta) = CloneMetadata::open(dev.clone(), geometry) {
+            for _ in 0..20 {
+                for _ in 0..(rng.below(50)) {
+                    let first = rng.below(40_000);
+                    let len = 1 + rng.below(8);
+                    let range = first..(first + len).min(40_000);
+                    ever_set.extend(range.clone());
+                    meta.set_hydrated(range);
+                }
+                match meta.commit(&|| Ok(())) {
+                    Ok(_) => committed = ever_set.clone(),
+                    Err(_) => break,
                 }
             }
-            if !dev.is_cut() {
-                break;
-            }
-            cuts += 1;
-            let image: Arc<dyn BlockDevice> = Arc::new(dev.after_power_cut());
-            let reopened = CloneMetadata::open(image, geometry)
-                .unwrap_or_else(|e| panic!("cut at write {cut_at}: metadata does not reopen: {e}"));
-            for &r in &committed {
+        }
+        if !dev.is_cut() {
+            return false;
+        }
+        let image: Arc<dyn BlockDevice> = Arc::new(dev.after_power_cut());
+        let reopened = CloneMetadata::open(image, geometry)
+            .unwrap_or_else(|e| panic!("cut at write {cut_at}: metadata does not reopen: {e}"));
+        for &r in &committed {
+            assert!(
+                reopened.is_hydrated(r),
+                "cut at write {cut_at}: committed region {r} lost"
+            );
+        }
+        let hydrated = reopened.hydrated_count();
+        assert!(hydrated >= committed.len() as u64 && hydrated <= ever_set.len() as u64);
+        for r in (0..40_000).step_by(97) {
+            if reopened.is_hydrated(r) {
                 assert!(
-                    reopened.is_hydrated(r),
-                    "cut at write {cut_at}: committed region {r} lost"
+                    ever_set.contains(&r),
+                    "cut at write {cut_at}: region {r} was never set"
                 );
             }
-            let hydrated = reopened.hydrated_count();
-            assert!(hydrated >= committed.len() as u64 && hydrated <= ever_set.len() as u64);
-            for r in (0..40_000).step_by(97) {
-                if reopened.is_hydrated(r) {
-                    assert!(
-                        ever_set.contains(&r),
-                        "cut at write {cut_at}: region {r} was never set"
-                    );
-                }
-            }
-            cut_at += 1;
         }
-    }
-    assert!(cuts >= 200, "only {cuts} cut points exercised");
-    eprintln!("clone metadata: {cuts} power-cut points checked");
+        true
+    });
 }
 
 #[test]
 fn the_write_log_survives_a_power_cut_at_every_write() {
-    let mut cut_at = 1;
-    let mut cuts = 0;
-    loop {
+    at_every_write("write log", 0..1, 1, 50, |_, cut_at| {
         let dev = Arc::new(CrashDevice::new(4 << 20, cut_at, cut_at + 7));
         // Every entry whose append was attempted (one in flight at the cut may still land),
         // and how many a flush made durable.
@@ -106,20 +121,22 @@ fn the_write_log_survives_a_power_cut_at_every_write() {
             }
         }
         if !dev.is_cut() {
-            break;
+            return false;
         }
-        cuts += 1;
         let image: Arc<dyn BlockDevice> = Arc::new(dev.after_power_cut());
         let Ok(mut reader) = LogReader::open(image) else {
             assert_eq!(
                 durable, 0,
                 "cut at write {cut_at}: the log is gone after a flush"
             );
-            cut_at += 1;
-            continue;
+            return true;
         };
         let mut read = 0;
-        while let Some((entry, data)) = reader.next_entry().unwrap_or(None) {
+        // A power cut ends the log early at worst; it never makes it unreadable.
+        while let Some((entry, data)) = reader
+            .next_entry()
+            .unwrap_or_else(|e| panic!("cut at {cut_at}: {e}"))
+        {
             let i = appended
                 .get(read)
                 .copied()
@@ -137,10 +154,8 @@ fn the_write_log_survives_a_power_cut_at_every_write() {
             read >= durable,
             "cut at write {cut_at}: {read} entries readable, {durable} were flushed"
         );
-        cut_at += 1;
-    }
-    assert!(cuts >= 50, "only {cuts} cut points exercised");
-    eprintln!("write log: {cuts} power-cut points checked");
+        true
+    });
 }
 
 type ThinModel = BTreeMap<u32, BTreeMap<u64, u64>>;
@@ -202,10 +217,12 @@ fn thin_metadata_survives_a_power_cut_at_every_write() {
     // Long on purpose: the model of what must survive is built alongside the writes it checks; one loop per cut point.
     let scratch = TempDir::new("thin-powercut");
     let image_path = scratch.path("image");
-    let mut cuts = 0;
-    for seed in 0..3u64 {
-        let mut cut_at = 1;
-        loop {
+    at_every_write(
+        "thin metadata (with thin_check)",
+        0..3,
+        1,
+        150,
+        |seed, cut_at| {
             let dev = Arc::new(CrashDevice::new(2 << 20, cut_at, cut_at * 131 + seed));
             let mut rng = Rng::new(seed);
             // The last commit that returned, and the one in progress at the cut (which may
@@ -244,9 +261,8 @@ fn thin_metadata_survives_a_power_cut_at_every_write() {
                 }
             }
             if !dev.is_cut() {
-                break;
+                return false;
             }
-            cuts += 1;
             let image: Arc<dyn BlockDevice> = Arc::new(dev.after_power_cut());
             let mut meta = ThinMetadata::open(image.clone(), 128, 20_000).unwrap_or_else(|e| {
                 panic!("seed {seed}, cut at write {cut_at}: the pool does not reopen: {e}")
@@ -279,11 +295,9 @@ fn thin_metadata_survives_a_power_cut_at_every_write() {
                 &image_path,
                 &format!("seed {seed}, cut at write {cut_at}, after more work"),
             );
-            cut_at += 1;
-        }
-    }
-    assert!(cuts >= 150, "only {cuts} cut points exercised");
-    eprintln!("thin metadata: {cuts} power-cut points checked with thin_check");
+            true
+        },
+    );
 }
 
 /// The data a snapshot saved for origin chunk `old` (4 KiB chunks).
@@ -301,90 +315,82 @@ fn saved_chunk(old: u64) -> Vec<u8> {
 fn the_snapshot_store_survives_a_power_cut_at_every_write() {
     // Long on purpose: the model of what must survive is built alongside the writes it checks; one loop per cut point.
     const CHUNKS: u64 = 300; // more than one area of 256 records
-    let mut cuts = 0;
-    for seed in 0..3u64 {
-        let mut cut_at = 1;
-        loop {
-            let power = PowerSwitch::new(cut_at);
-            let cow = Arc::new(CrashDevice::on_power(2 << 20, power.clone(), seed + cut_at));
-            let origin = Arc::new(CrashDevice::on_power(CHUNKS * 4096, power.clone(), seed));
-            let mut committed = BTreeSet::new();
-            let mut rng = Rng::new(cut_at * 7 + seed);
-            let mut run = || -> Result<(), String> {
-                let store = PersistentStore::open(cow.clone(), 8)
-                    .map_err(|e| e.to_string())?
-                    .store;
-                let mut olds: Vec<u64> = (0..CHUNKS).collect();
-                while !olds.is_empty() {
-                    let take = (1 + rng.below(24)).min(olds.len() as u64) as usize;
-                    let mut batch = Vec::new();
-                    for old in olds.drain(..take) {
-                        let new = store.allocate().map_err(|e| e.to_string())?;
-                        cow.write(new * 4096, &saved_chunk(old), WriteFlags { fua: true })
-                            .map_err(|e| e.to_string())?;
-                        batch.push(Record { old, new });
-                    }
-                    let ticket = store.submit(&batch).map_err(|e| e.to_string())?;
-                    store.wait(ticket).map_err(|e| e.to_string())?;
-                    committed.extend(batch.iter().map(|r| r.old));
-                }
-                loop {
-                    let batch = store
-                        .merge_batch(1 + rng.below(40) as usize)
+    at_every_write("snapshot store", 0..3, 1, 1000, |seed, cut_at| {
+        let power = PowerSwitch::new(cut_at);
+        let cow = Arc::new(CrashDevice::on_power(2 << 20, power.clone(), seed + cut_at));
+        let origin = Arc::new(CrashDevice::on_power(CHUNKS * 4096, power.clone(), seed));
+        let mut committed = BTreeSet::new();
+        let mut rng = Rng::new(cut_at * 7 + seed);
+        let mut run = || -> Result<(), String> {
+            let store = PersistentStore::open(cow.clone(), 8)
+                .map_err(|e| e.to_string())?
+                .store;
+            let mut olds: Vec<u64> = (0..CHUNKS).collect();
+            while !olds.is_empty() {
+                let take = (1 + rng.below(24)).min(olds.len() as u64) as usize;
+                let mut batch = Vec::new();
+                for old in olds.drain(..take) {
+                    let new = store.allocate().map_err(|e| e.to_string())?;
+                    cow.write(new * 4096, &saved_chunk(old), WriteFlags { fua: true })
                         .map_err(|e| e.to_string())?;
-                    if batch.is_empty() {
-                        return Ok(());
-                    }
-                    for r in &batch {
-                        let mut data = vec![0u8; 4096];
-                        cow.read(r.new * 4096, &mut data)
-                            .map_err(|e| e.to_string())?;
-                        origin
-                            .write(r.old * 4096, &data, WriteFlags::default())
-                            .map_err(|e| e.to_string())?;
-                    }
-                    origin.flush().map_err(|e| e.to_string())?;
-                    store.commit_merge(batch.len()).map_err(|e| e.to_string())?;
+                    batch.push(Record { old, new });
                 }
-            };
-            let outcome = run();
-            if !power.is_cut() {
-                outcome.unwrap();
-                break;
+                let ticket = store.submit(&batch).map_err(|e| e.to_string())?;
+                store.wait(ticket).map_err(|e| e.to_string())?;
+                committed.extend(batch.iter().map(|r| r.old));
             }
-            cuts += 1;
-            let cow = Arc::new(cow.after_power_cut());
-            let origin = origin.after_power_cut();
-            let opened = PersistentStore::open(cow.clone(), 8).unwrap_or_else(|e| {
-                panic!("seed {seed}, cut at write {cut_at}: the store does not open: {e}")
-            });
-            let records: HashMap<u64, u64> =
-                opened.records.iter().map(|r| (r.old, r.new)).collect();
-            for old in 0..CHUNKS {
-                let mut data = vec![0u8; 4096];
-                let from_cow = records.get(&old);
-                match from_cow {
-                    Some(&new) => cow.read(new * 4096, &mut data).unwrap(),
-                    None => origin.read(old * 4096, &mut data).unwrap(),
+            loop {
+                let batch = store
+                    .merge_batch(1 + rng.below(40) as usize)
+                    .map_err(|e| e.to_string())?;
+                if batch.is_empty() {
+                    return Ok(());
                 }
-                if committed.contains(&old) || from_cow.is_some() {
-                    assert!(
-                        data == saved_chunk(old),
-                        "seed {seed}, cut at write {cut_at}: origin chunk {old} reads wrong \
-                         data (from the {})",
-                        if from_cow.is_some() {
-                            "COW device"
-                        } else {
-                            "origin"
-                        }
-                    );
+                for r in &batch {
+                    let mut data = vec![0u8; 4096];
+                    cow.read(r.new * 4096, &mut data)
+                        .map_err(|e| e.to_string())?;
+                    origin
+                        .write(r.old * 4096, &data, WriteFlags::default())
+                        .map_err(|e| e.to_string())?;
                 }
+                origin.flush().map_err(|e| e.to_string())?;
+                store.commit_merge(batch.len()).map_err(|e| e.to_string())?;
             }
-            cut_at += 1;
+        };
+        let outcome = run();
+        if !power.is_cut() {
+            outcome.unwrap();
+            return false;
         }
-    }
-    assert!(cuts >= 1000, "only {cuts} cut points exercised");
-    eprintln!("snapshot store: {cuts} power-cut points checked");
+        let cow = Arc::new(cow.after_power_cut());
+        let origin = origin.after_power_cut();
+        let opened = PersistentStore::open(cow.clone(), 8).unwrap_or_else(|e| {
+            panic!("seed {seed}, cut at write {cut_at}: the store does not open: {e}")
+        });
+        let records: HashMap<u64, u64> = opened.records.iter().map(|r| (r.old, r.new)).collect();
+        for old in 0..CHUNKS {
+            let mut data = vec![0u8; 4096];
+            let from_cow = records.get(&old);
+            match from_cow {
+                Some(&new) => cow.read(new * 4096, &mut data).unwrap(),
+                None => origin.read(old * 4096, &mut data).unwrap(),
+            }
+            if committed.contains(&old) || from_cow.is_some() {
+                assert!(
+                    data == saved_chunk(old),
+                    "seed {seed}, cut at write {cut_at}: origin chunk {old} reads wrong \
+                         data (from the {})",
+                    if from_cow.is_some() {
+                        "COW device"
+                    } else {
+                        "origin"
+                    }
+                );
+            }
+        }
+        true
+    });
 }
 
 /// A COW device used before: its areas past the first hold an older table's records (the
@@ -407,11 +413,13 @@ fn the_snapshot_store_never_exposes_a_stale_area_after_a_power_cut() {
             put_record(&mut stale[at..at + 4096], i, record);
         }
     }
-    let mut cuts = 0;
-    for seed in 0..3u64 {
-        // The first write is the stale image, before the power can go.
-        let mut cut_at = 2;
-        loop {
+    // From the second write: the first is the stale image, before the power can go.
+    at_every_write(
+        "snapshot store over a stale table",
+        0..3,
+        2,
+        120,
+        |seed, cut_at| {
             let cow = Arc::new(CrashDevice::new(4 << 20, cut_at, seed * 1000 + cut_at));
             cow.write(0, &stale, WriteFlags::default()).unwrap();
             cow.flush().unwrap();
@@ -440,9 +448,8 @@ fn the_snapshot_store_never_exposes_a_stale_area_after_a_power_cut() {
             let outcome = run();
             if !cow.is_cut() {
                 outcome.unwrap();
-                break;
+                return false;
             }
-            cuts += 1;
             let image: Arc<dyn BlockDevice> = Arc::new(cow.after_power_cut());
             let opened = PersistentStore::open(image, 8).unwrap_or_else(|e| {
                 panic!("seed {seed}, cut at write {cut_at}: the store does not open: {e}")
@@ -458,9 +465,7 @@ fn the_snapshot_store_never_exposes_a_stale_area_after_a_power_cut() {
                     "seed {seed}, cut at write {cut_at}: a record never submitted: {r:?}"
                 );
             }
-            cut_at += 1;
-        }
-    }
-    assert!(cuts >= 120, "only {cuts} cut points exercised");
-    eprintln!("snapshot store over a stale table: {cuts} power-cut points checked");
+            true
+        },
+    );
 }

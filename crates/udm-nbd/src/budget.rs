@@ -234,6 +234,22 @@ mod tests {
     use std::sync::mpsc;
     use std::time::Duration;
 
+    /// Asserts that a take of `len` waits while `held` is lent (`why`), is served once it
+    /// comes back, and that the budget was kept.
+    fn waits_for_the_return_of(budget: &Arc<BufferBudget>, held: Payload, len: usize, why: &str) {
+        std::thread::scope(|scope| {
+            let (tx, rx) = mpsc::channel();
+            scope.spawn(move || tx.send(budget.take(len).len()).unwrap());
+            assert!(
+                rx.recv_timeout(Duration::from_millis(200)).is_err(),
+                "{why}"
+            );
+            drop(held);
+            assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), len);
+        });
+        assert!(budget.allocated() <= budget.limit);
+    }
+
     #[test]
     fn try_take_never_waits_and_yields_to_blocked_takers() {
         let budget = &Arc::new(BufferBudget::new(8 << 20));
@@ -301,38 +317,17 @@ mod tests {
         assert_eq!(budget.allocated(), 8 << 20, "the pool made way");
         drop(all);
         assert_eq!(budget.allocated(), 0);
-        std::thread::scope(|scope| {
-            let (tx, rx) = mpsc::channel();
-            let held = budget.take(4 << 20);
-            scope.spawn(move || {
-                let b = budget.take(8 << 20);
-                tx.send(b.len()).unwrap();
-            });
-            assert!(
-                rx.recv_timeout(Duration::from_millis(200)).is_err(),
-                "8 MiB must wait while 4 MiB are lent"
-            );
-            drop(held);
-            assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), 8 << 20);
-        });
-        assert!(budget.allocated() <= budget.limit);
+        let held = budget.take(4 << 20);
+        let why = "8 MiB must wait while 4 MiB are lent";
+        waits_for_the_return_of(budget, held, 8 << 20, why);
     }
 
     #[test]
     fn a_request_larger_than_the_budget_is_served_alone() {
         let budget = &Arc::new(BufferBudget::new(1 << 20));
-        std::thread::scope(|scope| {
-            let (tx, rx) = mpsc::channel();
-            let small = budget.take(4096);
-            scope.spawn(move || {
-                let b = budget.take(2 << 20);
-                tx.send(b.len()).unwrap();
-            });
-            assert!(rx.recv_timeout(Duration::from_millis(200)).is_err());
-            drop(small);
-            assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), 2 << 20);
-        });
-        assert!(budget.allocated() <= budget.limit);
+        let small = budget.take(4096);
+        let why = "2 MiB must wait for the 4 KiB lent";
+        waits_for_the_return_of(budget, small, 2 << 20, why);
     }
 
     #[test]

@@ -212,18 +212,8 @@ impl NbdServer {
         remove_stale_socket(path)?;
         let listener = UnixListener::bind(path)?;
         info!("nbd: listening on unix:{}", path.display());
-        let server = self.clone();
-        std::thread::Builder::new()
-            .name("nbd-accept-unix".into())
-            .spawn(move || {
-                for stream in listener.incoming() {
-                    match stream {
-                        Ok(s) => server.accept(Stream::Unix(s)),
-                        Err(e) => warn!("nbd: accept failed: {e}"),
-                    }
-                }
-            })?;
-        Ok(())
+        let accept = move || listener.accept().map(|(s, _)| s);
+        self.spawn_acceptor("nbd-accept-unix", accept, Stream::Unix)
     }
 
     /// Listens on TCP; returns the bound address (useful with port 0).
@@ -231,21 +221,32 @@ impl NbdServer {
         let listener = TcpListener::bind(addr)?;
         let local = listener.local_addr()?;
         info!("nbd: listening on tcp:{local}");
+        let accept = move || listener.accept().map(|(s, _)| s);
+        self.spawn_acceptor("nbd-accept-tcp", accept, |s| {
+            let _ = s.set_nodelay(true);
+            Stream::Tcp(s)
+        })?;
+        Ok(local)
+    }
+
+    /// A thread named `name` that takes connections from `accept` (a listener's) for as long
+    /// as the process lives; `stream` makes each one a [`Stream`].
+    fn spawn_acceptor<S>(
+        &self,
+        name: &str,
+        mut accept: impl FnMut() -> std::io::Result<S> + Send + 'static,
+        stream: impl Fn(S) -> Stream + Send + 'static,
+    ) -> std::io::Result<()> {
         let server = self.clone();
         std::thread::Builder::new()
-            .name("nbd-accept-tcp".into())
-            .spawn(move || {
-                for stream in listener.incoming() {
-                    match stream {
-                        Ok(s) => {
-                            let _ = s.set_nodelay(true);
-                            server.accept(Stream::Tcp(s))
-                        }
-                        Err(e) => warn!("nbd: accept failed: {e}"),
-                    }
+            .name(name.into())
+            .spawn(move || loop {
+                match accept() {
+                    Ok(s) => server.accept(stream(s)),
+                    Err(e) => warn!("nbd: accept failed: {e}"),
                 }
             })?;
-        Ok(local)
+        Ok(())
     }
 
     /// Counts the connection in, or says why it is refused.

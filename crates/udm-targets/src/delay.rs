@@ -84,12 +84,7 @@ impl BlockDevice for Delay {
         self.groups[0].lower.len
     }
     fn capabilities(&self) -> Capabilities {
-        let caps: Vec<_> = self
-            .groups
-            .iter()
-            .map(|g| g.lower.dev.capabilities())
-            .collect();
-        Capabilities::weakest(caps.iter())
+        Capabilities::weakest(self.groups.iter().map(|g| g.lower.dev.capabilities()))
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.run(Kind::Read, |l| l.dev.read(l.offset + offset, buf))
@@ -207,11 +202,7 @@ mod tests {
     fn mapped_requests_wait_on_the_timer_and_count_as_delayed() {
         use udm_block::{FileDevice, MapOp, OpenMode};
         let dir = udm_testkit::TempDir::new("delay-map");
-        let path = dir.path("a.img");
-        std::fs::File::create(&path)
-            .unwrap()
-            .set_len(1 << 20)
-            .unwrap();
+        let path = dir.sparse("a.img", 1 << 20);
         let resolver = udm_testkit::Devices::default();
         let file = FileDevice::open(&path, OpenMode::ReadWrite).unwrap();
         resolver.add("a", std::sync::Arc::new(file), false);

@@ -11,6 +11,7 @@ mod pacing;
 mod reference;
 mod registry;
 mod rendezvous;
+mod runs;
 mod table;
 mod target;
 mod timer;

@@ -1,7 +1,10 @@
 //! `log-writes <dev> <log dev>`: passes I/O to `dev` and records every write, discard,
 //! zeroing, FLUSH and FUA in order, with its data, on `log dev`, so that `udm replay-log` can
 //! rebuild the device as it was at any flush point (the kernel's dm-log-writes). Message:
-//! `mark <text>`. Each construction starts a new log.
+//! `mark <text>`. Each table starts a new log when it first goes live (not when it is loaded:
+//! an inactive table must not write under the live one's log). A table that brings the device
+//! back after a daemon restart goes on with the log instead, after a restart entry: a restart
+//! is not a new table, and the record of what came before it is what the user is testing.
 //!
 //! When the log device fills up, logging stops for good and I/O goes on to `dev` unlogged, as
 //! in the kernel: a full log must not fail the writes of the filesystem above. A warning is
@@ -17,7 +20,7 @@ use udm_block::{
     BlockDevice, BlockError, Capabilities, Extent, OpenMode, Result, WriteFlags, ZeroFlags,
     SECTOR_SIZE,
 };
-use udm_metadata::log::{Appended, LogWriter, Op};
+use udm_metadata::log::{Appended, LogReader, LogWriter, Op, MIN_LOG_SIZE};
 use udm_metadata::MetadataError;
 
 use crate::args::Args;
@@ -28,7 +31,10 @@ pub struct LogWrites {
     log_ref: String,
     dev: Arc<dyn BlockDevice>,
     len: u64,
-    log: Mutex<LogWriter>,
+    log_dev: Arc<dyn BlockDevice>,
+    /// This table brings the device back after a daemon restart: it goes on with the log.
+    continues_log: bool,
+    log: Mutex<Log>,
     /// Writes hold it shared while they complete and are logged; a flush holds it alone, so
     /// every write logged before a FLUSH entry completed before the flush began.
     order: RwLock<()>,
@@ -40,14 +46,26 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     let (log_ref, log_dev) = args.device(ctx, "log dev", OpenMode::Exclusive)?;
     ctx.require(&dev_ref, &*dev, 0, ctx.len)
         .map_err(|e| args.error(e))?;
-    let log = LogWriter::create(log_dev)
-        .map_err(|e| args.error(format!("log device '{log_ref}': {e}")))?;
+    let unusable = |e: MetadataError| args.error(format!("log device '{log_ref}': {e}"));
+    if ctx.restoring {
+        // Refuse now what could not be continued (a damaged log), naming why.
+        LogReader::open(log_dev.clone())
+            .and_then(|mut log| log.read_to_end())
+            .map_err(unusable)?;
+    } else if log_dev.size() < MIN_LOG_SIZE {
+        return Err(unusable(MetadataError::Mismatch(format!(
+            "{} bytes; a log needs at least {MIN_LOG_SIZE}",
+            log_dev.size()
+        ))));
+    }
     Ok(Arc::new(LogWrites {
         dev_ref,
         log_ref,
         dev,
         len: ctx.len,
-        log: Mutex::new(log),
+        log_dev,
+        continues_log: ctx.restoring,
+        log: Mutex::new(Log::NotStarted),
         order: RwLock::new(()),
         raise_event: ctx.raise_event.clone(),
     }))
@@ -60,11 +78,49 @@ fn logged(e: MetadataError) -> BlockError {
     }
 }
 
+/// The log of a table, from the moment it first goes live.
+enum Log {
+    NotStarted,
+    Started(LogWriter),
+    /// Starting it failed (an I/O error on the log device): I/O fails, naming why, rather than
+    /// going on unlogged from the first write.
+    Failed(String),
+}
+
 impl LogWrites {
+    /// Starts the log if this is the first time: a new one, or the one on the device when
+    /// this table brings the device back after a restart.
+    fn started(&self) -> Result<parking_lot::MappedMutexGuard<'_, LogWriter>> {
+        let mut log = self.log.lock();
+        if let Log::NotStarted = *log {
+            let started = if self.continues_log {
+                LogWriter::resume(self.log_dev.clone())
+            } else {
+                LogWriter::create(self.log_dev.clone())
+            };
+            *log = match started {
+                Ok(writer) => Log::Started(writer),
+                Err(e) => {
+                    let why = format!("log-writes: log device '{}': {e}", self.log_ref);
+                    warn!("{why}");
+                    Log::Failed(why)
+                }
+            };
+        }
+        parking_lot::MutexGuard::try_map(log, |log| match log {
+            Log::Started(writer) => Some(writer),
+            _ => None,
+        })
+        .map_err(|log| match &*log {
+            Log::Failed(why) => BlockError::Io(why.clone()),
+            _ => unreachable!("the log was started above"),
+        })
+    }
+
     /// Logs an operation that completed on `dev`. Once the log is full the operations go
     /// unlogged, and still succeed (`Appended::CutOff`): the device did what was asked.
     fn append(&self, op: Op) -> Result<Appended> {
-        let mut log = self.log.lock();
+        let mut log = self.started()?;
         let was_cut_off = log.is_cut_off();
         let appended = log.append(op).map_err(logged)?;
         if !was_cut_off && log.is_cut_off() {
@@ -138,13 +194,15 @@ impl Target for LogWrites {
     fn status(&self) -> String {
         // As the kernel: entries logged, and the last log sector used; then whether the log
         // filled up.
-        let log = self.log.lock();
-        format!(
-            "{} {}{}",
-            log.entries(),
-            log.blocks_used() * (4096 / SECTOR_SIZE) - 1,
-            if log.is_cut_off() { " log full" } else { "" }
-        )
+        match self.started() {
+            Ok(log) => format!(
+                "{} {}{}",
+                log.entries(),
+                log.blocks_used() * (4096 / SECTOR_SIZE) - 1,
+                if log.is_cut_off() { " log full" } else { "" }
+            ),
+            Err(_) => "0 0 log failed".into(),
+        }
     }
     fn message(&self, words: &[&str]) -> Result<String, TargetError> {
         match words {
@@ -167,6 +225,10 @@ impl Target for LogWrites {
     }
     fn references(&self) -> Vec<String> {
         vec![self.dev_ref.clone(), self.log_ref.clone()]
+    }
+    fn resume(&self) {
+        // Errors are kept and reported by the I/O that needs the log.
+        let _ = self.started();
     }
 }
 

@@ -140,8 +140,7 @@ impl BlockDevice for Striped {
         self.len
     }
     fn capabilities(&self) -> Capabilities {
-        let caps: Vec<_> = self.stripes.iter().map(|s| s.dev.capabilities()).collect();
-        Capabilities::weakest(caps.iter())
+        Capabilities::weakest(self.stripes.iter().map(|s| s.dev.capabilities()))
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.each_chunk(offset, buf.len() as u64, |s, at, r| {

@@ -115,6 +115,7 @@ impl Table {
                 owner,
                 len,
                 raise_event: raise_event.clone(),
+                restoring: resolver.restoring(),
                 needs: Default::default(),
             };
             let target = construct(&line.type_name, &line.args, &ctx).map_err(at)?;
@@ -126,13 +127,7 @@ impl Table {
             });
             next += line.len;
         }
-        let capabilities = Capabilities::weakest(
-            segments
-                .iter()
-                .map(|s| s.target.capabilities())
-                .collect::<Vec<_>>()
-                .iter(),
-        );
+        let capabilities = Capabilities::weakest(segments.iter().map(|s| s.target.capabilities()));
         Ok(Table {
             segments,
             size: next * SECTOR_SIZE,
@@ -478,20 +473,17 @@ mod map_tests {
 
     use crate::testing::{build, Devices};
 
-    fn file(tag: &str) -> (std::path::PathBuf, Arc<dyn BlockDevice>) {
-        let path = std::env::temp_dir().join(format!("udm-map-{tag}-{}", std::process::id()));
-        std::fs::File::create(&path)
-            .unwrap()
-            .set_len(1 << 20)
-            .unwrap();
+    fn file(dir: &udm_testkit::TempDir, name: &str) -> (std::path::PathBuf, Arc<dyn BlockDevice>) {
+        let path = dir.sparse(name, 1 << 20);
         let dev = Arc::new(FileDevice::open(&path, OpenMode::ReadWrite).unwrap());
         (path, dev)
     }
 
     #[test]
     fn linear_over_striped_over_two_files_maps_to_file_extents() {
-        let (a_path, a) = file("a");
-        let (b_path, b) = file("b");
+        let dir = udm_testkit::TempDir::new("table-map");
+        let (a_path, a) = file(&dir, "a.img");
+        let (b_path, b) = file(&dir, "b.img");
         let files = Devices::default();
         files.add("a", a, false);
         files.add("b", b, false);
@@ -532,7 +524,5 @@ mod map_tests {
         assert!(delayed.map(MapOp::Read, 0, 4096).unwrap().is_ready());
         let both = delayed.map(MapOp::Read, 0, 8192).unwrap();
         assert_eq!((both.pieces.len(), both.is_ready()), (2, false));
-        std::fs::remove_file(a_path).unwrap();
-        std::fs::remove_file(b_path).unwrap();
     }
 }

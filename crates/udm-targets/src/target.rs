@@ -35,6 +35,13 @@ pub trait Resolver {
     ) -> Result<Arc<dyn BlockDevice>, TargetError> {
         self.open(reference, mode)
     }
+
+    /// Whether the tables built now bring devices back after a daemon restart, rather than
+    /// being loaded by a user: a target that keeps a record for its device's whole life (the
+    /// log-writes log) goes on with it instead of starting anew.
+    fn restoring(&self) -> bool {
+        false
+    }
 }
 
 /// Raises a device event (hydration done, mode change, path failed…) for `udm wait`.
@@ -49,6 +56,8 @@ pub struct TargetContext<'a> {
     /// Length of the segment in bytes.
     pub len: u64,
     pub raise_event: EventSink,
+    /// See [`Resolver::restoring`].
+    pub restoring: bool,
     /// How far into each lower device the target reaches, recorded by [`TargetContext::require`]
     /// so that shrinking a device under its users can be refused.
     pub(crate) needs: std::cell::RefCell<Vec<(String, u64)>>,

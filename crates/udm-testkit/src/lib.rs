@@ -1,7 +1,7 @@
 //! What udm's tests share, so that each crate's tests say what they check and not how to set
 //! it up. A dev-dependency only (and of the fuzzers' harness): nothing here is part of udm.
 //!
-//! - [`TempDir`]: a scratch directory removed on drop.
+//! - [`TempDir`]: a scratch directory removed on drop, with sparse disk images in it.
 //! - [`Rng`], [`pattern`], [`pattern_file`]: deterministic data, different at every offset.
 //! - [`Devices`]: block devices by name, as a catalog of exports and as a table resolver.
 //! - [`Switchable`]: a memory device that fails, counts and calls back on command.

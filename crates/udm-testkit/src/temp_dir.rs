@@ -29,6 +29,13 @@ impl TempDir {
         self.0.join(name)
     }
 
+    /// A sparse file of `len` bytes, `name` inside the directory: a disk image for a test.
+    pub fn sparse(&self, name: &str, len: u64) -> PathBuf {
+        let path = self.path(name);
+        std::fs::File::create(&path).unwrap().set_len(len).unwrap();
+        path
+    }
+
     pub fn root(&self) -> &Path {
         &self.0
     }

@@ -100,7 +100,7 @@ fn apply(target: &FileDevice, entry: &LogEntry, data: &[u8]) -> anyhow::Result<(
         EntryKind::Discard | EntryKind::WriteZeroes => {
             target.write_zeroes(entry.offset, entry.len, ZeroFlags::default())?
         }
-        EntryKind::Flush | EntryKind::Mark => {}
+        EntryKind::Flush | EntryKind::Mark | EntryKind::Restart => {}
     }
     Ok(())
 }

@@ -405,8 +405,7 @@ fn settings_suspension_and_inactive_tables_survive_a_crash() {
     daemon.udm(&["load", "other", "--table", "0 8192 zero"]);
     daemon.udm(&["suspend", "other"]);
 
-    daemon.stop(libc::SIGKILL);
-    daemon.launch();
+    daemon.crash_and_restart();
     let status = daemon.udm(&["status", "vol"]);
     assert!(status.contains(" 1 no_hydration "), "{status}");
     assert!(

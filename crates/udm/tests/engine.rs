@@ -16,12 +16,16 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock()
 }
 
-/// A daemon serving NBD on io_uring event loops (`extra`: more options) with `vol`, a linear
-/// device of `size` bytes on disk.img.
-fn uring_daemon_with_vol(tag: &str, size: u64, extra: &[&str]) -> Daemon {
+/// A daemon serving NBD on io_uring event loops (`extra`: more options).
+fn uring_daemon(tag: &str, extra: &[&str]) -> Daemon {
     let mut args = vec!["--nbd-engine", "uring"];
     args.extend_from_slice(extra);
-    let daemon = Daemon::start_with(tag, &args);
+    Daemon::start_with(tag, &args)
+}
+
+/// [`uring_daemon`] with `vol`, a linear device of `size` bytes on disk.img.
+fn uring_daemon_with_vol(tag: &str, size: u64, extra: &[&str]) -> Daemon {
+    let daemon = uring_daemon(tag, extra);
     daemon.create_linear("vol", "disk.img", size);
     daemon
 }
@@ -83,10 +87,7 @@ fn sixty_four_connections_are_served_by_a_few_threads() {
 fn a_slow_target_does_not_stall_remapped_io_on_the_same_loop() {
     let _serial = serial();
     // One loop: the slow device's connection and the fast one share it.
-    let daemon = Daemon::start_with(
-        "engine-slow",
-        &["--nbd-engine", "uring", "--nbd-loops", "1"],
-    );
+    let daemon = uring_daemon("engine-slow", &["--nbd-loops", "1"]);
     let disk = daemon.create_linear("fast", "disk.img", 8 << 20);
     daemon.udm(&[
         "create",
@@ -276,10 +277,7 @@ fn without_io_uring_the_daemon_says_why_and_serves_with_threads() {
 #[test]
 fn requests_to_a_suspended_device_wait_without_taking_the_pool_from_others() {
     let _serial = serial();
-    let daemon = Daemon::start_with(
-        "engine-suspend",
-        &["--nbd-engine", "uring", "--nbd-pool-threads", "2"],
-    );
+    let daemon = uring_daemon("engine-suspend", &["--nbd-pool-threads", "2"]);
     daemon.create_linear("held", "held.img", 8 << 20);
     daemon.create_linear("other", "other.img", 8 << 20);
     daemon.udm(&["suspend", "held"]);
@@ -317,12 +315,7 @@ fn large_writes_arriving_in_pieces_or_cut_off_are_stored_whole_or_not_at_all() {
     // request's buffer, a piece at a time), with a read of another range pipelined right
     // behind its last byte (the two may be answered in either order).
     let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
-    let mut first = 0x2560_9513u32.to_be_bytes().to_vec();
-    first.extend_from_slice(&0u16.to_be_bytes());
-    first.extend_from_slice(&NBD_CMD_WRITE.to_be_bytes());
-    first.extend_from_slice(&1u64.to_be_bytes());
-    first.extend_from_slice(&(1u64 << 20).to_be_bytes());
-    first.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    let mut first = request_header(0, NBD_CMD_WRITE, 1, 1 << 20, 1 << 20);
     first.extend_from_slice(&data[..1000]);
     client.stream.write_all(&first).unwrap();
     for piece in data[1000..data.len() - 5000].chunks(100_000) {
@@ -330,12 +323,7 @@ fn large_writes_arriving_in_pieces_or_cut_off_are_stored_whole_or_not_at_all() {
         client.stream.write_all(piece).unwrap();
     }
     let mut last = data[data.len() - 5000..].to_vec();
-    last.extend_from_slice(&0x2560_9513u32.to_be_bytes());
-    last.extend_from_slice(&0u16.to_be_bytes());
-    last.extend_from_slice(&NBD_CMD_READ.to_be_bytes());
-    last.extend_from_slice(&2u64.to_be_bytes());
-    last.extend_from_slice(&(8u64 << 20).to_be_bytes());
-    last.extend_from_slice(&4096u32.to_be_bytes());
+    last.extend_from_slice(&request_header(0, NBD_CMD_READ, 2, 8 << 20, 4096));
     client.stream.write_all(&last).unwrap();
     let mut back = vec![0u8; 1 << 20];
     let mut cookies = Vec::new();
@@ -358,12 +346,7 @@ fn large_writes_arriving_in_pieces_or_cut_off_are_stored_whole_or_not_at_all() {
     // stored, and the daemon serves the next client.
     for cut in [100, 200_000, (1 << 20) - 1] {
         let mut gone = RawClient::connect(&daemon.nbd_socket(), "vol");
-        let mut req = 0x2560_9513u32.to_be_bytes().to_vec();
-        req.extend_from_slice(&0u16.to_be_bytes());
-        req.extend_from_slice(&NBD_CMD_WRITE.to_be_bytes());
-        req.extend_from_slice(&3u64.to_be_bytes());
-        req.extend_from_slice(&(4u64 << 20).to_be_bytes());
-        req.extend_from_slice(&(1u32 << 20).to_be_bytes());
+        let mut req = request_header(0, NBD_CMD_WRITE, 3, 4 << 20, 1 << 20);
         req.extend_from_slice(&vec![0xee; cut]);
         gone.stream.write_all(&req).unwrap();
         std::thread::sleep(Duration::from_millis(50));
@@ -462,12 +445,7 @@ fn a_header_trickling_in_after_a_large_write_is_read_whole(client: &mut RawClien
     let data = vec![0x5a; 256 << 10];
     client.send(0, NBD_CMD_WRITE, 100, 32 << 20, data.len() as u32, &data);
     assert_eq!(client.reply().unwrap(), (0, 100));
-    let mut header = 0x2560_9513u32.to_be_bytes().to_vec();
-    header.extend_from_slice(&0u16.to_be_bytes());
-    header.extend_from_slice(&NBD_CMD_READ.to_be_bytes());
-    header.extend_from_slice(&101u64.to_be_bytes());
-    header.extend_from_slice(&((32u64 << 20) + 4096).to_be_bytes());
-    header.extend_from_slice(&4096u32.to_be_bytes());
+    let header = request_header(0, NBD_CMD_READ, 101, (32 << 20) + 4096, 4096);
     for byte in header {
         client.stream.write_all(&[byte]).unwrap();
         std::thread::sleep(Duration::from_millis(2));
@@ -524,25 +502,14 @@ fn discards_and_write_zeroes_on_linear_go_to_the_file_on_the_engine() {
 #[test]
 fn a_discard_over_many_stripes_goes_the_synchronous_way_and_a_short_one_does_not() {
     let _serial = serial();
-    let daemon = Daemon::start_with("engine-fill-striped", &["--nbd-engine", "uring"]);
-    let dir = daemon.control().parent().unwrap().to_path_buf();
-    for f in ["a.img", "b.img"] {
-        std::fs::File::create(dir.join(f))
-            .unwrap()
-            .set_len(32 << 20)
-            .unwrap();
-    }
+    let daemon = uring_daemon("engine-fill-striped", &[]);
+    let (a, b) = (
+        daemon.sparse("a.img", 32 << 20),
+        daemon.sparse("b.img", 32 << 20),
+    );
     // 4 KiB chunks: a 64 MiB device has 16,384 of them.
-    daemon.udm(&[
-        "create",
-        "vol",
-        "--table",
-        &format!(
-            "0 131072 striped 2 8 {} 0 {} 0",
-            dir.join("a.img").display(),
-            dir.join("b.img").display()
-        ),
-    ]);
+    let table = format!("0 131072 striped 2 8 {} 0 {} 0", a.display(), b.display());
+    daemon.create("vol", &table);
     let uri = daemon.uri("vol");
     let io = |command: &str| {
         qemu_io_ok(&uri, &[command]);

@@ -407,6 +407,17 @@ fn idle_connections_are_closed_and_busy_ones_are_not() {
 }
 
 /// VmHWM (peak) and VmRSS of a process, in bytes.
+/// Asserts that the daemon's resident memory has not grown more than 64 MiB past `rss`.
+fn assert_rss_near(daemon: &Daemon, rss: u64) {
+    let (_, now) = memory_of(daemon.pid());
+    assert!(
+        now <= rss + (64 << 20),
+        "RSS grew from {} MiB to {} MiB",
+        rss >> 20,
+        now >> 20
+    );
+}
+
 fn memory_of(pid: u32) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let field = |name: &str| {
@@ -506,15 +517,11 @@ fn clients_that_vanish_with_a_full_queue_give_back_their_slots_and_buffers() {
         // one mid-request).
         let mut burst = Vec::new();
         for i in 0..64u64 {
-            let (command, len) = if i < 32 { (1u16, 4096) } else { (0, 4096) };
-            burst.extend_from_slice(&0x2560_9513u32.to_be_bytes());
-            burst.extend_from_slice(&0u16.to_be_bytes());
-            burst.extend_from_slice(&command.to_be_bytes());
-            burst.extend_from_slice(&i.to_be_bytes());
+            let command = if i < 32 { NBD_CMD_WRITE } else { NBD_CMD_READ };
             // Away from the bystander's blocks (the first few).
-            burst.extend_from_slice(&((1 << 20) + (i % 1024) * 4096).to_be_bytes());
-            burst.extend_from_slice(&(len as u32).to_be_bytes());
-            if command == 1 {
+            let offset = (1 << 20) + (i % 1024) * 4096;
+            burst.extend_from_slice(&request_header(0, command, i, offset, 4096));
+            if command == NBD_CMD_WRITE {
                 burst.extend_from_slice(&data);
             }
         }
@@ -534,13 +541,7 @@ fn clients_that_vanish_with_a_full_queue_give_back_their_slots_and_buffers() {
         .map(|_| RawClient::connect(&daemon.nbd_socket(), "vol"))
         .collect();
     drop(others);
-    let (_, after) = memory_of(daemon.pid());
-    assert!(
-        after <= rss + (64 << 20),
-        "RSS grew from {} MiB to {} MiB",
-        rss >> 20,
-        after >> 20
-    );
+    assert_rss_near(&daemon, rss);
 }
 
 #[test]
@@ -554,12 +555,8 @@ fn a_client_that_never_reads_its_replies_is_held_back_and_others_are_served() {
     let data = vec![3u8; 4096];
     let mut burst = Vec::new();
     for i in 0..10_000u64 {
-        burst.extend_from_slice(&0x2560_9513u32.to_be_bytes());
-        burst.extend_from_slice(&0u16.to_be_bytes());
-        burst.extend_from_slice(&NBD_CMD_WRITE.to_be_bytes());
-        burst.extend_from_slice(&i.to_be_bytes());
-        burst.extend_from_slice(&((1 << 20) + (i % 1024) * 4096).to_be_bytes());
-        burst.extend_from_slice(&4096u32.to_be_bytes());
+        let offset = (1 << 20) + (i % 1024) * 4096;
+        burst.extend_from_slice(&request_header(0, NBD_CMD_WRITE, i, offset, 4096));
         burst.extend_from_slice(&data);
     }
     // Sends until the server has taken nothing for a second (10 s at most).
@@ -588,11 +585,5 @@ fn a_client_that_never_reads_its_replies_is_held_back_and_others_are_served() {
         burst.len()
     );
     check_bystander(&mut bystander, 3);
-    let (_, now) = memory_of(daemon.pid());
-    assert!(
-        now <= rss + (64 << 20),
-        "RSS grew from {} MiB to {} MiB",
-        rss >> 20,
-        now >> 20
-    );
+    assert_rss_near(&daemon, rss);
 }

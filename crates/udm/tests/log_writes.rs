@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
 use common::*;
@@ -133,4 +134,81 @@ fn a_full_log_stops_logging_and_the_writes_go_on() {
     assert_eq!(replayed[..192 * 1024], logged[..192 * 1024]);
     assert!(replayed[192 * 1024..].iter().all(|&b| b == 0));
     assert!(logged[192 * 1024..256 * 1024].iter().all(|&b| b == 0x44));
+}
+
+#[test]
+fn a_log_damaged_before_its_last_flush_is_refused_naming_the_entry() {
+    let (daemon, _dev, log) = log_writes("log-damaged", 64 * MIB);
+    write_back(
+        &daemon.uri("lw"),
+        &["write -P 0x11 0 4k", "write -P 0x22 4k 4k", "flush"],
+    );
+    daemon.udm(&["remove", "lw"]);
+    // Entry 1's header is block 3: after the superblock and entry 0's header and data block.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&log)
+        .unwrap();
+    let mut byte = [0u8];
+    file.read_at(&mut byte, 3 * 4096 + 40).unwrap();
+    file.write_at(&[byte[0] ^ 0x5a], 3 * 4096 + 40).unwrap();
+    // Before, the log read as one entry long and the replay "passed" with no check point.
+    let target = daemon.sparse("replay.img", 8 * MIB);
+    let out = daemon.replay_log(&log, &target, &["--check", "flush", "--fsck", "true"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("entry 1 has a bad header") && err.contains("the log is damaged"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_log_goes_on_after_a_daemon_restart_and_a_new_table_starts_anew() {
+    let (mut daemon, dev, log) = log_writes("log-restart", 64 * MIB);
+    let replay_to_the_end = |daemon: &Daemon| {
+        let target = daemon.sparse("replay.img", 8 * MIB);
+        let out = daemon.replay_log(&log, &target, &["--verbose"]);
+        assert!(out.status.success(), "{out:?}");
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            std::fs::read(&target).unwrap(),
+        )
+    };
+    write_back(&daemon.uri("lw"), &["write -P 0x11 0 64k", "flush"]);
+    // Before, the restored table started a new log: the first write vanished from it, and the
+    // replay rebuilt a device that never was.
+    for (signal, data) in [(libc::SIGKILL, "0x22"), (libc::SIGTERM, "0x33")] {
+        daemon.stop(signal);
+        daemon.launch();
+        let offset = if signal == libc::SIGKILL {
+            "64k"
+        } else {
+            "128k"
+        };
+        write_back(
+            &daemon.uri("lw"),
+            &[&format!("write -P {data} {offset} 64k"), "flush"],
+        );
+    }
+    let (entries, replayed) = replay_to_the_end(&daemon);
+    assert_eq!(entries.matches("Restart").count(), 2, "{entries}");
+    assert!(entries.contains("udm restarted"), "{entries}");
+    assert!(replayed == std::fs::read(&dev).unwrap(), "{entries}");
+    // A table loaded by the user starts a new log when it goes live, as the kernel's does;
+    // while it waits inactive, the live table's log is untouched.
+    let table = daemon.udm(&["table", "lw"]);
+    daemon.udm(&["load", "lw", "--table", &table]);
+    write_back(&daemon.uri("lw"), &["write -P 0x44 0 4k", "flush"]);
+    assert!(replay_to_the_end(&daemon)
+        .0
+        .contains("Write offset 0 len 4096"));
+    daemon.udm(&["resume", "lw"]);
+    write_back(&daemon.uri("lw"), &["write -P 0x55 4k 4k", "flush"]);
+    let (entries, _) = replay_to_the_end(&daemon);
+    assert!(
+        !entries.contains("Restart") && entries.contains("Write offset 4096 len 4096"),
+        "{entries}"
+    );
 }

@@ -6,11 +6,10 @@ use super::*;
 #[test]
 fn devices_are_files_with_their_size_and_mode() {
     each_transport(|mode| {
-        let dir = TempDir::new("attrs");
-        let catalog = Arc::new(Devices::default());
-        catalog.add_memory("vol", 8 * MIB);
-        catalog.add("ro", Arc::new(MemoryDevice::new(MIB)), true);
-        let export = mount(&dir, &catalog, mode);
+        let (dir, catalog, export) = mounted("attrs", mode, |_, catalog| {
+            catalog.add_memory("vol", 8 * MIB);
+            catalog.add("ro", Arc::new(MemoryDevice::new(MIB)), true);
+        });
         let mnt = export.mountpoint().to_path_buf();
         assert_eq!(listing(&mnt), ["ro", "vol"]);
         let vol = std::fs::metadata(mnt.join("vol")).unwrap();
@@ -47,11 +46,10 @@ fn devices_are_files_with_their_size_and_mode() {
 #[test]
 fn aligned_and_unaligned_reads_and_writes() {
     each_transport(|mode| {
-        let dir = TempDir::new("rw");
-        let catalog = Arc::new(Devices::default());
         let device = Recording::new(4 * MIB);
-        catalog.add("vol", device.clone(), false);
-        let export = mount(&dir, &catalog, mode);
+        let (_dir, catalog, export) = mounted("rw", mode, |_, catalog| {
+            catalog.add("vol", device.clone(), false)
+        });
         let path = export.mountpoint().join("vol");
         let mut model = vec![0u8; 4 * MIB as usize];
         let file = open_rw(&path).unwrap();
@@ -107,10 +105,9 @@ fn aligned_and_unaligned_reads_and_writes() {
 #[test]
 fn fallocate_punches_and_zeroes() {
     each_transport(|mode| {
-        let dir = TempDir::new("falloc");
-        let catalog = Arc::new(Devices::default());
-        catalog.add_memory("vol", MIB);
-        let export = mount(&dir, &catalog, mode);
+        let (_dir, _catalog, export) = mounted("falloc", mode, |_, catalog| {
+            catalog.add_memory("vol", MIB);
+        });
         let file = open_rw(&export.mountpoint().join("vol")).unwrap();
         let ones = vec![0xffu8; MIB as usize];
         file.write_all_at(&ones, 0).unwrap();
@@ -151,10 +148,9 @@ fn fallocate_punches_and_zeroes() {
 #[test]
 fn writes_stop_at_the_end_and_the_size_cannot_change() {
     each_transport(|mode| {
-        let dir = TempDir::new("end");
-        let catalog = Arc::new(Devices::default());
-        catalog.add_memory("vol", MIB);
-        let export = mount(&dir, &catalog, mode);
+        let (_dir, _catalog, export) = mounted("end", mode, |_, catalog| {
+            catalog.add_memory("vol", MIB);
+        });
         let path = export.mountpoint().join("vol");
         let file = open_rw(&path).unwrap();
         assert_eq!(file.write_at(&[7u8; 4096], MIB - 1024).unwrap(), 1024);
@@ -181,12 +177,10 @@ fn writes_stop_at_the_end_and_the_size_cannot_change() {
 #[test]
 fn read_only_devices_refuse_writes() {
     each_transport(|mode| {
-        let dir = TempDir::new("ro");
-        let catalog = Arc::new(Devices::default());
         let device = Arc::new(MemoryDevice::new(MIB));
         device.write(0, &[5u8; 512], WriteFlags::default()).unwrap();
-        catalog.add("ro", device, true);
-        let export = mount(&dir, &catalog, mode);
+        let (_dir, catalog, export) =
+            mounted("ro", mode, |_, catalog| catalog.add("ro", device, true));
         let path = export.mountpoint().join("ro");
         assert_eq!(errno_of(open_rw(&path)), libc::EROFS);
         assert_eq!(
@@ -203,10 +197,9 @@ fn read_only_devices_refuse_writes() {
 #[test]
 fn devices_come_and_go_with_the_catalog() {
     each_transport(|mode| {
-        let dir = TempDir::new("catalog");
-        let catalog = Arc::new(Devices::default());
-        catalog.add_memory("a", MIB);
-        let export = mount(&dir, &catalog, mode);
+        let (_dir, catalog, export) = mounted("catalog", mode, |_, catalog| {
+            catalog.add_memory("a", MIB);
+        });
         let mnt = export.mountpoint().to_path_buf();
         assert_eq!(listing(&mnt), ["a"]);
         let ino = std::fs::metadata(mnt.join("a")).unwrap().ino();
@@ -244,11 +237,10 @@ fn devices_come_and_go_with_the_catalog() {
 #[test]
 fn large_requests_arrive_whole() {
     each_transport(|mode| {
-        let dir = TempDir::new("large");
-        let catalog = Arc::new(Devices::default());
         let device = Recording::new(8 * MIB);
-        catalog.add("vol", device.clone(), false);
-        let export = mount(&dir, &catalog, mode);
+        let (_dir, _catalog, export) = mounted("large", mode, |_, catalog| {
+            catalog.add("vol", device.clone(), false)
+        });
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -270,13 +262,10 @@ fn large_requests_arrive_whole() {
 #[test]
 fn ext4_on_a_loop_device() {
     each_transport(|mode| {
-        let dir = TempDir::new("ext4");
-        let backing = dir.path("backing.img");
-        File::create(&backing).unwrap().set_len(128 * MIB).unwrap();
-        let catalog = Arc::new(Devices::default());
-        let device = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
-        catalog.add("vol", Arc::new(device), false);
-        let export = mount(&dir, &catalog, mode);
+        let (dir, catalog, export) = mounted("ext4", mode, |dir, catalog| {
+            let device = file_device(dir, "backing.img", 128 * MIB);
+            catalog.add("vol", Arc::new(device), false);
+        });
         let lo = LoopDevice::attach(&export.mountpoint().join("vol"));
         assert!(lo.direct_io(), "{} without direct I/O", lo.0);
         run_ok(Command::new("mkfs.ext4").args(["-q", "-F", &lo.0]));
@@ -317,10 +306,9 @@ fn ext4_on_a_loop_device() {
 #[test]
 fn fio_verify_on_a_loop_device() {
     each_transport(|mode| {
-        let dir = TempDir::new("fio");
-        let catalog = Arc::new(Devices::default());
-        catalog.add_memory("vol", 64 * MIB);
-        let export = mount(&dir, &catalog, mode);
+        let (dir, catalog, export) = mounted("fio", mode, |_, catalog| {
+            catalog.add_memory("vol", 64 * MIB);
+        });
         let lo = LoopDevice::attach(&export.mountpoint().join("vol"));
         let out = run_ok(Command::new("fio").current_dir(&dir.0).args([
             "--name=verify",

@@ -100,10 +100,9 @@ fn dead_mounts_are_recovered() {
 #[test]
 fn a_busy_mount_is_detached_then_aborted() {
     each_transport(|mode| {
-        let dir = TempDir::new("busy");
-        let catalog = Arc::new(Devices::default());
-        catalog.add_memory("vol", MIB);
-        let export = mount(&dir, &catalog, mode);
+        let (dir, catalog, export) = mounted("busy", mode, |_, catalog| {
+            catalog.add_memory("vol", MIB);
+        });
         let held = File::open(export.mountpoint().join("vol")).unwrap();
         let mut buf = [0u8; 512];
         held.read_exact_at(&mut buf, 0).unwrap();

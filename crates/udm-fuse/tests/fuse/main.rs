@@ -65,6 +65,39 @@ pub fn each_transport(check: impl Fn(UringMode)) {
     }
 }
 
+/// Mounts over `mode`, in a fresh directory tagged `tag`, a catalog that `add` fills first
+/// (it may put backing files in the directory): where most tests start. The directory and the
+/// catalog come back with the export, to be kept as long as it.
+pub fn mounted(
+    tag: &str,
+    mode: UringMode,
+    add: impl FnOnce(&TempDir, &Devices),
+) -> (TempDir, Arc<Devices>, FuseExport) {
+    let config = FuseConfig {
+        io_uring: mode,
+        ..FuseConfig::default()
+    };
+    mounted_with(tag, config, add)
+}
+
+/// [`mounted`] with a configuration of the test's own.
+pub fn mounted_with(
+    tag: &str,
+    config: FuseConfig,
+    add: impl FnOnce(&TempDir, &Devices),
+) -> (TempDir, Arc<Devices>, FuseExport) {
+    let dir = TempDir::new(tag);
+    let catalog = Arc::new(Devices::default());
+    add(&dir, &catalog);
+    let export = mount_with(&dir, &catalog, config);
+    (dir, catalog, export)
+}
+
+/// A file device on a sparse file of `size` bytes in `dir`.
+pub fn file_device(dir: &TempDir, name: &str, size: u64) -> FileDevice {
+    FileDevice::open(&dir.sparse(name, size), OpenMode::ReadWrite).unwrap()
+}
+
 pub fn mount(dir: &TempDir, catalog: &Arc<Devices>, mode: UringMode) -> FuseExport {
     mount_with(
         dir,

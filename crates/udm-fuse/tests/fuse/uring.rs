@@ -45,19 +45,17 @@ fn over_io_uring_mapped_requests_go_to_the_engine() {
     if !can_run() {
         return;
     }
-    let dir = TempDir::new("engine");
-    let backing = dir.path("backing.img");
-    File::create(&backing).unwrap().set_len(8 * MIB).unwrap();
-    let file = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
-    let catalog = Arc::new(Devices::default());
-    catalog.add("vol", Arc::new(MapOnly(file)), false);
     // Three threads per queue, dealt 11, 11 and 10 of its entries.
     let config = FuseConfig {
         io_uring: UringMode::On,
         threads_per_queue: 3,
         ..FuseConfig::default()
     };
-    let export = mount_with(&dir, &catalog, config);
+    let (dir, catalog, export) = mounted_with("engine", config, |dir, catalog| {
+        let file = file_device(dir, "backing.img", 8 * MIB);
+        catalog.add("vol", Arc::new(MapOnly(file)), false);
+    });
+    let backing = dir.path("backing.img");
     assert!(matches!(
         export.transport(),
         Transport::IoUring {
@@ -236,6 +234,15 @@ impl BlockDevice for Slow {
     }
 }
 
+/// Fills a catalog with `slow` and `fast`, a file device of 4 MiB.
+fn slow_and_fast(slow: &Arc<Slow>) -> impl FnOnce(&TempDir, &Devices) + '_ {
+    move |dir, catalog| {
+        catalog.add("slow", slow.clone(), false);
+        let fast = file_device(dir, "fast.img", 4 * MIB);
+        catalog.add("fast", Arc::new(fast), false);
+    }
+}
+
 /// Starts `count` threads each reading 4 KiB of `path` with O_DIRECT (one request each).
 fn read_in_background(
     path: &Path,
@@ -261,21 +268,14 @@ fn over_io_uring_a_slow_device_does_not_hold_up_a_fast_one() {
     if !can_run() {
         return;
     }
-    let dir = TempDir::new("slow");
-    let backing = dir.path("fast.img");
-    File::create(&backing).unwrap().set_len(4 * MIB).unwrap();
-    let catalog = Arc::new(Devices::default());
     let slow = Slow::new(MIB, Duration::from_secs(3));
-    catalog.add("slow", slow.clone(), false);
-    let fast = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
-    catalog.add("fast", Arc::new(fast), false);
     // Two threads for synchronous requests, both kept busy by the slow device.
     let config = FuseConfig {
         workers: 2,
         io_uring: UringMode::On,
         ..FuseConfig::default()
     };
-    let export = mount_with(&dir, &catalog, config);
+    let (_dir, catalog, export) = mounted_with("slow", config, slow_and_fast(&slow));
     let mnt = export.mountpoint().to_path_buf();
     let readers = read_in_background(&mnt.join("slow"), 4);
     slow.wait_reading(2);
@@ -308,16 +308,9 @@ fn over_io_uring_a_slow_device_does_not_hold_up_a_fast_one() {
 #[test]
 fn unmount_with_requests_in_flight_ends_in_bounded_time() {
     each_transport(|mode| {
-        let dir = TempDir::new("inflight");
-        let backing = dir.path("fast.img");
-        File::create(&backing).unwrap().set_len(4 * MIB).unwrap();
-        let catalog = Arc::new(Devices::default());
         // Longer than the grace a busy mount is served after it is detached.
         let slow = Slow::new(MIB, Duration::from_secs(5));
-        catalog.add("slow", slow.clone(), false);
-        let fast = FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
-        catalog.add("fast", Arc::new(fast), false);
-        let export = mount(&dir, &catalog, mode);
+        let (_dir, catalog, export) = mounted("inflight", mode, slow_and_fast(&slow));
         let mnt = export.mountpoint().to_path_buf();
         let readers = read_in_background(&mnt.join("slow"), 3);
         // And the fast device busy with a stream of requests.

@@ -16,9 +16,7 @@ use udm_testkit::TempDir;
 
 /// A zeroed file of `size` bytes in `dir`, opened as a device.
 pub fn device(dir: &TempDir, file: &str, size: u64) -> (PathBuf, Arc<dyn BlockDevice>) {
-    let path = dir.path(file);
-    let f = std::fs::File::create(&path).unwrap();
-    f.set_len(size).unwrap();
+    let path = dir.sparse(file, size);
     let dev = FileDevice::open(&path, OpenMode::ReadWrite).unwrap();
     (path, Arc::new(dev))
 }

@@ -107,6 +107,16 @@ fn nbdkit(dir: &TempDir, args: &[&str]) -> Server {
     Server::start(dir, "nbdkit", &all)
 }
 
+/// qemu-nbd serving the raw `image` on the test's socket, staying up across disconnects
+/// (`-t`), with `args` besides.
+fn qemu_nbd(dir: &TempDir, image: &std::path::Path, args: &[&str]) -> Server {
+    let socket = socket(dir);
+    let mut all = vec!["-t", "-k", socket.to_str().unwrap(), "-f", "raw"];
+    all.extend_from_slice(args);
+    all.push(image.to_str().unwrap());
+    Server::start(dir, "qemu-nbd", &all)
+}
+
 fn options(io_timeout: Duration) -> ClientOptions {
     ClientOptions {
         io_timeout,

@@ -3,6 +3,18 @@
 
 use super::*;
 
+/// Reads 64 KiB at `offset` on a thread of its own: a request the test can catch waiting.
+fn read_in_background(
+    client: &Arc<NbdClient>,
+    offset: u64,
+) -> JoinHandle<udm_block::Result<AlignedBuf>> {
+    let client = client.clone();
+    std::thread::spawn(move || {
+        let mut buf = AlignedBuf::zeroed(65536);
+        client.read(offset, &mut buf).map(|()| buf)
+    })
+}
+
 #[test]
 fn reconnects_and_resends_after_the_server_restarts() {
     let dir = scratch("reconnect");
@@ -13,14 +25,7 @@ fn reconnects_and_resends_after_the_server_restarts() {
     let client = Arc::new(connect(&uri(&dir), options(Duration::from_secs(10))));
     assert!(read(&*client, 0, 4096)[..] == data[..4096]);
 
-    let spawn_read = |offset: u64| {
-        let client = client.clone();
-        std::thread::spawn(move || {
-            let mut buf = AlignedBuf::zeroed(65536);
-            client.read(offset, &mut buf).map(|()| buf)
-        })
-    };
-    let in_flight = spawn_read(MIB);
+    let in_flight = read_in_background(&client, MIB);
     std::thread::sleep(Duration::from_millis(100));
     drop(server);
     wait_until(
@@ -28,7 +33,7 @@ fn reconnects_and_resends_after_the_server_restarts() {
         Duration::from_secs(2),
         || !client.is_connected(),
     );
-    let while_down = spawn_read(2 * MIB + 8192);
+    let while_down = read_in_background(&client, 2 * MIB + 8192);
     std::thread::sleep(Duration::from_millis(300));
     assert!(!in_flight.is_finished() && !while_down.is_finished());
 
@@ -170,13 +175,7 @@ fn a_client_made_disconnected_connects_once_the_server_is_there() {
     );
     assert_eq!(client.size(), 4 * MIB);
     assert!(!client.is_connected());
-    let waiting = {
-        let client = client.clone();
-        std::thread::spawn(move || {
-            let mut buf = AlignedBuf::zeroed(65536);
-            client.read(MIB, &mut buf).map(|()| buf)
-        })
-    };
+    let waiting = read_in_background(&client, MIB);
     std::thread::sleep(Duration::from_millis(300));
     assert!(!waiting.is_finished());
     let _server = nbdkit(&dir, &["file", &file_arg]);
@@ -209,13 +208,7 @@ fn a_server_shutting_down_is_let_go_and_its_successor_serves_the_request() {
         }
         let mut server = nbdkit(&dir, &args);
         let client = Arc::new(connect(&uri(&dir), options(Duration::from_secs(20))));
-        let in_flight = {
-            let client = client.clone();
-            std::thread::spawn(move || {
-                let mut buf = AlignedBuf::zeroed(65536);
-                client.read(MIB, &mut buf).map(|()| buf)
-            })
-        };
+        let in_flight = read_in_background(&client, MIB);
         std::thread::sleep(Duration::from_millis(300));
         unsafe { libc::kill(server.0.id() as i32, libc::SIGTERM) };
         wait_until(

@@ -33,27 +33,8 @@ fn conformance_against_nbdkit_without_structured_replies() {
 #[test]
 fn conformance_against_qemu_nbd() {
     let dir = scratch("qemu");
-    let image = dir.path("disk.img");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(64 * MIB)
-        .unwrap();
-    let socket = socket(&dir);
-    let _server = Server::start(
-        &dir,
-        "qemu-nbd",
-        &[
-            "-t",
-            "-e",
-            "4",
-            "-k",
-            socket.to_str().unwrap(),
-            "-f",
-            "raw",
-            "--discard=unmap",
-            image.to_str().unwrap(),
-        ],
-    );
+    let image = dir.sparse("disk.img", 64 * MIB);
+    let _server = qemu_nbd(&dir, &image, &["-e", "4", "--discard=unmap"]);
     let client = connect(&uri(&dir), ClientOptions::default());
     assert_eq!(client.size(), 64 * MIB);
     conformance::run_all(&client);
@@ -108,20 +89,7 @@ fn block_status_tells_holes_from_data() {
     std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(MIB)).unwrap();
     file.write_all(&data).unwrap();
     drop(file);
-    let socket = socket(&dir);
-    let _server = Server::start(
-        &dir,
-        "qemu-nbd",
-        &[
-            "-t",
-            "-r",
-            "-k",
-            socket.to_str().unwrap(),
-            "-f",
-            "raw",
-            image.to_str().unwrap(),
-        ],
-    );
+    let _server = qemu_nbd(&dir, &image, &["-r"]);
     let client = connect(&uri(&dir), ClientOptions::default());
     assert!(client.capabilities().read_only);
     assert_eq!(

@@ -110,7 +110,9 @@ fn core_args(args: &mut Args, settings: &mut Settings) -> Result<(), TargetError
     let count: usize = args.number("#core args")?;
     if !count.is_multiple_of(2) || count > 6 || count != args.remaining() {
         return Err(args.error(format!(
-            "invalid number of core arguments {count}: key/value pairs, at most 3"
+            "invalid number of core arguments {count} ({} follow): it counts the words of \
+             up to 3 key/value pairs, e.g. 4 for 'hydration_threshold 64 hydration_batch_size 4'",
+            args.remaining()
         )));
     }
     for _ in 0..count / 2 {

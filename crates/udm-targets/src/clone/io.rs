@@ -113,21 +113,17 @@ impl Inner {
         mut f: impl FnMut(bool, u64, u64, std::ops::Range<usize>) -> Result<()>,
     ) -> Result<()> {
         let end = offset + len;
-        let mut pos = offset;
-        while pos < end {
+        let run_from = |pos| {
             let region = pos / self.region;
             let hydrated = self.meta.is_hydrated(region);
             let mut run_end = self.bounds(region).1.min(end);
             while run_end < end && self.meta.is_hydrated(run_end / self.region) == hydrated {
                 run_end = self.bounds(run_end / self.region).1.min(end);
             }
-            f(
-                hydrated,
-                pos,
-                run_end - pos,
-                (pos - offset) as usize..(run_end - offset) as usize,
-            )?;
-            pos = run_end;
+            (hydrated, run_end)
+        };
+        for (hydrated, at, n, range) in crate::runs::runs(offset, len, run_from) {
+            f(hydrated, at, n, range)?;
         }
         Ok(())
     }

@@ -106,13 +106,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         });
         first = end;
     }
-    let capabilities = Capabilities::weakest(
-        paths
-            .iter()
-            .map(|p| p.dev.capabilities())
-            .collect::<Vec<_>>()
-            .iter(),
-    );
+    let capabilities = Capabilities::weakest(paths.iter().map(|p| p.dev.capabilities()));
     let maps = !paths.is_empty()
         && paths
             .iter()

@@ -36,6 +36,11 @@ impl Entry {
     fn is_free(&self) -> bool {
         !self.exclusive && self.shared == 0
     }
+
+    /// A shared holder may come in: nobody holds the chunk exclusively or waits to.
+    fn admits_shared(&self) -> bool {
+        !self.exclusive && self.exclusive_waiting == 0
+    }
 }
 
 #[derive(Default)]
@@ -69,50 +74,50 @@ impl ChunkLocks {
         &self.shards[chunk as usize % SHARDS]
     }
 
+    /// Holds `chunk` exclusively, waiting until no one else holds it.
     pub fn exclusive(self: &Arc<Self>, chunk: u64) -> ChunkGuard {
-        let shard = self.shard(chunk);
-        let mut chunks = shard.chunks.lock();
-        let mut queued = false;
-        loop {
-            let entry = chunks.entry(chunk).or_default();
-            if !entry.exclusive && entry.shared == 0 {
-                entry.exclusive = true;
-                if queued {
-                    entry.exclusive_waiting -= 1;
-                    entry.waiting -= 1;
-                }
-                break;
-            }
-            if !queued {
-                entry.exclusive_waiting += 1;
-                entry.waiting += 1;
-                queued = true;
-            }
-            shard.released.wait(&mut chunks);
-        }
-        self.guard(chunk, true)
+        self.wait_for(chunk, true)
     }
 
+    /// Holds `chunk` shared, waiting while anyone holds it exclusively or waits to.
     pub fn shared(self: &Arc<Self>, chunk: u64) -> ChunkGuard {
+        self.wait_for(chunk, false)
+    }
+
+    /// Waits on the shard's condition variable until `chunk` can be held as asked. From the
+    /// first time it has to wait, the thread counts among the waiters, and an exclusive one
+    /// also among those that keep new shared holders out.
+    fn wait_for(self: &Arc<Self>, chunk: u64, exclusive: bool) -> ChunkGuard {
         let shard = self.shard(chunk);
         let mut chunks = shard.chunks.lock();
         let mut queued = false;
         loop {
             let entry = chunks.entry(chunk).or_default();
-            if !entry.exclusive && entry.exclusive_waiting == 0 {
-                entry.shared += 1;
+            let free = if exclusive {
+                entry.is_free()
+            } else {
+                entry.admits_shared()
+            };
+            if free {
+                if exclusive {
+                    entry.exclusive = true;
+                } else {
+                    entry.shared += 1;
+                }
                 if queued {
                     entry.waiting -= 1;
+                    entry.exclusive_waiting -= u32::from(exclusive);
                 }
                 break;
             }
             if !queued {
                 entry.waiting += 1;
+                entry.exclusive_waiting += u32::from(exclusive);
                 queued = true;
             }
             shard.released.wait(&mut chunks);
         }
-        self.guard(chunk, false)
+        self.guard(chunk, exclusive)
     }
 
     /// Holds `chunk` exclusively if that needs no waiting.
@@ -146,7 +151,7 @@ impl ChunkLocks {
     pub fn try_shared(self: &Arc<Self>, chunk: u64) -> Option<ChunkGuard> {
         let mut chunks = self.shard(chunk).chunks.lock();
         let entry = chunks.entry(chunk).or_default();
-        if entry.exclusive || entry.exclusive_waiting > 0 {
+        if !entry.admits_shared() {
             return None;
         }
         entry.shared += 1;

@@ -180,7 +180,7 @@ impl BlockDevice for Merge {
         Capabilities {
             discard: false,
             fast_zero: false,
-            ..Capabilities::weakest([&s.args.origin.capabilities(), &s.snap().cow.capabilities()])
+            ..Capabilities::weakest([s.args.origin.capabilities(), s.snap().cow.capabilities()])
         }
     }
 

@@ -309,18 +309,8 @@ fn each_chunk(
     len: u64,
     mut f: impl FnMut(u64, u64, u64, std::ops::Range<usize>) -> Result<(), BlockError>,
 ) -> Result<(), BlockError> {
-    let end = offset + len;
-    let mut pos = offset;
-    while pos < end {
-        let index = pos / chunk;
-        let stop = ((index + 1) * chunk).min(end);
-        f(
-            index,
-            pos,
-            stop - pos,
-            (pos - offset) as usize..(stop - offset) as usize,
-        )?;
-        pos = stop;
+    for (index, at, n, range) in crate::runs::by_unit(offset, len, chunk) {
+        f(index, at, n, range)?;
     }
     Ok(())
 }

@@ -113,7 +113,7 @@ impl BlockDevice for Snapshot {
         Capabilities {
             discard: self.args.discards.zeroes_cow,
             fast_zero: false,
-            ..Capabilities::weakest([&self.snap().cow.capabilities()])
+            ..Capabilities::weakest([self.snap().cow.capabilities()])
         }
     }
 

@@ -47,18 +47,9 @@ type Piece = (u64, u64, Range<usize>);
 impl Thin {
     fn pieces(&self, offset: u64, len: u64) -> Vec<Piece> {
         let block = self.pool.block_bytes();
-        let mut pieces = Vec::new();
-        let mut pos = offset;
-        let end = offset + len;
-        while pos < end {
-            let vblock = pos / block;
-            let at = pos % block;
-            let n = (block - at).min(end - pos);
-            let start = (pos - offset) as usize;
-            pieces.push((vblock, at, start..start + n as usize));
-            pos += n;
-        }
-        pieces
+        crate::runs::by_unit(offset, len, block)
+            .map(|(vblock, at, _, range)| (vblock, at % block, range))
+            .collect()
     }
 
     fn key(&self, vblock: u64) -> (u32, u64) {

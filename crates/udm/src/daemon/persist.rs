@@ -55,7 +55,14 @@ impl Registry {
     /// Writes the device's record to the state dir: temp file, fsync, rename, fsync dir, so a
     /// crash leaves either the old or the new record.
     pub(super) fn save(&self, device: &Device) -> Result<()> {
-        write_durably(&self.state_path(&device.name()), &record(device))
+        self.save_ahead(device, None)
+    }
+
+    /// Saves the record of what `change` is about to make of `device`, before it is made: a
+    /// change whose record cannot be written (a full disk) is refused and not made, and a
+    /// crash right after the record brings the device back as its user was told it is.
+    pub(super) fn save_ahead(&self, device: &Device, change: Option<Change>) -> Result<()> {
+        write_durably(&self.state_path(&device.name()), &record(device, change))
             .map_err(|e| RegistryError::Persist(device.name(), e))
     }
 
@@ -64,7 +71,7 @@ impl Registry {
     /// leaves a record whose name is not its file's, which [`Registry::restore`] finishes.
     pub(super) fn rename_record(&self, device: &Device, old: &str) -> std::io::Result<()> {
         let from = self.state_path(old);
-        write_durably(&from, &record(device))?;
+        write_durably(&from, &record(device, None))?;
         finish_rename(&from, &self.state_path(&device.name()))
     }
 
@@ -173,6 +180,7 @@ impl Registry {
             saved.uuid.as_deref(),
             &saved.table.join("\n"),
             saved.read_only,
+            true,
             restore_settings,
         )?;
         if let Some(inactive) = &saved.inactive {
@@ -187,9 +195,46 @@ impl Registry {
     }
 }
 
-/// The device's record, as JSON.
-fn record(device: &Device) -> Vec<u8> {
-    let live = device.live();
+/// A change to a device's tables or suspension, saved ahead by [`Registry::save_ahead`].
+pub(super) enum Change<'a> {
+    Load {
+        table: &'a Table,
+        read_only: bool,
+    },
+    ClearInactive,
+    Suspend,
+    /// The inactive table, if any, goes live; the device is no longer suspended.
+    Resume,
+    ReplaceLive(&'a Table),
+}
+
+/// The device's record once `change` is made, as JSON.
+fn record(device: &Device, change: Option<Change>) -> Vec<u8> {
+    let (current_live, current_inactive) = (device.live(), device.inactive());
+    let mut live: &Table = &current_live;
+    let mut read_only = device.read_only();
+    let mut inactive = current_inactive.as_deref();
+    let mut inactive_read_only = device.inactive_read_only();
+    let mut suspended = device.is_suspended();
+    match change {
+        None => {}
+        Some(Change::Load { table, read_only }) => {
+            inactive = Some(table);
+            inactive_read_only = read_only;
+        }
+        Some(Change::ClearInactive) => inactive = None,
+        Some(Change::Suspend) => suspended = true,
+        Some(Change::Resume) => {
+            if let Some(table) = inactive.take() {
+                (live, read_only) = (table, inactive_read_only);
+            }
+            suspended = false;
+        }
+        Some(Change::ReplaceLive(table)) => live = table,
+    }
+    if inactive.is_none() {
+        inactive_read_only = false;
+    }
     let settings = live
         .segments()
         .iter()
@@ -202,11 +247,11 @@ fn record(device: &Device) -> Vec<u8> {
     let saved = SavedDevice {
         name: device.name(),
         uuid: device.uuid(),
-        read_only: device.read_only(),
+        read_only,
         table: live.lines(),
-        inactive: device.inactive().map(|t| t.lines()),
-        inactive_read_only: device.inactive_read_only(),
-        suspended: device.is_suspended(),
+        inactive: inactive.map(Table::lines),
+        inactive_read_only,
+        suspended,
         deferred_remove: device.deferred_remove(),
         settings,
     };
@@ -290,6 +335,33 @@ mod tests {
     }
 
     #[test]
+    fn a_change_whose_record_cannot_be_saved_is_not_made() {
+        let dir = TempDir::new("unsaved");
+        let r = Registry::in_scratch(&dir);
+        r.must_create("vol", "0 2048 zero");
+        r.load("vol", "0 4096 zero", false, false).unwrap();
+        // A directory where the record's temporary file goes: every save fails, as on a full
+        // disk. Before, each verb changed the device and then reported that the state could
+        // not be saved; a restart then undid the change (a resumed table's writes went behind
+        // the old table).
+        let blocker = r.state_path("vol").with_extension("json.tmp");
+        std::fs::create_dir(&blocker).unwrap();
+        let before = describe(&r, "vol");
+        assert!(r.resume("vol").is_err());
+        assert!(r.load("vol", "0 1024 zero", false, false).is_err());
+        assert!(r.clear("vol").is_err());
+        assert!(r.suspend("vol", false).is_err());
+        assert_eq!(describe(&r, "vol"), before);
+        std::fs::remove_dir(&blocker).unwrap();
+        r.resume("vol").unwrap();
+        let now = describe(&r, "vol");
+        assert_eq!(now.0, ["0 4096 zero"]);
+        let restarted = Registry::in_scratch(&dir);
+        restarted.restore().unwrap();
+        assert_eq!(describe(&restarted, "vol"), now);
+    }
+
+    #[test]
     fn a_damaged_record_is_skipped_and_the_rest_restored() {
         let dir = TempDir::new("damaged");
         {
@@ -314,8 +386,7 @@ mod tests {
     fn devices_built_on_a_suspended_device_are_built_before_it_is_suspended() {
         let dir = TempDir::new("restore-suspended");
         for file in ["meta.img", "dest.img"] {
-            let f = std::fs::File::create(dir.path(file)).unwrap();
-            f.set_len(1 << 20).unwrap();
+            dir.sparse(file, 1 << 20);
         }
         {
             let r = Registry::in_scratch(&dir);

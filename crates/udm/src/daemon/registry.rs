@@ -16,6 +16,7 @@ use udm_targets::{Reference, Table, TargetError};
 use super::claims::Claims;
 use super::device::{Device, Events};
 use super::loopback::OwnExports;
+use super::persist::Change;
 use super::remotes::Remotes;
 use super::resolver::TableResolver;
 
@@ -199,10 +200,23 @@ impl Registry {
     }
 
     pub(super) fn build(&self, owner: &str, text: &str, events: &Arc<Events>) -> Result<Table> {
+        self.build_as(owner, text, events, false)
+    }
+
+    /// [`Registry::build`], saying whether the table brings its device back after a restart
+    /// (see [`udm_targets::Resolver::restoring`]).
+    fn build_as(
+        &self,
+        owner: &str,
+        text: &str,
+        events: &Arc<Events>,
+        restoring: bool,
+    ) -> Result<Table> {
         let resolver = TableResolver {
             registry: self,
             owner,
             opened: Default::default(),
+            restoring,
         };
         let events = events.clone();
         Ok(Table::build(
@@ -225,7 +239,7 @@ impl Registry {
             check_uuid(uuid)?;
         }
         let _changes = self.changes.lock();
-        let device = self.build_device(name, uuid, text, read_only, |_| {})?;
+        let device = self.build_device(name, uuid, text, read_only, false, |_| {})?;
         self.save(&device)?;
         self.map().insert(name.to_string(), device.clone());
         info!(
@@ -245,6 +259,7 @@ impl Registry {
         uuid: Option<&str>,
         text: &str,
         read_only: bool,
+        restoring: bool,
         before_live: impl FnOnce(&Table),
     ) -> Result<Arc<Device>> {
         self.check_unused(name)?;
@@ -252,7 +267,7 @@ impl Registry {
             self.check_unused(uuid)?;
         }
         let events = Arc::new(Events::default());
-        let table = self.build(name, text, &events)?;
+        let table = self.build_as(name, text, &events, restoring)?;
         before_live(&table);
         Ok(Arc::new(Device::new(
             name.to_string(),
@@ -274,8 +289,14 @@ impl Registry {
             self.check_holders_fit(name, table.size())?;
         }
         let what = describe(&table);
+        self.save_ahead(
+            &device,
+            Some(Change::Load {
+                table: &table,
+                read_only,
+            }),
+        )?;
         device.load(table, read_only);
-        self.save(&device)?;
         info!(
             "device '{name}': inactive table loaded ({what}{}{}); resume makes it live",
             if read_only { ", read-only" } else { "" },
@@ -316,8 +337,8 @@ impl Registry {
         let _changes = self.changes.lock();
         let device = self.get(name)?;
         let had = device.inactive().is_some();
+        self.save_ahead(&device, Some(Change::ClearInactive))?;
         device.clear_inactive();
-        self.save(&device)?;
         if had {
             info!("device '{name}': inactive table dropped");
         }
@@ -331,6 +352,13 @@ impl Registry {
         let device = self.get(name)?;
         let was = device.is_suspended();
         let started = Instant::now();
+        // The drain is waited for without the lock, so that a device slow to drain does not
+        // hold up every other verb; the record is saved ahead, and again after, in case a
+        // resume came in between.
+        {
+            let _changes = self.changes.lock();
+            self.save_ahead(&device, Some(Change::Suspend))?;
+        }
         device.suspend();
         let _changes = self.changes.lock();
         self.save(&device)?;
@@ -348,6 +376,7 @@ impl Registry {
         let _changes = self.changes.lock();
         let device = self.get(name)?;
         let was = device.is_suspended();
+        self.save_ahead(&device, Some(Change::Resume))?;
         match device.resume() {
             Some(_) => info!(
                 "device '{name}': resumed with its new table live ({}{})",
@@ -361,7 +390,7 @@ impl Registry {
             None if was => info!("device '{name}': resumed"),
             None => {}
         }
-        self.save(&device)
+        Ok(())
     }
 
     /// Sends a message to the target at `sector` of the live table; what it changed is saved
@@ -432,8 +461,8 @@ impl Registry {
         }
         let text = lines.join("\n");
         let table = self.build(name, &text, device.events())?;
+        self.save_ahead(&device, Some(Change::ReplaceLive(&table)))?;
         device.replace_live(table);
-        self.save(&device)?;
         info!(
             "device '{name}': finalized; its table is now: {}",
             lines.join("; ")

@@ -68,11 +68,7 @@ mod tests {
     #[test]
     fn a_renamed_device_keeps_its_state_and_comes_back_under_its_new_name() {
         let dir = TempDir::new("rename");
-        let meta = dir.path("log.img");
-        std::fs::File::create(&meta)
-            .unwrap()
-            .set_len(1 << 20)
-            .unwrap();
+        let meta = dir.sparse("log.img", 1 << 20);
         {
             let r = Registry::in_scratch(&dir);
             r.must_create("base", "0 2048 zero");

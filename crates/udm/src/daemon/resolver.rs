@@ -29,9 +29,15 @@ pub(super) struct TableResolver<'a> {
     /// does. Before, each segment opened it again (two descriptors each), and a table of
     /// 10,000 `linear` lines on one file ran the daemon out of descriptors.
     pub(super) opened: Mutex<HashMap<OpenedKey, Arc<dyn BlockDevice>>>,
+    /// The table brings its device back after a restart ([`Resolver::restoring`]).
+    pub(super) restoring: bool,
 }
 
 impl Resolver for TableResolver<'_> {
+    fn restoring(&self) -> bool {
+        self.restoring
+    }
+
     fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
         self.check_not_our_own(reference)?;
         match Reference::parse(reference) {

@@ -155,6 +155,12 @@ impl Daemon {
         wait_for(|| self.udm_ok(&["ls"]), "the daemon's control socket");
     }
 
+    /// Kills the daemon with SIGKILL (a crash) and starts it again on the state it left.
+    pub fn crash_and_restart(&mut self) {
+        self.stop(libc::SIGKILL);
+        self.launch();
+    }
+
     /// Stops the daemon with SIGTERM (clean) or SIGKILL (crash).
     pub fn stop(&mut self, signal: i32) {
         if let Some(mut child) = self.child.take() {
@@ -272,9 +278,7 @@ impl Daemon {
 
     /// A sparse file `file` of `size` bytes in the scratch directory; returns its path.
     pub fn sparse(&self, file: &str, size: u64) -> PathBuf {
-        let path = self.dir.path(file);
-        sparse_file(&path, size);
-        path
+        self.dir.sparse(file, size)
     }
 
     /// Creates device `name` with `table`.

@@ -63,7 +63,8 @@ impl<S: Read + Write> RawClient<S> {
         }
     }
 
-    /// Sends a request (see `failed_send` for what happens when the write fails).
+    /// Sends a request (see `failed_send` for what happens when the write fails); a test that
+    /// sends requests in pieces writes [`request_header`]s to `stream` itself.
     pub fn send(
         &mut self,
         flags: u16,
@@ -73,12 +74,7 @@ impl<S: Read + Write> RawClient<S> {
         len: u32,
         data: &[u8],
     ) {
-        let mut req = 0x2560_9513u32.to_be_bytes().to_vec();
-        req.extend_from_slice(&flags.to_be_bytes());
-        req.extend_from_slice(&command.to_be_bytes());
-        req.extend_from_slice(&cookie.to_be_bytes());
-        req.extend_from_slice(&offset.to_be_bytes());
-        req.extend_from_slice(&len.to_be_bytes());
+        let mut req = request_header(flags, command, cookie, offset, len);
         req.extend_from_slice(data);
         if self.failed_send.is_none() {
             self.failed_send = self.stream.write_all(&req).err();
@@ -114,4 +110,15 @@ impl<S: Read + Write> RawClient<S> {
             ),
         }
     }
+}
+
+/// The 28 bytes that start an NBD request (its payload, if any, follows them).
+pub fn request_header(flags: u16, command: u16, cookie: u64, offset: u64, len: u32) -> Vec<u8> {
+    let mut header = 0x2560_9513u32.to_be_bytes().to_vec();
+    header.extend_from_slice(&flags.to_be_bytes());
+    header.extend_from_slice(&command.to_be_bytes());
+    header.extend_from_slice(&cookie.to_be_bytes());
+    header.extend_from_slice(&offset.to_be_bytes());
+    header.extend_from_slice(&len.to_be_bytes());
+    header
 }

@@ -23,7 +23,7 @@ pub fn tool(program: &str, args: &[&str]) -> String {
 
 /// An ext4 image of `size` bytes at `image` holding the files of `tree` (made without mounting).
 pub fn ext4_image_of(tree: &Path, image: &Path, size: u64) {
-    sparse_file(image, size);
+    std::fs::File::create(image).unwrap().set_len(size).unwrap();
     tool(
         "mkfs.ext4",
         &[
@@ -39,10 +39,6 @@ pub fn ext4_image_of(tree: &Path, image: &Path, size: u64) {
 /// `qemu-img compare` of two raw images (files or NBD URIs); fails the test if they differ.
 pub fn same_content(a: &str, b: &str) {
     tool("qemu-img", &["compare", "-f", "raw", "-F", "raw", a, b]);
-}
-
-pub fn sparse_file(path: &Path, len: u64) {
-    std::fs::File::create(path).unwrap().set_len(len).unwrap();
 }
 
 /// A peer server (nbdkit, qemu-nbd) run as a child and killed on drop.

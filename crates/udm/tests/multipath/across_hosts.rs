@@ -3,8 +3,9 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use super::*;
 
@@ -192,7 +193,7 @@ fn path_state(status: &str, server: usize) -> String {
 
 #[test]
 fn fio_verifies_every_write_while_a_server_is_killed_and_restarted() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock();
     let Some(mut lab) = Lab::new("kill") else {
         return;
     };
@@ -218,7 +219,7 @@ fn fio_verifies_every_write_while_a_server_is_killed_and_restarted() {
 
 #[test]
 fn fio_verifies_every_write_while_a_link_is_cut() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock();
     let Some(lab) = Lab::new("cut") else {
         return;
     };
@@ -246,7 +247,7 @@ fn fio_verifies_every_write_while_a_link_is_cut() {
 
 #[test]
 fn with_both_servers_gone_io_queues_and_resumes_when_one_returns() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock();
     let Some(mut lab) = Lab::new("queue") else {
         return;
     };
@@ -269,7 +270,7 @@ fn with_both_servers_gone_io_queues_and_resumes_when_one_returns() {
 
 #[test]
 fn with_both_servers_gone_no_path_retry_fails_io_after_its_bound() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock();
     let Some(mut lab) = Lab::new("retry") else {
         return;
     };
@@ -306,14 +307,15 @@ fn with_both_servers_gone_no_path_retry_fails_io_after_its_bound() {
 
 #[test]
 fn a_clone_hydrating_from_the_multipath_completes_when_a_server_is_killed() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock();
     let Some(mut lab) = Lab::new("clone") else {
         return;
     };
     lab.multipath(&[]);
-    let (meta, dest) = (lab.a.dir.path("meta.img"), lab.a.dir.path("dest.img"));
-    sparse_file(&meta, MIB);
-    sparse_file(&dest, SIZE);
+    let (meta, dest) = (
+        lab.a.sparse("meta.img", MIB),
+        lab.a.sparse("dest.img", SIZE),
+    );
     // 16 MiB/s: four seconds to copy, so B dies mid-way.
     let table = format!(
         "0 {} clone {} {} mp 128 0 2 max_hydration_rate 16384",
@@ -337,7 +339,7 @@ fn a_clone_hydrating_from_the_multipath_completes_when_a_server_is_killed() {
 
 #[test]
 fn a_write_abandoned_on_a_cut_link_does_not_land_when_the_link_returns() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock();
     let Some(lab) = Lab::new("stale") else {
         return;
     };

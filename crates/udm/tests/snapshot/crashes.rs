@@ -38,9 +38,7 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     fio(&daemon.uri("base"), &["--offset=48M", "--size=8M"]);
     let left = exceptions(&daemon, "base");
     assert!(left > 0, "still merging");
-    daemon.stop(libc::SIGKILL);
-    daemon.reap();
-    daemon.launch();
+    daemon.crash_and_restart();
     // (The allocated sectors of the status line are computed differently while merging and
     // after a load, as in the kernel; the count of chunks left is the plain measure.)
     let again = exceptions(&daemon, "base");
@@ -78,9 +76,7 @@ fn snapshots_come_back_after_a_restart_and_a_transient_one_comes_back_invalid() 
     snapshot(&daemon, "temp", &origin, 16 * MIB, "N 8");
     qemu_io(&daemon.uri("base"), &["write -P 9 1M 2M"]);
     same_content(original.to_str().unwrap(), &daemon.uri("temp"));
-    daemon.stop(libc::SIGKILL);
-    daemon.reap();
-    daemon.launch();
+    daemon.crash_and_restart();
     same_content(original.to_str().unwrap(), &daemon.uri("snap"));
     qemu_io(
         &daemon.uri("base"),
@@ -99,8 +95,7 @@ fn snapshots_come_back_after_a_restart_and_a_transient_one_comes_back_invalid() 
 fn a_client_that_vanishes_while_its_first_writes_copy_out_leaves_nothing_behind() {
     let daemon = Daemon::start("snap-vanish");
     let (origin, original) = origin_of(&daemon, 8 * MIB);
-    let cow = daemon.dir.path("snap.cow");
-    sparse_file(&cow, 8 * MIB);
+    let cow = daemon.sparse("snap.cow", 8 * MIB);
     daemon.udm(&[
         "create",
         "slowcow",
@@ -144,30 +139,20 @@ fn kill_9_with_hundreds_of_copy_outs_in_flight_keeps_the_snapshot_exact() {
     snapshot(&daemon, "snap", &origin, 72 * MIB, "P 8");
     for round in 0..3 {
         let uri = format!("--uri={}", daemon.uri("base"));
-        let mut writer = std::process::Command::new("fio")
-            .args([
-                "--name=load",
-                "--ioengine=nbd",
-                &uri,
-                "--rw=randwrite",
-                "--bs=4k",
-                "--iodepth=32",
-                "--numjobs=4",
-                "--time_based",
-                "--runtime=30",
-                "--norandommap",
-                &format!("--randseed={round}"),
-            ])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        std::thread::sleep(Duration::from_millis(1500));
-        daemon.stop(libc::SIGKILL);
-        daemon.reap();
-        let _ = writer.kill();
-        let _ = writer.wait();
-        daemon.launch();
+        let load = [
+            "--name=load",
+            "--ioengine=nbd",
+            &uri,
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=32",
+            "--numjobs=4",
+            "--time_based",
+            "--runtime=30",
+            "--norandommap",
+            &format!("--randseed={round}"),
+        ];
+        crash_under_fio(&mut daemon, &load, Duration::from_millis(1500));
         same_content(original.to_str().unwrap(), &daemon.uri("snap"));
     }
 }
@@ -197,10 +182,7 @@ fn fio_within_two_minutes(args: &[&str]) {
 /// `delay` (odelay, cdelay), with `base` (snapshot-origin) and `snap` (persistent, 4 KiB
 /// chunks) on them; returns a copy of the origin as it was.
 fn delayed_snapshot(daemon: &Daemon, seed: u64, cow_size: u64) -> std::path::PathBuf {
-    let origin = daemon.dir.path("origin.img");
-    pattern_file(&origin, 64 * MIB as usize, seed);
-    let original = daemon.dir.path("original.img");
-    std::fs::copy(&origin, &original).unwrap();
+    let (origin, original) = patterned_with_copy(daemon, "origin.img", 64 * MIB, seed);
     let cow = daemon.sparse("snap.cow", cow_size);
     daemon.create(
         "odelay",
@@ -217,6 +199,22 @@ fn delayed_snapshot(daemon: &Daemon, seed: u64, cow_size: u64) -> std::path::Pat
 }
 
 /// fio's 8 writers at depth 32 over 8 MiB each of `uri` (`--uri=…`), 4 KiB random writes.
+/// Runs fio with `args`, kills the daemon with SIGKILL `after` fio has begun (its writes in
+/// flight: a crash), ends fio and starts the daemon again on the state it left.
+fn crash_under_fio(daemon: &mut Daemon, args: &[&str], after: Duration) {
+    let mut writer = std::process::Command::new("fio")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(after);
+    daemon.stop(libc::SIGKILL);
+    let _ = writer.kill();
+    let _ = writer.wait();
+    daemon.launch();
+}
+
 fn burst_of_eight(uri: &str) -> [&str; 10] {
     [
         "--name=burst",
@@ -246,18 +244,12 @@ fn a_cow_that_fills_under_eight_writers_goes_invalid_and_the_origin_keeps_every_
     let original = delayed_snapshot(&daemon, 9, 16 * MIB);
     let uri = format!("--uri={}", daemon.uri("base"));
     let burst = burst_of_eight(&uri);
-    let mut writer = std::process::Command::new("fio")
-        .args(burst)
-        .args(["--time_based", "--runtime=30", "--norandommap"])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
-    daemon.stop(libc::SIGKILL);
-    daemon.reap();
-    let _ = writer.kill();
-    let _ = writer.wait();
-    daemon.launch();
+    let timed = [
+        &burst[..],
+        &["--time_based", "--runtime=30", "--norandommap"],
+    ]
+    .concat();
+    crash_under_fio(&mut daemon, &timed, Duration::from_millis(300));
     let saved = status(&daemon, "snap");
     assert_ne!(
         saved, "Invalid",
@@ -280,9 +272,7 @@ fn a_cow_that_fills_under_eight_writers_goes_invalid_and_the_origin_keeps_every_
     assert_eq!(status(&daemon, "snap"), "Invalid");
     assert!(daemon.event_nr("snap") > before);
     common::qemu_io_eio(&daemon.uri("snap"), "read 0 4k");
-    daemon.stop(libc::SIGKILL);
-    daemon.reap();
-    daemon.launch();
+    daemon.crash_and_restart();
     assert_eq!(status(&daemon, "snap"), "Invalid");
     fio_within_two_minutes(
         &[

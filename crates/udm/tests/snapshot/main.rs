@@ -14,13 +14,20 @@ use common::*;
 
 const MIB: u64 = 1 << 20;
 
+/// A file `name` of `size` bytes of pattern `seed`, and original.img, a copy of them to
+/// compare snapshots with.
+fn patterned_with_copy(daemon: &Daemon, name: &str, size: u64, seed: u64) -> (PathBuf, PathBuf) {
+    let file = daemon.dir.path(name);
+    pattern_file(&file, size as usize, seed);
+    let original = daemon.dir.path("original.img");
+    std::fs::copy(&file, &original).unwrap();
+    (file, original)
+}
+
 /// An origin file of `size` random bytes, the device `base` (`snapshot-origin` over it) and
 /// a copy of the original bytes to compare snapshots with.
 fn origin_of(daemon: &Daemon, size: u64) -> (PathBuf, PathBuf) {
-    let origin = daemon.dir.path("origin.img");
-    pattern_file(&origin, size as usize, 7);
-    let original = daemon.dir.path("original.img");
-    std::fs::copy(&origin, &original).unwrap();
+    let (origin, original) = patterned_with_copy(daemon, "origin.img", size, 7);
     daemon.create(
         "base",
         &format!("0 {} snapshot-origin {}", size / 512, origin.display()),
@@ -30,8 +37,7 @@ fn origin_of(daemon: &Daemon, size: u64) -> (PathBuf, PathBuf) {
 
 /// A snapshot device `name` of the origin on a fresh COW file of `cow_size` bytes.
 fn snapshot(daemon: &Daemon, name: &str, origin: &Path, cow_size: u64, args: &str) -> PathBuf {
-    let cow = daemon.dir.path(&format!("{name}.cow"));
-    sparse_file(&cow, cow_size);
+    let cow = daemon.sparse(&format!("{name}.cow"), cow_size);
     let size = std::fs::metadata(origin).unwrap().len();
     daemon.create(
         name,

@@ -115,10 +115,7 @@ fn a_full_cow_invalidates_with_an_event_and_the_origin_keeps_working() {
 #[test]
 fn reloads_without_suspend_under_fio_and_an_origin_that_is_a_udm_device() {
     let daemon = Daemon::start("snap-reload");
-    let real = daemon.dir.path("real.img");
-    pattern_file(&real, 32 * MIB as usize, 5);
-    let original = daemon.dir.path("original.img");
-    std::fs::copy(&real, &original).unwrap();
+    let (real, original) = patterned_with_copy(&daemon, "real.img", 32 * MIB, 5);
     // The origin is itself a udm device.
     daemon.create("base-real", &format!("0 65536 linear {} 0", real.display()));
     daemon.create("base", "0 65536 snapshot-origin base-real");
@@ -157,10 +154,7 @@ fn reloads_without_suspend_under_fio_and_an_origin_that_is_a_udm_device() {
 #[test]
 fn an_origin_named_another_way_is_still_one_origin() {
     let daemon = Daemon::start("snap-identity");
-    let file = daemon.dir.path("file.img");
-    pattern_file(&file, 8 * MIB as usize, 6);
-    let original = daemon.dir.path("original.img");
-    std::fs::copy(&file, &original).unwrap();
+    let (file, original) = patterned_with_copy(&daemon, "file.img", 8 * MIB, 6);
     let hard = daemon.dir.path("hard.img");
     std::fs::hard_link(&file, &hard).unwrap();
     let soft = daemon.dir.path("soft.img");
@@ -172,8 +166,7 @@ fn an_origin_named_another_way_is_still_one_origin() {
         &format!("0 16384 snapshot-origin {}", file.display()),
     ]);
     for (name, origin) in [("hard", &hard), ("soft", &soft)] {
-        let cow = daemon.dir.path(&format!("{name}.cow"));
-        sparse_file(&cow, 8 * MIB);
+        let cow = daemon.sparse(&format!("{name}.cow"), 8 * MIB);
         daemon.udm(&[
             "create",
             name,

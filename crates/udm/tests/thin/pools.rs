@@ -105,13 +105,13 @@ fn attacks_on_the_pool_are_refused_and_leave_it_clean() {
     make_volume(&daemon, &pool, "vol", 1, 4 * MIB);
     fill(&daemon, "vol", 9, 0, BLOCK);
     // A second pool on the same metadata device, however it is named.
+    let other_data = daemon.sparse("other.data", 64 * BLOCK);
     let other = format!(
         "0 {} thin-pool {} {} 128 0",
         64 * BLOCK / 512,
         pool.meta.display(),
-        daemon.dir.path("other.data").display()
+        other_data.display()
     );
-    sparse_file(&daemon.dir.path("other.data"), 64 * BLOCK);
     let err = daemon.udm_err(&["create", "pool2", "--table", &other]);
     assert!(err.contains("pool.meta"), "{err}");
     // A thin line with an unknown id, or on something that is not a pool.
@@ -164,19 +164,7 @@ fn attacks_on_the_pool_are_refused_and_leave_it_clean() {
     daemon.udm(&["remove", "pool"]);
     thin_check(&pool.meta);
     // Damaged metadata is refused naming the file as the table does, not by its inode.
-    {
-        use std::os::unix::fs::FileExt;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&pool.meta)
-            .unwrap();
-        let mut byte = [0u8];
-        for block in 1..20u64 {
-            file.read_exact_at(&mut byte, block * 4096 + 100).unwrap();
-            file.write_all_at(&[!byte[0]], block * 4096 + 100).unwrap();
-        }
-    }
+    flip_a_byte_in_blocks(&pool.meta, 1..20);
     let table = thin_pool_table(&pool.meta, &pool.data, 64 * BLOCK, "4 ");
     let err = daemon.udm_err(&["create", "pool", "--table", &table]);
     assert!(
@@ -184,6 +172,21 @@ fn attacks_on_the_pool_are_refused_and_leave_it_clean() {
             && err.contains("checksum"),
         "{err}"
     );
+}
+
+/// Damages each 4 KiB block of `blocks` in the file at `path`: one byte inverted.
+fn flip_a_byte_in_blocks(path: &Path, blocks: std::ops::Range<u64>) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut byte = [0u8];
+    for block in blocks {
+        file.read_exact_at(&mut byte, block * 4096 + 100).unwrap();
+        file.write_all_at(&[!byte[0]], block * 4096 + 100).unwrap();
+    }
 }
 
 /// The pool status line's used and total metadata blocks.

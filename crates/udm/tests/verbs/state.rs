@@ -285,8 +285,7 @@ fn rename_uuids_and_read_only_loads() {
 
     // All of it survives a restart.
     let mut daemon = daemon;
-    daemon.stop(libc::SIGKILL);
-    daemon.launch();
+    daemon.crash_and_restart();
     assert_eq!(
         daemon.udm(&["ls"]),
         "data\t(2048 sectors)\tUDM-data\ntop\t(8 sectors)"

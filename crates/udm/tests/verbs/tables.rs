@@ -9,8 +9,7 @@ use super::*;
 #[test]
 fn a_table_of_thousands_of_segments_on_one_file_opens_it_once_and_serves_it() {
     let daemon = Daemon::start("many-segments");
-    let disk = daemon.dir.path("disk.img");
-    sparse_file(&disk, 16 * MIB);
+    let disk = daemon.sparse("disk.img", 16 * MIB);
     let segments = 4000u64;
     let table: String = (0..segments)
         .map(|i| format!("{} 8 linear {} {}\n", i * 8, disk.display(), i * 8))

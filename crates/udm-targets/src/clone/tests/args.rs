@@ -32,6 +32,11 @@ fn constructor_checks_name_the_problem() {
             "invalid number of core arguments 3",
         ),
         (
+            // Pairs counted instead of words: the count of what follows says which.
+            "meta dest source 8 0 1 hydration_threshold 4",
+            "invalid number of core arguments 1 (2 follow)",
+        ),
+        (
             "meta dest source 8 0 2 hydration_batch_size 0",
             "invalid <hydration_batch_size> 0: must be at least 1",
         ),

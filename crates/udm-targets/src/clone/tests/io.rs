@@ -156,11 +156,8 @@ fn cache_requests_hydrate_the_range() {
 #[test]
 fn hydrated_regions_remap_onto_the_destination_and_the_rest_stays_with_the_clone() {
     use udm_block::{FileDevice, MapOp, OpenMode, Place};
-    let path = std::env::temp_dir().join(format!("udm-clone-map-{}", std::process::id()));
-    std::fs::File::create(&path)
-        .unwrap()
-        .set_len(4 * MIB)
-        .unwrap();
+    let dir = udm_testkit::TempDir::new("clone-map");
+    let path = dir.sparse("dest.img", 4 * MIB);
     let dest = Arc::new(FileDevice::open(&path, OpenMode::ReadWrite).unwrap());
     let devices = switchables(&[("meta", MIB), ("source", 4 * MIB)]);
     devices.add("dest", dest, false);
@@ -196,5 +193,4 @@ fn hydrated_regions_remap_onto_the_destination_and_the_rest_stays_with_the_clone
     assert!(table.map(MapOp::Write { fua: true }, 8192, 4096).is_none());
     assert!(table.map(MapOp::Flush, 0, 0).is_none());
     drop(mapping);
-    std::fs::remove_file(&path).unwrap();
 }

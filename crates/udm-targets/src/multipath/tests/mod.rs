@@ -106,8 +106,7 @@ fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
 /// the table and the two names.
 fn file_paths(dir: &udm_testkit::TempDir, selector: &str) -> (Table, [std::path::PathBuf; 2]) {
     use udm_block::{FileDevice, OpenMode};
-    let (a, b) = (dir.path("a.img"), dir.path("b.img"));
-    std::fs::File::create(&a).unwrap().set_len(4 * MIB).unwrap();
+    let (a, b) = (dir.sparse("a.img", 4 * MIB), dir.path("b.img"));
     std::fs::hard_link(&a, &b).unwrap();
     let files = Devices::default();
     for (name, path) in [("a", &a), ("b", &b)] {

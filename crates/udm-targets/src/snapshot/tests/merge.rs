@@ -10,47 +10,32 @@ fn one_merge_per_origin_and_never_beside_another_devices_snapshot_origin() {
     let origin = rig.origin_table();
     drop(rig.snapshot(&a, "P 8"));
     drop(rig.snapshot(&b, "P 8"));
-    let err = rig
-        .try_table("other", &format!("snapshot-merge {o} {a} P 8"))
-        .err()
-        .unwrap();
-    assert!(
-        err.contains("serves origin") && err.contains("with snapshot-origin"),
-        "{err}"
+    let merge_a = format!("snapshot-merge {o} {a} P 8");
+    rig.assert_refused(
+        "other",
+        &merge_a,
+        &["serves origin", "with snapshot-origin"],
     );
     // In the origin device's own table, the merge takes the snapshot-origin's place.
-    let merge = rig.table("origin-dev", &format!("snapshot-merge {o} {a} P 8"));
+    let merge = rig.table("origin-dev", &merge_a);
     drop(origin);
-    let err = rig
-        .try_table("third", &format!("snapshot-merge {o} {b} P 8"))
-        .err()
-        .unwrap();
-    assert!(err.contains("already being merged"), "{err}");
+    let merge_b = format!("snapshot-merge {o} {b} P 8");
+    rig.assert_refused("third", &merge_b, &["already being merged"]);
     // The same COW device merged by a second device: two merges would copy it back twice.
-    let err = rig
-        .try_table("third", &format!("snapshot-merge {o} {a} P 8"))
-        .err()
-        .unwrap();
-    assert!(
-        err.contains("already being merged by device 'origin-dev'"),
-        "{err}"
-    );
-    let err = rig
-        .try_table("fourth", &format!("snapshot-origin {o}"))
-        .err()
-        .unwrap();
-    assert!(
-        err.contains("is being merged by device 'origin-dev'"),
-        "{err}"
+    let by_origin_dev = "already being merged by device 'origin-dev'";
+    rig.assert_refused("third", &merge_a, &[by_origin_dev]);
+    let origin_line = format!("snapshot-origin {o}");
+    rig.assert_refused(
+        "fourth",
+        &origin_line,
+        &["is being merged by device 'origin-dev'"],
     );
     let fresh = rig.cow(4 * MIB);
-    let err = rig
-        .try_table("fifth", &format!("snapshot {o} {fresh} P 8"))
-        .err()
-        .unwrap();
-    assert!(
-        err.contains("take snapshots of it once the merge is done"),
-        "{err}"
+    let snapshot = format!("snapshot {o} {fresh} P 8");
+    rig.assert_refused(
+        "fifth",
+        &snapshot,
+        &["take snapshots of it once the merge is done"],
     );
     drop(merge);
     rig.table("fourth", &format!("snapshot-origin {o}"));

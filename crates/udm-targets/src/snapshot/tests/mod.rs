@@ -93,6 +93,15 @@ impl Rig {
         self.try_table(owner, line).unwrap()
     }
 
+    /// Asserts that device `owner` is refused the table `line`, with an error that holds each
+    /// of `words`.
+    fn assert_refused(&self, owner: &str, line: &str, words: &[&str]) {
+        match self.try_table(owner, line) {
+            Ok(_) => panic!("{owner}: '{line}' accepted"),
+            Err(err) => assert!(words.iter().all(|w| err.contains(w)), "{err}"),
+        }
+    }
+
     /// The origin device's table.
     fn origin_table(&self) -> Table {
         self.table("origin-dev", &format!("snapshot-origin {}", self.origin))

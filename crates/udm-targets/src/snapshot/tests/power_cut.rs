@@ -2,6 +2,28 @@
 
 use super::*;
 
+/// The origin (of `size` bytes) and COW devices as a power cut left them, in a fresh rig:
+/// asserts that the snapshot loads and still reads what the origin held when it was taken
+/// (`cut` says which cut, for the messages).
+fn reopened(
+    size: u64,
+    origin: Arc<dyn BlockDevice>,
+    cow: Arc<dyn BlockDevice>,
+    cut: &str,
+) -> (Rig, Table) {
+    let after = Rig::new(size);
+    after.set_origin(origin);
+    let cow = after.add("cow", cow);
+    let snap = after
+        .try_table("snap-dev", &format!("snapshot {} {cow} P 8", after.origin))
+        .unwrap_or_else(|e| panic!("{cut}: the snapshot does not load: {e}"));
+    assert!(
+        read(&snap, 0, size as usize)[..] == original(size)[..],
+        "{cut}: the snapshot changed"
+    );
+    (after, snap)
+}
+
 /// A power cut at every write, cutting the origin and the COW device at once: after it,
 /// the snapshot reads exactly what the origin held when it was taken, and every origin write
 /// that was flushed is there.
@@ -55,15 +77,11 @@ fn a_power_cut_at_any_write_keeps_the_snapshot_exact() {
             break;
         }
         cuts += 1;
-        let after = Rig::new(SIZE);
-        after.set_origin(Arc::new(origin_dev.after_power_cut()));
-        let cow = after.add("cow", Arc::new(cow_dev.after_power_cut()));
-        let snap = after
-            .try_table("snap-dev", &format!("snapshot {} {cow} P 8", after.origin))
-            .unwrap_or_else(|e| panic!("cut at write {cut_at}: the snapshot does not load: {e}"));
-        assert!(
-            read(&snap, 0, SIZE as usize)[..] == original(SIZE)[..],
-            "cut at write {cut_at}: the snapshot changed"
+        let (after, _snap) = reopened(
+            SIZE,
+            Arc::new(origin_dev.after_power_cut()),
+            Arc::new(cow_dev.after_power_cut()),
+            &format!("cut at write {cut_at}"),
         );
         let origin = read(&*after.device(&after.origin), 0, SIZE as usize);
         for (block, seed) in &flushed {
@@ -206,15 +224,11 @@ fn a_power_cut_between_the_copier_s_copy_and_its_commit_keeps_the_snapshot_exact
             "cut at {cut_at}: the copier never wrote on the ring"
         );
         drop((snap, origin));
-        let after = Rig::new(SIZE);
-        after.set_origin(file_device(&dir.path("origin.img"), SIZE));
-        let cow = after.add("cow", file_device(&dir.path("cow.img"), 4 * MIB));
-        let snap = after
-            .try_table("snap-dev", &format!("snapshot {} {cow} P 8", after.origin))
-            .unwrap_or_else(|e| panic!("cut at {cut_at}: the snapshot does not load: {e}"));
-        assert!(
-            read(&snap, 0, SIZE as usize)[..] == original(SIZE)[..],
-            "cut at {cut_at}: the snapshot changed ({landed} origin writes landed)"
+        let (_after, snap) = reopened(
+            SIZE,
+            file_device(&dir.path("origin.img"), SIZE),
+            file_device(&dir.path("cow.img"), 4 * MIB),
+            &format!("cut at {cut_at} ({landed} origin writes landed)"),
         );
         let exceptions = target(&snap).status_details().unwrap()["exceptions"].clone();
         assert!(

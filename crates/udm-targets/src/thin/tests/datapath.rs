@@ -158,12 +158,8 @@ fn an_external_origin_fills_what_is_not_provisioned() {
 
 #[test]
 fn provisioned_blocks_remap_onto_the_data_file() {
-    let dir = std::env::temp_dir();
-    let path = dir.join(format!("udm-thin-map-{}", unique("data")));
-    std::fs::File::create(&path)
-        .unwrap()
-        .set_len(16 * BLOCK)
-        .unwrap();
+    let dir = udm_testkit::TempDir::new("thin-map");
+    let path = dir.sparse("data.img", 16 * BLOCK);
     let rig = Rig::new(4 * MIB, MIB);
     rig.add(
         "data",
@@ -222,7 +218,6 @@ fn provisioned_blocks_remap_onto_the_data_file() {
     thin.resume();
     assert!(thin.map(MapOp::Read, 0, 4096).is_some());
     assert!(thin.map(MapOp::Write { fua: false }, 0, 4096).is_none());
-    std::fs::remove_file(path).unwrap();
 }
 
 /// Random writes, zeroings (unmapping or not), discards, flushes and snapshots, on a thin
