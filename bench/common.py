@@ -151,11 +151,38 @@ def proc_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK   # utime, stime (fields 14, 15)
 
 
-def cpu_us_per_io(before: float | None, after: float | None, ios: int) -> float | None:
-    """Microseconds of CPU per I/O between two proc_cpu_seconds samples."""
+def proc_context_switches(pid: int) -> int | None:
+    """Voluntary + involuntary context switches of process `pid`'s living threads, from
+    /proc/PID/task/*/status; None when it is gone. A thread that ended takes its count with
+    it, so compare processes whose busy threads live on (event loops, client readers)."""
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue    # ended meanwhile
+        for line in status.splitlines():
+            if "ctxt_switches:" in line:
+                total += int(line.split()[-1])
+    return total
+
+
+def per_io(before: float | None, after: float | None, ios: int) -> float | None:
+    """How much of a counter (system calls, context switches) each I/O took between two
+    samples."""
     if before is None or after is None or not ios:
         return None
-    return (after - before) / ios * 1e6
+    return (after - before) / ios
+
+
+def cpu_us_per_io(before: float | None, after: float | None, ios: int) -> float | None:
+    """Microseconds of CPU per I/O between two proc_cpu_seconds samples."""
+    seconds = per_io(before, after, ios)
+    return None if seconds is None else seconds * 1e6
 
 
 def trap_signals() -> None:

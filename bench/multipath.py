@@ -31,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import foundation as fnd  # noqa: E402
 from common import (  # noqa: E402
-    BenchError, copy_logs, cpu_us_per_io, fio_cell, locate_udm, make_tmpdir, prepare_out_dir,
-    proc_cpu_seconds, remove_tmp, run, stop_daemon, tmp_base, trap_signals,
+    BenchError, copy_logs, cpu_us_per_io, fio_cell, locate_udm, make_tmpdir, per_io,
+    prepare_out_dir, proc_context_switches, proc_cpu_seconds, remove_tmp, run, stop_daemon,
+    tmp_base, trap_signals,
 )
 from foundation import (  # noqa: E402
     Cell, Service, System, Udm, Workload, fill_backing_file, find_udm, fio_cmd, parse_fio_json,
@@ -113,25 +114,40 @@ def multipath_table(sectors: int, selector: str, path_args: str, uris: list[str]
 
 def measure(wl: Workload, system: System, host: Daemon, args, out_dir: Path, stem: str,
             cells: dict, key, tag: str, storage: Daemon | None = None):
-    """One fio run; the sample (with the host daemon's CPU per I/O, and the storage
-    daemon's when given) joins cells[key]."""
+    """One fio run; the sample (with the host daemon's CPU and context switches per I/O, and
+    the storage daemon's when given) joins cells[key]. Context switches say how many
+    wake-ups the I/Os took, which CPU time on a busy machine blurs."""
     cell = cells.setdefault(key, Cell())
     cmd = fio_cmd(wl, system, args, out_dir / f"{stem}.json")
-    pid = host.service.proc.pid
-    cpu0 = proc_cpu_seconds(pid)
-    storage_cpu0 = proc_cpu_seconds(storage.service.proc.pid) if storage else None
+    daemons = {"": host, "storage_": storage} if storage else {"": host}
+
+    def counters():
+        return {prefix: (proc_cpu_seconds(d.service.proc.pid),
+                         proc_context_switches(d.service.proc.pid))
+                for prefix, d in daemons.items()}
+    before = counters()
     smp = fio_cell(cmd, lambda c: run(c, timeout=args.runtime + 120, check=False, quiet=True),
                    parse_fio_json, wl, cell, out_dir, stem, tag)
     if smp is None:
         return None
-    smp.cpu_us_per_io = cpu_us_per_io(cpu0, proc_cpu_seconds(pid), smp.ios)
-    smp.storage_cpu_us_per_io = cpu_us_per_io(
-        storage_cpu0, proc_cpu_seconds(storage.service.proc.pid), smp.ios) if storage else None
+    after = counters()
+    for prefix in daemons:
+        (cpu0, switches0), (cpu1, switches1) = before[prefix], after[prefix]
+        setattr(smp, f"{prefix}cpu_us_per_io", cpu_us_per_io(cpu0, cpu1, smp.ios))
+        setattr(smp, f"{prefix}switches_per_io", per_io(switches0, switches1, smp.ios))
+    if not storage:
+        smp.storage_cpu_us_per_io = smp.storage_switches_per_io = None
     cell.samples.append(smp)
-    storage_note = f", storage CPU {fmt_cpu(smp.storage_cpu_us_per_io)} µs/IO" if storage else ""
+    storage_note = (f", storage CPU {fmt_cpu(smp.storage_cpu_us_per_io)} µs/IO "
+                    f"{fmt_switches(smp.storage_switches_per_io)} switches/IO") if storage else ""
     log(f"{tag}: {fmt_value(smp.value, wl.metric)}, host CPU "
-        f"{fmt_cpu(smp.cpu_us_per_io)} µs/IO{storage_note}")
+        f"{fmt_cpu(smp.cpu_us_per_io)} µs/IO {fmt_switches(smp.switches_per_io)} "
+        f"switches/IO{storage_note}")
     return smp
+
+
+def fmt_switches(v) -> str:
+    return "–" if v is None else f"{v:.2f}"
 
 
 def nbd(host: Daemon, dev: str) -> list:
@@ -256,7 +272,8 @@ def rr_section(med, ratio, bars) -> list:
     header = ["workload"]
     for backend, label in BACKENDS:
         header += [f"rr ×2, {label}", f"linear, {label}", "rr / linear",
-                   "host CPU µs/IO rr / linear", "storage CPU µs/IO rr / linear"]
+                   "host CPU µs/IO rr / linear", "storage CPU µs/IO rr / linear",
+                   "switches/IO host rr / linear; storage rr / linear"]
     rows = []
     for wl in WORKLOADS:
         row = [wl.label + (" (IOPS)" if wl.metric == "iops" else " (MB/s)")]
@@ -266,15 +283,22 @@ def rr_section(med, ratio, bars) -> list:
             cpu = [" / ".join(fmt_cpu(med((wl.key, f"{sys}-{backend}"), attr))
                               for sys in ("mp", "lin"))
                    for attr in ("cpu_us_per_io", "storage_cpu_us_per_io")]
-            row += [fmt_value(mp, wl.metric), fmt_value(lin, wl.metric), fmt_ratio(r), *cpu]
+            switches = "; ".join(" / ".join(fmt_switches(med((wl.key, f"{sys}-{backend}"), attr))
+                                            for sys in ("mp", "lin"))
+                                 for attr in ("switches_per_io", "storage_switches_per_io"))
+            row += [fmt_value(mp, wl.metric), fmt_value(lin, wl.metric), fmt_ratio(r), *cpu,
+                    switches]
             if r is not None:
                 bars.append((f"{wl.label}, {label}: round-robin ×2 / linear = {r:.2f}× "
                              f"(≥ {BAR_RR}×)", judge(r, BAR_RR)))
         rows.append(row)
     lines.append(markdown_table(header, rows))
     lines += ["", "CPU: the multipath host daemon's (and the storage daemon's) utime + stime "
-              "over the run / I/Os fio completed. Round-robin's two paths are two connections "
-              "to the storage daemon, each carrying half of every batch of requests."]
+              "over the run / I/Os fio completed; switches: their threads' voluntary and "
+              "involuntary context switches / I/Os (a wake-up each, mostly), which load on the "
+              "machine blurs less than CPU time. Round-robin's two paths are two connections "
+              "to the storage daemon, each carrying half of every batch of requests (served on "
+              "one event loop of the storage daemon: one client, one export)."]
     return lines
 
 

@@ -428,12 +428,13 @@ mod tests {
     }
 
     #[test]
-    fn a_connection_goes_to_the_loop_serving_the_fewest() {
+    fn a_connection_goes_to_its_partys_loop_or_the_one_serving_the_fewest() {
         let dir = std::env::temp_dir().join(format!("udm-nbd-loops-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("nbd.sock");
         let catalog = Devices::default();
         catalog.add("vol", Arc::new(PanicsOnRead), false);
+        catalog.add("other", Arc::new(PanicsOnRead), false);
         let config = ServerConfig {
             engine: Engine::Uring,
             loop_threads: 2,
@@ -441,8 +442,8 @@ mod tests {
         };
         let server = NbdServer::new(Arc::new(catalog), config).unwrap();
         server.listen_unix(&socket).unwrap();
-        let uri = format!("nbd+unix:///vol?socket={}", socket.display());
-        let connect = || {
+        let connect = |export: &str| {
+            let uri = format!("nbd+unix:///{export}?socket={}", socket.display());
             let client = NbdClient::connect(&uri, ClientOptions::default()).unwrap();
             // Served: attached to its loop.
             client.read(4096, &mut [0u8; 4096]).unwrap();
@@ -456,15 +457,19 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(10));
             }
         };
-        let long = connect();
-        let short = connect();
-        until(vec![1, 1]);
-        // A probe comes and goes: the next long-lived client still gets the idle loop.
+        // This process is one client: its connections to one export (a multipath's paths)
+        // share a loop, those to another export go to the other loop.
+        let long = connect("vol");
+        let path = connect("vol");
+        until(vec![2, 0]);
+        let short = connect("other");
+        until(vec![2, 1]);
+        // A probe comes and goes: the next long-lived connection still gets the idle loop.
         drop(short);
-        until(vec![1, 0]);
-        let other = connect();
-        until(vec![1, 1]);
-        drop((long, other));
+        until(vec![2, 0]);
+        let other = connect("other");
+        until(vec![2, 1]);
+        drop((long, path, other));
         until(vec![0, 0]);
         let _ = std::fs::remove_dir_all(&dir);
     }

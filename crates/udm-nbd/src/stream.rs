@@ -17,6 +17,8 @@ pub enum Stream {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum ClientKey {
     Uid(u32),
+    /// A Unix socket peer's process (see [`Stream::client_process`]).
+    Pid(i32),
     Ip(IpAddr),
 }
 
@@ -24,6 +26,7 @@ impl fmt::Display for ClientKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ClientKey::Uid(uid) => write!(f, "uid {uid}"),
+            ClientKey::Pid(pid) => write!(f, "pid {pid}"),
             ClientKey::Ip(ip) => write!(f, "{ip}"),
         }
     }
@@ -34,24 +37,17 @@ impl Stream {
         match self {
             // IPv4 clients of a dual-stack listener count as the IPv4 address they are.
             Stream::Tcp(s) => Ok(ClientKey::Ip(s.peer_addr()?.ip().to_canonical())),
-            Stream::Unix(s) => {
-                // SAFETY: SO_PEERCRED fills a ucred of the size passed.
-                let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-                let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-                let rc = unsafe {
-                    libc::getsockopt(
-                        s.as_raw_fd(),
-                        libc::SOL_SOCKET,
-                        libc::SO_PEERCRED,
-                        (&mut cred as *mut libc::ucred).cast(),
-                        &mut len,
-                    )
-                };
-                if rc != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                Ok(ClientKey::Uid(cred.uid))
-            }
+            Stream::Unix(s) => Ok(ClientKey::Uid(peer_credentials(s)?.uid)),
+        }
+    }
+
+    /// Who is at the other end, finer than [`Stream::client_key`]: the process of a Unix
+    /// socket peer (each of a user's programs is a client of its own), the address of a TCP
+    /// one (the same as `client_key`: nothing finer is known of it).
+    pub fn client_process(&self) -> io::Result<ClientKey> {
+        match self {
+            Stream::Unix(s) => Ok(ClientKey::Pid(peer_credentials(s)?.pid)),
+            Stream::Tcp(_) => self.client_key(),
         }
     }
 
@@ -141,6 +137,26 @@ impl Stream {
         }
         Ok(())
     }
+}
+
+/// The credentials of a Unix socket's peer, as it connected.
+fn peer_credentials(s: &UnixStream) -> io::Result<libc::ucred> {
+    // SAFETY: SO_PEERCRED fills a ucred of the size passed.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred)
 }
 
 impl AsRawFd for Stream {

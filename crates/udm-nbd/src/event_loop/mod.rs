@@ -35,6 +35,7 @@ use crate::ServerConfig;
 
 mod conn;
 mod mailbox;
+mod placement;
 mod requests;
 
 use mailbox::{Mailbox, Message};
@@ -78,9 +79,11 @@ pub(crate) struct Attach {
     pub slot: Box<dyn Any + Send>,
 }
 
-/// The running loops; each connection goes to the one serving the fewest.
+/// The running loops; each connection goes to its client's for its export, or else to the
+/// one serving the fewest (see [`placement`]).
 pub(crate) struct Loops {
     mailboxes: Vec<Arc<Mailbox>>,
+    placement: Arc<placement::Placement>,
 }
 
 impl Loops {
@@ -129,20 +132,10 @@ impl Loops {
                 .spawn(move || event_loop().run())?;
             mailboxes.push(mailbox);
         }
-        Ok(Loops { mailboxes })
-    }
-
-    /// Hands a connection to the loop serving the fewest. Dealt in turn instead, connections
-    /// that come and go (probes, short jobs) left long-lived ones piled on one loop while
-    /// another stood idle.
-    pub fn attach(&self, attach: Attach) {
-        let mailbox = self
-            .mailboxes
-            .iter()
-            .min_by_key(|m| m.connections.load(Ordering::Relaxed))
-            .expect("at least one loop");
-        mailbox.connections.fetch_add(1, Ordering::Relaxed);
-        mailbox.post(Message::Attach(Box::new(attach)));
+        Ok(Loops {
+            mailboxes,
+            placement: Arc::default(),
+        })
     }
 
     /// Connections attached to each loop.
