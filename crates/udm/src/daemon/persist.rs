@@ -42,10 +42,12 @@ struct SavedDevice {
 }
 
 impl SavedDevice {
-    /// Whether the live table merges a snapshot into its origin (`snapshot-merge`).
+    /// Whether the live or the inactive table merges a snapshot into its origin
+    /// (`snapshot-merge`; a loaded one already counts as merging for new snapshots).
     fn merges(&self) -> bool {
         self.table
             .iter()
+            .chain(self.inactive.iter().flatten())
             .any(|line| line.split_whitespace().nth(2) == Some("snapshot-merge"))
     }
 }

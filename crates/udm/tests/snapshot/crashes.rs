@@ -95,7 +95,8 @@ fn snapshots_come_back_after_a_restart_and_a_transient_one_comes_back_invalid() 
 /// saves each chunk into them before it overwrites it. After a restart the merge used to
 /// come back before some of them (in the order the state files were read), and those were
 /// then refused ("origin is being merged into"): gone, while the merge went on overwriting
-/// what they had not saved yet. Now they come back before the merge, and stay exact.
+/// what they had not saved yet; also with the merge only loaded, not yet resumed. Now they
+/// come back before the merge, and stay exact.
 #[test]
 fn sibling_snapshots_of_a_merge_come_back_after_a_restart_and_stay_exact() {
     let mut daemon = Daemon::start("snap-merge-siblings");
@@ -120,14 +121,19 @@ fn sibling_snapshots_of_a_merge_come_back_after_a_restart_and_stay_exact() {
         cow.display()
     );
     daemon.udm(&["load", "base", "--table", &merge]);
-    daemon.udm(&["resume", "base"]);
-    daemon.udm(&["message", "base", "0", "max_merge_rate", "256"]);
-    daemon.udm(&["remove", "rollback"]);
-    daemon.stop(libc::SIGKILL);
-    daemon.reap();
-    daemon.launch();
-    for (name, view) in &views {
-        same_content(view, &daemon.uri(name));
+    // Killed with the merge loaded, then with it running.
+    for round in 0..2 {
+        daemon.stop(libc::SIGKILL);
+        daemon.reap();
+        daemon.launch();
+        for (name, view) in &views {
+            same_content(view, &daemon.uri(name));
+        }
+        if round == 0 {
+            daemon.udm(&["resume", "base"]);
+            daemon.udm(&["message", "base", "0", "max_merge_rate", "256"]);
+            daemon.udm(&["remove", "rollback"]);
+        }
     }
     daemon.udm(&["message", "base", "0", "max_merge_rate", "0"]);
     let out = daemon.udm(&["wait", "base", "--progress"]);
