@@ -85,6 +85,10 @@ pub struct Table {
     capabilities: Capabilities,
 }
 
+/// The largest device: NBD clients and Linux address bytes with signed 64-bit offsets, so
+/// a larger one would be served as a negative size, and past 2^64 bytes its size would wrap.
+const MAX_SECTORS: u64 = i64::MAX as u64 / SECTOR_SIZE;
+
 impl Table {
     /// Builds every target of `text`, the table of device `owner`; the first bad line fails the
     /// whole table.
@@ -106,10 +110,14 @@ impl Table {
                     line.start
                 ))));
             }
-            let len = line
-                .len
-                .checked_mul(SECTOR_SIZE)
-                .ok_or_else(|| at(TargetError::new("<length> is too large")))?;
+            let end = u128::from(next) + u128::from(line.len);
+            if end > u128::from(MAX_SECTORS) {
+                return Err(at(TargetError::new(format!(
+                    "the device would end at sector {end}, past the {MAX_SECTORS} sectors \
+                     clients can address"
+                ))));
+            }
+            let len = line.len * SECTOR_SIZE;
             let ctx = TargetContext {
                 resolver,
                 owner,
@@ -386,6 +394,22 @@ mod tests {
             (
                 "0 8 zero\n\n# c\n8 8 zero extra",
                 "line 4: zero: unexpected argument 'extra'",
+            ),
+            // Sizes no client can address (NBD and Linux offsets are signed 64-bit): one
+            // was served as an export of -512 bytes, and a table past 2^64 bytes wrapped
+            // to a device of 1 sector.
+            (
+                "0 36028797018963967 zero",
+                "line 1: the device would end at sector 36028797018963967",
+            ),
+            (
+                "0 18014398509481984 zero",
+                "line 1: the device would end at sector 18014398509481984",
+            ),
+            (
+                "0 36028797018963967 zero\n36028797018963967 36028797018963967 zero\n\
+                 72057594037927934 3 zero",
+                "line 1: the device would end at sector 36028797018963967",
             ),
         ];
         for (text, expected) in cases {

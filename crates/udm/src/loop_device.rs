@@ -36,7 +36,7 @@ pub fn attach(control: &Path, name: &str) -> anyhow::Result<()> {
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
-    print!("{}", String::from_utf8_lossy(&out.stdout));
+    out!("{}", String::from_utf8_lossy(&out.stdout));
     Ok(())
 }
 

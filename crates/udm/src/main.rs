@@ -1,6 +1,19 @@
 //! `udm`: a device-mapper in user space. `udm daemon` holds and serves the devices; every
 //! other verb is a thin client of the daemon's control socket, with dmsetup's semantics.
 
+/// `print!` for the verbs' output. A reader that went away (`udm info vol | head -1`) ends
+/// udm as SIGPIPE ends dmsetup, where `print!` panics with a backtrace; SIGPIPE itself stays
+/// ignored, since the control client reads the daemon's answer after an EPIPE on its socket.
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::write_out(format_args!($($arg)*)) };
+}
+
+/// [`out!`] with a newline, as `println!`.
+macro_rules! outln {
+    () => { out!("\n") };
+    ($($arg:tt)*) => { out!("{}\n", format_args!($($arg)*)) };
+}
+
 mod background;
 mod cli;
 mod client;
@@ -50,6 +63,27 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("udm: {}", error_line(&e));
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// What [`out!`] does: writes to stdout, and dies of SIGPIPE if no one reads it any more.
+fn write_out(text: std::fmt::Arguments) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_fmt(text).and_then(|()| stdout.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            // SAFETY: plain libc calls; the default action ends the process here.
+            unsafe {
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+                libc::raise(libc::SIGPIPE);
+            }
+            std::process::exit(141);
+        }
+        Err(e) => {
+            eprintln!("udm: writing to stdout: {e}");
+            std::process::exit(1);
         }
     }
 }
@@ -191,7 +225,7 @@ fn ask(control: &std::path::Path, request: Request, print: Print) -> anyhow::Res
     let response = client::call(control, request)?;
     let data = response.data.unwrap_or_default();
     match print {
-        Print::Json => println!("{}", serde_json::to_string_pretty(&data)?),
+        Print::Json => outln!("{}", serde_json::to_string_pretty(&data)?),
         Print::Columns(columns) => {
             let devices = match data {
                 Value::Array(devices) => devices,
@@ -199,10 +233,10 @@ fn ask(control: &std::path::Path, request: Request, print: Print) -> anyhow::Res
             };
             let report = columns.layout().render(&devices)?;
             if !report.is_empty() {
-                println!("{report}");
+                outln!("{report}");
             }
         }
-        Print::Text if !response.output.is_empty() => println!("{}", response.output),
+        Print::Text if !response.output.is_empty() => outln!("{}", response.output),
         Print::Text => {}
     }
     Ok(())
@@ -210,12 +244,12 @@ fn ask(control: &std::path::Path, request: Request, print: Print) -> anyhow::Res
 
 /// dmsetup's `version`: this client's, then the daemon's.
 fn version(control: &std::path::Path) -> anyhow::Result<()> {
-    println!(
+    outln!(
         "Library version:   udm {} (control protocol {})",
         env!("CARGO_PKG_VERSION"),
         udm::control::PROTOCOL_VERSION
     );
     let response = client::call(control, Request::Version)?;
-    println!("Driver version:    {}", response.output);
+    outln!("Driver version:    {}", response.output);
     Ok(())
 }

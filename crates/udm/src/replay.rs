@@ -133,7 +133,7 @@ pub fn run(o: ReplayOptions) -> anyhow::Result<()> {
             break;
         }
         if o.verbose {
-            println!("{}", describe(&entry));
+            outln!("{}", describe(&entry));
         }
         apply(&target, &entry, &data)?;
         replayed += 1;
@@ -176,14 +176,14 @@ pub fn run(o: ReplayOptions) -> anyhow::Result<()> {
         }
     }
     target.flush()?;
-    print!("replayed {replayed} entries; {checked} check point(s) passed");
+    out!("replayed {replayed} entries; {checked} check point(s) passed");
     if to_the_end && reader.is_cut_off() {
         // The replay is what was logged, but not what the logged device ended up holding.
-        print!(
+        out!(
             "; the log was cut off after {replayed} entries: its device filled up, and later \
              writes to the logged device were not logged"
         );
     }
-    println!();
+    outln!();
     Ok(())
 }

@@ -290,7 +290,7 @@ impl Summary {
             )
         };
         match to_listener {
-            true => println!("{line}"),
+            true => outln!("{line}"),
             false => eprintln!("{line}"),
         }
         Ok(())
@@ -340,9 +340,9 @@ pub fn receive(control: &Path, pool: &str, id: u32, options: ReceiveOptions) -> 
             meter.finish();
             if options.json {
                 done["rate_bytes_per_second"] = json!(rate);
-                println!("{}", serde_json::to_string_pretty(&done)?);
+                outln!("{}", serde_json::to_string_pretty(&done)?);
             } else {
-                println!(
+                outln!(
                     "received thin device {id} of pool '{pool}': {} records, {} bytes of data \
                      in {:.1} s",
                     done["records"],

@@ -18,10 +18,10 @@ pub fn show(control: &Path, pool: &str, json: bool) -> anyhow::Result<()> {
         bail!("device '{pool}' is not a thin pool (its table has no thin-pool target)");
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(details)?);
+        outln!("{}", serde_json::to_string_pretty(details)?);
         return Ok(());
     }
-    print!("{}", table(details)?);
+    out!("{}", table(details)?);
     Ok(())
 }
 

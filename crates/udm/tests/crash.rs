@@ -221,6 +221,26 @@ fn linear_survives_kill_9() {
     );
 }
 
+/// `pool`, a thin pool of `data` bytes (4 MiB of metadata), with thin device 1.
+fn thin_pool_with_device_1(daemon: &Daemon, data: u64) {
+    let meta = daemon.sparse("pool.meta", 4 * MIB);
+    let data_file = daemon.sparse("pool.data", data);
+    daemon.create("pool", &thin_pool_table(&meta, &data_file, data, "0"));
+    daemon.udm(&["message", "pool", "0", "create_thin", "1"]);
+}
+
+/// thin_check on the pool's metadata, with `vol` and the pool suspended (all committed).
+fn thin_check_still(daemon: &Daemon) {
+    daemon.udm(&["suspend", "vol"]);
+    daemon.udm(&["suspend", "pool"]);
+    tool(
+        "thin_check",
+        &[daemon.dir.path("pool.meta").to_str().unwrap()],
+    );
+    daemon.udm(&["resume", "pool"]);
+    daemon.udm(&["resume", "vol"]);
+}
+
 /// A thin volume whose external origin is the original data: 4 KiB writes into 64 KiB
 /// blocks copy the rest of each block from the origin as they provision it. After every
 /// restart the pool's metadata must pass thin_check.
@@ -229,21 +249,52 @@ fn thin_survives_kill_9_while_provisioning() {
     crash_rounds(
         "crash-thin",
         vol(|daemon, original| {
-            let meta = daemon.sparse("pool.meta", 4 * MIB);
-            let data = daemon.sparse("pool.data", 2 * SIZE);
-            daemon.create("pool", &thin_pool_table(&meta, &data, 2 * SIZE, "0"));
-            daemon.udm(&["message", "pool", "0", "create_thin", "1"]);
+            thin_pool_with_device_1(daemon, 2 * SIZE);
             format!("0 {} thin pool 1 {}", SIZE / 512, original.display())
         }),
-        |daemon, _, _| {
+        |daemon, _, _| thin_check_still(daemon),
+    );
+}
+
+/// A thin volume snapshotted again after every restart, so that each round's 4 KiB writes
+/// break sharing with a snapshot (copying the rest of their 64 KiB block first). After every
+/// restart the snapshot taken after the restart before must read exactly as the volume did
+/// when it was taken, and the pool's metadata must pass thin_check.
+#[test]
+fn thin_survives_kill_9_while_breaking_sharing_with_a_snapshot() {
+    let taken = std::cell::RefCell::new(None::<(u32, Vec<u8>)>);
+    crash_rounds(
+        "crash-thin-snap",
+        vol(|daemon, original| {
+            thin_pool_with_device_1(daemon, 4 * SIZE);
+            daemon.create("vol", &format!("0 {} thin pool 1", SIZE / 512));
+            // The volume starts as the original data, so that every block is mapped.
+            tool("nbdcopy", &[original.to_str().unwrap(), &daemon.uri("vol")]);
+            daemon.udm(&["remove", "vol"]);
+            format!("0 {} thin pool 1", SIZE / 512)
+        }),
+        |daemon, _, what| {
+            let table = format!("0 {} thin pool", SIZE / 512);
+            let mut taken = taken.borrow_mut();
+            if let Some((id, expected)) = taken.take() {
+                daemon.create("snap", &format!("{table} {id}"));
+                let mut client = RawClient::connect(&daemon.nbd_socket(), "snap");
+                assert!(
+                    read_all(&mut client) == expected,
+                    "{what}: snapshot {id} changed"
+                );
+                drop(client);
+                daemon.udm(&["remove", "snap"]);
+                daemon.udm(&["message", "pool", "0", "delete", &id.to_string()]);
+            }
+            // A new id each round: the round number after the volume's id.
+            let id = 2 + what.rsplit(' ').next().unwrap().parse::<u32>().unwrap();
             daemon.udm(&["suspend", "vol"]);
-            daemon.udm(&["suspend", "pool"]);
-            tool(
-                "thin_check",
-                &[daemon.dir.path("pool.meta").to_str().unwrap()],
-            );
-            daemon.udm(&["resume", "pool"]);
+            daemon.udm(&["message", "pool", "0", "create_snap", &id.to_string(), "1"]);
             daemon.udm(&["resume", "vol"]);
+            let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
+            *taken = Some((id, read_all(&mut client)));
+            thin_check_still(daemon);
         },
     );
 }

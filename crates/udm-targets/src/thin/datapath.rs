@@ -7,6 +7,7 @@
 //! inserted, so a committed mapping never points at data that is not there.
 
 use std::ops::Range;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use udm_block::{
@@ -76,7 +77,8 @@ impl Thin {
     }
 
     /// Runs `f` inside the pool's gate; when it runs out of data space, leaves the gate (so
-    /// that the pool can be suspended and grown), waits for space and runs it again.
+    /// that the pool can be suspended and grown), waits for space and runs it again — unless
+    /// this device is being suspended, which must not wait for space (see `presuspend`).
     fn retrying_on_space(
         &self,
         mut f: impl FnMut() -> std::result::Result<(), Stall>,
@@ -86,6 +88,9 @@ impl Thin {
             match f() {
                 Ok(()) => return Ok(()),
                 Err(Stall::Failed(e)) => return Err(e),
+                Err(Stall::NoSpace(_)) if self.suspending.load(Ordering::SeqCst) => {
+                    return Err(self.pool.no_space_error());
+                }
                 Err(Stall::NoSpace(generation)) => {
                     drop(in_flight);
                     self.pool.wait_for_space(generation)?;

@@ -2,6 +2,7 @@
 //! allocated from the pool on first write; unprovisioned blocks read as zeroes, or from the
 //! read-only external origin where it reaches. Its I/O is in `datapath.rs`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use udm_block::{BlockDevice, OpenMode};
@@ -21,6 +22,9 @@ pub struct Thin {
     _pool_dev: Arc<dyn BlockDevice>,
     /// This target's entry in the pool's list of thin users.
     token: u64,
+    /// A suspend (or removal, or the daemon stopping) has begun: writes waiting for data
+    /// space fail now (see [`Target::presuspend`] and `retrying_on_space`).
+    pub(super) suspending: AtomicBool,
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
@@ -61,6 +65,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         origin,
         _pool_dev: pool_dev,
         token,
+        suspending: AtomicBool::new(false),
     }))
 }
 
@@ -119,11 +124,21 @@ impl Target for Thin {
         refs
     }
 
+    /// A write waiting for data space could wait as long as the pool stays full (for ever
+    /// with `--no-space-timeout 0`), and the suspend with it. The kernel's plain suspend
+    /// waits until the no-space timeout fails it with ENOSPC; here it fails now, with the
+    /// same error (the write was never acknowledged), as multipath's presuspend does.
+    fn presuspend(&self) {
+        self.suspending.store(true, Ordering::SeqCst);
+        self.pool.space.changed();
+    }
+
     fn suspend(&self) {
         self.pool.set_thin_live(self.token, false);
     }
 
     fn resume(&self) {
+        self.suspending.store(false, Ordering::SeqCst);
         self.pool.set_thin_live(self.token, true);
     }
 }

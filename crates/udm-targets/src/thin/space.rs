@@ -137,7 +137,7 @@ impl Pool {
         }
     }
 
-    fn no_space_error(&self) -> BlockError {
+    pub(super) fn no_space_error(&self) -> BlockError {
         BlockError::NoSpace(format!("thin-pool '{}' is out of data space", self.name))
     }
 }

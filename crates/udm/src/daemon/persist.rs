@@ -41,6 +41,17 @@ struct SavedDevice {
     settings: Vec<SavedSettings>,
 }
 
+impl SavedDevice {
+    /// Whether the live or the inactive table merges a snapshot into its origin
+    /// (`snapshot-merge`; a loaded one already counts as merging for new snapshots).
+    fn merges(&self) -> bool {
+        self.table
+            .iter()
+            .chain(self.inactive.iter().flatten())
+            .any(|line| line.split_whitespace().nth(2) == Some("snapshot-merge"))
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 struct SavedSettings {
     sector: u64,
@@ -102,6 +113,10 @@ impl Registry {
             finish_interrupted_rename(&path, &saved, &self.state_path(&saved.name))?;
             pending.push(saved);
         }
+        // Snapshots before the merges into their origins: a merge saves each chunk into the
+        // origin's other snapshots before it overwrites it, so they must be there when it
+        // starts, and a snapshot is refused once a merge into its origin runs.
+        pending.sort_by_key(SavedDevice::merges);
         let mut restored = Vec::new();
         let _restoring = self.remotes.restoring();
         loop {

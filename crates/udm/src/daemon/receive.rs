@@ -430,7 +430,7 @@ fn new_staging(
     let mut partial = Partial {
         to,
         from,
-        staging: free_id(pool)?,
+        staging: free_id(pool, req.id)?,
         staging_time: None,
         next_record: 0,
         layout: 0,
@@ -535,11 +535,12 @@ fn drop_staging(
     }
 }
 
-/// The highest free device id: staging devices stay out of the way of ids users pick.
-fn free_id(pool: &PoolHandle) -> Result<u32, String> {
+/// The highest free device id but `target`: staging devices stay out of the way of ids users
+/// pick, and the staging device cannot take the id it is to be published as.
+fn free_id(pool: &PoolHandle, target: u32) -> Result<u32, String> {
     let used: BTreeSet<u32> = pool.devices().iter().map(|d| d.id).collect();
     (0..=MAX_DEV_ID)
         .rev()
-        .find(|id| !used.contains(id))
+        .find(|id| *id != target && !used.contains(id))
         .ok_or_else(|| "the pool has no free device id".to_string())
 }

@@ -91,7 +91,14 @@ fn cut_corrupt_truncated_reordered_and_wrong_base_streams_leave_the_replica_as_i
             succeeded(twin.join().unwrap(), "concurrent receive");
         }
     });
-    for twin in [5, 6] {
+    // Into the highest id, where the staging devices go (a staging device of that very id
+    // used to make the publish fail once the whole stream had arrived).
+    let highest = 16_777_215;
+    succeeded(
+        receive(&b, highest, inc2, &["--base", "3"]),
+        "receive into the highest id",
+    );
+    for twin in [5, 6, highest] {
         with_thin(&b, "twin", twin, || {
             with_thin(&b, "four", 4, || {
                 same_content(&b.uri("twin"), &b.uri("four"))

@@ -87,6 +87,58 @@ fn snapshots_come_back_after_a_restart_and_a_transient_one_comes_back_invalid() 
     assert_eq!(status(&daemon, "temp"), "Invalid");
 }
 
+/// Snapshots of an origin that is being rolled back to another snapshot of it: the merge
+/// saves each chunk into them before it overwrites it. After a restart the merge used to
+/// come back before some of them (in the order the state files were read), and those were
+/// then refused ("origin is being merged into"): gone, while the merge went on overwriting
+/// what they had not saved yet; also with the merge only loaded, not yet resumed. Now they
+/// come back before the merge, and stay exact.
+#[test]
+fn sibling_snapshots_of_a_merge_come_back_after_a_restart_and_stay_exact() {
+    let mut daemon = Daemon::start("snap-merge-siblings");
+    let (origin, _) = origin_of(&daemon, 4 * MIB);
+    let cow = snapshot(&daemon, "rollback", &origin, 8 * MIB, "P 8");
+    qemu_io(&daemon.uri("base"), &["write -P 1 0 4M"]);
+    // Several, so that some sort after the merge's device whatever the directory's order.
+    let views: Vec<(String, String)> = (0..6)
+        .map(|i| {
+            let name = format!("sibling{i}");
+            snapshot(&daemon, &name, &origin, 8 * MIB, "P 8");
+            let view = daemon.dir.path(&format!("{name}.view"));
+            tool("nbdcopy", &[&daemon.uri(&name), view.to_str().unwrap()]);
+            (name, view.to_str().unwrap().to_string())
+        })
+        .collect();
+    daemon.udm(&["suspend", "rollback"]);
+    let merge = format!(
+        "0 {} snapshot-merge {} {} P 8",
+        4 * MIB / 512,
+        origin.display(),
+        cow.display()
+    );
+    daemon.udm(&["load", "base", "--table", &merge]);
+    // Killed with the merge loaded, then with it running.
+    for round in 0..2 {
+        daemon.stop(libc::SIGKILL);
+        daemon.reap();
+        daemon.launch();
+        for (name, view) in &views {
+            same_content(view, &daemon.uri(name));
+        }
+        if round == 0 {
+            daemon.udm(&["resume", "base"]);
+            daemon.udm(&["message", "base", "0", "max_merge_rate", "256"]);
+            daemon.udm(&["remove", "rollback"]);
+        }
+    }
+    daemon.udm(&["message", "base", "0", "max_merge_rate", "0"]);
+    let out = daemon.udm(&["wait", "base", "--progress"]);
+    assert!(out.ends_with("merge complete"), "{out}");
+    for (name, view) in &views {
+        same_content(view, &daemon.uri(name));
+    }
+}
+
 /// A client that sends first writes and vanishes while their copy-outs wait on a slow COW
 /// device (they wait as steps of their mappings, on no thread): the writes finish without
 /// it, the origin device still suspends (nothing is left counted in flight), the snapshot

@@ -61,6 +61,67 @@ fn out_of_space_queues_then_errors_and_growing_the_pool_by_reload_unblocks_it() 
     with_pool_still(&daemon, &strict, &["svol"], || thin_check(&strict.meta));
 }
 
+/// dmsetup habits on a full pool that waits for space for ever (`--no-space-timeout 0`): a
+/// suspend of the thin volume, or a reload of it without suspend, while a write waits for a
+/// block. That used to wait as long as the write did: for ever. Now the waiting write fails
+/// with ENOSPC (it was never acknowledged) as the suspend begins, and the suspend completes.
+#[test]
+fn suspending_a_volume_whose_write_waits_for_space_does_not_wait_for_ever() {
+    let daemon = Daemon::start_with("thin-nospace-suspend", &["--no-space-timeout", "0"]);
+    let pool = make_pool(&daemon, "pool", 2, "");
+    make_volume(&daemon, &pool, "vol", 1, 4 * MIB);
+    fill(&daemon, "vol", 1, 0, 2 * BLOCK);
+    let table = daemon.udm(&["table", "vol"]);
+    for verbs in [&["suspend"][..], &["load", "resume"]] {
+        let uri = daemon.uri("vol");
+        let waiting =
+            std::thread::spawn(move || qemu_io(&uri, &format!("write -P 2 {} 4096", 3 * BLOCK)));
+        let started = Instant::now();
+        while !status(&daemon, "pool").contains(" out_of_data_space ") {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the write never waited"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (done, finished) = std::sync::mpsc::channel();
+        let control = daemon.control();
+        let (verbs_run, table) = (verbs.to_vec(), table.clone());
+        std::thread::spawn(move || {
+            for verb in verbs_run {
+                let mut args = vec![verb, "vol"];
+                if verb == "load" {
+                    args.extend(["--table", &table]);
+                }
+                let out = std::process::Command::new(UDM)
+                    .args(&args)
+                    .env("UDM_CONTROL", &control)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success(), "{out:?}");
+            }
+            let _ = done.send(());
+        });
+        finished
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("{verbs:?} of vol waits for the write waiting for space"));
+        daemon.udm(&["resume", "vol"]);
+        let (ok, out) = waiting.join().unwrap();
+        assert!(!ok && out.contains("No space left on device"), "{out}");
+    }
+    // The pool grown, writes that need space go on, and nothing written before changed.
+    resize(&pool.data, 8 * BLOCK);
+    daemon.reload(
+        "pool",
+        &thin_pool_table(&pool.meta, &pool.data, 8 * BLOCK, "4"),
+    );
+    fill(&daemon, "vol", 3, 3 * BLOCK, 4096);
+    let vol = contents(&daemon, "vol");
+    expect_bytes(&vol, 0, 2 * BLOCK, 1, "written before the pool filled");
+    expect_bytes(&vol, 3 * BLOCK, 4096, 3, "written after growing");
+    with_pool_still(&daemon, &pool, &["vol"], || thin_check(&pool.meta));
+}
+
 #[test]
 fn pools_and_volumes_come_back_after_a_restart() {
     let mut daemon = Daemon::start("thin-restart");

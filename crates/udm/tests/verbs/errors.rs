@@ -190,3 +190,36 @@ fn a_daemon_that_cannot_start_says_why_in_one_line() {
         assert!(!last.contains("SUN_LEN"), "{last}");
     }
 }
+
+/// `udm info vol | head -1`: a reader that goes away before udm has written everything
+/// used to make udm panic with a backtrace ("failed printing to stdout: Broken pipe"). Like
+/// dmsetup (and cat), it now ends quietly by SIGPIPE.
+#[test]
+fn output_into_a_closed_pipe_ends_quietly() {
+    let daemon = Daemon::start("closed-pipe");
+    daemon.create("vol", "0 8 zero");
+    for verb in [
+        &["info", "vol"][..],
+        &["status"],
+        &["ls", "--json"],
+        &["version"],
+    ] {
+        let mut child = std::process::Command::new(UDM)
+            .args(verb)
+            .env("UDM_CONTROL", daemon.control())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.is_empty(), "udm {verb:?} into a closed pipe: {err}");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGPIPE),
+            "udm {verb:?}: {err}"
+        );
+    }
+}
