@@ -25,7 +25,7 @@ use std::sync::Arc;
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use log::{debug, error, warn};
 use udm_block::{BlockDevice, MapOp, Mapping, Ready, SECTOR_SIZE};
-use udm_uring::{is_engine, Engine, Outcome};
+use udm_uring::{is_engine, Engine, InFlightLimit, Outcome};
 
 use crate::abi::{self, opcode as op, ring, Args, FallocateIn, Fallocation, ReadIn, WriteIn};
 use crate::dispatch::Request;
@@ -47,12 +47,20 @@ pub(crate) struct Queue {
     ring: IoUring<squeue::Entry128, cqueue::Entry>,
     slots: Vec<Slot>,
     mailbox: Arc<Mailbox>,
+    /// Reads this thread keeps at the disk at once (0: no bound).
+    reads: usize,
 }
 
 impl Queue {
     /// Thread `thread` of queue `qid`, with `depth` entries whose payload buffers take
-    /// `payload_len` bytes.
-    pub fn new(qid: u16, thread: u16, depth: u16, payload_len: usize) -> Result<Queue, String> {
+    /// `payload_len` bytes, keeping at most `reads` reads at the disk (0: no bound).
+    pub fn new(
+        qid: u16,
+        thread: u16,
+        depth: u16,
+        reads: u16,
+        payload_len: usize,
+    ) -> Result<Queue, String> {
         // Commands for every entry plus the engine's pieces; more wait in the backlog.
         let entries = (u32::from(depth) * 2).next_power_of_two();
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
@@ -66,6 +74,7 @@ impl Queue {
             ring,
             slots: (0..depth).map(|_| Slot::new(payload_len)).collect(),
             mailbox: Arc::new(mailbox),
+            reads: usize::from(reads),
         })
     }
 
@@ -91,6 +100,7 @@ impl Queue {
             states: (0..count).map(|_| State::Gone).collect(),
             live: count,
             engine: Engine::new(),
+            reads: InFlightLimit::new(self.reads),
             backlog: VecDeque::new(),
             completions: Vec::new(),
             register_error: None,
@@ -137,6 +147,8 @@ enum State {
 struct Mapped {
     unique: u64,
     answer: Answer,
+    /// A read counted in [`Serving::reads`] until it completes.
+    admitted: bool,
 }
 
 enum Answer {
@@ -158,6 +170,8 @@ struct Serving {
     /// Entries not gone: the thread ends when none is left.
     live: usize,
     engine: Engine,
+    /// Reads at the disk, and those waiting for their turn (entry, mapping).
+    reads: InFlightLimit<(usize, Mapping)>,
     /// Entries for the submission queue, in order, when it is full.
     backlog: VecDeque<squeue::Entry128>,
     /// Reused for each batch of completions.
@@ -369,8 +383,29 @@ impl Serving {
         true
     }
 
-    /// Hands the ready mapping of the request in `slot` to the engine.
+    /// Hands the ready mapping of the request in `slot` to the engine, once the bound on
+    /// reads at the disk lets it.
     fn submit_mapped(&mut self, slot: usize, map_op: MapOp, mapping: Mapping) {
+        if map_op != MapOp::Read {
+            return self.start_on_engine(slot, map_op, mapping);
+        }
+        if let Some((slot, mapping)) = self.reads.admit((slot, mapping)) {
+            self.start_read(slot, mapping);
+        }
+    }
+
+    /// Starts a read the bound admitted; it is released when it completes.
+    fn start_read(&mut self, slot: usize, mapping: Mapping) {
+        if let State::Serving {
+            mapped: Some(m), ..
+        } = &mut self.states[slot]
+        {
+            m.admitted = true;
+        }
+        self.start_on_engine(slot, MapOp::Read, mapping);
+    }
+
+    fn start_on_engine(&mut self, slot: usize, map_op: MapOp, mapping: Mapping) {
         let bufs = self.queue.slots[slot].bufs;
         let backlog = &mut self.backlog;
         let mut push = |e: squeue::Entry| backlog.push_back(e.into());
@@ -391,9 +426,19 @@ impl Serving {
         let State::Serving { mapped, .. } = &mut self.states[slot] else {
             return error!("fuse: the engine completed ring entry {slot}, which it did not hold");
         };
-        let Some(Mapped { unique, answer }) = mapped.take() else {
+        let Some(Mapped {
+            unique,
+            answer,
+            admitted,
+        }) = mapped.take()
+        else {
             return error!("fuse: the engine completed ring entry {slot}, which it did not run");
         };
+        if admitted {
+            if let Some((next, mapping)) = self.reads.release() {
+                self.start_read(next, mapping);
+            }
+        }
         let outcome = match outcome {
             Outcome::Done(outcome) => outcome,
             // The request is still in the entry's buffers, untouched but for a read's data,
@@ -505,7 +550,12 @@ fn plan(fs: &Fs, req: &Request) -> Option<(MapOp, Mapping, Mapped)> {
         _ => return None,
     };
     let mapping = device.device.map(map_op, offset, len)?;
-    Some((map_op, mapping, Mapped { unique, answer }))
+    let mapped = Mapped {
+        unique,
+        answer,
+        admitted: false,
+    };
+    Some((map_op, mapping, mapped))
 }
 
 /// How much of `size` bytes at `offset` lies within a device of `end` bytes: a read or write
