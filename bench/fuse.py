@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -41,7 +42,9 @@ from common import (  # noqa: E402
     BenchError, copy_logs, fio_cell, locate_udm, prepare_out_dir, proc_cpu_seconds, run,
     select_workloads, tmp_base, tool_version, trap_signals,
 )
-from fuse_report import LABELS, SYSTEMS, WORKLOADS, build_table, draw_chart  # noqa: E402
+from fuse_report import (  # noqa: E402
+    LABELS, SYSTEMS, WORKLOADS, build_table, draw_chart, variant_key,
+)
 from harness import (  # noqa: E402
     Cell, Service, Udm, Workload, check_export, direct_io_note, fill_backing_file, find_udm,
     parse_fio_json, resident_bytes, start_service, wait_for_socket,
@@ -141,13 +144,34 @@ def parse_args(argv):
                     help="the FUSE transport, when the daemon has --fuse-uring: compare (default: "
                          "a second daemon with --fuse-uring off beside one with on, both measured) "
                          "or one daemon with on, off or auto")
+    ap.add_argument("--variant", action="append", default=[], metavar="'LABEL UDM [ARG...]'",
+                    help="another udm daemon (UDM: a binary, `-` for this run's) with these "
+                         "daemon options, its own FUSE mount of the same `vol` and loop device, "
+                         "measured in the same run, alternating, as column LABEL with udm / "
+                         "LABEL beside it: an A/B of two binaries or two settings; repeatable")
     args = ap.parse_args(argv)
     common.resolve_sizing(args)
+    try:
+        args.variants = [parse_variant(v) for v in args.variant]
+    except ValueError as e:
+        ap.error(str(e))
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
     # In place: build_table and draw_chart read the same list.
     WORKLOADS[:] = select_workloads(ap, args.workloads, list(WORKLOADS))
     return args
+
+
+def parse_variant(text: str) -> tuple:
+    """'LABEL UDM [ARG...]' -> (label, binary or None for this run's, [args])."""
+    words = shlex.split(text)
+    if len(words) < 2 or not words[0].replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"--variant {text!r}: expected 'LABEL UDM [DAEMON-ARG...]' with a "
+                         f"LABEL of letters, digits, - and _")
+    binary = None if words[1] == "-" else Path(words[1]).resolve()
+    if binary is not None and not os.access(binary, os.X_OK):
+        raise ValueError(f"--variant {text!r}: {binary} is not an executable")
+    return words[0], binary, words[2:]
 
 
 def host_ready() -> bool:
@@ -212,6 +236,12 @@ class Run:
             "repeat": args.repeat, "tmpdir": str(tmp), "workloads": [w.key for w in WORKLOADS],
         }
         self.uring_args = self.choose_transport()
+        for label, binary, extra in args.variants:
+            # In place: the report reads the same lists.
+            SYSTEMS.insert(SYSTEMS.index("nbdfuse"), variant_key(label))
+            LABELS[variant_key(label)] = label
+            self.meta.setdefault("variants", {})[label] = {
+                "udm": str(binary or udm_bin), "daemon_args": extra}
 
     def choose_transport(self) -> list:
         """The FUSE transport: with --fuse-uring in the daemon, compare FUSE over io_uring
@@ -252,6 +282,9 @@ class Run:
         if "udm-fuse-dev" in SYSTEMS:
             start_udm_fuse(self.udms, "udm-fuse-dev", self.udm_bin, self.tmp, "-dev",
                            self.disk, self.size, ["--fuse-uring", "off"])
+        for label, binary, extra in self.args.variants:
+            start_udm_fuse(self.udms, variant_key(label), binary or self.udm_bin, self.tmp,
+                           f"-v-{label}", self.disk, self.size, extra)
         for inst in self.udms:
             note = direct_io_note(inst.daemon.name, inst.daemon.proc.pid, self.disk)
             meta.setdefault("udm_o_direct", {})[inst.key] = note is None
