@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -144,34 +143,15 @@ def parse_args(argv):
                     help="the FUSE transport, when the daemon has --fuse-uring: compare (default: "
                          "a second daemon with --fuse-uring off beside one with on, both measured) "
                          "or one daemon with on, off or auto")
-    ap.add_argument("--variant", action="append", default=[], metavar="'LABEL UDM [ARG...]'",
-                    help="another udm daemon (UDM: a binary, `-` for this run's) with these "
-                         "daemon options, its own FUSE mount of the same `vol` and loop device, "
-                         "measured in the same run, alternating, as column LABEL with udm / "
-                         "LABEL beside it: an A/B of two binaries or two settings; repeatable")
+    common.add_variant_arg(ap, "its own FUSE mount of the same `vol` and loop device")
     args = ap.parse_args(argv)
     common.resolve_sizing(args)
-    try:
-        args.variants = [parse_variant(v) for v in args.variant]
-    except ValueError as e:
-        ap.error(str(e))
+    common.resolve_variants(ap, args)
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
     # In place: build_table and draw_chart read the same list.
     WORKLOADS[:] = select_workloads(ap, args.workloads, list(WORKLOADS))
     return args
-
-
-def parse_variant(text: str) -> tuple:
-    """'LABEL UDM [ARG...]' -> (label, binary or None for this run's, [args])."""
-    words = shlex.split(text)
-    if len(words) < 2 or not words[0].replace("-", "").replace("_", "").isalnum():
-        raise ValueError(f"--variant {text!r}: expected 'LABEL UDM [DAEMON-ARG...]' with a "
-                         f"LABEL of letters, digits, - and _")
-    binary = None if words[1] == "-" else Path(words[1]).resolve()
-    if binary is not None and not os.access(binary, os.X_OK):
-        raise ValueError(f"--variant {text!r}: {binary} is not an executable")
-    return words[0], binary, words[2:]
 
 
 def host_ready() -> bool:

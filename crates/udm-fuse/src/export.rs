@@ -63,9 +63,9 @@ pub struct FuseConfig {
     /// 33.9k.
     pub threads_per_queue: u16,
     /// Over io_uring: reads one queue keeps at the disk at once, dealt out among its threads
-    /// (0: no bound, every entry's read goes to the disk); the others wait in order. See
-    /// bench/README.md ("the FUSE path") for why a bound pays on a disk that answers depth
-    /// with latency.
+    /// (at least one each; 0: no bound, every entry's read goes to the disk); the others wait
+    /// in order. See bench/README.md ("the FUSE path") for why a bound pays on a disk that
+    /// answers depth with latency.
     pub queue_reads: u16,
 }
 
@@ -77,7 +77,7 @@ impl Default for FuseConfig {
             io_uring: UringMode::Auto,
             queue_depth: 32,
             threads_per_queue: 2,
-            queue_reads: 0,
+            queue_reads: 16,
         }
     }
 }
@@ -136,14 +136,6 @@ impl FuseConfig {
             return Err(FuseError::Config(format!(
                 "threads_per_queue {} is not between 1 and queue_depth {}",
                 self.threads_per_queue, self.queue_depth
-            )));
-        }
-        if self.queue_reads != 0
-            && (self.queue_reads < self.threads_per_queue || self.queue_reads > self.queue_depth)
-        {
-            return Err(FuseError::Config(format!(
-                "queue_reads {} is not 0 or between threads_per_queue {} and queue_depth {}",
-                self.queue_reads, self.threads_per_queue, self.queue_depth
             )));
         }
         if self.max_request < 8192 || !self.max_request.is_multiple_of(4096) {
