@@ -46,9 +46,6 @@ pub struct ServerConfig {
     pub pool_threads: usize,
     /// Requests one connection can have read and not yet answered (io_uring engine).
     pub queue_depth: usize,
-    /// Reads one event loop keeps at the disk at once, the others waiting in order (io_uring
-    /// engine; 0: no bound).
-    pub loop_reads: usize,
     /// Threads per connection, each with one request in progress (threads engine).
     pub workers_per_connection: usize,
     /// Connections beyond this are refused, so a flood cannot exhaust threads.
@@ -71,7 +68,6 @@ impl Default for ServerConfig {
             loop_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             pool_threads: 16,
             queue_depth: 128,
-            loop_reads: 0,
             workers_per_connection: 16,
             max_connections: 256,
             max_connections_per_client: 64,
@@ -180,13 +176,8 @@ impl NbdServer {
         let pool = Pool::new("nbd-pool", config.pool_threads);
         let loops = Loops::start(config, budget.clone(), pool)
             .map_err(|e| format!("cannot start the io_uring event loops: {e}"))?;
-        let reads = match config.loop_reads {
-            0 => "no bound on reads at the disk".to_string(),
-            n => format!("at most {n} reads at the disk per loop"),
-        };
         info!(
-            "nbd: engine: io_uring, {} event loops, {} pool threads, queue depth {} per \
-             connection, {reads}",
+            "nbd: engine: io_uring, {} event loops, {} pool threads, queue depth {} per connection",
             config.loop_threads.max(1),
             config.pool_threads.max(1),
             config.queue_depth.max(1)

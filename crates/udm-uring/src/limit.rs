@@ -1,6 +1,6 @@
 //! A bound on the requests of one kind a ring keeps at the disk, the rest waiting in order.
 //!
-//! A ring owner (a FUSE queue's thread, an NBD event loop) can put every request it holds on
+//! A ring owner (a FUSE queue's thread) can put every request it holds on
 //! the disk at once. Where the disk answers more depth with more latency rather than more
 //! throughput (a virtual disk's random reads: see bench/README.md, "the FUSE path"), the
 //! requests beyond what the disk rewards gain nothing by waiting there instead of here, and

@@ -100,7 +100,6 @@ fn daemon(args: DaemonArgs, control: PathBuf) -> anyhow::Result<()> {
         loop_threads: args.nbd_loops.unwrap_or(defaults.loop_threads),
         pool_threads: args.nbd_pool_threads,
         queue_depth: args.nbd_queue_depth,
-        loop_reads: args.nbd_loop_reads,
         workers_per_connection: args.nbd_threads,
         max_connections_per_client: args.nbd_max_connections_per_client as usize,
         idle_timeout: (!args.nbd_idle_timeout.is_zero()).then_some(args.nbd_idle_timeout),

@@ -12,6 +12,7 @@
 //! A refused REGISTER turns io_uring off for the connection: requests then come through
 //! /dev/fuse, and the export starts its usual workers.
 
+mod plan;
 mod pool;
 mod queue;
 mod slot;

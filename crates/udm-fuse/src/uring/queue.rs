@@ -24,14 +24,13 @@ use std::sync::Arc;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use log::{debug, error, warn};
-use udm_block::{BlockDevice, MapOp, Mapping, Ready, SECTOR_SIZE};
+use udm_block::{MapOp, Mapping, Ready};
 use udm_uring::{is_engine, Engine, InFlightLimit, Outcome};
 
-use crate::abi::{self, opcode as op, ring, Args, FallocateIn, Fallocation, ReadIn, WriteIn};
-use crate::dispatch::Request;
-use crate::fs::Fs;
+use crate::abi::{self, opcode as op, ring};
 use crate::session::Session;
 
+use super::plan::{plan, Answer, Mapped};
 use super::pool::{Job, Mailbox, Posted};
 use super::slot::{Slot, SlotServer};
 
@@ -141,23 +140,6 @@ enum State {
     },
     /// Nobody: the connection ended (or the kernel refused the entry).
     Gone,
-}
-
-/// A request the engine executes, and what its reply will be.
-struct Mapped {
-    unique: u64,
-    answer: Answer,
-    /// A read counted in [`Serving::reads`] until it completes.
-    admitted: bool,
-}
-
-enum Answer {
-    /// A read: the data is in the payload buffer.
-    Data(usize),
-    /// A write of this many bytes.
-    Written(u32),
-    /// An fsync or fallocate.
-    Empty,
 }
 
 struct Serving {
@@ -497,73 +479,6 @@ impl Serving {
     }
 }
 
-/// What the engine must do for a READ, WRITE, FSYNC or FALLOCATE, if its device maps it; None
-/// sends the request to the synchronous path (which also answers everything a mapping cannot
-/// express: ranges at or past the end, partial sectors, zero lengths, errors).
-fn plan(fs: &Fs, req: &Request) -> Option<(MapOp, Mapping, Mapped)> {
-    let unique = req.header.unique;
-    let (map_op, device, offset, len, answer) = match req.header.opcode {
-        op::READ => {
-            let r = ReadIn::parse(req.args)?;
-            let open = fs.file(r.fh)?;
-            let len = within(open.device.size(), r.offset, r.size)?;
-            (MapOp::Read, open, r.offset, len, Answer::Data(len as usize))
-        }
-        op::WRITE => {
-            let w = WriteIn::parse(req.args)?;
-            if req.data.len() < w.size as usize {
-                return None;
-            }
-            let open = fs.file(w.fh)?;
-            let len = within(open.device.size(), w.offset, w.size)?;
-            let map_op = MapOp::Write { fua: w.fua() };
-            (map_op, open, w.offset, len, Answer::Written(len as u32))
-        }
-        op::FSYNC => {
-            let open = fs.file(Args::new(req.args).u64()?)?;
-            (MapOp::Flush, open, 0, 0, Answer::Empty)
-        }
-        op::FALLOCATE => {
-            let f = FallocateIn::parse(req.args)?;
-            let open = fs.file(f.fh)?;
-            let Ok(Fallocation::Zero {
-                offset,
-                end,
-                may_unmap,
-            }) = f.meaning(open.device.size())
-            else {
-                return None;
-            };
-            // Partial sectors at either end are read-modify-written, synchronously.
-            if offset >= end || offset % SECTOR_SIZE != 0 || end % SECTOR_SIZE != 0 {
-                return None;
-            }
-            // As the synchronous path's write_zeroes: zero buffers where the file cannot
-            // punch or zero a range, and no sync (fallocate promises no durability).
-            let map_op = MapOp::WriteZeroes {
-                may_unmap,
-                fast_only: false,
-                fua: false,
-            };
-            (map_op, open, offset, end - offset, Answer::Empty)
-        }
-        _ => return None,
-    };
-    let mapping = device.device.map(map_op, offset, len)?;
-    let mapped = Mapped {
-        unique,
-        answer,
-        admitted: false,
-    };
-    Some((map_op, mapping, mapped))
-}
-
-/// How much of `size` bytes at `offset` lies within a device of `end` bytes: a read or write
-/// crossing the end is cut short there, like the synchronous path's. None if nothing does.
-fn within(end: u64, offset: u64, size: u32) -> Option<u64> {
-    (offset < end && size > 0).then(|| u64::from(size).min(end - offset))
-}
-
 /// Sets `sqe->len`, which `UringCmd80` has no setter for: REGISTER passes the number of
 /// iovecs there.
 fn with_len(mut entry: squeue::Entry128, len: u32) -> squeue::Entry128 {
@@ -601,14 +516,6 @@ fn pin_to_cpu(cpu: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn requests_are_cut_at_the_end_of_the_device() {
-        assert_eq!(within(8192, 0, 4096), Some(4096));
-        assert_eq!(within(8192, 4096, 8192), Some(4096));
-        assert_eq!(within(8192, 8192, 512), None);
-        assert_eq!(within(8192, 0, 0), None);
-    }
 
     #[test]
     fn register_entries_carry_the_iovec_count() {

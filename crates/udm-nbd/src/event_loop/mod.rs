@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use io_uring::{opcode, squeue, types, IoUring};
 use log::{debug, error, info, warn};
 use udm_block::{BlockDevice, BlockError, MapOp, Mapping, Ready, WorkerPool as Pool};
-use udm_uring::{is_engine, Engine, InFlightLimit, Outcome as MappedOutcome};
+use udm_uring::{is_engine, Engine, Outcome as MappedOutcome};
 
 use crate::budget::{BufferBudget, Payload};
 use crate::commands::{map_op, Outcome, Reply, Session};
@@ -164,12 +164,11 @@ impl Loops {
             let mailbox = Arc::new(Mailbox::new()?);
             let (mailbox_here, budget, pool) = (mailbox.clone(), budget.clone(), pool.clone());
             let (queue_depth, idle_timeout) = (config.queue_depth.max(1), config.idle_timeout);
-            let (write_timeout, loop_reads) = (config.handshake_timeout, config.loop_reads);
+            let write_timeout = config.handshake_timeout;
             // Built on its thread: a loop holds raw pointers (in-flight buffers) it never shares.
             let event_loop = move || EventLoop {
                 ring,
                 engine: Engine::new(),
-                reads: InFlightLimit::new(loop_reads),
                 conns: Vec::new(),
                 free: Vec::new(),
                 mailbox: mailbox_here,
@@ -217,8 +216,6 @@ impl Loops {
 struct Mapped {
     request: Request,
     payload: Option<Payload>,
-    /// A read counted in the loop's `reads` until it completes.
-    admitted: bool,
 }
 
 /// Replies on the wire: kept, with the iovecs and header sendmsg reads, until sent.
@@ -348,8 +345,6 @@ impl Conn {
 struct EventLoop {
     ring: IoUring,
     engine: Engine,
-    /// Reads at the disk, and those waiting for their turn (owner, mapping).
-    reads: InFlightLimit<(u64, Mapping)>,
     conns: Vec<Option<Conn>>,
     free: Vec<usize>,
     mailbox: Arc<Mailbox>,

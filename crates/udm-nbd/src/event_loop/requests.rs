@@ -151,11 +151,7 @@ impl EventLoop {
                         conn.mapped.push(None);
                         conn.mapped.len() - 1
                     });
-                    let mapped = conn.mapped[slot].insert(Mapped {
-                        request,
-                        payload,
-                        admitted: false,
-                    });
+                    let mapped = conn.mapped[slot].insert(Mapped { request, payload });
                     let buf = mapped
                         .payload
                         .as_deref_mut()
@@ -204,32 +200,17 @@ impl EventLoop {
         }));
     }
 
-    /// Hands a request's ready mapping to the engine, once the bound on reads at the disk
-    /// lets it.
+    /// Hands a parked request's ready mapping to the engine.
     pub(super) fn submit_mapped(&mut self, owner: u64, op: MapOp, mapping: Mapping) {
-        if op != MapOp::Read {
-            return self.start_on_engine(owner, op, mapping, false);
-        }
-        if let Some((owner, mapping)) = self.reads.admit((owner, mapping)) {
-            self.start_on_engine(owner, op, mapping, true);
-        }
-    }
-
-    /// Starts a mapped request on the engine; `admitted`: a read counted in `reads` until it
-    /// completes.
-    fn start_on_engine(&mut self, owner: u64, op: MapOp, mapping: Mapping, admitted: bool) {
         let index = (owner >> 32) as usize;
         let slot = (owner & 0xffff_ffff) as usize;
-        let conn = self.conns.get_mut(index).and_then(Option::as_mut);
-        let Some(mapped) = conn.and_then(|conn| conn.mapped[slot].as_mut()) else {
-            if admitted {
-                self.release_read();
-            }
+        let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
             return;
         };
-        mapped.admitted = admitted;
-        let buf = mapped
-            .payload
+        let Some(Mapped { payload, .. }) = conn.mapped[slot].as_mut() else {
+            return;
+        };
+        let buf = payload
             .as_deref_mut()
             .map_or(std::ptr::null_mut(), |p| p.as_mut_ptr());
         let queued = &mut self.queued;
@@ -253,19 +234,10 @@ impl EventLoop {
         let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else {
             return;
         };
-        let Some(Mapped {
-            request,
-            payload,
-            admitted,
-        }) = conn.mapped[slot].take()
-        else {
+        let Some(Mapped { request, payload }) = conn.mapped[slot].take() else {
             return;
         };
         conn.mapped_free.push(slot);
-        if admitted {
-            self.release_read();
-        }
-        let conn = self.conns[index].as_mut().expect("present");
         let outcome = match outcome {
             MappedOutcome::Done(outcome) => outcome,
             MappedOutcome::Retry => {
@@ -281,13 +253,6 @@ impl EventLoop {
             }
         });
         self.answer(index, &request, result, payload);
-    }
-
-    /// A read at the disk is done: the next one waiting, if any, starts.
-    fn release_read(&mut self) {
-        if let Some((owner, mapping)) = self.reads.release() {
-            self.start_on_engine(owner, MapOp::Read, mapping, true);
-        }
     }
 
     /// Queues the reply to a request that has finished.

@@ -54,10 +54,6 @@ pub struct DaemonArgs {
     /// Requests one NBD connection may have read and not yet answered (io_uring engine).
     #[arg(long, default_value_t = 128, value_name = "N")]
     pub nbd_queue_depth: usize,
-    /// Reads one event loop keeps at the disk at once, the others waiting in order (io_uring
-    /// engine; 0: no bound).
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    pub nbd_loop_reads: usize,
     /// Threads per NBD connection, each with one request in progress (threads engine).
     #[arg(long, default_value_t = 32, value_name = "N")]
     pub nbd_threads: usize,
@@ -95,7 +91,7 @@ pub struct DaemonArgs {
     /// threads; the others wait in order (0: no bound). A disk that answers more depth with
     /// more latency but little more throughput serves fewer reads sooner.
     #[arg(long, default_value_t = 16, value_name = "N",
-          value_parser = clap::value_parser!(u16).range(0..=1024))]
+          value_parser = clap::value_parser!(u16).range(0..=32))]
     pub fuse_queue_reads: u16,
     /// Seconds a request to a remote (nbd://) backend waits for an unreachable server
     /// before failing with EIO; meanwhile the client reconnects with backoff.
