@@ -62,9 +62,9 @@ pub struct FuseConfig {
     /// one thread per queue, 33.8k with two, 33.1k with four; random reads 28.3k, 31.1k,
     /// 33.9k.
     pub threads_per_queue: u16,
-    /// Over io_uring: reads one queue keeps at the disk at once, dealt out among its threads
-    /// (at least one each; 0: no bound, every entry's read goes to the disk); the others wait
-    /// in order. See bench/README.md ("the FUSE path") for why a bound pays on a disk that
+    /// Over io_uring: reads shorter than 128 KiB one queue keeps at the disk at once, dealt
+    /// out among its threads (at least one each; 0: no bound, every entry's read goes to the
+    /// disk); the others wait in order. See bench/README.md ("the FUSE path") for why a bound pays on a disk that
     /// answers depth with latency.
     pub queue_reads: u16,
 }
@@ -116,7 +116,7 @@ impl fmt::Display for Transport {
                 )?;
                 match reads {
                     0 => write!(f, "no bound on reads at the disk, ")?,
-                    n => write!(f, "at most {n} reads at the disk per queue, ")?,
+                    n => write!(f, "at most {n} small reads at the disk per queue, ")?,
                 }
                 write!(f, "{pool} threads for synchronous requests)")
             }
