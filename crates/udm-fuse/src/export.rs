@@ -116,7 +116,7 @@ impl fmt::Display for Transport {
                 )?;
                 match reads {
                     0 => write!(f, "no bound on reads at the disk, ")?,
-                    n => write!(f, "at most {n} small reads at the disk per queue, ")?,
+                    n => write!(f, "at most {n} reads under 128 KiB at the disk per queue, ")?,
                 }
                 write!(f, "{pool} threads for synchronous requests)")
             }
