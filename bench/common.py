@@ -14,6 +14,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -367,6 +368,29 @@ def add_run_args(ap, *, out: str, out_help: str | None = None, tmpdir_help: str 
     ap.add_argument("--udm", default=None, help=udm_help)
     ap.add_argument("--no-build", action="store_true", help="never run cargo build")
     ap.add_argument("--no-charts", action="store_true", help=charts_help)
+
+
+def add_variant_arg(ap, what: str) -> None:
+    """--variant: another udm daemon measured beside this run's, for an A/B in one run."""
+    ap.add_argument("--variant", action="append", default=[], metavar="'LABEL UDM [ARG...]'",
+                    help=f"another udm daemon (UDM: a binary, `-` for this run's) with these "
+                         f"daemon options and {what}, measured in the same run, alternating, "
+                         f"as column LABEL with udm / LABEL beside it: an A/B of two binaries "
+                         f"or two settings; repeatable")
+
+
+def resolve_variants(ap, args) -> None:
+    """args.variants: (label, binary or None for this run's, [daemon args]) per --variant."""
+    args.variants = []
+    for text in args.variant:
+        words = shlex.split(text)
+        if len(words) < 2 or not words[0].replace("-", "").replace("_", "").isalnum():
+            ap.error(f"--variant {text!r}: expected 'LABEL UDM [DAEMON-ARG...]' with a LABEL "
+                     f"of letters, digits, - and _")
+        binary = None if words[1] == "-" else Path(words[1]).resolve()
+        if binary is not None and not os.access(binary, os.X_OK):
+            ap.error(f"--variant {text!r}: {binary} is not an executable")
+        args.variants.append((words[0], binary, words[2:]))
 
 
 def have_fio_with_nbd() -> bool:

@@ -95,6 +95,7 @@ class Run:
         self.results: dict = {}
         self.notes: list = []
         self.sysmap: dict = {}
+        self.groups = [list(g) for g in self.GROUPS]
         self.meta = {
             **common.base_meta(udm_bin),
             "nbdkit_version": tool_version(["nbdkit", "--version"])
@@ -143,7 +144,28 @@ class Run:
             System("file", "fio on file",
                    ["--ioengine=io_uring", "--direct=1", f"--filename={self.disk}"]),
         ]
+        for label, binary, extra in self.args.variants:
+            systems.insert(3, self.start_variant(label, binary or self.udm_bin, extra))
         self.sysmap = {s.key: s for s in systems}
+
+    def start_variant(self, label: str, binary: Path, extra: list) -> System:
+        """A `--variant` daemon with its own state, sockets and `lin` over the same disk."""
+        ctl, sock = self.tmp / f"ctl-v-{label}.sock", self.tmp / f"udm-v-{label}.sock"
+        (self.tmp / f"state-v-{label}").mkdir()
+        svc = start_service(
+            f"udm daemon {label}",
+            [str(binary), "daemon", "--state-dir", str(self.tmp / f"state-v-{label}"),
+             "--control", str(ctl), "--nbd", f"unix:{sock}", *extra],
+            self.tmp / f"udm-daemon-v-{label}.log", env=dict(os.environ, RUST_BACKTRACE="1"))
+        self.services.append(svc)
+        wait_for_socket(ctl, svc, timeout=30)
+        Udm(binary, ctl).client("create", "lin", "--table", self.tables["lin"])
+        wait_for_socket(sock, svc, timeout=30)
+        uri = f"nbd+unix:///lin?socket={sock}"
+        check_export(uri, self.size, f"udm lin ({label})")
+        self.meta.setdefault("variants", {})[label] = {"udm": str(binary), "daemon_args": extra}
+        self.groups[1].insert(1, f"v-{label}")
+        return System(f"v-{label}", label, ["--ioengine=nbd", f"--uri={uri}"], svc)
 
     def start_peers(self) -> None:
         """nbdkit null, nbdkit file and qemu-nbd, each on its own unix socket for fio's nbd
@@ -271,14 +293,14 @@ class Run:
 
     def run_matrix(self) -> None:
         """Every workload, repeat and available system, in the order GROUPS says."""
-        runs = [k for g in self.GROUPS for k in g if self.sysmap[k].available]
+        runs = [k for g in self.groups for k in g if self.sysmap[k].available]
         total = len(WORKLOADS) * self.args.repeat * len(runs)
         est = total * (self.args.runtime + 1)
         log(f"{total} fio runs of {self.args.runtime} s (about {est // 60} min {est % 60} s)")
         n = 0
         for wl in WORKLOADS:
             for rep in range(1, self.args.repeat + 1):
-                order = [k for g in self.GROUPS for k in (g if rep % 2 else reversed(g))]
+                order = [k for g in self.groups for k in (g if rep % 2 else reversed(g))]
                 for key in order:
                     if self.sysmap[key].available:
                         n += 1
@@ -350,7 +372,9 @@ def parse_args(argv):
                          "jobs at depth 32 each, for every system alike; shows whether the "
                          "client (one fio thread) bounds a row. The bars judge the one-job "
                          "rows only.")
+    common.add_variant_arg(ap, "its own `lin` over the same file")
     args = ap.parse_args(argv)
+    common.resolve_variants(ap, args)
     jobs = parse_jobs(ap, args.jobs)
     common.resolve_sizing(args)
     if args.runtime < 1 or args.repeat < 1:

@@ -153,7 +153,7 @@ def tabulate(results, systems):
         }
     return SimpleNamespace(thr_rows=thr_rows, lat_rows=lat_rows, cpu_rows=cpu_rows,
                            below=below, bars=bars, ratios=ratios, summary=summary,
-                           cell=cell)
+                           cell=cell, med=med, ratio=ratio)
 
 
 def build_table(results, systems, meta) -> tuple[str, dict]:
@@ -198,6 +198,24 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
                "divided by the I/Os fio completed. fio on file: fio's own usr + sys CPU (no "
                "server). The fio client's CPU on the NBD rows is not included.")
     out.append("")
+    variants = [k for k in keys if k.startswith("v-")]
+    if variants:
+        out.append("### udm linear against the variants (A/B in the same run)")
+        out.append("")
+        rows = []
+        for wl in WORKLOADS:
+            rs = [t.ratio(wl, "udm-linear", k) for k in variants]
+            p99 = [t.ratio(wl, "udm-linear", k, "lat_p99_us") for k in variants]
+            rows.append([wl.label, fmt_value(t.med(wl, "udm-linear"), wl.metric)]
+                        + [fmt_value(t.med(wl, k), wl.metric) for k in variants]
+                        + ["—" if r is None else f"{r:.2f}×" for r in rs + p99])
+        out.append(markdown_table(
+            ["workload", "udm linear"] + [labels[k] for k in variants]
+            + [f"udm / {labels[k]}" for k in variants]
+            + [f"udm p99 / {labels[k]} p99" for k in variants], rows))
+        for label, v in meta.get("variants", {}).items():
+            out.append(f"- {label}: `{v['udm']} daemon … {' '.join(v['daemon_args'])}`")
+        out.append("")
     serial = serial_bound_lines(results)
     if serial:
         out.append("### Transport and disk in series (4 KiB, depth 32)")
@@ -277,7 +295,7 @@ def draw_charts(results, systems, out_dir: Path, meta) -> list:
                 vals = [med(w, key) or 0 for w in wls]
                 label = by_key[key].label if key != "file" else "fio on file (floor)"
                 bars = ax.bar([x + (i - (n - 1) / 2) * width for x in xs], vals, width,
-                              label=label, color=colors[key],
+                              label=label, color=colors.get(key, "#7e57c2"),
                               hatch="//" if key == "file" else None,
                               edgecolor="white" if key != "file" else "#555555")
                 if key == ua:
@@ -316,7 +334,7 @@ def draw_latency_chart(plt, by_key: dict, med, caption: str, out_dir: Path) -> P
         p99s = [med(w, key, "lat_p99_us") or 0 for w in wls]
         xs = [x + (i - (len(keys) - 1) / 2) * width for x in range(len(wls))]
         ax.bar(xs, means, width, label=by_key[key].label if key != "file" else "fio on file",
-               color=lat_colors[key], hatch="//" if key == "file" else None,
+               color=lat_colors.get(key, "#7e57c2"), hatch="//" if key == "file" else None,
                yerr=[[0] * len(wls), [max(p - m, 0) for p, m in zip(p99s, means)]],
                capsize=3, error_kw={"elinewidth": 1, "ecolor": "#333333"})
     bar_axes(ax, range(len(wls)), [w.label for w in wls],

@@ -41,7 +41,9 @@ from common import (  # noqa: E402
     BenchError, copy_logs, fio_cell, locate_udm, prepare_out_dir, proc_cpu_seconds, run,
     select_workloads, tmp_base, tool_version, trap_signals,
 )
-from fuse_report import LABELS, SYSTEMS, WORKLOADS, build_table, draw_chart  # noqa: E402
+from fuse_report import (  # noqa: E402
+    LABELS, SYSTEMS, WORKLOADS, build_table, draw_chart, variant_key,
+)
 from harness import (  # noqa: E402
     Cell, Service, Udm, Workload, check_export, direct_io_note, fill_backing_file, find_udm,
     parse_fio_json, resident_bytes, start_service, wait_for_socket,
@@ -141,8 +143,10 @@ def parse_args(argv):
                     help="the FUSE transport, when the daemon has --fuse-uring: compare (default: "
                          "a second daemon with --fuse-uring off beside one with on, both measured) "
                          "or one daemon with on, off or auto")
+    common.add_variant_arg(ap, "its own FUSE mount of the same `vol` and loop device")
     args = ap.parse_args(argv)
     common.resolve_sizing(args)
+    common.resolve_variants(ap, args)
     if args.runtime < 1 or args.repeat < 1:
         ap.error("--runtime and --repeat must be at least 1")
     # In place: build_table and draw_chart read the same list.
@@ -212,6 +216,12 @@ class Run:
             "repeat": args.repeat, "tmpdir": str(tmp), "workloads": [w.key for w in WORKLOADS],
         }
         self.uring_args = self.choose_transport()
+        for label, binary, extra in args.variants:
+            # In place: the report reads the same lists.
+            SYSTEMS.insert(SYSTEMS.index("nbdfuse"), variant_key(label))
+            LABELS[variant_key(label)] = label
+            self.meta.setdefault("variants", {})[label] = {
+                "udm": str(binary or udm_bin), "daemon_args": extra}
 
     def choose_transport(self) -> list:
         """The FUSE transport: with --fuse-uring in the daemon, compare FUSE over io_uring
@@ -252,6 +262,9 @@ class Run:
         if "udm-fuse-dev" in SYSTEMS:
             start_udm_fuse(self.udms, "udm-fuse-dev", self.udm_bin, self.tmp, "-dev",
                            self.disk, self.size, ["--fuse-uring", "off"])
+        for label, binary, extra in self.args.variants:
+            start_udm_fuse(self.udms, variant_key(label), binary or self.udm_bin, self.tmp,
+                           f"-v-{label}", self.disk, self.size, extra)
         for inst in self.udms:
             note = direct_io_note(inst.daemon.name, inst.daemon.proc.pid, self.disk)
             meta.setdefault("udm_o_direct", {})[inst.key] = note is None

@@ -35,6 +35,15 @@ BAR_FILE_LOOP = 0.7   # loop on udm's FUSE file / loop on the file
 BAR_URING = 1.3       # FUSE over io_uring / /dev/fuse
 
 
+def variant_key(label: str) -> str:
+    """The system key of a `--variant` daemon."""
+    return f"udm-fuse-v-{label}"
+
+
+def variants() -> list:
+    return [k for k in SYSTEMS if k.startswith("udm-fuse-v-")]
+
+
 
 # --------------------------------------------------------------------------------------------
 # table and chart
@@ -50,6 +59,7 @@ def tabulate(results):
     header = ["workload"] + [LABELS[k] for k in SYSTEMS] + ["udm / nbdfuse", "udm / loop on file"]
     if compare:
         header.append("io_uring / /dev/fuse")
+    header += [f"udm / {LABELS[k]}" for k in variants()]
     header += [f"{LABELS[k]} lat µs" for k in SYSTEMS]
     rows, below, r_peer_all, r_floor_all, summary, bars = [], [], [], [], {}, []
     cpu_rows = []
@@ -72,6 +82,8 @@ def tabulate(results):
         row += [fmt_ratio(r_peer), "—" if r_floor is None else f"{r_floor:.2f}×"]
         if compare:
             row.append("—" if r_uring is None else f"{r_uring:.2f}×")
+        row += ["—" if (v := ratio(wl, "udm-fuse", k)) is None else f"{v:.2f}×"
+                for k in variants()]
         rows.append(row + [fmt_lat(cell(wl, k)) for k in SYSTEMS])
         cpu_rows.append([wl.label] + [fmt_cpu(med(wl, k, "cpu_us_per_io"))
                                       for k in SYSTEMS if k != "direct"])
@@ -93,6 +105,7 @@ def tabulate(results):
             "ratio_udm_vs_nbdfuse": r_peer,
             "ratio_udm_vs_direct": r_floor,
             "ratio_uring_vs_dev_fuse": r_uring,
+            "ratio_udm_vs_variant": {LABELS[k]: ratio(wl, "udm-fuse", k) for k in variants()},
         }
     return SimpleNamespace(header=header, rows=rows, cpu_rows=cpu_rows, below=below,
                            r_peer_all=r_peer_all,
@@ -133,6 +146,8 @@ def build_table(results, meta) -> tuple[str, dict]:
                f"{LABELS['udm-fuse']}. 4k rows in IOPS, 256k rows in MB/s (10^6 B/s). Ratios on "
                "IOPS or MB/s; **▼** marks udm / nbdfuse below 1.0×. Latency cells: completion "
                "latency mean / p99 in µs (fio clat).")
+    for label, v in meta.get("variants", {}).items():
+        out.append(f"- {label}: `{v['udm']} daemon … {' '.join(v['daemon_args'])}`")
     out.append("")
     if r_peer_all:
         g = geomean(r_peer_all)
@@ -200,7 +215,7 @@ def draw_chart(results, out_dir: Path, meta) -> list:
         xs = list(range(len(wls)))
         for i, key in enumerate(SYSTEMS):
             pos = [x + (i - (n - 1) / 2) * width for x in xs]
-            style = dict(color=COLORS[key], hatch="//" if key == "direct" else None,
+            style = dict(color=COLORS.get(key, "#7e57c2"), hatch="//" if key == "direct" else None,
                          edgecolor="#555555" if key == "direct" else "white",
                          label=LABELS[key] + (" (limit)" if key == "direct" else ""))
             if kind == "lat":

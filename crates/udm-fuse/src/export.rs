@@ -62,6 +62,11 @@ pub struct FuseConfig {
     /// one thread per queue, 33.8k with two, 33.1k with four; random reads 28.3k, 31.1k,
     /// 33.9k.
     pub threads_per_queue: u16,
+    /// Over io_uring: reads shorter than 128 KiB one queue keeps at the disk at once, dealt
+    /// out among its threads (at least one each; 0: no bound, every entry's read goes to the
+    /// disk); the others wait in order. See bench/README.md ("the FUSE path") for why a bound pays on a disk that
+    /// answers depth with latency.
+    pub queue_reads: u16,
 }
 
 impl Default for FuseConfig {
@@ -72,6 +77,7 @@ impl Default for FuseConfig {
             io_uring: UringMode::Auto,
             queue_depth: 32,
             threads_per_queue: 2,
+            queue_reads: 16,
         }
     }
 }
@@ -86,6 +92,8 @@ pub enum Transport {
         queues: usize,
         depth: usize,
         threads_per_queue: usize,
+        /// Reads at the disk per queue (0: no bound).
+        reads: usize,
         pool: usize,
     },
 }
@@ -98,12 +106,20 @@ impl fmt::Display for Transport {
                 queues,
                 depth,
                 threads_per_queue,
+                reads,
                 pool,
-            } => write!(
-                f,
-                "io_uring ({queues} queues of {depth} entries on {threads_per_queue} threads \
-                 each, {pool} threads for synchronous requests)"
-            ),
+            } => {
+                write!(
+                    f,
+                    "io_uring ({queues} queues of {depth} entries on {threads_per_queue} \
+                     threads each, "
+                )?;
+                match reads {
+                    0 => write!(f, "no bound on reads at the disk, ")?,
+                    n => write!(f, "at most {n} reads under 128 KiB at the disk per queue, ")?,
+                }
+                write!(f, "{pool} threads for synchronous requests)")
+            }
         }
     }
 }
@@ -226,6 +242,7 @@ impl FuseExport {
             mode => match uring::prepare(
                 config.queue_depth,
                 config.threads_per_queue,
+                config.queue_reads,
                 config.max_request as usize,
             ) {
                 Ok(queues) => Some(queues),
@@ -332,6 +349,7 @@ impl FuseExport {
             queues: queues.len() / usize::from(config.threads_per_queue),
             depth: usize::from(config.queue_depth),
             threads_per_queue: usize::from(config.threads_per_queue),
+            reads: usize::from(config.queue_reads),
             pool: config.workers,
         };
         let (jobs, pool) = uring::jobs();

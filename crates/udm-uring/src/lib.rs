@@ -30,7 +30,9 @@ use udm_block::{
     zero_chunk, BlockError, Completed, MapOp, MappedFile, Mapping, OnComplete, Piece, Place,
 };
 
+mod limit;
 mod runner;
+pub use limit::InFlightLimit;
 pub use runner::{Runner, Then};
 
 /// Set in the `user_data` of every entry the engine submits; the ring's owner keeps it clear

@@ -151,6 +151,7 @@ fn daemon(args: DaemonArgs, control: PathBuf) -> anyhow::Result<()> {
         fuse_threads: args.fuse_threads,
         fuse_uring: args.fuse_uring.into(),
         fuse_queue_threads: args.fuse_queue_threads,
+        fuse_queue_reads: args.fuse_queue_reads,
         remote_timeout: std::time::Duration::from_secs(args.remote_timeout),
         replication: args.replication,
     })?)

@@ -12,6 +12,7 @@
 //! A refused REGISTER turns io_uring off for the connection: requests then come through
 //! /dev/fuse, and the export starts its usual workers.
 
+mod plan;
 mod pool;
 mod queue;
 mod slot;
@@ -61,18 +62,26 @@ pub fn enable_kernel_support() -> Result<(), String> {
 
 /// The queues for a mount: one per possible CPU, as many as the kernel makes, each with
 /// `depth` entries of `payload_len` bytes shared by `threads` threads (a [`Queue`] each, in
-/// order of qid). Made before the mount, so that nothing but the kernel's own answer to
+/// order of qid), and at most `reads` reads at the disk (0: no bound), dealt out like the
+/// entries (at least one to each thread). Made before the mount, so that nothing but the kernel's own answer to
 /// REGISTER can fail once INIT has agreed on io_uring (the kernel holds every request until
 /// all queues have registered).
-pub(crate) fn prepare(depth: u16, threads: u16, payload_len: usize) -> Result<Vec<Queue>, String> {
+pub(crate) fn prepare(
+    depth: u16,
+    threads: u16,
+    reads: u16,
+    payload_len: usize,
+) -> Result<Vec<Queue>, String> {
     enable_kernel_support()?;
     let count = possible_cpus()?;
     let queues = u16::try_from(count)
         .map_err(|_| format!("{count} possible CPUs are more queues than FUSE takes"))?;
     let mut rings = Vec::new();
     for qid in 0..queues {
-        for (thread, entries) in shares(depth, threads).enumerate() {
-            rings.push(Queue::new(qid, thread as u16, entries, payload_len)?);
+        // Every thread may read: a share of 0 would mean no bound.
+        let reads = shares(reads, threads).map(|share| share.max(u16::from(reads > 0)));
+        for (thread, (entries, reads)) in shares(depth, threads).zip(reads).enumerate() {
+            rings.push(Queue::new(qid, thread as u16, entries, reads, payload_len)?);
         }
     }
     Ok(rings)

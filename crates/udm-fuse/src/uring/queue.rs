@@ -24,20 +24,24 @@ use std::sync::Arc;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use log::{debug, error, warn};
-use udm_block::{BlockDevice, MapOp, Mapping, Ready, SECTOR_SIZE};
-use udm_uring::{is_engine, Engine, Outcome};
+use udm_block::{MapOp, Mapping, Ready};
+use udm_uring::{is_engine, Engine, InFlightLimit, Outcome};
 
-use crate::abi::{self, opcode as op, ring, Args, FallocateIn, Fallocation, ReadIn, WriteIn};
-use crate::dispatch::Request;
-use crate::fs::Fs;
+use crate::abi::{self, opcode as op, ring};
 use crate::session::Session;
 
+use super::plan::{plan, Answer, Mapped};
 use super::pool::{Job, Mailbox, Posted};
 use super::slot::{Slot, SlotServer};
 
 /// `user_data` of the poll on the mailbox's eventfd; entries use their index, the engine
 /// bit 63.
 const WAKE: u64 = 1 << 62;
+/// Reads this long or longer are not held by the bound on reads at the disk: a stream of
+/// them is after bandwidth, which depth buys (256 KiB sequential reads at depth 32 lost a
+/// fifth of their MB/s to a bound of 16 per queue), where small random reads only wait
+/// longer at the disk for it.
+const LARGE_READ: u64 = 128 << 10;
 
 /// A queue's thread set up before the mount: its ring, its entries' buffers, its mailbox.
 pub(crate) struct Queue {
@@ -47,12 +51,20 @@ pub(crate) struct Queue {
     ring: IoUring<squeue::Entry128, cqueue::Entry>,
     slots: Vec<Slot>,
     mailbox: Arc<Mailbox>,
+    /// Reads this thread keeps at the disk at once (0: no bound).
+    reads: usize,
 }
 
 impl Queue {
     /// Thread `thread` of queue `qid`, with `depth` entries whose payload buffers take
-    /// `payload_len` bytes.
-    pub fn new(qid: u16, thread: u16, depth: u16, payload_len: usize) -> Result<Queue, String> {
+    /// `payload_len` bytes, keeping at most `reads` reads at the disk (0: no bound).
+    pub fn new(
+        qid: u16,
+        thread: u16,
+        depth: u16,
+        reads: u16,
+        payload_len: usize,
+    ) -> Result<Queue, String> {
         // Commands for every entry plus the engine's pieces; more wait in the backlog.
         let entries = (u32::from(depth) * 2).next_power_of_two();
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
@@ -66,6 +78,7 @@ impl Queue {
             ring,
             slots: (0..depth).map(|_| Slot::new(payload_len)).collect(),
             mailbox: Arc::new(mailbox),
+            reads: usize::from(reads),
         })
     }
 
@@ -91,6 +104,7 @@ impl Queue {
             states: (0..count).map(|_| State::Gone).collect(),
             live: count,
             engine: Engine::new(),
+            reads: InFlightLimit::new(self.reads),
             backlog: VecDeque::new(),
             completions: Vec::new(),
             register_error: None,
@@ -133,21 +147,6 @@ enum State {
     Gone,
 }
 
-/// A request the engine executes, and what its reply will be.
-struct Mapped {
-    unique: u64,
-    answer: Answer,
-}
-
-enum Answer {
-    /// A read: the data is in the payload buffer.
-    Data(usize),
-    /// A write of this many bytes.
-    Written(u32),
-    /// An fsync or fallocate.
-    Empty,
-}
-
 struct Serving {
     queue: Queue,
     session: Arc<Session>,
@@ -158,6 +157,8 @@ struct Serving {
     /// Entries not gone: the thread ends when none is left.
     live: usize,
     engine: Engine,
+    /// Reads at the disk, and those waiting for their turn (entry, mapping).
+    reads: InFlightLimit<(usize, Mapping)>,
     /// Entries for the submission queue, in order, when it is full.
     backlog: VecDeque<squeue::Entry128>,
     /// Reused for each batch of completions.
@@ -369,8 +370,29 @@ impl Serving {
         true
     }
 
-    /// Hands the ready mapping of the request in `slot` to the engine.
+    /// Hands the ready mapping of the request in `slot` to the engine, once the bound on
+    /// reads at the disk lets it.
     fn submit_mapped(&mut self, slot: usize, map_op: MapOp, mapping: Mapping) {
+        if map_op != MapOp::Read || mapping.len() >= LARGE_READ {
+            return self.start_on_engine(slot, map_op, mapping);
+        }
+        if let Some((slot, mapping)) = self.reads.admit((slot, mapping)) {
+            self.start_read(slot, mapping);
+        }
+    }
+
+    /// Starts a read the bound admitted; it is released when it completes.
+    fn start_read(&mut self, slot: usize, mapping: Mapping) {
+        if let State::Serving {
+            mapped: Some(m), ..
+        } = &mut self.states[slot]
+        {
+            m.admitted = true;
+        }
+        self.start_on_engine(slot, MapOp::Read, mapping);
+    }
+
+    fn start_on_engine(&mut self, slot: usize, map_op: MapOp, mapping: Mapping) {
         let bufs = self.queue.slots[slot].bufs;
         let backlog = &mut self.backlog;
         let mut push = |e: squeue::Entry| backlog.push_back(e.into());
@@ -391,9 +413,19 @@ impl Serving {
         let State::Serving { mapped, .. } = &mut self.states[slot] else {
             return error!("fuse: the engine completed ring entry {slot}, which it did not hold");
         };
-        let Some(Mapped { unique, answer }) = mapped.take() else {
+        let Some(Mapped {
+            unique,
+            answer,
+            admitted,
+        }) = mapped.take()
+        else {
             return error!("fuse: the engine completed ring entry {slot}, which it did not run");
         };
+        if admitted {
+            if let Some((next, mapping)) = self.reads.release() {
+                self.start_read(next, mapping);
+            }
+        }
         let outcome = match outcome {
             Outcome::Done(outcome) => outcome,
             // The request is still in the entry's buffers, untouched but for a read's data,
@@ -452,68 +484,6 @@ impl Serving {
     }
 }
 
-/// What the engine must do for a READ, WRITE, FSYNC or FALLOCATE, if its device maps it; None
-/// sends the request to the synchronous path (which also answers everything a mapping cannot
-/// express: ranges at or past the end, partial sectors, zero lengths, errors).
-fn plan(fs: &Fs, req: &Request) -> Option<(MapOp, Mapping, Mapped)> {
-    let unique = req.header.unique;
-    let (map_op, device, offset, len, answer) = match req.header.opcode {
-        op::READ => {
-            let r = ReadIn::parse(req.args)?;
-            let open = fs.file(r.fh)?;
-            let len = within(open.device.size(), r.offset, r.size)?;
-            (MapOp::Read, open, r.offset, len, Answer::Data(len as usize))
-        }
-        op::WRITE => {
-            let w = WriteIn::parse(req.args)?;
-            if req.data.len() < w.size as usize {
-                return None;
-            }
-            let open = fs.file(w.fh)?;
-            let len = within(open.device.size(), w.offset, w.size)?;
-            let map_op = MapOp::Write { fua: w.fua() };
-            (map_op, open, w.offset, len, Answer::Written(len as u32))
-        }
-        op::FSYNC => {
-            let open = fs.file(Args::new(req.args).u64()?)?;
-            (MapOp::Flush, open, 0, 0, Answer::Empty)
-        }
-        op::FALLOCATE => {
-            let f = FallocateIn::parse(req.args)?;
-            let open = fs.file(f.fh)?;
-            let Ok(Fallocation::Zero {
-                offset,
-                end,
-                may_unmap,
-            }) = f.meaning(open.device.size())
-            else {
-                return None;
-            };
-            // Partial sectors at either end are read-modify-written, synchronously.
-            if offset >= end || offset % SECTOR_SIZE != 0 || end % SECTOR_SIZE != 0 {
-                return None;
-            }
-            // As the synchronous path's write_zeroes: zero buffers where the file cannot
-            // punch or zero a range, and no sync (fallocate promises no durability).
-            let map_op = MapOp::WriteZeroes {
-                may_unmap,
-                fast_only: false,
-                fua: false,
-            };
-            (map_op, open, offset, end - offset, Answer::Empty)
-        }
-        _ => return None,
-    };
-    let mapping = device.device.map(map_op, offset, len)?;
-    Some((map_op, mapping, Mapped { unique, answer }))
-}
-
-/// How much of `size` bytes at `offset` lies within a device of `end` bytes: a read or write
-/// crossing the end is cut short there, like the synchronous path's. None if nothing does.
-fn within(end: u64, offset: u64, size: u32) -> Option<u64> {
-    (offset < end && size > 0).then(|| u64::from(size).min(end - offset))
-}
-
 /// Sets `sqe->len`, which `UringCmd80` has no setter for: REGISTER passes the number of
 /// iovecs there.
 fn with_len(mut entry: squeue::Entry128, len: u32) -> squeue::Entry128 {
@@ -551,14 +521,6 @@ fn pin_to_cpu(cpu: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn requests_are_cut_at_the_end_of_the_device() {
-        assert_eq!(within(8192, 0, 4096), Some(4096));
-        assert_eq!(within(8192, 4096, 8192), Some(4096));
-        assert_eq!(within(8192, 8192, 512), None);
-        assert_eq!(within(8192, 0, 0), None);
-    }
 
     #[test]
     fn register_entries_carry_the_iovec_count() {

@@ -101,6 +101,71 @@ fn over_io_uring_mapped_requests_go_to_the_engine() {
     export.unmount();
 }
 
+/// With a bound of one read at the disk per queue, reads beyond it wait their turn and every
+/// one of them still comes back with its own bytes, also when they wait for steps first and
+/// writes run beside them (writes are not bounded).
+#[test]
+fn over_io_uring_reads_beyond_the_bound_wait_their_turn() {
+    if !can_run() {
+        return;
+    }
+    let dir = TempDir::new("read-bound");
+    let backing = dir.path("backing.img");
+    let data = pattern(8 * MIB as usize, 33);
+    std::fs::write(&backing, &data[..]).unwrap();
+    let catalog = Arc::new(Devices::default());
+    let file = || FileDevice::open(&backing, OpenMode::ReadWrite).unwrap();
+    catalog.add("vol", Arc::new(MapOnly(file())), false);
+    let stepped = Stepped {
+        inner: MapOnly(file()),
+        delay: Duration::from_millis(5),
+        fail: false,
+    };
+    catalog.add("slow", Arc::new(stepped), false);
+    let config = FuseConfig {
+        io_uring: UringMode::On,
+        queue_reads: 1,
+        ..FuseConfig::default()
+    };
+    let export = mount_with(&dir, &catalog, config);
+    assert!(matches!(
+        export.transport(),
+        Transport::IoUring { reads: 1, .. }
+    ));
+    let data = Arc::new(data);
+    let readers: Vec<_> = (0..8u64)
+        .map(|t| {
+            let name = if t % 2 == 0 { "vol" } else { "slow" };
+            let (path, data) = (export.mountpoint().join(name), data.clone());
+            std::thread::spawn(move || {
+                let f = open_direct(&path);
+                let mut back = AlignedBuf::zeroed(64 << 10);
+                for i in 0..16u64 {
+                    // The first 4 MiB: the writers below keep to the rest.
+                    let at = ((t * 16 + i) * 37 % 64) * (64 << 10);
+                    f.read_exact_at(&mut back, at).unwrap();
+                    let at = at as usize;
+                    assert!(back[..] == data[at..at + back.len()], "read at {at}");
+                }
+            })
+        })
+        .collect();
+    let writer = {
+        let path = export.mountpoint().join("vol");
+        std::thread::spawn(move || {
+            let f = open_direct(&path);
+            let buf = pattern(64 << 10, 34);
+            for i in 0..32u64 {
+                f.write_all_at(&buf, 4 * MIB + i * (64 << 10)).unwrap();
+            }
+        })
+    };
+    readers.into_iter().for_each(|r| r.join().unwrap());
+    writer.join().unwrap();
+    catalog.wait_closed();
+    export.unmount();
+}
+
 /// A device whose mappings wait for a step (as a `delay`'s timer or a snapshot copy-out) that
 /// a thread of its own finishes after `delay`, failing it if `fail`; its synchronous methods
 /// fail, so what succeeds through the mount waited for its step on the engine's path.

@@ -63,6 +63,8 @@ pub struct DaemonOptions {
     pub fuse_threads: usize,
     pub fuse_uring: UringMode,
     pub fuse_queue_threads: u16,
+    /// Reads one FUSE queue keeps at the disk at once over io_uring (0: no bound).
+    pub fuse_queue_reads: u16,
     pub remote_timeout: Duration,
     /// Where to take replication streams from other hosts (`udm send … --to tcp:…`).
     pub replication: Option<MetricsAddress>,
@@ -218,6 +220,7 @@ fn mount_fuse(
         workers: options.fuse_threads,
         io_uring: options.fuse_uring,
         threads_per_queue: options.fuse_queue_threads,
+        queue_reads: options.fuse_queue_reads,
         ..FuseConfig::default()
     };
     let export =
