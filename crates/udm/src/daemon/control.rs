@@ -24,6 +24,8 @@ const CANCEL_DEFERRED_REMOVE: &str = "@cancel_deferred_remove";
 
 /// Longest request line accepted; a table of thousands of lines still fits.
 const MAX_REQUEST: u64 = 4 << 20;
+/// Control connections served at once (a `udm wait` holds one for as long as it waits).
+const MAX_CONNECTIONS: usize = 256;
 /// How often a `wait` looks whether its client is still there.
 const WAIT_SLICE: Duration = Duration::from_millis(200);
 
@@ -32,8 +34,16 @@ pub fn listen(path: &Path, registry: Arc<Registry>, exports: Exports) -> std::io
     let listener = UnixListener::bind(path)?;
     acceptor::spawn(
         "control",
+        MAX_CONNECTIONS,
         move || listener.accept().map(|(s, _)| s),
         move |s| serve(s, &registry, &exports),
+        |mut s| {
+            let why = format!(
+                "the daemon is busy: {MAX_CONNECTIONS} control connections are open (each \
+                 `udm wait` holds one); try again when some have closed"
+            );
+            let _ = reply(&mut s, &Response::error(why));
+        },
     )
 }
 

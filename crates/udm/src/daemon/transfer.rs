@@ -23,6 +23,9 @@ use crate::control::{Envelope, Request, Response, PROTOCOL_VERSION};
 const DRAIN: Duration = Duration::from_secs(2);
 /// A replication connection silent this long is closed.
 const IDLE: Duration = Duration::from_secs(60);
+/// Replication connections served at once: each holds a thread, and the port may face the
+/// network.
+const MAX_CONNECTIONS: usize = 64;
 /// Longest request line on the replication listener.
 const MAX_REQUEST: u64 = 64 << 10;
 
@@ -138,8 +141,16 @@ pub fn listen(address: &MetricsAddress, registry: Arc<Registry>) -> std::io::Res
     );
     acceptor::spawn(
         "replication",
+        MAX_CONNECTIONS,
         move || listener.accept().map(|(s, _)| s),
         move |s| serve_tcp(s, &registry),
+        |mut s| {
+            let why = format!(
+                "the receiving daemon is busy: {MAX_CONNECTIONS} replication connections are \
+                 open; try again later"
+            );
+            let _ = answer(&mut s, &Response::error(why));
+        },
     )
 }
 
