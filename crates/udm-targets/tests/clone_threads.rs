@@ -1,4 +1,4 @@
-//! A clone's copy threads exist only while its table is live: an inactive table (loaded, not
+//! A clone's threads exist only while its table is live: an inactive table (loaded, not
 //! yet resumed) must not hold threads. Alone in its test binary, so that the threads it counts
 //! are this test's.
 
@@ -30,6 +30,11 @@ fn copy_threads_start_when_the_table_goes_live_and_end_with_it() {
     assert!(running > before, "a live clone has no copy threads");
     live.suspend();
     live.resume();
+    // The copy thread the suspend sent away may take a moment to end.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while threads() > running && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     assert_eq!(threads(), running, "a second resume started more threads");
     drop(live);
     assert_eq!(threads(), before, "threads outlived their table");
