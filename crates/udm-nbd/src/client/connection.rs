@@ -45,6 +45,9 @@ pub(super) struct SlotState {
     /// The reader is writing into `dest` right now.
     pub(super) filling: bool,
     pub(super) received: u64,
+    /// The parts of the read's buffer chunks have filled, sorted and joined: overlapping
+    /// chunks could add up to `received` with some of the buffer never written.
+    pub(super) covered: Vec<(usize, usize)>,
     pub(super) extents: Vec<Extent>,
     pub(super) error: Option<BlockError>,
     pub(super) outcome: Option<Outcome>,

@@ -176,6 +176,30 @@ fn payload(r: &mut impl Read, len: u32) -> Result<Vec<u8>, ReplyError> {
     Ok(data)
 }
 
+/// Records that chunk `at..at + len` of a read's buffer is filled; false if some of it
+/// already was. The server must not send overlapping chunks.
+fn cover(covered: &mut Vec<(usize, usize)>, at: usize, len: usize) -> bool {
+    let end = at + len;
+    // The first filled part that ends after `at`: the chunk must end before it starts.
+    let i = covered.partition_point(|&(_, e)| e <= at);
+    if covered.get(i).is_some_and(|&(start, _)| start < end) {
+        return false;
+    }
+    // Chunks usually come in order, each one joining the previous: the list stays short.
+    let joins_previous = i > 0 && covered[i - 1].1 == at;
+    let joins_next = covered.get(i).is_some_and(|&(start, _)| start == end);
+    match (joins_previous, joins_next) {
+        (true, true) => {
+            covered[i - 1].1 = covered[i].1;
+            covered.remove(i);
+        }
+        (true, false) => covered[i - 1].1 = end,
+        (false, true) => covered[i].0 = at,
+        (false, false) => covered.insert(i, (at, end)),
+    }
+    true
+}
+
 /// Puts `len` bytes at `at` in the slot's buffer: from the socket, or zeroes for a hole. When
 /// the caller has given up on this cookie the bytes are read and dropped, so the stream stays
 /// in step.
@@ -186,11 +210,19 @@ fn fill(
     at: usize,
     len: usize,
     zero: bool,
-) -> io::Result<()> {
+) -> Result<(), ReplyError> {
     let dest = {
         let mut st = slot.state.lock();
         match st.dest {
             Some(dest) if st.cookie == cookie => {
+                if !cover(&mut st.covered, at, len) {
+                    return Err(ReplyError::Protocol(format!(
+                        "chunk for {len} bytes at {} overlaps another in the read of {} at {}",
+                        slot.offset + at as u64,
+                        slot.len,
+                        slot.offset
+                    )));
+                }
                 st.filling = true;
                 Some(dest)
             }
@@ -220,7 +252,7 @@ fn fill(
         st.received += len as u64;
     }
     settle(slot, st);
-    result
+    Ok(result?)
 }
 
 fn set_error(slot: &Slot, cookie: u64, error: BlockError) {
@@ -287,6 +319,21 @@ mod tests {
         ] {
             assert_eq!(block_error(nbd_error(errno), "").errno(), errno);
         }
+    }
+
+    #[test]
+    fn overlapping_chunks_are_refused_in_any_order() {
+        let mut covered = Vec::new();
+        assert!(cover(&mut covered, 1024, 512));
+        assert!(cover(&mut covered, 0, 512));
+        assert!(!cover(&mut covered, 1000, 100));
+        assert!(!cover(&mut covered, 256, 512));
+        assert!(cover(&mut covered, 512, 512));
+        assert_eq!(covered, vec![(0, 1536)]);
+        assert!(!cover(&mut covered, 1535, 1));
+        assert!(cover(&mut covered, 2048, 512));
+        assert!(cover(&mut covered, 1536, 512));
+        assert_eq!(covered, vec![(0, 2560)]);
     }
 
     #[test]

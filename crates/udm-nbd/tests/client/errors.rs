@@ -129,6 +129,9 @@ enum First {
     Garbage,
     /// With a reply under a cookie the client never sent.
     BogusCookie,
+    /// With structured replies negotiated (on that connection only), with two data chunks
+    /// that both carry the first half of the read and add up to its length.
+    OverlappingChunks,
 }
 
 impl MinimalServer {
@@ -173,6 +176,10 @@ impl MinimalServer {
             let len = u32::from_be_bytes(header[12..16].try_into().unwrap());
             let mut data = vec![0u8; len as usize];
             s.read_exact(&mut data).unwrap();
+            if option == OPT_STRUCTURED_REPLY && first == First::OverlappingChunks {
+                s.write_all(&option_reply(option, REP_ACK, &[])).unwrap();
+                continue;
+            }
             if option == OPT_EXPORT_NAME {
                 let size = self.disk.lock().len() as u64;
                 let mut reply = size.to_be_bytes().to_vec();
@@ -194,6 +201,17 @@ impl MinimalServer {
                 First::Right => None,
                 First::Garbage => Some([0xde; 16].to_vec()),
                 First::BogusCookie => Some(simple_reply(r.cookie ^ 0x5a5a_0000, 0).to_vec()),
+                First::OverlappingChunks => {
+                    let half = r.length / 2;
+                    let data = self.disk.lock()[r.offset as usize..][..half as usize].to_vec();
+                    let mut chunks = Vec::new();
+                    for flags in [0, CHUNK_FLAG_DONE] {
+                        chunks.extend(chunk_header(flags, CHUNK_OFFSET_DATA, r.cookie, half + 8));
+                        chunks.extend(r.offset.to_be_bytes());
+                        chunks.extend(&data);
+                    }
+                    Some(chunks)
+                }
             };
             if let Some(wrong) = wrong {
                 // Then wait for the client to hang up, as it must.
@@ -287,6 +305,22 @@ fn a_reply_under_a_cookie_never_sent_means_reconnect_and_resend() {
         "not retried"
     );
     assert!(read(&client, 0, 4096)[..] == pattern(4096, 6)[..]);
+    assert_eq!(server.connections.load(Ordering::Acquire), 2);
+    drop(client);
+    thread.join().unwrap();
+}
+
+/// Overlapping chunks that add up to the read's length used to pass for a whole reply: the
+/// half of the buffer no chunk covered kept what it held before (zeroes here, stale data in
+/// a reused buffer). Found by reading the reply code; the server must not overlap chunks, so
+/// the client takes it for a protocol error and reads again on a new connection.
+#[test]
+fn overlapping_read_chunks_are_a_protocol_error() {
+    let dir = scratch("overlap");
+    let (server, thread) = MinimalServer::start(&dir, First::OverlappingChunks);
+    server.disk.lock()[..4096].copy_from_slice(&pattern(4096, 9));
+    let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
+    assert!(read(&client, 0, 4096)[..] == pattern(4096, 9)[..]);
     assert_eq!(server.connections.load(Ordering::Acquire), 2);
     drop(client);
     thread.join().unwrap();
