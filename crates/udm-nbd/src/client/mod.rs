@@ -32,7 +32,7 @@ mod request;
 
 use parking_lot::{Condvar, Mutex};
 use std::io;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -176,6 +176,7 @@ impl NbdClient {
             }),
             changed: Condvar::new(),
             next_cookie: AtomicU64::new(1),
+            writes_lost: AtomicBool::new(false),
         });
         let thread = std::thread::Builder::new()
             .name(name)

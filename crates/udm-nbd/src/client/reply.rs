@@ -4,7 +4,7 @@
 //! ends the connection.
 
 use std::io::{self, BufReader, Read};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,10 +39,18 @@ impl From<ProtocolError> for ReplyError {
 }
 
 /// Reads replies until the connection fails; returns why it did.
-pub(super) fn read_replies(conn: &Conn, reader: Stream, tick: Duration) -> String {
+/// `writes_lost` is set when an earlier connection died with writes it had not flushed: the
+/// next flush to succeed fails instead, and clears it.
+pub(super) fn read_replies(
+    conn: &Conn,
+    reader: Stream,
+    tick: Duration,
+    writes_lost: &AtomicBool,
+) -> String {
     let mut reader = BufReader::with_capacity(256 << 10, Watched::new(conn, reader, tick));
     loop {
-        if let Err(e) = read_reply(conn, &mut reader).and_then(|()| Ok(reader.get_mut().look()?)) {
+        let result = read_reply(conn, &mut reader, writes_lost);
+        if let Err(e) = result.and_then(|()| Ok(reader.get_mut().look()?)) {
             return match e {
                 ReplyError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
                     "the server closed the connection".into()
@@ -56,7 +64,7 @@ pub(super) fn read_replies(conn: &Conn, reader: Stream, tick: Duration) -> Strin
 /// Reads one simple reply or structured chunk and delivers it to the request in flight it
 /// answers. Long: every chunk type and its checks, kept together so that the order of checks
 /// is visible.
-fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
+fn read_reply(conn: &Conn, r: &mut impl Read, writes_lost: &AtomicBool) -> Result<(), ReplyError> {
     let mut header = [0u8; CHUNK_HEADER_LEN];
     r.read_exact(&mut header[..SIMPLE_REPLY_LEN])?;
     conn.replies.fetch_add(1, Ordering::Release);
@@ -77,7 +85,7 @@ fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
             }
             fill(r, &slot, reply.cookie, 0, slot.len as usize, false)?;
         }
-        complete(conn, &slot, reply.cookie);
+        complete(conn, &slot, reply.cookie, writes_lost);
         return Ok(());
     }
     if magic != STRUCTURED_REPLY_MAGIC {
@@ -138,7 +146,7 @@ fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
         }
     }
     if chunk.flags & CHUNK_FLAG_DONE != 0 {
-        complete(conn, &slot, chunk.cookie);
+        complete(conn, &slot, chunk.cookie, writes_lost);
     }
     Ok(())
 }
@@ -262,10 +270,43 @@ fn set_error(slot: &Slot, cookie: u64, error: BlockError) {
     }
 }
 
-fn complete(conn: &Conn, slot: &Slot, cookie: u64) {
-    conn.in_flight.lock().slots.remove(&cookie);
+fn complete(conn: &Conn, slot: &Slot, cookie: u64, writes_lost: &AtomicBool) {
+    // A request its caller gave up on (the cookie moved on) may have been done all the same.
+    let failed = {
+        let st = slot.state.lock();
+        st.cookie == cookie && st.error.is_some()
+    };
+    let mut flushed = false;
+    {
+        let mut in_flight = conn.in_flight.lock();
+        in_flight.slots.remove(&cookie);
+        let covers = in_flight.flushes.remove(&cookie);
+        // A server without FLUSH writes through: nothing it acknowledged waits for one.
+        let cached = conn.info.has(TF_SEND_FLUSH);
+        match slot.command {
+            CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM if !failed && cached => {
+                in_flight.writes_done += 1
+            }
+            CMD_FLUSH if !failed => {
+                flushed = true;
+                let covers = covers.unwrap_or(0);
+                in_flight.writes_flushed = in_flight.writes_flushed.max(covers);
+            }
+            _ => {}
+        }
+    }
     let mut st = slot.state.lock();
     if st.cookie == cookie && st.outcome.is_none() {
+        // This flush cannot vouch for writes an earlier connection's server acknowledged and
+        // may have lost with its cache: say so, once, as the kernel reports a lost write
+        // back to the next fsync.
+        if flushed && writes_lost.swap(false, Ordering::AcqRel) {
+            st.error = Some(BlockError::Io(
+                "the nbd server's connection broke with writes it had acknowledged but not \
+                 flushed; they may be lost"
+                    .into(),
+            ));
+        }
         st.outcome = Some(Outcome::Done);
         settle(slot, st);
     }
