@@ -235,3 +235,24 @@ fn a_zero_run_shorter_than_a_sector_is_not_stretched_over_data() {
         "{wrong} bytes of the destination differ from the source"
     );
 }
+
+/// A source that comes back smaller fails for good; each of the 16 copy threads used to wait
+/// out its own half-second backoff and try the next region, so the failing source was asked
+/// 32 times a second and the log got as many warnings, for as long as the daemon ran (found
+/// by hand, restarting nbdkit on a smaller image). The backoff is shared and grows now.
+#[test]
+fn a_source_that_fails_for_good_is_retried_with_a_growing_backoff() {
+    let (daemon, source, socket) = with_source("remote-shrunk", "5", 65);
+    let first = nbdkit(&socket, &source, Some("200ms"));
+    create_clone(&daemon, &remote(&socket), 16 * MIB, "");
+    std::thread::sleep(Duration::from_millis(500));
+    drop(first);
+    let smaller = daemon.dir.path("smaller.img");
+    pattern_file(&smaller, 8 * MIB as usize, 66);
+    let _second = nbdkit(&socket, &smaller, None);
+    std::thread::sleep(Duration::from_secs(4));
+    let log = daemon.log();
+    assert!(log.contains("changed size"), "{log}");
+    let retries = log.matches("will retry").count();
+    assert!(retries <= 10, "{retries} copy retries in 4 s:\n{log}");
+}
