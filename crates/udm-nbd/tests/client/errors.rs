@@ -271,16 +271,22 @@ fn a_server_without_options_is_reached_through_export_name() {
     );
 }
 
-#[test]
-fn a_protocol_error_from_the_server_means_reconnect_and_resend() {
-    let dir = scratch("garbage");
-    let (server, thread) = MinimalServer::start(&dir, First::Garbage);
-    server.disk.lock()[..4096].copy_from_slice(&pattern(4096, 4));
+/// A read whose first answer is `first`'s breach of the protocol: the client hangs up and
+/// reads again, right, on a second connection.
+fn read_again_after(tag: &str, first: First, seed: u64) {
+    let dir = scratch(tag);
+    let (server, thread) = MinimalServer::start(&dir, first);
+    server.disk.lock()[..4096].copy_from_slice(&pattern(4096, seed));
     let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
-    assert!(read(&client, 0, 4096)[..] == pattern(4096, 4)[..]);
+    assert!(read(&client, 0, 4096)[..] == pattern(4096, seed)[..]);
     assert_eq!(server.connections.load(Ordering::Acquire), 2);
     drop(client);
     thread.join().unwrap();
+}
+
+#[test]
+fn a_protocol_error_from_the_server_means_reconnect_and_resend() {
+    read_again_after("garbage", First::Garbage, 4);
 }
 
 #[test]
@@ -316,12 +322,5 @@ fn a_reply_under_a_cookie_never_sent_means_reconnect_and_resend() {
 /// the client takes it for a protocol error and reads again on a new connection.
 #[test]
 fn overlapping_read_chunks_are_a_protocol_error() {
-    let dir = scratch("overlap");
-    let (server, thread) = MinimalServer::start(&dir, First::OverlappingChunks);
-    server.disk.lock()[..4096].copy_from_slice(&pattern(4096, 9));
-    let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
-    assert!(read(&client, 0, 4096)[..] == pattern(4096, 9)[..]);
-    assert_eq!(server.connections.load(Ordering::Acquire), 2);
-    drop(client);
-    thread.join().unwrap();
+    read_again_after("overlap", First::OverlappingChunks, 9);
 }
