@@ -324,3 +324,23 @@ fn a_reply_under_a_cookie_never_sent_means_reconnect_and_resend() {
 fn overlapping_read_chunks_are_a_protocol_error() {
     read_again_after("overlap", First::OverlappingChunks, 9);
 }
+
+/// qemu-nbd serves one client at a time unless told otherwise: a second one gets no greeting.
+/// That said "handshake failed: Resource temporarily unavailable (os error 11)" after the
+/// connect timeout (found by hand, creating a device over a qemu-nbd a clone already used).
+#[test]
+fn a_server_that_never_greets_is_reported_as_such() {
+    let dir = scratch("busy");
+    let image = dir.sparse("disk.img", 4 * MIB);
+    let _server = qemu_nbd(&dir, &image, &[]);
+    let _first = connect(&uri(&dir), ClientOptions::default());
+    let options = ClientOptions {
+        connect_timeout: Duration::from_millis(500),
+        ..ClientOptions::default()
+    };
+    let err = NbdClient::connect(&uri(&dir), options)
+        .err()
+        .expect("a second client was served");
+    let text = err.to_string();
+    assert!(text.contains("no greeting within 500ms"), "{text}");
+}
