@@ -56,6 +56,51 @@ pub fn clip_extents(extents: &mut Vec<Extent>, len: u64) {
     });
 }
 
+/// The same answer in runs of whole `granule`s (a sector), for an answer that may describe
+/// single bytes (an NBD server's may). A granule made of several runs has only the flags they
+/// all have: it is a hole or zero only if every byte of it is, since callers act on whole
+/// sectors and zeroing a sector with a byte of data in it loses that byte. A granule the
+/// answer ends inside of is left out; the caller asks again from there.
+pub fn align_extents(extents: &[Extent], granule: u64) -> Vec<Extent> {
+    let mut out = Vec::new();
+    let mut pos = 0;
+    // The flags common to the runs seen so far of the granule `pos` is inside of.
+    let mut shared = 0;
+    for e in extents {
+        let mut len = e.len;
+        if pos % granule != 0 {
+            let take = len.min(granule - pos % granule);
+            shared &= e.flags;
+            pos += take;
+            len -= take;
+            if pos % granule == 0 {
+                push_extent(
+                    &mut out,
+                    Extent {
+                        len: granule,
+                        flags: shared,
+                    },
+                );
+            }
+        }
+        let whole = len / granule * granule;
+        if whole > 0 {
+            push_extent(
+                &mut out,
+                Extent {
+                    len: whole,
+                    flags: e.flags,
+                },
+            );
+        }
+        if len % granule != 0 {
+            shared = e.flags;
+        }
+        pos += len;
+    }
+    out
+}
+
 /// Keeps an answer honest for `[offset, offset + len)`: within `len`, never empty (one data
 /// extent when nothing is left), so a client always learns about at least one byte.
 pub fn clamp_extents(extents: &mut Vec<Extent>, len: u64) {
@@ -298,5 +343,25 @@ mod tests {
             Extent::hole(1024),
         ]);
         assert_eq!(merged, vec![Extent::data(1024), Extent::hole(1024)]);
+    }
+
+    #[test]
+    fn aligned_runs_keep_only_the_flags_every_byte_has() {
+        let zero = |len| Extent::zero(len);
+        // A one-byte zero run, then data: the first sector is data.
+        let aligned = align_extents(&[Extent::hole(1), Extent::data(1023)], 512);
+        assert_eq!(aligned, vec![Extent::data(1024)]);
+        // Zero runs that make up a sector between them stay zero; a hole and a zero run
+        // make a zero sector that is not a hole.
+        let aligned = align_extents(&[zero(100), Extent::hole(412), Extent::data(512)], 512);
+        assert_eq!(aligned, vec![zero(512), Extent::data(512)]);
+        // A run spanning granules keeps its whole ones; what ends inside a granule is left.
+        let aligned = align_extents(&[Extent::data(700), Extent::hole(1348), zero(10)], 512);
+        assert_eq!(aligned, vec![Extent::data(1024), Extent::hole(1024)]);
+        assert!(align_extents(&[Extent::hole(511)], 512).is_empty());
+        assert_eq!(
+            align_extents(&[Extent::hole(4096)], 512),
+            vec![Extent::hole(4096)]
+        );
     }
 }

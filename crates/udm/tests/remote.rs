@@ -194,3 +194,65 @@ fn a_table_reading_the_daemons_own_export_is_held_to_the_cycle_check() {
     assert!(err.contains("depend on itself"), "{err}");
     daemon.udm(&["remove", "top"]);
 }
+
+/// A server may describe runs of bytes, not sectors: nbdkit scripted to say (truthfully) that
+/// the first byte of its export is a zero hole and the rest data. The clone used to stretch
+/// the one-byte zero run to a whole sector and zeroed the destination's first sector, losing
+/// bytes 1 to 511 of the source while marking the region hydrated (found by hand with
+/// nbdkit's sh plugin).
+#[test]
+fn a_zero_run_shorter_than_a_sector_is_not_stretched_over_data() {
+    let (daemon, source, socket) = with_source("remote-byte-extents", "5", 64);
+    let mut data = std::fs::read(&source).unwrap();
+    data[0] = 0;
+    std::fs::write(&source, &data).unwrap();
+    let size = data.len();
+    let pread = format!(
+        "pread=dd if={} skip=$4 count=$3 iflag=skip_bytes,count_bytes status=none",
+        source.display()
+    );
+    let extents = format!("extents=echo 0 1 hole,zero; echo 1 {} 0", size - 1);
+    let _peer = Peer::start(
+        "nbdkit",
+        &[
+            "-f",
+            "-U",
+            socket.to_str().unwrap(),
+            "eval",
+            &format!("get_size=echo {size}"),
+            &pread,
+            "can_extents=exit 0",
+            &extents,
+        ],
+        &socket,
+    );
+    create_clone(&daemon, &remote(&socket), size as u64, "");
+    wait_hydrated(&daemon);
+    let copied = std::fs::read(daemon.dir.path("dest.img")).unwrap();
+    let wrong = copied.iter().zip(&data).filter(|(a, b)| a != b).count();
+    assert_eq!(
+        wrong, 0,
+        "{wrong} bytes of the destination differ from the source"
+    );
+}
+
+/// A source that comes back smaller fails for good; each of the 16 copy threads used to wait
+/// out its own half-second backoff and try the next region, so the failing source was asked
+/// 32 times a second and the log got as many warnings, for as long as the daemon ran (found
+/// by hand, restarting nbdkit on a smaller image). The backoff is shared and grows now.
+#[test]
+fn a_source_that_fails_for_good_is_retried_with_a_growing_backoff() {
+    let (daemon, source, socket) = with_source("remote-shrunk", "5", 65);
+    let first = nbdkit(&socket, &source, Some("200ms"));
+    create_clone(&daemon, &remote(&socket), 16 * MIB, "");
+    std::thread::sleep(Duration::from_millis(500));
+    drop(first);
+    let smaller = daemon.dir.path("smaller.img");
+    pattern_file(&smaller, 8 * MIB as usize, 66);
+    let _second = nbdkit(&socket, &smaller, None);
+    std::thread::sleep(Duration::from_secs(4));
+    let log = daemon.log();
+    assert!(log.contains("changed size"), "{log}");
+    let retries = log.matches("will retry").count();
+    assert!(retries <= 10, "{retries} copy retries in 4 s:\n{log}");
+}

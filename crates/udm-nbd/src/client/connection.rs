@@ -45,6 +45,9 @@ pub(super) struct SlotState {
     /// The reader is writing into `dest` right now.
     pub(super) filling: bool,
     pub(super) received: u64,
+    /// The parts of the read's buffer chunks have filled, sorted and joined: overlapping
+    /// chunks could add up to `received` with some of the buffer never written.
+    pub(super) covered: Vec<(usize, usize)>,
     pub(super) extents: Vec<Extent>,
     pub(super) error: Option<BlockError>,
     pub(super) outcome: Option<Outcome>,
@@ -94,6 +97,21 @@ pub(super) struct InFlight {
     pub(super) slots: HashMap<u64, Arc<Slot>>,
     /// Set once, when the connection dies; nothing is registered after that.
     pub(super) broken: bool,
+    /// Writes, write-zeroes and trims the server acknowledged; the server may hold them in a
+    /// cache it loses if it dies before a flush.
+    pub(super) writes_done: u64,
+    /// How many of `writes_done` a completed flush made durable.
+    pub(super) writes_flushed: u64,
+    /// Each flush in flight, by cookie, with the `writes_done` it covers: those acknowledged
+    /// before it was sent.
+    pub(super) flushes: HashMap<u64, u64>,
+}
+
+impl InFlight {
+    /// Whether writes the server acknowledged are not known to be durable yet.
+    pub(super) fn unflushed(&self) -> bool {
+        self.writes_done > self.writes_flushed
+    }
 }
 
 /// A mapped request waiting in its connection's outbox for the end of the executor's batch
@@ -161,6 +179,10 @@ impl Conn {
             return false;
         }
         in_flight.slots.insert(cookie, slot.clone());
+        if slot.command == CMD_FLUSH {
+            let covers = in_flight.writes_done;
+            in_flight.flushes.insert(cookie, covers);
+        }
         true
     }
 

@@ -86,6 +86,16 @@ impl Target {
     }
 
     pub(super) fn handshake_io(&self, source: io::Error) -> ClientError {
+        // A socket timeout reads as EAGAIN ("Resource temporarily unavailable"): say what it
+        // means (unless already said).
+        let source = if is_timeout(&source) && source.raw_os_error().is_some() {
+            timed_out(format!(
+                "no answer within {:?}",
+                self.options.connect_timeout
+            ))
+        } else {
+            source
+        };
         ClientError::Handshake {
             address: self.address.to_string(),
             source,
@@ -151,8 +161,16 @@ impl Target {
 
     fn handshake(&self, s: &mut Stream) -> Result<ExportInfo, ClientError> {
         let mut greeting = [0u8; 18];
-        s.read_exact(&mut greeting)
-            .map_err(|e| self.handshake_io(e))?;
+        s.read_exact(&mut greeting).map_err(|e| {
+            if !is_timeout(&e) {
+                return self.handshake_io(e);
+            }
+            self.handshake_io(timed_out(format!(
+                "no greeting within {:?}; a server that serves one client at a time \
+                 (qemu-nbd without --shared) may be busy with another",
+                self.options.connect_timeout
+            )))
+        })?;
         let magic = u64::from_be_bytes(greeting[0..8].try_into().unwrap());
         let style = u64::from_be_bytes(greeting[8..16].try_into().unwrap());
         let flags = u16::from_be_bytes(greeting[16..18].try_into().unwrap());
@@ -331,4 +349,15 @@ impl Target {
             block: None,
         })
     }
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+fn timed_out(what: String) -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, what)
 }

@@ -32,7 +32,7 @@ mod request;
 
 use parking_lot::{Condvar, Mutex};
 use std::io;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -176,6 +176,7 @@ impl NbdClient {
             }),
             changed: Condvar::new(),
             next_cookie: AtomicU64::new(1),
+            writes_lost: AtomicBool::new(false),
         });
         let thread = std::thread::Builder::new()
             .name(name)
@@ -357,7 +358,10 @@ impl BlockDevice for NbdClient {
             return Ok(vec![Extent::data(len)]);
         }
         let len = len.min(MAX_NO_PAYLOAD);
-        let mut extents = self.call(CMD_BLOCK_STATUS, 0, offset, len as u32, Payload::None)?;
+        let extents = self.call(CMD_BLOCK_STATUS, 0, offset, len as u32, Payload::None)?;
+        // The server may describe single bytes, and callers act on whole sectors: a clone
+        // zeroed the whole first sector of a source that said only its first byte was zero.
+        let mut extents = udm_block::align_extents(&extents, SECTOR.into());
         // The server's answer may run past the request; keep it within.
         udm_block::clamp_extents(&mut extents, len);
         Ok(extents)

@@ -3,7 +3,7 @@
 //! redials with backoff; a server that comes back with another export size fails the device.
 
 use parking_lot::{Condvar, Mutex};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,9 @@ pub(super) struct Shared {
     /// Signalled when the connection comes or goes, the device fails, or the client closes.
     pub(super) changed: Condvar,
     pub(super) next_cookie: AtomicU64,
+    /// A connection died with writes its server acknowledged but no flush made durable: the
+    /// next flush fails (see `read_replies`).
+    pub(super) writes_lost: AtomicBool,
 }
 
 impl Shared {
@@ -52,6 +55,9 @@ impl Shared {
                 return;
             }
             in_flight.broken = true;
+            if in_flight.unflushed() {
+                self.writes_lost.store(true, Ordering::Release);
+            }
             std::mem::take(&mut in_flight.slots)
         };
         conn.control.abort();
@@ -86,7 +92,8 @@ impl Shared {
         loop {
             if let Some((conn, reader)) = current {
                 let up_since = Instant::now();
-                let why = read_replies(&conn, reader, tick(&self.target.options));
+                let why =
+                    read_replies(&conn, reader, tick(&self.target.options), &self.writes_lost);
                 self.connection_lost(&conn, &why);
                 // A server that breaks every connection as soon as it is made (a protocol
                 // error on each request) must not be redialled in a tight loop: the backoff

@@ -4,7 +4,7 @@
 //! ends the connection.
 
 use std::io::{self, BufReader, Read};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,10 +39,18 @@ impl From<ProtocolError> for ReplyError {
 }
 
 /// Reads replies until the connection fails; returns why it did.
-pub(super) fn read_replies(conn: &Conn, reader: Stream, tick: Duration) -> String {
+/// `writes_lost` is set when an earlier connection died with writes it had not flushed: the
+/// next flush to succeed fails instead, and clears it.
+pub(super) fn read_replies(
+    conn: &Conn,
+    reader: Stream,
+    tick: Duration,
+    writes_lost: &AtomicBool,
+) -> String {
     let mut reader = BufReader::with_capacity(256 << 10, Watched::new(conn, reader, tick));
     loop {
-        if let Err(e) = read_reply(conn, &mut reader).and_then(|()| Ok(reader.get_mut().look()?)) {
+        let result = read_reply(conn, &mut reader, writes_lost);
+        if let Err(e) = result.and_then(|()| Ok(reader.get_mut().look()?)) {
             return match e {
                 ReplyError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
                     "the server closed the connection".into()
@@ -56,7 +64,7 @@ pub(super) fn read_replies(conn: &Conn, reader: Stream, tick: Duration) -> Strin
 /// Reads one simple reply or structured chunk and delivers it to the request in flight it
 /// answers. Long: every chunk type and its checks, kept together so that the order of checks
 /// is visible.
-fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
+fn read_reply(conn: &Conn, r: &mut impl Read, writes_lost: &AtomicBool) -> Result<(), ReplyError> {
     let mut header = [0u8; CHUNK_HEADER_LEN];
     r.read_exact(&mut header[..SIMPLE_REPLY_LEN])?;
     conn.replies.fetch_add(1, Ordering::Release);
@@ -77,7 +85,7 @@ fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
             }
             fill(r, &slot, reply.cookie, 0, slot.len as usize, false)?;
         }
-        complete(conn, &slot, reply.cookie);
+        complete(conn, &slot, reply.cookie, writes_lost);
         return Ok(());
     }
     if magic != STRUCTURED_REPLY_MAGIC {
@@ -138,7 +146,7 @@ fn read_reply(conn: &Conn, r: &mut impl Read) -> Result<(), ReplyError> {
         }
     }
     if chunk.flags & CHUNK_FLAG_DONE != 0 {
-        complete(conn, &slot, chunk.cookie);
+        complete(conn, &slot, chunk.cookie, writes_lost);
     }
     Ok(())
 }
@@ -176,6 +184,30 @@ fn payload(r: &mut impl Read, len: u32) -> Result<Vec<u8>, ReplyError> {
     Ok(data)
 }
 
+/// Records that chunk `at..at + len` of a read's buffer is filled; false if some of it
+/// already was. The server must not send overlapping chunks.
+fn cover(covered: &mut Vec<(usize, usize)>, at: usize, len: usize) -> bool {
+    let end = at + len;
+    // The first filled part that ends after `at`: the chunk must end before it starts.
+    let i = covered.partition_point(|&(_, e)| e <= at);
+    if covered.get(i).is_some_and(|&(start, _)| start < end) {
+        return false;
+    }
+    // Chunks usually come in order, each one joining the previous: the list stays short.
+    let joins_previous = i > 0 && covered[i - 1].1 == at;
+    let joins_next = covered.get(i).is_some_and(|&(start, _)| start == end);
+    match (joins_previous, joins_next) {
+        (true, true) => {
+            covered[i - 1].1 = covered[i].1;
+            covered.remove(i);
+        }
+        (true, false) => covered[i - 1].1 = end,
+        (false, true) => covered[i].0 = at,
+        (false, false) => covered.insert(i, (at, end)),
+    }
+    true
+}
+
 /// Puts `len` bytes at `at` in the slot's buffer: from the socket, or zeroes for a hole. When
 /// the caller has given up on this cookie the bytes are read and dropped, so the stream stays
 /// in step.
@@ -186,11 +218,19 @@ fn fill(
     at: usize,
     len: usize,
     zero: bool,
-) -> io::Result<()> {
+) -> Result<(), ReplyError> {
     let dest = {
         let mut st = slot.state.lock();
         match st.dest {
             Some(dest) if st.cookie == cookie => {
+                if !cover(&mut st.covered, at, len) {
+                    return Err(ReplyError::Protocol(format!(
+                        "chunk for {len} bytes at {} overlaps another in the read of {} at {}",
+                        slot.offset + at as u64,
+                        slot.len,
+                        slot.offset
+                    )));
+                }
                 st.filling = true;
                 Some(dest)
             }
@@ -220,7 +260,7 @@ fn fill(
         st.received += len as u64;
     }
     settle(slot, st);
-    result
+    Ok(result?)
 }
 
 fn set_error(slot: &Slot, cookie: u64, error: BlockError) {
@@ -230,10 +270,43 @@ fn set_error(slot: &Slot, cookie: u64, error: BlockError) {
     }
 }
 
-fn complete(conn: &Conn, slot: &Slot, cookie: u64) {
-    conn.in_flight.lock().slots.remove(&cookie);
+fn complete(conn: &Conn, slot: &Slot, cookie: u64, writes_lost: &AtomicBool) {
+    // A request its caller gave up on (the cookie moved on) may have been done all the same.
+    let failed = {
+        let st = slot.state.lock();
+        st.cookie == cookie && st.error.is_some()
+    };
+    let mut flushed = false;
+    {
+        let mut in_flight = conn.in_flight.lock();
+        in_flight.slots.remove(&cookie);
+        let covers = in_flight.flushes.remove(&cookie);
+        // A server without FLUSH writes through: nothing it acknowledged waits for one.
+        let cached = conn.info.has(TF_SEND_FLUSH);
+        match slot.command {
+            CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM if !failed && cached => {
+                in_flight.writes_done += 1
+            }
+            CMD_FLUSH if !failed => {
+                flushed = true;
+                let covers = covers.unwrap_or(0);
+                in_flight.writes_flushed = in_flight.writes_flushed.max(covers);
+            }
+            _ => {}
+        }
+    }
     let mut st = slot.state.lock();
     if st.cookie == cookie && st.outcome.is_none() {
+        // This flush cannot vouch for writes an earlier connection's server acknowledged and
+        // may have lost with its cache: say so, once, as the kernel reports a lost write
+        // back to the next fsync.
+        if flushed && writes_lost.swap(false, Ordering::AcqRel) {
+            st.error = Some(BlockError::Io(
+                "the nbd server's connection broke with writes it had acknowledged but not \
+                 flushed; they may be lost"
+                    .into(),
+            ));
+        }
         st.outcome = Some(Outcome::Done);
         settle(slot, st);
     }
@@ -287,6 +360,21 @@ mod tests {
         ] {
             assert_eq!(block_error(nbd_error(errno), "").errno(), errno);
         }
+    }
+
+    #[test]
+    fn overlapping_chunks_are_refused_in_any_order() {
+        let mut covered = Vec::new();
+        assert!(cover(&mut covered, 1024, 512));
+        assert!(cover(&mut covered, 0, 512));
+        assert!(!cover(&mut covered, 1000, 100));
+        assert!(!cover(&mut covered, 256, 512));
+        assert!(cover(&mut covered, 512, 512));
+        assert_eq!(covered, vec![(0, 1536)]);
+        assert!(!cover(&mut covered, 1535, 1));
+        assert!(cover(&mut covered, 2048, 512));
+        assert!(cover(&mut covered, 1536, 512));
+        assert_eq!(covered, vec![(0, 2560)]);
     }
 
     #[test]

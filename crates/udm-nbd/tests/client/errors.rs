@@ -129,6 +129,9 @@ enum First {
     Garbage,
     /// With a reply under a cookie the client never sent.
     BogusCookie,
+    /// With structured replies negotiated (on that connection only), with two data chunks
+    /// that both carry the first half of the read and add up to its length.
+    OverlappingChunks,
 }
 
 impl MinimalServer {
@@ -173,6 +176,10 @@ impl MinimalServer {
             let len = u32::from_be_bytes(header[12..16].try_into().unwrap());
             let mut data = vec![0u8; len as usize];
             s.read_exact(&mut data).unwrap();
+            if option == OPT_STRUCTURED_REPLY && first == First::OverlappingChunks {
+                s.write_all(&option_reply(option, REP_ACK, &[])).unwrap();
+                continue;
+            }
             if option == OPT_EXPORT_NAME {
                 let size = self.disk.lock().len() as u64;
                 let mut reply = size.to_be_bytes().to_vec();
@@ -194,6 +201,17 @@ impl MinimalServer {
                 First::Right => None,
                 First::Garbage => Some([0xde; 16].to_vec()),
                 First::BogusCookie => Some(simple_reply(r.cookie ^ 0x5a5a_0000, 0).to_vec()),
+                First::OverlappingChunks => {
+                    let half = r.length / 2;
+                    let data = self.disk.lock()[r.offset as usize..][..half as usize].to_vec();
+                    let mut chunks = Vec::new();
+                    for flags in [0, CHUNK_FLAG_DONE] {
+                        chunks.extend(chunk_header(flags, CHUNK_OFFSET_DATA, r.cookie, half + 8));
+                        chunks.extend(r.offset.to_be_bytes());
+                        chunks.extend(&data);
+                    }
+                    Some(chunks)
+                }
             };
             if let Some(wrong) = wrong {
                 // Then wait for the client to hang up, as it must.
@@ -253,16 +271,22 @@ fn a_server_without_options_is_reached_through_export_name() {
     );
 }
 
-#[test]
-fn a_protocol_error_from_the_server_means_reconnect_and_resend() {
-    let dir = scratch("garbage");
-    let (server, thread) = MinimalServer::start(&dir, First::Garbage);
-    server.disk.lock()[..4096].copy_from_slice(&pattern(4096, 4));
+/// A read whose first answer is `first`'s breach of the protocol: the client hangs up and
+/// reads again, right, on a second connection.
+fn read_again_after(tag: &str, first: First, seed: u64) {
+    let dir = scratch(tag);
+    let (server, thread) = MinimalServer::start(&dir, first);
+    server.disk.lock()[..4096].copy_from_slice(&pattern(4096, seed));
     let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
-    assert!(read(&client, 0, 4096)[..] == pattern(4096, 4)[..]);
+    assert!(read(&client, 0, 4096)[..] == pattern(4096, seed)[..]);
     assert_eq!(server.connections.load(Ordering::Acquire), 2);
     drop(client);
     thread.join().unwrap();
+}
+
+#[test]
+fn a_protocol_error_from_the_server_means_reconnect_and_resend() {
+    read_again_after("garbage", First::Garbage, 4);
 }
 
 #[test]
@@ -290,4 +314,33 @@ fn a_reply_under_a_cookie_never_sent_means_reconnect_and_resend() {
     assert_eq!(server.connections.load(Ordering::Acquire), 2);
     drop(client);
     thread.join().unwrap();
+}
+
+/// Overlapping chunks that add up to the read's length used to pass for a whole reply: the
+/// half of the buffer no chunk covered kept what it held before (zeroes here, stale data in
+/// a reused buffer). Found by reading the reply code; the server must not overlap chunks, so
+/// the client takes it for a protocol error and reads again on a new connection.
+#[test]
+fn overlapping_read_chunks_are_a_protocol_error() {
+    read_again_after("overlap", First::OverlappingChunks, 9);
+}
+
+/// qemu-nbd serves one client at a time unless told otherwise: a second one gets no greeting.
+/// That said "handshake failed: Resource temporarily unavailable (os error 11)" after the
+/// connect timeout (found by hand, creating a device over a qemu-nbd a clone already used).
+#[test]
+fn a_server_that_never_greets_is_reported_as_such() {
+    let dir = scratch("busy");
+    let image = dir.sparse("disk.img", 4 * MIB);
+    let _server = qemu_nbd(&dir, &image, &[]);
+    let _first = connect(&uri(&dir), ClientOptions::default());
+    let options = ClientOptions {
+        connect_timeout: Duration::from_millis(500),
+        ..ClientOptions::default()
+    };
+    let err = NbdClient::connect(&uri(&dir), options)
+        .err()
+        .expect("a second client was served");
+    let text = err.to_string();
+    assert!(text.contains("no greeting within 500ms"), "{text}");
 }

@@ -26,7 +26,12 @@ const WORKERS: u64 = 16;
 /// The longest pause after a batch while the user is busy (see `pacing`): hydration keeps
 /// moving.
 const MAX_YIELD: Duration = Duration::from_millis(50);
+/// After a failed copy every worker waits (they share the wait: each waiting its own let 16
+/// of them ask a failing source 32 times a second), twice as long after each failure in a
+/// row, up to the most the NBD client waits between redials, so that copying resumes soon
+/// after a source comes back.
 const ERROR_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(5);
 
 /// What the user steers, with the table line's core arguments and with messages.
 #[derive(Debug, Clone, Copy)]
@@ -67,6 +72,10 @@ pub(super) struct Hydration {
     shutdown: bool,
     /// Copy threads running.
     workers: u64,
+    /// No copy starts before this, after a failed one.
+    retry_at: Option<Instant>,
+    /// The wait after the next failure.
+    backoff: Duration,
 }
 
 impl Hydration {
@@ -80,6 +89,8 @@ impl Hydration {
             paused: true,
             shutdown: false,
             workers: 0,
+            retry_at: None,
+            backoff: ERROR_BACKOFF,
         }
     }
 
@@ -252,6 +263,14 @@ fn worker(inner: &Inner) {
             inner.wake.wait_for(&mut state, Duration::from_millis(100));
             continue;
         }
+        if let Some(at) = state.retry_at {
+            let now = Instant::now();
+            if now < at {
+                inner.wake.wait_for(&mut state, at - now);
+                continue;
+            }
+            state.retry_at = None;
+        }
         // Wait out the bandwidth cap before claiming anything: a claimed region holds up the
         // user's I/O to it and a suspend, so claims are only ever held while copying. A rate
         // change or a pause wakes the wait.
@@ -293,13 +312,19 @@ fn worker(inner: &Inner) {
             Err(_) if state.shutdown => Duration::ZERO,
             Err(e) => {
                 warn!(
-                    "clone '{}': hydrating regions {first}..{}: {e}; will retry",
+                    "clone '{}': hydrating regions {first}..{}: {e}; will retry in {:?}",
                     inner.device,
-                    first + count
+                    first + count,
+                    state.backoff
                 );
-                ERROR_BACKOFF
+                state.retry_at = Some(Instant::now() + state.backoff);
+                state.backoff = (state.backoff * 2).min(MAX_ERROR_BACKOFF);
+                Duration::ZERO
             }
-            Ok(_) => inner.activity.pause_after(started.elapsed(), MAX_YIELD),
+            Ok(_) => {
+                state.backoff = ERROR_BACKOFF;
+                inner.activity.pause_after(started.elapsed(), MAX_YIELD)
+            }
         };
         if !pause.is_zero() {
             // Sleep holding nothing, and only until a pause or stop asks for attention.
