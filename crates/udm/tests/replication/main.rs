@@ -8,6 +8,7 @@
 mod common;
 mod delta;
 mod hosts;
+mod listener;
 mod streams;
 
 use std::io::Write;
