@@ -38,7 +38,10 @@ impl Rig {
         let daemon = Daemon::start(tag);
         let image = daemon.sparse("disk.img", 16 * MIB);
         let path = |socket: &Path| format!("nbd+unix:///?socket={}", socket.display());
-        let sockets = [daemon.dir.path("cached.sock"), daemon.dir.path("plain.sock")];
+        let sockets = [
+            daemon.dir.path("cached.sock"),
+            daemon.dir.path("plain.sock"),
+        ];
         let cached_server = nbdkit(&sockets[0], &image, true);
         let plain_server = nbdkit(&sockets[1], &image, false);
         let (cached, plain) = (path(&sockets[0]), path(&sockets[1]));
@@ -91,7 +94,8 @@ impl Rig {
     /// Writes `data` at `offset` down the cached path: the other one is failed meanwhile.
     fn write_to_cached(&mut self, offset: u64, data: &[u8]) {
         let plain = self.plain.clone();
-        self.daemon.udm(&["message", "mp", "0", "fail_path", &plain]);
+        self.daemon
+            .udm(&["message", "mp", "0", "fail_path", &plain]);
         assert_eq!(self.request(NBD_CMD_WRITE, offset, data), 0);
         self.daemon
             .udm(&["message", "mp", "0", "reinstate_path", &plain]);
@@ -127,7 +131,10 @@ fn a_flush_fails_when_a_path_server_lost_writes_it_acknowledged() {
     drop(cached_server);
     rig.wait_cached("F 1");
     assert_eq!(rig.flush(), EIO, "{}", rig.daemon.log());
-    assert!(rig.on_disk(0) != block(1), "the write was not lost after all");
+    assert!(
+        rig.on_disk(0) != block(1),
+        "the write was not lost after all"
+    );
     // Said once, as the kernel says a lost writeback once.
     assert_eq!(rig.flush(), 0, "{}", rig.daemon.log());
 
@@ -140,7 +147,10 @@ fn a_flush_fails_when_a_path_server_lost_writes_it_acknowledged() {
     let cached_server = rig.restart_cached();
     rig.wait_cached("A 2");
     assert_eq!(rig.flush(), EIO, "{}", rig.daemon.log());
-    assert!(rig.on_disk(MIB) != block(2), "the write was not lost after all");
+    assert!(
+        rig.on_disk(MIB) != block(2),
+        "the write was not lost after all"
+    );
     assert_eq!(rig.flush(), 0, "{}", rig.daemon.log());
     // The path was not failed for it: its server is fine now.
     assert_eq!(rig.cached_state(), "A 2");
