@@ -104,11 +104,14 @@ impl Inner {
                 self.paths[i].dirty.store(true, Ordering::Release);
             }
         };
-        let (flushed, mut stranded): (Vec<usize>, Vec<usize>) = {
+        let usable: Vec<bool> = {
             let state = self.state.lock();
-            owed.iter()
-                .partition(|&&i| state.is_usable(i) || !self.paths[i].dev.suspended())
+            (0..self.paths.len()).map(|i| state.is_usable(i)).collect()
         };
+        // Asked outside the state's lock: the answer is another device's.
+        let (flushed, mut stranded): (Vec<usize>, Vec<usize>) = owed
+            .iter()
+            .partition(|&&i| usable[i] || !self.paths[i].dev.suspended());
         let mut error = None;
         for (i, result) in each_at_once("multipath-flush", &flushed, |i| {
             let path = &self.paths[i];
@@ -140,9 +143,7 @@ impl Inner {
         }
         result
     }
-}
 
-impl Inner {
     /// Whether a failed path took writes since the last flush.
     fn failed_path_owed(&self, state: &State) -> bool {
         (0..self.paths.len())
