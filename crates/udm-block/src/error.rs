@@ -29,6 +29,11 @@ pub enum BlockError {
     /// The device is going away.
     #[error("shutting down: {0}")]
     Shutdown(String),
+    /// Writes the device acknowledged were lost before anything made them durable (a remote
+    /// server died with them in its cache): told to the next flush, once. Final: the request
+    /// must not be retried elsewhere, since a retry that succeeds would vouch for them.
+    #[error("writes lost: {0}")]
+    WritesLost(String),
 }
 
 pub type Result<T, E = BlockError> = std::result::Result<T, E>;
@@ -66,7 +71,14 @@ impl BlockError {
             BlockError::Io(_) => libc::EIO,
             BlockError::NoSpace(_) => libc::ENOSPC,
             BlockError::Shutdown(_) => libc::ESHUTDOWN,
+            BlockError::WritesLost(_) => libc::EIO,
         }
+    }
+
+    /// Whether the request may be run again, here or down another path, in the hope that it
+    /// succeeds: not when the failure reports data already gone.
+    pub fn may_retry(&self) -> bool {
+        !matches!(self, BlockError::WritesLost(_))
     }
 }
 
@@ -91,5 +103,8 @@ mod tests {
         assert_eq!(BlockError::Io(String::new()).errno(), libc::EIO);
         assert_eq!(BlockError::NoSpace(String::new()).errno(), libc::ENOSPC);
         assert_eq!(BlockError::Shutdown(String::new()).errno(), libc::ESHUTDOWN);
+        let lost = BlockError::WritesLost(String::new());
+        assert_eq!(lost.errno(), libc::EIO);
+        assert!(!lost.may_retry() && BlockError::Io(String::new()).may_retry());
     }
 }

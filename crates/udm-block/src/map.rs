@@ -171,7 +171,8 @@ pub struct Mapping {
     /// the device's synchronous method (after telling the callbacks [`Completed::Retried`] and
     /// releasing the holds), where the device chooses again: a multipath, whose callback has
     /// failed the path, sends it down another or waits for one. Without this, the error of a
-    /// piece is the request's.
+    /// piece is the request's; so is an error that may not be retried
+    /// ([`BlockError::may_retry`]: writes lost), with or without it.
     pub retry_on_error: bool,
 }
 

@@ -293,7 +293,7 @@ fn all_of(mapping: Mapping, starts: Vec<StartOne>, then: Then, next: Next) {
 /// The request failed in a step or transfer: its callbacks are told, its holds let go, and
 /// the executor told whether it runs again the synchronous way.
 fn fail(mut mapping: Mapping, e: BlockError, retry: bool, then: Then) {
-    let retry = retry || mapping.retry_on_error;
+    let retry = (retry || mapping.retry_on_error) && e.may_retry();
     let told = if retry {
         Completed::Retried(&e)
     } else {

@@ -290,7 +290,7 @@ impl Engine {
         let owner = request.owner;
         let outcome = match &request.error {
             None => Completed::Ok,
-            Some(e) if request.retry_on_error => Completed::Retried(e),
+            Some(e) if request.retry_on_error && e.may_retry() => Completed::Retried(e),
             Some(e) => Completed::Failed(e),
         };
         let retry = matches!(outcome, Completed::Retried(_));

@@ -305,7 +305,12 @@ impl BlockDevice for NbdClient {
         if !info.has(TF_SEND_FLUSH) || self.read_only(&info) {
             return Ok(());
         }
-        self.call(CMD_FLUSH, 0, 0, 0, Payload::None).map(drop)
+        // A flush that fails (no connection, with `fail_fast`) reports lost writes all the
+        // same: its caller may be a multipath that would take a connection error for its
+        // path's and cover the flush down another path, which never had these writes.
+        self.call(CMD_FLUSH, 0, 0, 0, Payload::None)
+            .map(drop)
+            .map_err(|e| reconnect::take_writes_lost(&self.shared.writes_lost).unwrap_or(e))
     }
 
     fn discard(&self, offset: u64, len: u64) -> udm_block::Result<()> {

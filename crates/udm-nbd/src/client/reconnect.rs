@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
+use udm_block::BlockError;
 
 use super::connection::{disconnect, settle, Conn, Outcome};
 use super::dial::{ExportInfo, Target};
@@ -40,8 +41,22 @@ pub(super) struct Shared {
     pub(super) changed: Condvar,
     pub(super) next_cookie: AtomicU64,
     /// A connection died with writes its server acknowledged but no flush made durable: the
-    /// next flush fails (see `read_replies`).
+    /// next flush fails, whether it succeeds (see `read_replies`) or fails for another
+    /// reason (see `NbdClient::flush`).
     pub(super) writes_lost: AtomicBool,
+}
+
+/// The error that reports writes lost, if a connection died with some since the last report
+/// (`Shared::writes_lost`); reported once. [`BlockError::WritesLost`], so that no caller
+/// retries the flush elsewhere: that one succeeding would vouch for the writes.
+pub(super) fn take_writes_lost(writes_lost: &AtomicBool) -> Option<BlockError> {
+    writes_lost.swap(false, Ordering::AcqRel).then(|| {
+        BlockError::WritesLost(
+            "the nbd server's connection broke with writes it had acknowledged but not \
+             flushed; they may be lost"
+                .into(),
+        )
+    })
 }
 
 impl Shared {

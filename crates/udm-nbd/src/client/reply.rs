@@ -13,6 +13,7 @@ use udm_block::{BlockError, Extent, EXTENT_HOLE, EXTENT_ZERO};
 
 use super::connection::{settle, Conn, Outcome, Slot};
 use super::mapped::Watched;
+use super::reconnect::take_writes_lost;
 use crate::protocol::*;
 use crate::stream::Stream;
 
@@ -300,12 +301,8 @@ fn complete(conn: &Conn, slot: &Slot, cookie: u64, writes_lost: &AtomicBool) {
         // This flush cannot vouch for writes an earlier connection's server acknowledged and
         // may have lost with its cache: say so, once, as the kernel reports a lost write
         // back to the next fsync.
-        if flushed && writes_lost.swap(false, Ordering::AcqRel) {
-            st.error = Some(BlockError::Io(
-                "the nbd server's connection broke with writes it had acknowledged but not \
-                 flushed; they may be lost"
-                    .into(),
-            ));
+        if let Some(lost) = flushed.then(|| take_writes_lost(writes_lost)).flatten() {
+            st.error = Some(lost);
         }
         st.outcome = Some(Outcome::Done);
         settle(slot, st);

@@ -2,6 +2,7 @@
 //! that stops answering, a disconnected start, a server shutting down, closing.
 
 use super::*;
+use udm_block::BlockError;
 
 /// Reads 64 KiB at `offset` on a thread of its own: a request the test can catch waiting.
 fn read_in_background(
@@ -311,4 +312,35 @@ fn a_flush_after_the_server_lost_acknowledged_writes_fails() {
         .write(MIB, &pattern(4096, 15), WriteFlags::default())
         .unwrap();
     client.flush().unwrap();
+}
+
+/// A fail-fast client (a multipath's path) reports the lost writes to a flush that finds no
+/// connection too, as a kind of error of its own: a multipath would take "not connected" for
+/// a path failure and cover the flush down another path, which never had these writes.
+#[test]
+fn a_fail_fast_flush_without_a_connection_reports_lost_writes() {
+    let dir = scratch("lost-writes-fail-fast");
+    let (_, file_arg) = patterned_image(&dir, 16);
+    let args = ["--filter=cache", "file", &file_arg, "cache=writeback"];
+    let server = nbdkit(&dir, &args);
+    let options = ClientOptions {
+        fail_fast: true,
+        ..options(Duration::from_secs(10))
+    };
+    let client = connect(&uri(&dir), options);
+    client
+        .write(0, &pattern(4096, 17), WriteFlags::default())
+        .unwrap();
+    drop(server);
+    wait_until(
+        "the client sees the server gone",
+        Duration::from_secs(2),
+        || !client.is_connected(),
+    );
+    let err = client.flush().expect_err("no connection");
+    assert!(matches!(err, BlockError::WritesLost(_)), "{err}");
+    assert_eq!(err.errno(), libc::EIO);
+    // Said once: the next flush fails for want of a connection alone.
+    let err = client.flush().expect_err("no connection");
+    assert!(matches!(err, BlockError::Io(_)), "{err}");
 }

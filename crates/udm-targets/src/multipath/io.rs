@@ -11,24 +11,26 @@ use udm_block::{
     ZeroFlags,
 };
 
-use super::paths::NoPath;
+use super::paths::{NoPath, State};
 use super::selector::Busy;
 use super::{Inner, Multipath};
 
 /// Whether an error is the path's fault, and the request worth sending down another: not
 /// when any path would give it (a request the device refuses, no space, read-only), as the
-/// kernel's `noretry_error`.
+/// kernel's `noretry_error`; nor when the path reports writes it acknowledged and lost
+/// ([`BlockError::may_retry`]), which another path's success would hide.
 fn fails_path(e: &BlockError) -> bool {
-    !matches!(
-        e.errno(),
-        libc::EOPNOTSUPP
-            | libc::EINVAL
-            | libc::ENOSPC
-            | libc::EDQUOT
-            | libc::EFBIG
-            | libc::EPERM
-            | libc::EROFS
-    )
+    e.may_retry()
+        && !matches!(
+            e.errno(),
+            libc::EOPNOTSUPP
+                | libc::EINVAL
+                | libc::ENOSPC
+                | libc::EDQUOT
+                | libc::EFBIG
+                | libc::EPERM
+                | libc::EROFS
+        )
 }
 
 impl Inner {
@@ -86,9 +88,13 @@ impl Inner {
     }
 
     /// Flushes every path that took writes since the last flush, all at once (each flush is
-    /// a round trip to its path's server, or a sync of its file). One that has failed (before
-    /// or during its flush) is covered by a flush down a usable path: all paths lead to one
-    /// device. Paths still owed a flush when this fails stay owed.
+    /// a round trip to its path's server, or a sync of its file), failed paths too: a failed
+    /// path's device may know that its server lost writes it acknowledged (a remote client
+    /// whose connection died with writes no flush covered), and its flush then fails with
+    /// [`BlockError::WritesLost`], which this reports as it is. A path whose flush fails
+    /// for the path's sake (it failed before or during its flush), or that is suspended (its
+    /// flush would wait for the resume), is covered by a flush down a usable path: all paths
+    /// lead to one device. Paths still owed a flush when this fails stay owed.
     fn flush_paths(&self) -> Result<()> {
         let owed: Vec<usize> = (0..self.paths.len())
             .filter(|&i| self.paths[i].dirty.swap(false, Ordering::AcqRel))
@@ -98,12 +104,16 @@ impl Inner {
                 self.paths[i].dirty.store(true, Ordering::Release);
             }
         };
-        let (usable, mut stranded): (Vec<usize>, Vec<usize>) = {
+        let usable: Vec<bool> = {
             let state = self.state.lock();
-            owed.iter().partition(|&&i| state.is_usable(i))
+            (0..self.paths.len()).map(|i| state.is_usable(i)).collect()
         };
+        // Asked outside the state's lock: the answer is another device's.
+        let (flushed, mut stranded): (Vec<usize>, Vec<usize>) = owed
+            .iter()
+            .partition(|&&i| usable[i] || !self.paths[i].dev.suspended());
         let mut error = None;
-        for (i, result) in each_at_once("multipath-flush", &usable, |i| {
+        for (i, result) in each_at_once("multipath-flush", &flushed, |i| {
             let path = &self.paths[i];
             let _busy = path.load.start(0);
             path.dev.flush()
@@ -132,6 +142,12 @@ impl Inner {
             owe_again(&stranded);
         }
         result
+    }
+
+    /// Whether a failed path took writes since the last flush.
+    fn failed_path_owed(&self, state: &State) -> bool {
+        (0..self.paths.len())
+            .any(|i| !state.is_usable(i) && self.paths[i].dirty.load(Ordering::Acquire))
     }
 }
 
@@ -233,7 +249,8 @@ impl BlockDevice for Multipath {
     /// sends it down another path or waits for one, as a request that fails there does. A
     /// FLUSH maps only while one path is usable: with several, the synchronous flush sends
     /// one down each path at once and fails exactly those whose flush fails (a mapped
-    /// request's failure does not say which of its files failed).
+    /// request's failure does not say which of its files failed); and only while no failed
+    /// path is owed one, which the synchronous flush sends it (it may report writes lost).
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
         // Discards and write-zeroes mean something of their own here: the synchronous way.
         if op.is_fill() {
@@ -245,7 +262,7 @@ impl BlockDevice for Multipath {
         let inner = self.inner.clone();
         let (index, busy) = {
             let mut state = inner.state.lock();
-            if op == MapOp::Flush && state.usable_count() != 1 {
+            if op == MapOp::Flush && (state.usable_count() != 1 || inner.failed_path_owed(&state)) {
                 return None;
             }
             let index = state.choose(&inner.paths, &inner.groups, len)?;

@@ -14,10 +14,11 @@
 //! `checker_interval`, fails the active paths that do not answer and reinstates the failed
 //! ones that do; and multipathd's `failback immediate` as a feature.
 //!
-//! A FLUSH goes to every path that took writes since the last one. A path that cannot take it
-//! any more (it failed since) is covered by a flush down a usable path, on the kernel's
-//! assumption that all paths lead to one device: the writes it acknowledged are as durable as
-//! that device's storage made them (see docs/targets.md).
+//! A FLUSH goes to every path that took writes since the last one, failed paths too: a path's
+//! device may report writes its server acknowledged and lost (`BlockError::WritesLost`), and
+//! the flush then fails, never retried elsewhere. A path whose flush fails for the path's
+//! sake is covered by a flush down a usable path, on the kernel's assumption that all paths
+//! lead to one device (see docs/targets.md).
 //!
 //! One file per job: `args` reads and prints the table line, `selector` chooses among a
 //! group's paths (`history` measures them for historical-service-time), `paths` holds the paths' and groups' state and picks the group, `io` serves

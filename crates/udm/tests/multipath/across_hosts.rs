@@ -185,10 +185,7 @@ fn fio_verified(fio: Child, lab: &Lab) -> f64 {
 
 /// The failed count and state of B's path in the status line.
 fn path_state(status: &str, server: usize) -> String {
-    let uri = path_uri(server);
-    let words: Vec<&str> = status.split_whitespace().collect();
-    let at = words.iter().position(|w| *w == uri).unwrap();
-    format!("{} {}", words[at + 1], words[at + 2])
+    super::path_state(status, &path_uri(server))
 }
 
 #[test]

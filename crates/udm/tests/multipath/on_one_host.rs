@@ -209,15 +209,8 @@ fn remapped_requests_that_fail_on_a_file_path_go_down_another_path() {
     a.udm(&["create", "mp", "--table", &table]);
     let info = a.udm(&["info", "mp"]);
     assert!(info.contains("Data path:         remapped"), "{info}");
-    let fuse_state = || {
-        let status = a.udm(&["status", "mp"]);
-        let words: Vec<String> = status.split_whitespace().map(String::from).collect();
-        let at = words
-            .iter()
-            .position(|w| *w == fuse_file.display().to_string())
-            .unwrap();
-        format!("{} {}", words[at + 1], words[at + 2])
-    };
+    let fuse_path = fuse_file.display().to_string();
+    let fuse_state = || path_state(&a.udm(&["status", "mp"]), &fuse_path);
     let error = format!("0 {} error", 16 * MIB / 512);
     peer.udm(&["load", "p", "--table", &error]);
     peer.udm(&["resume", "p"]);

@@ -73,10 +73,19 @@ fn a_mapped_request_that_fails_fails_its_path_and_is_retried_the_synchronous_way
 
 /// A route whose reads, writes and flushes map to transfers, as a remote export's client's
 /// do: done on a thread of their own, or, while `broken`, failed asking for a retry (a
-/// connection that broke).
+/// connection that broke). Once `lost` is set, its next flush reports writes lost, as a
+/// client whose server died with writes in its cache does.
 struct Remote {
     route: Arc<Switchable>,
     broken: std::sync::atomic::AtomicBool,
+    lost: Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn flush_route(route: &Switchable, lost: &std::sync::atomic::AtomicBool) -> Result<()> {
+    if lost.swap(false, Ordering::SeqCst) {
+        return Err(BlockError::WritesLost("the server died".into()));
+    }
+    route.flush()
 }
 
 impl BlockDevice for Remote {
@@ -90,13 +99,14 @@ impl BlockDevice for Remote {
         self.route.write(offset, buf, flags)
     }
     fn flush(&self) -> Result<()> {
-        self.route.flush()
+        flush_route(&self.route, &self.lost)
     }
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
         if op.is_fill() {
             return None;
         }
         let (route, broken) = (self.route.clone(), self.broken.load(Ordering::SeqCst));
+        let lost = self.lost.clone();
         let len = if op == MapOp::Flush { 0 } else { len };
         Some(
             Mapping::new().taking(Transfer::new(0, len, move |buf, done| {
@@ -110,7 +120,7 @@ impl BlockDevice for Remote {
                     done.finish(match op {
                         MapOp::Read => route.read(offset, data),
                         MapOp::Write { .. } => route.write(offset, data, WriteFlags::default()),
-                        _ => route.flush(),
+                        _ => flush_route(&route, &lost),
                     })
                 });
             })),
@@ -137,9 +147,8 @@ fn execute(table: &Table, op: MapOp, offset: u64, buf: &mut [u8]) -> &'static st
     rx.recv_timeout(Duration::from_secs(10)).unwrap()
 }
 
-#[test]
-fn requests_down_paths_that_transfer_them_are_retried_on_another_path_when_one_breaks() {
-    let rig = Rig::new();
+/// A multipath of [`TWO_PATHS`] over [`Remote`]s on `rig`'s routes a and b; its paths.
+fn remote_paths(rig: &Rig) -> (Table, Vec<Arc<Remote>>) {
     let remotes = Devices::default();
     let paths: Vec<Arc<Remote>> = ["a", "b"]
         .iter()
@@ -148,12 +157,20 @@ fn requests_down_paths_that_transfer_them_are_retried_on_another_path_when_one_b
             let remote = Arc::new(Remote {
                 route: route.clone(),
                 broken: Default::default(),
+                lost: Default::default(),
             });
             remotes.add(name, remote.clone(), false);
             remote
         })
         .collect();
     let table = build(&remotes, &format!("0 {SECTORS} multipath {TWO_PATHS}")).unwrap();
+    (table, paths)
+}
+
+#[test]
+fn requests_down_paths_that_transfer_them_are_retried_on_another_path_when_one_breaks() {
+    let rig = Rig::new();
+    let (table, paths) = remote_paths(&rig);
     // Round-robin: the write goes down a, the read down b, each transferred by its path.
     let mut data = pattern(4096, 7).to_vec();
     assert_eq!(
@@ -169,6 +186,37 @@ fn requests_down_paths_that_transfer_them_are_retried_on_another_path_when_one_b
     assert_eq!(execute(&table, MapOp::Read, 0, &mut back), "retry");
     assert!(target(&table).status().ends_with("a F 1 b A 0"));
     assert!(read(&table, 0).unwrap() == data);
-    // With one usable path a flush maps onto it, and is transferred too.
+    // With one usable path a flush maps onto it, and is transferred too; but not while a
+    // failed path is owed one (a took the write): that flush goes the synchronous way, which
+    // sends it to a too, whose device may report writes lost.
+    assert!(table.map(MapOp::Flush, 0, 0).is_none());
+    table.flush().unwrap();
     assert_eq!(execute(&table, MapOp::Flush, 0, &mut []), "done");
+}
+
+/// A path whose device reports writes it acknowledged and lost (a remote server that died
+/// with them in its cache) fails the flush that reaches it, failed or not: no flush down
+/// another path covers writes that never reached the storage, nor is the flush retried
+/// there, and the path is not failed for it.
+#[test]
+fn a_flush_fails_when_a_path_reports_writes_lost() {
+    let rig = Rig::new();
+    let (table, paths) = remote_paths(&rig);
+    // Round-robin: the write goes down a; a is failed before the flush.
+    table
+        .write(0, &pattern(4096, 8), WriteFlags::default())
+        .unwrap();
+    message(&table, "fail_path a").unwrap();
+    paths[0].lost.store(true, Ordering::SeqCst);
+    let err = table.flush().unwrap_err();
+    assert!(matches!(err, BlockError::WritesLost(_)), "{err}");
+    assert_eq!(err.errno(), libc::EIO);
+    // Said once: the next flush goes to a again (it stayed owed), and succeeds.
+    table.flush().unwrap();
+    // A usable path's mapped flush that reports writes lost fails, and is not retried.
+    message(&table, "reinstate_path a").unwrap();
+    message(&table, "fail_path b").unwrap();
+    paths[0].lost.store(true, Ordering::SeqCst);
+    assert_eq!(execute(&table, MapOp::Flush, 0, &mut []), "failed");
+    assert!(target(&table).status().ends_with("a A 1 b F 1"));
 }
