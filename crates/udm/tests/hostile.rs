@@ -380,7 +380,9 @@ fn one_client_at_its_connection_cap_is_refused_with_an_error_and_others_are_serv
 fn idle_connections_are_closed_and_busy_ones_are_not() {
     let daemon = Daemon::start_with("hostile-idle", &["--nbd-idle-timeout", "1s"]);
     let disk = daemon.sparse("disk.img", 8 << 20);
-    daemon.create("slow", &format!("0 16384 delay {} 0 2500", disk.display()));
+    // Reads take 2.5 s; writes and flushes none.
+    let disk = disk.display();
+    daemon.create("slow", &format!("0 16384 delay {disk} 0 2500 {disk} 0 0"));
     // Idle: closed after about a second.
     let started = std::time::Instant::now();
     let mut idle = RawClient::connect(&daemon.nbd_socket(), "slow");
@@ -388,7 +390,8 @@ fn idle_connections_are_closed_and_busy_ones_are_not() {
     let took = started.elapsed();
     assert!(
         took >= Duration::from_millis(900) && took < Duration::from_secs(5),
-        "closed after {took:?}"
+        "closed after {took:?}; the daemon's log:\n{}",
+        daemon.log()
     );
     // A request in flight for 2.5 s is not idleness: its reply arrives.
     let mut busy = RawClient::connect(&daemon.nbd_socket(), "slow");

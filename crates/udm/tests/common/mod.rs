@@ -353,6 +353,13 @@ impl Drop for Daemon {
     /// Stops the daemon cleanly (so a FUSE mount is unmounted), killing it if it hangs, and
     /// detaches whatever mount a killed daemon left in the scratch directory.
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // A test that failed in CI leaves nothing else behind: its daemon's last words.
+            let log = self.log();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            eprintln!("--- the daemon's log, last {} lines ---", tail.len());
+            tail.iter().rev().for_each(|line| eprintln!("{line}"));
+        }
         if let Some(mut child) = self.child.take() {
             unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
             let deadline = Instant::now() + Duration::from_secs(10);

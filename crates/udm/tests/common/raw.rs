@@ -102,12 +102,15 @@ impl<S: Read + Write> RawClient<S> {
     /// read timeout expires, or sends more data).
     pub fn is_closed(&mut self) -> bool {
         let mut byte = [0u8; 1];
-        match self.stream.read(&mut byte) {
-            Ok(n) => n == 0,
-            Err(e) => !matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ),
+        loop {
+            return match self.stream.read(&mut byte) {
+                Ok(n) => n == 0,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ),
+            };
         }
     }
 }
