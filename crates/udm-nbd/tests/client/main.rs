@@ -124,6 +124,14 @@ fn options(io_timeout: Duration) -> ClientOptions {
     }
 }
 
+/// A multipath path's options: requests fail at once when the connection breaks.
+fn fail_fast(io_timeout: Duration) -> ClientOptions {
+    ClientOptions {
+        fail_fast: true,
+        ..options(io_timeout)
+    }
+}
+
 /// Connects, giving a server that was just started time to listen.
 fn connect(uri: &str, options: ClientOptions) -> NbdClient {
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -63,11 +63,7 @@ fn a_fail_fast_client_fails_requests_when_the_connection_breaks_and_serves_once_
     // Reads take 2 s, so one is in flight when the server dies.
     let args = ["--filter=delay", "file", &file_arg, "delay-read=2"];
     let server = nbdkit(&dir, &args);
-    let options = ClientOptions {
-        fail_fast: true,
-        ..options(Duration::from_secs(30))
-    };
-    let client = Arc::new(connect(&uri(&dir), options));
+    let client = Arc::new(connect(&uri(&dir), fail_fast(Duration::from_secs(30))));
     let in_flight = {
         let client = client.clone();
         std::thread::spawn(move || {
@@ -323,11 +319,7 @@ fn a_fail_fast_flush_without_a_connection_reports_lost_writes() {
     let (_, file_arg) = patterned_image(&dir, 16);
     let args = ["--filter=cache", "file", &file_arg, "cache=writeback"];
     let server = nbdkit(&dir, &args);
-    let options = ClientOptions {
-        fail_fast: true,
-        ..options(Duration::from_secs(10))
-    };
-    let client = connect(&uri(&dir), options);
+    let client = connect(&uri(&dir), fail_fast(Duration::from_secs(10)));
     client
         .write(0, &pattern(4096, 17), WriteFlags::default())
         .unwrap();
