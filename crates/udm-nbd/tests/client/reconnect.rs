@@ -28,12 +28,7 @@ fn reconnects_and_resends_after_the_server_restarts() {
 
     let in_flight = read_in_background(&client, MIB);
     std::thread::sleep(Duration::from_millis(100));
-    drop(server);
-    wait_until(
-        "the client sees the server gone",
-        Duration::from_secs(2),
-        || !client.is_connected(),
-    );
+    kill_server(server, &*client);
     let while_down = read_in_background(&client, 2 * MIB + 8192);
     std::thread::sleep(Duration::from_millis(300));
     assert!(!in_flight.is_finished() && !while_down.is_finished());
@@ -145,12 +140,7 @@ fn an_export_that_comes_back_with_another_size_fails_the_device() {
     let dir = scratch("resized");
     let server = nbdkit(&dir, &["memory", "64M"]);
     let client = connect(&uri(&dir), options(Duration::from_secs(5)));
-    drop(server);
-    wait_until(
-        "the client sees the server gone",
-        Duration::from_secs(2),
-        || !client.is_connected(),
-    );
+    kill_server(server, &client);
     let _server = nbdkit(&dir, &["memory", "32M"]);
     let start = Instant::now();
     let mut buf = AlignedBuf::zeroed(4096);
@@ -280,7 +270,7 @@ fn a_read_only_client_does_not_wait_for_a_dead_server_to_flush() {
 fn a_flush_after_the_server_lost_acknowledged_writes_fails() {
     let dir = scratch("lost-writes");
     let (data, file_arg) = patterned_image(&dir, 13);
-    let args = ["--filter=cache", "file", &file_arg, "cache=writeback"];
+    let args = writeback_cache(&file_arg);
     let server = nbdkit(&dir, &args);
     let client = connect(&uri(&dir), options(Duration::from_secs(10)));
     client
@@ -290,12 +280,7 @@ fn a_flush_after_the_server_lost_acknowledged_writes_fails() {
     client
         .write(MIB, &pattern(4096, 15), WriteFlags::default())
         .unwrap();
-    drop(server);
-    wait_until(
-        "the client sees the server gone",
-        Duration::from_secs(2),
-        || !client.is_connected(),
-    );
+    kill_server(server, &client);
     let _server = nbdkit(&dir, &args);
     let err = client
         .flush()
@@ -317,22 +302,33 @@ fn a_flush_after_the_server_lost_acknowledged_writes_fails() {
 fn a_fail_fast_flush_without_a_connection_reports_lost_writes() {
     let dir = scratch("lost-writes-fail-fast");
     let (_, file_arg) = patterned_image(&dir, 16);
-    let args = ["--filter=cache", "file", &file_arg, "cache=writeback"];
+    let args = writeback_cache(&file_arg);
     let server = nbdkit(&dir, &args);
     let client = connect(&uri(&dir), fail_fast(Duration::from_secs(10)));
     client
         .write(0, &pattern(4096, 17), WriteFlags::default())
         .unwrap();
-    drop(server);
-    wait_until(
-        "the client sees the server gone",
-        Duration::from_secs(2),
-        || !client.is_connected(),
-    );
+    kill_server(server, &client);
     let err = client.flush().expect_err("no connection");
     assert!(matches!(err, BlockError::WritesLost(_)), "{err}");
     assert_eq!(err.errno(), libc::EIO);
     // Said once: the next flush fails for want of a connection alone.
     let err = client.flush().expect_err("no connection");
     assert!(matches!(err, BlockError::Io(_)), "{err}");
+}
+
+/// nbdkit's arguments for `file_arg` behind a writeback cache: a write lives in nbdkit's
+/// memory until a flush, so killing nbdkit loses the writes since the last one.
+fn writeback_cache(file_arg: &str) -> [&str; 4] {
+    ["--filter=cache", "file", file_arg, "cache=writeback"]
+}
+
+/// Kills the server and waits until `client` has seen it go.
+fn kill_server(server: Server, client: &NbdClient) {
+    drop(server);
+    wait_until(
+        "the client sees the server gone",
+        Duration::from_secs(2),
+        || !client.is_connected(),
+    );
 }
