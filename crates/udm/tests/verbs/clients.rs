@@ -88,3 +88,71 @@ fn remove_right_after_a_client_hangs_up_succeeds() {
     }
     assert!(refused.is_empty(), "refused: {refused:?}");
 }
+
+/// Every control slot taken by a client that connects and says nothing: each is let go
+/// within the daemon's request timeout (10 s, with a one-line answer saying why), and the
+/// operator's `udm ls` works again. A request sent in many small writes is still answered,
+/// and a `udm wait` that outlasts the timeout is not cut off.
+#[test]
+fn silent_control_connections_do_not_lock_the_operator_out() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::os::unix::net::UnixStream;
+    const TIMEOUT: Duration = Duration::from_secs(10);
+    let daemon = Daemon::start("control-silent");
+    daemon.create("z", "0 2048 zero");
+    let tasks = format!("/proc/{}/task", daemon.pid());
+    let threads = || std::fs::read_dir(&tasks).unwrap().count();
+    std::thread::sleep(Duration::from_millis(300));
+    let baseline = threads();
+    let waiter = std::process::Command::new(UDM)
+        .args(["wait", "z", &u64::MAX.to_string()])
+        .env("UDM_CONTROL", daemon.control())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(|| threads() > baseline, "the wait to reach the daemon");
+    // 256 is the daemon's limit; the `wait` holds one slot, the silent ones the rest.
+    let silent: Vec<UnixStream> = (0..255)
+        .map(|_| UnixStream::connect(daemon.control()).unwrap())
+        .collect();
+    let start = std::time::Instant::now();
+    let busy = daemon.run_udm(&["ls"]);
+    assert!(
+        String::from_utf8_lossy(&busy.stderr).contains("busy"),
+        "{busy:?}"
+    );
+    // A request in 40 writes, 50 ms apart, on a connection that got its slot in between.
+    let slow = loop {
+        let s = UnixStream::connect(daemon.control()).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        let mut probe = [0u8; 1];
+        if std::io::Read::read(&mut &s, &mut probe).is_err() {
+            break s; // no refusal answered: served
+        }
+        assert!(start.elapsed() < TIMEOUT * 2, "no slot came free");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    slow.set_read_timeout(Some(TIMEOUT)).unwrap();
+    for piece in br#"{"version":1,"command":"ls","tree":false}"#.chunks(1) {
+        (&slow).write_all(piece).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (&slow).write_all(b"\n").unwrap();
+    let mut answer = String::new();
+    BufReader::new(&slow).read_line(&mut answer).unwrap();
+    assert!(answer.contains("\"ok\":true"), "{answer}");
+    assert!(start.elapsed() < TIMEOUT + Duration::from_secs(5));
+    assert!(daemon.run_udm(&["ls"]).status.success());
+    // The silent ones heard why.
+    let mut why = String::new();
+    BufReader::new(&silent[0]).read_line(&mut why).unwrap();
+    assert!(why.contains("no complete request within 10 s"), "{why}");
+    // The wait, older than the timeout, still waits: it ends when its device goes.
+    std::thread::sleep(TIMEOUT.saturating_sub(start.elapsed()) + Duration::from_secs(1));
+    daemon.udm(&["remove", "z"]);
+    let out = waiter.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("no complete request"), "{err}");
+    assert!(err.contains("z"), "{err}");
+}
