@@ -1,6 +1,7 @@
 //! A hostile user of the FUSE files, over both transports: writes of 1 byte, unaligned
 //! spans and 1 GiB; a device removed by force while a read of it is parked in the daemon; a
-//! loop device detached while fio runs on it; the daemon killed with -9 under a mounted ext4; rm, mv, mkdir and the like in the mount.
+//! loop device detached while fio runs on it; the daemon killed with -9 under a mounted ext4;
+//! rm, mv, mkdir and the like in the mount.
 //! Each must end in bounded time with the daemon (or what is left of it) still answering.
 
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
