@@ -300,10 +300,11 @@ impl Device {
     }
 
     /// Replaces the live table at once (suspend, swap, resume), keeping read-only as it is.
-    pub fn replace_live(&self, table: Table) {
+    /// Returns the table replaced.
+    pub fn replace_live(&self, table: Table) -> Option<Arc<Table>> {
         self.suspend();
         self.load(table, self.read_only());
-        self.resume();
+        self.resume()
     }
 
     pub fn events(&self) -> &Arc<Events> {

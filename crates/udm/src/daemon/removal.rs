@@ -39,6 +39,7 @@ impl Registry {
         let device = self.get(name)?;
         self.refuse_if_held(name)?;
         let opens = device.open_count();
+        let mut retired = None;
         if opens > 0 {
             if !force {
                 return Err(RegistryError::Busy(
@@ -48,12 +49,15 @@ impl Registry {
             }
             let sectors = device.size() / SECTOR_SIZE;
             let error_table = self.build(name, &format!("0 {sectors} error"), device.events())?;
-            device.replace_live(error_table);
+            retired = device.replace_live(error_table);
         }
         self.map().remove(name);
+        // The flush is owed to the table that took the writes: flushing the error table put
+        // in by force only failed ("error target"), and left the real one unflushed.
+        let table = retired.unwrap_or_else(|| device.live());
         // Nothing may wait for a path that never comes back now.
-        device.live().presuspend();
-        if let Err(e) = device.live().flush() {
+        table.presuspend();
+        if let Err(e) = table.flush() {
             warn!("removing '{name}': flushing: {e}");
         }
         let path = self.state_path(name);

@@ -21,6 +21,27 @@ fn remove_refuses_open_devices_unless_forced() {
     assert_eq!(daemon.udm(&["ls"]), "No devices found");
 }
 
+/// A forced removal flushes the table that took the client's writes, not the error table
+/// swapped in to fail the client's further I/O: the log-writes log ends with the flush, and
+/// the daemon logs no failed flush.
+#[test]
+fn a_forced_remove_flushes_the_table_the_writes_went_to() {
+    let daemon = Daemon::start("remove-force-flush");
+    let (data, log) = (daemon.sparse("data", MIB), daemon.sparse("log", 4 * MIB));
+    daemon.create(
+        "vol",
+        &format!("0 2048 log-writes {} {}", data.display(), log.display()),
+    );
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
+    client.send(0, NBD_CMD_WRITE, 1, 0, 4096, &[0x5a; 4096]);
+    assert_eq!(client.reply().unwrap(), (0, 1));
+    daemon.udm(&["remove", "vol", "--force"]);
+    let replay = daemon.replay_log(&log, &daemon.sparse("replay", MIB), &[]);
+    let said = String::from_utf8_lossy(&replay.stdout);
+    assert!(said.contains("replayed 2 entries"), "{said}");
+    assert!(!daemon.log().contains("flushing"), "{}", daemon.log());
+}
+
 #[test]
 fn abandoned_waits_leave_no_daemon_threads_behind() {
     let daemon = Daemon::start("wait-abandoned");
