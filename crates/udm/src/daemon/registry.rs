@@ -373,9 +373,16 @@ impl Registry {
     }
 
     pub fn resume(&self, name: &str) -> Result<()> {
-        let _changes = self.changes.lock();
         let device = self.get(name)?;
         let was = device.is_suspended();
+        // A swap drains the old table's I/O first, which may be parked at a suspended device
+        // below: drained without the lock, which that device's resume needs (the swap under
+        // the lock then finds the device suspended and drained).
+        if device.inactive().is_some() {
+            device.suspend();
+        }
+        let _changes = self.changes.lock();
+        let device = self.get(name)?;
         self.save_ahead(&device, Some(Change::Resume))?;
         match device.resume() {
             Some(_) => info!(

@@ -35,7 +35,7 @@ impl Registry {
         if !force && device.open_count() > 0 {
             device.wait_released(wait);
         }
-        let _changes = self.changes.lock();
+        let changes = self.changes.lock();
         let device = self.get(name)?;
         self.refuse_if_held(name)?;
         let opens = device.open_count();
@@ -52,6 +52,13 @@ impl Registry {
             retired = device.replace_live(error_table);
         }
         self.map().remove(name);
+        let path = self.state_path(name);
+        if let Err(e) = std::fs::remove_file(&path) {
+            warn!("removing {}: {e}", path.display());
+        }
+        // The flush waits for a suspended device below, if any: not under the lock, which
+        // every other change needs, the resume that ends the wait among them.
+        drop(changes);
         // The flush is owed to the table that took the writes: flushing the error table put
         // in by force only failed ("error target"), and left the real one unflushed.
         let table = retired.unwrap_or_else(|| device.live());
@@ -59,10 +66,6 @@ impl Registry {
         table.presuspend();
         if let Err(e) = table.flush() {
             warn!("removing '{name}': flushing: {e}");
-        }
-        let path = self.state_path(name);
-        if let Err(e) = std::fs::remove_file(&path) {
-            warn!("removing {}: {e}", path.display());
         }
         if opens > 0 {
             info!(

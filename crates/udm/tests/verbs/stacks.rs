@@ -1,0 +1,76 @@
+//! Stacks whose lower device is suspended: verbs on the upper device that must wait for the
+//! lower one (a removal's flush, a swap's drain) wait without holding up the verbs of every
+//! other device, so the operator can still resume the lower device and end the wait.
+
+use std::process::{Child, Command};
+use std::time::Instant;
+
+use super::*;
+
+/// `udm ARGS` started in the background.
+fn udm_in_background(daemon: &Daemon, args: &[&str]) -> Child {
+    Command::new(UDM)
+        .args(args)
+        .env("UDM_CONTROL", daemon.control())
+        .spawn()
+        .unwrap()
+}
+
+/// `low` (a file) under `top` (linear over `low`), `low` suspended.
+fn stack_with_low_suspended(tag: &str) -> Daemon {
+    let daemon = Daemon::start(tag);
+    daemon.create_linear("low", "low.img", MIB);
+    daemon.create("top", "0 2048 linear low 0");
+    daemon.udm(&["suspend", "low"]);
+    daemon
+}
+
+/// The waiting verb has reached the daemon and waits; the other verbs still work, among
+/// them the resume of `low` that ends the wait.
+fn resume_low_ends(daemon: &Daemon, mut waiting: Child) {
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        waiting.try_wait().unwrap().is_none(),
+        "did not wait for 'low'"
+    );
+    let started = Instant::now();
+    for verb in [
+        &["create", "other", "--table", "0 8 zero"][..],
+        &["resume", "low"],
+    ] {
+        // Under timeout(1): a verb held up for ever is a failure, not a test that hangs.
+        let out = Command::new("timeout")
+            .args(["10", UDM])
+            .args(verb)
+            .env("UDM_CONTROL", daemon.control())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "udm {verb:?}: {out:?}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(waiting.wait().unwrap().success());
+}
+
+#[test]
+fn removing_a_device_over_a_suspended_one_holds_up_no_other_verb() {
+    let daemon = stack_with_low_suspended("remove-over-suspended");
+    let remove = udm_in_background(&daemon, &["remove", "top"]);
+    resume_low_ends(&daemon, remove);
+    assert_eq!(
+        daemon.udm(&["ls"]),
+        "low\t(2048 sectors)\nother\t(8 sectors)"
+    );
+}
+
+#[test]
+fn swapping_the_table_of_a_device_over_a_suspended_one_holds_up_no_other_verb() {
+    let daemon = stack_with_low_suspended("swap-over-suspended");
+    // A read parked at the suspended device's gate is top's I/O in flight: the swap drains it.
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "top");
+    client.send(0, NBD_CMD_READ, 1, 0, 4096, &[]);
+    daemon.udm(&["load", "top", "--table", "0 2048 zero"]);
+    let resume = udm_in_background(&daemon, &["resume", "top"]);
+    resume_low_ends(&daemon, resume);
+    assert_eq!(client.reply().unwrap(), (0, 1));
+    assert_eq!(daemon.udm(&["table", "top"]), "0 2048 zero");
+}
