@@ -78,6 +78,35 @@ impl Registry {
         Ok(())
     }
 
+    /// Flushes every device (at shutdown). A suspended device is left alone: its I/O was
+    /// drained and its targets committed when it was suspended, a flush would wait at its
+    /// gate forever, and it comes back suspended after the restart. So is a device built on
+    /// a suspended one: its flush would wait at that gate (and the stop with it) for ever.
+    pub fn flush_all(&self) {
+        let all = self.all();
+        let suspended: Vec<_> = all.iter().filter(|d| d.is_suspended()).collect();
+        for device in &all {
+            let name = device.name();
+            if device.is_suspended() {
+                info!("'{name}' is suspended: nothing to flush");
+                continue;
+            }
+            if let Some(below) = suspended.iter().find(|s| self.depends_on(&name, &s.name())) {
+                warn!(
+                    "'{name}' is built on suspended '{}': not flushed (writes it has not \
+                     flushed yet may be lost)",
+                    below.name()
+                );
+                continue;
+            }
+            // The daemon is stopping: nothing may wait for a path that never comes back.
+            device.live().presuspend();
+            if let Err(e) = device.flush() {
+                warn!("flushing '{name}' at shutdown: {e}");
+            }
+        }
+    }
+
     fn refuse_if_held(&self, name: &str) -> Result<()> {
         let holders = self.holders(name);
         if holders.is_empty() {

@@ -1,6 +1,7 @@
 //! Stacks whose lower device is suspended: verbs on the upper device that must wait for the
 //! lower one (a removal's flush, a swap's drain) wait without holding up the verbs of every
-//! other device, so the operator can still resume the lower device and end the wait.
+//! other device, so the operator can still resume the lower device and end the wait; a
+//! table that reads it while being built is refused; a stop does not wait for it.
 
 use std::process::{Child, Command};
 use std::time::Instant;
@@ -73,4 +74,47 @@ fn swapping_the_table_of_a_device_over_a_suspended_one_holds_up_no_other_verb() 
     resume_low_ends(&daemon, resume);
     assert_eq!(client.reply().unwrap(), (0, 1));
     assert_eq!(daemon.udm(&["table", "top"]), "0 2048 zero");
+}
+
+/// A table whose constructor reads a suspended device (a clone's metadata) is refused,
+/// naming the device, instead of waiting for a resume that needs the lock it holds.
+#[test]
+fn a_table_that_reads_a_suspended_device_is_refused_not_left_waiting() {
+    let daemon = Daemon::start("build-over-suspended");
+    daemon.create_linear("meta", "meta.img", MIB);
+    daemon.udm(&["suspend", "meta"]);
+    let (dest, source) = (
+        daemon.sparse("dest", 4 * MIB),
+        daemon.sparse("src", 4 * MIB),
+    );
+    let table = format!(
+        "0 8192 clone meta {} {} 8",
+        dest.display(),
+        source.display()
+    );
+    let out = Command::new("timeout")
+        .args(["10", UDM, "create", "cl", "--table", &table])
+        .env("UDM_CONTROL", daemon.control())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("'meta' is suspended"), "{out:?}");
+    daemon.udm(&["resume", "meta"]);
+    daemon.udm(&["create", "cl", "--table", &table]);
+}
+
+/// A stop flushes every device, but not one whose flush would wait at a suspended
+/// device's gate: it is named in the log, and the daemon stops.
+#[test]
+fn a_stop_does_not_wait_for_devices_over_a_suspended_one() {
+    let mut daemon = stack_with_low_suspended("stop-over-suspended");
+    unsafe { libc::kill(daemon.pid() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while daemon.is_running() {
+        assert!(Instant::now() < deadline, "no stop: {}", daemon.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(daemon
+        .log()
+        .contains("'top' is built on suspended 'low': not flushed"));
 }
