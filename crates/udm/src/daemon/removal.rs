@@ -39,7 +39,7 @@ impl Registry {
         let device = self.get(name)?;
         self.refuse_if_held(name)?;
         let opens = device.open_count();
-        let mut retired = None;
+        let mut error_table = None;
         if opens > 0 {
             if !force {
                 return Err(RegistryError::Busy(
@@ -48,17 +48,18 @@ impl Registry {
                 ));
             }
             let sectors = device.size() / SECTOR_SIZE;
-            let error_table = self.build(name, &format!("0 {sectors} error"), device.events())?;
-            retired = device.replace_live(error_table);
+            error_table = Some(self.build(name, &format!("0 {sectors} error"), device.events())?);
         }
         self.map().remove(name);
         let path = self.state_path(name);
         if let Err(e) = std::fs::remove_file(&path) {
             warn!("removing {}: {e}", path.display());
         }
-        // The flush waits for a suspended device below, if any: not under the lock, which
-        // every other change needs, the resume that ends the wait among them.
+        // The swap's drain and the flush wait for a suspended device below, if any: not under
+        // the lock, which every other change needs, the resume that ends the wait among them.
+        // Out of the map, the device is no longer the registry's to change.
         drop(changes);
+        let retired = error_table.and_then(|t| device.replace_live(t));
         // The flush is owed to the table that took the writes: flushing the error table put
         // in by force only failed ("error target"), and left the real one unflushed.
         let table = retired.unwrap_or_else(|| device.live());

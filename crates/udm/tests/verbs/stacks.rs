@@ -63,6 +63,18 @@ fn removing_a_device_over_a_suspended_one_holds_up_no_other_verb() {
     );
 }
 
+/// A forced removal swaps in an error table, which drains the client's read parked at the
+/// suspended device's gate: that wait too holds up no other verb.
+#[test]
+fn removing_by_force_a_device_over_a_suspended_one_holds_up_no_other_verb() {
+    let daemon = stack_with_low_suspended("force-over-suspended");
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "top");
+    client.send(0, NBD_CMD_READ, 1, 0, 4096, &[]);
+    let remove = udm_in_background(&daemon, &["remove", "--force", "top"]);
+    resume_low_ends(&daemon, remove);
+    assert_eq!(client.reply().unwrap(), (0, 1));
+}
+
 #[test]
 fn swapping_the_table_of_a_device_over_a_suspended_one_holds_up_no_other_verb() {
     let daemon = stack_with_low_suspended("swap-over-suspended");
