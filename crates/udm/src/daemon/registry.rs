@@ -378,8 +378,13 @@ impl Registry {
         let was = device.is_suspended();
         // A swap drains the old table's I/O first, which may be parked at a suspended device
         // below: drained without the lock, which that device's resume needs (the swap under
-        // the lock then finds the device suspended and drained).
+        // the lock then finds the device suspended and drained). Only once the change is
+        // recorded: a change that cannot be saved is not made.
         if device.inactive().is_some() {
+            {
+                let _changes = self.changes.lock();
+                self.save_ahead(&device, Some(Change::Resume))?;
+            }
             device.suspend();
         }
         let _changes = self.changes.lock();
