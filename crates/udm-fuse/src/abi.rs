@@ -21,6 +21,13 @@ pub mod opcode {
     pub const FORGET: u32 = 2;
     pub const GETATTR: u32 = 3;
     pub const SETATTR: u32 = 4;
+    pub const SYMLINK: u32 = 6;
+    pub const MKNOD: u32 = 8;
+    pub const MKDIR: u32 = 9;
+    pub const UNLINK: u32 = 10;
+    pub const RMDIR: u32 = 11;
+    pub const RENAME: u32 = 12;
+    pub const LINK: u32 = 13;
     pub const OPEN: u32 = 14;
     pub const READ: u32 = 15;
     pub const WRITE: u32 = 16;
@@ -33,10 +40,13 @@ pub mod opcode {
     pub const READDIR: u32 = 28;
     pub const RELEASEDIR: u32 = 29;
     pub const ACCESS: u32 = 34;
+    pub const CREATE: u32 = 35;
     pub const INTERRUPT: u32 = 36;
     pub const DESTROY: u32 = 38;
     pub const BATCH_FORGET: u32 = 42;
     pub const FALLOCATE: u32 = 43;
+    pub const RENAME2: u32 = 45;
+    pub const TMPFILE: u32 = 51;
 }
 
 /// INIT flags (`fuse_init_in.flags` / `fuse_init_out.flags`).

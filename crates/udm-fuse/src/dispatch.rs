@@ -141,6 +141,21 @@ impl Ctx<'_> {
             opcode::OPENDIR => self.opendir(&h),
             opcode::READDIR => self.readdir(&h, a),
             opcode::RELEASEDIR => self.release(&h, a, true),
+            // The names are the catalog's devices: made, renamed and removed with `udm`, not
+            // here. "Function not implemented" read as a bug in udm; EPERM says "not allowed
+            // here", as rm and mv in a directory one may not change. (Other opcodes keep
+            // ENOSYS, which the kernel remembers and answers itself from then on: xattrs get
+            // EOPNOTSUPP, lseek and copy_file_range its generic code.)
+            opcode::SYMLINK
+            | opcode::MKNOD
+            | opcode::MKDIR
+            | opcode::UNLINK
+            | opcode::RMDIR
+            | opcode::RENAME
+            | opcode::RENAME2
+            | opcode::LINK
+            | opcode::CREATE
+            | opcode::TMPFILE => Err(libc::EPERM),
             _ => Err(libc::ENOSYS),
         };
         if let Err(errno) = result {

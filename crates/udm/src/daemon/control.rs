@@ -1,11 +1,11 @@
 //! The daemon side of the control socket: decode a request, run the verb, answer.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::debug;
 use serde_json::json;
@@ -26,6 +26,11 @@ const CANCEL_DEFERRED_REMOVE: &str = "@cancel_deferred_remove";
 const MAX_REQUEST: u64 = 4 << 20;
 /// Control connections served at once (a `udm wait` holds one for as long as it waits).
 const MAX_CONNECTIONS: usize = 256;
+/// How long a connection has to send a complete request, from its start or from its last
+/// answer. Without a bound, `MAX_CONNECTIONS` clients that connect and say nothing held every
+/// slot for ever and locked the operator out. A request is one write of a local client, so
+/// this is generous; a request that is being answered (a long `wait`) is not bound by it.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a `wait` looks whether its client is still there.
 const WAIT_SLICE: Duration = Duration::from_millis(200);
 
@@ -52,14 +57,26 @@ fn serve(stream: UnixStream, registry: &Arc<Registry>, exports: &Exports) {
         return;
     };
     let mut writer = writer;
-    let mut reader = BufReader::new(std::io::Read::take(stream, MAX_REQUEST));
+    let stream = Deadline {
+        stream,
+        until: None,
+    };
+    let mut reader = BufReader::new(stream.take(MAX_REQUEST));
     // Bytes, not a String: a line of invalid UTF-8 is a malformed request to answer, not a
     // read error that would end the connection.
     let mut line = Vec::new();
     loop {
         line.clear();
+        reader.get_mut().get_mut().until = Some(Instant::now() + REQUEST_TIMEOUT);
         match reader.read_until(b'\n', &mut line) {
             Ok(0) => return,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                let why = format!(
+                    "no complete request within {} s: closing the connection",
+                    REQUEST_TIMEOUT.as_secs()
+                );
+                return drop(reply(&mut writer, &Response::error(why)));
+            }
             Ok(_) if !line.ends_with(b"\n") => {
                 let _ = reply(
                     &mut writer,
@@ -82,6 +99,9 @@ fn serve(stream: UnixStream, registry: &Arc<Registry>, exports: &Exports) {
                 return transfer::send(registry, envelope.request, &mut writer);
             }
             Ok(envelope) if matches!(envelope.request, Request::Receive { .. }) => {
+                // The stream's own pace is the sender's (a pipe, ssh): no deadline for it.
+                reader.get_mut().get_mut().until = None;
+                let _ = reader.get_ref().get_ref().stream.set_read_timeout(None);
                 reader.get_mut().set_limit(u64::MAX);
                 let closer = writer.try_clone();
                 let shutdown = move || {
@@ -115,6 +135,32 @@ fn serve(stream: UnixStream, registry: &Arc<Registry>, exports: &Exports) {
             return;
         }
         reader.get_mut().set_limit(MAX_REQUEST);
+    }
+}
+
+/// The connection's reading side, which fails with `TimedOut` once `until` has passed: the
+/// bound is on a whole request, however its bytes are spread over writes.
+struct Deadline {
+    stream: UnixStream,
+    until: Option<Instant>,
+}
+
+impl Read for Deadline {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Some(until) = self.until {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            self.stream.set_read_timeout(Some(left))?;
+        }
+        match self.stream.read(buf) {
+            // What a socket's read timeout looks like.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                Err(std::io::ErrorKind::TimedOut.into())
+            }
+            other => other,
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! gate, events, the open count and I/O statistics.
 
 use parking_lot::{Condvar, Mutex, RwLock};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -223,12 +224,20 @@ impl Device {
         }
     }
 
-    /// Waits at the gate while the device is suspended, then enters it.
-    fn enter(&self) -> (Arc<Table>, InFlight<'_>) {
+    /// Waits at the gate while the device is suspended, then enters it; on a thread that
+    /// builds a table ([`no_waiting_while_building`]) a suspended device is an error instead.
+    fn enter(&self) -> Result<(Arc<Table>, InFlight<'_>)> {
         let gate = &*self.gate;
         loop {
             if gate.try_enter() {
-                return (self.live(), InFlight(gate));
+                return Ok((self.live(), InFlight(gate)));
+            }
+            if BUILDING.get() {
+                return Err(BlockError::Io(format!(
+                    "device '{}' is suspended: resume it before a table that reads it is \
+                     loaded",
+                    self.name()
+                )));
             }
             // Suspended: sleep until resumed.
             let mut sleep = gate.sleep.lock();
@@ -300,15 +309,34 @@ impl Device {
     }
 
     /// Replaces the live table at once (suspend, swap, resume), keeping read-only as it is.
-    pub fn replace_live(&self, table: Table) {
+    /// Returns the table replaced.
+    pub fn replace_live(&self, table: Table) -> Option<Arc<Table>> {
         self.suspend();
         self.load(table, self.read_only());
-        self.resume();
+        self.resume()
     }
 
     pub fn events(&self) -> &Arc<Events> {
         &self.events
     }
+}
+
+thread_local! {
+    /// Whether this thread is building a table, under the registry's lock: I/O it does then
+    /// (a constructor reading its metadata) must not wait at a suspended device's gate, as the
+    /// resume that would open it needs that lock.
+    static BUILDING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as building a table until the guard is dropped.
+pub(super) fn no_waiting_while_building() -> impl Drop {
+    struct Building(bool);
+    impl Drop for Building {
+        fn drop(&mut self) {
+            BUILDING.set(self.0);
+        }
+    }
+    Building(BUILDING.replace(true))
 }
 
 /// A device's event counter (dm's event_nr), raised by its targets and waited on by
@@ -371,8 +399,10 @@ impl BlockDevice for Device {
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let io = self.stats.start(Op::Read, buf.len() as u64);
-        let (table, _in) = self.enter();
-        io.finish(table.read(offset, buf))
+        io.finish(
+            self.enter()
+                .and_then(|(table, _in)| table.read(offset, buf)),
+        )
     }
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
         let io = self.stats.start(Op::Write, buf.len() as u64);
@@ -382,30 +412,35 @@ impl BlockDevice for Device {
                 self.name()
             ))));
         }
-        let (table, _in) = self.enter();
-        io.finish(table.write(offset, buf, flags))
+        io.finish(
+            self.enter()
+                .and_then(|(table, _in)| table.write(offset, buf, flags)),
+        )
     }
     fn flush(&self) -> Result<()> {
         let io = self.stats.start(Op::Flush, 0);
-        let (table, _in) = self.enter();
-        io.finish(table.flush())
+        io.finish(self.enter().and_then(|(table, _in)| table.flush()))
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         let io = self.stats.start(Op::Discard, len);
-        let (table, _in) = self.enter();
-        io.finish(table.discard(offset, len))
+        io.finish(
+            self.enter()
+                .and_then(|(table, _in)| table.discard(offset, len)),
+        )
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         let io = self.stats.start(Op::WriteZeroes, len);
-        let (table, _in) = self.enter();
-        io.finish(table.write_zeroes(offset, len, flags))
+        io.finish(
+            self.enter()
+                .and_then(|(table, _in)| table.write_zeroes(offset, len, flags)),
+        )
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        let (table, _in) = self.enter();
+        let (table, _in) = self.enter()?;
         table.block_status(offset, len)
     }
     fn cache(&self, offset: u64, len: u64) -> Result<()> {
-        let (table, _in) = self.enter();
+        let (table, _in) = self.enter()?;
         table.cache(offset, len)
     }
     /// Never waits: a suspended device's requests take the synchronous way and wait there.

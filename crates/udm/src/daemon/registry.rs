@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use log::{info, warn};
+use log::info;
 use thiserror::Error;
 use udm_block::{BlockDevice, SECTOR_SIZE};
 use udm_targets::{Reference, Table, TargetError};
@@ -219,6 +219,7 @@ impl Registry {
             restoring,
         };
         let events = events.clone();
+        let _building = super::device::no_waiting_while_building();
         Ok(Table::build(
             owner,
             text,
@@ -373,9 +374,21 @@ impl Registry {
     }
 
     pub fn resume(&self, name: &str) -> Result<()> {
-        let _changes = self.changes.lock();
         let device = self.get(name)?;
         let was = device.is_suspended();
+        // A swap drains the old table's I/O first, which may be parked at a suspended device
+        // below: drained without the lock, which that device's resume needs (the swap under
+        // the lock then finds the device suspended and drained). Only once the change is
+        // recorded: a change that cannot be saved is not made.
+        if device.inactive().is_some() {
+            {
+                let _changes = self.changes.lock();
+                self.save_ahead(&device, Some(Change::Resume))?;
+            }
+            device.suspend();
+        }
+        let _changes = self.changes.lock();
+        let device = self.get(name)?;
         self.save_ahead(&device, Some(Change::Resume))?;
         match device.resume() {
             Some(_) => info!(
@@ -468,23 +481,6 @@ impl Registry {
             lines.join("; ")
         );
         Ok(Some(text))
-    }
-
-    /// Flushes every device (at shutdown). A suspended device is left alone: its I/O was
-    /// drained and its targets committed when it was suspended, a flush would wait at its
-    /// gate forever, and it comes back suspended after the restart.
-    pub fn flush_all(&self) {
-        for device in self.all() {
-            if device.is_suspended() {
-                info!("'{}' is suspended: nothing to flush", device.name());
-                continue;
-            }
-            // The daemon is stopping: nothing may wait for a path that never comes back.
-            device.live().presuspend();
-            if let Err(e) = device.flush() {
-                warn!("flushing '{}' at shutdown: {e}", device.name());
-            }
-        }
     }
 }
 

@@ -35,10 +35,11 @@ impl Registry {
         if !force && device.open_count() > 0 {
             device.wait_released(wait);
         }
-        let _changes = self.changes.lock();
+        let changes = self.changes.lock();
         let device = self.get(name)?;
         self.refuse_if_held(name)?;
         let opens = device.open_count();
+        let mut error_table = None;
         if opens > 0 {
             if !force {
                 return Err(RegistryError::Busy(
@@ -47,18 +48,25 @@ impl Registry {
                 ));
             }
             let sectors = device.size() / SECTOR_SIZE;
-            let error_table = self.build(name, &format!("0 {sectors} error"), device.events())?;
-            device.replace_live(error_table);
+            error_table = Some(self.build(name, &format!("0 {sectors} error"), device.events())?);
         }
         self.map().remove(name);
-        // Nothing may wait for a path that never comes back now.
-        device.live().presuspend();
-        if let Err(e) = device.live().flush() {
-            warn!("removing '{name}': flushing: {e}");
-        }
         let path = self.state_path(name);
         if let Err(e) = std::fs::remove_file(&path) {
             warn!("removing {}: {e}", path.display());
+        }
+        // The swap's drain and the flush wait for a suspended device below, if any: not under
+        // the lock, which every other change needs, the resume that ends the wait among them.
+        // Out of the map, the device is no longer the registry's to change.
+        drop(changes);
+        let retired = error_table.and_then(|t| device.replace_live(t));
+        // The flush is owed to the table that took the writes: flushing the error table put
+        // in by force only failed ("error target"), and left the real one unflushed.
+        let table = retired.unwrap_or_else(|| device.live());
+        // Nothing may wait for a path that never comes back now.
+        table.presuspend();
+        if let Err(e) = table.flush() {
+            warn!("removing '{name}': flushing: {e}");
         }
         if opens > 0 {
             info!(
@@ -69,6 +77,35 @@ impl Registry {
             info!("removed device '{name}'");
         }
         Ok(())
+    }
+
+    /// Flushes every device (at shutdown). A suspended device is left alone: its I/O was
+    /// drained and its targets committed when it was suspended, a flush would wait at its
+    /// gate forever, and it comes back suspended after the restart. So is a device built on
+    /// a suspended one: its flush would wait at that gate (and the stop with it) for ever.
+    pub fn flush_all(&self) {
+        let all = self.all();
+        let suspended: Vec<_> = all.iter().filter(|d| d.is_suspended()).collect();
+        for device in &all {
+            let name = device.name();
+            if device.is_suspended() {
+                info!("'{name}' is suspended: nothing to flush");
+                continue;
+            }
+            if let Some(below) = suspended.iter().find(|s| self.depends_on(&name, &s.name())) {
+                warn!(
+                    "'{name}' is built on suspended '{}': not flushed (writes it has not \
+                     flushed yet may be lost)",
+                    below.name()
+                );
+                continue;
+            }
+            // The daemon is stopping: nothing may wait for a path that never comes back.
+            device.live().presuspend();
+            if let Err(e) = device.flush() {
+                warn!("flushing '{name}' at shutdown: {e}");
+            }
+        }
     }
 
     fn refuse_if_held(&self, name: &str) -> Result<()> {

@@ -1,9 +1,10 @@
 //! A hostile user of the FUSE files, over both transports: writes of 1 byte, unaligned
 //! spans and 1 GiB; a device removed by force while a read of it is parked in the daemon; a
-//! loop device detached while fio runs on it; the daemon killed with -9 under a mounted ext4.
+//! loop device detached while fio runs on it; the daemon killed with -9 under a mounted ext4;
+//! rm, mv, mkdir and the like in the mount.
 //! Each must end in bounded time with the daemon (or what is left of it) still answering.
 
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 
 use super::lifecycle::{dd_in_background, delayed_reads};
 use super::*;
@@ -174,4 +175,51 @@ fn a_killed_daemon_under_a_mounted_filesystem_fails_its_io_and_lets_go(uring: &s
     // The next daemon recovers the dead FUSE mount and the device's bytes are readable.
     daemon.launch();
     let _ = std::fs::read(daemon.dir.path("fuse/vol")).unwrap();
+}
+
+/// dmsetup habits in the mount: rm, mkdir, mv, ln, touch of a new name, mknod, mkfifo and
+/// O_TMPFILE are told "Operation not permitted" (the names are `udm`'s to make and remove),
+/// not "Function not implemented", and the device is untouched.
+#[test]
+fn changing_names_in_the_mount_is_not_permitted() {
+    let daemon = fuse_daemon("fuse-names");
+    daemon.create_linear("vol", "disk.img", 4 * MIB);
+    let mnt = daemon.dir.path("fuse");
+    let at = |name: &str| mnt.join(name).to_str().unwrap().to_string();
+    let attempts: [(&str, Vec<String>); 9] = [
+        ("rm", vec!["-f".into(), at("vol")]),
+        ("mkdir", vec![at("dir")]),
+        ("mv", vec![at("vol"), at("vol2")]),
+        ("ln", vec![at("vol"), at("hard")]),
+        ("ln", vec!["-s".into(), "vol".into(), at("soft")]),
+        ("touch", vec![at("new")]),
+        (
+            "mknod",
+            vec![at("node"), "b".into(), "7".into(), "0".into()],
+        ),
+        ("mkfifo", vec![at("fifo")]),
+        ("cp", vec!["/etc/hostname".into(), at("copy")]),
+    ];
+    for (program, args) in &attempts {
+        let out = Command::new(program).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("Operation not permitted"),
+            "{program} {args:?}: {err}"
+        );
+    }
+    let tmpfile = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_TMPFILE)
+        .open(&mnt)
+        .unwrap_err();
+    assert_eq!(tmpfile.raw_os_error(), Some(libc::EPERM), "{tmpfile}");
+    let names: Vec<_> = std::fs::read_dir(&mnt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["vol"]);
+    assert_eq!(std::fs::metadata(at("vol")).unwrap().len(), 4 * MIB);
+    assert!(!daemon.log().contains("panic"));
 }

@@ -5,6 +5,7 @@ mod clients;
 #[path = "../common/mod.rs"]
 mod common;
 mod errors;
+mod stacks;
 mod state;
 mod tables;
 
