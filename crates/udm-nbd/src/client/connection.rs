@@ -5,7 +5,7 @@
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Write};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_block::{BlockError, Extent};
@@ -153,6 +153,10 @@ pub(super) struct Conn {
     /// Reply headers received; a request that times out while this did not move tells that
     /// the server stopped answering altogether.
     pub(super) replies: AtomicU64,
+    /// The cookie of the reply whose header is in and whose rest is not yet (0: none): a
+    /// request past its deadline with this cookie has a server stalling in the middle of its
+    /// data.
+    pub(super) partial: AtomicU64,
     /// Mapped requests to send together (see [`Conn::queue`]).
     outbox: Mutex<Vec<Outgoing>>,
 }
@@ -167,6 +171,7 @@ impl Conn {
             writer: Mutex::new(stream),
             in_flight: Mutex::new(InFlight::default()),
             replies: AtomicU64::new(0),
+            partial: AtomicU64::new(0),
             outbox: Mutex::new(Vec::new()),
         };
         Ok((Arc::new(conn), reader))
@@ -184,6 +189,11 @@ impl Conn {
             in_flight.flushes.insert(cookie, covers);
         }
         true
+    }
+
+    /// Whether the server stopped in the middle of the reply to `cookie` (as far as it came).
+    pub(super) fn stalls_on(&self, cookie: u64) -> bool {
+        cookie != 0 && self.partial.load(Ordering::Acquire) == cookie
     }
 
     pub(super) fn slot(&self, cookie: u64) -> Option<Arc<Slot>> {

@@ -26,6 +26,7 @@
 mod connection;
 mod dial;
 mod mapped;
+mod poller;
 mod reconnect;
 mod reply;
 mod request;

@@ -1,28 +1,25 @@
-//! The reader thread's side of a connection: reads each reply (simple or structured chunks),
-//! finds the slot waiting for its cookie, copies read data straight into the caller's buffer,
-//! records errors and extents, and wakes the caller. Any protocol violation, or ESHUTDOWN,
-//! ends the connection.
+//! The reply reader's side of a connection (see `poller`): tells how long each reply (simple,
+//! or a structured chunk) is, then reads it from the reader's buffer, finds the slot waiting
+//! for its cookie, copies read data into the caller's buffer, records errors and extents,
+//! and wakes the caller. Any protocol violation, or ESHUTDOWN, ends the connection.
 
-use std::io::{self, BufReader, Read};
+use std::io::{self, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use thiserror::Error;
 use udm_block::{BlockError, Extent, EXTENT_HOLE, EXTENT_ZERO};
 
 use super::connection::{settle, Conn, Outcome, Slot};
-use super::mapped::Watched;
 use super::reconnect::take_writes_lost;
 use crate::protocol::*;
-use crate::stream::Stream;
 
 /// Block status and error chunks are buffered; a sane one is far smaller.
 const MAX_CHUNK_PAYLOAD: u32 = 16 << 20;
 
 /// How a connection ended, from the reader's side.
 #[derive(Debug, Error)]
-enum ReplyError {
+pub(super) enum ReplyError {
     #[error("{0}")]
     Io(#[from] io::Error),
     #[error("protocol error: {0}")]
@@ -39,33 +36,52 @@ impl From<ProtocolError> for ReplyError {
     }
 }
 
-/// Reads replies until the connection fails; returns why it did.
-/// `writes_lost` is set when an earlier connection died with writes it had not flushed: the
-/// next flush to succeed fails instead, and clears it.
-pub(super) fn read_replies(
-    conn: &Conn,
-    reader: Stream,
-    tick: Duration,
-    writes_lost: &AtomicBool,
-) -> String {
-    let mut reader = BufReader::with_capacity(256 << 10, Watched::new(conn, reader, tick));
-    loop {
-        let result = read_reply(conn, &mut reader, writes_lost);
-        if let Err(e) = result.and_then(|()| Ok(reader.get_mut().look()?)) {
-            return match e {
-                ReplyError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                    "the server closed the connection".into()
-                }
-                e => e.to_string(),
-            };
-        }
+/// How many bytes the reply (simple, or one structured chunk) at the start of `received`
+/// takes, header and all, and its cookie (0 while its header is not whole): the reader hands
+/// it to [`read_reply`] once they are all in.
+pub(super) fn frame(conn: &Conn, received: &[u8]) -> Result<(usize, u64), ReplyError> {
+    if received.len() < SIMPLE_REPLY_LEN {
+        return Ok((SIMPLE_REPLY_LEN, 0));
     }
+    let magic = u32::from_be_bytes(received[..4].try_into().unwrap());
+    if magic == SIMPLE_REPLY_MAGIC {
+        let reply = parse_simple_reply(received[..SIMPLE_REPLY_LEN].try_into().unwrap())?;
+        // Only a successful read carries data, and only without structured replies (one with
+        // it after is a protocol error, which `read_reply` reports).
+        let data = match conn.slot(reply.cookie) {
+            Some(slot) if reply.error == 0 && slot.command == CMD_READ && !conn.info.structured => {
+                slot.len as usize
+            }
+            _ => 0,
+        };
+        return Ok((SIMPLE_REPLY_LEN + data, reply.cookie));
+    }
+    // `read_reply` reports a bad magic.
+    if magic != STRUCTURED_REPLY_MAGIC {
+        return Ok((SIMPLE_REPLY_LEN, 0));
+    }
+    if received.len() < CHUNK_HEADER_LEN {
+        return Ok((CHUNK_HEADER_LEN, 0));
+    }
+    let chunk = parse_chunk_header(received[..CHUNK_HEADER_LEN].try_into().unwrap())?;
+    // The largest a sane chunk gets: a read's data and its offset.
+    if chunk.length > MAX_CHUNK_PAYLOAD.max(super::MAX_REQUEST + 8) {
+        return Err(ReplyError::Protocol(format!(
+            "chunk payload of {} bytes",
+            chunk.length
+        )));
+    }
+    Ok((CHUNK_HEADER_LEN + chunk.length as usize, chunk.cookie))
 }
 
 /// Reads one simple reply or structured chunk and delivers it to the request in flight it
 /// answers. Long: every chunk type and its checks, kept together so that the order of checks
 /// is visible.
-fn read_reply(conn: &Conn, r: &mut impl Read, writes_lost: &AtomicBool) -> Result<(), ReplyError> {
+pub(super) fn read_reply(
+    conn: &Conn,
+    r: &mut impl Read,
+    writes_lost: &AtomicBool,
+) -> Result<(), ReplyError> {
     let mut header = [0u8; CHUNK_HEADER_LEN];
     r.read_exact(&mut header[..SIMPLE_REPLY_LEN])?;
     conn.replies.fetch_add(1, Ordering::Release);
