@@ -14,7 +14,7 @@ use super::dial::ExportInfo;
 use crate::protocol::*;
 use crate::stream::Stream;
 
-/// A caller's buffer that the reader thread fills. It lives on the caller's stack; the slot
+/// A caller's buffer that the reply reader fills. It lives on the caller's stack; the slot
 /// protocol (see [`Slot`]) guarantees the caller neither touches nor leaves it while the
 /// reader writes to it.
 #[derive(Clone, Copy)]
@@ -23,7 +23,7 @@ pub(super) struct Dest {
     pub(super) len: usize,
 }
 
-// SAFETY: the pointer is only dereferenced by the reader thread while `filling` is set, during
+// SAFETY: the pointer is only dereferenced by the reply reader while `filling` is set, during
 // which the owning caller is blocked in `wait_reply` and does not access the buffer.
 unsafe impl Send for Dest {}
 
@@ -147,7 +147,7 @@ pub(super) struct Conn {
     pub(super) info: ExportInfo,
     pub(super) writer: Mutex<Stream>,
     /// A second handle used only to shut the socket down, which must work while a writer
-    /// holds `writer` or the reader is blocked.
+    /// holds `writer`.
     pub(super) control: Stream,
     pub(super) in_flight: Mutex<InFlight>,
     /// Reply headers received; a request that times out while this did not move tells that
@@ -162,7 +162,7 @@ pub(super) struct Conn {
 }
 
 impl Conn {
-    /// Returns the connection and the handle its reader thread reads from.
+    /// Returns the connection and the handle the reply reader reads from.
     pub(super) fn new(stream: Stream, info: ExportInfo) -> io::Result<(Arc<Conn>, Stream)> {
         let reader = stream.try_clone()?;
         let conn = Conn {

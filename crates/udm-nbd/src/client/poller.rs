@@ -23,12 +23,16 @@ use log::error;
 use super::connection::Conn;
 use super::mapped::{overdue, tick};
 use super::reconnect::Shared;
-use super::reply::{frame, read_reply};
+use super::reply::{frame, read_reply, Direct, ReplyError};
 use crate::stream::Stream;
 
 /// A connection's buffer, enough for dozens of small replies; it grows for a reply larger
-/// than this (a big read) while that one comes in.
+/// than this other than a read's data (block status) while that one comes in.
 const BUFFER: usize = 256 << 10;
+/// A read of this much data or more goes from the socket straight to its caller's buffer
+/// (see `reply::Direct`); a smaller one is copied from the reader's buffer, which is cheaper
+/// than a receive of its own.
+const DIRECT: usize = 64 << 10;
 /// Reads of one connection per wake-up, so that a busy one does not starve the others.
 const READS_PER_WAKE: usize = 8;
 /// The epoll token of the eventfd that announces new connections.
@@ -57,12 +61,22 @@ pub(super) fn watch(shared: Arc<Shared>, conn: Arc<Conn>, stream: Stream) -> Res
         buf: vec![0; BUFFER],
         start: 0,
         end: 0,
+        direct: None,
         last_look: Instant::now(),
     });
     let one = 1u64.to_ne_bytes();
     // SAFETY: writing 8 bytes from a live buffer to our own eventfd.
     unsafe { libc::write(poller.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
     Ok(())
+}
+
+thread_local! {
+    static IS_READER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is the reply reader.
+pub(super) fn is_reader() -> bool {
+    IS_READER.get()
 }
 
 fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
@@ -117,6 +131,7 @@ impl Poller {
     }
 
     fn run(&self) {
+        IS_READER.set(true);
         let mut watches: HashMap<u64, Watch> = HashMap::new();
         let mut next_token = WAKE + 1;
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
@@ -206,6 +221,8 @@ struct Watch {
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    /// A big read's data on its way.
+    direct: Option<Direct>,
 }
 
 impl Watch {
@@ -213,14 +230,22 @@ impl Watch {
     /// connection.
     fn on_readable(&mut self) -> Result<(), String> {
         for _ in 0..READS_PER_WAKE {
-            let spare = &mut self.buf[self.end..];
-            // SAFETY: `spare` is valid for its length. MSG_DONTWAIT rather than O_NONBLOCK,
+            // A big read's data goes straight to its caller's buffer; while it comes, the
+            // reader's own buffer is empty (`deliver` gave it all).
+            let (into, len, direct) = match self.direct.as_mut().and_then(Direct::spare) {
+                Some(spare) => (spare.as_mut_ptr(), spare.len(), true),
+                None => {
+                    let spare = &mut self.buf[self.end..];
+                    (spare.as_mut_ptr(), spare.len(), false)
+                }
+            };
+            // SAFETY: `into` is valid for `len` bytes. MSG_DONTWAIT rather than O_NONBLOCK,
             // which would make the writer's descriptor (the same socket) non-blocking too.
             let n = unsafe {
                 libc::recv(
                     self.stream.as_raw_fd(),
-                    spare.as_mut_ptr().cast(),
-                    spare.len(),
+                    into.cast(),
+                    len,
                     libc::MSG_DONTWAIT,
                 )
             };
@@ -235,35 +260,58 @@ impl Watch {
                     _ => Err(e.to_string()),
                 };
             }
-            self.end += n as usize;
+            match &mut self.direct {
+                Some(d) if direct => d.advance(n as usize),
+                _ => self.end += n as usize,
+            }
             self.deliver().map_err(|e| e.to_string())?;
         }
         Ok(())
     }
 
-    /// Hands every whole reply in the buffer over, and makes room for the rest of the next.
-    fn deliver(&mut self) -> Result<(), super::reply::ReplyError> {
+    /// Hands every whole reply in the buffer over (and the head of a big read, whose data
+    /// then comes straight to its caller's buffer), and makes room for the rest of the next.
+    fn deliver(&mut self) -> Result<(), ReplyError> {
         let writes_lost = &self.shared.writes_lost;
         loop {
-            let (len, cookie) = frame(&self.conn, &self.buf[self.start..self.end])?;
-            if self.end - self.start < len {
-                self.conn.partial.store(cookie, Ordering::Release);
-                self.make_room(len);
-                return Ok(());
+            if let Some(direct) = &mut self.direct {
+                self.start += direct.feed(&self.buf[self.start..self.end]);
+                if direct.left() == 0 {
+                    let direct = self.direct.take().expect("checked above");
+                    direct.finish(&self.conn, writes_lost);
+                }
             }
-            let mut reply = &self.buf[self.start..self.start + len];
-            read_reply(&self.conn, &mut reply, writes_lost)?;
-            debug_assert!(reply.is_empty(), "a reply read as long as its frame");
-            self.start += len;
             if self.start == self.end {
-                self.conn.partial.store(0, Ordering::Release);
                 self.start = 0;
                 self.end = 0;
                 if self.buf.len() > BUFFER {
                     self.buf = vec![0; BUFFER];
                 }
+                let partial = self.direct.as_ref().map_or(0, Direct::cookie);
+                self.conn.partial.store(partial, Ordering::Release);
                 return Ok(());
             }
+            let received = &self.buf[self.start..self.end];
+            let frame = frame(&self.conn, received)?;
+            let direct = frame.data >= DIRECT;
+            let len = if direct {
+                frame.head
+            } else {
+                frame.head + frame.data
+            };
+            if received.len() < len {
+                self.conn.partial.store(frame.cookie, Ordering::Release);
+                self.make_room(len);
+                return Ok(());
+            }
+            let mut reply = &received[..len];
+            self.direct = read_reply(&self.conn, &mut reply, writes_lost, direct)?;
+            if !reply.is_empty() || direct != self.direct.is_some() {
+                return Err(ReplyError::Protocol(
+                    "a reply not as long as it said".into(),
+                ));
+            }
+            self.start += len;
         }
     }
 
@@ -291,6 +339,9 @@ impl Watch {
     }
 
     fn lost(self, why: &str) {
+        if let Some(direct) = self.direct {
+            direct.abort();
+        }
         self.shared.connection_lost(&self.conn, why);
     }
 }
