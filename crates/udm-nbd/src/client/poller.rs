@@ -2,11 +2,13 @@
 //! waits on all their sockets at once (epoll), so that a burst of replies spread over several
 //! connections (a multipath's paths) wakes one thread once, not one thread per connection.
 //!
-//! Each watched connection has a buffer: a reply is handed to `reply::read_reply` only once
-//! it is whole in there, so that a server that sends half a reply holds up no other
-//! connection. A reply whose header is in and whose data is not is the connection's
-//! `partial` one (see [`Conn::partial`]): past its deadline, it is taken for a server that
-//! stalls in the middle of its data. The thread also looks, every `tick` of each client,
+//! The reader never waits on one socket: each watched connection has a buffer, and a reply
+//! is handed to `reply::read_reply` only once it is whole in there (a big read's data, once
+//! its head is: the data then goes straight into the caller's buffer as it comes, see
+//! `reply::Direct`), so that a server that sends half a reply holds up no other connection.
+//! A reply whose header is in and whose data is not is the connection's `partial` one (see
+//! [`Conn::partial`]): past its deadline, it is taken for a server that stalls in the middle
+//! of its data. The thread also looks, every `tick` of each client,
 //! for mapped requests past their deadline (see `mapped::overdue`), and ends a connection
 //! that breaks, or whose server stopped answering: its client's own thread then redials.
 
