@@ -1,8 +1,9 @@
 //! Mapped requests: a read, write or flush the executor (the NBD event loop) hands over
 //! without a thread waiting for it. [`NbdClient`]'s `map()` answers with a [`Transfer`]; the
 //! executor starts it with the request's buffer, which sends the request on the connection
-//! from the executor's own thread, and the reply reader (see `poller`) puts the reply into the buffer and
-//! calls the transfer's [`Done`], which hands the request back to the executor to answer.
+//! from the executor's own thread, and the reply reader (see `poller`) puts the reply into
+//! the buffer and calls the transfer's [`Done`], which hands the request back to the
+//! executor to answer.
 //! An executor that batches (the NBD event loop: see [`udm_block::batch`]) has the requests
 //! it starts in one wake-up sent together when it is done, one write per connection.
 //!

@@ -5,15 +5,14 @@
 //! a fresh cookie and sleep on a slot of their own; one thread for the whole process (the
 //! reply reader, `poller`) waits on every client's socket at once, reads the replies, copies
 //! read data into the caller's buffer, and wakes the slot: a burst of replies over several
-//! connections (a multipath's paths) wakes one thread once. Each client's own thread
-//! only redials: it sleeps while connected and, when the connection breaks, redials with
-//! backoff. Requests in flight
-//! then are not failed: their callers resend them once the connection is back (reads, writes,
-//! flushes and the rest are all idempotent), and only a request older than `io_timeout`
-//! fails, so nothing waits forever on a server that stays away. With `fail_fast` (a
-//! multipath's path) they fail at once instead, for the multipath to send elsewhere. A server that answers
-//! ESHUTDOWN is going away cleanly: that counts as a broken connection too, and closing ours
-//! lets it exit.
+//! connections (a multipath's paths) wakes one thread once. Each client's own thread only
+//! redials: it sleeps while connected and, when the connection breaks, redials with backoff.
+//! Requests in flight then are not failed: their callers resend them once the connection is
+//! back (reads, writes, flushes and the rest are all idempotent), and only a request older
+//! than `io_timeout` fails, so nothing waits forever on a server that stays away. With
+//! `fail_fast` (a multipath's path) they fail at once instead, for the multipath to send
+//! elsewhere. A server that answers ESHUTDOWN is going away cleanly: that counts as a broken
+//! connection too, and closing ours lets it exit.
 //!
 //! A client can also start without a connection ([`NbdClient::disconnected`]), for a device
 //! that must come back while its remote is down: the size it was last seen with stands in
