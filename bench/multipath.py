@@ -77,7 +77,8 @@ POOL = "64"
 class Daemon:
     """A udm daemon of ours: its process, control client and NBD sockets."""
 
-    def __init__(self, udm_bin: Path, tmp: Path, name: str, sockets: list[str]):
+    def __init__(self, udm_bin: Path, tmp: Path, name: str, sockets: list[str],
+                 extra: list[str] | None = None):
         self.name, self.tmp = name, tmp
         self.ctl = tmp / f"{name}.ctl"
         self.sockets = [tmp / s for s in sockets]
@@ -87,6 +88,7 @@ class Daemon:
                "--nbd-pool-threads", POOL]
         for s in self.sockets:
             cmd += ["--nbd", f"unix:{s}"]
+        cmd += extra or []
         self.service: Service = start_service(f"udm {name}", cmd, tmp / f"{name}.log")
         wait_for_socket(self.ctl, self.service, timeout=30)
         self.udm = Udm(udm_bin, self.ctl)
@@ -154,25 +156,28 @@ def nbd(host: Daemon, dev: str) -> list:
     return ["--ioengine=nbd", f"--uri={host.uri(dev)}"]
 
 
-def part_rr_vs_linear(host, storage, sectors, args, out_dir, cells) -> None:
-    """Round-robin over storage's two listeners vs linear over one, per backend."""
+def part_rr_vs_linear(hosts, storage, sectors, args, out_dir, cells) -> None:
+    """Round-robin over storage's two listeners vs linear over one, per backend, on each host
+    daemon: (suffix of its systems' keys, daemon), this run's first, then each --variant's."""
     systems = []
-    for backend, _ in BACKENDS:
-        paths = [storage.uri(backend, 0), storage.uri(backend, 1)]
-        host.create(f"mp-{backend}", multipath_table(sectors, "round-robin", "1", paths))
-        host.create(f"lin-{backend}", f"0 {sectors} linear {paths[0]} 0")
-        systems += [System(f"mp-{backend}", f"round-robin ×2 ({backend})",
-                           nbd(host, f"mp-{backend}")),
-                    System(f"lin-{backend}", f"linear ×1 ({backend})",
-                           nbd(host, f"lin-{backend}"))]
+    for suffix, host in hosts:
+        for backend, _ in BACKENDS:
+            paths = [storage.uri(backend, 0), storage.uri(backend, 1)]
+            host.create(f"mp-{backend}", multipath_table(sectors, "round-robin", "1", paths))
+            host.create(f"lin-{backend}", f"0 {sectors} linear {paths[0]} 0")
+            systems += [(host, System(f"mp-{backend}{suffix}", f"round-robin ×2 ({backend})",
+                                      nbd(host, f"mp-{backend}"))),
+                        (host, System(f"lin-{backend}{suffix}", f"linear ×1 ({backend})",
+                                      nbd(host, f"lin-{backend}")))]
     for wl in WORKLOADS:
         for rep in range(1, args.repeat + 1):
             for backend, _ in BACKENDS:
-                pair = [f"mp-{backend}", f"lin-{backend}"]
-                for key in pair if rep % 2 else reversed(pair):
-                    system = next(s for s in systems if s.key == key)
-                    measure(wl, system, host, args, out_dir, f"{wl.key}.{key}.r{rep}", cells,
-                            (wl.key, key), f"{wl.key} {key} r{rep}", storage=storage)
+                for suffix, _ in hosts:
+                    pair = [f"mp-{backend}{suffix}", f"lin-{backend}{suffix}"]
+                    for key in pair if rep % 2 else reversed(pair):
+                        host, system = next((h, s) for h, s in systems if s.key == key)
+                        measure(wl, system, host, args, out_dir, f"{wl.key}.{key}.r{rep}",
+                                cells, (wl.key, key), f"{wl.key} {key} r{rep}", storage=storage)
 
 
 def start_delay_peers(tmp: Path, size: int) -> list[Service]:
@@ -256,7 +261,7 @@ def build_report(cells, gap, meta) -> tuple[str, list]:
 
     parts = {k[0] for k in cells}
     if parts & {w.key for w in WORKLOADS}:
-        lines += rr_section(med, ratio, bars)
+        lines += rr_section(med, ratio, bars, [""] + [f"@{v}" for v in meta.get("variants", {})])
     if "slow" in parts:
         lines += selector_section(med, ratio, bars)
     if gap:
@@ -266,7 +271,9 @@ def build_report(cells, gap, meta) -> tuple[str, list]:
     return "\n".join(lines), bars
 
 
-def rr_section(med, ratio, bars) -> list:
+def rr_section(med, ratio, bars, suffixes) -> list:
+    """One row per workload and host daemon (`suffixes`: "" for this run's, "@LABEL" for a
+    --variant's)."""
     lines = ["### Round-robin over two paths / linear over one (NBD from a udm daemon)"]
     lines.append("")
     header = ["workload"]
@@ -275,21 +282,22 @@ def rr_section(med, ratio, bars) -> list:
                    "host CPU µs/IO rr / linear", "storage CPU µs/IO rr / linear",
                    "switches/IO host rr / linear; storage rr / linear"]
     rows = []
-    for wl in WORKLOADS:
-        row = [wl.label + (" (IOPS)" if wl.metric == "iops" else " (MB/s)")]
+    for wl, suffix in ((wl, suffix) for wl in WORKLOADS for suffix in suffixes):
+        row = [wl.label + (" (IOPS)" if wl.metric == "iops" else " (MB/s)") + suffix]
         for backend, label in BACKENDS:
-            mp, lin = med((wl.key, f"mp-{backend}")), med((wl.key, f"lin-{backend}"))
+            mp, lin = (med((wl.key, f"{sys}-{backend}{suffix}")) for sys in ("mp", "lin"))
             r = ratio(mp, lin)
-            cpu = [" / ".join(fmt_cpu(med((wl.key, f"{sys}-{backend}"), attr))
+            cpu = [" / ".join(fmt_cpu(med((wl.key, f"{sys}-{backend}{suffix}"), attr))
                               for sys in ("mp", "lin"))
                    for attr in ("cpu_us_per_io", "storage_cpu_us_per_io")]
-            switches = "; ".join(" / ".join(fmt_switches(med((wl.key, f"{sys}-{backend}"), attr))
+            switches = "; ".join(" / ".join(fmt_switches(med((wl.key, f"{sys}-{backend}{suffix}"),
+                                                             attr))
                                             for sys in ("mp", "lin"))
                                  for attr in ("switches_per_io", "storage_switches_per_io"))
             row += [fmt_value(mp, wl.metric), fmt_value(lin, wl.metric), fmt_ratio(r), *cpu,
                     switches]
             if r is not None:
-                bars.append((f"{wl.label}, {label}: round-robin ×2 / linear = {r:.2f}× "
+                bars.append((f"{wl.label}{suffix}, {label}: round-robin ×2 / linear = {r:.2f}× "
                              f"(≥ {BAR_RR}×)", judge(r, BAR_RR)))
         rows.append(row)
     lines.append(markdown_table(header, rows))
@@ -363,8 +371,11 @@ def parse_args(argv):
         keep_help="keep the temp dir (image, logs)",
         udm_help="path of the udm binary (default target/release/udm, built if missing)",
         charts_help="(no charts here; accepted for symmetry)")
+    common.add_variant_arg(ap, "round-robin and linear devices of its own over the same "
+                               "storage daemon (rr part only; its rows are WORKLOAD@LABEL)")
     args = ap.parse_args(argv)
     common.resolve_sizing(args)
+    common.resolve_variants(ap, args)
     args.parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not args.parts or args.parts - {"rr", "selectors", "gap"}:
         ap.error(f"--parts: unknown parts {sorted(args.parts - {'rr', 'selectors', 'gap'})}")
@@ -409,9 +420,17 @@ def main(argv=None) -> int:
             servers.append(server)
         host = Daemon(udm_bin, tmp, "host", ["host.sock"])
         daemons.append(host)
+        hosts = [("", host)]
+        for label, binary, extra in args.variants if "rr" in parts else []:
+            variant = Daemon(binary or udm_bin, tmp, f"host-{label}", [f"host-{label}.sock"],
+                             extra)
+            daemons.append(variant)
+            hosts.append((f"@{label}", variant))
+            meta.setdefault("variants", {})[label] = {
+                "udm": str(binary or udm_bin), "args": extra}
 
         if "rr" in parts:
-            part_rr_vs_linear(host, storage, sectors, args, out_dir, cells)
+            part_rr_vs_linear(hosts, storage, sectors, args, out_dir, cells)
         if "selectors" in parts:
             if shutil.which("nbdkit"):
                 peers = start_delay_peers(tmp, args.size)

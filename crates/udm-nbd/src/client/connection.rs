@@ -5,7 +5,7 @@
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Write};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_block::{BlockError, Extent};
@@ -14,7 +14,7 @@ use super::dial::ExportInfo;
 use crate::protocol::*;
 use crate::stream::Stream;
 
-/// A caller's buffer that the reader thread fills. It lives on the caller's stack; the slot
+/// A caller's buffer that the reply reader fills. It lives on the caller's stack; the slot
 /// protocol (see [`Slot`]) guarantees the caller neither touches nor leaves it while the
 /// reader writes to it.
 #[derive(Clone, Copy)]
@@ -23,7 +23,7 @@ pub(super) struct Dest {
     pub(super) len: usize,
 }
 
-// SAFETY: the pointer is only dereferenced by the reader thread while `filling` is set, during
+// SAFETY: the pointer is only dereferenced by the reply reader while `filling` is set, during
 // which the owning caller is blocked in `wait_reply` and does not access the buffer.
 unsafe impl Send for Dest {}
 
@@ -147,18 +147,22 @@ pub(super) struct Conn {
     pub(super) info: ExportInfo,
     pub(super) writer: Mutex<Stream>,
     /// A second handle used only to shut the socket down, which must work while a writer
-    /// holds `writer` or the reader is blocked.
+    /// holds `writer`.
     pub(super) control: Stream,
     pub(super) in_flight: Mutex<InFlight>,
     /// Reply headers received; a request that times out while this did not move tells that
     /// the server stopped answering altogether.
     pub(super) replies: AtomicU64,
+    /// The cookie of the reply whose header is in and whose rest is not yet (0: none): a
+    /// request past its deadline with this cookie has a server stalling in the middle of its
+    /// data.
+    pub(super) partial: AtomicU64,
     /// Mapped requests to send together (see [`Conn::queue`]).
     outbox: Mutex<Vec<Outgoing>>,
 }
 
 impl Conn {
-    /// Returns the connection and the handle its reader thread reads from.
+    /// Returns the connection and the handle the reply reader reads from.
     pub(super) fn new(stream: Stream, info: ExportInfo) -> io::Result<(Arc<Conn>, Stream)> {
         let reader = stream.try_clone()?;
         let conn = Conn {
@@ -167,6 +171,7 @@ impl Conn {
             writer: Mutex::new(stream),
             in_flight: Mutex::new(InFlight::default()),
             replies: AtomicU64::new(0),
+            partial: AtomicU64::new(0),
             outbox: Mutex::new(Vec::new()),
         };
         Ok((Arc::new(conn), reader))
@@ -184,6 +189,11 @@ impl Conn {
             in_flight.flushes.insert(cookie, covers);
         }
         true
+    }
+
+    /// Whether the server stopped in the middle of the reply to `cookie` (as far as it came).
+    pub(super) fn stalls_on(&self, cookie: u64) -> bool {
+        cookie != 0 && self.partial.load(Ordering::Acquire) == cookie
     }
 
     pub(super) fn slot(&self, cookie: u64) -> Option<Arc<Slot>> {

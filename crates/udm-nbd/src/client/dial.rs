@@ -123,12 +123,10 @@ impl Target {
             .map_err(|e| self.handshake_io(e))?;
         let mut stream = stream;
         let info = self.handshake(&mut stream)?;
-        // The reader waits for replies as long as it takes (the connection is ended by
-        // shutdown), looking up every tick for mapped requests past their deadline (see
-        // `mapped::overdue`); a writer stuck on a server that stopped reading gives up after
-        // io_timeout.
+        // The reply reader never blocks on the socket (see `poller`); a writer stuck on a
+        // server that stopped reading gives up after io_timeout.
         stream
-            .set_read_timeout(Some(super::mapped::tick(&self.options)))
+            .set_read_timeout(None)
             .and_then(|()| stream.set_write_timeout(Some(self.options.io_timeout)))
             .map_err(|e| self.handshake_io(e))?;
         Ok((stream, info))

@@ -1,23 +1,22 @@
 //! Mapped requests: a read, write or flush the executor (the NBD event loop) hands over
 //! without a thread waiting for it. [`NbdClient`]'s `map()` answers with a [`Transfer`]; the
 //! executor starts it with the request's buffer, which sends the request on the connection
-//! from the executor's own thread, and the reader thread puts the reply into the buffer and
-//! calls the transfer's [`Done`], which hands the request back to the executor to answer.
+//! from the executor's own thread, and the reply reader (see `poller`) puts the reply into
+//! the buffer and calls the transfer's [`Done`], which hands the request back to the
+//! executor to answer.
 //! An executor that batches (the NBD event loop: see [`udm_block::batch`]) has the requests
 //! it starts in one wake-up sent together when it is done, one write per connection.
 //!
 //! Timing is the synchronous requests' (see `request`): a mapped request older than
 //! `io_timeout` fails, and the connection is dropped when the server sent nothing since it
-//! went out, or stalls in the middle of its data. No caller waits to notice, so the reader
-//! looks ([`Watched`]): its socket reads time out every [`tick`] while the server is quiet,
-//! and it looks after a reply when a tick has passed since it last did.
+//! went out, or stalls in the middle of its reply. No caller waits to notice, so the reply
+//! reader (see `poller`) looks ([`overdue`]) every [`tick`] of the client.
 //!
 //! A mapped request whose connection breaks, or that finds none, is not resent here: it asks
 //! for a retry ([`Done::retry`]), and the executor runs it again through the synchronous
 //! methods, which wait for the connection (or, with `fail_fast`, fail at once, for a
 //! multipath to send the request down another path).
 
-use std::io::{self, Read};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,7 +27,6 @@ use super::connection::{finish_send, Conn, Dest, Outcome, Outgoing, Slot, SlotSt
 use super::reconnect::Shared;
 use super::{ClientOptions, NbdClient};
 use crate::protocol::*;
-use crate::stream::Stream;
 
 /// How often the reader looks for mapped requests past their deadline: often enough that
 /// one fails close to its `io_timeout`.
@@ -174,60 +172,12 @@ impl Shared {
     }
 }
 
-/// The reader's socket, looking for mapped requests past their deadline whenever a read times
-/// out (the server is quiet) and, through [`Watched::look`], between replies.
-pub(super) struct Watched<'a> {
-    conn: &'a Conn,
-    stream: Stream,
-    last_look: Instant,
-    tick: Duration,
-}
-
-impl<'a> Watched<'a> {
-    pub(super) fn new(conn: &'a Conn, stream: Stream, tick: Duration) -> Self {
-        Watched {
-            conn,
-            stream,
-            last_look: Instant::now(),
-            tick,
-        }
-    }
-
-    /// Fails the mapped requests past their deadline, if a tick has passed since the last
-    /// look; an error (why) means the connection is to be dropped.
-    pub(super) fn look(&mut self) -> io::Result<()> {
-        if self.last_look.elapsed() < self.tick {
-            return Ok(());
-        }
-        self.last_look = Instant::now();
-        overdue(self.conn).map_err(|why| io::Error::new(io::ErrorKind::TimedOut, why))
-    }
-}
-
-impl Read for Watched<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            match self.stream.read(buf) {
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    self.look()?
-                }
-                result => return result,
-            }
-        }
-    }
-}
-
 /// Fails the mapped requests of `conn` past their deadline, as a synchronous caller's
 /// `wait_reply` fails its own: when the server sent nothing since one went out, or stalls in
 /// the middle of its data, the connection is taken for gone (the error says why, and every
 /// request on it is then lost); otherwise the request alone fails, and a late reply to it is
 /// dropped.
-fn overdue(conn: &Conn) -> Result<(), String> {
+pub(super) fn overdue(conn: &Conn) -> Result<(), String> {
     let now = Instant::now();
     let slots: Vec<Arc<Slot>> = conn.in_flight.lock().slots.values().cloned().collect();
     let replies = conn.replies.load(Ordering::Acquire);
@@ -237,7 +187,7 @@ fn overdue(conn: &Conn) -> Result<(), String> {
         if waiting.deadline > now || st.outcome.is_some() {
             continue;
         }
-        if st.filling || replies == waiting.replies_before {
+        if st.filling || conn.stalls_on(st.cookie) || replies == waiting.replies_before {
             return Err("the server stopped answering".into());
         }
         st.outcome = Some(Outcome::Expired);

@@ -2,15 +2,17 @@
 //! `nbd://backup-host/vol`.
 //!
 //! One connection carries every request. Callers write their request under a writer lock with
-//! a fresh cookie and sleep on a slot of their own; one thread per client reads the replies,
-//! copies read data straight from the socket into the caller's buffer, and wakes the slot.
-//! The same thread, when the connection breaks, redials with backoff. Requests in flight
-//! then are not failed: their callers resend them once the connection is back (reads, writes,
-//! flushes and the rest are all idempotent), and only a request older than `io_timeout`
-//! fails, so nothing waits forever on a server that stays away. With `fail_fast` (a
-//! multipath's path) they fail at once instead, for the multipath to send elsewhere. A server that answers
-//! ESHUTDOWN is going away cleanly: that counts as a broken connection too, and closing ours
-//! lets it exit.
+//! a fresh cookie and sleep on a slot of their own; one thread for the whole process (the
+//! reply reader, `poller`) waits on every client's socket at once, reads the replies, copies
+//! read data into the caller's buffer, and wakes the slot: a burst of replies over several
+//! connections (a multipath's paths) wakes one thread once. Each client's own thread only
+//! redials: it sleeps while connected and, when the connection breaks, redials with backoff.
+//! Requests in flight then are not failed: their callers resend them once the connection is
+//! back (reads, writes, flushes and the rest are all idempotent), and only a request older
+//! than `io_timeout` fails, so nothing waits forever on a server that stays away. With
+//! `fail_fast` (a multipath's path) they fail at once instead, for the multipath to send
+//! elsewhere. A server that answers ESHUTDOWN is going away cleanly: that counts as a broken
+//! connection too, and closing ours lets it exit.
 //!
 //! A client can also start without a connection ([`NbdClient::disconnected`]), for a device
 //! that must come back while its remote is down: the size it was last seen with stands in
@@ -18,14 +20,17 @@
 //!
 //! The files, by job: `dial` connects and negotiates (Unix or TCP, the handshake, the
 //! options); `connection` is one established connection and the slots its requests wait in;
-//! `reply` is the reader thread's side, matching replies to slots; `request` is the caller's
-//! side, sending a request and waiting for it across reconnections; `reconnect` is the state
-//! callers share with the client's thread, and that thread's loop. This file holds the public
+//! `poller` is the process's reply reader, its epoll and each connection's buffer; `reply`
+//! tells how long a reply is and matches it to its slot; `request` is the caller's side,
+//! sending a request and waiting for it across reconnections; `mapped` the executor's side,
+//! requests nobody waits for; `reconnect` is the state callers share with the client's
+//! thread and the reader, and the client's thread's loop. This file holds the public
 //! surface and the [`BlockDevice`] implementation.
 
 mod connection;
 mod dial;
 mod mapped;
+mod poller;
 mod reconnect;
 mod reply;
 mod request;
@@ -395,8 +400,8 @@ impl BlockDevice for NbdClient {
             if let Some(mut writer) = conn.writer.try_lock() {
                 disconnect(&mut writer);
             }
-            // Breaks the reader's wait; the requests it had in flight are then resent, find
-            // the client closing and fail.
+            // The reply reader sees the socket end and marks the connection lost; the
+            // requests it had in flight are then resent, find the client closing and fail.
             conn.control.shutdown();
         }
     }
@@ -406,10 +411,13 @@ impl Drop for NbdClient {
     fn drop(&mut self) {
         self.close();
         if let Some(thread) = self.thread.take() {
-            // The reader sees the shutdown, the reconnect loop sees `closing`; both end. The
-            // last owner may be a mapped request's completion, running on that very thread:
-            // it ends by itself once the completion returns.
-            if thread.thread().id() != std::thread::current().id() {
+            // The reconnect loop sees `closing` and ends (the reply reader lets go of the
+            // connection by itself). The last owner may be a mapped request's completion,
+            // running on the reply reader, which must not wait for a redial in progress (it
+            // serves every other client), or on this very thread: the thread then ends by
+            // itself.
+            let here = std::thread::current().id();
+            if thread.thread().id() != here && !poller::is_reader() {
                 let _ = thread.join();
             }
         }

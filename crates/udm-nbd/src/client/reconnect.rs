@@ -1,6 +1,7 @@
-//! The state callers share with the client's thread, and that thread: it reads replies until
-//! the connection breaks, marks the connection lost (its requests are then resent), and
-//! redials with backoff; a server that comes back with another export size fails the device.
+//! The state callers share with the client's thread and the reply reader, and the client's
+//! thread: it hands each connection to the reply reader (see `poller`), which marks it lost
+//! when it breaks (its requests are then resent); the thread then redials with backoff. A
+//! server that comes back with another export size fails the device.
 
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -12,8 +13,7 @@ use udm_block::BlockError;
 
 use super::connection::{disconnect, settle, Conn, Outcome};
 use super::dial::{ExportInfo, Target};
-use super::mapped::tick;
-use super::reply::read_replies;
+use super::poller;
 use super::usable;
 use crate::stream::Stream;
 
@@ -99,17 +99,21 @@ impl Shared {
         self.changed.notify_all();
     }
 
-    /// The client's thread: reads replies until the connection breaks, then reconnects, until
-    /// the client is dropped or the device fails. A client made disconnected starts by
-    /// dialling.
+    /// The client's thread: hands each connection to the reply reader (see `poller`) and
+    /// sleeps until it breaks, then reconnects, until the client is dropped or the device
+    /// fails. A client made disconnected starts by dialling. While connected it never wakes:
+    /// replies are none of its business.
     pub(super) fn run(self: Arc<Self>, mut current: Option<(Arc<Conn>, Stream)>) {
         let mut delay = FIRST_BACKOFF;
         loop {
             if let Some((conn, reader)) = current {
                 let up_since = Instant::now();
-                let why =
-                    read_replies(&conn, reader, tick(&self.target.options), &self.writes_lost);
-                self.connection_lost(&conn, &why);
+                if let Err(why) = poller::watch(self.clone(), conn.clone(), reader) {
+                    self.connection_lost(&conn, &why);
+                }
+                if !self.wait_lost(&conn) {
+                    return;
+                }
                 // A server that breaks every connection as soon as it is made (a protocol
                 // error on each request) must not be redialled in a tight loop: the backoff
                 // starts over only after a connection that lasted.
@@ -124,6 +128,16 @@ impl Shared {
                 return;
             }
         }
+    }
+
+    /// Sleeps until `conn` is out of service (see [`Shared::connection_lost`]); false once
+    /// the client is closing, whose connection the reader ends by itself.
+    fn wait_lost(&self, conn: &Arc<Conn>) -> bool {
+        let mut state = self.state.lock();
+        self.changed.wait_while(&mut state, |s| {
+            !s.closing && s.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn))
+        });
+        !state.closing
     }
 
     /// Sleeps for `delay` (less if the client closes) and doubles it; false once the client

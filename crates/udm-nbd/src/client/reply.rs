@@ -1,28 +1,25 @@
-//! The reader thread's side of a connection: reads each reply (simple or structured chunks),
-//! finds the slot waiting for its cookie, copies read data straight into the caller's buffer,
-//! records errors and extents, and wakes the caller. Any protocol violation, or ESHUTDOWN,
-//! ends the connection.
+//! The reply reader's side of a connection (see `poller`): tells how long each reply (simple,
+//! or a structured chunk) is, then reads it from the reader's buffer, finds the slot waiting
+//! for its cookie, copies read data into the caller's buffer, records errors and extents,
+//! and wakes the caller. Any protocol violation, or ESHUTDOWN, ends the connection.
 
-use std::io::{self, BufReader, Read};
+use std::io::{self, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use thiserror::Error;
 use udm_block::{BlockError, Extent, EXTENT_HOLE, EXTENT_ZERO};
 
-use super::connection::{settle, Conn, Outcome, Slot};
-use super::mapped::Watched;
+use super::connection::{settle, Conn, Dest, Outcome, Slot};
 use super::reconnect::take_writes_lost;
 use crate::protocol::*;
-use crate::stream::Stream;
 
 /// Block status and error chunks are buffered; a sane one is far smaller.
 const MAX_CHUNK_PAYLOAD: u32 = 16 << 20;
 
 /// How a connection ended, from the reader's side.
 #[derive(Debug, Error)]
-enum ReplyError {
+pub(super) enum ReplyError {
     #[error("{0}")]
     Io(#[from] io::Error),
     #[error("protocol error: {0}")]
@@ -39,33 +36,83 @@ impl From<ProtocolError> for ReplyError {
     }
 }
 
-/// Reads replies until the connection fails; returns why it did.
-/// `writes_lost` is set when an earlier connection died with writes it had not flushed: the
-/// next flush to succeed fails instead, and clears it.
-pub(super) fn read_replies(
-    conn: &Conn,
-    reader: Stream,
-    tick: Duration,
-    writes_lost: &AtomicBool,
-) -> String {
-    let mut reader = BufReader::with_capacity(256 << 10, Watched::new(conn, reader, tick));
-    loop {
-        let result = read_reply(conn, &mut reader, writes_lost);
-        if let Err(e) = result.and_then(|()| Ok(reader.get_mut().look()?)) {
-            return match e {
-                ReplyError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                    "the server closed the connection".into()
-                }
-                e => e.to_string(),
-            };
-        }
+/// The reply (simple, or one structured chunk) at the start of what the reader received:
+/// `head` bytes, then `data` bytes of a read's data (0 for any other), under `cookie`.
+pub(super) struct Frame {
+    pub(super) head: usize,
+    pub(super) data: usize,
+    pub(super) cookie: u64,
+}
+
+/// How long the reply at the start of `received` is, as far as it tells: while its header is
+/// not whole, `head` is that header's length and `cookie` 0. The reader hands the reply to
+/// [`read_reply`] once it is all in, or once its head is for a big read (see [`Direct`]).
+pub(super) fn frame(conn: &Conn, received: &[u8]) -> Result<Frame, ReplyError> {
+    let header_only = |head| Frame {
+        head,
+        data: 0,
+        cookie: 0,
+    };
+    if received.len() < SIMPLE_REPLY_LEN {
+        return Ok(header_only(SIMPLE_REPLY_LEN));
     }
+    let magic = u32::from_be_bytes(received[..4].try_into().unwrap());
+    if magic == SIMPLE_REPLY_MAGIC {
+        let reply = parse_simple_reply(received[..SIMPLE_REPLY_LEN].try_into().unwrap())?;
+        // Only a successful read carries data, and only without structured replies (one with
+        // it after is a protocol error, which `read_reply` reports).
+        let data = match conn.slot(reply.cookie) {
+            Some(slot) if reply.error == 0 && slot.command == CMD_READ && !conn.info.structured => {
+                slot.len as usize
+            }
+            _ => 0,
+        };
+        return Ok(Frame {
+            head: SIMPLE_REPLY_LEN,
+            data,
+            cookie: reply.cookie,
+        });
+    }
+    // `read_reply` reports a bad magic.
+    if magic != STRUCTURED_REPLY_MAGIC {
+        return Ok(header_only(SIMPLE_REPLY_LEN));
+    }
+    if received.len() < CHUNK_HEADER_LEN {
+        return Ok(header_only(CHUNK_HEADER_LEN));
+    }
+    let chunk = parse_chunk_header(received[..CHUNK_HEADER_LEN].try_into().unwrap())?;
+    // The largest a sane chunk gets: a read's data and its offset.
+    if chunk.length > MAX_CHUNK_PAYLOAD.max(super::MAX_REQUEST + 8) {
+        return Err(ReplyError::Protocol(format!(
+            "chunk payload of {} bytes",
+            chunk.length
+        )));
+    }
+    let length = chunk.length as usize;
+    Ok(match chunk.kind {
+        CHUNK_OFFSET_DATA if length >= 8 => Frame {
+            head: CHUNK_HEADER_LEN + 8,
+            data: length - 8,
+            cookie: chunk.cookie,
+        },
+        _ => Frame {
+            head: CHUNK_HEADER_LEN + length,
+            data: 0,
+            cookie: chunk.cookie,
+        },
+    })
 }
 
 /// Reads one simple reply or structured chunk and delivers it to the request in flight it
-/// answers. Long: every chunk type and its checks, kept together so that the order of checks
+/// answers; with `direct`, a read's data is left to come (see [`Direct`]), `r` ending before
+/// it. Long: every chunk type and its checks, kept together so that the order of checks
 /// is visible.
-fn read_reply(conn: &Conn, r: &mut impl Read, writes_lost: &AtomicBool) -> Result<(), ReplyError> {
+pub(super) fn read_reply(
+    conn: &Conn,
+    r: &mut impl Read,
+    writes_lost: &AtomicBool,
+    direct: bool,
+) -> Result<Option<Direct>, ReplyError> {
     let mut header = [0u8; CHUNK_HEADER_LEN];
     r.read_exact(&mut header[..SIMPLE_REPLY_LEN])?;
     conn.replies.fetch_add(1, Ordering::Release);
@@ -84,10 +131,14 @@ fn read_reply(conn: &Conn, r: &mut impl Read, writes_lost: &AtomicBool) -> Resul
                     "a simple reply with data after structured replies were negotiated".into(),
                 ));
             }
-            fill(r, &slot, reply.cookie, 0, slot.len as usize, false)?;
+            let len = slot.len as usize;
+            if direct {
+                return Direct::start(slot, reply.cookie, 0, len, true).map(Some);
+            }
+            fill(r, &slot, reply.cookie, 0, len, false)?;
         }
         complete(conn, &slot, reply.cookie, writes_lost);
-        return Ok(());
+        return Ok(None);
     }
     if magic != STRUCTURED_REPLY_MAGIC {
         return Err(ProtocolError::BadMagic(magic.into()).into());
@@ -102,6 +153,10 @@ fn read_reply(conn: &Conn, r: &mut impl Read, writes_lost: &AtomicBool) -> Resul
             r.read_exact(&mut offset)?;
             let len = chunk.length - 8;
             let at = position(&slot, u64::from_be_bytes(offset), len)?;
+            if direct {
+                let last = chunk.flags & CHUNK_FLAG_DONE != 0;
+                return Direct::start(slot, chunk.cookie, at, len as usize, last).map(Some);
+            }
             fill(r, &slot, chunk.cookie, at, len as usize, false)?;
         }
         CHUNK_OFFSET_HOLE if slot.command == CMD_READ && chunk.length == 12 => {
@@ -149,7 +204,7 @@ fn read_reply(conn: &Conn, r: &mut impl Read, writes_lost: &AtomicBool) -> Resul
     if chunk.flags & CHUNK_FLAG_DONE != 0 {
         complete(conn, &slot, chunk.cookie, writes_lost);
     }
-    Ok(())
+    Ok(None)
 }
 
 fn in_flight(conn: &Conn, cookie: u64) -> Result<Arc<Slot>, ReplyError> {
@@ -220,34 +275,13 @@ fn fill(
     len: usize,
     zero: bool,
 ) -> Result<(), ReplyError> {
-    let dest = {
-        let mut st = slot.state.lock();
-        match st.dest {
-            Some(dest) if st.cookie == cookie => {
-                if !cover(&mut st.covered, at, len) {
-                    return Err(ReplyError::Protocol(format!(
-                        "chunk for {len} bytes at {} overlaps another in the read of {} at {}",
-                        slot.offset + at as u64,
-                        slot.len,
-                        slot.offset
-                    )));
-                }
-                st.filling = true;
-                Some(dest)
-            }
-            _ => None,
-        }
-    };
-    let Some(dest) = dest else {
+    let Some(dest) = begin_fill(slot, cookie, at, len)? else {
         if !zero {
             io::copy(&mut r.by_ref().take(len as u64), &mut io::sink())?;
         }
         return Ok(());
     };
-    debug_assert!(at + len <= dest.len);
-    // SAFETY: `position` keeps `at + len` within the request, whose length is the buffer's;
-    // the caller owning the buffer waits while `filling` is set and never returns before it
-    // is cleared (see `wait_reply`), so the memory is valid and not aliased.
+    // SAFETY: see `begin_fill`.
     let buf = unsafe { std::slice::from_raw_parts_mut(dest.ptr.add(at), len) };
     let result = if zero {
         buf.fill(0);
@@ -255,13 +289,134 @@ fn fill(
     } else {
         r.read_exact(buf)
     };
+    end_fill(slot, result.is_ok(), len);
+    Ok(result?)
+}
+
+/// Claims `at..at + len` of the slot's buffer for the reader, until [`end_fill`]: the
+/// caller's buffer, or `None` when the caller gave up on this cookie.
+///
+/// `position` keeps `at + len` within the request, whose length is the buffer's; the caller
+/// owning the buffer waits while `filling` is set and never returns before it is cleared
+/// (see `wait_reply`), so the memory stays valid and not aliased until then.
+fn begin_fill(slot: &Slot, cookie: u64, at: usize, len: usize) -> Result<Option<Dest>, ReplyError> {
+    let mut st = slot.state.lock();
+    match st.dest {
+        Some(dest) if st.cookie == cookie => {
+            if !cover(&mut st.covered, at, len) {
+                return Err(ReplyError::Protocol(format!(
+                    "chunk for {len} bytes at {} overlaps another in the read of {} at {}",
+                    slot.offset + at as u64,
+                    slot.len,
+                    slot.offset
+                )));
+            }
+            debug_assert!(at + len <= dest.len);
+            st.filling = true;
+            Ok(Some(dest))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Gives the buffer [`begin_fill`] claimed back to its caller, with `len` more bytes in it
+/// if `filled`.
+fn end_fill(slot: &Slot, filled: bool, len: usize) {
     let mut st = slot.state.lock();
     st.filling = false;
-    if result.is_ok() {
+    if filled {
         st.received += len as u64;
     }
     settle(slot, st);
-    Ok(result?)
+}
+
+/// A read's data on its way from the socket straight into its caller's buffer, over as many
+/// wake-ups of the reader as it takes: a big read, which the reader would otherwise copy
+/// twice (into its own buffer, then out).
+pub(super) struct Direct {
+    slot: Arc<Slot>,
+    cookie: u64,
+    /// The caller's buffer; `None` when the caller gave up on the request: the bytes are
+    /// received and dropped.
+    dest: Option<Dest>,
+    at: usize,
+    len: usize,
+    received: usize,
+    /// The request is complete once this data is in (a simple reply, or a chunk flagged done).
+    last: bool,
+}
+
+impl Direct {
+    fn start(
+        slot: Arc<Slot>,
+        cookie: u64,
+        at: usize,
+        len: usize,
+        last: bool,
+    ) -> Result<Direct, ReplyError> {
+        let dest = begin_fill(&slot, cookie, at, len)?;
+        Ok(Direct {
+            slot,
+            cookie,
+            dest,
+            at,
+            len,
+            received: 0,
+            last,
+        })
+    }
+
+    pub(super) fn cookie(&self) -> u64 {
+        self.cookie
+    }
+
+    /// Bytes still to come.
+    pub(super) fn left(&self) -> usize {
+        self.len - self.received
+    }
+
+    /// Where the rest is to be received: the caller's buffer, or `None` to drop it.
+    pub(super) fn spare(&mut self) -> Option<&mut [u8]> {
+        let dest = self.dest?;
+        // SAFETY: claimed by `begin_fill` until `end_fill`.
+        let at = unsafe { dest.ptr.add(self.at + self.received) };
+        Some(unsafe { std::slice::from_raw_parts_mut(at, self.left()) })
+    }
+
+    /// `n` bytes were received into [`Direct::spare`].
+    pub(super) fn advance(&mut self, n: usize) {
+        self.received += n;
+    }
+
+    /// Takes what it needs of bytes the reader had buffered; returns how many.
+    pub(super) fn feed(&mut self, bytes: &[u8]) -> usize {
+        let n = bytes.len().min(self.left());
+        if let Some(spare) = self.spare() {
+            spare[..n].copy_from_slice(&bytes[..n]);
+        }
+        self.received += n;
+        n
+    }
+
+    /// The data is all in: the caller has its buffer back, and the request completes if this
+    /// was its last part.
+    pub(super) fn finish(self, conn: &Conn, writes_lost: &AtomicBool) {
+        debug_assert_eq!(self.left(), 0);
+        if self.dest.is_some() {
+            end_fill(&self.slot, true, self.len);
+        }
+        if self.last {
+            complete(conn, &self.slot, self.cookie, writes_lost);
+        }
+    }
+
+    /// The connection ended first: the caller has its buffer back (and hears of the loss
+    /// from `Shared::connection_lost`).
+    pub(super) fn abort(self) {
+        if self.dest.is_some() {
+            end_fill(&self.slot, false, self.len);
+        }
+    }
 }
 
 fn set_error(slot: &Slot, cookie: u64, error: BlockError) {

@@ -148,7 +148,8 @@ impl Shared {
         // Timed out. A server that sent nothing at all since this request went out, or that
         // stalls in the middle of our data, is taken for gone: drop the connection so the
         // reader lets go of our buffer and a fresh connection is tried.
-        if st.filling || conn.replies.load(Ordering::Acquire) == replies_before {
+        let stalled = st.filling || conn.stalls_on(st.cookie);
+        if stalled || conn.replies.load(Ordering::Acquire) == replies_before {
             drop(st);
             self.connection_lost(conn, "the server stopped answering");
             st = slot.state.lock();

@@ -132,6 +132,8 @@ enum First {
     /// With structured replies negotiated (on that connection only), with two data chunks
     /// that both carry the first half of the read and add up to its length.
     OverlappingChunks,
+    /// With a reply header and half the read's data, and then nothing.
+    HalfReply,
 }
 
 impl MinimalServer {
@@ -211,6 +213,11 @@ impl MinimalServer {
                         chunks.extend(&data);
                     }
                     Some(chunks)
+                }
+                First::HalfReply => {
+                    let mut reply = simple_reply(r.cookie, 0).to_vec();
+                    reply.resize(reply.len() + r.length as usize / 2, 0);
+                    Some(reply)
                 }
             };
             if let Some(wrong) = wrong {
@@ -323,6 +330,42 @@ fn a_reply_under_a_cookie_never_sent_means_reconnect_and_resend() {
 #[test]
 fn overlapping_read_chunks_are_a_protocol_error() {
     read_again_after("overlap", First::OverlappingChunks, 9);
+}
+
+/// One thread reads every client's replies, and it waits on no single server: one that
+/// sends half a reply and stalls holds up no other client's reads. Its own read fails after
+/// `io_timeout`, the connection dropped as a stalled one: the next read goes on a new one.
+#[test]
+fn a_server_stalled_in_the_middle_of_a_reply_holds_up_no_other_client() {
+    let dir = scratch("half-reply");
+    let (server, thread) = MinimalServer::start(&dir, First::HalfReply);
+    let stalled = NbdClient::connect(&uri(&dir), options(Duration::from_secs(2))).unwrap();
+    let other_dir = scratch("half-reply-other");
+    let _other_server = nbdkit(&other_dir, &["memory", "64M"]);
+    let other = connect(&uri(&other_dir), ClientOptions::default());
+    let start = Instant::now();
+    let waiting = std::thread::spawn(move || {
+        let result = stalled.read(0, &mut AlignedBuf::zeroed(4096));
+        (result, start.elapsed(), stalled)
+    });
+    let (mut reads, mut slowest) = (0, Duration::ZERO);
+    while !waiting.is_finished() {
+        let read_start = Instant::now();
+        read(&other, reads * 4096, 4096);
+        slowest = slowest.max(read_start.elapsed());
+        reads += 1;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (result, took, stalled) = waiting.join().unwrap();
+    let err = result.unwrap_err();
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    assert!(took >= Duration::from_millis(1900), "failed after {took:?}");
+    assert!(reads >= 20, "{reads} reads meanwhile");
+    assert!(slowest < Duration::from_secs(1), "a read took {slowest:?}");
+    assert!(read(&stalled, 0, 4096).iter().all(|&b| b == 0));
+    assert_eq!(server.connections.load(Ordering::Acquire), 2);
+    drop(stalled);
+    thread.join().unwrap();
 }
 
 /// qemu-nbd serves one client at a time unless told otherwise: a second one gets no greeting.

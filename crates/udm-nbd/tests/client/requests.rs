@@ -181,3 +181,32 @@ fn requests_beyond_the_servers_maximum_are_split() {
     client.cache(0, 4 * MIB).unwrap();
     client.discard(0, 16 * MIB).unwrap();
 }
+
+#[test]
+fn one_thread_reads_the_replies_of_every_client_and_theirs_sleep() {
+    let dir = scratch("one-reader");
+    let _server = nbdkit(&dir, &["memory", "64M"]);
+    // nbdkit serves any export name; these name the clients' threads.
+    let clients = [
+        connect(&uri_for(&dir, "ra"), ClientOptions::default()),
+        connect(&uri_for(&dir, "rb"), ClientOptions::default()),
+    ];
+    wait_until("the clients' threads run", Duration::from_secs(2), || {
+        thread_named("nbd-client-ra") && thread_named("nbd-client-rb")
+    });
+    let before = thread_switches("nbd-client-ra") + thread_switches("nbd-client-rb");
+    for i in 0..200 {
+        for client in &clients {
+            read(client, i * 4096, 4096);
+        }
+    }
+    // 400 replies came in: had the clients' own threads read them, they would have been
+    // woken for most of them. The process's one reply reader did.
+    let after = thread_switches("nbd-client-ra") + thread_switches("nbd-client-rb");
+    assert!(
+        after - before < 20,
+        "the clients' threads were switched {} times",
+        after - before
+    );
+    assert_eq!(threads_named("nbd-replies"), 1);
+}

@@ -198,13 +198,18 @@ impl Daemon {
     /// The daemon's NBD pool threads (started for requests the device does not remap, and
     /// ended when idle for 10 s).
     pub fn pool_threads(&self) -> usize {
+        self.threads_named("nbd-pool")
+    }
+
+    /// How many of the daemon's threads have a name starting with `prefix`.
+    pub fn threads_named(&self, prefix: &str) -> usize {
         std::fs::read_dir(format!("/proc/{}/task", self.pid()))
             .unwrap()
             .filter(|task| {
                 let comm = task.as_ref().unwrap().path().join("comm");
                 std::fs::read_to_string(comm)
                     .unwrap_or_default()
-                    .starts_with("nbd-pool")
+                    .starts_with(prefix)
             })
             .count()
     }

@@ -45,6 +45,27 @@ fn reads_writes_and_flushes_down_remote_paths_take_no_pool_thread() {
     assert_eq!(a.pool_threads(), 0, "{}", a.log());
 }
 
+/// The replies of every remote path, of every multipath, are read by one thread of the
+/// daemon: a burst spread over two paths wakes it once, where a reader per path woke two
+/// threads each for half of it (issue #13). Each path's client keeps a thread of its own, to
+/// redial.
+#[test]
+fn one_thread_reads_the_replies_of_every_remote_path() {
+    let (peer, a, _) = peer_and_multipath("mp-one-reader", "0");
+    let paths = ["nbd.sock", "second.sock"].map(|s| format!("{} 1", peer_path(&peer, s)));
+    let table = format!(
+        "0 {} multipath 0 0 1 1 round-robin 0 2 1 {}",
+        16 * MIB / 512,
+        paths.join(" ")
+    );
+    a.udm(&["create", "mp2", "--table", &table]);
+    for name in ["mp", "mp2"] {
+        write_and_read_back(&a, name);
+    }
+    assert_eq!(a.threads_named("nbd-replies"), 1, "{}", a.log());
+    assert_eq!(a.threads_named("nbd-client-vol"), 4, "{}", a.log());
+}
+
 /// A multipath made while its remote paths were down (a restart) remaps once they are back:
 /// no pool thread either.
 #[test]
