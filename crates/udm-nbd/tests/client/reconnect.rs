@@ -28,7 +28,7 @@ fn reconnects_and_resends_after_the_server_restarts() {
 
     let in_flight = read_in_background(&client, MIB);
     std::thread::sleep(Duration::from_millis(100));
-    kill_server(server, &*client);
+    kill_server(server, &client);
     let while_down = read_in_background(&client, 2 * MIB + 8192);
     std::thread::sleep(Duration::from_millis(300));
     assert!(!in_flight.is_finished() && !while_down.is_finished());
