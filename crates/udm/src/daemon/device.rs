@@ -308,12 +308,21 @@ impl Device {
         self.tables.write().inactive = None;
     }
 
-    /// Replaces the live table at once (suspend, swap, resume), keeping read-only as it is.
-    /// Returns the table replaced.
+    /// Replaces the live table at once (suspend, swap, resume), keeping read-only as it is
+    /// and an inactive table the user loaded where it is. Returns the table replaced.
     pub fn replace_live(&self, table: Table) -> Option<Arc<Table>> {
         self.suspend();
-        self.load(table, self.read_only());
-        self.resume()
+        let kept = {
+            let mut tables = self.tables.write();
+            let kept = (tables.inactive.take(), tables.inactive_read_only);
+            tables.inactive = Some(Arc::new(table));
+            tables.inactive_read_only = self.read_only();
+            kept
+        };
+        let replaced = self.resume();
+        let mut tables = self.tables.write();
+        (tables.inactive, tables.inactive_read_only) = kept;
+        replaced
     }
 
     pub fn events(&self) -> &Arc<Events> {

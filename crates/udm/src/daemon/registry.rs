@@ -22,17 +22,17 @@ use super::resolver::TableResolver;
 
 #[derive(Debug, Error)]
 pub enum RegistryError {
-    #[error("device '{0}' does not exist")]
+    #[error("device '{}' does not exist", shown(.0))]
     NoSuchDevice(String),
-    #[error("device '{0}' already exists")]
+    #[error("device '{}' already exists", shown(.0))]
     Exists(String),
-    #[error("invalid device name '{0}': {1}")]
+    #[error("invalid device name '{}': {}", shown(.0), .1)]
     InvalidName(String, &'static str),
-    #[error("invalid UUID '{0}': {1}")]
+    #[error("invalid UUID '{}': {}", shown(.0), .1)]
     InvalidUuid(String, &'static str),
     #[error("{0}")]
     Table(#[from] TargetError),
-    #[error("device '{0}' is busy: {1}")]
+    #[error("device '{}' is busy: {}", shown(.0), .1)]
     Busy(String, String),
     /// Part of a request on many devices failed; says what was done and what was not.
     #[error("{0}")]
@@ -54,6 +54,20 @@ pub struct Registry {
     pub(super) claims: Arc<Claims>,
     /// References that lead back into this daemon are its devices, for the cycle checks.
     pub(super) own_exports: OwnExports,
+}
+
+/// A name as an error shows it: whole up to the longest a valid one can be, else its start
+/// and its length, so that a hostile 1 MB name is not echoed back whole.
+fn shown(name: &str) -> String {
+    const LONGEST: usize = 128;
+    if name.len() <= LONGEST {
+        return name.to_string();
+    }
+    let cut = (0..=64)
+        .rev()
+        .find(|&i| name.is_char_boundary(i))
+        .unwrap_or(0);
+    format!("{}… ({} bytes)", &name[..cut], name.len())
 }
 
 pub(super) fn check_name(name: &str) -> Result<()> {
@@ -438,7 +452,36 @@ impl Registry {
     /// Returns the new table, or `None` when no target has such an end (a device finalized
     /// already): nothing to do.
     pub fn finalize(&self, name: &str) -> Result<Option<String>> {
+        let (device, table, text) = {
+            let _changes = self.changes.lock();
+            match self.finalized_table(name)? {
+                Some(finalized) => finalized,
+                None => return Ok(None),
+            }
+        };
+        // The swap drains the old table's I/O, which may be parked at a suspended device
+        // below: drained without the lock, which that device's resume needs, as a resume's
+        // swap is. The record is saved again under the lock in case a verb came in between.
+        device.suspend();
         let _changes = self.changes.lock();
+        self.save_ahead(&device, Some(Change::ReplaceLive(&table)))
+            .map_err(|e| {
+                RegistryError::Incomplete(format!(
+                    "finalizing '{name}': {e}; it is left suspended with its old table: \
+                     resume it"
+                ))
+            })?;
+        device.replace_live(table);
+        info!(
+            "device '{name}': finalized; its table is now: {}",
+            text.replace('\n', "; ")
+        );
+        Ok(Some(text))
+    }
+
+    /// The device, its finished targets' replacement table and that table's text; `None`
+    /// when no target has finished such a job. The change is recorded ahead.
+    fn finalized_table(&self, name: &str) -> Result<Option<(Arc<Device>, Table, String)>> {
         let device = self.get(name)?;
         // Finalizing swaps tables itself; it must not resume a device the user suspended, nor
         // replace a table the user loaded.
@@ -475,12 +518,7 @@ impl Registry {
         let text = lines.join("\n");
         let table = self.build(name, &text, device.events())?;
         self.save_ahead(&device, Some(Change::ReplaceLive(&table)))?;
-        device.replace_live(table);
-        info!(
-            "device '{name}': finalized; its table is now: {}",
-            lines.join("; ")
-        );
-        Ok(Some(text))
+        Ok(Some((device, table, text)))
     }
 }
 
@@ -512,6 +550,27 @@ mod tests {
             Ok(_) => panic!("expected an error"),
             Err(e) => e.to_string(),
         }
+    }
+
+    /// A hostile 1 MB name is refused in a line, not echoed back whole.
+    #[test]
+    fn errors_show_the_start_of_an_overlong_name_not_all_of_it() {
+        let dir = TempDir::new("long-names");
+        let r = Registry::in_scratch(&dir);
+        let long = "é".repeat(1 << 19);
+        for e in [
+            error(r.create(&long, "0 8 zero", false, None)),
+            error(r.resolve(&long)),
+            error(r.suspend(&long, false)),
+        ] {
+            assert!(e.len() < 200, "{} bytes", e.len());
+            assert!(
+                e.contains(&format!("{}… (1048576 bytes)", "é".repeat(32))),
+                "{e}"
+            );
+        }
+        let e = error(r.create("x", "0 8 zero", false, Some(&"u".repeat(1 << 20))));
+        assert!(e.contains("… (1048576 bytes)") && e.len() < 200, "{e}");
     }
 
     #[test]
@@ -573,6 +632,20 @@ mod tests {
         assert_eq!(err.errno(), libc::EIO);
         drop(handle);
         assert!(r.get("vol").is_err());
+    }
+
+    /// A table the daemon swaps in itself (finalize, a forced remove) leaves the table the
+    /// user loaded meanwhile where it is.
+    #[test]
+    fn replacing_the_live_table_keeps_the_inactive_one() {
+        let dir = TempDir::new("replace-live");
+        let r = Registry::in_scratch(&dir);
+        let device = r.must_create("vol", "0 8 zero");
+        r.load("vol", "0 8 error", false, true).unwrap();
+        device.replace_live(r.build("vol", "0 16 zero", device.events()).unwrap());
+        assert_eq!(device.live().lines(), ["0 16 zero"]);
+        assert_eq!(device.inactive().unwrap().lines(), ["0 8 error"]);
+        assert!(device.inactive_read_only() && !device.read_only());
     }
 
     #[test]

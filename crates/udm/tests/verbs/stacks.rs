@@ -130,3 +130,25 @@ fn a_stop_does_not_wait_for_devices_over_a_suspended_one() {
         .log()
         .contains("'top' is built on suspended 'low': not flushed"));
 }
+
+/// Finalizing a hydrated clone whose destination is suspended swaps tables, which drains the
+/// client's read parked at the destination's gate: that wait holds up no other verb either.
+#[test]
+fn finalizing_a_clone_over_a_suspended_destination_holds_up_no_other_verb() {
+    let daemon = Daemon::start("finalize-over-suspended");
+    daemon.create_linear("low", "low.img", MIB);
+    let (meta, source) = (daemon.sparse("meta", MIB), daemon.sparse("src", MIB));
+    daemon.create(
+        "cl",
+        &format!("0 2048 clone {} low {} 8", meta.display(), source.display()),
+    );
+    let progress = daemon.udm(&["wait", "cl", "--progress"]);
+    assert!(progress.ends_with("hydration complete"), "{progress}");
+    daemon.udm(&["suspend", "low"]);
+    let mut client = RawClient::connect(&daemon.nbd_socket(), "cl");
+    client.send(0, NBD_CMD_READ, 1, 0, 4096, &[]);
+    let finalize = udm_in_background(&daemon, &["finalize", "cl"]);
+    resume_low_ends(&daemon, finalize);
+    assert_eq!(client.reply().unwrap(), (0, 1));
+    assert_eq!(daemon.udm(&["table", "cl"]), "0 2048 linear low 0");
+}
