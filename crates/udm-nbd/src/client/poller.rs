@@ -267,6 +267,12 @@ impl Watch {
                 _ => self.end += n as usize,
             }
             self.deliver().map_err(|e| e.to_string())?;
+            // A read that did not fill the room emptied the socket: asking again would only
+            // answer EAGAIN (half the receives, measured), and the level-triggered epoll
+            // reports what arrives since.
+            if (n as usize) < len {
+                break;
+            }
         }
         Ok(())
     }
