@@ -47,12 +47,6 @@ impl Target for ErrorTarget {
     fn type_name(&self) -> &'static str {
         "error"
     }
-    fn args(&self) -> String {
-        String::new()
-    }
-    fn references(&self) -> Vec<String> {
-        Vec::new()
-    }
 }
 
 #[cfg(test)]

@@ -92,7 +92,10 @@ pub trait Target: BlockDevice {
     fn type_name(&self) -> &'static str;
 
     /// The arguments as a table line prints them; parsing them back gives the same target.
-    fn args(&self) -> String;
+    /// None by default (`zero`, `error`).
+    fn args(&self) -> String {
+        String::new()
+    }
 
     /// The `status` line (dm's STATUSTYPE_INFO).
     fn status(&self) -> String {
@@ -127,8 +130,11 @@ pub trait Target: BlockDevice {
         Vec::new()
     }
 
-    /// The device references this target uses (for `ls --tree` and cycle checks).
-    fn references(&self) -> Vec<String>;
+    /// The device references this target uses (for `ls --tree` and cycle checks); none by
+    /// default.
+    fn references(&self) -> Vec<String> {
+        Vec::new()
+    }
 
     /// Called when a suspend begins, before the requests in flight are waited for: a target
     /// holding requests that wait for something that may never come (a multipath queueing

@@ -54,12 +54,6 @@ impl Target for Zero {
     fn type_name(&self) -> &'static str {
         "zero"
     }
-    fn args(&self) -> String {
-        String::new()
-    }
-    fn references(&self) -> Vec<String> {
-        Vec::new()
-    }
 }
 
 #[cfg(test)]
