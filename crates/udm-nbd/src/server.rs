@@ -156,6 +156,11 @@ impl NbdServer {
         Ok(server)
     }
 
+    /// Whether connections are served by io_uring event loops (or threads).
+    pub fn on_io_uring(&self) -> bool {
+        self.loops.is_some()
+    }
+
     /// Which engine serves this server's connections, as `udm info` and the log name it.
     pub fn engine(&self) -> String {
         match &self.loops {

@@ -157,15 +157,19 @@ fn both_engines_serve_the_same_bytes_to_real_clients() {
         );
         let info = daemon.udm(&["info", "vol"]);
         let expected = if engine == "uring" {
-            "NBD engine:        io_uring ("
+            [
+                "NBD engine:        io_uring (",
+                "Data path:         remapped onto files (io_uring)",
+            ]
         } else {
-            "NBD engine:        threads ("
+            [
+                "NBD engine:        threads (",
+                "Data path:         through the targets (worker threads)",
+            ]
         };
-        assert!(info.contains(expected), "{engine}: {info}");
-        assert!(
-            info.contains("Data path:         remapped onto files (io_uring)"),
-            "{info}"
-        );
+        for line in expected {
+            assert!(info.contains(line), "{engine}: {info}");
+        }
         let source = daemon.dir.path("source.raw");
         pattern_file(&source, 32 << 20, 7);
         let uri = daemon.uri("vol");
@@ -270,6 +274,15 @@ fn without_io_uring_the_daemon_says_why_and_serves_with_threads() {
         "{log}"
     );
     daemon.create_linear("vol", "disk.img", 8 << 20);
+    // Nothing runs on io_uring, so nothing is remapped: `info` must not say it is.
+    let info = daemon.udm(&["info", "vol"]);
+    assert!(info.contains("NBD engine:        threads"), "{info}");
+    assert!(
+        info.contains(
+            "Data path:         through the targets (worker threads): no export runs on io_uring"
+        ),
+        "{info}"
+    );
     let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
     exercise(&mut client, 0, 10);
 }

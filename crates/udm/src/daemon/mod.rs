@@ -38,7 +38,7 @@ use std::time::Duration;
 use log::{info, warn};
 use thiserror::Error;
 use udm_block::ExportCatalog;
-use udm_fuse::{FuseConfig, FuseError, FuseExport, UringMode};
+use udm_fuse::{FuseConfig, FuseError, FuseExport, Transport, UringMode};
 use udm_nbd::{NbdServer, ServerConfig, TlsServer};
 
 pub use catalog::Catalog;
@@ -173,13 +173,18 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         (Some(dir), Some(export)) => Some(report::FuseFiles {
             dir: dir.clone(),
             transport: export.transport().to_string(),
+            on_io_uring: matches!(export.transport(), Transport::IoUring { .. }),
         }),
         _ => None,
     };
-    let nbd_engine = listen_nbd(&options, &registry)?;
+    let (nbd_engine, nbd_on_io_uring) = match listen_nbd(&options, &registry)? {
+        Some((engine, on_io_uring)) => (Some(engine), on_io_uring),
+        None => (None, false),
+    };
     let exports = report::Exports {
         fuse: fuse_files,
         nbd_engine,
+        nbd_on_io_uring,
     };
     control::listen(&options.control, registry.clone(), exports).map_err(DaemonError::io(
         format!("control socket {}", options.control.display()),
@@ -236,11 +241,12 @@ fn mount_fuse(
 }
 
 /// Starts the NBD server on every `--nbd` listener, each with its own view of the devices.
-/// Starts the NBD listeners; returns the engine serving them (for `udm info`), if any.
+/// Returns the engine serving them (for `udm info`) and whether it runs on io_uring, or
+/// `None` when the daemon serves no NBD.
 fn listen_nbd(
     options: &DaemonOptions,
     registry: &Arc<Registry>,
-) -> Result<Option<String>, DaemonError> {
+) -> Result<Option<(String, bool)>, DaemonError> {
     let catalog: Arc<dyn ExportCatalog> = Arc::new(Catalog {
         registry: registry.clone(),
         as_files: false,
@@ -262,7 +268,7 @@ fn listen_nbd(
             }
         }
     }
-    Ok((!options.nbd.is_empty()).then(|| server.engine()))
+    Ok((!options.nbd.is_empty()).then(|| (server.engine(), server.on_io_uring())))
 }
 
 /// A stop does not pull a device from under a loop device or a mounted filesystem: while

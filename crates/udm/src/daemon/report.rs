@@ -20,6 +20,7 @@ const NO_DEVICES: &str = "No devices found";
 pub struct FuseFiles {
     pub dir: PathBuf,
     pub transport: String,
+    pub on_io_uring: bool,
 }
 
 /// How the daemon exports devices, for `udm info`.
@@ -28,6 +29,14 @@ pub struct Exports {
     pub fuse: Option<FuseFiles>,
     /// The engine serving NBD connections, when the daemon listens for them.
     pub nbd_engine: Option<String>,
+    pub nbd_on_io_uring: bool,
+}
+
+impl Exports {
+    /// Whether some export runs an io_uring engine, which is what executes remapped I/O.
+    fn on_io_uring(&self) -> bool {
+        self.nbd_on_io_uring || self.fuse.as_ref().is_some_and(|f| f.on_io_uring)
+    }
 }
 
 /// The devices a listing covers: the one named, or every device in name order.
@@ -192,7 +201,7 @@ fn device_info(registry: &Registry, device: &Device, exports: &Exports) -> (Stri
     if let Some(engine) = &exports.nbd_engine {
         text += &format!("\nNBD engine:        {engine}");
     }
-    let data_path = data_path(device);
+    let data_path = data_path(device, exports.on_io_uring());
     text += &format!("\nData path:         {data_path}");
     let data = json!({
         "name": name, "uuid": device.uuid(), "state": state, "read_only": device.read_only(),
@@ -206,19 +215,24 @@ fn device_info(registry: &Registry, device: &Device, exports: &Exports) -> (Stri
 }
 
 /// Whether the io_uring engines (NBD's event loops, FUSE over io_uring) can send this
-/// device's I/O straight to files, or its targets take requests themselves on worker threads.
+/// device's I/O straight to files, or its targets take requests themselves on worker threads;
+/// without such an engine (io_uring disabled) every request takes the second way, and the
+/// line says so rather than promise what does not run.
 /// (The probe's mappings are dropped unused, so they count in no statistics.)
-fn data_path(device: &Device) -> &'static str {
+fn data_path(device: &Device, engine: bool) -> &'static str {
     let probe = device.size().min(4096);
     if probe == 0 {
         return "empty";
     }
     let reads = device.map(MapOp::Read, 0, probe).is_some();
     let writes = device.read_only() || device.map(MapOp::Write { fua: false }, 0, probe).is_some();
-    match (reads, writes) {
-        (true, true) => "remapped onto files (io_uring)",
-        (true, false) => "reads remapped onto files (io_uring), writes through the targets",
-        (false, _) => "through the targets (worker threads)",
+    match (reads, writes, engine) {
+        (true, true, true) => "remapped onto files (io_uring)",
+        (true, false, true) => "reads remapped onto files (io_uring), writes through the targets",
+        (true, _, false) => {
+            "through the targets (worker threads): no export runs on io_uring to remap onto"
+        }
+        (false, _, _) => "through the targets (worker threads)",
     }
 }
 
