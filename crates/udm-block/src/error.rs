@@ -34,6 +34,12 @@ pub enum BlockError {
     /// must not be retried elsewhere, since a retry that succeeds would vouch for them.
     #[error("writes lost: {0}")]
     WritesLost(String),
+    /// The target hands the request back to its device, to run again once the device is
+    /// resumed, on whatever table is live then: dm's DM_MAPIO_REQUEUE, for a request a
+    /// multipath had queued when a `suspend --noflush` began. Only the device that is being
+    /// suspended sees it; should it ever reach a client, it is an I/O error.
+    #[error("pushed back to the device: {0}")]
+    Requeue(String),
 }
 
 pub type Result<T, E = BlockError> = std::result::Result<T, E>;
@@ -71,7 +77,7 @@ impl BlockError {
             BlockError::Io(_) => libc::EIO,
             BlockError::NoSpace(_) => libc::ENOSPC,
             BlockError::Shutdown(_) => libc::ESHUTDOWN,
-            BlockError::WritesLost(_) => libc::EIO,
+            BlockError::WritesLost(_) | BlockError::Requeue(_) => libc::EIO,
         }
     }
 

@@ -208,8 +208,10 @@ impl Table {
         self.segment_index(offset).map(|i| &self.segments[i].target)
     }
 
-    pub fn presuspend(&self) {
-        self.segments.iter().for_each(|s| s.target.presuspend());
+    pub fn presuspend(&self, noflush: bool) {
+        self.segments
+            .iter()
+            .for_each(|s| s.target.presuspend(noflush));
     }
 
     pub fn suspend(&self) {

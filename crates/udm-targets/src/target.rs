@@ -139,9 +139,12 @@ pub trait Target: BlockDevice {
     /// Called when a suspend begins, before the requests in flight are waited for: a target
     /// holding requests that wait for something that may never come (a multipath queueing
     /// with no usable path) lets them fail now, as the kernel's presuspend does, so that the
-    /// suspend cannot wait forever. Also before a device is removed and when the daemon stops.
-    /// `resume` undoes it.
-    fn presuspend(&self) {}
+    /// suspend cannot wait forever; or, when `noflush` (dmsetup's `suspend --noflush`, the
+    /// table reload multipathd makes), hands them back to the device with
+    /// [`BlockError::Requeue`](udm_block::BlockError::Requeue), which runs them again after
+    /// the resume. Also before a device is removed and when the daemon stops (`noflush`
+    /// false). `resume` undoes it.
+    fn presuspend(&self, _noflush: bool) {}
 
     /// Called when the device is suspended (I/O already drained) and when the table is
     /// resumed, which includes first becoming live. Targets with background work start it at

@@ -48,6 +48,11 @@ impl Inner {
                     NoPath::Fail => {
                         return Err(BlockError::Io("multipath: no usable path".into()));
                     }
+                    NoPath::PushBack => {
+                        return Err(BlockError::Requeue(
+                            "multipath: no usable path while suspending with noflush".into(),
+                        ));
+                    }
                     NoPath::Wait(until) => until,
                 };
             state.waiting += 1;

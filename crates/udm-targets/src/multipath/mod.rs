@@ -46,7 +46,7 @@ use udm_block::{BlockDevice, Capabilities, MapOp, OpenMode, SECTOR_SIZE};
 use crate::args::Args;
 use crate::target::{EventSink, Target, TargetContext, TargetError};
 use args::Spec;
-use paths::{Group, Path, State};
+use paths::{Group, Path, State, Suspending};
 use selector::Load;
 
 /// What requests, messages and the checker share.
@@ -232,13 +232,17 @@ impl Target for Multipath {
 
     /// Requests waiting for a path fail now, and new ones do not wait, until the resume: a
     /// suspend waits for the requests in flight, and a path may never come back.
-    fn presuspend(&self) {
-        self.inner.state.lock().suspending = true;
+    fn presuspend(&self, noflush: bool) {
+        self.inner.state.lock().suspending = if noflush {
+            Suspending::PushingWaitersBack
+        } else {
+            Suspending::FailingWaiters
+        };
         self.inner.changed.notify_all();
     }
 
     fn resume(&self) {
-        self.inner.state.lock().suspending = false;
+        self.inner.state.lock().suspending = Suspending::No;
         let mut checker = self.checker.lock();
         if checker.is_none() {
             match checker::start(&self.inner) {

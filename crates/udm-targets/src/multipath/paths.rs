@@ -36,6 +36,18 @@ pub(super) enum NoPath {
     Fail,
     /// Waits for a path, until the instant if there is one.
     Wait(Option<Instant>),
+    /// Goes back to the device, to run again after its resume (a noflush suspend).
+    PushBack,
+}
+
+/// A suspend under way, from its presuspend to the next resume: nothing waits for a path
+/// then, so that the suspend never waits forever. The kernel's presuspend turns queueing off
+/// the same way, and a noflush suspend pushes what would have waited back to the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Suspending {
+    No,
+    FailingWaiters,
+    PushingWaitersBack,
 }
 
 pub(super) struct State {
@@ -51,9 +63,7 @@ pub(super) struct State {
     no_path_since: Option<Instant>,
     /// Requests wait for a path while none is usable: the feature, or the message last sent.
     pub queue_if_no_path: bool,
-    /// From a presuspend to the next resume nothing waits for a path, so that a suspend
-    /// never waits forever (the kernel's presuspend turns queueing off the same way).
-    pub suspending: bool,
+    pub suspending: Suspending,
     /// The target is going away: the checker stops.
     pub stopping: bool,
     /// Requests waiting for a path.
@@ -73,7 +83,7 @@ impl State {
             next: initial_group.checked_sub(1),
             no_path_since: (paths == 0).then(Instant::now),
             queue_if_no_path,
-            suspending: false,
+            suspending: Suspending::No,
             stopping: false,
             waiting: 0,
         }
@@ -231,9 +241,15 @@ impl State {
     /// What a request that finds no usable path does: fail unless queueing, and with
     /// `no_path_retry` wait only until that many checker intervals have passed since the last
     /// path failed (then fail at once until a path is back, as multipathd turns queueing off).
+    /// During a noflush suspend the request goes back to the device, queueing or not, as the
+    /// kernel's `must_push_back_bio` says.
     pub fn when_no_path(&self, no_path_retry: Option<u32>, interval: Duration) -> NoPath {
-        if !self.queue_if_no_path || self.suspending || self.stopping {
-            return NoPath::Fail;
+        match self.suspending {
+            _ if self.stopping => return NoPath::Fail,
+            Suspending::PushingWaitersBack => return NoPath::PushBack,
+            Suspending::FailingWaiters => return NoPath::Fail,
+            Suspending::No if !self.queue_if_no_path => return NoPath::Fail,
+            Suspending::No => {}
         }
         let Some(retries) = no_path_retry else {
             return NoPath::Wait(None);
@@ -366,11 +382,16 @@ mod tests {
             st.when_no_path(Some(2), interval),
             NoPath::Wait(Some(_))
         ));
-        st.suspending = true;
+        st.suspending = Suspending::FailingWaiters;
         assert_eq!(st.when_no_path(None, interval), NoPath::Fail);
-        st.suspending = false;
+        st.suspending = Suspending::PushingWaitersBack;
+        assert_eq!(st.when_no_path(None, interval), NoPath::PushBack);
+        st.suspending = Suspending::No;
         st.queue_if_no_path = false;
         assert_eq!(st.when_no_path(None, interval), NoPath::Fail);
+        // A noflush suspend pushes back without queueing too.
+        st.suspending = Suspending::PushingWaitersBack;
+        assert_eq!(st.when_no_path(None, interval), NoPath::PushBack);
     }
 
     #[test]

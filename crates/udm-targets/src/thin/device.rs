@@ -128,7 +128,7 @@ impl Target for Thin {
     /// with `--no-space-timeout 0`), and the suspend with it. The kernel's plain suspend
     /// waits until the no-space timeout fails it with ENOSPC; here it fails now, with the
     /// same error (the write was never acknowledged), as multipath's presuspend does.
-    fn presuspend(&self) {
+    fn presuspend(&self, _noflush: bool) {
         self.suspending.store(true, Ordering::SeqCst);
         self.pool.space.changed();
     }

@@ -1,6 +1,7 @@
 //! A udm device: a name (and optional UUID), a live table and an inactive one, the suspend
 //! gate, events, the open count and I/O statistics.
 
+use log::debug;
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -224,6 +225,21 @@ impl Device {
         }
     }
 
+    /// Runs `request` on the live table inside the gate. A request its target pushed back (a
+    /// noflush suspend began while it waited for a path) leaves the gate, so that the suspend
+    /// completes, waits there for the resume and runs again on the table live then, as dm
+    /// requeues it. Targets push back only between a presuspend and the resume, while the
+    /// gate is closed, so this never spins.
+    fn run<T>(&self, mut request: impl FnMut(&Table) -> Result<T>) -> Result<T> {
+        loop {
+            let (table, _in) = self.enter()?;
+            match request(&table) {
+                Err(BlockError::Requeue(why)) => debug!("device '{}': {why}", self.name()),
+                done => return done,
+            }
+        }
+    }
+
     /// Waits at the gate while the device is suspended, then enters it; on a thread that
     /// builds a table ([`no_waiting_while_building`]) a suspended device is an error instead.
     fn enter(&self) -> Result<(Arc<Table>, InFlight<'_>)> {
@@ -247,13 +263,15 @@ impl Device {
         }
     }
 
-    /// Holds new I/O and waits for in-flight I/O to finish (dm's suspend).
-    pub fn suspend(&self) {
+    /// Holds new I/O and waits for in-flight I/O to finish (dm's suspend). With `noflush`,
+    /// what a target holds waiting (a multipath's requests queued for a path) comes back
+    /// to the gate and waits there for the resume instead of failing.
+    pub fn suspend(&self, noflush: bool) {
         let gate = &self.gate;
         if gate.suspended.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.live().presuspend();
+        self.live().presuspend(noflush);
         let mut sleep = gate.sleep.lock();
         while gate.in_flight.load(Ordering::SeqCst) > 0 {
             gate.wake.wait(&mut sleep);
@@ -271,7 +289,7 @@ impl Device {
     /// the kernel's do_resume does.
     pub fn resume(&self) -> Option<Arc<Table>> {
         if self.inactive().is_some() {
-            self.suspend();
+            self.suspend(false);
         }
         let (replaced, live) = {
             let mut t = self.tables.write();
@@ -311,7 +329,7 @@ impl Device {
     /// Replaces the live table at once (suspend, swap, resume), keeping read-only as it is
     /// and an inactive table the user loaded where it is. Returns the table replaced.
     pub fn replace_live(&self, table: Table) -> Option<Arc<Table>> {
-        self.suspend();
+        self.suspend(false);
         let kept = {
             let mut tables = self.tables.write();
             let kept = (tables.inactive.take(), tables.inactive_read_only);
@@ -408,10 +426,7 @@ impl BlockDevice for Device {
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let io = self.stats.start(Op::Read, buf.len() as u64);
-        io.finish(
-            self.enter()
-                .and_then(|(table, _in)| table.read(offset, buf)),
-        )
+        io.finish(self.run(|table| table.read(offset, buf)))
     }
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
         let io = self.stats.start(Op::Write, buf.len() as u64);
@@ -421,36 +436,25 @@ impl BlockDevice for Device {
                 self.name()
             ))));
         }
-        io.finish(
-            self.enter()
-                .and_then(|(table, _in)| table.write(offset, buf, flags)),
-        )
+        io.finish(self.run(|table| table.write(offset, buf, flags)))
     }
     fn flush(&self) -> Result<()> {
         let io = self.stats.start(Op::Flush, 0);
-        io.finish(self.enter().and_then(|(table, _in)| table.flush()))
+        io.finish(self.run(|table| table.flush()))
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         let io = self.stats.start(Op::Discard, len);
-        io.finish(
-            self.enter()
-                .and_then(|(table, _in)| table.discard(offset, len)),
-        )
+        io.finish(self.run(|table| table.discard(offset, len)))
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         let io = self.stats.start(Op::WriteZeroes, len);
-        io.finish(
-            self.enter()
-                .and_then(|(table, _in)| table.write_zeroes(offset, len, flags)),
-        )
+        io.finish(self.run(|table| table.write_zeroes(offset, len, flags)))
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        let (table, _in) = self.enter()?;
-        table.block_status(offset, len)
+        self.run(|table| table.block_status(offset, len))
     }
     fn cache(&self, offset: u64, len: u64) -> Result<()> {
-        let (table, _in) = self.enter()?;
-        table.cache(offset, len)
+        self.run(|table| table.cache(offset, len))
     }
     /// Never waits: a suspended device's requests take the synchronous way and wait there.
     /// A request mapped here is counted when the engine completes it; one that is not

@@ -141,7 +141,7 @@ impl Registry {
         }
         for (device, suspended) in &restored {
             if *suspended {
-                device.suspend();
+                device.suspend(false);
             }
             info!(
                 "restored device '{}' ({}{}{}{})",

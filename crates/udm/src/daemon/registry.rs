@@ -360,9 +360,9 @@ impl Registry {
         Ok(())
     }
 
-    /// Holds new I/O and waits for what is in flight. `noflush` is dmsetup's: udm has no
-    /// target that queues I/O to push back (the kernel's flag matters for multipath), so
-    /// requests in flight complete either way; it only shows in the log.
+    /// Holds new I/O and waits for what is in flight. `noflush` is dmsetup's: requests a
+    /// multipath holds for a path are pushed back to the device, to run on the table live
+    /// after the resume (a reload that adds a path), instead of failing.
     pub fn suspend(&self, name: &str, noflush: bool) -> Result<()> {
         let device = self.get(name)?;
         let was = device.is_suspended();
@@ -374,7 +374,7 @@ impl Registry {
             let _changes = self.changes.lock();
             self.save_ahead(&device, Some(Change::Suspend))?;
         }
-        device.suspend();
+        device.suspend(noflush);
         let _changes = self.changes.lock();
         self.save(&device)?;
         if !was {
@@ -399,7 +399,7 @@ impl Registry {
                 let _changes = self.changes.lock();
                 self.save_ahead(&device, Some(Change::Resume))?;
             }
-            device.suspend();
+            device.suspend(false);
         }
         let _changes = self.changes.lock();
         let device = self.get(name)?;
@@ -462,7 +462,7 @@ impl Registry {
         // The swap drains the old table's I/O, which may be parked at a suspended device
         // below: drained without the lock, which that device's resume needs, as a resume's
         // swap is. The record is saved again under the lock in case a verb came in between.
-        device.suspend();
+        device.suspend(false);
         let _changes = self.changes.lock();
         self.save_ahead(&device, Some(Change::ReplaceLive(&table)))
             .map_err(|e| {

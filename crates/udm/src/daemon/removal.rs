@@ -64,7 +64,7 @@ impl Registry {
         // in by force only failed ("error target"), and left the real one unflushed.
         let table = retired.unwrap_or_else(|| device.live());
         // Nothing may wait for a path that never comes back now.
-        table.presuspend();
+        table.presuspend(false);
         if let Err(e) = table.flush() {
             warn!("removing '{name}': flushing: {e}");
         }
@@ -101,7 +101,7 @@ impl Registry {
                 continue;
             }
             // The daemon is stopping: nothing may wait for a path that never comes back.
-            device.live().presuspend();
+            device.live().presuspend(false);
             if let Err(e) = device.flush() {
                 warn!("flushing '{name}' at shutdown: {e}");
             }

@@ -376,3 +376,57 @@ fn a_path_whose_server_stops_answering_mid_burst_is_failed_and_io_goes_on() {
     let stalled_path = format!("{} F 1", peer_path(&b, "nbd.sock"));
     assert!(status.contains(&stalled_path), "{status}\n{}", a.log());
 }
+
+/// multipathd's habit: a table reload under `suspend --noflush` while I/O waits for a path
+/// (queue_if_no_path, every path failed). The queued write is pushed back, not failed: the
+/// suspend returns at once, and the write goes down the new table's path when it is resumed,
+/// as the kernel requeues it. (A plain suspend fails it, as above.)
+#[test]
+fn a_noflush_reload_hands_queued_io_to_the_new_table() {
+    let a = Daemon::start("mp-noflush");
+    let disk = a.create_linear("pa", "disk.img", 16 * MIB);
+    let sectors = 16 * MIB / 512;
+    for path in ["pb", "pc"] {
+        a.create(path, &format!("0 {sectors} linear {} 0", disk.display()));
+    }
+    let table =
+        |paths: &[&str]| {
+            format!(
+            "0 {sectors} multipath 3 queue_if_no_path checker_interval 600 0 1 1 round-robin 0 \
+             {} 1 {}",
+            paths.len(),
+            paths.iter().map(|p| format!("{p} 1")).collect::<Vec<_>>().join(" ")
+        )
+        };
+    a.create("mp", &table(&["pa", "pb"]));
+    for path in ["pa", "pb"] {
+        a.udm(&["message", "mp", "0", "fail_path", path]);
+    }
+    let mut client = RawClient::connect(&a.nbd_socket(), "mp");
+    client.send(0, NBD_CMD_WRITE, 1, 0, 4096, &[7; 4096]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !a.udm(&["status", "mp"]).contains("multipath 2 1 ") {
+        assert!(Instant::now() < deadline, "the write does not queue");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(udm_within_5s(&a, &["suspend", "--noflush", "mp"]));
+    client
+        .stream
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let early = client.reply();
+    assert!(early.is_err(), "answered while suspended: {early:?}");
+    client
+        .stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    a.udm(&["load", "mp", "--table", &table(&["pc"])]);
+    a.udm(&["resume", "mp"]);
+    assert_eq!(client.reply().unwrap(), (0, 1), "{}", a.log());
+    let mut written = vec![0; 4096];
+    std::fs::File::open(&disk)
+        .unwrap()
+        .read_exact(&mut written)
+        .unwrap();
+    assert!(written.iter().all(|&b| b == 7));
+}

@@ -154,7 +154,7 @@ fn queue_if_no_path_holds_requests_until_a_path_returns_or_fail_if_no_path() {
     wait_for("the read to queue", || {
         target(&table).status().starts_with("2 1 ")
     });
-    table.presuspend();
+    table.presuspend(false);
     assert_eq!(waiting.join().unwrap().unwrap_err().errno(), libc::EIO);
     table.resume();
     let waiting = reader(&table);

@@ -46,7 +46,7 @@ fn with_a_read_in_flight(device: &Arc<Device>, op: impl FnOnce()) -> Duration {
 fn suspend_waits_for_the_requests_in_flight() {
     let dir = TempDir::new("gate-drain");
     let slow = registry(&dir).get("slow").unwrap();
-    let took = with_a_read_in_flight(&slow, || slow.suspend());
+    let took = with_a_read_in_flight(&slow, || slow.suspend(false));
     assert!(took >= SLOW / 3, "suspend returned after {took:?}");
     assert!(slow.is_suspended());
 }
@@ -55,7 +55,7 @@ fn suspend_waits_for_the_requests_in_flight() {
 fn requests_wait_at_a_suspended_device_until_resume() {
     let dir = TempDir::new("gate-hold");
     let base = registry(&dir).get("base").unwrap();
-    base.suspend();
+    base.suspend(false);
     let (done, finished) = mpsc::channel();
     let held = base.clone();
     let reader = std::thread::spawn(move || done.send(read(&held)).unwrap());
@@ -77,7 +77,7 @@ fn a_mapped_request_holds_its_place_until_it_completes_and_never_waits() {
     let base = registry(&dir).get("base").unwrap();
     let mapping = base.map(MapOp::Read, 0, 4096).expect("zero maps reads");
     std::thread::scope(|s| {
-        let suspender = s.spawn(|| base.suspend());
+        let suspender = s.spawn(|| base.suspend(false));
         std::thread::sleep(Duration::from_millis(100));
         assert!(
             !suspender.is_finished(),
