@@ -37,6 +37,8 @@ pub enum Request {
     },
     Resume {
         name: String,
+        #[serde(default)]
+        noflush: bool,
     },
     Message {
         name: String,

@@ -136,8 +136,9 @@ pub enum Command {
     Suspend {
         /// The device's name or UUID.
         name: String,
-        /// Accepted for dmsetup's scripts: udm has no target that queues I/O, so requests
-        /// in flight complete either way.
+        /// Push the requests a multipath holds for a path back to the device, to run after
+        /// the resume on the table live then, instead of failing them (dmsetup's, for
+        /// multipathd's reloads).
         #[arg(long)]
         noflush: bool,
         #[command(flatten)]
@@ -147,6 +148,10 @@ pub enum Command {
     Resume {
         /// The device's name or UUID.
         name: String,
+        /// For a swap without a `suspend` before it (load, then resume): suspend with
+        /// `--noflush` (multipathd's reload).
+        #[arg(long)]
+        noflush: bool,
         #[command(flatten)]
         control: Control,
     },

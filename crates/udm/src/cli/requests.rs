@@ -94,7 +94,11 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
             noflush,
             control,
         } => (control, Request::Suspend { name, noflush }, Print::Text),
-        Command::Resume { name, control } => (control, Request::Resume { name }, Print::Text),
+        Command::Resume {
+            name,
+            noflush,
+            control,
+        } => (control, Request::Resume { name, noflush }, Print::Text),
         Command::Message {
             name,
             sector,

@@ -215,7 +215,9 @@ fn execute(
             Request::Suspend { name, noflush } => {
                 registry.suspend(&named(&name)?, noflush).map(done)?
             }
-            Request::Resume { name } => registry.resume(&named(&name)?).map(done)?,
+            Request::Resume { name, noflush } => {
+                registry.resume(&named(&name)?, noflush).map(done)?
+            }
             Request::Message {
                 name,
                 sector: _,

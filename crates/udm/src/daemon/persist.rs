@@ -362,13 +362,13 @@ mod tests {
         let blocker = r.state_path("vol").with_extension("json.tmp");
         std::fs::create_dir(&blocker).unwrap();
         let before = describe(&r, "vol");
-        assert!(r.resume("vol").is_err());
+        assert!(r.resume("vol", false).is_err());
         assert!(r.load("vol", "0 1024 zero", false, false).is_err());
         assert!(r.clear("vol").is_err());
         assert!(r.suspend("vol", false).is_err());
         assert_eq!(describe(&r, "vol"), before);
         std::fs::remove_dir(&blocker).unwrap();
-        r.resume("vol").unwrap();
+        r.resume("vol", false).unwrap();
         let now = describe(&r, "vol");
         assert_eq!(now.0, ["0 4096 zero"]);
         let restarted = Registry::in_scratch(&dir);

@@ -387,7 +387,7 @@ impl Registry {
         Ok(())
     }
 
-    pub fn resume(&self, name: &str) -> Result<()> {
+    pub fn resume(&self, name: &str, noflush: bool) -> Result<()> {
         let device = self.get(name)?;
         let was = device.is_suspended();
         // A swap drains the old table's I/O first, which may be parked at a suspended device
@@ -399,7 +399,7 @@ impl Registry {
                 let _changes = self.changes.lock();
                 self.save_ahead(&device, Some(Change::Resume))?;
             }
-            device.suspend(false);
+            device.suspend(noflush);
         }
         let _changes = self.changes.lock();
         let device = self.get(name)?;

@@ -88,7 +88,7 @@ mod tests {
                 .to_string();
             assert!(e.contains("in use by device 'new'"), "{e}");
             r.load("new", &table, false, false).unwrap();
-            r.resume("new").unwrap();
+            r.resume("new", false).unwrap();
             // A device used by another cannot be renamed: the other's table names it.
             let e = r.rename("base", "base2").unwrap_err().to_string();
             assert!(e.contains("used by new"), "{e}");

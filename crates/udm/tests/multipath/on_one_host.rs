@@ -377,10 +377,11 @@ fn a_path_whose_server_stops_answering_mid_burst_is_failed_and_io_goes_on() {
     assert!(status.contains(&stalled_path), "{status}\n{}", a.log());
 }
 
-/// multipathd's habit: a table reload under `suspend --noflush` while I/O waits for a path
+/// multipathd's habit: a table reload under a noflush suspend while I/O waits for a path
 /// (queue_if_no_path, every path failed). The queued write is pushed back, not failed: the
 /// suspend returns at once, and the write goes down the new table's path when it is resumed,
-/// as the kernel requeues it. (A plain suspend fails it, as above.)
+/// as the kernel requeues it. (A plain suspend fails it, as above.) Both ways of reloading:
+/// `suspend --noflush`, load, resume; and load, then `resume --noflush` (multipathd's).
 #[test]
 fn a_noflush_reload_hands_queued_io_to_the_new_table() {
     let a = Daemon::start("mp-noflush");
@@ -389,44 +390,57 @@ fn a_noflush_reload_hands_queued_io_to_the_new_table() {
     for path in ["pb", "pc"] {
         a.create(path, &format!("0 {sectors} linear {} 0", disk.display()));
     }
-    let table =
-        |paths: &[&str]| {
-            format!(
+    let table = |paths: &[&str]| {
+        format!(
             "0 {sectors} multipath 3 queue_if_no_path checker_interval 600 0 1 1 round-robin 0 \
              {} 1 {}",
             paths.len(),
-            paths.iter().map(|p| format!("{p} 1")).collect::<Vec<_>>().join(" ")
+            paths
+                .iter()
+                .map(|p| format!("{p} 1"))
+                .collect::<Vec<_>>()
+                .join(" ")
         )
-        };
+    };
     a.create("mp", &table(&["pa", "pb"]));
-    for path in ["pa", "pb"] {
-        a.udm(&["message", "mp", "0", "fail_path", path]);
-    }
     let mut client = RawClient::connect(&a.nbd_socket(), "mp");
-    client.send(0, NBD_CMD_WRITE, 1, 0, 4096, &[7; 4096]);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !a.udm(&["status", "mp"]).contains("multipath 2 1 ") {
-        assert!(Instant::now() < deadline, "the write does not queue");
-        std::thread::sleep(Duration::from_millis(20));
+    let reloads: [(&[&str], &[&[&str]]); 2] = [
+        (&["pa", "pb"], &[&["suspend", "--noflush", "mp"]]),
+        (&["pc"], &[]),
+    ];
+    for (round, (failing, suspend)) in reloads.into_iter().enumerate() {
+        let fill = round as u8 + 7;
+        for path in failing {
+            a.udm(&["message", "mp", "0", "fail_path", path]);
+        }
+        client.send(0, NBD_CMD_WRITE, 1, 0, 4096, &[fill; 4096]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !a.udm(&["status", "mp"]).contains("multipath 2 1 ") {
+            assert!(Instant::now() < deadline, "the write does not queue");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for verb in suspend {
+            assert!(udm_within_5s(&a, verb));
+        }
+        client
+            .stream
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let early = client.reply();
+        assert!(early.is_err(), "round {round}: answered early: {early:?}");
+        client
+            .stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let next = if round == 0 { ["pc"] } else { ["pa"] };
+        a.udm(&["load", "mp", "--table", &table(&next)]);
+        assert!(udm_within_5s(&a, &["resume", "--noflush", "mp"]));
+        assert_eq!(client.reply().unwrap(), (0, 1), "{}", a.log());
+        let mut written = vec![0; 4096];
+        std::fs::File::open(&disk)
+            .unwrap()
+            .read_exact(&mut written)
+            .unwrap();
+        assert!(written.iter().all(|&b| b == fill), "round {round}");
     }
-    assert!(udm_within_5s(&a, &["suspend", "--noflush", "mp"]));
-    client
-        .stream
-        .set_read_timeout(Some(Duration::from_millis(300)))
-        .unwrap();
-    let early = client.reply();
-    assert!(early.is_err(), "answered while suspended: {early:?}");
-    client
-        .stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    a.udm(&["load", "mp", "--table", &table(&["pc"])]);
-    a.udm(&["resume", "mp"]);
-    assert_eq!(client.reply().unwrap(), (0, 1), "{}", a.log());
-    let mut written = vec![0; 4096];
-    std::fs::File::open(&disk)
-        .unwrap()
-        .read_exact(&mut written)
-        .unwrap();
-    assert!(written.iter().all(|&b| b == 7));
 }
