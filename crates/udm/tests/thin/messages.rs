@@ -22,6 +22,15 @@ fn flag_needs_check(daemon: &Daemon, meta: &Path) {
     );
 }
 
+/// An NBD flush of `device`, sent whatever was written before (qemu-io skips it when
+/// nothing was).
+fn flush(daemon: &Daemon, device: &str) -> (bool, String) {
+    nbdsh(&format!(
+        "h.connect_uri('{}'); h.flush()",
+        daemon.uri(device)
+    ))
+}
+
 /// Metadata flagged needs_check (a metadata error sets it) used to be refused outright, so a
 /// restart lost the pool and every volume on it until an offline repair. The kernel
 /// activates such a pool read-only: its volumes read, writes to blocks already mapped go
@@ -80,5 +89,59 @@ fn a_pool_flagged_needs_check_comes_back_read_only_with_its_volumes() {
     expect_bytes(&vol, 0, 4096, 0x6b, "written while read-only");
     expect_bytes(&vol, 4096, 2 * BLOCK - 4096, 0x5a, "written before");
     fill(&daemon, "vol", 2, 8 * BLOCK, 4096);
+    with_pool_still(&daemon, &pool, &["vol"], || thin_check(&pool.meta));
+}
+
+/// The metadata filling up in the middle of writes aborts the transaction, and with it the
+/// mappings of writes acknowledged since the last commit. The next flush used to succeed,
+/// telling the client those writes were durable when they were gone. As the kernel's
+/// (aborted_with_changes), the device's flushes now fail for as long as its table is up.
+#[test]
+fn writes_lost_to_an_aborted_transaction_fail_the_flushes_after() {
+    let daemon = Daemon::start("thin-lost-writes");
+    // 512 KiB of metadata fills up long before 8 GiB of data blocks do.
+    let size = 8 << 30;
+    let pool = Pool {
+        name: "pool".into(),
+        meta: daemon.sparse("pool.meta", MIB / 2),
+        data: daemon.sparse("pool.data", size),
+    };
+    let table = thin_pool_table(&pool.meta, &pool.data, size, "0 1 skip_block_zeroing");
+    daemon.create("pool", &table);
+    make_volume(&daemon, &pool, "vol", 1, size);
+    // 4 KiB in every block, 32 at a time, until a write fails.
+    let fio = std::process::Command::new("fio")
+        .args([
+            "--name=fill",
+            "--ioengine=nbd",
+            &format!("--uri={}", daemon.uri("vol")),
+            "--rw=write:60k",
+            "--bs=4k",
+            "--iodepth=32",
+            "--size=8g",
+        ])
+        .output()
+        .unwrap();
+    let out = udm_testkit::printed(&fio);
+    assert!(
+        !fio.status.success() && out.contains("Input/output error"),
+        "{out}"
+    );
+    let line = status(&daemon, "pool");
+    assert!(line.contains(" ro "), "{line}");
+    for _ in 0..2 {
+        let (ok, out) = flush(&daemon, "vol");
+        assert!(!ok && out.contains("Input/output error"), "{out}");
+    }
+    assert!(
+        daemon.log().contains("thin device(s) 1 lost the writes"),
+        "{}",
+        daemon.log()
+    );
+    // A new table of the device starts afresh (the pool is still read-only).
+    daemon.udm(&["remove", "vol"]);
+    open_volume(&daemon, &pool, "vol", 1, size);
+    let (ok, out) = flush(&daemon, "vol");
+    assert!(ok, "{out}");
     with_pool_still(&daemon, &pool, &["vol"], || thin_check(&pool.meta));
 }

@@ -123,7 +123,15 @@ impl Pool {
     }
 
     pub fn unregister_thin(&self, token: u64) {
-        self.thins.lock().retain(|t| t.token != token);
+        let mut thins = self.thins.lock();
+        let Some(gone) = thins.iter().position(|t| t.token == token) else {
+            return;
+        };
+        let id = thins.remove(gone).id;
+        // The last table of a device that lost writes is gone: a new one starts afresh.
+        if !thins.iter().any(|t| t.id == id) {
+            self.lost.lock().remove(&id);
+        }
     }
 
     /// The devices whose tables use thin device `id`: (name, live).

@@ -42,6 +42,21 @@ impl Pool {
         meta.epoch += 1;
         meta.passdown.clear();
         self.maps.clear();
+        let touched = std::mem::take(&mut meta.touched);
+        if !touched.is_empty() {
+            error!(
+                "thin-pool '{}': thin device(s) {} lost the writes made since the last commit; \
+                 their flushes fail while a table uses them",
+                self.name,
+                touched
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            // Before `dirty` is cleared: a flush that finds nothing to commit then sees these.
+            self.lost.lock().extend(touched);
+        }
         self.dirty.store(false, Ordering::Release);
         if !full && next != Mode::Fail {
             if let Err(flag) = meta.md.set_needs_check() {
@@ -92,6 +107,7 @@ impl Pool {
             return Err(self.metadata_failed(meta, "commit", e));
         }
         self.dirty.store(false, Ordering::Release);
+        meta.touched.clear();
         if self.mode() == Mode::OutOfDataSpace {
             let usage = meta.md.data_usage();
             if usage.used < usage.total {
@@ -102,6 +118,19 @@ impl Pool {
         }
         self.check_metadata_low_water(meta);
         Ok(())
+    }
+
+    /// Fails a flush of thin device `id` if writes it acknowledged were dropped by an abort
+    /// (checked after the flush's commit, which is when an abort would have happened).
+    pub fn check_lost_writes(&self, id: u32) -> Result<()> {
+        if !self.lost.lock().contains(&id) {
+            return Ok(());
+        }
+        Err(BlockError::Io(format!(
+            "thin-pool '{}': thin device {id} lost writes when a metadata transaction was \
+             aborted (see the log); its flushes fail until no table uses it",
+            self.name
+        )))
     }
 
     /// Commits if something changed and the pool is running (the once-a-second commit).

@@ -50,6 +50,7 @@ impl Pool {
         match meta.md.insert(id, vblock, block) {
             Ok(()) => {
                 self.mark_dirty();
+                meta.touched.insert(id);
                 // Made now, after the device's last snapshot: its own.
                 let mapping = Mapping {
                     data_block: block,
@@ -75,6 +76,7 @@ impl Pool {
         match meta.md.remove(id, vblock) {
             Ok(freed) => {
                 self.mark_dirty();
+                meta.touched.insert(id);
                 self.maps.forget((id, vblock));
                 if let Some(freed) = freed.filter(|_| self.features().discard_passdown) {
                     meta.passdown.push(freed);
