@@ -176,16 +176,12 @@ impl Target for PoolTarget {
                 |meta| meta.md.set_transaction_id(old, new),
                 "set_transaction_id",
             )?,
-            PoolMessage::ReserveMetadataSnap => {
-                // The snapshot is of committed metadata: commit (data flushed first) before.
-                pool.commit().map_err(|e| {
-                    TargetError::new(format!("thin-pool: reserve_metadata_snap: {e}"))
-                })?;
-                pool.message(
-                    |meta| meta.md.reserve_metadata_snap(),
-                    "reserve_metadata_snap",
-                )?
-            }
+            // The snapshot is of committed metadata: `message` commits (data flushed first)
+            // under the lock it holds while the snapshot is taken.
+            PoolMessage::ReserveMetadataSnap => pool.message(
+                |meta| meta.md.reserve_metadata_snap(),
+                "reserve_metadata_snap",
+            )?,
             PoolMessage::ReleaseMetadataSnap => pool.message(
                 |meta| meta.md.release_metadata_snap(),
                 "release_metadata_snap",

@@ -92,13 +92,14 @@ fn a_pool_flagged_needs_check_comes_back_read_only_with_its_volumes() {
     with_pool_still(&daemon, &pool, &["vol"], || thin_check(&pool.meta));
 }
 
-/// The metadata filling up in the middle of writes aborts the transaction, and with it the
-/// mappings of writes acknowledged since the last commit. The next flush used to succeed,
-/// telling the client those writes were durable when they were gone. As the kernel's
-/// (aborted_with_changes), the device's flushes now fail for as long as its table is up.
+/// The metadata filling up in the middle of writes used to fail the insert that found no
+/// room, which aborted the transaction and dropped every write acknowledged since the last
+/// commit (up to a second of them). As the kernel's, the pool now commits before it uses up
+/// its room and goes read-only cleanly: the writes that fail were never acknowledged, and
+/// every acknowledged one is still there, flushes succeeding.
 #[test]
-fn writes_lost_to_an_aborted_transaction_fail_the_flushes_after() {
-    let daemon = Daemon::start("thin-lost-writes");
+fn a_full_metadata_device_stops_the_pool_without_losing_acknowledged_writes() {
+    let daemon = Daemon::start("thin-metadata-full");
     // 512 KiB of metadata fills up long before 8 GiB of data blocks do.
     let size = 8 << 30;
     let pool = Pool {
@@ -109,7 +110,8 @@ fn writes_lost_to_an_aborted_transaction_fail_the_flushes_after() {
     let table = thin_pool_table(&pool.meta, &pool.data, size, "0 1 skip_block_zeroing");
     daemon.create("pool", &table);
     make_volume(&daemon, &pool, "vol", 1, size);
-    // 4 KiB in every block, 32 at a time, until a write fails.
+    // 4 KiB at the start of every block, one at a time, until a write fails: every block
+    // before that one holds an acknowledged write.
     let fio = std::process::Command::new("fio")
         .args([
             "--name=fill",
@@ -117,32 +119,39 @@ fn writes_lost_to_an_aborted_transaction_fail_the_flushes_after() {
             &format!("--uri={}", daemon.uri("vol")),
             "--rw=write:60k",
             "--bs=4k",
-            "--iodepth=32",
+            "--iodepth=1",
             "--size=8g",
+            "--buffer_pattern=0x5a",
         ])
         .output()
         .unwrap();
     let out = udm_testkit::printed(&fio);
-    assert!(
-        !fio.status.success() && out.contains("Input/output error"),
-        "{out}"
-    );
-    let line = status(&daemon, "pool");
-    assert!(line.contains(" ro "), "{line}");
-    for _ in 0..2 {
-        let (ok, out) = flush(&daemon, "vol");
-        assert!(!ok && out.contains("Input/output error"), "{out}");
-    }
-    assert!(
-        daemon.log().contains("thin device(s) 1 lost the writes"),
-        "{}",
-        daemon.log()
-    );
-    // A new table of the device starts afresh (the pool is still read-only).
-    daemon.udm(&["remove", "vol"]);
-    open_volume(&daemon, &pool, "vol", 1, size);
+    let failed_at: u64 = out
+        .split("write offset=")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|offset| offset.parse().ok())
+        .unwrap_or_else(|| panic!("no failed write: {out}"));
+    let acknowledged = failed_at / BLOCK;
+    assert!(acknowledged > 1000, "{out}");
+    assert!(status(&daemon, "pool").contains(" ro "));
     let (ok, out) = flush(&daemon, "vol");
-    assert!(ok, "{out}");
+    assert!(ok, "{out}\n{}", daemon.log());
+    let log = daemon.log();
+    assert!(log.contains("the metadata device is full"), "{log}");
+    assert!(!log.contains("lost the writes"), "{log}");
+    let line = status_line_of(&daemon, "vol");
+    let mapped: u64 = line.split(' ').next().unwrap().parse().unwrap();
+    assert!(
+        mapped * 512 / BLOCK >= acknowledged,
+        "{line}: {acknowledged} written"
+    );
+    let (ok, out) = nbdsh(&format!(
+        "h.connect_uri('{}')\nfor b in range({acknowledged}):\n    \
+         assert h.pread(4096, b * 65536) == b'\\x5a' * 4096, b",
+        daemon.uri("vol")
+    ));
+    assert!(ok, "block {out} lost");
     with_pool_still(&daemon, &pool, &["vol"], || thin_check(&pool.meta));
 }
 

@@ -193,6 +193,12 @@ impl Pool {
             )));
         }
         let mut meta = self.meta();
+        // Everything before the message committed first (its data flushed), under the same
+        // lock: a message that fails half way and aborts drops nothing but itself, and a
+        // metadata snapshot holds every write completed before it.
+        self.commit_locked(&mut meta)
+            .and_then(|()| self.make_metadata_room(&mut meta))
+            .map_err(|e| TargetError::new(format!("thin-pool: {what}: {e}")))?;
         // Snapshots change which of a device's blocks are shared, deletes unmap whole
         // devices: the cache starts over.
         self.maps.clear();

@@ -10,6 +10,14 @@ use udm_metadata::thin::ThinError;
 use super::{Meta, Pool};
 use crate::thin::status::{metadata_low_water, Mode};
 
+/// Metadata blocks a running pool keeps free beyond the reserve for commits. Down to these,
+/// it commits, and goes read-only if that made no room (the kernel's alloc_data_block:
+/// "commit before we use up the metadata reserve"), so that a full metadata device stops
+/// the pool cleanly rather than failing an operation half way, which aborts the transaction
+/// and drops the writes acknowledged since the last commit. They are for the changes under
+/// way at that moment: at most an insert per thread writing, each a few blocks.
+const METADATA_HEADROOM: u64 = 64;
+
 impl Pool {
     /// After a metadata operation failed: the transaction is dropped and the pool goes
     /// read-only (needs_check set, unless the metadata device is merely full), or to fail
@@ -17,13 +25,7 @@ impl Pool {
     pub fn metadata_failed(&self, meta: &mut Meta, op: &str, e: ThinError) -> BlockError {
         let full = e == ThinError::MetadataFull;
         if full {
-            let usage = meta.md.metadata_usage();
-            error!(
-                "thin-pool '{}': the metadata device is full ({}/{} blocks) during {op}: \
-                 switching the pool to read-only; writes that need a new block and messages \
-                 fail until the pool is on a larger metadata device",
-                self.name, usage.used, usage.total
-            );
+            self.log_metadata_full(meta, op);
         } else {
             error!(
                 "thin-pool '{}': metadata operation {op} failed: {e}; run thin_check on the \
@@ -73,6 +75,46 @@ impl Pool {
         BlockError::Io(format!("thin-pool '{}': {op}: {e}", self.name))
     }
 
+    fn log_metadata_full(&self, meta: &Meta, during: &str) {
+        let usage = meta.md.metadata_usage();
+        error!(
+            "thin-pool '{}': the metadata device is full ({}/{} blocks) {during}: switching \
+             the pool to read-only; writes that need a new block and messages fail until the \
+             pool is on a larger metadata device",
+            self.name, usage.used, usage.total
+        );
+    }
+
+    /// Before a change to the metadata: when its room is down to the headroom, commits, and
+    /// goes read-only (an error) if that made none.
+    pub(super) fn make_metadata_room(&self, meta: &mut Meta) -> Result<()> {
+        if meta.md.metadata_room() > METADATA_HEADROOM {
+            return Ok(());
+        }
+        self.commit_locked(meta)?;
+        if self.short_of_metadata(meta) {
+            return Err(BlockError::Io(format!(
+                "thin-pool '{}': the metadata device is out of space: the pool is read-only \
+                 until it is on a larger one",
+                self.name
+            )));
+        }
+        self.check_writable()
+    }
+
+    /// After a commit (the kernel's check_for_metadata_space): a pool whose metadata room is
+    /// down to the headroom goes read-only. True if it is short.
+    fn short_of_metadata(&self, meta: &Meta) -> bool {
+        if meta.md.metadata_room() > METADATA_HEADROOM {
+            return false;
+        }
+        if self.mode() < Mode::ReadOnly {
+            self.log_metadata_full(meta, "after a commit");
+            self.set_mode(Mode::ReadOnly);
+        }
+        true
+    }
+
     /// Makes every completed write durable: the data device is flushed, then (if anything
     /// changed) the metadata committed, so no committed mapping points at data that is not
     /// on disk.
@@ -108,6 +150,7 @@ impl Pool {
         }
         self.dirty.store(false, Ordering::Release);
         meta.touched.clear();
+        self.short_of_metadata(meta);
         if self.mode() == Mode::OutOfDataSpace {
             let usage = meta.md.data_usage();
             if usage.used < usage.total {
