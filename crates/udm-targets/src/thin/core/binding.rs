@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use log::{error, info, warn};
+use parking_lot::MutexGuard;
 use udm_block::BlockDevice;
 use udm_metadata::thin::{DeviceInfo, ThinError, ThinMetadata, MAX_METADATA_BLOCKS};
 
@@ -104,16 +105,21 @@ impl Pool {
         }
     }
 
-    /// Registers a thin target of device `id` in the table of device `owner`.
-    pub fn register_thin(&self, id: u32, owner: &str) -> u64 {
+    /// Registers a thin target of device `id` in the table of device `owner`, if the pool
+    /// has that device: checked with the users held, as `delete` holds them, so that the
+    /// device cannot go between the check and the registration (the kernel counts opens
+    /// under its metadata lock).
+    pub fn register_thin(&self, id: u32, owner: &str) -> Option<u64> {
+        let mut thins = self.thins.lock();
+        self.device(id)?;
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-        self.thins.lock().push(ThinUse {
+        thins.push(ThinUse {
             token,
             id,
             owner: owner.to_string(),
             live: false,
         });
-        token
+        Some(token)
     }
 
     pub fn set_thin_live(&self, token: u64, live: bool) {
@@ -136,14 +142,13 @@ impl Pool {
 
     /// The devices whose tables use thin device `id`: (name, live).
     pub fn users_of(&self, id: u32) -> Vec<(String, bool)> {
-        let mut users: Vec<(String, bool)> = Vec::new();
-        for thin in self.thins.lock().iter().filter(|t| t.id == id) {
-            match users.iter_mut().find(|(name, _)| *name == thin.owner) {
-                Some((_, live)) => *live |= thin.live,
-                None => users.push((thin.owner.clone(), thin.live)),
-            }
-        }
-        users
+        self.users().of(id)
+    }
+
+    /// The thin targets using the pool, held still: while held, none registers, goes, or
+    /// is resumed, so that a message can check them and act on what it found.
+    pub fn users(&self) -> Users<'_> {
+        Users(self.thins.lock())
     }
 
     pub fn device(&self, id: u32) -> Option<DeviceInfo> {
@@ -220,5 +225,22 @@ impl Pool {
         // A delete may have freed blocks that requests are waiting for.
         self.space.changed();
         Ok(())
+    }
+}
+
+/// The thin targets of a pool, held (see [`Pool::users`]).
+pub struct Users<'a>(MutexGuard<'a, Vec<ThinUse>>);
+
+impl Users<'_> {
+    /// The devices whose tables use thin device `id`: (name, live).
+    pub fn of(&self, id: u32) -> Vec<(String, bool)> {
+        let mut users: Vec<(String, bool)> = Vec::new();
+        for thin in self.0.iter().filter(|t| t.id == id) {
+            match users.iter_mut().find(|(name, _)| *name == thin.owner) {
+                Some((_, live)) => *live |= thin.live,
+                None => users.push((thin.owner.clone(), thin.live)),
+            }
+        }
+        users
     }
 }
