@@ -99,7 +99,7 @@ fn a_pool_flagged_needs_check_comes_back_read_only_with_its_volumes() {
 /// every acknowledged one is still there, flushes succeeding.
 #[test]
 fn a_full_metadata_device_stops_the_pool_without_losing_acknowledged_writes() {
-    let daemon = Daemon::start("thin-metadata-full");
+    let mut daemon = Daemon::start("thin-metadata-full");
     // 512 KiB of metadata fills up long before 8 GiB of data blocks do.
     let size = 8 << 30;
     let pool = Pool {
@@ -153,6 +153,10 @@ fn a_full_metadata_device_stops_the_pool_without_losing_acknowledged_writes() {
     ));
     assert!(ok, "block {out} lost");
     with_pool_still(&daemon, &pool, &["vol"], || thin_check(&pool.meta));
+    // Back after a restart as full as it was: read-only at once.
+    daemon.stop(libc::SIGTERM);
+    daemon.launch();
+    assert!(status(&daemon, "pool").contains(" ro "));
 }
 
 /// Writes slot `i % 256` (one per 64 KiB block of the first 16 MiB) with the value `i + 1`,

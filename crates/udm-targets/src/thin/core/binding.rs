@@ -61,6 +61,8 @@ impl Pool {
         if let Err(e) = self.commit_locked(&mut meta) {
             warn!("thin-pool '{}': commit at resume failed: {e}", self.name);
         }
+        // Reopened (or reloaded) with its metadata as full as it was: read-only at once.
+        self.short_of_metadata(&meta);
         drop(meta);
         self.gate.open();
     }

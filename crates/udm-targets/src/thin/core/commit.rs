@@ -10,13 +10,16 @@ use udm_metadata::thin::ThinError;
 use super::{Meta, Pool};
 use crate::thin::status::{metadata_low_water, Mode};
 
-/// Metadata blocks a running pool keeps free beyond the reserve for commits. Down to these,
-/// it commits, and goes read-only if that made no room (the kernel's alloc_data_block:
-/// "commit before we use up the metadata reserve"), so that a full metadata device stops
-/// the pool cleanly rather than failing an operation half way, which aborts the transaction
-/// and drops the writes acknowledged since the last commit. They are for the changes under
-/// way at that moment: at most an insert per thread writing, each a few blocks.
-const METADATA_HEADROOM: u64 = 64;
+/// Metadata blocks a running pool keeps free beyond the reserve for commits: 64, or a
+/// sixteenth of a smaller device. Down to these, it commits, and goes read-only if that made
+/// no room (the kernel's alloc_data_block: "commit before we use up the metadata reserve"),
+/// so that a full metadata device stops the pool cleanly rather than failing an operation
+/// half way, which aborts the transaction and drops the writes acknowledged since the last
+/// commit. They are for the changes under way at that moment: at most an insert per thread
+/// writing, each a few blocks.
+fn metadata_headroom(meta: &Meta) -> u64 {
+    (meta.md.metadata_usage().total / 16).min(64)
+}
 
 impl Pool {
     /// After a metadata operation failed: the transaction is dropped and the pool goes
@@ -25,7 +28,7 @@ impl Pool {
     pub fn metadata_failed(&self, meta: &mut Meta, op: &str, e: ThinError) -> BlockError {
         let full = e == ThinError::MetadataFull;
         if full {
-            self.log_metadata_full(meta, op);
+            self.log_metadata_full(meta, &format!(" during {op}"));
         } else {
             error!(
                 "thin-pool '{}': metadata operation {op} failed: {e}; run thin_check on the \
@@ -78,7 +81,7 @@ impl Pool {
     fn log_metadata_full(&self, meta: &Meta, during: &str) {
         let usage = meta.md.metadata_usage();
         error!(
-            "thin-pool '{}': the metadata device is full ({}/{} blocks) {during}: switching \
+            "thin-pool '{}': the metadata device is full ({}/{} blocks){during}: switching \
              the pool to read-only; writes that need a new block and messages fail until the \
              pool is on a larger metadata device",
             self.name, usage.used, usage.total
@@ -88,7 +91,7 @@ impl Pool {
     /// Before a change to the metadata: when its room is down to the headroom, commits, and
     /// goes read-only (an error) if that made none.
     pub(super) fn make_metadata_room(&self, meta: &mut Meta) -> Result<()> {
-        if meta.md.metadata_room() > METADATA_HEADROOM {
+        if meta.md.metadata_room() > metadata_headroom(meta) {
             return Ok(());
         }
         self.commit_locked(meta)?;
@@ -102,14 +105,14 @@ impl Pool {
         self.check_writable()
     }
 
-    /// After a commit (the kernel's check_for_metadata_space): a pool whose metadata room is
-    /// down to the headroom goes read-only. True if it is short.
-    fn short_of_metadata(&self, meta: &Meta) -> bool {
-        if meta.md.metadata_room() > METADATA_HEADROOM {
+    /// After a commit and at resume (the kernel's check_for_metadata_space): a pool whose
+    /// metadata room is down to the headroom goes read-only. True if it is short.
+    pub(super) fn short_of_metadata(&self, meta: &Meta) -> bool {
+        if meta.md.metadata_room() > metadata_headroom(meta) {
             return false;
         }
         if self.mode() < Mode::ReadOnly {
-            self.log_metadata_full(meta, "after a commit");
+            self.log_metadata_full(meta, "");
             self.set_mode(Mode::ReadOnly);
         }
         true
