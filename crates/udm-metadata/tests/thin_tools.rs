@@ -378,8 +378,10 @@ fn needs_check_is_cleared_by_thin_check() {
     let mut pool = Pool::new(&scratch, 4 << 20, 1_000);
     pool.create_written(1, [0], "before needs_check");
     pool.meta.set_needs_check().unwrap();
+    pool.reopen();
+    assert!(pool.meta.needs_check());
     assert_eq!(
-        ThinMetadata::open(pool.dev.clone(), 128, 1_000).unwrap_err(),
+        pool.meta.create_thin(2).unwrap_err(),
         udm_metadata::ThinError::NeedsCheck
     );
     tool("thin_check", &["--clear-needs-check-flag"], &pool.path);

@@ -10,13 +10,17 @@ use super::superblock::{Superblock, NEEDS_CHECK, SUPERBLOCK_LOCATION};
 use super::{Result, ThinMetadata};
 
 impl ThinMetadata {
+    /// The needs_check flag: an earlier metadata error may have left damage. Such metadata
+    /// is read but never changed (every change fails with `NeedsCheck`) until
+    /// `thin_check --clear-needs-check-flag` has passed on it.
     pub fn needs_check(&self) -> bool {
         self.sb.flags & NEEDS_CHECK != 0
     }
 
     /// Sets the needs_check flag in the superblock of the last commit and writes it at once,
     /// without committing what changed since (after an error that may be the damage). The pool
-    /// will not open until `thin_check --clear-needs-check-flag` passes.
+    /// stays read-only, here and when opened again, until `thin_check
+    /// --clear-needs-check-flag` passes.
     pub fn set_needs_check(&mut self) -> Result<()> {
         self.sb.flags |= NEEDS_CHECK;
         self.committed.flags |= NEEDS_CHECK;

@@ -18,6 +18,9 @@ impl ThinMetadata {
     /// Sets the transaction id to `new` if it is `old` now.
     pub fn set_transaction_id(&mut self, old: u64, new: u64) -> Result<()> {
         self.usable()?;
+        if self.needs_check() {
+            return Err(ThinError::NeedsCheck);
+        }
         if self.sb.trans_id != old {
             return Err(ThinError::BadArgument(format!(
                 "transaction id is {}, not {old}",

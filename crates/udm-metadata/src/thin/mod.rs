@@ -112,8 +112,12 @@ impl ThinMetadata {
     }
 
     /// Runs a change; an error leaves the transaction half done, so it must be aborted.
+    /// Metadata that needs checking is not changed at all.
     fn change<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         self.usable()?;
+        if self.needs_check() {
+            return Err(ThinError::NeedsCheck);
+        }
         let out = f(self).and_then(|out| {
             disk::place_changed_bitmaps(&mut self.tm)?;
             Ok(out)

@@ -12,9 +12,7 @@ use super::cache::NumberMap;
 use super::error::corrupt;
 use super::mapping::{u64_of, MAX_DATA_BLOCKS};
 use super::space_map::{disk, metadata};
-use super::superblock::{
-    Superblock, METADATA_BLOCK_SECTORS, NEEDS_CHECK, SUPERBLOCK_LOCATION, VERSION,
-};
+use super::superblock::{Superblock, METADATA_BLOCK_SECTORS, SUPERBLOCK_LOCATION, VERSION};
 use super::transaction::Tm;
 use super::{
     DeviceInfo, Result, ThinError, ThinMetadata, MAX_DATA_BLOCK_SECTORS, MAX_METADATA_BLOCKS,
@@ -24,10 +22,11 @@ use super::{
 impl ThinMetadata {
     /// Opens the pool metadata on `dev`; formats a new pool when the superblock block is all
     /// zeroes (as the kernel does). Refuses a data block size that differs from the
-    /// superblock's, a bad checksum, a needs_check flag (with a clear error naming
-    /// thin_check/thin_repair). A data device larger than the recorded one grows the pool (and
-    /// a larger metadata device its metadata space), committed at once; a smaller one is
-    /// refused.
+    /// superblock's and a bad checksum. A data device larger than the recorded one grows the
+    /// pool (and a larger metadata device its metadata space), committed at once; a smaller
+    /// one is refused. Metadata flagged needs_check opens as it is, never grown nor changed
+    /// (see [`ThinMetadata::needs_check`]): the kernel activates such a pool read-only, so
+    /// its volumes stay readable until the pool is taken down for thin_check.
     pub fn open(
         dev: Arc<dyn BlockDevice>,
         data_block_sectors: u32,
@@ -59,9 +58,6 @@ impl ThinMetadata {
                 sb.data_block_size
             )));
         }
-        if sb.flags & NEEDS_CHECK != 0 {
-            return Err(ThinError::NeedsCheck);
-        }
         let (details, roots) = load(&mut tm, &sb)?;
         let mut meta = ThinMetadata {
             tm,
@@ -80,7 +76,8 @@ impl ThinMetadata {
             )));
         }
         let metadata_blocks = meta.tm.cache.dev_blocks().min(MAX_METADATA_BLOCKS);
-        if nr_data_blocks > recorded || metadata_blocks > meta.tm.msm.nr_blocks() {
+        let grows = nr_data_blocks > recorded || metadata_blocks > meta.tm.msm.nr_blocks();
+        if grows && !meta.needs_check() {
             meta.tm.dsm.extend(nr_data_blocks);
             meta.tm
                 .msm

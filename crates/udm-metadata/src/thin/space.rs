@@ -32,6 +32,15 @@ impl ThinMetadata {
         }
     }
 
+    /// Metadata blocks this transaction can still allocate: the free ones, less those freed
+    /// in it (they wait for the commit) and the reserve kept for commits.
+    pub fn metadata_room(&self) -> u64 {
+        self.tm
+            .msm
+            .nr_usable()
+            .saturating_sub(metadata_reserve(self.tm.msm.nr_blocks()))
+    }
+
     /// Grows the data space to `nr_data_blocks` (shrinking is refused).
     pub fn resize_data(&mut self, nr_data_blocks: u64) -> Result<()> {
         self.usable()?;

@@ -231,16 +231,30 @@ fn a_commit_with_nothing_new_writes_nothing() {
 }
 
 #[test]
-fn needs_check_is_written_at_once_and_refused_on_open() {
+fn needs_check_is_written_at_once_and_flagged_metadata_opens_but_never_changes() {
     let (dev, mut meta) = pool(1000);
     meta.create_thin(1).unwrap();
+    map_new(&mut meta, 1, 0);
     meta.commit().unwrap();
     meta.create_thin(2).unwrap();
     meta.set_needs_check().unwrap();
     assert!(meta.needs_check());
-    let err = ThinMetadata::open(dev, 128, 1000).unwrap_err();
+    // Opened again (on a larger data device, which it must not grow into): the last commit,
+    // readable, flagged, and refusing every change.
+    let mut meta = ThinMetadata::open(dev, 128, 2000).unwrap();
+    assert!(meta.needs_check());
+    assert_eq!(meta.data_usage().total, 1000);
+    assert!(meta.lookup(1, 0).unwrap().is_some());
+    assert!(meta.device(2).is_none());
+    let err = meta.create_thin(3).unwrap_err();
     assert_eq!(err, ThinError::NeedsCheck);
     assert!(err.to_string().contains("thin_check"), "{err}");
+    assert_eq!(meta.alloc_data_block(), Err(ThinError::NeedsCheck));
+    assert_eq!(meta.set_transaction_id(0, 1), Err(ThinError::NeedsCheck));
+    assert_eq!(meta.resize_data(3000), Err(ThinError::NeedsCheck));
+    // Nothing was spoiled by the refusals: lookups and commits go on.
+    assert!(meta.lookup(1, 0).unwrap().is_some());
+    meta.commit().unwrap();
 }
 
 #[test]

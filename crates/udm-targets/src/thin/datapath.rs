@@ -352,7 +352,8 @@ impl BlockDevice for Thin {
 
     fn flush(&self) -> Result<()> {
         let _in = self.pool.enter()?;
-        self.pool.commit()
+        self.pool.commit()?;
+        self.pool.check_lost_writes(self.id())
     }
 
     /// Unmaps the blocks the range covers whole; parts of blocks are left as they are (a
@@ -439,13 +440,21 @@ impl BlockDevice for Thin {
             MapOp::Flush => {
                 let pool = &self.pool;
                 let in_flight = pool.gate.try_enter().then(|| InFlight(pool.clone()))?;
-                if pool.is_dirty() || pool.mode() == Mode::Fail {
+                if pool.is_dirty()
+                    || pool.mode() == Mode::Fail
+                    || pool.check_lost_writes(self.id()).is_err()
+                {
                     return None;
                 }
                 Some(pool.data().map(op, 0, 0)?.hold(in_flight))
             }
-            // A FUA write is durable once its mapping is: only when nothing is uncommitted.
-            MapOp::Write { fua: true } if self.pool.is_dirty() => None,
+            // A FUA write is durable once its mapping is: only when nothing is uncommitted,
+            // and it fails (the synchronous way) after lost writes, as a flush does.
+            MapOp::Write { fua: true }
+                if self.pool.is_dirty() || self.pool.check_lost_writes(self.id()).is_err() =>
+            {
+                None
+            }
             _ => self.map_blocks(op, offset, len),
         }
     }

@@ -49,15 +49,14 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             line.pool
         )));
     }
-    if pool.device(line.id).is_none() {
-        return Err(args.error(format!(
+    let token = pool.register_thin(line.id, ctx.owner).ok_or_else(|| {
+        args.error(format!(
             "thin device {id} does not exist in pool '{pool}' (create it with: udm message \
              {pool} 0 create_thin {id})",
             id = line.id,
             pool = line.pool
-        )));
-    }
-    let token = pool.register_thin(line.id, ctx.owner);
+        ))
+    })?;
     Ok(Arc::new(Thin {
         line,
         pool,

@@ -151,8 +151,10 @@ impl Target for PoolTarget {
             PoolMessage::CreateSnap { id, origin } => {
                 // The kernel documents that an active origin must be suspended first, but
                 // does not check; udm does: a live table of the origin may have writes in
-                // flight that the snapshot would half contain.
-                if let Some((user, _)) = pool.users_of(origin).into_iter().find(|(_, l)| *l) {
+                // flight that the snapshot would half contain. The users stay held until
+                // the snapshot is taken: a resume of the origin waits for it.
+                let users = pool.users();
+                if let Some((user, _)) = users.of(origin).into_iter().find(|(_, l)| *l) {
                     return Err(TargetError::new(format!(
                         "thin-pool: create_snap {id} {origin}: origin thin device {origin} is \
                          active as '{user}': suspend it first (udm suspend {user})"
@@ -161,9 +163,11 @@ impl Target for PoolTarget {
                 pool.message(|meta| meta.md.create_snap(id, origin), "create_snap")?
             }
             PoolMessage::Delete(id) => {
-                let users = pool.users_of(id);
-                if !users.is_empty() {
-                    let names: Vec<_> = users.into_iter().map(|(name, _)| name).collect();
+                // Held until the device is gone: no table of it can be made meanwhile.
+                let users = pool.users();
+                let using = users.of(id);
+                if !using.is_empty() {
+                    let names: Vec<_> = using.into_iter().map(|(name, _)| name).collect();
                     return Err(TargetError::new(format!(
                         "thin-pool: delete {id}: thin device {id} is in use by {} (remove \
                          it first)",
@@ -176,16 +180,12 @@ impl Target for PoolTarget {
                 |meta| meta.md.set_transaction_id(old, new),
                 "set_transaction_id",
             )?,
-            PoolMessage::ReserveMetadataSnap => {
-                // The snapshot is of committed metadata: commit (data flushed first) before.
-                pool.commit().map_err(|e| {
-                    TargetError::new(format!("thin-pool: reserve_metadata_snap: {e}"))
-                })?;
-                pool.message(
-                    |meta| meta.md.reserve_metadata_snap(),
-                    "reserve_metadata_snap",
-                )?
-            }
+            // The snapshot is of committed metadata: `message` commits (data flushed first)
+            // under the lock it holds while the snapshot is taken.
+            PoolMessage::ReserveMetadataSnap => pool.message(
+                |meta| meta.md.reserve_metadata_snap(),
+                "reserve_metadata_snap",
+            )?,
             PoolMessage::ReleaseMetadataSnap => pool.message(
                 |meta| meta.md.release_metadata_snap(),
                 "release_metadata_snap",

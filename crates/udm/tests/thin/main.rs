@@ -6,6 +6,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod messages;
 mod pools;
 mod volumes;
 

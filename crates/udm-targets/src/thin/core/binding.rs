@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use log::{error, info, warn};
+use parking_lot::MutexGuard;
 use udm_block::BlockDevice;
 use udm_metadata::thin::{DeviceInfo, ThinError, ThinMetadata, MAX_METADATA_BLOCKS};
 
@@ -60,6 +61,8 @@ impl Pool {
         if let Err(e) = self.commit_locked(&mut meta) {
             warn!("thin-pool '{}': commit at resume failed: {e}", self.name);
         }
+        // Reopened (or reloaded) with its metadata as full as it was: read-only at once.
+        self.short_of_metadata(&meta);
         drop(meta);
         self.gate.open();
     }
@@ -104,16 +107,21 @@ impl Pool {
         }
     }
 
-    /// Registers a thin target of device `id` in the table of device `owner`.
-    pub fn register_thin(&self, id: u32, owner: &str) -> u64 {
+    /// Registers a thin target of device `id` in the table of device `owner`, if the pool
+    /// has that device: checked with the users held, as `delete` holds them, so that the
+    /// device cannot go between the check and the registration (the kernel counts opens
+    /// under its metadata lock).
+    pub fn register_thin(&self, id: u32, owner: &str) -> Option<u64> {
+        let mut thins = self.thins.lock();
+        self.device(id)?;
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-        self.thins.lock().push(ThinUse {
+        thins.push(ThinUse {
             token,
             id,
             owner: owner.to_string(),
             live: false,
         });
-        token
+        Some(token)
     }
 
     pub fn set_thin_live(&self, token: u64, live: bool) {
@@ -123,19 +131,26 @@ impl Pool {
     }
 
     pub fn unregister_thin(&self, token: u64) {
-        self.thins.lock().retain(|t| t.token != token);
+        let mut thins = self.thins.lock();
+        let Some(gone) = thins.iter().position(|t| t.token == token) else {
+            return;
+        };
+        let id = thins.remove(gone).id;
+        // The last table of a device that lost writes is gone: a new one starts afresh.
+        if !thins.iter().any(|t| t.id == id) {
+            self.lost.lock().remove(&id);
+        }
     }
 
     /// The devices whose tables use thin device `id`: (name, live).
     pub fn users_of(&self, id: u32) -> Vec<(String, bool)> {
-        let mut users: Vec<(String, bool)> = Vec::new();
-        for thin in self.thins.lock().iter().filter(|t| t.id == id) {
-            match users.iter_mut().find(|(name, _)| *name == thin.owner) {
-                Some((_, live)) => *live |= thin.live,
-                None => users.push((thin.owner.clone(), thin.live)),
-            }
-        }
-        users
+        self.users().of(id)
+    }
+
+    /// The thin targets using the pool, held still: while held, none registers, goes, or
+    /// is resumed, so that a message can check them and act on what it found.
+    pub fn users(&self) -> Users<'_> {
+        Users(self.thins.lock())
     }
 
     pub fn device(&self, id: u32) -> Option<DeviceInfo> {
@@ -185,6 +200,12 @@ impl Pool {
             )));
         }
         let mut meta = self.meta();
+        // Everything before the message committed first (its data flushed), under the same
+        // lock: a message that fails half way and aborts drops nothing but itself, and a
+        // metadata snapshot holds every write completed before it.
+        self.commit_locked(&mut meta)
+            .and_then(|()| self.make_metadata_room(&mut meta))
+            .map_err(|e| TargetError::new(format!("thin-pool: {what}: {e}")))?;
         // Snapshots change which of a device's blocks are shared, deletes unmap whole
         // devices: the cache starts over.
         self.maps.clear();
@@ -206,5 +227,22 @@ impl Pool {
         // A delete may have freed blocks that requests are waiting for.
         self.space.changed();
         Ok(())
+    }
+}
+
+/// The thin targets of a pool, held (see [`Pool::users`]).
+pub struct Users<'a>(MutexGuard<'a, Vec<ThinUse>>);
+
+impl Users<'_> {
+    /// The devices whose tables use thin device `id`: (name, live).
+    pub fn of(&self, id: u32) -> Vec<(String, bool)> {
+        let mut users: Vec<(String, bool)> = Vec::new();
+        for thin in self.0.iter().filter(|t| t.id == id) {
+            match users.iter_mut().find(|(name, _)| *name == thin.owner) {
+                Some((_, live)) => *live |= thin.live,
+                None => users.push((thin.owner.clone(), thin.live)),
+            }
+        }
+        users
     }
 }

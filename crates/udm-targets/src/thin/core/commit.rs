@@ -10,6 +10,17 @@ use udm_metadata::thin::ThinError;
 use super::{Meta, Pool};
 use crate::thin::status::{metadata_low_water, Mode};
 
+/// Metadata blocks a running pool keeps free beyond the reserve for commits: 64, or a
+/// sixteenth of a smaller device. Down to these, it commits, and goes read-only if that made
+/// no room (the kernel's alloc_data_block: "commit before we use up the metadata reserve"),
+/// so that a full metadata device stops the pool cleanly rather than failing an operation
+/// half way, which aborts the transaction and drops the writes acknowledged since the last
+/// commit. They are for the changes under way at that moment: at most an insert per thread
+/// writing, each a few blocks.
+fn metadata_headroom(meta: &Meta) -> u64 {
+    (meta.md.metadata_usage().total / 16).min(64)
+}
+
 impl Pool {
     /// After a metadata operation failed: the transaction is dropped and the pool goes
     /// read-only (needs_check set, unless the metadata device is merely full), or to fail
@@ -17,13 +28,7 @@ impl Pool {
     pub fn metadata_failed(&self, meta: &mut Meta, op: &str, e: ThinError) -> BlockError {
         let full = e == ThinError::MetadataFull;
         if full {
-            let usage = meta.md.metadata_usage();
-            error!(
-                "thin-pool '{}': the metadata device is full ({}/{} blocks) during {op}: \
-                 switching the pool to read-only; writes that need a new block and messages \
-                 fail until the pool is on a larger metadata device",
-                self.name, usage.used, usage.total
-            );
+            self.log_metadata_full(meta, &format!(" during {op}"));
         } else {
             error!(
                 "thin-pool '{}': metadata operation {op} failed: {e}; run thin_check on the \
@@ -42,6 +47,21 @@ impl Pool {
         meta.epoch += 1;
         meta.passdown.clear();
         self.maps.clear();
+        let touched = std::mem::take(&mut meta.touched);
+        if !touched.is_empty() {
+            error!(
+                "thin-pool '{}': thin device(s) {} lost the writes made since the last commit; \
+                 their flushes fail while a table uses them",
+                self.name,
+                touched
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            // Before `dirty` is cleared: a flush that finds nothing to commit then sees these.
+            self.lost.lock().extend(touched);
+        }
         self.dirty.store(false, Ordering::Release);
         if !full && next != Mode::Fail {
             if let Err(flag) = meta.md.set_needs_check() {
@@ -56,6 +76,46 @@ impl Pool {
             self.set_mode(next);
         }
         BlockError::Io(format!("thin-pool '{}': {op}: {e}", self.name))
+    }
+
+    fn log_metadata_full(&self, meta: &Meta, during: &str) {
+        let usage = meta.md.metadata_usage();
+        error!(
+            "thin-pool '{}': the metadata device is full ({}/{} blocks){during}: switching \
+             the pool to read-only; writes that need a new block and messages fail until the \
+             pool is on a larger metadata device",
+            self.name, usage.used, usage.total
+        );
+    }
+
+    /// Before a change to the metadata: when its room is down to the headroom, commits, and
+    /// goes read-only (an error) if that made none.
+    pub(super) fn make_metadata_room(&self, meta: &mut Meta) -> Result<()> {
+        if meta.md.metadata_room() > metadata_headroom(meta) {
+            return Ok(());
+        }
+        self.commit_locked(meta)?;
+        if self.short_of_metadata(meta) {
+            return Err(BlockError::Io(format!(
+                "thin-pool '{}': the metadata device is out of space: the pool is read-only \
+                 until it is on a larger one",
+                self.name
+            )));
+        }
+        self.check_writable()
+    }
+
+    /// After a commit and at resume (the kernel's check_for_metadata_space): a pool whose
+    /// metadata room is down to the headroom goes read-only. True if it is short.
+    pub(super) fn short_of_metadata(&self, meta: &Meta) -> bool {
+        if meta.md.metadata_room() > metadata_headroom(meta) {
+            return false;
+        }
+        if self.mode() < Mode::ReadOnly {
+            self.log_metadata_full(meta, "");
+            self.set_mode(Mode::ReadOnly);
+        }
+        true
     }
 
     /// Makes every completed write durable: the data device is flushed, then (if anything
@@ -92,6 +152,8 @@ impl Pool {
             return Err(self.metadata_failed(meta, "commit", e));
         }
         self.dirty.store(false, Ordering::Release);
+        meta.touched.clear();
+        self.short_of_metadata(meta);
         if self.mode() == Mode::OutOfDataSpace {
             let usage = meta.md.data_usage();
             if usage.used < usage.total {
@@ -102,6 +164,19 @@ impl Pool {
         }
         self.check_metadata_low_water(meta);
         Ok(())
+    }
+
+    /// Fails a flush of thin device `id` if writes it acknowledged were dropped by an abort
+    /// (checked after the flush's commit, which is when an abort would have happened).
+    pub fn check_lost_writes(&self, id: u32) -> Result<()> {
+        if !self.lost.lock().contains(&id) {
+            return Ok(());
+        }
+        Err(BlockError::Io(format!(
+            "thin-pool '{}': thin device {id} lost writes when a metadata transaction was \
+             aborted (see the log); its flushes fail until no table uses it",
+            self.name
+        )))
     }
 
     /// Commits if something changed and the pool is running (the once-a-second commit).

@@ -14,6 +14,7 @@ impl Pool {
     pub fn alloc_block(&self) -> std::result::Result<Option<(u64, u64)>, BlockError> {
         let mut meta = self.meta();
         self.check_writable()?;
+        self.make_metadata_room(&mut meta)?;
         match meta.md.alloc_data_block() {
             Ok(Some(block)) => {
                 self.mark_dirty();
@@ -50,6 +51,7 @@ impl Pool {
         match meta.md.insert(id, vblock, block) {
             Ok(()) => {
                 self.mark_dirty();
+                meta.touched.insert(id);
                 // Made now, after the device's last snapshot: its own.
                 let mapping = Mapping {
                     data_block: block,
@@ -72,9 +74,11 @@ impl Pool {
             Ok(Some(_)) => {}
             Err(e) => return Err(self.lookup_failed(id, vblock, e)),
         }
+        self.make_metadata_room(&mut meta)?;
         match meta.md.remove(id, vblock) {
             Ok(freed) => {
                 self.mark_dirty();
+                meta.touched.insert(id);
                 self.maps.forget((id, vblock));
                 if let Some(freed) = freed.filter(|_| self.features().discard_passdown) {
                     meta.passdown.push(freed);
@@ -138,7 +142,7 @@ impl Pool {
         BlockError::Io(format!("thin-pool '{}': {e}", self.name))
     }
 
-    fn check_writable(&self) -> Result<()> {
+    pub(super) fn check_writable(&self) -> Result<()> {
         match self.mode() {
             Mode::Write | Mode::OutOfDataSpace => Ok(()),
             mode => Err(BlockError::Io(format!(

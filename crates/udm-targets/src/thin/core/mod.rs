@@ -11,6 +11,7 @@
 //! metadata operation does, [`mappings`] the pool's side of thin I/O, [`binding`] its life with
 //! its tables (resume, suspend, users, status, messages).
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
@@ -59,6 +60,9 @@ pub struct Meta {
     /// if they are still free then: a block allocated in the same transaction may have been
     /// freed and allocated again meanwhile.
     passdown: Vec<u64>,
+    /// Thin devices whose mappings I/O changed since the last commit: the ones that lose
+    /// acknowledged writes if this transaction is aborted.
+    touched: BTreeSet<u32>,
 }
 
 /// One thin target (in a live or an inactive table) using a thin device of this pool.
@@ -87,6 +91,10 @@ pub struct Pool {
     maps: MapCache,
     pub space: Space,
     thins: Mutex<Vec<ThinUse>>,
+    /// Thin devices that lost acknowledged writes when a transaction was aborted: their
+    /// flushes fail, so that no client takes them for durable, while a table uses them (the
+    /// kernel's aborted_with_changes, which lasts as long as the device is open).
+    lost: Mutex<BTreeSet<u32>>,
     next_token: AtomicU64,
     low_water_triggered: AtomicBool,
     metadata_low_triggered: AtomicBool,
@@ -215,6 +223,7 @@ impl Pool {
                 md,
                 epoch: 0,
                 passdown: Vec::new(),
+                touched: BTreeSet::new(),
             }),
             dirty: AtomicBool::new(false),
             mode: AtomicU8::new(mode as u8),
@@ -230,6 +239,7 @@ impl Pool {
             maps: MapCache::default(),
             space: Space::default(),
             thins: Mutex::new(Vec::new()),
+            lost: Mutex::new(BTreeSet::new()),
             next_token: AtomicU64::new(0),
             low_water_triggered: AtomicBool::new(false),
             metadata_low_triggered: AtomicBool::new(false),
