@@ -89,7 +89,14 @@ impl Thin {
                 Ok(()) => return Ok(()),
                 Err(Stall::Failed(e)) => return Err(e),
                 Err(Stall::NoSpace(_)) if self.suspending.load(Ordering::SeqCst) => {
-                    return Err(self.pool.no_space_error());
+                    return Err(if self.pushing_back.load(Ordering::SeqCst) {
+                        BlockError::Requeue(format!(
+                            "thin: no data space in pool '{}' while suspending with noflush",
+                            self.pool.name
+                        ))
+                    } else {
+                        self.pool.no_space_error()
+                    });
                 }
                 Err(Stall::NoSpace(generation)) => {
                     drop(in_flight);

@@ -23,8 +23,10 @@ pub struct Thin {
     /// This target's entry in the pool's list of thin users.
     token: u64,
     /// A suspend (or removal, or the daemon stopping) has begun: writes waiting for data
-    /// space fail now (see [`Target::presuspend`] and `retrying_on_space`).
+    /// space fail now (see [`Target::presuspend`] and `retrying_on_space`)...
     pub(super) suspending: AtomicBool,
+    /// ...or, for a noflush suspend, go back to the device to run again after the resume.
+    pub(super) pushing_back: AtomicBool,
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
@@ -65,6 +67,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         _pool_dev: pool_dev,
         token,
         suspending: AtomicBool::new(false),
+        pushing_back: AtomicBool::new(false),
     }))
 }
 
@@ -126,8 +129,11 @@ impl Target for Thin {
     /// A write waiting for data space could wait as long as the pool stays full (for ever
     /// with `--no-space-timeout 0`), and the suspend with it. The kernel's plain suspend
     /// waits until the no-space timeout fails it with ENOSPC; here it fails now, with the
-    /// same error (the write was never acknowledged), as multipath's presuspend does.
-    fn presuspend(&self, _noflush: bool) {
+    /// same error (the write was never acknowledged), as multipath's presuspend does. A
+    /// noflush suspend pushes it back to the device instead, as the kernel's requeues it:
+    /// it runs again after the resume, when the pool may have grown.
+    fn presuspend(&self, noflush: bool) {
+        self.pushing_back.store(noflush, Ordering::SeqCst);
         self.suspending.store(true, Ordering::SeqCst);
         self.pool.space.changed();
     }
@@ -138,6 +144,7 @@ impl Target for Thin {
 
     fn resume(&self) {
         self.suspending.store(false, Ordering::SeqCst);
+        self.pushing_back.store(false, Ordering::SeqCst);
         self.pool.set_thin_live(self.token, true);
     }
 }

@@ -7,7 +7,7 @@
 //! ENOSPC until space comes back. With `error_if_no_space` they fail at once.
 
 use parking_lot::{Condvar, Mutex};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use log::error;
@@ -44,6 +44,9 @@ struct State {
 pub struct Space {
     state: Mutex<State>,
     changed: Condvar,
+    /// Writes waiting for space now: the pool's status details show it (what a grown data
+    /// device would set going).
+    waiting: AtomicUsize,
 }
 
 /// Why a write could not complete now.
@@ -78,6 +81,10 @@ impl Space {
     pub fn timed_out(&self) -> bool {
         self.state.lock().timed_out
     }
+
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
 }
 
 impl Pool {
@@ -103,6 +110,14 @@ impl Pool {
     /// Waits until space may have come back (then the caller retries) or the no-space
     /// timeout passes (then ENOSPC).
     pub fn wait_for_space(&self, generation: u64) -> Result<()> {
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        self.space.waiting.fetch_add(1, Ordering::SeqCst);
+        let _waiting = Waiting(&self.space.waiting);
         let mut state = self.space.state.lock();
         loop {
             if state.generation != generation {

@@ -132,6 +132,7 @@ pub fn pool_details(pool: &Pool) -> serde_json::Value {
             (true, false) => "no_discard_passdown",
         },
         "no_space": if status.error_if_no_space { "error" } else { "queue" },
+        "writes_waiting_for_space": pool.space.waiting(),
         "needs_check": status.needs_check,
         "metadata_low_water_blocks": status.metadata_low_water,
         "devices": devices,

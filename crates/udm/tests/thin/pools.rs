@@ -76,14 +76,18 @@ fn suspending_a_volume_whose_write_waits_for_space_does_not_wait_for_ever() {
         let uri = daemon.uri("vol");
         let waiting =
             std::thread::spawn(move || qemu_io(&uri, &format!("write -P 2 {} 4096", 3 * BLOCK)));
+        // The pool stays out of data space from the first round on: what says that this
+        // round's write waits is the count of writes waiting.
         let started = Instant::now();
-        while !status(&daemon, "pool").contains(" out_of_data_space ") {
+        let writes_waiting = || pool_details(&daemon, &pool)["writes_waiting_for_space"].as_u64();
+        while writes_waiting().expect("writes_waiting_for_space in the pool's details") == 0 {
             assert!(
                 started.elapsed() < Duration::from_secs(10),
                 "the write never waited"
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        assert!(status(&daemon, "pool").contains(" out_of_data_space "));
         let (done, finished) = std::sync::mpsc::channel();
         let control = daemon.control();
         let (verbs_run, table) = (verbs.to_vec(), table.clone());
@@ -109,13 +113,32 @@ fn suspending_a_volume_whose_write_waits_for_space_does_not_wait_for_ever() {
         let (ok, out) = waiting.join().unwrap();
         assert!(!ok && out.contains("No space left on device"), "{out}");
     }
-    // The pool grown, writes that need space go on, and nothing written before changed.
+    // A noflush suspend pushes the waiting write back instead: it is not answered, and
+    // once the pool has grown and the volume is resumed it is done (the kernel requeues it).
+    let uri = daemon.uri("vol");
+    let waiting =
+        std::thread::spawn(move || qemu_io(&uri, &format!("write -P 3 {} 4096", 3 * BLOCK)));
+    let started = Instant::now();
+    while pool_details(&daemon, &pool)["writes_waiting_for_space"].as_u64() != Some(1) {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the write never waited"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    daemon.udm(&["suspend", "--noflush", "vol"]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!waiting.is_finished(), "answered while suspended");
+    // The pool grown, the pushed-back write and later ones go on, and nothing written before
+    // changed.
     resize(&pool.data, 8 * BLOCK);
     daemon.reload(
         "pool",
         &thin_pool_table(&pool.meta, &pool.data, 8 * BLOCK, "4"),
     );
-    fill(&daemon, "vol", 3, 3 * BLOCK, 4096);
+    daemon.udm(&["resume", "vol"]);
+    let (ok, out) = waiting.join().unwrap();
+    assert!(ok, "{out}");
     let vol = contents(&daemon, "vol");
     expect_bytes(&vol, 0, 2 * BLOCK, 1, "written before the pool filled");
     expect_bytes(&vol, 3 * BLOCK, 4096, 3, "written after growing");
