@@ -30,6 +30,7 @@
 mod connection;
 mod dial;
 mod mapped;
+mod outbox;
 mod poller;
 mod reconnect;
 mod reply;

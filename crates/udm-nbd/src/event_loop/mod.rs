@@ -65,6 +65,8 @@ const SUBMIT_CHUNK: usize = 4;
 const RECV: u64 = 1;
 const SEND: u64 = 2;
 const WAKE: u64 = 3;
+/// A remote client's write (see [`SocketWrite`]), its index in place of the connection's.
+const SOCKET_WRITE: u64 = 4;
 const KIND_BITS: u32 = 8;
 
 fn user_data(conn: usize, kind: u64) -> u64 {
@@ -126,6 +128,9 @@ impl Loops {
                 idle_timeout,
                 write_timeout,
                 last_tick: Instant::now(),
+                ring_writes: udm_block::RingWrites::accept(),
+                socket_writes: Vec::new(),
+                free_socket_writes: Vec::new(),
             };
             std::thread::Builder::new()
                 .name(format!("nbd-loop-{i}"))
@@ -296,6 +301,18 @@ struct EventLoop {
     idle_timeout: Option<Duration>,
     write_timeout: Duration,
     last_tick: Instant,
+    /// Writes of remote clients (a multipath's paths) that this loop makes on its ring.
+    ring_writes: udm_block::RingWrites,
+    /// Those in flight, by the index in their entries' `user_data`.
+    socket_writes: Vec<Option<Box<SocketWrite>>>,
+    free_socket_writes: Vec<usize>,
+}
+
+/// A remote client's write in flight on the loop's ring: the `sendmsg` header its entry
+/// points to (kept in place until the completion), and the write to tell how it went.
+struct SocketWrite {
+    message: libc::msghdr,
+    write: Box<dyn udm_block::RingWrite>,
 }
 
 impl EventLoop {
@@ -326,8 +343,9 @@ impl EventLoop {
                 }
             }
             // Requests this wake-up sends to remote exports (a multipath's or a linear's
-            // NBD paths) go out together when it ends: one write per connection.
-            let _batch = udm_block::Batch::open();
+            // NBD paths) go out together when it ends: one write per connection, submitted
+            // on the ring with the next wait.
+            let batch = udm_block::Batch::open();
             self.reap();
             while let Some((user_data, result)) = self.backlog.pop_front() {
                 // A bug here must not take every connection of the loop down with it.
@@ -350,7 +368,42 @@ impl EventLoop {
             for c in dirty {
                 self.pump(c);
             }
+            drop(batch);
+            self.start_socket_writes();
         }
+    }
+
+    /// Queues the writes remote clients handed to this loop, as `sendmsg` entries.
+    fn start_socket_writes(&mut self) {
+        for write in self.ring_writes.take() {
+            let iovecs = write.iovecs();
+            // SAFETY: an all-zero msghdr is a valid empty one.
+            let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+            message.msg_iov = iovecs.as_ptr().cast_mut();
+            message.msg_iovlen = iovecs.len();
+            let fd = types::Fd(write.fd());
+            let pending = Box::new(SocketWrite { message, write });
+            let index = self.free_socket_writes.pop().unwrap_or_else(|| {
+                self.socket_writes.push(None);
+                self.socket_writes.len() - 1
+            });
+            // The header and the iovecs it points to stay put (boxed, and the write keeps
+            // its iovecs unchanged) until the completion.
+            let entry = opcode::SendMsg::new(fd, &pending.message)
+                .flags((libc::MSG_NOSIGNAL | libc::MSG_WAITALL) as u32)
+                .build()
+                .user_data(user_data(index, SOCKET_WRITE));
+            self.socket_writes[index] = Some(pending);
+            self.queued.push(entry);
+        }
+    }
+
+    fn socket_written(&mut self, index: usize, result: i32) {
+        let Some(pending) = self.socket_writes.get_mut(index).and_then(Option::take) else {
+            return warn!("nbd: event loop: completion of an unknown socket write {index}");
+        };
+        self.free_socket_writes.push(index);
+        pending.write.written(result);
     }
 
     fn reap(&mut self) {
@@ -434,6 +487,7 @@ impl EventLoop {
             }
             RECV => self.received(conn, result),
             SEND => self.sent(conn, result),
+            SOCKET_WRITE => self.socket_written(conn, result),
             other => warn!("nbd: event loop: completion of unknown kind {other}"),
         }
     }

@@ -300,3 +300,138 @@ fn a_batch_whose_server_dies_while_it_is_written_has_every_request_retried() {
         started.elapsed()
     );
 }
+
+/// An executor with a ring, as the NBD event loop is: it takes the clients' writes onto its
+/// ring (see `udm_block::RingWrites`) and submits them when a batch ends.
+struct RingExecutor {
+    ring: io_uring::IoUring,
+    writes: udm_block::RingWrites,
+    in_flight: Vec<Option<InFlightWrite>>,
+    /// Writes submitted so far, continuations included.
+    submitted: usize,
+}
+
+/// A write on the ring: the `sendmsg` header its entry points to, boxed so it stays put.
+type InFlightWrite = Box<(libc::msghdr, Box<dyn udm_block::RingWrite>)>;
+
+impl RingExecutor {
+    fn new() -> RingExecutor {
+        RingExecutor {
+            ring: io_uring::IoUring::new(64).unwrap(),
+            writes: udm_block::RingWrites::accept(),
+            in_flight: Vec::new(),
+            submitted: 0,
+        }
+    }
+
+    /// Runs `start` in a batch, then submits the writes it handed over.
+    fn batch<T>(&mut self, start: impl FnOnce() -> T) -> T {
+        let batch = udm_block::Batch::open();
+        let started = start();
+        drop(batch);
+        self.submit();
+        started
+    }
+
+    fn submit(&mut self) {
+        for write in self.writes.take() {
+            // SAFETY: an all-zero msghdr is a valid empty one.
+            let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+            message.msg_iov = write.iovecs().as_ptr().cast_mut();
+            message.msg_iovlen = write.iovecs().len();
+            let fd = io_uring::types::Fd(write.fd());
+            let pending = Box::new((message, write));
+            let entry = io_uring::opcode::SendMsg::new(fd, &pending.0)
+                .flags(libc::MSG_NOSIGNAL as u32)
+                .build()
+                .user_data(self.in_flight.len() as u64);
+            self.in_flight.push(Some(pending));
+            // SAFETY: the header and its iovecs stay put until the completion is handled.
+            unsafe { self.ring.submission().push(&entry).unwrap() };
+            self.submitted += 1;
+        }
+        self.ring.submit().unwrap();
+    }
+
+    /// Handles completions, and submits what they hand over, until no write is in flight.
+    fn settle(&mut self, within: Duration) {
+        let deadline = Instant::now() + within;
+        while self.in_flight.iter().any(Option::is_some) {
+            assert!(
+                Instant::now() < deadline,
+                "a write on the ring never completed"
+            );
+            let timeout = io_uring::types::Timespec::from(Duration::from_millis(100));
+            let args = io_uring::types::SubmitArgs::new().timespec(&timeout);
+            let _ = self.ring.submitter().submit_with_args(1, &args);
+            let done: Vec<(u64, i32)> = self
+                .ring
+                .completion()
+                .map(|c| (c.user_data(), c.result()))
+                .collect();
+            for (index, result) in done {
+                let (_, write) = *self.in_flight[index as usize].take().unwrap();
+                write.written(result);
+            }
+            self.submit();
+        }
+    }
+}
+
+#[test]
+fn requests_started_on_an_executor_with_a_ring_go_out_on_its_ring() {
+    let dir = scratch("mapped-ring");
+    let _server = nbdkit(&dir, &["memory", "64M"]);
+    let client = connect(&uri(&dir), options(Duration::from_secs(30)));
+    // 8 MiB in one batch: more than the socket takes at once, so the write comes back short
+    // and goes on from there.
+    let mut bufs: Vec<AlignedBuf> = (0..32).map(|i| pattern(256 << 10, 200 + i)).collect();
+    let mut executor = RingExecutor::new();
+    let ended = executor.batch(|| start_each(&client, MapOp::Write { fua: false }, &mut bufs));
+    assert_eq!(
+        executor.submitted, 1,
+        "the batch goes out as one write on the ring"
+    );
+    executor.settle(Duration::from_secs(10));
+    assert!(
+        executor.submitted > 1,
+        "the socket took 8 MiB at once: the short write's rest went untested"
+    );
+    for _ in 0..32 {
+        let (i, how) = ended.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(matches!(how, Ended::Done), "request {i}: {how:?}");
+    }
+    drop(executor);
+    for (i, buf) in bufs.iter().enumerate() {
+        let at = i as u64 * buf.len() as u64;
+        assert!(read(&client, at, buf.len())[..] == buf[..], "request {i}");
+    }
+}
+
+#[test]
+fn a_ring_write_whose_server_dies_has_every_request_retried() {
+    // As `a_batch_whose_server_dies_while_it_is_written_has_every_request_retried`, with the
+    // batch's write waiting on the executor's ring instead of in a system call.
+    let dir = scratch("mapped-ring-killed");
+    let server = nbdkit(&dir, &["--filter=delay", "memory", "64M", "delay-write=20"]);
+    let client = connect(&uri(&dir), options(Duration::from_secs(30)));
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        drop(server)
+    });
+    let mut bufs: Vec<AlignedBuf> = (0..48).map(|i| pattern(256 << 10, i)).collect();
+    let started = Instant::now();
+    let mut executor = RingExecutor::new();
+    let ended = executor.batch(|| start_each(&client, MapOp::Write { fua: false }, &mut bufs));
+    executor.settle(Duration::from_secs(10));
+    killer.join().unwrap();
+    for _ in 0..48 {
+        let (i, how) = ended.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(matches!(how, Ended::Retry), "request {i}: {how:?}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}

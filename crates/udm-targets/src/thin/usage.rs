@@ -11,6 +11,8 @@ use std::collections::HashMap;
 
 use serde_json::json;
 
+use udm_metadata::thin::{DeviceInfo, ThinError};
+
 use super::core::Pool;
 
 /// Virtual blocks looked up per metadata lock.
@@ -30,40 +32,33 @@ pub struct DeviceUsage {
 /// Every device's usage, by id.
 pub fn devices(pool: &Pool) -> Result<Vec<DeviceUsage>, String> {
     let infos = pool.meta().md.devices();
-    let mut runs_of: Vec<Vec<(u64, u64, bool)>> = Vec::with_capacity(infos.len());
+    usage_of(pool, infos)
+}
+
+/// The usage of the devices `infos` lists. The walk lets the metadata lock go between
+/// windows, so a device may be deleted while it runs: such a device is left out, as it
+/// would have been had the walk started a moment later.
+pub(super) fn usage_of(pool: &Pool, infos: Vec<DeviceInfo>) -> Result<Vec<DeviceUsage>, String> {
+    let mut walked = Vec::with_capacity(infos.len());
     let mut users: HashMap<u64, u32> = HashMap::new();
-    let mut highest_of = Vec::with_capacity(infos.len());
-    for info in &infos {
-        let highest = pool
-            .meta()
-            .md
-            .highest_mapped(info.id)
-            .map_err(|e| e.to_string())?;
-        let mut runs = Vec::new();
-        let mut begin = 0;
-        let end = highest.map_or(0, |h| h + 1);
-        while begin < end {
-            let window = pool
-                .lookup_range(info.id, begin, (begin + WINDOW).min(end))
-                .map_err(|e| e.to_string())?;
-            for (_, data, len, shared) in window {
-                if shared {
+    for info in infos {
+        match walk(pool, info.id) {
+            Ok((runs, highest)) => {
+                // Counted once the walk is whole: a device deleted half-way counts for none.
+                for &(data, len, _) in runs.iter().filter(|run| run.2) {
                     for block in data..data + len {
                         *users.entry(block).or_default() += 1;
                     }
                 }
-                runs.push((data, len, shared));
+                walked.push((info, runs, highest))
             }
-            begin += WINDOW;
+            Err(ThinError::NoSuchDevice(id)) if id == info.id => {}
+            Err(e) => return Err(e.to_string()),
         }
-        runs_of.push(runs);
-        highest_of.push(highest);
     }
-    Ok(infos
-        .iter()
-        .zip(runs_of)
-        .zip(highest_of)
-        .map(|((info, runs), highest)| {
+    Ok(walked
+        .into_iter()
+        .map(|(info, runs, highest)| {
             let mut usage = DeviceUsage {
                 id: info.id,
                 mapped: 0,
@@ -91,6 +86,30 @@ pub fn devices(pool: &Pool) -> Result<Vec<DeviceUsage>, String> {
             usage
         })
         .collect())
+}
+
+/// A run of mapped blocks: its first data block, its length, and whether it may be shared.
+type Run = (u64, u64, bool);
+
+/// The mapped runs of device `id` and its highest mapped block.
+fn walk(pool: &Pool, id: u32) -> Result<(Vec<Run>, Option<u64>), ThinError> {
+    let highest = pool.meta().md.highest_mapped(id)?;
+    let mut runs = Vec::new();
+    let mut begin = 0;
+    let end = highest.map_or(0, |h| h + 1);
+    while begin < end {
+        let window = pool
+            .meta()
+            .md
+            .lookup_range(id, begin, (begin + WINDOW).min(end))?;
+        runs.extend(
+            window
+                .into_iter()
+                .map(|(_, data, len, shared)| (data, len, shared)),
+        );
+        begin += WINDOW;
+    }
+    Ok((runs, highest))
 }
 
 /// The pool's `udm status --json` details: the status line's numbers by name, and every

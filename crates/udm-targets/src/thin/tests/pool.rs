@@ -525,3 +525,29 @@ fn a_resume_racing_create_snap_waits_and_the_snapshot_stays_as_taken() {
     );
     assert!(read(&*origin, 0, 4 * KIB) == filled(4 * KIB, 2));
 }
+
+#[test]
+fn a_device_deleted_while_its_usage_is_counted_is_left_out() {
+    let (rig, pool) = pool_with_thin(64, "");
+    let origin = rig.thin(4 * MIB, 1).unwrap();
+    write(&origin, 0, &filled(2 * BLOCK, 1));
+    origin.suspend();
+    rig.message(&pool, "create_snap 2 1").unwrap();
+    origin.resume();
+    let shared = crate::thin::core::POOLS.get(&rig.name).unwrap();
+    // The walk lists the devices, then lets the lock go between windows: the snapshot is
+    // deleted in between.
+    let listed = shared.meta().md.devices();
+    assert_eq!(listed.len(), 2);
+    rig.message(&pool, "delete 2").unwrap();
+    let usage = crate::thin::usage::usage_of(&shared, listed).unwrap();
+    assert_eq!(usage.len(), 1, "the deleted snapshot is left out");
+    let origin_usage = &usage[0];
+    assert_eq!(origin_usage.id, 1);
+    assert_eq!(origin_usage.mapped, 2);
+    assert_eq!(
+        (origin_usage.exclusive, origin_usage.shared),
+        (2, 0),
+        "blocks the deleted snapshot shared are the origin's alone"
+    );
+}
