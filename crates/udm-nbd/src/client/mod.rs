@@ -396,14 +396,7 @@ impl BlockDevice for NbdClient {
         };
         self.shared.changed.notify_all();
         if let Some(conn) = conn {
-            // A writer stuck on a server that stopped reading must not hold us up: the goodbye
-            // is skipped then.
-            if let Some(mut writer) = conn.writer.try_lock() {
-                disconnect(&mut writer);
-            }
-            // The reply reader sees the socket end and marks the connection lost; the
-            // requests it had in flight are then resent, find the client closing and fail.
-            conn.control.shutdown();
+            self.shared.hang_up(&conn);
         }
     }
 }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use udm_block::RingWrite;
 
-use super::connection::{finish_send, Conn, Slot};
+use super::connection::{disconnect, finish_send, Conn, Slot};
 use super::reconnect::Shared;
 use crate::protocol::REQUEST_HEADER_LEN;
 
@@ -85,6 +85,12 @@ impl Conn {
         true
     }
 
+    /// Makes the caller the writer if nobody writes.
+    fn try_claim_writer(&self) -> bool {
+        let mut outbox = self.outbox.lock();
+        !std::mem::replace(&mut outbox.writing, true)
+    }
+
     /// The queued requests, with the caller as their writer; none when someone else writes
     /// (they are that writer's) or nothing is queued.
     fn claim_queued(&self) -> Option<Vec<Outgoing>> {
@@ -142,6 +148,25 @@ impl Shared {
             self.write_outbox(conn, next);
         }
         result
+    }
+
+    /// Says goodbye on `conn` and shuts it down. The goodbye is skipped when someone writes
+    /// (a writer stuck on a server that stopped reading must not hold us up, and a goodbye
+    /// in the middle of its requests would corrupt them); requests queued meanwhile are then
+    /// written to the dead socket, which fails them as lost.
+    pub(super) fn hang_up(self: &Arc<Self>, conn: &Arc<Conn>) {
+        let writer = conn.try_claim_writer();
+        if writer {
+            disconnect(&mut conn.writer.lock());
+        }
+        // The reply reader sees the socket end and marks the connection lost; the requests
+        // it had in flight are then resent, find the client closing and fail.
+        conn.control.shutdown();
+        if writer {
+            if let Some(next) = conn.next_or_release() {
+                self.write_outbox(conn, next);
+            }
+        }
     }
 
     /// Writes the outbox, unless someone is writing already (then it is theirs).
