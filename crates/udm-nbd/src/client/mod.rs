@@ -53,7 +53,7 @@ use udm_block::{
 use crate::protocol::*;
 use crate::stream::Stream;
 use crate::uri::UriError;
-use connection::{disconnect, Conn};
+use connection::Conn;
 use dial::{ExportInfo, Target};
 use reconnect::{Shared, State};
 use request::Payload;
