@@ -73,6 +73,34 @@ fn user_data(conn: usize, kind: u64) -> u64 {
     (conn as u64) << KIND_BITS | kind
 }
 
+/// A loop's ring, made on the loop's thread, the only one that submits to it: the kernel then
+/// leaves completions for the loop's next wait to collect (DEFER_TASKRUN) instead of
+/// interrupting the loop's work for each as it comes. A kernel without those flags (before
+/// 6.1) gets a plain ring.
+fn loop_ring() -> io::Result<IoUring> {
+    let mut builder = IoUring::builder();
+    builder.setup_cqsize(RING_ENTRIES * 8);
+    let ring = match builder
+        .clone()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(RING_ENTRIES)
+    {
+        Ok(ring) => ring,
+        Err(e) => {
+            debug!("nbd: io_uring refuses deferred completions ({e}): a plain ring");
+            builder.build(RING_ENTRIES)?
+        }
+    };
+    // The kernel runs what cannot complete at once (allocating writes, syncs) on io-wq
+    // threads of the daemon's; bound them so a burst cannot add hundreds.
+    let mut workers = [IO_WORKERS, IO_WORKERS];
+    if let Err(e) = ring.submitter().register_iowq_max_workers(&mut workers) {
+        debug!("nbd: cannot bound io_uring's worker threads: {e}");
+    }
+    Ok(ring)
+}
+
 /// A negotiated connection handed to a loop, with what must live as long as it.
 pub(crate) struct Attach {
     pub stream: Stream,
@@ -98,21 +126,12 @@ impl Loops {
     ) -> io::Result<Loops> {
         let mut mailboxes = Vec::new();
         for i in 0..config.loop_threads.max(1) {
-            let ring = IoUring::builder()
-                .setup_cqsize(RING_ENTRIES * 8)
-                .build(RING_ENTRIES)?;
-            // The kernel runs what cannot complete at once (allocating writes, syncs) on
-            // io-wq threads of the daemon's; bound them so a burst cannot add hundreds.
-            let mut workers = [IO_WORKERS, IO_WORKERS];
-            if let Err(e) = ring.submitter().register_iowq_max_workers(&mut workers) {
-                debug!("nbd: cannot bound io_uring's worker threads: {e}");
-            }
             let mailbox = Arc::new(Mailbox::new()?);
             let (mailbox_here, budget, pool) = (mailbox.clone(), budget.clone(), pool.clone());
             let (queue_depth, idle_timeout) = (config.queue_depth.max(1), config.idle_timeout);
             let write_timeout = config.handshake_timeout;
             // Built on its thread: a loop holds raw pointers (in-flight buffers) it never shares.
-            let event_loop = move || EventLoop {
+            let event_loop = move |ring| EventLoop {
                 ring,
                 engine: Engine::new(),
                 conns: Vec::new(),
@@ -132,9 +151,21 @@ impl Loops {
                 socket_writes: Vec::new(),
                 free_socket_writes: Vec::new(),
             };
+            let (built, ring_made) = std::sync::mpsc::sync_channel(1);
             std::thread::Builder::new()
                 .name(format!("nbd-loop-{i}"))
-                .spawn(move || event_loop().run())?;
+                .spawn(move || match loop_ring() {
+                    Ok(ring) => {
+                        let _ = built.send(Ok(()));
+                        event_loop(ring).run()
+                    }
+                    Err(e) => {
+                        let _ = built.send(Err(e));
+                    }
+                })?;
+            ring_made
+                .recv()
+                .map_err(|_| io::Error::other("an event loop thread ended at its start"))??;
             mailboxes.push(mailbox);
         }
         Ok(Loops {
