@@ -57,28 +57,56 @@ impl PoolHandle {
         self.0.meta().md.delta(from, to).map_err(|e| self.error(e))
     }
 
-    /// Creates thin device `id`: empty, or a snapshot of `origin` (which must not be live).
-    pub fn create(&self, id: u32, origin: Option<u32>) -> Result<(), TargetError> {
-        match origin {
-            Some(origin) => self
-                .0
-                .message(|meta| meta.md.create_snap(id, origin), "create_snap"),
-            None => self
-                .0
-                .message(|meta| meta.md.create_thin(id), "create_thin"),
+    /// Creates empty thin device `id`.
+    pub fn create_thin(&self, id: u32) -> Result<(), TargetError> {
+        self.0
+            .message(|meta| meta.md.create_thin(id), "create_thin")
+    }
+
+    /// Creates thin device `id` as a snapshot of `origin`, refused while a table that
+    /// `may_write` names uses `origin`: such a table may have writes in flight that the
+    /// snapshot would half hold, and a base that is written is no longer the snapshot it was
+    /// received as. The users stay held until the snapshot is taken, as the pool's
+    /// `create_snap` holds them: no table of `origin` is made or resumed in between.
+    pub fn create_snap(
+        &self,
+        id: u32,
+        origin: u32,
+        may_write: impl Fn(&str) -> bool,
+    ) -> Result<(), TargetError> {
+        let users = self.0.users();
+        let writers: Vec<String> = users
+            .of(origin)
+            .into_iter()
+            .map(|(name, _)| name)
+            .filter(|name| may_write(name))
+            .collect();
+        if let Some(first) = writers.first() {
+            return Err(TargetError::new(format!(
+                "thin device {origin} of pool '{}' is used by {}, writable: remove it or load                  it read-only first (udm remove {first})",
+                self.0.name,
+                writers.join(", ")
+            )));
         }
+        self.0
+            .message(|meta| meta.md.create_snap(id, origin), "create_snap")
     }
 
     /// Deletes thin device `id`, which no table may use.
     pub fn delete(&self, id: u32) -> Result<(), TargetError> {
-        self.unused(id)?;
+        // Held until the device is gone, as the pool's `delete` holds them: a table of `id`
+        // made in between would be left on a deleted device.
+        let users = self.0.users();
+        self.unused(id, users.of(id))?;
         self.0.message(|meta| meta.md.delete(id), "delete")
     }
 
     /// Makes `staged` known as `id` in one commit: `id` becomes a snapshot of it, and `staged`
     /// goes. A crash leaves the one or the other, never both half.
     pub fn publish(&self, staged: u32, id: u32) -> Result<(), TargetError> {
-        self.unused(staged)?;
+        // Held to the end, as in `delete`.
+        let users = self.0.users();
+        self.unused(staged, users.of(staged))?;
         self.0.message(
             |meta| {
                 meta.md.create_snap(id, staged)?;
@@ -88,13 +116,14 @@ impl PoolHandle {
         )
     }
 
-    fn unused(&self, id: u32) -> Result<(), TargetError> {
-        let users = self.users_of(id);
+    /// Refuses `id` if `users` (its users, held) is not empty.
+    fn unused(&self, id: u32, users: Vec<(String, bool)>) -> Result<(), TargetError> {
+        let users: Vec<String> = users.into_iter().map(|(name, _)| name).collect();
         if users.is_empty() {
             return Ok(());
         }
         Err(TargetError::new(format!(
-            "thin device {id} of pool '{}' is in use by {}",
+            "thin device {id} of pool '{}' is in use by {} (remove it first)",
             self.0.name,
             users.join(", ")
         )))

@@ -22,6 +22,7 @@ use udm_targets::Table;
 use super::device::Events;
 use super::received::{Mark, Partial, PoolState, Snapshot};
 use super::registry::Registry;
+use super::send::SENDING_PREFIX;
 use crate::replication::stream::{Event, Header, Kind, Layout, Place, Reader, StreamError};
 
 /// How the private tables of receives are named (never a device's name: those do not start
@@ -442,11 +443,17 @@ fn new_staging(
         })
     };
     record(&partial).map_err(io)?;
-    if let Err(e) = pool.create(partial.staging, base) {
+    let made = match base {
+        Some(base) => pool
+            .create_snap(partial.staging, base, may_write(registry))
+            .map_err(|e| format!("cannot snapshot the stream's base: {e}")),
+        None => pool.create_thin(partial.staging).map_err(|e| e.to_string()),
+    };
+    if let Err(e) = made {
         let _ = PoolState::update(&registry.state_dir, &req.pool, pool, |s| {
             drop(s.partial.remove(&req.id))
         });
-        return Err(e.to_string());
+        return Err(e);
     }
     partial.staging_time = pool.device(partial.staging).map(|d| d.creation_time);
     if let Err(e) = record(&partial) {
@@ -454,6 +461,19 @@ fn new_staging(
         return Err(io(e));
     }
     Ok(partial)
+}
+
+/// Which tables may write, by their device's name: all but the private readers of sends and
+/// devices that are read-only and stay so at their next resume. A name the registry does not
+/// know yet (a device being made) may write.
+fn may_write(registry: &Registry) -> impl Fn(&str) -> bool {
+    let still: BTreeSet<String> = registry
+        .map()
+        .iter()
+        .filter(|(_, d)| d.read_only() && (d.inactive().is_none() || d.inactive_read_only()))
+        .map(|(name, _)| name.clone())
+        .collect();
+    move |user| !user.starts_with(SENDING_PREFIX) && !still.contains(user)
 }
 
 /// Records read and waiting to be written, with their data, and the layout checksum up to

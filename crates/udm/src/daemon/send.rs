@@ -55,6 +55,8 @@ pub fn plan(runs: &[udm_metadata::thin::DeltaRun], block_bytes: u64) -> Vec<Plan
 /// Records read at once.
 const READ_AHEAD: usize = 8;
 
+/// How the private tables of sends are named (they only read).
+pub const SENDING_PREFIX: &str = ".send-";
 /// Names the private tables of concurrent sends apart.
 static SENDS: AtomicU64 = AtomicU64::new(0);
 
@@ -190,7 +192,7 @@ impl Send {
             return Ok(None);
         }
         let owner = format!(
-            ".send-{}-{}-{}",
+            "{SENDING_PREFIX}{}-{}-{}",
             self.pool_name,
             h.to_id,
             SENDS.fetch_add(1, Ordering::Relaxed)

@@ -1,0 +1,54 @@
+//! What a receive does to a base that tables use: a writable table on it is refused (the
+//! snapshot of a base being written half holds its writes, and a written base is no longer
+//! the snapshot it was received as), a replica kept mounted read-only is not.
+
+use super::*;
+
+/// The one-line error of a receive that must be refused, and that it changed no device.
+fn refused(daemon: &Daemon, id: u32, stream: &[u8], what: &str) -> String {
+    let before = devices(daemon);
+    let out = receive(daemon, id, stream, &[]);
+    let err = String::from_utf8_lossy(&out.stderr).trim_end().to_string();
+    assert!(!out.status.success(), "{what}: received");
+    assert_eq!(err.lines().count(), 1, "{what}: {err}");
+    assert_eq!(devices(daemon), before, "{what}: the pool changed");
+    err
+}
+
+#[test]
+fn a_receive_onto_a_base_that_a_writable_table_uses_is_refused_a_read_only_one_is_kept() {
+    let (a, b, b_pool) = two_daemons("live-base");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x61 0 2M"]);
+    snapshot(&a, 2);
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x62 1M 2M"]);
+    snapshot(&a, 3);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    send_to_file(&a, 3, Some(2), &a.dir.path("inc"));
+    succeeded(
+        receive(&b, 2, &std::fs::read(a.dir.path("full")).unwrap(), &[]),
+        "full receive",
+    );
+    let inc = std::fs::read(a.dir.path("inc")).unwrap();
+    let table = format!("0 {} thin pool 2", VOLUME / 512);
+    b.udm(&["create", "base", "--table", &table]);
+    let expected = "thin device 2 of pool 'pool' is used by base, writable";
+    let err = refused(&b, 3, &inc, "a live writable base");
+    assert!(err.contains(expected), "{err}");
+    // Suspended, it is still writable once resumed.
+    b.udm(&["suspend", "base"]);
+    let err = refused(&b, 3, &inc, "a suspended writable base");
+    assert!(err.contains(expected), "{err}");
+    b.udm(&["remove", "base"]);
+    // Read-only, but with a writable table loaded to go live at the next resume.
+    b.udm(&["create", "base", "--readonly", "--table", &table]);
+    b.udm(&["load", "base", "--table", &table]);
+    let err = refused(&b, 3, &inc, "a read-only base with a writable table loaded");
+    assert!(err.contains(expected), "{err}");
+    b.udm(&["clear", "base"]);
+    // The replica mounted read-only stays while the next snapshot arrives onto it.
+    succeeded(receive(&b, 3, &inc, &[]), "receive onto a read-only base");
+    b.udm(&["remove", "base"]);
+    same_snapshot(&a, &b, 2);
+    same_snapshot(&a, &b, 3);
+    thin_check(&b, &b_pool);
+}
