@@ -102,7 +102,8 @@ impl PoolHandle {
     }
 
     /// Makes `staged` known as `id` in one commit: `id` becomes a snapshot of it, and `staged`
-    /// goes. A crash leaves the one or the other, never both half.
+    /// goes. A crash leaves the one or the other, never both half. No device made later has
+    /// `id`'s creation time.
     pub fn publish(&self, staged: u32, id: u32) -> Result<(), TargetError> {
         // Held to the end, as in `delete`.
         let users = self.0.users();
@@ -110,6 +111,12 @@ impl PoolHandle {
         self.0.message(
             |meta| {
                 meta.md.create_snap(id, staged)?;
+                meta.md.delete(staged)?;
+                // A snapshot of `id`, dropped at once, moves the pool's time past `id`'s
+                // creation time: `create_thin` takes the pool's current time, so an id made
+                // again after a delete would otherwise carry the creation time that names
+                // this received device, and pass for it as the base of the next stream.
+                meta.md.create_snap(staged, id)?;
                 meta.md.delete(staged)
             },
             "publish",

@@ -52,3 +52,26 @@ fn a_receive_onto_a_base_that_a_writable_table_uses_is_refused_a_read_only_one_i
     same_snapshot(&a, &b, 3);
     thin_check(&b, &b_pool);
 }
+
+/// A received device deleted and its id made again is no base, although `create_thin` gives
+/// the new device the pool's current time, which was the received device's creation time.
+#[test]
+fn a_received_device_deleted_and_its_id_made_again_is_no_base() {
+    let (a, b, b_pool) = two_daemons("reused-base");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x71 0 2M"]);
+    snapshot(&a, 2);
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x72 3M 1M"]);
+    snapshot(&a, 3);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    send_to_file(&a, 3, Some(2), &a.dir.path("inc"));
+    succeeded(
+        receive(&b, 2, &std::fs::read(a.dir.path("full")).unwrap(), &[]),
+        "full receive",
+    );
+    b.udm(&["message", "pool", "0", "delete", "2"]);
+    b.udm(&["message", "pool", "0", "create_thin", "2"]);
+    let inc = std::fs::read(a.dir.path("inc")).unwrap();
+    let err = refused(&b, 3, &inc, "a base deleted and made again");
+    assert!(err.contains("wrong base"), "{err}");
+    thin_check(&b, &b_pool);
+}
