@@ -435,6 +435,7 @@ fn new_staging(
         staging_time: None,
         next_record: 0,
         layout: 0,
+        resume: req.resume,
     };
     let record = |p: &Partial| {
         let p = p.clone();
@@ -530,6 +531,39 @@ impl Batch {
                 .into_iter()
                 .try_for_each(|w| w.join().expect("a writer does not panic"))
         })
+    }
+}
+
+/// At the daemon's start, after its devices are restored: the receives a crash stopped that
+/// were not to be kept for resuming lose their staging devices (which hold the space of what
+/// they had applied), as they would have had they been refused.
+pub fn drop_abandoned(registry: &Registry) {
+    let dir = registry.state_dir.join("replication");
+    let Ok(files) = std::fs::read_dir(&dir) else {
+        return;
+    };
+    for file in files.flatten() {
+        let name = file.file_name().to_string_lossy().into_owned();
+        let Some(pool_name) = name.strip_suffix(".json") else {
+            continue;
+        };
+        let Ok(pool) = replica::pool(pool_name) else {
+            continue;
+        };
+        let state = match PoolState::load(&registry.state_dir, pool_name, &pool) {
+            Ok(state) => state,
+            Err(e) => {
+                warn!("replication state of pool '{pool_name}': {e}");
+                continue;
+            }
+        };
+        for (id, partial) in state.partial.iter().filter(|(_, p)| !p.resume) {
+            info!(
+                "dropping the receive into thin device {id} of pool '{pool_name}' that stopped                  with the daemon (staging thin device {}; it was not asked to be kept)",
+                partial.staging
+            );
+            drop_staging(registry, &pool, pool_name, *id, partial);
+        }
     }
 }
 

@@ -150,3 +150,33 @@ fn a_receiver_killed_mid_stream_keeps_its_pool_and_resumes() {
     thin_check(&b, &b_pool);
     assert!(state(&b)["partial"].as_object().unwrap().is_empty());
 }
+
+#[test]
+fn a_receive_without_resume_whose_daemon_was_killed_leaves_nothing_after_the_restart() {
+    let (a, mut b, b_pool) = two_daemons("kill-noresume");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x53 0 1M"]);
+    snapshot(&a, 2);
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x54 8M 192M"]);
+    snapshot(&a, 3);
+    send_to_file(&a, 2, None, &a.dir.path("first"));
+    send_to_file(&a, 3, Some(2), &a.dir.path("big"));
+    succeeded(
+        receive(&b, 2, &std::fs::read(a.dir.path("first")).unwrap(), &[]),
+        "first receive",
+    );
+    let before = devices(&b);
+    let big = std::fs::read(a.dir.path("big")).unwrap();
+    let mut child = spawn_receive(&b, 3, &[]);
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(&big[..big.len() / 2]).unwrap();
+    wait_for(|| kept_records(&b, 3) > 0, "progress of the receive");
+    b.stop(libc::SIGKILL);
+    drop(stdin);
+    let _ = child.wait();
+    b.launch();
+    // Nobody asked to keep it: its staging device (and the space it holds) goes.
+    assert_eq!(devices(&b), before, "the killed receive left a device");
+    assert!(state(&b)["partial"].as_object().unwrap().is_empty());
+    thin_check(&b, &b_pool);
+    same_snapshot(&a, &b, 2);
+}
