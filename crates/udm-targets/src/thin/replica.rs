@@ -92,13 +92,28 @@ impl PoolHandle {
             .message(|meta| meta.md.create_snap(id, origin), "create_snap")
     }
 
+    /// Keeps thin device `id` for the tables of device `owner` alone (a receive's staging
+    /// device): another table is refused, saying that `id` is `what`. Until `id` is deleted
+    /// or published.
+    pub fn keep_private(&self, id: u32, owner: &str, what: &str) {
+        self.0.set_private(id, Some((owner, what)));
+    }
+
+    /// Lets any table use thin device `id` again (it was kept private for a device that was
+    /// not made after all).
+    pub fn end_private(&self, id: u32) {
+        self.0.set_private(id, None);
+    }
+
     /// Deletes thin device `id`, which no table may use.
     pub fn delete(&self, id: u32) -> Result<(), TargetError> {
         // Held until the device is gone, as the pool's `delete` holds them: a table of `id`
         // made in between would be left on a deleted device.
         let users = self.0.users();
         self.unused(id, users.of(id))?;
-        self.0.message(|meta| meta.md.delete(id), "delete")
+        self.0.message(|meta| meta.md.delete(id), "delete")?;
+        self.0.set_private(id, None);
+        Ok(())
     }
 
     /// Makes `staged` known as `id` in one commit: `id` becomes a snapshot of it, and `staged`
@@ -120,7 +135,9 @@ impl PoolHandle {
                 meta.md.delete(staged)
             },
             "publish",
-        )
+        )?;
+        self.0.set_private(staged, None);
+        Ok(())
     }
 
     /// Refuses `id` if `users` (its users, held) is not empty.

@@ -205,7 +205,7 @@ impl<'a> Receive<'a> {
         let table = match header.volume_bytes {
             0 => None,
             bytes => {
-                let owner = format!("{RECEIVING_PREFIX}{}-{}", req.pool, req.id);
+                let owner = receiving(&req.pool, req.id);
                 let text = format!("0 {} thin {} {}", bytes / 512, req.pool, partial.staging);
                 match registry.build(&owner, &text, &Arc::new(Events::default())) {
                     Ok(table) => Some(Arc::new(table)),
@@ -413,6 +413,18 @@ impl<'a> Receive<'a> {
     }
 }
 
+/// The name of the private table of a receive into thin device `id` of `pool`.
+fn receiving(pool: &str, id: u32) -> String {
+    format!("{RECEIVING_PREFIX}{pool}-{id}")
+}
+
+/// Keeps a receive's staging device for its own table: another would write into the
+/// replica under the records applied, or stop the publish.
+fn keep_private(pool: &PoolHandle, pool_name: &str, id: u32, staging: u32) {
+    let what = format!("the staging device of a receive into thin device {id}");
+    pool.keep_private(staging, &receiving(pool_name, id), &what);
+}
+
 /// Staging devices are chosen and made one at a time (two receives would pick the same id).
 static CHOOSING: Mutex<()> = Mutex::new(());
 
@@ -444,6 +456,7 @@ fn new_staging(
         })
     };
     record(&partial).map_err(io)?;
+    keep_private(pool, &req.pool, req.id, partial.staging);
     let made = match base {
         Some(base) => pool
             .create_snap(partial.staging, base, may_write(registry))
@@ -451,6 +464,7 @@ fn new_staging(
         None => pool.create_thin(partial.staging).map_err(|e| e.to_string()),
     };
     if let Err(e) = made {
+        pool.end_private(partial.staging);
         let _ = PoolState::update(&registry.state_dir, &req.pool, pool, |s| {
             drop(s.partial.remove(&req.id))
         });
@@ -536,8 +550,9 @@ impl Batch {
 
 /// At the daemon's start, after its devices are restored: the receives a crash stopped that
 /// were not to be kept for resuming lose their staging devices (which hold the space of what
-/// they had applied), as they would have had they been refused.
-pub fn drop_abandoned(registry: &Registry) {
+/// they had applied), as they would have had they been refused; the kept ones' staging
+/// devices are kept private again.
+pub fn recover(registry: &Registry) {
     let dir = registry.state_dir.join("replication");
     let Ok(files) = std::fs::read_dir(&dir) else {
         return;
@@ -557,7 +572,11 @@ pub fn drop_abandoned(registry: &Registry) {
                 continue;
             }
         };
-        for (id, partial) in state.partial.iter().filter(|(_, p)| !p.resume) {
+        for (id, partial) in &state.partial {
+            if partial.resume {
+                keep_private(&pool, pool_name, *id, partial.staging);
+                continue;
+            }
             info!(
                 "dropping the receive into thin device {id} of pool '{pool_name}' that stopped                  with the daemon (staging thin device {}; it was not asked to be kept)",
                 partial.staging

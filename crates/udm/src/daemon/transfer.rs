@@ -64,7 +64,7 @@ pub fn send(registry: &Registry, request: Request, out: &mut dyn Write) {
         return;
     }
     let mut out = std::io::BufWriter::with_capacity(1 << 20, out);
-    if let Err(e) = prepared.write(registry, start_at, &mut out) {
+    if let Err(e) = prepared.write(start_at, &mut out) {
         warn!("send of thin device {id} of pool '{pool}' stopped: {e}");
     }
 }

@@ -180,3 +180,48 @@ fn a_receive_without_resume_whose_daemon_was_killed_leaves_nothing_after_the_res
     thin_check(&b, &b_pool);
     same_snapshot(&a, &b, 2);
 }
+
+#[test]
+fn the_staging_device_of_a_kept_receive_takes_no_table() {
+    let (a, b, b_pool) = two_daemons("staging-table");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x55 0 1M"]);
+    snapshot(&a, 2);
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x56 8M 64M"]);
+    snapshot(&a, 3);
+    send_to_file(&a, 2, None, &a.dir.path("first"));
+    send_to_file(&a, 3, Some(2), &a.dir.path("inc"));
+    succeeded(
+        receive(&b, 2, &std::fs::read(a.dir.path("first")).unwrap(), &[]),
+        "first receive",
+    );
+    let inc = std::fs::read(a.dir.path("inc")).unwrap();
+    let cut = receive(&b, 3, &inc[..inc.len() / 2], &["--resume"]);
+    assert!(!cut.status.success());
+    assert!(kept_records(&b, 3) > 0, "{}", state(&b));
+    // A table there would write into the replica under the records kept, or stop the
+    // publish: refused, writable or not.
+    let staging = state(&b)["partial"]["3"]["staging"].to_string();
+    let table = format!("0 {} thin pool {staging}", VOLUME / 512);
+    for args in [
+        &["create", "peek", "--table", &table][..],
+        &["create", "peek", "--readonly", "--table", &table],
+    ] {
+        let err = b.udm_err(args);
+        assert!(
+            err.contains(&format!(
+                "thin device {staging} of pool 'pool' is the staging device of a receive"
+            )),
+            "{args:?}: {err}"
+        );
+    }
+    // Nor is it a snapshot to send (half of one).
+    let err = b.udm_err(&["send", "pool", &staging]);
+    assert!(err.contains("the staging device of a receive"), "{err}");
+    succeeded(receive(&b, 3, &inc, &["--resume"]), "resumed receive");
+    same_snapshot(&a, &b, 3);
+    // Published, the id is free for tables again like any other.
+    b.udm(&["message", "pool", "0", "create_thin", &staging]);
+    b.udm(&["create", "peek", "--table", &table]);
+    b.udm(&["remove", "peek"]);
+    thin_check(&b, &b_pool);
+}
