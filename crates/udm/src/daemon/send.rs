@@ -129,6 +129,11 @@ impl Send {
                 return Err(format!("--from {from} is the snapshot sent"));
             }
         }
+        // Read before the delta and checked again once the table holds the device: a
+        // snapshot deleted and made again meanwhile has another creation time, and the
+        // stream would name the one and carry the other.
+        let time = |id: u32| pool.device(id).map_or(0, |d| d.creation_time);
+        let times = (time(id), from.map_or(0, time));
         let block = pool.block_bytes();
         let runs = pool.delta(from, id).map_err(|e| e.to_string())?;
         let plan = plan(&runs, block);
@@ -146,13 +151,12 @@ impl Send {
             .map(|d| d.live().size())
             .max()
             .unwrap_or(0);
-        let time = |id: u32| pool.device(id).map_or(0, |d| d.creation_time);
         let header = Header {
             block_bytes: block as u32,
             to_id: id,
-            to_time: time(id),
+            to_time: times.0,
             from_id: from.unwrap_or(NO_BASE),
-            from_time: from.map_or(0, time),
+            from_time: times.1,
             volume_bytes: mapped_end.max(plan_end).max(used_as),
             records: plan.len() as u64,
             changed_bytes: plan
@@ -163,6 +167,13 @@ impl Send {
             source: source_name(pool_name),
         };
         let table = open_volume(registry, pool_name, &header)?;
+        if (time(id), from.map_or(0, time)) != times {
+            return Err(format!(
+                "thin device {id}{} of pool '{pool_name}' was deleted or made again while the \
+                 send was prepared: send again",
+                from.map_or(String::new(), |f| format!(" or {f}"))
+            ));
+        }
         Ok(Send {
             pool_name: pool_name.to_string(),
             header,
