@@ -174,7 +174,9 @@ impl Target for PoolTarget {
                         names.join(", ")
                     )));
                 }
-                pool.message(|meta| meta.md.delete(id), "delete")?
+                pool.message(|meta| meta.md.delete(id), "delete")?;
+                // A receive's staging device dropped by hand: the id is anyone's again.
+                pool.set_private(id, None)
             }
             PoolMessage::SetTransactionId { old, new } => pool.message(
                 |meta| meta.md.set_transaction_id(old, new),

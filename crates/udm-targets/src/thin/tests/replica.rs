@@ -47,3 +47,22 @@ fn a_table_made_while_a_staging_device_is_published_is_refused_or_refuses_it() {
         "rounds where a table was made on a published (deleted) staging device: {both:?}"
     );
 }
+
+/// A staging device kept private to its receive's table, deleted by the pool's own `delete`
+/// message (a user dropping a kept receive by hand): the id takes tables again once made
+/// anew.
+#[test]
+fn a_private_device_deleted_by_message_is_private_no_more() {
+    let (rig, pool) = pool_with_thin(64, "");
+    let handle = replica::pool(&rig.name).unwrap();
+    handle.create_thin(5).unwrap();
+    handle.keep_private(5, ".receive-x-3", "the staging device of a receive");
+    let refused = rig.thin(BLOCK, 5).err().unwrap().to_string();
+    assert!(
+        refused.contains("is the staging device of a receive"),
+        "{refused}"
+    );
+    rig.message(&pool, "delete 5").unwrap();
+    rig.message(&pool, "create_thin 5").unwrap();
+    rig.thin(BLOCK, 5).unwrap();
+}
