@@ -197,7 +197,7 @@ impl<'a> Receive<'a> {
             Some(p) if req.resume && p.to == to && p.from == from => p,
             other => {
                 if let Some(old) = other {
-                    drop_staging(registry, &pool, &req.pool, req.id, &old);
+                    drop_staging(registry, &pool, &req.pool, req.id, &old)?;
                 }
                 new_staging(registry, &pool, req, to.clone(), from, base)?
             }
@@ -210,10 +210,15 @@ impl<'a> Receive<'a> {
                 match registry.build(&owner, &text, &Arc::new(Events::default())) {
                     Ok(table) => Some(Arc::new(table)),
                     Err(e) => {
+                        let mut e = e.to_string();
                         if !req.resume {
-                            drop_staging(registry, &pool, &req.pool, req.id, &partial);
+                            if let Err(left) =
+                                drop_staging(registry, &pool, &req.pool, req.id, &partial)
+                            {
+                                e = format!("{e}; {left}");
+                            }
                         }
-                        return Err(e.to_string());
+                        return Err(e);
                     }
                 }
             }
@@ -408,8 +413,11 @@ impl<'a> Receive<'a> {
             );
         }
         self.table = None;
-        drop_staging(self.registry, &self.pool, &self.req.pool, id, &self.partial);
-        format!("{e}; nothing was received (thin device {id} not created)")
+        let dropped = drop_staging(self.registry, &self.pool, &self.req.pool, id, &self.partial);
+        let left = dropped
+            .err()
+            .map_or(String::new(), |left| format!("; {left}"));
+        format!("{e}; nothing was received (thin device {id} not created){left}")
     }
 }
 
@@ -472,8 +480,10 @@ fn new_staging(
     }
     partial.staging_time = pool.device(partial.staging).map(|d| d.creation_time);
     if let Err(e) = record(&partial) {
-        drop_staging(registry, pool, &req.pool, req.id, &partial);
-        return Err(io(e));
+        let left = drop_staging(registry, pool, &req.pool, req.id, &partial)
+            .err()
+            .map_or(String::new(), |left| format!("; {left}"));
+        return Err(format!("{}{left}", io(e)));
     }
     Ok(partial)
 }
@@ -581,31 +591,42 @@ pub fn recover(registry: &Registry) {
                 "dropping the receive into thin device {id} of pool '{pool_name}' that stopped                  with the daemon (staging thin device {}; it was not asked to be kept)",
                 partial.staging
             );
-            drop_staging(registry, &pool, pool_name, *id, partial);
+            if let Err(e) = drop_staging(registry, &pool, pool_name, *id, partial) {
+                warn!("pool '{pool_name}': {e}");
+            }
         }
     }
 }
 
-/// Deletes a kept receive's staging device and forgets it.
+/// Deletes a kept receive's staging device and forgets it. One that cannot be deleted (the
+/// pool read-only) stays named, no longer to be kept: the next receive into `id`, or the
+/// daemon's next start, deletes it, where forgetting it would leave it in the pool for ever.
 fn drop_staging(
     registry: &Registry,
     pool: &PoolHandle,
     pool_name: &str,
     id: u32,
     partial: &Partial,
-) {
-    if let Err(e) = pool.delete(partial.staging) {
-        warn!(
-            "deleting staging thin device {} of pool '{pool_name}': {e}",
-            partial.staging
-        );
-    }
-    let result = PoolState::update(&registry.state_dir, pool_name, pool, |s| {
-        drop(s.partial.remove(&id))
+) -> Result<(), String> {
+    let deleted = pool.delete(partial.staging);
+    let result = PoolState::update(&registry.state_dir, pool_name, pool, |s| match &deleted {
+        Ok(()) => drop(s.partial.remove(&id)),
+        Err(_) => {
+            if let Some(p) = s.partial.get_mut(&id) {
+                p.resume = false;
+            }
+        }
     });
     if let Err(e) = result {
         warn!("replication state of pool '{pool_name}': {e}");
     }
+    deleted.map_err(|e| {
+        format!(
+            "staging thin device {} of the receive into thin device {id} stays until the next \
+             receive into it or the daemon's next start: {e}",
+            partial.staging
+        )
+    })
 }
 
 /// The highest free device id but `target`: staging devices stay out of the way of ids users

@@ -225,3 +225,64 @@ fn the_staging_device_of_a_kept_receive_takes_no_table() {
     b.udm(&["remove", "peek"]);
     thin_check(&b, &b_pool);
 }
+
+#[test]
+fn a_staging_device_that_cannot_be_deleted_stays_named_until_it_can() {
+    let (a, mut b, b_pool) = two_daemons("undeletable-staging");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x57 0 32M"]);
+    snapshot(&a, 2);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    let full = std::fs::read(a.dir.path("full")).unwrap();
+    let cut = receive(&b, 2, &full[..full.len() / 2], &["--resume"]);
+    assert!(!cut.status.success());
+    assert!(kept_records(&b, 2) > 0, "{}", state(&b));
+    // The pool goes read-only (as a full metadata device makes it): a receive without
+    // --resume cannot delete the kept one's staging device, and must not forget it.
+    let pool_table = |features: &str| {
+        format!(
+            "0 {} thin-pool {} {} 128 0 {features}",
+            2 * VOLUME / 512,
+            b_pool.meta.display(),
+            b.dir.path("pool.data").display()
+        )
+    };
+    let reload = |table: &str| {
+        b.udm(&["suspend", "pool"]);
+        b.udm(&["load", "pool", "--table", table]);
+        b.udm(&["resume", "pool"]);
+    };
+    reload(&pool_table("1 read_only"));
+    let out = receive(&b, 2, &full, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("staging thin device 16777215 of the receive into thin device 2 stays")
+            && err.trim_end().lines().count() == 1,
+        "{err}"
+    );
+    reload(&pool_table("0"));
+    let named: Vec<String> = state(&b)["partial"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|p| p["staging"].to_string())
+        .collect();
+    let staging: Vec<String> = devices(&b)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["id"].to_string())
+        .collect();
+    assert_eq!(named, staging, "a staging device the state no longer names");
+    // The daemon's next start drops it (nobody asked to keep it any more).
+    b.stop(libc::SIGTERM);
+    b.launch();
+    assert!(
+        devices(&b).as_array().unwrap().is_empty(),
+        "{}",
+        devices(&b)
+    );
+    succeeded(receive(&b, 2, &full, &[]), "receive");
+    assert_eq!(devices(&b).as_array().unwrap().len(), 1);
+    thin_check(&b, &b_pool);
+}
