@@ -75,3 +75,23 @@ fn a_received_device_deleted_and_its_id_made_again_is_no_base() {
     assert!(err.contains("wrong base"), "{err}");
     thin_check(&b, &b_pool);
 }
+
+/// A pool is found by its device's name (thin tables, messages, send, receive, and the
+/// replication state kept under it): renaming its device would leave it found by neither
+/// name, so the rename is refused.
+#[test]
+fn a_pool_device_is_not_renamed_from_under_its_replicas() {
+    let (a, b, _) = two_daemons("rename-pool");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x81 0 1M"]);
+    snapshot(&a, 2);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    let full = std::fs::read(a.dir.path("full")).unwrap();
+    succeeded(receive(&b, 2, &full, &[]), "full receive");
+    let err = b.udm_err(&["rename", "pool", "pool2"]);
+    assert!(err.contains("thin-pool"), "{err}");
+    // Still found under its name, with what it received.
+    succeeded(receive(&b, 3, &full, &[]), "second receive");
+    send_to_file(&b, 3, None, &b.dir.path("three"));
+    let table = format!("0 {} thin pool 2", VOLUME / 512);
+    b.udm(&["create", "replica", "--readonly", "--table", &table]);
+}
