@@ -26,6 +26,12 @@ impl PoolHandle {
         self.0.block_bytes()
     }
 
+    /// Whether new blocks are zeroed before a write that does not cover them whole (no
+    /// `skip_block_zeroing`).
+    pub fn zeroes_new_blocks(&self) -> bool {
+        self.0.features().zero_new_blocks
+    }
+
     pub fn device(&self, id: u32) -> Option<DeviceInfo> {
         self.0.device(id)
     }

@@ -158,6 +158,18 @@ impl<'a> Receive<'a> {
         pool: PoolHandle,
         header: Header,
     ) -> Result<Self, String> {
+        // A record covers whole blocks of the source pool. Into larger blocks that are not
+        // zeroed when first written, the rest of each would read what the data device held
+        // (another device's old data) where the source reads zeroes.
+        let block = pool.block_bytes();
+        if !pool.zeroes_new_blocks() && u64::from(header.block_bytes) % block != 0 {
+            return Err(format!(
+                "pool '{}' has skip_block_zeroing and blocks of {} bytes, which do not divide \
+                 the stream's ({} bytes): the replica would read stale data where the source \
+                 reads zeroes (receive into a pool that zeroes new blocks)",
+                req.pool, block, header.block_bytes
+            ));
+        }
         let state_dir = &registry.state_dir;
         let io = |e: std::io::Error| format!("replication state of pool '{}': {e}", req.pool);
         let state = PoolState::load(state_dir, &req.pool, &pool).map_err(io)?;

@@ -95,3 +95,57 @@ fn a_pool_device_is_not_renamed_from_under_its_replicas() {
     let table = format!("0 {} thin pool 2", VOLUME / 512);
     b.udm(&["create", "replica", "--readonly", "--table", &table]);
 }
+
+/// A pool that skips zeroing new blocks leaves what its data device held in the part of a
+/// block a write does not cover: with blocks larger than the stream's, the replica would read
+/// that where the source reads zeroes. Refused; with blocks the stream's divide, received.
+#[test]
+fn a_pool_that_skips_zeroing_takes_only_streams_whose_blocks_cover_its_own() {
+    let (a, b, _) = two_daemons("skip-zeroing");
+    qemu_io_ok(
+        &a.uri("vol"),
+        &["write -P 0x91 0 64k", "write -P 0x92 3M 64k"],
+    );
+    snapshot(&a, 2);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    let data = b.dir.path("big.data");
+    std::fs::write(&data, vec![0xaa; 64 << 20]).unwrap();
+    let pool = |name: &str, meta: &str, block_sectors: u32| {
+        let table = format!(
+            "0 {} thin-pool {} {} {block_sectors} 0 1 skip_block_zeroing",
+            32 << 11,
+            b.sparse(meta, 16 * MIB).display(),
+            data.display()
+        );
+        b.udm(&["create", name, "--table", &table]);
+    };
+    pool("big", "big.meta", 2048);
+    let out = Command::new(UDM)
+        .args(["receive", "big", "2"])
+        .env("UDM_CONTROL", b.control())
+        .stdin(std::fs::File::open(a.dir.path("full")).unwrap())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "received into 1 MiB blocks");
+    assert!(err.contains("skip_block_zeroing"), "{err}");
+    b.udm(&["remove", "big"]);
+    // The stream's 64 KiB blocks: every record covers whole blocks.
+    pool("small", "small.meta", 128);
+    let out = Command::new(UDM)
+        .args(["receive", "small", "2"])
+        .env("UDM_CONTROL", b.control())
+        .stdin(std::fs::File::open(a.dir.path("full")).unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = format!("0 {} thin small 2", 4 * MIB / 512);
+    b.udm(&["create", "replica", "--readonly", "--table", &table]);
+    let table = format!("0 {} thin pool 2", 4 * MIB / 512);
+    a.udm(&["create", "source", "--readonly", "--table", &table]);
+    same_content(&a.uri("source"), &b.uri("replica"));
+}
