@@ -89,7 +89,8 @@ impl PoolHandle {
             .collect();
         if let Some(first) = writers.first() {
             return Err(TargetError::new(format!(
-                "thin device {origin} of pool '{}' is used by {}, writable: remove it or load                  it read-only first (udm remove {first})",
+                "thin device {origin} of pool '{}' is used by {}, writable: remove it or load \
+                 it read-only first (udm remove {first})",
                 self.0.name,
                 writers.join(", ")
             )));

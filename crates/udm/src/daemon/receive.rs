@@ -600,7 +600,8 @@ pub fn recover(registry: &Registry) {
                 continue;
             }
             info!(
-                "dropping the receive into thin device {id} of pool '{pool_name}' that stopped                  with the daemon (staging thin device {}; it was not asked to be kept)",
+                "dropping the receive into thin device {id} of pool '{pool_name}' that stopped \
+                 with the daemon (staging thin device {}; it was not asked to be kept)",
                 partial.staging
             );
             if let Err(e) = drop_staging(registry, &pool, pool_name, *id, partial) {

@@ -31,7 +31,8 @@ fn a_receive_onto_a_base_that_a_writable_table_uses_is_refused_a_read_only_one_i
     let inc = std::fs::read(a.dir.path("inc")).unwrap();
     let table = format!("0 {} thin pool 2", VOLUME / 512);
     b.udm(&["create", "base", "--table", &table]);
-    let expected = "thin device 2 of pool 'pool' is used by base, writable";
+    let expected = "cannot snapshot the stream's base: thin device 2 of pool 'pool' is used by \
+                    base, writable: remove it or load it read-only first (udm remove base)";
     let err = refused(&b, 3, &inc, "a live writable base");
     assert!(err.contains(expected), "{err}");
     // Suspended, it is still writable once resumed.
