@@ -150,3 +150,39 @@ fn a_pool_that_skips_zeroing_takes_only_streams_whose_blocks_cover_its_own() {
     a.udm(&["create", "source", "--readonly", "--table", &table]);
     same_content(&a.uri("source"), &b.uri("replica"));
 }
+
+/// A snapshot being sent is not deleted from under the send, and the refusal says what holds
+/// it (no device the user could remove).
+#[test]
+fn a_snapshot_being_sent_is_not_deleted_and_the_refusal_says_why() {
+    let (a, _b, _) = two_daemons("delete-sent");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0xa1 0 64M"]);
+    snapshot(&a, 2);
+    // A reader that takes nothing: the send stops with its pipe full, holding the snapshot.
+    let mut send = Command::new(UDM)
+        .args(["send", "pool", "2"])
+        .env("UDM_CONTROL", a.control())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(
+        || a.udm(&["thin", "ls", "pool"]).contains(".send-"),
+        "the send to hold the snapshot",
+    );
+    let err = a.udm_err(&["message", "pool", "0", "delete", "2"]);
+    assert!(
+        err.contains("thin device 2 is in use by a send or receive of udm's")
+            && err.contains("wait for it to end"),
+        "{err}"
+    );
+    send.kill().unwrap();
+    let _ = send.wait();
+    wait_for(
+        || {
+            a.run_udm(&["message", "pool", "0", "delete", "2"])
+                .status
+                .success()
+        },
+        "the delete once the send is gone",
+    );
+}
