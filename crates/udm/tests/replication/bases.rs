@@ -186,3 +186,47 @@ fn a_snapshot_being_sent_is_not_deleted_and_the_refusal_says_why() {
         "the delete once the send is gone",
     );
 }
+
+/// A pool a send reads or a receive writes is not removed from under them: they hold it as
+/// a client does (the daemon's own tables on it are no device's, so nothing else counted).
+#[test]
+fn a_pool_is_not_removed_while_a_send_or_a_receive_uses_it() {
+    let (a, b, _) = two_daemons("remove-pool");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0xb1 0 64M"]);
+    snapshot(&a, 2);
+    a.udm(&["remove", "vol"]);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    let full = std::fs::read(a.dir.path("full")).unwrap();
+    // A send whose reader takes nothing, and a receive whose stream stops half way.
+    let mut send = Command::new(UDM)
+        .args(["send", "pool", "2"])
+        .env("UDM_CONTROL", a.control())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut receiving = spawn_receive(&b, 2, &[]);
+    let mut stdin = receiving.stdin.take().unwrap();
+    stdin.write_all(&full[..full.len() / 2]).unwrap();
+    for (daemon, what) in [(&a, "send"), (&b, "receive")] {
+        wait_for(
+            || {
+                daemon
+                    .udm(&["thin", "ls", "pool"])
+                    .contains(&format!(".{what}-"))
+            },
+            "the transfer to hold the pool",
+        );
+        let err = daemon.udm_err(&["remove", "pool"]);
+        assert!(err.contains("is busy: open by 1 client"), "{what}: {err}");
+    }
+    send.kill().unwrap();
+    let _ = send.wait();
+    stdin.write_all(&full[full.len() / 2..]).unwrap();
+    drop(stdin);
+    succeeded(receiving.wait_with_output().unwrap(), "the receive");
+    wait_for(
+        || a.run_udm(&["remove", "pool"]).status.success(),
+        "the removal once the send is gone",
+    );
+    b.udm(&["remove", "pool"]);
+}
