@@ -8,7 +8,7 @@ use std::sync::Arc;
 use udm_block::{BlockDevice, OpenMode};
 
 use super::args::ThinLine;
-use super::core::{Pool, POOLS};
+use super::core::{Pool, Unregistered, POOLS};
 use super::status::{thin_status, Mode};
 use crate::args::Args;
 use crate::target::{Target, TargetContext, TargetError};
@@ -51,14 +51,20 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             line.pool
         )));
     }
-    let token = pool.register_thin(line.id, ctx.owner).ok_or_else(|| {
-        args.error(format!(
-            "thin device {id} does not exist in pool '{pool}' (create it with: udm message \
-             {pool} 0 create_thin {id})",
-            id = line.id,
-            pool = line.pool
-        ))
-    })?;
+    let token = pool
+        .register_thin(line.id, ctx.owner)
+        .map_err(|why| match why {
+            Unregistered::NoDevice => args.error(format!(
+                "thin device {id} does not exist in pool '{pool}' (create it with: udm message \
+                 {pool} 0 create_thin {id})",
+                id = line.id,
+                pool = line.pool
+            )),
+            Unregistered::Private(what) => args.error(format!(
+                "thin device {} of pool '{}' is {what}: it takes no other table",
+                line.id, line.pool
+            )),
+        })?;
     Ok(Arc::new(Thin {
         line,
         pool,

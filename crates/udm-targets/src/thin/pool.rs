@@ -166,15 +166,30 @@ impl Target for PoolTarget {
                 // Held until the device is gone: no table of it can be made meanwhile.
                 let users = pool.users();
                 let using = users.of(id);
-                if !using.is_empty() {
-                    let names: Vec<_> = using.into_iter().map(|(name, _)| name).collect();
+                // udm's own tables (a send reading the device, a receive writing it) have
+                // names with a leading dot, which no device's name has: nothing to remove,
+                // they go when the transfer ends.
+                let (own, names): (Vec<_>, Vec<_>) = using
+                    .into_iter()
+                    .map(|(name, _)| name)
+                    .partition(|name| name.starts_with('.'));
+                if !names.is_empty() {
                     return Err(TargetError::new(format!(
                         "thin-pool: delete {id}: thin device {id} is in use by {} (remove \
                          it first)",
                         names.join(", ")
                     )));
                 }
-                pool.message(|meta| meta.md.delete(id), "delete")?
+                if !own.is_empty() {
+                    return Err(TargetError::new(format!(
+                        "thin-pool: delete {id}: thin device {id} is in use by a send or \
+                         receive of udm's ({}): wait for it to end",
+                        own.join(", ")
+                    )));
+                }
+                pool.message(|meta| meta.md.delete(id), "delete")?;
+                // A receive's staging device dropped by hand: the id is anyone's again.
+                pool.set_private(id, None)
             }
             PoolMessage::SetTransactionId { old, new } => pool.message(
                 |meta| meta.md.set_transaction_id(old, new),

@@ -26,6 +26,12 @@ impl PoolHandle {
         self.0.block_bytes()
     }
 
+    /// Whether new blocks are zeroed before a write that does not cover them whole (no
+    /// `skip_block_zeroing`).
+    pub fn zeroes_new_blocks(&self) -> bool {
+        self.0.features().zero_new_blocks
+    }
+
     pub fn device(&self, id: u32) -> Option<DeviceInfo> {
         self.0.device(id)
     }
@@ -57,44 +63,98 @@ impl PoolHandle {
         self.0.meta().md.delta(from, to).map_err(|e| self.error(e))
     }
 
-    /// Creates thin device `id`: empty, or a snapshot of `origin` (which must not be live).
-    pub fn create(&self, id: u32, origin: Option<u32>) -> Result<(), TargetError> {
-        match origin {
-            Some(origin) => self
-                .0
-                .message(|meta| meta.md.create_snap(id, origin), "create_snap"),
-            None => self
-                .0
-                .message(|meta| meta.md.create_thin(id), "create_thin"),
+    /// Creates empty thin device `id`.
+    pub fn create_thin(&self, id: u32) -> Result<(), TargetError> {
+        self.0
+            .message(|meta| meta.md.create_thin(id), "create_thin")
+    }
+
+    /// Creates thin device `id` as a snapshot of `origin`, refused while a table that
+    /// `may_write` names uses `origin`: such a table may have writes in flight that the
+    /// snapshot would half hold, and a base that is written is no longer the snapshot it was
+    /// received as. The users stay held until the snapshot is taken, as the pool's
+    /// `create_snap` holds them: no table of `origin` is made or resumed in between.
+    pub fn create_snap(
+        &self,
+        id: u32,
+        origin: u32,
+        may_write: impl Fn(&str) -> bool,
+    ) -> Result<(), TargetError> {
+        let users = self.0.users();
+        let writers: Vec<String> = users
+            .of(origin)
+            .into_iter()
+            .map(|(name, _)| name)
+            .filter(|name| may_write(name))
+            .collect();
+        if let Some(first) = writers.first() {
+            return Err(TargetError::new(format!(
+                "thin device {origin} of pool '{}' is used by {}, writable: remove it or load \
+                 it read-only first (udm remove {first})",
+                self.0.name,
+                writers.join(", ")
+            )));
         }
+        self.0
+            .message(|meta| meta.md.create_snap(id, origin), "create_snap")
+    }
+
+    /// Keeps thin device `id` for the tables of device `owner` alone (a receive's staging
+    /// device): another table is refused, saying that `id` is `what`. Until `id` is deleted
+    /// or published.
+    pub fn keep_private(&self, id: u32, owner: &str, what: &str) {
+        self.0.set_private(id, Some((owner, what)));
+    }
+
+    /// Lets any table use thin device `id` again (it was kept private for a device that was
+    /// not made after all).
+    pub fn end_private(&self, id: u32) {
+        self.0.set_private(id, None);
     }
 
     /// Deletes thin device `id`, which no table may use.
     pub fn delete(&self, id: u32) -> Result<(), TargetError> {
-        self.unused(id)?;
-        self.0.message(|meta| meta.md.delete(id), "delete")
+        // Held until the device is gone, as the pool's `delete` holds them: a table of `id`
+        // made in between would be left on a deleted device.
+        let users = self.0.users();
+        self.unused(id, users.of(id))?;
+        self.0.message(|meta| meta.md.delete(id), "delete")?;
+        self.0.set_private(id, None);
+        Ok(())
     }
 
     /// Makes `staged` known as `id` in one commit: `id` becomes a snapshot of it, and `staged`
-    /// goes. A crash leaves the one or the other, never both half.
+    /// goes. A crash leaves the one or the other, never both half. No device made later has
+    /// `id`'s creation time.
     pub fn publish(&self, staged: u32, id: u32) -> Result<(), TargetError> {
-        self.unused(staged)?;
+        // Held to the end, as in `delete`.
+        let users = self.0.users();
+        self.unused(staged, users.of(staged))?;
         self.0.message(
             |meta| {
                 meta.md.create_snap(id, staged)?;
+                meta.md.delete(staged)?;
+                // A snapshot of `id`, dropped at once, moves the pool's time past `id`'s
+                // creation time: `create_thin` takes the pool's current time, so an id made
+                // again after a delete would otherwise carry the creation time that names
+                // this received device, and pass for it as the base of the next stream.
+                meta.md.create_snap(staged, id)?;
                 meta.md.delete(staged)
             },
             "publish",
-        )
+        )?;
+        self.0.set_private(staged, None);
+        Ok(())
     }
 
-    fn unused(&self, id: u32) -> Result<(), TargetError> {
-        let users = self.users_of(id);
+    /// Refuses `id` if `users` (its users, held) is not empty.
+    fn unused(&self, id: u32, users: Vec<(String, bool)>) -> Result<(), TargetError> {
+        let users: Vec<String> = users.into_iter().map(|(name, _)| name).collect();
         if users.is_empty() {
             return Ok(());
         }
         Err(TargetError::new(format!(
-            "thin device {id} of pool '{}' is in use by {}",
+            "thin device {id} of pool '{}' is in use by {} (remove it first)",
             self.0.name,
             users.join(", ")
         )))

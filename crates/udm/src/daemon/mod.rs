@@ -155,6 +155,7 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         "restored {restored} device(s) from {}",
         options.state_dir.display()
     );
+    receive::recover(&registry);
     if let Some(address) = &options.metrics {
         metrics::serve(address, registry.clone())
             .map_err(DaemonError::io(format!("metrics on tcp:{}", address.0)))?;

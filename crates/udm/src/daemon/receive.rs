@@ -22,6 +22,7 @@ use udm_targets::Table;
 use super::device::Events;
 use super::received::{Mark, Partial, PoolState, Snapshot};
 use super::registry::Registry;
+use super::send::SENDING_PREFIX;
 use crate::replication::stream::{Event, Header, Kind, Layout, Place, Reader, StreamError};
 
 /// How the private tables of receives are named (never a device's name: those do not start
@@ -157,6 +158,18 @@ impl<'a> Receive<'a> {
         pool: PoolHandle,
         header: Header,
     ) -> Result<Self, String> {
+        // A record covers whole blocks of the source pool. Into larger blocks that are not
+        // zeroed when first written, the rest of each would read what the data device held
+        // (another device's old data) where the source reads zeroes.
+        let block = pool.block_bytes();
+        if !pool.zeroes_new_blocks() && u64::from(header.block_bytes) % block != 0 {
+            return Err(format!(
+                "pool '{}' has skip_block_zeroing and blocks of {} bytes, which do not divide \
+                 the stream's ({} bytes): the replica would read stale data where the source \
+                 reads zeroes (receive into a pool that zeroes new blocks)",
+                req.pool, block, header.block_bytes
+            ));
+        }
         let state_dir = &registry.state_dir;
         let io = |e: std::io::Error| format!("replication state of pool '{}': {e}", req.pool);
         let state = PoolState::load(state_dir, &req.pool, &pool).map_err(io)?;
@@ -196,7 +209,7 @@ impl<'a> Receive<'a> {
             Some(p) if req.resume && p.to == to && p.from == from => p,
             other => {
                 if let Some(old) = other {
-                    drop_staging(registry, &pool, &req.pool, req.id, &old);
+                    drop_staging(registry, &pool, &req.pool, req.id, &old)?;
                 }
                 new_staging(registry, &pool, req, to.clone(), from, base)?
             }
@@ -204,15 +217,20 @@ impl<'a> Receive<'a> {
         let table = match header.volume_bytes {
             0 => None,
             bytes => {
-                let owner = format!("{RECEIVING_PREFIX}{}-{}", req.pool, req.id);
+                let owner = receiving(&req.pool, req.id);
                 let text = format!("0 {} thin {} {}", bytes / 512, req.pool, partial.staging);
                 match registry.build(&owner, &text, &Arc::new(Events::default())) {
                     Ok(table) => Some(Arc::new(table)),
                     Err(e) => {
+                        let mut e = e.to_string();
                         if !req.resume {
-                            drop_staging(registry, &pool, &req.pool, req.id, &partial);
+                            if let Err(left) =
+                                drop_staging(registry, &pool, &req.pool, req.id, &partial)
+                            {
+                                e = format!("{e}; {left}");
+                            }
                         }
-                        return Err(e.to_string());
+                        return Err(e);
                     }
                 }
             }
@@ -407,9 +425,24 @@ impl<'a> Receive<'a> {
             );
         }
         self.table = None;
-        drop_staging(self.registry, &self.pool, &self.req.pool, id, &self.partial);
-        format!("{e}; nothing was received (thin device {id} not created)")
+        let dropped = drop_staging(self.registry, &self.pool, &self.req.pool, id, &self.partial);
+        let left = dropped
+            .err()
+            .map_or(String::new(), |left| format!("; {left}"));
+        format!("{e}; nothing was received (thin device {id} not created){left}")
     }
+}
+
+/// The name of the private table of a receive into thin device `id` of `pool`.
+fn receiving(pool: &str, id: u32) -> String {
+    format!("{RECEIVING_PREFIX}{pool}-{id}")
+}
+
+/// Keeps a receive's staging device for its own table: another would write into the
+/// replica under the records applied, or stop the publish.
+fn keep_private(pool: &PoolHandle, pool_name: &str, id: u32, staging: u32) {
+    let what = format!("the staging device of a receive into thin device {id}");
+    pool.keep_private(staging, &receiving(pool_name, id), &what);
 }
 
 /// Staging devices are chosen and made one at a time (two receives would pick the same id).
@@ -434,6 +467,7 @@ fn new_staging(
         staging_time: None,
         next_record: 0,
         layout: 0,
+        resume: req.resume,
     };
     let record = |p: &Partial| {
         let p = p.clone();
@@ -442,18 +476,41 @@ fn new_staging(
         })
     };
     record(&partial).map_err(io)?;
-    if let Err(e) = pool.create(partial.staging, base) {
+    keep_private(pool, &req.pool, req.id, partial.staging);
+    let made = match base {
+        Some(base) => pool
+            .create_snap(partial.staging, base, may_write(registry))
+            .map_err(|e| format!("cannot snapshot the stream's base: {e}")),
+        None => pool.create_thin(partial.staging).map_err(|e| e.to_string()),
+    };
+    if let Err(e) = made {
+        pool.end_private(partial.staging);
         let _ = PoolState::update(&registry.state_dir, &req.pool, pool, |s| {
             drop(s.partial.remove(&req.id))
         });
-        return Err(e.to_string());
+        return Err(e);
     }
     partial.staging_time = pool.device(partial.staging).map(|d| d.creation_time);
     if let Err(e) = record(&partial) {
-        drop_staging(registry, pool, &req.pool, req.id, &partial);
-        return Err(io(e));
+        let left = drop_staging(registry, pool, &req.pool, req.id, &partial)
+            .err()
+            .map_or(String::new(), |left| format!("; {left}"));
+        return Err(format!("{}{left}", io(e)));
     }
     Ok(partial)
+}
+
+/// Which tables may write, by their device's name: all but the private readers of sends and
+/// devices that are read-only and stay so at their next resume. A name the registry does not
+/// know yet (a device being made) may write.
+fn may_write(registry: &Registry) -> impl Fn(&str) -> bool {
+    let still: BTreeSet<String> = registry
+        .map()
+        .iter()
+        .filter(|(_, d)| d.read_only() && (d.inactive().is_none() || d.inactive_read_only()))
+        .map(|(name, _)| name.clone())
+        .collect();
+    move |user| !user.starts_with(SENDING_PREFIX) && !still.contains(user)
 }
 
 /// Records read and waiting to be written, with their data, and the layout checksum up to
@@ -513,26 +570,76 @@ impl Batch {
     }
 }
 
-/// Deletes a kept receive's staging device and forgets it.
+/// At the daemon's start, after its devices are restored: the receives a crash stopped that
+/// were not to be kept for resuming lose their staging devices (which hold the space of what
+/// they had applied), as they would have had they been refused; the kept ones' staging
+/// devices are kept private again.
+pub fn recover(registry: &Registry) {
+    let dir = registry.state_dir.join("replication");
+    let Ok(files) = std::fs::read_dir(&dir) else {
+        return;
+    };
+    for file in files.flatten() {
+        let name = file.file_name().to_string_lossy().into_owned();
+        let Some(pool_name) = name.strip_suffix(".json") else {
+            continue;
+        };
+        let Ok(pool) = replica::pool(pool_name) else {
+            continue;
+        };
+        let state = match PoolState::load(&registry.state_dir, pool_name, &pool) {
+            Ok(state) => state,
+            Err(e) => {
+                warn!("replication state of pool '{pool_name}': {e}");
+                continue;
+            }
+        };
+        for (id, partial) in &state.partial {
+            if partial.resume {
+                keep_private(&pool, pool_name, *id, partial.staging);
+                continue;
+            }
+            info!(
+                "dropping the receive into thin device {id} of pool '{pool_name}' that stopped \
+                 with the daemon (staging thin device {}; it was not asked to be kept)",
+                partial.staging
+            );
+            if let Err(e) = drop_staging(registry, &pool, pool_name, *id, partial) {
+                warn!("pool '{pool_name}': {e}");
+            }
+        }
+    }
+}
+
+/// Deletes a kept receive's staging device and forgets it. One that cannot be deleted (the
+/// pool read-only) stays named, no longer to be kept: the next receive into `id`, or the
+/// daemon's next start, deletes it, where forgetting it would leave it in the pool for ever.
 fn drop_staging(
     registry: &Registry,
     pool: &PoolHandle,
     pool_name: &str,
     id: u32,
     partial: &Partial,
-) {
-    if let Err(e) = pool.delete(partial.staging) {
-        warn!(
-            "deleting staging thin device {} of pool '{pool_name}': {e}",
-            partial.staging
-        );
-    }
-    let result = PoolState::update(&registry.state_dir, pool_name, pool, |s| {
-        drop(s.partial.remove(&id))
+) -> Result<(), String> {
+    let deleted = pool.delete(partial.staging);
+    let result = PoolState::update(&registry.state_dir, pool_name, pool, |s| match &deleted {
+        Ok(()) => drop(s.partial.remove(&id)),
+        Err(_) => {
+            if let Some(p) = s.partial.get_mut(&id) {
+                p.resume = false;
+            }
+        }
     });
     if let Err(e) = result {
         warn!("replication state of pool '{pool_name}': {e}");
     }
+    deleted.map_err(|e| {
+        format!(
+            "staging thin device {} of the receive into thin device {id} stays until the next \
+             receive into it or the daemon's next start: {e}",
+            partial.staging
+        )
+    })
 }
 
 /// The highest free device id but `target`: staging devices stay out of the way of ids users

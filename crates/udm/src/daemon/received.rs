@@ -75,6 +75,14 @@ pub struct Partial {
     pub next_record: u64,
     /// The layout checksum of those records.
     pub layout: u32,
+    /// Asked to be kept for resuming (`--resume`); one that was not goes at the next start
+    /// of the daemon, if a crash stopped it. Files from before this was recorded keep theirs.
+    #[serde(default = "kept")]
+    pub resume: bool,
+}
+
+fn kept() -> bool {
+    true
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]

@@ -25,6 +25,23 @@ impl Registry {
                 ),
             ));
         }
+        // A thin pool is found by its device's name: by thin tables, messages, `udm send`
+        // and `udm receive`, and the replication state kept under it. Renamed, it would be
+        // found by neither name until it was made again.
+        let tables = [Some(device.live()), device.inactive()];
+        let pool = tables.iter().flatten().any(|t| {
+            t.segments()
+                .iter()
+                .any(|s| s.target.type_name() == "thin-pool")
+        });
+        if pool {
+            return Err(RegistryError::Busy(
+                name.into(),
+                "a thin-pool device is found by its name; remove it and create it under the \
+                 new name (its metadata keeps the thin devices)"
+                    .into(),
+            ));
+        }
         device.set_name(new_name);
         if let Err(e) = self.rename_record(&device, name) {
             device.set_name(name);

@@ -55,6 +55,8 @@ pub fn plan(runs: &[udm_metadata::thin::DeltaRun], block_bytes: u64) -> Vec<Plan
 /// Records read at once.
 const READ_AHEAD: usize = 8;
 
+/// How the private tables of sends are named (they only read).
+pub const SENDING_PREFIX: &str = ".send-";
 /// Names the private tables of concurrent sends apart.
 static SENDS: AtomicU64 = AtomicU64::new(0);
 
@@ -77,6 +79,10 @@ pub struct Send {
     pool_name: String,
     pub header: Header,
     plan: Vec<Planned>,
+    /// The snapshot, read through a table of its own (none for an empty volume), opened as
+    /// the send is prepared: one that cannot be opened is refused before the stream starts,
+    /// and the table holds the device against a delete from then on.
+    table: Option<Table>,
 }
 
 /// Refuses a thin device that a writable table uses: a snapshot being written is no
@@ -123,6 +129,11 @@ impl Send {
                 return Err(format!("--from {from} is the snapshot sent"));
             }
         }
+        // Read before the delta and checked again once the table holds the device: a
+        // snapshot deleted and made again meanwhile has another creation time, and the
+        // stream would name the one and carry the other.
+        let time = |id: u32| pool.device(id).map_or(0, |d| d.creation_time);
+        let times = (time(id), from.map_or(0, time));
         let block = pool.block_bytes();
         let runs = pool.delta(from, id).map_err(|e| e.to_string())?;
         let plan = plan(&runs, block);
@@ -140,13 +151,12 @@ impl Send {
             .map(|d| d.live().size())
             .max()
             .unwrap_or(0);
-        let time = |id: u32| pool.device(id).map_or(0, |d| d.creation_time);
         let header = Header {
             block_bytes: block as u32,
             to_id: id,
-            to_time: time(id),
+            to_time: times.0,
             from_id: from.unwrap_or(NO_BASE),
-            from_time: from.map_or(0, time),
+            from_time: times.1,
             volume_bytes: mapped_end.max(plan_end).max(used_as),
             records: plan.len() as u64,
             changed_bytes: plan
@@ -156,10 +166,19 @@ impl Send {
                 .sum(),
             source: source_name(pool_name),
         };
+        let table = open_volume(registry, pool_name, &header)?;
+        if (time(id), from.map_or(0, time)) != times {
+            return Err(format!(
+                "thin device {id}{} of pool '{pool_name}' was deleted or made again while the \
+                 send was prepared: send again",
+                from.map_or(String::new(), |f| format!(" or {f}"))
+            ));
+        }
         Ok(Send {
             pool_name: pool_name.to_string(),
             header,
             plan,
+            table,
         })
     }
 
@@ -181,30 +200,6 @@ impl Send {
             "volume_bytes": h.volume_bytes, "block_bytes": h.block_bytes,
             "layout_before": self.layout_before(start_at).0,
         })
-    }
-
-    /// The thin device being sent, as a table of its own (none for an empty volume).
-    fn open_volume(&self, registry: &Registry) -> Result<Option<Table>, String> {
-        let h = &self.header;
-        if h.volume_bytes == 0 {
-            return Ok(None);
-        }
-        let owner = format!(
-            ".send-{}-{}-{}",
-            self.pool_name,
-            h.to_id,
-            SENDS.fetch_add(1, Ordering::Relaxed)
-        );
-        let line = format!(
-            "0 {} thin {} {}",
-            h.volume_bytes / 512,
-            self.pool_name,
-            h.to_id
-        );
-        registry
-            .build(&owner, &line, &Arc::new(Events::default()))
-            .map(Some)
-            .map_err(|e| e.to_string())
     }
 
     /// Reads record `p`'s data into `buf`; its kind: unmapped (not changed), zero or data.
@@ -232,21 +227,16 @@ impl Send {
     }
 
     /// Writes the stream from record `start_at` on (the header always).
-    pub fn write(
-        &self,
-        registry: &Registry,
-        start_at: u64,
-        out: &mut dyn Write,
-    ) -> Result<(), String> {
+    pub fn write(&self, start_at: u64, out: &mut dyn Write) -> Result<(), String> {
         let h = &self.header;
-        let table = self.open_volume(registry)?;
+        let table = self.table.as_ref();
         let io = |e: std::io::Error| format!("writing the stream: {e}");
         out.write_all(&h.encode()).map_err(io)?;
         let start = (start_at as usize).min(self.plan.len());
         let mut w = Writer::new(out, self.layout_before(start_at));
         // Records are read READ_AHEAD at a time in parallel, while the batch before is
         // written: one synchronous 1 MiB read at a time leaves the data device idle between.
-        let read = |p: &Planned, buf: &mut AlignedBuf| self.read_record(table.as_ref(), p, buf);
+        let read = |p: &Planned, buf: &mut AlignedBuf| self.read_record(table, p, buf);
         let mut bufs: Vec<AlignedBuf> = (0..2 * READ_AHEAD)
             .map(|_| AlignedBuf::zeroed(MAX_DATA as usize))
             .collect();
@@ -294,6 +284,24 @@ impl Send {
         );
         Ok(())
     }
+}
+
+/// The thin device being sent, as a table of its own (none for an empty volume).
+fn open_volume(registry: &Registry, pool_name: &str, h: &Header) -> Result<Option<Table>, String> {
+    if h.volume_bytes == 0 {
+        return Ok(None);
+    }
+    let owner = format!(
+        "{SENDING_PREFIX}{}-{}-{}",
+        pool_name,
+        h.to_id,
+        SENDS.fetch_add(1, Ordering::Relaxed)
+    );
+    let line = format!("0 {} thin {} {}", h.volume_bytes / 512, pool_name, h.to_id);
+    registry
+        .build(&owner, &line, &Arc::new(Events::default()))
+        .map(Some)
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

@@ -48,10 +48,14 @@ pub fn send(registry: &Registry, request: Request, out: &mut dyn Write) {
     else {
         unreachable!("only send requests come here");
     };
-    let prepared = registry
-        .resolve(&pool)
-        .map_err(|e| e.to_string())
-        .and_then(|device| Send::prepare(registry, &device.name(), id, from));
+    // The pool device held as a client holds it, until the stream ends: the send's own table
+    // on it is no device's, so a `remove` would not see it otherwise.
+    let device = match registry.resolve(&pool) {
+        Ok(device) => device,
+        Err(e) => return drop(answer(out, &Response::error(e))),
+    };
+    let _open = device.open(false);
+    let prepared = Send::prepare(registry, &device.name(), id, from);
     let prepared = match prepared {
         Ok(p) => p,
         Err(e) => return drop(answer(out, &Response::error(e))),
@@ -64,7 +68,7 @@ pub fn send(registry: &Registry, request: Request, out: &mut dyn Write) {
         return;
     }
     let mut out = std::io::BufWriter::with_capacity(1 << 20, out);
-    if let Err(e) = prepared.write(registry, start_at, &mut out) {
+    if let Err(e) = prepared.write(start_at, &mut out) {
         warn!("send of thin device {id} of pool '{pool}' stopped: {e}");
     }
 }
@@ -87,10 +91,13 @@ pub fn receive(
     else {
         unreachable!("only receive requests come here");
     };
-    let pool = match registry.resolve(&pool) {
-        Ok(device) => device.name(),
+    // Held until the stream ends, as in `send`.
+    let device = match registry.resolve(&pool) {
+        Ok(device) => device,
         Err(e) => return drop(answer(out, &Response::error(e))),
     };
+    let _open = device.open(false);
+    let pool = device.name();
     let req = receive::Request {
         pool,
         id,

@@ -4,6 +4,7 @@
 //! judges are nobody's code here: `qemu-img compare` (byte for byte), `e2fsck -fn` and
 //! `thin_check`.
 
+mod bases;
 #[path = "../common/mod.rs"]
 mod common;
 mod delta;

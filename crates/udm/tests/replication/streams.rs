@@ -150,3 +150,139 @@ fn a_receiver_killed_mid_stream_keeps_its_pool_and_resumes() {
     thin_check(&b, &b_pool);
     assert!(state(&b)["partial"].as_object().unwrap().is_empty());
 }
+
+#[test]
+fn a_receive_without_resume_whose_daemon_was_killed_leaves_nothing_after_the_restart() {
+    let (a, mut b, b_pool) = two_daemons("kill-noresume");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x53 0 1M"]);
+    snapshot(&a, 2);
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x54 8M 192M"]);
+    snapshot(&a, 3);
+    send_to_file(&a, 2, None, &a.dir.path("first"));
+    send_to_file(&a, 3, Some(2), &a.dir.path("big"));
+    succeeded(
+        receive(&b, 2, &std::fs::read(a.dir.path("first")).unwrap(), &[]),
+        "first receive",
+    );
+    let before = devices(&b);
+    let big = std::fs::read(a.dir.path("big")).unwrap();
+    let mut child = spawn_receive(&b, 3, &[]);
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(&big[..big.len() / 2]).unwrap();
+    wait_for(|| kept_records(&b, 3) > 0, "progress of the receive");
+    b.stop(libc::SIGKILL);
+    drop(stdin);
+    let _ = child.wait();
+    b.launch();
+    // Nobody asked to keep it: its staging device (and the space it holds) goes.
+    assert_eq!(devices(&b), before, "the killed receive left a device");
+    assert!(state(&b)["partial"].as_object().unwrap().is_empty());
+    thin_check(&b, &b_pool);
+    same_snapshot(&a, &b, 2);
+}
+
+#[test]
+fn the_staging_device_of_a_kept_receive_takes_no_table() {
+    let (a, b, b_pool) = two_daemons("staging-table");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x55 0 1M"]);
+    snapshot(&a, 2);
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x56 8M 64M"]);
+    snapshot(&a, 3);
+    send_to_file(&a, 2, None, &a.dir.path("first"));
+    send_to_file(&a, 3, Some(2), &a.dir.path("inc"));
+    succeeded(
+        receive(&b, 2, &std::fs::read(a.dir.path("first")).unwrap(), &[]),
+        "first receive",
+    );
+    let inc = std::fs::read(a.dir.path("inc")).unwrap();
+    let cut = receive(&b, 3, &inc[..inc.len() / 2], &["--resume"]);
+    assert!(!cut.status.success());
+    assert!(kept_records(&b, 3) > 0, "{}", state(&b));
+    // A table there would write into the replica under the records kept, or stop the
+    // publish: refused, writable or not.
+    let staging = state(&b)["partial"]["3"]["staging"].to_string();
+    let table = format!("0 {} thin pool {staging}", VOLUME / 512);
+    for args in [
+        &["create", "peek", "--table", &table][..],
+        &["create", "peek", "--readonly", "--table", &table],
+    ] {
+        let err = b.udm_err(args);
+        assert!(
+            err.contains(&format!(
+                "thin device {staging} of pool 'pool' is the staging device of a receive"
+            )),
+            "{args:?}: {err}"
+        );
+    }
+    // Nor is it a snapshot to send (half of one).
+    let err = b.udm_err(&["send", "pool", &staging]);
+    assert!(err.contains("the staging device of a receive"), "{err}");
+    succeeded(receive(&b, 3, &inc, &["--resume"]), "resumed receive");
+    same_snapshot(&a, &b, 3);
+    // Published, the id is free for tables again like any other.
+    b.udm(&["message", "pool", "0", "create_thin", &staging]);
+    b.udm(&["create", "peek", "--table", &table]);
+    b.udm(&["remove", "peek"]);
+    thin_check(&b, &b_pool);
+}
+
+#[test]
+fn a_staging_device_that_cannot_be_deleted_stays_named_until_it_can() {
+    let (a, mut b, b_pool) = two_daemons("undeletable-staging");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x57 0 32M"]);
+    snapshot(&a, 2);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    let full = std::fs::read(a.dir.path("full")).unwrap();
+    let cut = receive(&b, 2, &full[..full.len() / 2], &["--resume"]);
+    assert!(!cut.status.success());
+    assert!(kept_records(&b, 2) > 0, "{}", state(&b));
+    // The pool goes read-only (as a full metadata device makes it): a receive without
+    // --resume cannot delete the kept one's staging device, and must not forget it.
+    let pool_table = |features: &str| {
+        format!(
+            "0 {} thin-pool {} {} 128 0 {features}",
+            2 * VOLUME / 512,
+            b_pool.meta.display(),
+            b.dir.path("pool.data").display()
+        )
+    };
+    let reload = |table: &str| {
+        b.udm(&["suspend", "pool"]);
+        b.udm(&["load", "pool", "--table", table]);
+        b.udm(&["resume", "pool"]);
+    };
+    reload(&pool_table("1 read_only"));
+    let out = receive(&b, 2, &full, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("staging thin device 16777215 of the receive into thin device 2 stays")
+            && err.trim_end().lines().count() == 1,
+        "{err}"
+    );
+    reload(&pool_table("0"));
+    let named: Vec<String> = state(&b)["partial"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|p| p["staging"].to_string())
+        .collect();
+    let staging: Vec<String> = devices(&b)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["id"].to_string())
+        .collect();
+    assert_eq!(named, staging, "a staging device the state no longer names");
+    // The daemon's next start drops it (nobody asked to keep it any more).
+    b.stop(libc::SIGTERM);
+    b.launch();
+    assert!(
+        devices(&b).as_array().unwrap().is_empty(),
+        "{}",
+        devices(&b)
+    );
+    succeeded(receive(&b, 2, &full, &[]), "receive");
+    assert_eq!(devices(&b).as_array().unwrap().len(), 1);
+    thin_check(&b, &b_pool);
+}

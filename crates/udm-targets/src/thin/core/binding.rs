@@ -111,9 +111,16 @@ impl Pool {
     /// has that device: checked with the users held, as `delete` holds them, so that the
     /// device cannot go between the check and the registration (the kernel counts opens
     /// under its metadata lock).
-    pub fn register_thin(&self, id: u32, owner: &str) -> Option<u64> {
+    pub fn register_thin(&self, id: u32, owner: &str) -> std::result::Result<u64, Unregistered> {
         let mut thins = self.thins.lock();
-        self.device(id)?;
+        if self.device(id).is_none() {
+            return Err(Unregistered::NoDevice);
+        }
+        if let Some((only, what)) = self.private.lock().get(&id) {
+            if only != owner {
+                return Err(Unregistered::Private(what.clone()));
+            }
+        }
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
         thins.push(ThinUse {
             token,
@@ -121,7 +128,17 @@ impl Pool {
             owner: owner.to_string(),
             live: false,
         });
-        Some(token)
+        Ok(token)
+    }
+
+    /// Keeps thin device `id` for the tables of device `owner` alone, saying to others what
+    /// it is (`what`); None: for any table again.
+    pub fn set_private(&self, id: u32, owner: Option<(&str, &str)>) {
+        let mut private = self.private.lock();
+        match owner {
+            Some((owner, what)) => drop(private.insert(id, (owner.into(), what.into()))),
+            None => drop(private.remove(&id)),
+        }
     }
 
     pub fn set_thin_live(&self, token: u64, live: bool) {
@@ -228,6 +245,13 @@ impl Pool {
         self.space.changed();
         Ok(())
     }
+}
+
+/// Why a thin target could not register with its pool.
+pub enum Unregistered {
+    NoDevice,
+    /// The device is kept for another device's tables: what it is.
+    Private(String),
 }
 
 /// The thin targets of a pool, held (see [`Pool::users`]).

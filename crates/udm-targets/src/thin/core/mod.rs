@@ -23,6 +23,7 @@ use udm_block::{BlockDevice, BlockError, Result};
 use udm_metadata::thin::ThinMetadata;
 
 mod binding;
+pub use binding::Unregistered;
 mod commit;
 mod mappings;
 
@@ -91,6 +92,9 @@ pub struct Pool {
     maps: MapCache,
     pub space: Space,
     thins: Mutex<Vec<ThinUse>>,
+    /// Thin devices only one device's tables may use: that device, and what the thin device
+    /// is (taken under `thins`).
+    private: Mutex<std::collections::BTreeMap<u32, (String, String)>>,
     /// Thin devices that lost acknowledged writes when a transaction was aborted: their
     /// flushes fail, so that no client takes them for durable, while a table uses them (the
     /// kernel's aborted_with_changes, which lasts as long as the device is open).
@@ -239,6 +243,7 @@ impl Pool {
             maps: MapCache::default(),
             space: Space::default(),
             thins: Mutex::new(Vec::new()),
+            private: Mutex::default(),
             lost: Mutex::new(BTreeSet::new()),
             next_token: AtomicU64::new(0),
             low_water_triggered: AtomicBool::new(false),

@@ -154,3 +154,4 @@ fn pool_with_thin(blocks: u64, features: &str) -> (Rig, Arc<Table>) {
 
 mod datapath;
 mod pool;
+mod replica;

@@ -1,0 +1,68 @@
+//! What replication asks of a live pool (`replica.rs`), raced against tables being made.
+
+use std::sync::Barrier;
+
+use super::*;
+use crate::thin::replica;
+
+/// A table made for the staging device while the receive publishes it must not end up on a
+/// deleted device: either the table is refused (the device went) or the publish is (the
+/// device is in use). Publishing holds the pool's users from its check to the end of the
+/// change, as the pool's `delete` does. The window it closed is a few instructions wide, so
+/// this races many rounds, the publish starting a little later each round.
+#[test]
+fn a_table_made_while_a_staging_device_is_published_is_refused_or_refuses_it() {
+    let (rig, _pool) = pool_with_thin(64, "");
+    let handle = replica::pool(&rig.name).unwrap();
+    let mut both = Vec::new();
+    for round in 0..4000u32 {
+        let (staged, id) = (100 + 2 * round, 101 + 2 * round);
+        handle.create_thin(staged).unwrap();
+        let start = Barrier::new(2);
+        let (published, table) = std::thread::scope(|s| {
+            let publish = s.spawn(|| {
+                start.wait();
+                for _ in 0..round % 200 {
+                    std::hint::spin_loop();
+                }
+                handle.publish(staged, id)
+            });
+            let table = s.spawn(|| {
+                start.wait();
+                rig.thin(BLOCK, staged)
+            });
+            (publish.join().unwrap(), table.join().unwrap())
+        });
+        match (published, table) {
+            (Ok(()), Ok(_)) => both.push(round),
+            (Ok(()), Err(_)) => handle.delete(id).unwrap(),
+            (Err(_), table) => {
+                drop(table);
+                handle.delete(staged).unwrap();
+            }
+        }
+    }
+    assert!(
+        both.is_empty(),
+        "rounds where a table was made on a published (deleted) staging device: {both:?}"
+    );
+}
+
+/// A staging device kept private to its receive's table, deleted by the pool's own `delete`
+/// message (a user dropping a kept receive by hand): the id takes tables again once made
+/// anew.
+#[test]
+fn a_private_device_deleted_by_message_is_private_no_more() {
+    let (rig, pool) = pool_with_thin(64, "");
+    let handle = replica::pool(&rig.name).unwrap();
+    handle.create_thin(5).unwrap();
+    handle.keep_private(5, ".receive-x-3", "the staging device of a receive");
+    let refused = rig.thin(BLOCK, 5).err().unwrap().to_string();
+    assert!(
+        refused.contains("is the staging device of a receive"),
+        "{refused}"
+    );
+    rig.message(&pool, "delete 5").unwrap();
+    rig.message(&pool, "create_thin 5").unwrap();
+    rig.thin(BLOCK, 5).unwrap();
+}

@@ -1,0 +1,232 @@
+//! What a receive does to a base that tables use: a writable table on it is refused (the
+//! snapshot of a base being written half holds its writes, and a written base is no longer
+//! the snapshot it was received as), a replica kept mounted read-only is not.
+
+use super::*;
+
+/// The one-line error of a receive that must be refused, and that it changed no device.
+fn refused(daemon: &Daemon, id: u32, stream: &[u8], what: &str) -> String {
+    let before = devices(daemon);
+    let out = receive(daemon, id, stream, &[]);
+    let err = String::from_utf8_lossy(&out.stderr).trim_end().to_string();
+    assert!(!out.status.success(), "{what}: received");
+    assert_eq!(err.lines().count(), 1, "{what}: {err}");
+    assert_eq!(devices(daemon), before, "{what}: the pool changed");
+    err
+}
+
+#[test]
+fn a_receive_onto_a_base_that_a_writable_table_uses_is_refused_a_read_only_one_is_kept() {
+    let (a, b, b_pool) = two_daemons("live-base");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x61 0 2M"]);
+    snapshot(&a, 2);
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x62 1M 2M"]);
+    snapshot(&a, 3);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    send_to_file(&a, 3, Some(2), &a.dir.path("inc"));
+    succeeded(
+        receive(&b, 2, &std::fs::read(a.dir.path("full")).unwrap(), &[]),
+        "full receive",
+    );
+    let inc = std::fs::read(a.dir.path("inc")).unwrap();
+    let table = format!("0 {} thin pool 2", VOLUME / 512);
+    b.udm(&["create", "base", "--table", &table]);
+    let expected = "cannot snapshot the stream's base: thin device 2 of pool 'pool' is used by \
+                    base, writable: remove it or load it read-only first (udm remove base)";
+    let err = refused(&b, 3, &inc, "a live writable base");
+    assert!(err.contains(expected), "{err}");
+    // Suspended, it is still writable once resumed.
+    b.udm(&["suspend", "base"]);
+    let err = refused(&b, 3, &inc, "a suspended writable base");
+    assert!(err.contains(expected), "{err}");
+    b.udm(&["remove", "base"]);
+    // Read-only, but with a writable table loaded to go live at the next resume.
+    b.udm(&["create", "base", "--readonly", "--table", &table]);
+    b.udm(&["load", "base", "--table", &table]);
+    let err = refused(&b, 3, &inc, "a read-only base with a writable table loaded");
+    assert!(err.contains(expected), "{err}");
+    b.udm(&["clear", "base"]);
+    // The replica mounted read-only stays while the next snapshot arrives onto it.
+    succeeded(receive(&b, 3, &inc, &[]), "receive onto a read-only base");
+    b.udm(&["remove", "base"]);
+    same_snapshot(&a, &b, 2);
+    same_snapshot(&a, &b, 3);
+    thin_check(&b, &b_pool);
+}
+
+/// A received device deleted and its id made again is no base, although `create_thin` gives
+/// the new device the pool's current time, which was the received device's creation time.
+#[test]
+fn a_received_device_deleted_and_its_id_made_again_is_no_base() {
+    let (a, b, b_pool) = two_daemons("reused-base");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x71 0 2M"]);
+    snapshot(&a, 2);
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x72 3M 1M"]);
+    snapshot(&a, 3);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    send_to_file(&a, 3, Some(2), &a.dir.path("inc"));
+    succeeded(
+        receive(&b, 2, &std::fs::read(a.dir.path("full")).unwrap(), &[]),
+        "full receive",
+    );
+    b.udm(&["message", "pool", "0", "delete", "2"]);
+    b.udm(&["message", "pool", "0", "create_thin", "2"]);
+    let inc = std::fs::read(a.dir.path("inc")).unwrap();
+    let err = refused(&b, 3, &inc, "a base deleted and made again");
+    assert!(err.contains("wrong base"), "{err}");
+    thin_check(&b, &b_pool);
+}
+
+/// A pool is found by its device's name (thin tables, messages, send, receive, and the
+/// replication state kept under it): renaming its device would leave it found by neither
+/// name, so the rename is refused.
+#[test]
+fn a_pool_device_is_not_renamed_from_under_its_replicas() {
+    let (a, b, _) = two_daemons("rename-pool");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x81 0 1M"]);
+    snapshot(&a, 2);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    let full = std::fs::read(a.dir.path("full")).unwrap();
+    succeeded(receive(&b, 2, &full, &[]), "full receive");
+    let err = b.udm_err(&["rename", "pool", "pool2"]);
+    assert!(err.contains("thin-pool"), "{err}");
+    // Still found under its name, with what it received.
+    succeeded(receive(&b, 3, &full, &[]), "second receive");
+    send_to_file(&b, 3, None, &b.dir.path("three"));
+    let table = format!("0 {} thin pool 2", VOLUME / 512);
+    b.udm(&["create", "replica", "--readonly", "--table", &table]);
+}
+
+/// A pool that skips zeroing new blocks leaves what its data device held in the part of a
+/// block a write does not cover: with blocks larger than the stream's, the replica would read
+/// that where the source reads zeroes. Refused; with blocks the stream's divide, received.
+#[test]
+fn a_pool_that_skips_zeroing_takes_only_streams_whose_blocks_cover_its_own() {
+    let (a, b, _) = two_daemons("skip-zeroing");
+    qemu_io_ok(
+        &a.uri("vol"),
+        &["write -P 0x91 0 64k", "write -P 0x92 3M 64k"],
+    );
+    snapshot(&a, 2);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    let data = b.dir.path("big.data");
+    std::fs::write(&data, vec![0xaa; 64 << 20]).unwrap();
+    let pool = |name: &str, meta: &str, block_sectors: u32| {
+        let table = format!(
+            "0 {} thin-pool {} {} {block_sectors} 0 1 skip_block_zeroing",
+            32 << 11,
+            b.sparse(meta, 16 * MIB).display(),
+            data.display()
+        );
+        b.udm(&["create", name, "--table", &table]);
+    };
+    pool("big", "big.meta", 2048);
+    let out = Command::new(UDM)
+        .args(["receive", "big", "2"])
+        .env("UDM_CONTROL", b.control())
+        .stdin(std::fs::File::open(a.dir.path("full")).unwrap())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "received into 1 MiB blocks");
+    assert!(err.contains("skip_block_zeroing"), "{err}");
+    b.udm(&["remove", "big"]);
+    // The stream's 64 KiB blocks: every record covers whole blocks.
+    pool("small", "small.meta", 128);
+    let out = Command::new(UDM)
+        .args(["receive", "small", "2"])
+        .env("UDM_CONTROL", b.control())
+        .stdin(std::fs::File::open(a.dir.path("full")).unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = format!("0 {} thin small 2", 4 * MIB / 512);
+    b.udm(&["create", "replica", "--readonly", "--table", &table]);
+    let table = format!("0 {} thin pool 2", 4 * MIB / 512);
+    a.udm(&["create", "source", "--readonly", "--table", &table]);
+    same_content(&a.uri("source"), &b.uri("replica"));
+}
+
+/// A snapshot being sent is not deleted from under the send, and the refusal says what holds
+/// it (no device the user could remove).
+#[test]
+fn a_snapshot_being_sent_is_not_deleted_and_the_refusal_says_why() {
+    let (a, _b, _) = two_daemons("delete-sent");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0xa1 0 64M"]);
+    snapshot(&a, 2);
+    // A reader that takes nothing: the send stops with its pipe full, holding the snapshot.
+    let mut send = Command::new(UDM)
+        .args(["send", "pool", "2"])
+        .env("UDM_CONTROL", a.control())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(
+        || a.udm(&["thin", "ls", "pool"]).contains(".send-"),
+        "the send to hold the snapshot",
+    );
+    let err = a.udm_err(&["message", "pool", "0", "delete", "2"]);
+    assert!(
+        err.contains("thin device 2 is in use by a send or receive of udm's")
+            && err.contains("wait for it to end"),
+        "{err}"
+    );
+    send.kill().unwrap();
+    let _ = send.wait();
+    wait_for(
+        || {
+            a.run_udm(&["message", "pool", "0", "delete", "2"])
+                .status
+                .success()
+        },
+        "the delete once the send is gone",
+    );
+}
+
+/// A pool a send reads or a receive writes is not removed from under them: they hold it as
+/// a client does (the daemon's own tables on it are no device's, so nothing else counted).
+#[test]
+fn a_pool_is_not_removed_while_a_send_or_a_receive_uses_it() {
+    let (a, b, _) = two_daemons("remove-pool");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0xb1 0 64M"]);
+    snapshot(&a, 2);
+    a.udm(&["remove", "vol"]);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    let full = std::fs::read(a.dir.path("full")).unwrap();
+    // A send whose reader takes nothing, and a receive whose stream stops half way.
+    let mut send = Command::new(UDM)
+        .args(["send", "pool", "2"])
+        .env("UDM_CONTROL", a.control())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut receiving = spawn_receive(&b, 2, &[]);
+    let mut stdin = receiving.stdin.take().unwrap();
+    stdin.write_all(&full[..full.len() / 2]).unwrap();
+    for (daemon, what) in [(&a, "send"), (&b, "receive")] {
+        wait_for(
+            || {
+                daemon
+                    .udm(&["thin", "ls", "pool"])
+                    .contains(&format!(".{what}-"))
+            },
+            "the transfer to hold the pool",
+        );
+        let err = daemon.udm_err(&["remove", "pool"]);
+        assert!(err.contains("is busy: open by 1 client"), "{what}: {err}");
+    }
+    send.kill().unwrap();
+    let _ = send.wait();
+    stdin.write_all(&full[full.len() / 2..]).unwrap();
+    drop(stdin);
+    succeeded(receiving.wait_with_output().unwrap(), "the receive");
+    wait_for(
+        || a.run_udm(&["remove", "pool"]).status.success(),
+        "the removal once the send is gone",
+    );
+    b.udm(&["remove", "pool"]);
+}
