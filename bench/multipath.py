@@ -169,7 +169,7 @@ def part_rr_vs_linear(hosts, storage, sectors, args, out_dir, cells) -> None:
                                       nbd(host, f"mp-{backend}"))),
                         (host, System(f"lin-{backend}{suffix}", f"linear ×1 ({backend})",
                                       nbd(host, f"lin-{backend}")))]
-    for wl in WORKLOADS:
+    for wl in args.workloads:
         for rep in range(1, args.repeat + 1):
             for backend, _ in BACKENDS:
                 for suffix, _ in hosts:
@@ -260,8 +260,10 @@ def build_report(cells, gap, meta) -> tuple[str, list]:
         return a / b if a and b else None
 
     parts = {k[0] for k in cells}
-    if parts & {w.key for w in WORKLOADS}:
-        lines += rr_section(med, ratio, bars, [""] + [f"@{v}" for v in meta.get("variants", {})])
+    measured = [w for w in WORKLOADS if w.key in parts]
+    if measured:
+        lines += rr_section(med, ratio, bars, measured,
+                            [""] + [f"@{v}" for v in meta.get("variants", {})])
     if "slow" in parts:
         lines += selector_section(med, ratio, bars)
     if gap:
@@ -271,9 +273,9 @@ def build_report(cells, gap, meta) -> tuple[str, list]:
     return "\n".join(lines), bars
 
 
-def rr_section(med, ratio, bars, suffixes) -> list:
-    """One row per workload and host daemon (`suffixes`: "" for this run's, "@LABEL" for a
-    --variant's)."""
+def rr_section(med, ratio, bars, workloads, suffixes) -> list:
+    """One row per workload measured and host daemon (`suffixes`: "" for this run's, "@LABEL"
+    for a --variant's)."""
     lines = ["### Round-robin over two paths / linear over one (NBD from a udm daemon)"]
     lines.append("")
     header = ["workload"]
@@ -282,7 +284,7 @@ def rr_section(med, ratio, bars, suffixes) -> list:
                    "host CPU µs/IO rr / linear", "storage CPU µs/IO rr / linear",
                    "switches/IO host rr / linear; storage rr / linear"]
     rows = []
-    for wl, suffix in ((wl, suffix) for wl in WORKLOADS for suffix in suffixes):
+    for wl, suffix in ((wl, suffix) for wl in workloads for suffix in suffixes):
         row = [wl.label + (" (IOPS)" if wl.metric == "iops" else " (MB/s)") + suffix]
         for backend, label in BACKENDS:
             mp, lin = (med((wl.key, f"{sys}-{backend}{suffix}")) for sys in ("mp", "lin"))
@@ -371,11 +373,15 @@ def parse_args(argv):
         keep_help="keep the temp dir (image, logs)",
         udm_help="path of the udm binary (default target/release/udm, built if missing)",
         charts_help="(no charts here; accepted for symmetry)")
+    ap.add_argument("--workloads", default=None,
+                    help="comma-separated subset of the rr part's workloads: "
+                         + ",".join(w.key for w in WORKLOADS))
     common.add_variant_arg(ap, "round-robin and linear devices of its own over the same "
                                "storage daemon (rr part only; its rows are WORKLOAD@LABEL)")
     args = ap.parse_args(argv)
     common.resolve_sizing(args)
     common.resolve_variants(ap, args)
+    args.workloads = common.select_workloads(ap, args.workloads, WORKLOADS)
     args.parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not args.parts or args.parts - {"rr", "selectors", "gap"}:
         ap.error(f"--parts: unknown parts {sorted(args.parts - {'rr', 'selectors', 'gap'})}")

@@ -9,16 +9,9 @@
 //! batch, and every other thread). The batch runs what was put off when it is dropped, in
 //! the order it was put off, also when the executor unwinds from a panic: a transfer whose
 //! send never happened would wait for ever.
-//!
-//! An executor that owns an io_uring (the NBD event loop) also takes those writes onto its
-//! ring ([`RingWrites`]): a transfer hands it a [`RingWrite`] with [`write_on_ring`], and the
-//! executor submits it with the rest of its wake-up's entries, in the same system call as its
-//! wait. A multipath's second path then costs a submission entry per wake-up instead of a
-//! system call of its own.
 
 use std::cell::RefCell;
 use std::marker::PhantomData;
-use std::os::fd::RawFd;
 
 type Deferred = Box<dyn FnOnce()>;
 
@@ -73,72 +66,6 @@ pub fn at_batch_end(work: impl FnOnce() + 'static) {
     });
     if let Some(work) = now {
         work()
-    }
-}
-
-/// A write to a socket that an executor makes on its ring (see [`write_on_ring`]).
-pub trait RingWrite {
-    fn fd(&self) -> RawFd;
-    /// What is still to be written. The memory stays where it is, unchanged, until
-    /// [`RingWrite::written`] is called.
-    fn iovecs(&self) -> &[libc::iovec];
-    /// How the write went, on the executor's thread: the bytes written (possibly fewer than
-    /// asked: the rest is the write's to hand over again) or a negative errno.
-    fn written(self: Box<Self>, result: i32);
-}
-
-thread_local! {
-    /// `Some` while this thread's executor takes writes onto its ring: those handed over and
-    /// not yet taken.
-    static RING_WRITES: RefCell<Option<Vec<Box<dyn RingWrite>>>> = const { RefCell::new(None) };
-}
-
-/// Whether this thread's executor takes writes onto its ring.
-pub fn ring_writes_here() -> bool {
-    RING_WRITES.with_borrow(Option::is_some)
-}
-
-/// Hands `write` to this thread's executor, which submits it on its ring; gives it back when
-/// the thread has no such executor (see [`ring_writes_here`]).
-pub fn write_on_ring(write: Box<dyn RingWrite>) -> Result<(), Box<dyn RingWrite>> {
-    RING_WRITES.with_borrow_mut(|writes| match writes {
-        Some(writes) => {
-            writes.push(write);
-            Ok(())
-        }
-        None => Err(write),
-    })
-}
-
-/// An executor's acceptance of ring writes on its thread, for as long as it is held.
-pub struct RingWrites {
-    _thread: PhantomData<*const ()>,
-}
-
-impl RingWrites {
-    pub fn accept() -> RingWrites {
-        RING_WRITES.with_borrow_mut(|writes| writes.get_or_insert_with(Vec::new).clear());
-        RingWrites {
-            _thread: PhantomData,
-        }
-    }
-
-    /// The writes handed over since the last call, in order, for the executor to submit.
-    pub fn take(&self) -> Vec<Box<dyn RingWrite>> {
-        RING_WRITES
-            .with_borrow_mut(|writes| writes.as_mut().map(std::mem::take).unwrap_or_default())
-    }
-}
-
-impl Drop for RingWrites {
-    /// Writes never submitted fail, so that none waits for ever.
-    fn drop(&mut self) {
-        let left = RING_WRITES
-            .with_borrow_mut(Option::take)
-            .unwrap_or_default();
-        for write in left {
-            write.written(-libc::ECANCELED);
-        }
     }
 }
 
@@ -233,48 +160,5 @@ mod tests {
         .unwrap();
         at_batch_end(push(1));
         assert!(log.borrow().is_empty());
-    }
-
-    struct Recorded {
-        log: Log,
-        n: u32,
-    }
-
-    impl RingWrite for Recorded {
-        fn fd(&self) -> RawFd {
-            -1
-        }
-        fn iovecs(&self) -> &[libc::iovec] {
-            &[]
-        }
-        fn written(self: Box<Self>, result: i32) {
-            assert_eq!(result, -libc::ECANCELED);
-            self.log.borrow_mut().push(self.n)
-        }
-    }
-
-    #[test]
-    fn ring_writes_go_to_the_executor_that_accepts_them_and_fail_when_it_stops() {
-        let log: Log = Rc::default();
-        let write = |n| {
-            Box::new(Recorded {
-                log: log.clone(),
-                n,
-            })
-        };
-        assert!(!ring_writes_here());
-        assert!(write_on_ring(write(1)).is_err(), "no executor takes it");
-        let writes = RingWrites::accept();
-        assert!(ring_writes_here());
-        write_on_ring(write(2)).ok().unwrap();
-        write_on_ring(write(3)).ok().unwrap();
-        let taken = writes.take();
-        assert_eq!(taken.len(), 2);
-        assert!(writes.take().is_empty());
-        write_on_ring(write(4)).ok().unwrap();
-        drop(writes);
-        assert!(!ring_writes_here());
-        assert_eq!(*log.borrow(), [4], "the one never taken is cancelled");
-        drop(taken);
     }
 }

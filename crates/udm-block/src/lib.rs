@@ -18,7 +18,7 @@ mod memory;
 pub mod pending;
 mod pool;
 
-pub use batch::{at_batch_end, ring_writes_here, write_on_ring, Batch, RingWrite, RingWrites};
+pub use batch::{at_batch_end, Batch};
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
 pub use device::{

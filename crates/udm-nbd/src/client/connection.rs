@@ -4,14 +4,13 @@
 
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
-use std::io::{self, Write};
+use std::io::{self, IoSlice, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_block::{BlockError, Extent};
 
 use super::dial::ExportInfo;
-use super::outbox::Outbox;
 use crate::protocol::*;
 use crate::stream::Stream;
 
@@ -115,6 +114,34 @@ impl InFlight {
     }
 }
 
+/// A mapped request waiting in its connection's outbox for the end of the executor's batch
+/// (see [`udm_block::batch`]): its header, and a write's data.
+pub(super) struct Outgoing {
+    header: [u8; REQUEST_HEADER_LEN],
+    data: *const u8,
+    len: usize,
+    slot: Arc<Slot>,
+}
+
+// SAFETY: the data is lent by the executor until the request's transfer is done, which the
+// slot's `sending` holds off until the outbox has been written.
+unsafe impl Send for Outgoing {}
+
+impl Outgoing {
+    /// `data` must stay valid and unchanged until the slot's send is over ([`finish_send`]).
+    pub(super) fn new(header: [u8; REQUEST_HEADER_LEN], data: &[u8], slot: Arc<Slot>) -> Self {
+        Outgoing {
+            header,
+            data: data.as_ptr(),
+            len: data.len(),
+            slot,
+        }
+    }
+}
+
+/// Slices per write of the outbox: well under the kernel's IOV_MAX (1024).
+const SLICES_PER_WRITE: usize = 512;
+
 /// One established connection.
 pub(super) struct Conn {
     pub(super) info: ExportInfo,
@@ -130,10 +157,8 @@ pub(super) struct Conn {
     /// request past its deadline with this cookie has a server stalling in the middle of its
     /// data.
     pub(super) partial: AtomicU64,
-    /// Requests waiting to be written, and whether someone writes (see `outbox`).
-    pub(super) outbox: Mutex<Outbox>,
-    /// Signalled when the writer is done.
-    pub(super) writer_free: Condvar,
+    /// Mapped requests to send together (see [`Conn::queue`]).
+    outbox: Mutex<Vec<Outgoing>>,
 }
 
 impl Conn {
@@ -147,8 +172,7 @@ impl Conn {
             in_flight: Mutex::new(InFlight::default()),
             replies: AtomicU64::new(0),
             partial: AtomicU64::new(0),
-            outbox: Mutex::default(),
-            writer_free: Condvar::new(),
+            outbox: Mutex::new(Vec::new()),
         };
         Ok((Arc::new(conn), reader))
     }
@@ -174,6 +198,46 @@ impl Conn {
 
     pub(super) fn slot(&self, cookie: u64) -> Option<Arc<Slot>> {
         self.in_flight.lock().slots.get(&cookie).cloned()
+    }
+
+    pub(super) fn send(&self, header: &[u8; REQUEST_HEADER_LEN], data: &[u8]) -> io::Result<()> {
+        let mut writer = self.writer.lock();
+        if data.is_empty() {
+            writer.write_all(header)
+        } else {
+            writer.write_all_vectored(&mut [IoSlice::new(header), IoSlice::new(data)])
+        }
+    }
+
+    /// Puts a mapped request in the outbox. True when the outbox was empty: the caller is
+    /// to see it written ([`Conn::send_outbox`]); otherwise whoever filled it first will.
+    pub(super) fn queue(&self, outgoing: Outgoing) -> bool {
+        let mut outbox = self.outbox.lock();
+        outbox.push(outgoing);
+        outbox.len() == 1
+    }
+
+    /// Writes every request in the outbox, as few writes as there are [`SLICES_PER_WRITE`]s
+    /// in it; returns how that went and their slots, whose sends are then over.
+    pub(super) fn send_outbox(&self) -> (io::Result<()>, Vec<Arc<Slot>>) {
+        let outbox = std::mem::take(&mut *self.outbox.lock());
+        let mut slices = Vec::with_capacity(2 * outbox.len());
+        for outgoing in &outbox {
+            slices.push(IoSlice::new(&outgoing.header));
+            if outgoing.len > 0 {
+                // SAFETY: see `Outgoing::new`; the slot's send is not over before this returns.
+                let data = unsafe { std::slice::from_raw_parts(outgoing.data, outgoing.len) };
+                slices.push(IoSlice::new(data));
+            }
+        }
+        let result = {
+            let mut writer = self.writer.lock();
+            slices
+                .chunks_mut(SLICES_PER_WRITE)
+                .try_for_each(|chunk| writer.write_all_vectored(chunk))
+        };
+        drop(slices);
+        (result, outbox.into_iter().map(|o| o.slot).collect())
     }
 }
 

@@ -23,8 +23,7 @@ use std::time::{Duration, Instant};
 
 use udm_block::{BlockError, Done, MapOp, Mapping, Transfer, TransferBuf};
 
-use super::connection::{finish_send, Conn, Dest, Outcome, Slot, SlotState};
-use super::outbox::Outgoing;
+use super::connection::{finish_send, Conn, Dest, Outcome, Outgoing, Slot, SlotState};
 use super::reconnect::Shared;
 use super::{ClientOptions, NbdClient};
 use crate::protocol::*;
@@ -156,6 +155,19 @@ impl Shared {
         // connection, when its batch ends (at once when it has none open).
         if conn.queue(Outgoing::new(header, data, slot)) {
             udm_block::at_batch_end(move || self.send_outbox(&conn));
+        }
+    }
+
+    /// Writes the connection's outbox; every request in it has been sent (or is lost, with
+    /// the connection, when the write fails) and may settle.
+    fn send_outbox(&self, conn: &Arc<Conn>) {
+        let (result, slots) = conn.send_outbox();
+        if let Err(e) = result {
+            // Breaking the connection marks these slots lost too: they settle once sent.
+            self.connection_lost(conn, &format!("sending a request: {e}"));
+        }
+        for slot in slots {
+            finish_send(&slot);
         }
     }
 }

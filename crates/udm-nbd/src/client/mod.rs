@@ -30,7 +30,6 @@
 mod connection;
 mod dial;
 mod mapped;
-mod outbox;
 mod poller;
 mod reconnect;
 mod reply;
@@ -53,7 +52,7 @@ use udm_block::{
 use crate::protocol::*;
 use crate::stream::Stream;
 use crate::uri::UriError;
-use connection::Conn;
+use connection::{disconnect, Conn};
 use dial::{ExportInfo, Target};
 use reconnect::{Shared, State};
 use request::Payload;
@@ -396,7 +395,14 @@ impl BlockDevice for NbdClient {
         };
         self.shared.changed.notify_all();
         if let Some(conn) = conn {
-            self.shared.hang_up(&conn);
+            // A writer stuck on a server that stopped reading must not hold us up: the goodbye
+            // is skipped then.
+            if let Some(mut writer) = conn.writer.try_lock() {
+                disconnect(&mut writer);
+            }
+            // The reply reader sees the socket end and marks the connection lost; the
+            // requests it had in flight are then resent, find the client closing and fail.
+            conn.control.shutdown();
         }
     }
 }

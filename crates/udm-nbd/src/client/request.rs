@@ -59,7 +59,7 @@ impl NbdClient {
             }
             let replies_before = conn.replies.load(Ordering::Acquire);
             let header = slot.header(flags, cookie);
-            if let Err(e) = self.shared.send_now(&conn, &header, data) {
+            if let Err(e) = conn.send(&header, data) {
                 // Breaking the connection marks this slot lost too; it is resent below.
                 shared.connection_lost(&conn, &format!("sending a request: {e}"));
             }

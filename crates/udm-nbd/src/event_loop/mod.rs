@@ -65,40 +65,10 @@ const SUBMIT_CHUNK: usize = 4;
 const RECV: u64 = 1;
 const SEND: u64 = 2;
 const WAKE: u64 = 3;
-/// A remote client's write (see [`SocketWrite`]), its index in place of the connection's.
-const SOCKET_WRITE: u64 = 4;
 const KIND_BITS: u32 = 8;
 
 fn user_data(conn: usize, kind: u64) -> u64 {
     (conn as u64) << KIND_BITS | kind
-}
-
-/// A loop's ring, made on the loop's thread, the only one that submits to it: the kernel then
-/// leaves completions for the loop's next wait to collect (DEFER_TASKRUN) instead of
-/// interrupting the loop's work for each as it comes. A kernel without those flags (before
-/// 6.1) gets a plain ring.
-fn loop_ring() -> io::Result<IoUring> {
-    let mut builder = IoUring::builder();
-    builder.setup_cqsize(RING_ENTRIES * 8);
-    let ring = match builder
-        .clone()
-        .setup_single_issuer()
-        .setup_defer_taskrun()
-        .build(RING_ENTRIES)
-    {
-        Ok(ring) => ring,
-        Err(e) => {
-            debug!("nbd: io_uring refuses deferred completions ({e}): a plain ring");
-            builder.build(RING_ENTRIES)?
-        }
-    };
-    // The kernel runs what cannot complete at once (allocating writes, syncs) on io-wq
-    // threads of the daemon's; bound them so a burst cannot add hundreds.
-    let mut workers = [IO_WORKERS, IO_WORKERS];
-    if let Err(e) = ring.submitter().register_iowq_max_workers(&mut workers) {
-        debug!("nbd: cannot bound io_uring's worker threads: {e}");
-    }
-    Ok(ring)
 }
 
 /// A negotiated connection handed to a loop, with what must live as long as it.
@@ -126,12 +96,21 @@ impl Loops {
     ) -> io::Result<Loops> {
         let mut mailboxes = Vec::new();
         for i in 0..config.loop_threads.max(1) {
+            let ring = IoUring::builder()
+                .setup_cqsize(RING_ENTRIES * 8)
+                .build(RING_ENTRIES)?;
+            // The kernel runs what cannot complete at once (allocating writes, syncs) on
+            // io-wq threads of the daemon's; bound them so a burst cannot add hundreds.
+            let mut workers = [IO_WORKERS, IO_WORKERS];
+            if let Err(e) = ring.submitter().register_iowq_max_workers(&mut workers) {
+                debug!("nbd: cannot bound io_uring's worker threads: {e}");
+            }
             let mailbox = Arc::new(Mailbox::new()?);
             let (mailbox_here, budget, pool) = (mailbox.clone(), budget.clone(), pool.clone());
             let (queue_depth, idle_timeout) = (config.queue_depth.max(1), config.idle_timeout);
             let write_timeout = config.handshake_timeout;
             // Built on its thread: a loop holds raw pointers (in-flight buffers) it never shares.
-            let event_loop = move |ring| EventLoop {
+            let event_loop = move || EventLoop {
                 ring,
                 engine: Engine::new(),
                 conns: Vec::new(),
@@ -147,25 +126,10 @@ impl Loops {
                 idle_timeout,
                 write_timeout,
                 last_tick: Instant::now(),
-                ring_writes: udm_block::RingWrites::accept(),
-                socket_writes: Vec::new(),
-                free_socket_writes: Vec::new(),
             };
-            let (built, ring_made) = std::sync::mpsc::sync_channel(1);
             std::thread::Builder::new()
                 .name(format!("nbd-loop-{i}"))
-                .spawn(move || match loop_ring() {
-                    Ok(ring) => {
-                        let _ = built.send(Ok(()));
-                        event_loop(ring).run()
-                    }
-                    Err(e) => {
-                        let _ = built.send(Err(e));
-                    }
-                })?;
-            ring_made
-                .recv()
-                .map_err(|_| io::Error::other("an event loop thread ended at its start"))??;
+                .spawn(move || event_loop().run())?;
             mailboxes.push(mailbox);
         }
         Ok(Loops {
@@ -332,18 +296,6 @@ struct EventLoop {
     idle_timeout: Option<Duration>,
     write_timeout: Duration,
     last_tick: Instant,
-    /// Writes of remote clients (a multipath's paths) that this loop makes on its ring.
-    ring_writes: udm_block::RingWrites,
-    /// Those in flight, by the index in their entries' `user_data`.
-    socket_writes: Vec<Option<Box<SocketWrite>>>,
-    free_socket_writes: Vec<usize>,
-}
-
-/// A remote client's write in flight on the loop's ring: the `sendmsg` header its entry
-/// points to (kept in place until the completion), and the write to tell how it went.
-struct SocketWrite {
-    message: libc::msghdr,
-    write: Box<dyn udm_block::RingWrite>,
 }
 
 impl EventLoop {
@@ -374,9 +326,8 @@ impl EventLoop {
                 }
             }
             // Requests this wake-up sends to remote exports (a multipath's or a linear's
-            // NBD paths) go out together when it ends: one write per connection, submitted
-            // on the ring with the next wait.
-            let batch = udm_block::Batch::open();
+            // NBD paths) go out together when it ends: one write per connection.
+            let _batch = udm_block::Batch::open();
             self.reap();
             while let Some((user_data, result)) = self.backlog.pop_front() {
                 // A bug here must not take every connection of the loop down with it.
@@ -399,42 +350,7 @@ impl EventLoop {
             for c in dirty {
                 self.pump(c);
             }
-            drop(batch);
-            self.start_socket_writes();
         }
-    }
-
-    /// Queues the writes remote clients handed to this loop, as `sendmsg` entries.
-    fn start_socket_writes(&mut self) {
-        for write in self.ring_writes.take() {
-            let iovecs = write.iovecs();
-            // SAFETY: an all-zero msghdr is a valid empty one.
-            let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
-            message.msg_iov = iovecs.as_ptr().cast_mut();
-            message.msg_iovlen = iovecs.len();
-            let fd = types::Fd(write.fd());
-            let pending = Box::new(SocketWrite { message, write });
-            let index = self.free_socket_writes.pop().unwrap_or_else(|| {
-                self.socket_writes.push(None);
-                self.socket_writes.len() - 1
-            });
-            // The header and the iovecs it points to stay put (boxed, and the write keeps
-            // its iovecs unchanged) until the completion.
-            let entry = opcode::SendMsg::new(fd, &pending.message)
-                .flags((libc::MSG_NOSIGNAL | libc::MSG_WAITALL) as u32)
-                .build()
-                .user_data(user_data(index, SOCKET_WRITE));
-            self.socket_writes[index] = Some(pending);
-            self.queued.push(entry);
-        }
-    }
-
-    fn socket_written(&mut self, index: usize, result: i32) {
-        let Some(pending) = self.socket_writes.get_mut(index).and_then(Option::take) else {
-            return warn!("nbd: event loop: completion of an unknown socket write {index}");
-        };
-        self.free_socket_writes.push(index);
-        pending.write.written(result);
     }
 
     fn reap(&mut self) {
@@ -518,7 +434,6 @@ impl EventLoop {
             }
             RECV => self.received(conn, result),
             SEND => self.sent(conn, result),
-            SOCKET_WRITE => self.socket_written(conn, result),
             other => warn!("nbd: event loop: completion of unknown kind {other}"),
         }
     }
