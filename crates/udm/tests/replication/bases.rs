@@ -18,17 +18,7 @@ fn refused(daemon: &Daemon, id: u32, stream: &[u8], what: &str) -> String {
 #[test]
 fn a_receive_onto_a_base_that_a_writable_table_uses_is_refused_a_read_only_one_is_kept() {
     let (a, b, b_pool) = two_daemons("live-base");
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x61 0 2M"]);
-    snapshot(&a, 2);
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x62 1M 2M"]);
-    snapshot(&a, 3);
-    send_to_file(&a, 2, None, &a.dir.path("full"));
-    send_to_file(&a, 3, Some(2), &a.dir.path("inc"));
-    succeeded(
-        receive(&b, 2, &std::fs::read(a.dir.path("full")).unwrap(), &[]),
-        "full receive",
-    );
-    let inc = std::fs::read(a.dir.path("inc")).unwrap();
+    let inc = base_received_and_increment(&a, &b, "write -P 0x61 0 2M", "write -P 0x62 1M 2M");
     let table = format!("0 {} thin pool 2", VOLUME / 512);
     b.udm(&["create", "base", "--table", &table]);
     let expected = "cannot snapshot the stream's base: thin device 2 of pool 'pool' is used by \
@@ -59,19 +49,9 @@ fn a_receive_onto_a_base_that_a_writable_table_uses_is_refused_a_read_only_one_i
 #[test]
 fn a_received_device_deleted_and_its_id_made_again_is_no_base() {
     let (a, b, b_pool) = two_daemons("reused-base");
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x71 0 2M"]);
-    snapshot(&a, 2);
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x72 3M 1M"]);
-    snapshot(&a, 3);
-    send_to_file(&a, 2, None, &a.dir.path("full"));
-    send_to_file(&a, 3, Some(2), &a.dir.path("inc"));
-    succeeded(
-        receive(&b, 2, &std::fs::read(a.dir.path("full")).unwrap(), &[]),
-        "full receive",
-    );
+    let inc = base_received_and_increment(&a, &b, "write -P 0x71 0 2M", "write -P 0x72 3M 1M");
     b.udm(&["message", "pool", "0", "delete", "2"]);
     b.udm(&["message", "pool", "0", "create_thin", "2"]);
-    let inc = std::fs::read(a.dir.path("inc")).unwrap();
     let err = refused(&b, 3, &inc, "a base deleted and made again");
     assert!(err.contains("wrong base"), "{err}");
     thin_check(&b, &b_pool);

@@ -181,6 +181,22 @@ fn kept_records(daemon: &Daemon, id: u32) -> u64 {
 }
 
 /// Two daemons on this host with a pool each; A's thin device 1 is `vol`.
+/// Snapshots 2 and 3 of `a`'s volume, each taken after a qemu-io command (`first`, then
+/// `then`), and 2 received whole by `b`; returns the stream of 3 from 2, not yet received.
+fn base_received_and_increment(a: &Daemon, b: &Daemon, first: &str, then: &str) -> Vec<u8> {
+    qemu_io_ok(&a.uri("vol"), &[first]);
+    snapshot(a, 2);
+    qemu_io_ok(&a.uri("vol"), &[then]);
+    snapshot(a, 3);
+    send_to_file(a, 2, None, &a.dir.path("full"));
+    send_to_file(a, 3, Some(2), &a.dir.path("inc"));
+    succeeded(
+        receive(b, 2, &std::fs::read(a.dir.path("full")).unwrap(), &[]),
+        "full receive",
+    );
+    std::fs::read(a.dir.path("inc")).unwrap()
+}
+
 fn two_daemons(tag: &str) -> (Daemon, Daemon, Pool) {
     let a = Daemon::start(&format!("repl-{tag}-a"));
     let mut b = Daemon::start(&format!("repl-{tag}-b"));

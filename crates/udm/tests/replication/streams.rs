@@ -111,17 +111,7 @@ fn cut_corrupt_truncated_reordered_and_wrong_base_streams_leave_the_replica_as_i
 #[test]
 fn a_receiver_killed_mid_stream_keeps_its_pool_and_resumes() {
     let (a, mut b, b_pool) = two_daemons("kill");
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x51 0 1M"]);
-    snapshot(&a, 2);
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x52 8M 192M"]);
-    snapshot(&a, 3);
-    send_to_file(&a, 2, None, &a.dir.path("first"));
-    send_to_file(&a, 3, Some(2), &a.dir.path("big"));
-    succeeded(
-        receive(&b, 2, &std::fs::read(a.dir.path("first")).unwrap(), &[]),
-        "first receive",
-    );
-    let big = std::fs::read(a.dir.path("big")).unwrap();
+    let big = base_received_and_increment(&a, &b, "write -P 0x51 0 1M", "write -P 0x52 8M 192M");
     // Half the stream, then wait for progress to be durable, then kill -9.
     let mut child = spawn_receive(&b, 3, &["--resume"]);
     let mut stdin = child.stdin.take().unwrap();
@@ -154,18 +144,8 @@ fn a_receiver_killed_mid_stream_keeps_its_pool_and_resumes() {
 #[test]
 fn a_receive_without_resume_whose_daemon_was_killed_leaves_nothing_after_the_restart() {
     let (a, mut b, b_pool) = two_daemons("kill-noresume");
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x53 0 1M"]);
-    snapshot(&a, 2);
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x54 8M 192M"]);
-    snapshot(&a, 3);
-    send_to_file(&a, 2, None, &a.dir.path("first"));
-    send_to_file(&a, 3, Some(2), &a.dir.path("big"));
-    succeeded(
-        receive(&b, 2, &std::fs::read(a.dir.path("first")).unwrap(), &[]),
-        "first receive",
-    );
+    let big = base_received_and_increment(&a, &b, "write -P 0x53 0 1M", "write -P 0x54 8M 192M");
     let before = devices(&b);
-    let big = std::fs::read(a.dir.path("big")).unwrap();
     let mut child = spawn_receive(&b, 3, &[]);
     let mut stdin = child.stdin.take().unwrap();
     stdin.write_all(&big[..big.len() / 2]).unwrap();
@@ -184,17 +164,7 @@ fn a_receive_without_resume_whose_daemon_was_killed_leaves_nothing_after_the_res
 #[test]
 fn the_staging_device_of_a_kept_receive_takes_no_table() {
     let (a, b, b_pool) = two_daemons("staging-table");
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x55 0 1M"]);
-    snapshot(&a, 2);
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x56 8M 64M"]);
-    snapshot(&a, 3);
-    send_to_file(&a, 2, None, &a.dir.path("first"));
-    send_to_file(&a, 3, Some(2), &a.dir.path("inc"));
-    succeeded(
-        receive(&b, 2, &std::fs::read(a.dir.path("first")).unwrap(), &[]),
-        "first receive",
-    );
-    let inc = std::fs::read(a.dir.path("inc")).unwrap();
+    let inc = base_received_and_increment(&a, &b, "write -P 0x55 0 1M", "write -P 0x56 8M 64M");
     let cut = receive(&b, 3, &inc[..inc.len() / 2], &["--resume"]);
     assert!(!cut.status.success());
     assert!(kept_records(&b, 3) > 0, "{}", state(&b));
