@@ -70,6 +70,9 @@ fn removing_by_force_a_device_over_a_suspended_one_holds_up_no_other_verb() {
     let daemon = stack_with_low_suspended("force-over-suspended");
     let mut client = RawClient::connect(&daemon.nbd_socket(), "top");
     client.send(0, NBD_CMD_READ, 1, 0, 4096, &[]);
+    // The read must be parked at `low`'s gate before the error table goes in: one that has
+    // not reached `top`'s table yet fails with EIO, as the kernel's would (seen once in CI).
+    std::thread::sleep(Duration::from_millis(500));
     let remove = udm_in_background(&daemon, &["remove", "--force", "top"]);
     resume_low_ends(&daemon, remove);
     assert_eq!(client.reply().unwrap(), (0, 1));
