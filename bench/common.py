@@ -172,6 +172,34 @@ def proc_context_switches(pid: int) -> int | None:
     return total
 
 
+def block_device_stat(path: Path) -> Path | None:
+    """The kernel's I/O counters (/sys/dev/block/MAJ:MIN/stat) of the block device, or the
+    partition, that holds `path`; None when it has none (tmpfs, overlay)."""
+    st = os.stat(path)
+    stat = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat")
+    return stat if stat.exists() else None
+
+
+def disk_counters(stat: Path | None) -> tuple[int, int] | None:
+    """(requests completed, milliseconds they spent in flight, summed) from a block device's
+    stat file: fields 1 + 5 (reads, writes) and 11 (time_in_queue, which the kernel sums
+    from each request's own nanoseconds, so it holds for gaps far shorter than a tick)."""
+    if stat is None:
+        return None
+    fields = stat.read_text().split()
+    return int(fields[0]) + int(fields[4]), int(fields[10])
+
+
+def disk_use(before: tuple[int, int] | None, after: tuple[int, int] | None,
+             seconds: float) -> tuple[float, float] | None:
+    """The disk over a run: (mean requests in flight, mean µs each spent there). A server
+    whose disk waits for work shows a shallower queue at the same time per request."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    ios, queue_ms = after[0] - before[0], after[1] - before[1]
+    return queue_ms / 1e3 / seconds, (queue_ms * 1e3 / ios if ios else 0.0)
+
+
 def per_io(before: float | None, after: float | None, ios: int) -> float | None:
     """How much of a counter (system calls, context switches) each I/O took between two
     samples."""

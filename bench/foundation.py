@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import sys
 from pathlib import Path
 
@@ -83,6 +84,7 @@ class Run:
         self.size = args.size
         self.sectors = self.size // 512
         self.disk = tmp / "disk.img"
+        self.disk_stat = common.block_device_stat(tmp)
         self.ctl, self.nbd_sock = tmp / "ctl.sock", tmp / "udm.sock"
         self.uri_zero = f"nbd+unix:///nullz?socket={self.nbd_sock}"
         self.uri_lin = f"nbd+unix:///lin?socket={self.nbd_sock}"
@@ -274,12 +276,17 @@ class Run:
         cmd = fio_cmd(wl, s, self.args, self.out_dir / f"{stem}.json")
         server = s.service.proc.pid if s.service is not None else None
         cpu0 = common.proc_cpu_seconds(server) if server else None
+        disk0, t0 = common.disk_counters(self.disk_stat), time.monotonic()
         fio_timeout = self.args.runtime + 60
         smp = fio_cell(cmd, lambda cmd: run(cmd, timeout=fio_timeout, check=False, quiet=True,
                                             cwd=self.tmp),
                        parse_fio_json, wl, c, self.out_dir, stem, tag)
         if smp is None:
             return
+        disk = common.disk_use(disk0, common.disk_counters(self.disk_stat),
+                               time.monotonic() - t0)
+        if disk is not None and s.key not in ("udm-zero", "nbdkit-null"):
+            smp.disk_depth, smp.disk_us = disk
         if server:
             smp.cpu_us_per_io = common.cpu_us_per_io(cpu0, common.proc_cpu_seconds(server),
                                                      smp.ios)
@@ -288,8 +295,10 @@ class Run:
         c.samples.append(smp)
         unit = "IOPS" if wl.metric == "iops" else "MB/s"
         cpu = "—" if smp.cpu_us_per_io is None else f"{smp.cpu_us_per_io:.1f}"
+        at_disk = ("" if smp.disk_depth is None else
+                   f"  disk depth {smp.disk_depth:.1f}, {smp.disk_us:.0f} µs/IO")
         log(f"{tag}: {smp.value:>10.0f} {unit}  clat mean {smp.lat_mean_us:.0f} µs "
-            f"p99 {smp.lat_p99_us:.0f} µs  CPU {cpu} µs/IO")
+            f"p99 {smp.lat_p99_us:.0f} µs  CPU {cpu} µs/IO{at_disk}")
 
     def run_matrix(self) -> None:
         """Every workload, repeat and available system, in the order GROUPS says."""

@@ -156,6 +156,10 @@ def tabulate(results, systems):
                            cell=cell, med=med, ratio=ratio)
 
 
+def fmt_disk(depth: float | None, us: float | None) -> str:
+    return "—" if depth is None or us is None else f"{depth:.1f}, {us:.0f} µs"
+
+
 def build_table(results, systems, meta) -> tuple[str, dict]:
     """The report: the throughput, latency and CPU tables, the bars, the summary lines and the
     notes; and results.json's summary."""
@@ -198,6 +202,21 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
                "divided by the I/Os fio completed. fio on file: fio's own usr + sys CPU (no "
                "server). The fio client's CPU on the NBD rows is not included.")
     out.append("")
+    disk_keys = [k for k in keys if k not in ("udm-zero", "nbdkit-null")]
+    disk_rows = [[wl.label] + [fmt_disk(t.med(wl, k, "disk_depth"), t.med(wl, k, "disk_us"))
+                               for k in disk_keys] for wl in WORKLOADS]
+    if any(cell != "—" for row in disk_rows for cell in row[1:]):
+        out.append("### At the disk: mean requests in flight, mean µs each")
+        out.append("")
+        out.append(markdown_table(["workload"] + [labels[k] for k in disk_keys], disk_rows))
+        out.append("")
+        out.append("From the kernel's counters of the block device that holds the disk file "
+                   "(/sys/dev/block/…/stat: completions and time_in_queue) over each fio run, "
+                   "start-up included. Throughput at the disk is depth / time per request: a "
+                   "server whose disk takes as long per request but sees a shallower queue "
+                   "keeps it waiting for work (requests still on their way through the server "
+                   "and the client).")
+        out.append("")
     variants = [k for k in keys if k.startswith("v-")]
     if variants:
         out.append("### udm linear against the variants (A/B in the same run)")

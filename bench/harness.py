@@ -197,6 +197,8 @@ class Sample:
     ios: int = 0                        # I/Os fio completed (every direction)
     fio_cpu_s: float | None = None      # fio's own usr+sys CPU seconds
     cpu_us_per_io: float | None = None  # the server's (or, on the file, fio's) CPU per I/O
+    disk_depth: float | None = None     # mean requests in flight at the disk over the run
+    disk_us: float | None = None        # mean µs a request spent at the disk
 
 
 @dataclass
@@ -211,7 +213,8 @@ class Cell:
 
     def summary(self) -> dict:
         """The cell as results.json holds it: the medians, every sample and the errors."""
-        attrs = ("value", "iops", "mbps", "lat_mean_us", "lat_p99_us", "cpu_us_per_io")
+        attrs = ("value", "iops", "mbps", "lat_mean_us", "lat_p99_us", "cpu_us_per_io",
+                 "disk_depth", "disk_us")
         return {
             **{f"median_{a}": self.median(a) for a in attrs},
             "samples": [{"value": x.value, "iops": x.iops, "mbps": x.mbps,
