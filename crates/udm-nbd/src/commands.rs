@@ -43,6 +43,11 @@ pub(crate) struct Reply {
 }
 
 impl Reply {
+    /// Bytes on the wire.
+    pub fn len(&self) -> usize {
+        self.head.len() + self.data.as_ref().map_or(0, |d| d.len())
+    }
+
     pub fn slices(&self) -> Vec<IoSlice<'_>> {
         let mut slices = vec![IoSlice::new(&self.head)];
         if let Some(data) = &self.data {

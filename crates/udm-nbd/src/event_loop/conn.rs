@@ -190,7 +190,7 @@ impl EventLoop {
             return;
         };
         if conn.sending.is_none() && !conn.replies.is_empty() && !conn.dead {
-            let count = conn.replies.len().min(SEND_BATCH);
+            let count = replies_per_send(conn.replies.iter().map(Reply::len));
             let replies: Vec<Reply> = conn.replies.drain(..count).collect();
             let iovecs: Vec<libc::iovec> = replies
                 .iter()
@@ -222,6 +222,18 @@ impl EventLoop {
     }
 }
 
+/// How many of the queued replies (their lengths, in order) the next sendmsg takes: up to
+/// [`SEND_BATCH`], and none more once they carry [`SEND_BYTES`] (always at least one).
+fn replies_per_send(lengths: impl Iterator<Item = usize>) -> usize {
+    let mut bytes = 0;
+    let within = lengths.take(SEND_BATCH).take_while(|len| {
+        let before = bytes;
+        bytes += len;
+        before < SEND_BYTES
+    });
+    within.count()
+}
+
 /// The sendmsg entry for what is left of `sending`.
 fn send_entry(index: usize, stream: &Stream, sending: &mut Sending) -> squeue::Entry {
     let rest = &mut sending.iovecs[sending.first..];
@@ -231,4 +243,22 @@ fn send_entry(index: usize, stream: &Stream, sending: &mut Sending) -> squeue::E
         .flags(libc::MSG_NOSIGNAL as u32)
         .build()
         .user_data(user_data(index, SEND))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_send_takes_replies_up_to_its_bytes_or_its_count() {
+        let read_4k = 16 + 4096;
+        assert_eq!(replies_per_send(std::iter::repeat_n(read_4k, 32)), 8);
+        // Headers only (writes): the count bounds them.
+        assert_eq!(replies_per_send(std::iter::repeat_n(16, 100)), SEND_BATCH);
+        // A big read goes alone, and a small one behind it waits for the next send.
+        assert_eq!(replies_per_send([16 + (256 << 10), 16].into_iter()), 1);
+        // What is left goes whatever its size.
+        assert_eq!(replies_per_send(std::iter::once(16)), 1);
+        assert_eq!(replies_per_send(std::iter::empty()), 0);
+    }
 }

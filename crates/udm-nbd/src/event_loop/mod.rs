@@ -43,6 +43,14 @@ use mailbox::{Mailbox, Message};
 const RECEIVE_BUFFER: usize = 256 << 10;
 /// Replies sent with one sendmsg at most.
 const SEND_BATCH: usize = 64;
+/// A sendmsg takes no more replies once it carries this many bytes. The disk completes a
+/// batch of reads together; sent in one piece, their replies reach the client only as a
+/// whole, and it turns none round before it has read them all, while the disk waits for
+/// work. In pieces, the client starts on the first while the rest follow: 4 KiB random reads
+/// at depth 32 over `linear` on a file gained about 5 % (median of 8 alternating runs, 6 of
+/// 8 pairs ahead). Writes' replies are headers only, so they still go 64 at a time: fewer
+/// per piece cost them system calls and gained nothing.
+const SEND_BYTES: usize = 32 << 10;
 const RING_ENTRIES: u32 = 1024;
 /// io-wq threads per loop, for bounded (disk) and unbounded work each.
 const IO_WORKERS: u32 = 4;
