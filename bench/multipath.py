@@ -6,7 +6,9 @@ Three parts, one run, systems alternating, medians of --repeat:
 
 1. Round-robin over two paths / linear over one, both on a `zero` export and on a file
    export of a storage daemon (two Unix listeners: two paths): IOPS or MB/s ratio (bar ≥ 0.98×,
-   seed 004; goal ≥ 1.0×) and the multipath host's CPU per I/O.
+   seed 004; goal ≥ 1.0×) and the multipath host's CPU per I/O. Beside them, a multipath
+   over one of the two paths: seed 004's own comparison ("the multipath runs are only with a
+   single path"), which prices the target apart from a second connection's.
 2. Two paths with 1 ms and 5 ms added latency (the storage daemon's `delay` devices):
    queue-length, service-time and historical-service-time / round-robin IOPS at depth 32
    (bar ≥ 1.5×).
@@ -164,17 +166,21 @@ def part_rr_vs_linear(hosts, storage, sectors, args, out_dir, cells) -> None:
         for backend, _ in BACKENDS:
             paths = [storage.uri(backend, 0), storage.uri(backend, 1)]
             host.create(f"mp-{backend}", multipath_table(sectors, "round-robin", "1", paths))
+            host.create(f"mp1-{backend}",
+                        multipath_table(sectors, "round-robin", "1", paths[:1]))
             host.create(f"lin-{backend}", f"0 {sectors} linear {paths[0]} 0")
             systems += [(host, System(f"mp-{backend}{suffix}", f"round-robin ×2 ({backend})",
                                       nbd(host, f"mp-{backend}"))),
+                        (host, System(f"mp1-{backend}{suffix}", f"multipath ×1 ({backend})",
+                                      nbd(host, f"mp1-{backend}"))),
                         (host, System(f"lin-{backend}{suffix}", f"linear ×1 ({backend})",
                                       nbd(host, f"lin-{backend}")))]
     for wl in args.workloads:
         for rep in range(1, args.repeat + 1):
             for backend, _ in BACKENDS:
                 for suffix, _ in hosts:
-                    pair = [f"mp-{backend}{suffix}", f"lin-{backend}{suffix}"]
-                    for key in pair if rep % 2 else reversed(pair):
+                    group = [f"{sys}-{backend}{suffix}" for sys in ("mp", "mp1", "lin")]
+                    for key in group if rep % 2 else reversed(group):
                         host, system = next((h, s) for h, s in systems if s.key == key)
                         measure(wl, system, host, args, out_dir, f"{wl.key}.{key}.r{rep}",
                                 cells, (wl.key, key), f"{wl.key} {key} r{rep}", storage=storage)
@@ -309,6 +315,19 @@ def rr_section(med, ratio, bars, workloads, suffixes) -> list:
               "machine blurs less than CPU time. Round-robin's two paths are two connections "
               "to the storage daemon, each carrying half of every batch of requests (served on "
               "one event loop of the storage daemon: one client, one export)."]
+    lines += ["", "Multipath over one path / linear over it (seed 004's comparison: the "
+              "target's own cost, no second connection; not a bar):", ""]
+    rows = []
+    for wl, suffix in ((wl, suffix) for wl in workloads for suffix in suffixes):
+        row = [wl.label + suffix]
+        for backend, _ in BACKENDS:
+            mp1, lin = (med((wl.key, f"{sys}-{backend}{suffix}")) for sys in ("mp1", "lin"))
+            row += [fmt_value(mp1, wl.metric), fmt_ratio(ratio(mp1, lin))]
+        rows.append(row)
+    header = ["workload"]
+    for _, label in BACKENDS:
+        header += [f"multipath ×1, {label}", "/ linear"]
+    lines.append(markdown_table(header, rows))
     return lines
 
 
