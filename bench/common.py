@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from report import (  # noqa: E402
     parse_size,
@@ -198,6 +199,12 @@ def disk_use(before: tuple[int, int] | None, after: tuple[int, int] | None,
         return None
     ios, queue_ms = after[0] - before[0], after[1] - before[1]
     return queue_ms / 1e3 / seconds, (queue_ms * 1e3 / ios if ios else 0.0)
+
+
+def disk_watch(stat: Path | None):
+    """Starts counting the disk's work (see `disk_use`); call what it returns at the end."""
+    before, start = disk_counters(stat), time.monotonic()
+    return lambda: disk_use(before, disk_counters(stat), time.monotonic() - start)
 
 
 def per_io(before: float | None, after: float | None, ios: int) -> float | None:

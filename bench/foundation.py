@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import sys
 from pathlib import Path
 
@@ -276,15 +275,14 @@ class Run:
         cmd = fio_cmd(wl, s, self.args, self.out_dir / f"{stem}.json")
         server = s.service.proc.pid if s.service is not None else None
         cpu0 = common.proc_cpu_seconds(server) if server else None
-        disk0, t0 = common.disk_counters(self.disk_stat), time.monotonic()
+        disk_watch = common.disk_watch(self.disk_stat)
         fio_timeout = self.args.runtime + 60
         smp = fio_cell(cmd, lambda cmd: run(cmd, timeout=fio_timeout, check=False, quiet=True,
                                             cwd=self.tmp),
                        parse_fio_json, wl, c, self.out_dir, stem, tag)
         if smp is None:
             return
-        disk = common.disk_use(disk0, common.disk_counters(self.disk_stat),
-                               time.monotonic() - t0)
+        disk = disk_watch()
         if disk is not None and s.key not in ("udm-zero", "nbdkit-null"):
             smp.disk_depth, smp.disk_us = disk
         if server:

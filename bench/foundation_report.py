@@ -14,8 +14,8 @@ import harness  # noqa: E402
 from common import bar_axes, import_pyplot  # noqa: E402
 from harness import Results, Workload  # noqa: E402
 from report import (  # noqa: E402
-    fmt_cpu, fmt_lat, fmt_ratio, fmt_value, geomean, is_below, judge, markdown_table,
-    table_footer,
+    fmt_cpu, fmt_disk, fmt_lat, fmt_ratio, fmt_value, geomean, is_below, judge,
+    markdown_table, table_footer,
 )
 
 WORKLOADS = list(harness.WORKLOADS)
@@ -156,10 +156,6 @@ def tabulate(results, systems):
                            cell=cell, med=med, ratio=ratio)
 
 
-def fmt_disk(depth: float | None, us: float | None) -> str:
-    return "—" if depth is None or us is None else f"{depth:.1f}, {us:.0f} µs"
-
-
 def build_table(results, systems, meta) -> tuple[str, dict]:
     """The report: the throughput, latency and CPU tables, the bars, the summary lines and the
     notes; and results.json's summary."""
@@ -203,8 +199,7 @@ def build_table(results, systems, meta) -> tuple[str, dict]:
                "server). The fio client's CPU on the NBD rows is not included.")
     out.append("")
     disk_keys = [k for k in keys if k not in ("udm-zero", "nbdkit-null")]
-    disk_rows = [[wl.label] + [fmt_disk(t.med(wl, k, "disk_depth"), t.med(wl, k, "disk_us"))
-                               for k in disk_keys] for wl in WORKLOADS]
+    disk_rows = [[wl.label] + [fmt_disk(t.cell(wl, k)) for k in disk_keys] for wl in WORKLOADS]
     if any(cell != "—" for row in disk_rows for cell in row[1:]):
         out.append("### At the disk: mean requests in flight, mean µs each")
         out.append("")

@@ -197,6 +197,7 @@ class Run:
         self.args, self.udm_bin, self.out_dir, self.tmp = args, udm_bin, out_dir, tmp
         self.size = args.size
         self.disk = tmp / "disk.img"
+        self.disk_stat = common.block_device_stat(tmp)
         self.nbd_mnt = tmp / "nbdfuse"           # nbdfuse's mount: nbd_mnt/nbd
         self.nbd_sock = tmp / "udm.sock"
         self.uri = f"nbd+unix:///vol?socket={self.nbd_sock}"
@@ -376,12 +377,16 @@ class Run:
                     cmd = fio_cmd(wl, bymap[key].device, args, self.out_dir / f"{stem}.json")
                     servers = self.servers(key)
                     cpu0 = [proc_cpu_seconds(pid) for pid in servers]
+                    disk_watch = common.disk_watch(self.disk_stat)
                     smp = fio_cell(cmd,
                                    lambda cmd: run_group(cmd, timeout=fio_timeout, cwd=self.tmp),
                                    parse_fio_json, wl, c, self.out_dir, stem, tag)
                     if smp is None:
                         continue
                     cpu1 = [proc_cpu_seconds(pid) for pid in servers]
+                    disk = disk_watch()
+                    if disk is not None:
+                        smp.disk_depth, smp.disk_us = disk
                     if servers and smp.ios and None not in cpu0 + cpu1:
                         smp.cpu_us_per_io = (sum(cpu1) - sum(cpu0)) / smp.ios * 1e6
                     c.samples.append(smp)

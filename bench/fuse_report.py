@@ -14,7 +14,8 @@ import harness  # noqa: E402
 from common import bar_axes, import_pyplot  # noqa: E402
 from harness import Results  # noqa: E402
 from report import (  # noqa: E402
-    fmt_cpu, fmt_lat, fmt_ratio, fmt_value, geomean, is_below, markdown_table, table_footer,
+    fmt_cpu, fmt_disk, fmt_lat, fmt_ratio, fmt_value, geomean, is_below, markdown_table,
+    table_footer,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -138,6 +139,15 @@ def build_table(results, meta) -> tuple[str, dict]:
     out.append(markdown_table(["workload"] + [LABELS[k] for k in SYSTEMS if k != "direct"],
                               t.cpu_rows))
     out.append("")
+    disk_rows = [[wl.label] + [fmt_disk(results.get((wl.key, k))) for k in SYSTEMS]
+                 for wl in WORKLOADS]
+    if any(cell != "—" for row in disk_rows for cell in row[1:]):
+        out.append("At the disk (mean requests in flight, mean µs each; the kernel's counters "
+                   "of the block device holding disk.img over each run, as in "
+                   "bench/foundation.py):")
+        out.append("")
+        out.append(markdown_table(["workload"] + [LABELS[k] for k in SYSTEMS], disk_rows))
+        out.append("")
     out.append(f"{LABELS['udm-fuse']}: loop on udm's own FUSE file (`udm attach`)"
                + (f"; {LABELS['udm-fuse-dev']}: the same from a second daemon with "
                   f"`--fuse-uring off`" if compare else "")

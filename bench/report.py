@@ -62,6 +62,14 @@ def fmt_ratio(r) -> str:
     return f"{r:.2f}×"
 
 
+def fmt_disk(cell) -> str:
+    """Mean requests in flight at the disk, and mean µs each, of a cell (harness.Cell)."""
+    if cell is None:
+        return "—"
+    depth, us = cell.median("disk_depth"), cell.median("disk_us")
+    return "—" if depth is None or us is None else f"{depth:.1f}, {us:.0f} µs"
+
+
 def fmt_lat(cell) -> str:
     """Mean / p99 latency of a cell (harness.Cell), in µs."""
     if cell is None:
