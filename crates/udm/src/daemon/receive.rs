@@ -570,10 +570,26 @@ impl Batch {
     }
 }
 
+/// At each table of pool device `pool_name` built: the staging devices its replication state
+/// names are kept private again, which a pool opened anew (at the daemon's start, or made
+/// again) knows nothing of.
+pub fn pool_built(registry: &Registry, pool_name: &str) {
+    let Ok(pool) = replica::pool(pool_name) else {
+        return;
+    };
+    match PoolState::load(&registry.state_dir, pool_name, &pool) {
+        Ok(state) => {
+            for (id, partial) in &state.partial {
+                keep_private(&pool, pool_name, *id, partial.staging);
+            }
+        }
+        Err(e) => warn!("replication state of pool '{pool_name}': {e}"),
+    }
+}
+
 /// At the daemon's start, after its devices are restored: the receives a crash stopped that
 /// were not to be kept for resuming lose their staging devices (which hold the space of what
-/// they had applied), as they would have had they been refused; the kept ones' staging
-/// devices are kept private again.
+/// they had applied), as they would have had they been refused.
 pub fn recover(registry: &Registry) {
     let dir = registry.state_dir.join("replication");
     let Ok(files) = std::fs::read_dir(&dir) else {
@@ -594,11 +610,7 @@ pub fn recover(registry: &Registry) {
                 continue;
             }
         };
-        for (id, partial) in &state.partial {
-            if partial.resume {
-                keep_private(&pool, pool_name, *id, partial.staging);
-                continue;
-            }
+        for (id, partial) in state.partial.iter().filter(|(_, p)| !p.resume) {
             info!(
                 "dropping the receive into thin device {id} of pool '{pool_name}' that stopped \
                  with the daemon (staging thin device {}; it was not asked to be kept)",

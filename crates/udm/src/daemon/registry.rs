@@ -234,12 +234,10 @@ impl Registry {
         };
         let events = events.clone();
         let _building = super::device::no_waiting_while_building();
-        Ok(Table::build(
-            owner,
-            text,
-            &resolver,
-            Arc::new(move || events.raise()),
-        )?)
+        let table = Table::build(owner, text, &resolver, Arc::new(move || events.raise()))?;
+        // Before the table goes live: a new pool's thin devices take no table until then.
+        super::receive::pool_built(self, owner);
+        Ok(table)
     }
 
     pub fn create(

@@ -256,3 +256,31 @@ fn a_staging_device_that_cannot_be_deleted_stays_named_until_it_can() {
     assert_eq!(devices(&b).as_array().unwrap().len(), 1);
     thin_check(&b, &b_pool);
 }
+
+#[test]
+fn the_staging_device_of_a_kept_receive_takes_no_table_after_a_restart_or_a_new_pool_table() {
+    let (a, mut b, b_pool) = two_daemons("staging-restart");
+    let inc = base_received_and_increment(&a, &b, "write -P 0x5b 0 1M", "write -P 0x5c 8M 64M");
+    let cut = receive(&b, 3, &inc[..inc.len() / 2], &["--resume"]);
+    assert!(!cut.status.success());
+    assert!(kept_records(&b, 3) > 0, "{}", state(&b));
+    let staging = state(&b)["partial"]["3"]["staging"].to_string();
+    let table = format!("0 {} thin pool {staging}", VOLUME / 512);
+    let refused = |b: &Daemon, after: &str| {
+        let err = b.udm_err(&["create", "peek", "--table", &table]);
+        assert!(
+            err.contains("is the staging device of a receive"),
+            "{after}: {err}"
+        );
+    };
+    b.stop(libc::SIGKILL);
+    b.launch();
+    refused(&b, "a restart");
+    // The pool device made again (or first made after the daemon's start).
+    b.udm(&["remove", "pool"]);
+    b.udm(&["create", "pool", "--table", &b_pool.table]);
+    refused(&b, "the pool made again");
+    succeeded(receive(&b, 3, &inc, &["--resume"]), "resumed receive");
+    same_snapshot(&a, &b, 3);
+    thin_check(&b, &b_pool);
+}
