@@ -23,6 +23,7 @@ use super::device::Events;
 use super::received::{Mark, Partial, PoolState, Snapshot};
 use super::registry::Registry;
 use super::send::SENDING_PREFIX;
+use super::signals;
 use crate::replication::stream::{Event, Header, Kind, Layout, Place, Reader, StreamError};
 
 /// How the private tables of receives are named (never a device's name: those do not start
@@ -385,15 +386,16 @@ impl<'a> Receive<'a> {
     /// The trailer checked out: the staging device becomes `id`, and is marked as the
     /// snapshot received.
     fn publish(&mut self) -> Result<(), Failure> {
-        let other = Failure::Local;
-        if let Some(table) = self.table.take() {
-            table
-                .flush()
-                .map_err(|e| other(format!("flushing the staging device: {e}")))?;
+        // Recorded (and the records made durable) before the publish: a crash after its
+        // commit leaves the record to complete at the next start (see [`PoolState::load`]).
+        self.partial.publishing = Some(self.header.volume_bytes);
+        self.checkpoint()?;
+        self.table = None;
+        if let Err(e) = self.pool.publish(self.partial.staging, self.req.id) {
+            self.partial.publishing = None;
+            return Err(Failure::Local(e.to_string()));
         }
-        self.pool
-            .publish(self.partial.staging, self.req.id)
-            .map_err(|e| other(e.to_string()))?;
+        signals::crash_point("published");
         let mark = Mark {
             snapshot: self.to.clone(),
             local_time: self.pool.device(self.req.id).map_or(0, |d| d.creation_time),
@@ -468,6 +470,7 @@ fn new_staging(
         next_record: 0,
         layout: 0,
         resume: req.resume,
+        publishing: None,
     };
     let record = |p: &Partial| {
         let p = p.clone();
@@ -589,7 +592,9 @@ pub fn pool_built(registry: &Registry, pool_name: &str) {
 
 /// At the daemon's start, after its devices are restored: the receives a crash stopped that
 /// were not to be kept for resuming lose their staging devices (which hold the space of what
-/// they had applied), as they would have had they been refused.
+/// they had applied), as they would have had they been refused. The publishes a crash cut
+/// short after their commit are recorded as received (see [`PoolState::load`]), for good:
+/// `id` deleted and made again would not be the device published.
 pub fn recover(registry: &Registry) {
     let dir = registry.state_dir.join("replication");
     let Ok(files) = std::fs::read_dir(&dir) else {
@@ -603,7 +608,16 @@ pub fn recover(registry: &Registry) {
         let Ok(pool) = replica::pool(pool_name) else {
             continue;
         };
-        let state = match PoolState::load(&registry.state_dir, pool_name, &pool) {
+        // No receive runs yet: a publish still recorded did not commit (its staging device
+        // is there), and a later loss of that device must not pass for its commit.
+        let stopped = |s: &mut PoolState| {
+            for p in s.partial.values_mut() {
+                p.publishing = None;
+            }
+        };
+        let state = PoolState::update(&registry.state_dir, pool_name, &pool, stopped)
+            .and_then(|()| PoolState::load(&registry.state_dir, pool_name, &pool));
+        let state = match state {
             Ok(state) => state,
             Err(e) => {
                 warn!("replication state of pool '{pool_name}': {e}");
