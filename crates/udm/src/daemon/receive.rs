@@ -22,13 +22,12 @@ use udm_targets::Table;
 use super::device::Events;
 use super::received::{Mark, Partial, PoolState, Snapshot};
 use super::registry::Registry;
-use super::send::SENDING_PREFIX;
 use super::signals;
 use crate::replication::stream::{Event, Header, Kind, Layout, Place, Reader, StreamError};
 
 /// How the private tables of receives are named (never a device's name: those do not start
 /// with a dot).
-pub const RECEIVING_PREFIX: &str = ".receive-";
+const RECEIVING_PREFIX: &str = ".receive-";
 /// Records written at once (they never overlap).
 const APPLY_AHEAD: usize = 8;
 /// Progress becomes durable at least this often (bytes applied, or time).
@@ -220,7 +219,7 @@ impl<'a> Receive<'a> {
             bytes => {
                 let owner = receiving(&req.pool, req.id);
                 let text = format!("0 {} thin {} {}", bytes / 512, req.pool, partial.staging);
-                match registry.build(&owner, &text, &Arc::new(Events::default())) {
+                match registry.build(&owner, &text, false, &Arc::new(Events::default())) {
                     Ok(table) => Some(Arc::new(table)),
                     Err(e) => {
                         let mut e = e.to_string();
@@ -482,7 +481,7 @@ fn new_staging(
     keep_private(pool, &req.pool, req.id, partial.staging);
     let made = match base {
         Some(base) => pool
-            .create_snap(partial.staging, base, may_write(registry))
+            .create_snap(partial.staging, base)
             .map_err(|e| format!("cannot snapshot the stream's base: {e}")),
         None => pool.create_thin(partial.staging).map_err(|e| e.to_string()),
     };
@@ -501,19 +500,6 @@ fn new_staging(
         return Err(format!("{}{left}", io(e)));
     }
     Ok(partial)
-}
-
-/// Which tables may write, by their device's name: all but the private readers of sends and
-/// devices that are read-only and stay so at their next resume. A name the registry does not
-/// know yet (a device being made) may write.
-fn may_write(registry: &Registry) -> impl Fn(&str) -> bool {
-    let still: BTreeSet<String> = registry
-        .map()
-        .iter()
-        .filter(|(_, d)| d.read_only() && (d.inactive().is_none() || d.inactive_read_only()))
-        .map(|(name, _)| name.clone())
-        .collect();
-    move |user| !user.starts_with(SENDING_PREFIX) && !still.contains(user)
 }
 
 /// Records read and waiting to be written, with their data, and the layout checksum up to
