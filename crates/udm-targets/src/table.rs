@@ -124,6 +124,7 @@ impl Table {
                 len,
                 raise_event: raise_event.clone(),
                 restoring: resolver.restoring(),
+                read_only: resolver.read_only(),
                 needs: Default::default(),
             };
             let target = construct(&line.type_name, &line.args, &ctx).map_err(at)?;

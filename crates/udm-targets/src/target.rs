@@ -42,6 +42,12 @@ pub trait Resolver {
     fn restoring(&self) -> bool {
         false
     }
+
+    /// Whether the tables built now serve a read-only device (dm's table mode): a target may
+    /// refuse to be written where another may not be.
+    fn read_only(&self) -> bool {
+        false
+    }
 }
 
 /// Raises a device event (hydration done, mode change, path failed…) for `udm wait`.
@@ -58,6 +64,8 @@ pub struct TargetContext<'a> {
     pub raise_event: EventSink,
     /// See [`Resolver::restoring`].
     pub restoring: bool,
+    /// See [`Resolver::read_only`].
+    pub read_only: bool,
     /// How far into each lower device the target reaches, recorded by [`TargetContext::require`]
     /// so that shrinking a device under its users can be refused.
     pub(crate) needs: std::cell::RefCell<Vec<(String, u64)>>,

@@ -52,7 +52,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         )));
     }
     let token = pool
-        .register_thin(line.id, ctx.owner)
+        .register_thin(line.id, ctx.owner, !ctx.read_only)
         .map_err(|why| match why {
             Unregistered::NoDevice => args.error(format!(
                 "thin device {id} does not exist in pool '{pool}' (create it with: udm message \
@@ -63,6 +63,13 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             Unregistered::Private(what) => args.error(format!(
                 "thin device {} of pool '{}' is {what}: it takes no other table",
                 line.id, line.pool
+            )),
+            Unregistered::Sent(sends) => args.error(format!(
+                "thin device {} of pool '{}' is being sent ({}): it takes no writable table \
+                 until the send ends (make it --readonly, or use a snapshot of it)",
+                line.id,
+                line.pool,
+                sends.join(", ")
             )),
         })?;
     Ok(Arc::new(Thin {

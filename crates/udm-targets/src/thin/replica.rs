@@ -69,24 +69,14 @@ impl PoolHandle {
             .message(|meta| meta.md.create_thin(id), "create_thin")
     }
 
-    /// Creates thin device `id` as a snapshot of `origin`, refused while a table that
-    /// `may_write` names uses `origin`: such a table may have writes in flight that the
-    /// snapshot would half hold, and a base that is written is no longer the snapshot it was
-    /// received as. The users stay held until the snapshot is taken, as the pool's
-    /// `create_snap` holds them: no table of `origin` is made or resumed in between.
-    pub fn create_snap(
-        &self,
-        id: u32,
-        origin: u32,
-        may_write: impl Fn(&str) -> bool,
-    ) -> Result<(), TargetError> {
+    /// Creates thin device `id` as a snapshot of `origin`, refused while a writable table
+    /// uses `origin`: such a table may have writes in flight that the snapshot would half
+    /// hold, and a base that is written is no longer the snapshot it was received as. The
+    /// users stay held until the snapshot is taken, as the pool's `create_snap` holds them:
+    /// no table of `origin` is made or resumed in between.
+    pub fn create_snap(&self, id: u32, origin: u32) -> Result<(), TargetError> {
         let users = self.0.users();
-        let writers: Vec<String> = users
-            .of(origin)
-            .into_iter()
-            .map(|(name, _)| name)
-            .filter(|name| may_write(name))
-            .collect();
+        let writers = users.writers(origin);
         if let Some(first) = writers.first() {
             return Err(TargetError::new(format!(
                 "thin device {origin} of pool '{}' is used by {}, writable: remove it or load \
@@ -104,6 +94,17 @@ impl PoolHandle {
     /// or published.
     pub fn keep_private(&self, id: u32, owner: &str, what: &str) {
         self.0.set_private(id, Some((owner, what)));
+    }
+
+    /// Keeps thin device `id` from writable tables until the hold goes, while a send reads
+    /// it through the tables of device `by` (see [`Pool::hold_sent`]).
+    pub fn hold_sent(&self, id: u32, by: &str) -> Result<SentHold, TargetError> {
+        self.0.hold_sent(id, by)?;
+        Ok(SentHold {
+            pool: self.0.clone(),
+            id,
+            by: by.to_string(),
+        })
     }
 
     /// Lets any table use thin device `id` again (it was kept private for a device that was
@@ -162,5 +163,18 @@ impl PoolHandle {
 
     fn error(&self, e: ThinError) -> TargetError {
         TargetError::new(format!("thin-pool '{}': {e}", self.0.name))
+    }
+}
+
+/// A thin device kept from writable tables for a send (see [`PoolHandle::hold_sent`]).
+pub struct SentHold {
+    pool: Arc<Pool>,
+    id: u32,
+    by: String,
+}
+
+impl Drop for SentHold {
+    fn drop(&mut self) {
+        self.pool.end_sent(self.id, &self.by);
     }
 }

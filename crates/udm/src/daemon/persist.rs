@@ -199,8 +199,9 @@ impl Registry {
             restore_settings,
         )?;
         if let Some(inactive) = &saved.inactive {
-            match self.build(name, &inactive.join("\n"), device.events()) {
-                Ok(table) => device.load(table, saved.inactive_read_only),
+            let read_only = saved.inactive_read_only;
+            match self.build(name, &inactive.join("\n"), read_only, device.events()) {
+                Ok(table) => device.load(table, read_only),
                 Err(e) => warn!("'{name}': its inactive table cannot be restored: {e}"),
             }
         }

@@ -22,12 +22,12 @@ use udm_targets::Table;
 use super::device::Events;
 use super::received::{Mark, Partial, PoolState, Snapshot};
 use super::registry::Registry;
-use super::send::SENDING_PREFIX;
+use super::signals;
 use crate::replication::stream::{Event, Header, Kind, Layout, Place, Reader, StreamError};
 
 /// How the private tables of receives are named (never a device's name: those do not start
 /// with a dot).
-pub const RECEIVING_PREFIX: &str = ".receive-";
+const RECEIVING_PREFIX: &str = ".receive-";
 /// Records written at once (they never overlap).
 const APPLY_AHEAD: usize = 8;
 /// Progress becomes durable at least this often (bytes applied, or time).
@@ -219,7 +219,7 @@ impl<'a> Receive<'a> {
             bytes => {
                 let owner = receiving(&req.pool, req.id);
                 let text = format!("0 {} thin {} {}", bytes / 512, req.pool, partial.staging);
-                match registry.build(&owner, &text, &Arc::new(Events::default())) {
+                match registry.build(&owner, &text, false, &Arc::new(Events::default())) {
                     Ok(table) => Some(Arc::new(table)),
                     Err(e) => {
                         let mut e = e.to_string();
@@ -385,15 +385,16 @@ impl<'a> Receive<'a> {
     /// The trailer checked out: the staging device becomes `id`, and is marked as the
     /// snapshot received.
     fn publish(&mut self) -> Result<(), Failure> {
-        let other = Failure::Local;
-        if let Some(table) = self.table.take() {
-            table
-                .flush()
-                .map_err(|e| other(format!("flushing the staging device: {e}")))?;
+        // Recorded (and the records made durable) before the publish: a crash after its
+        // commit leaves the record to complete at the next start (see [`PoolState::load`]).
+        self.partial.publishing = Some(self.header.volume_bytes);
+        self.checkpoint()?;
+        self.table = None;
+        if let Err(e) = self.pool.publish(self.partial.staging, self.req.id) {
+            self.partial.publishing = None;
+            return Err(Failure::Local(e.to_string()));
         }
-        self.pool
-            .publish(self.partial.staging, self.req.id)
-            .map_err(|e| other(e.to_string()))?;
+        signals::crash_point("published");
         let mark = Mark {
             snapshot: self.to.clone(),
             local_time: self.pool.device(self.req.id).map_or(0, |d| d.creation_time),
@@ -468,6 +469,7 @@ fn new_staging(
         next_record: 0,
         layout: 0,
         resume: req.resume,
+        publishing: None,
     };
     let record = |p: &Partial| {
         let p = p.clone();
@@ -479,7 +481,7 @@ fn new_staging(
     keep_private(pool, &req.pool, req.id, partial.staging);
     let made = match base {
         Some(base) => pool
-            .create_snap(partial.staging, base, may_write(registry))
+            .create_snap(partial.staging, base)
             .map_err(|e| format!("cannot snapshot the stream's base: {e}")),
         None => pool.create_thin(partial.staging).map_err(|e| e.to_string()),
     };
@@ -498,19 +500,6 @@ fn new_staging(
         return Err(format!("{}{left}", io(e)));
     }
     Ok(partial)
-}
-
-/// Which tables may write, by their device's name: all but the private readers of sends and
-/// devices that are read-only and stay so at their next resume. A name the registry does not
-/// know yet (a device being made) may write.
-fn may_write(registry: &Registry) -> impl Fn(&str) -> bool {
-    let still: BTreeSet<String> = registry
-        .map()
-        .iter()
-        .filter(|(_, d)| d.read_only() && (d.inactive().is_none() || d.inactive_read_only()))
-        .map(|(name, _)| name.clone())
-        .collect();
-    move |user| !user.starts_with(SENDING_PREFIX) && !still.contains(user)
 }
 
 /// Records read and waiting to be written, with their data, and the layout checksum up to
@@ -570,10 +559,28 @@ impl Batch {
     }
 }
 
+/// At each table of pool device `pool_name` built: the staging devices its replication state
+/// names are kept private again, which a pool opened anew (at the daemon's start, or made
+/// again) knows nothing of.
+pub fn pool_built(registry: &Registry, pool_name: &str) {
+    let Ok(pool) = replica::pool(pool_name) else {
+        return;
+    };
+    match PoolState::load(&registry.state_dir, pool_name, &pool) {
+        Ok(state) => {
+            for (id, partial) in &state.partial {
+                keep_private(&pool, pool_name, *id, partial.staging);
+            }
+        }
+        Err(e) => warn!("replication state of pool '{pool_name}': {e}"),
+    }
+}
+
 /// At the daemon's start, after its devices are restored: the receives a crash stopped that
 /// were not to be kept for resuming lose their staging devices (which hold the space of what
-/// they had applied), as they would have had they been refused; the kept ones' staging
-/// devices are kept private again.
+/// they had applied), as they would have had they been refused. The publishes a crash cut
+/// short after their commit are recorded as received (see [`PoolState::load`]), for good:
+/// `id` deleted and made again would not be the device published.
 pub fn recover(registry: &Registry) {
     let dir = registry.state_dir.join("replication");
     let Ok(files) = std::fs::read_dir(&dir) else {
@@ -587,18 +594,23 @@ pub fn recover(registry: &Registry) {
         let Ok(pool) = replica::pool(pool_name) else {
             continue;
         };
-        let state = match PoolState::load(&registry.state_dir, pool_name, &pool) {
+        // No receive runs yet: a publish still recorded did not commit (its staging device
+        // is there), and a later loss of that device must not pass for its commit.
+        let stopped = |s: &mut PoolState| {
+            for p in s.partial.values_mut() {
+                p.publishing = None;
+            }
+        };
+        let state = PoolState::update(&registry.state_dir, pool_name, &pool, stopped)
+            .and_then(|()| PoolState::load(&registry.state_dir, pool_name, &pool));
+        let state = match state {
             Ok(state) => state,
             Err(e) => {
                 warn!("replication state of pool '{pool_name}': {e}");
                 continue;
             }
         };
-        for (id, partial) in &state.partial {
-            if partial.resume {
-                keep_private(&pool, pool_name, *id, partial.staging);
-                continue;
-            }
+        for (id, partial) in state.partial.iter().filter(|(_, p)| !p.resume) {
             info!(
                 "dropping the receive into thin device {id} of pool '{pool_name}' that stopped \
                  with the daemon (staging thin device {}; it was not asked to be kept)",

@@ -79,6 +79,11 @@ pub struct Partial {
     /// of the daemon, if a crash stopped it. Files from before this was recorded keep theirs.
     #[serde(default = "kept")]
     pub resume: bool,
+    /// The stream checked out and the staging device is being published, as a volume of
+    /// this many bytes: recorded first, so that a crash after the publish's commit and
+    /// before the record of what was received leaves what to complete it with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publishing: Option<u64>,
 }
 
 fn kept() -> bool {
@@ -109,6 +114,26 @@ impl PoolState {
             Err(e) => return Err(e),
         };
         let created = |id: u32| pool.device(id).map(|d| d.creation_time);
+        // A publish a crash cut short after its commit: the staging device is gone, and `id`
+        // was made after it (the publish's snapshot moves the pool's time on). Received.
+        let published: Vec<u32> = (state.partial.iter())
+            .filter(|(id, p)| {
+                p.publishing.is_some()
+                    && p.staging_time.is_some()
+                    && created(p.staging).is_none()
+                    && created(**id) > p.staging_time
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in published {
+            let p = state.partial.remove(&id).expect("listed above");
+            let mark = Mark {
+                snapshot: p.to,
+                local_time: created(id).expect("listed above"),
+                volume_bytes: p.publishing.expect("listed above"),
+            };
+            state.received.insert(id, mark);
+        }
         state
             .received
             .retain(|id, mark| created(*id) == Some(mark.local_time));

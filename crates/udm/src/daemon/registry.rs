@@ -213,8 +213,16 @@ impl Registry {
         false
     }
 
-    pub(super) fn build(&self, owner: &str, text: &str, events: &Arc<Events>) -> Result<Table> {
-        self.build_as(owner, text, events, false)
+    /// Builds a table of device `owner`, which is `read_only` while the table is live (see
+    /// [`udm_targets::Resolver::read_only`]).
+    pub(super) fn build(
+        &self,
+        owner: &str,
+        text: &str,
+        read_only: bool,
+        events: &Arc<Events>,
+    ) -> Result<Table> {
+        self.build_as(owner, text, read_only, events, false)
     }
 
     /// [`Registry::build`], saying whether the table brings its device back after a restart
@@ -223,6 +231,7 @@ impl Registry {
         &self,
         owner: &str,
         text: &str,
+        read_only: bool,
         events: &Arc<Events>,
         restoring: bool,
     ) -> Result<Table> {
@@ -231,15 +240,14 @@ impl Registry {
             owner,
             opened: Default::default(),
             restoring,
+            read_only,
         };
         let events = events.clone();
         let _building = super::device::no_waiting_while_building();
-        Ok(Table::build(
-            owner,
-            text,
-            &resolver,
-            Arc::new(move || events.raise()),
-        )?)
+        let table = Table::build(owner, text, &resolver, Arc::new(move || events.raise()))?;
+        // Before the table goes live: a new pool's thin devices take no table until then.
+        super::receive::pool_built(self, owner);
+        Ok(table)
     }
 
     pub fn create(
@@ -282,7 +290,7 @@ impl Registry {
             self.check_unused(uuid)?;
         }
         let events = Arc::new(Events::default());
-        let table = self.build_as(name, text, &events, restoring)?;
+        let table = self.build_as(name, text, read_only, &events, restoring)?;
         before_live(&table);
         Ok(Arc::new(Device::new(
             name.to_string(),
@@ -299,7 +307,7 @@ impl Registry {
     pub fn load(&self, name: &str, text: &str, force: bool, read_only: bool) -> Result<()> {
         let _changes = self.changes.lock();
         let device = self.get(name)?;
-        let table = self.build(name, text, device.events())?;
+        let table = self.build(name, text, read_only, device.events())?;
         if !force {
             self.check_holders_fit(name, table.size())?;
         }
@@ -516,7 +524,7 @@ impl Registry {
             return Ok(None);
         }
         let text = lines.join("\n");
-        let table = self.build(name, &text, device.events())?;
+        let table = self.build(name, &text, device.read_only(), device.events())?;
         self.save_ahead(&device, Some(Change::ReplaceLive(&table)))?;
         Ok(Some((device, table, text)))
     }

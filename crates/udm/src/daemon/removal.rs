@@ -48,7 +48,8 @@ impl Registry {
                 ));
             }
             let sectors = device.size() / SECTOR_SIZE;
-            error_table = Some(self.build(name, &format!("0 {sectors} error"), device.events())?);
+            let error = format!("0 {sectors} error");
+            error_table = Some(self.build(name, &error, device.read_only(), device.events())?);
         }
         self.map().remove(name);
         let path = self.state_path(name);

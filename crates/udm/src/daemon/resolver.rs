@@ -31,11 +31,17 @@ pub(super) struct TableResolver<'a> {
     pub(super) opened: Mutex<HashMap<OpenedKey, Arc<dyn BlockDevice>>>,
     /// The table brings its device back after a restart ([`Resolver::restoring`]).
     pub(super) restoring: bool,
+    /// The table serves a read-only device ([`Resolver::read_only`]).
+    pub(super) read_only: bool,
 }
 
 impl Resolver for TableResolver<'_> {
     fn restoring(&self) -> bool {
         self.restoring
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
     }
 
     fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {

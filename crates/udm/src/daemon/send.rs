@@ -11,11 +11,10 @@ use log::info;
 use serde_json::json;
 use udm_block::{AlignedBuf, BlockDevice};
 use udm_metadata::thin::Side;
-use udm_targets::replica::{self, PoolHandle};
+use udm_targets::replica::{self, PoolHandle, SentHold};
 use udm_targets::Table;
 
 use super::device::Events;
-use super::receive::RECEIVING_PREFIX;
 use super::registry::Registry;
 use crate::replication::stream::{
     Header, Kind, Layout, Place, Writer, MAX_DATA, MAX_EMPTY, NO_BASE,
@@ -83,35 +82,20 @@ pub struct Send {
     /// the send is prepared: one that cannot be opened is refused before the stream starts,
     /// and the table holds the device against a delete from then on.
     table: Option<Table>,
+    /// The snapshot and the base, kept from writable tables until the send ends: the stream
+    /// is of one point, and its base what the receiver holds.
+    _still: Vec<SentHold>,
 }
 
-/// Refuses a thin device that a writable table uses: a snapshot being written is no
-/// consistent point, and a base that changes no longer matches what the receiver holds.
-fn check_still(
-    registry: &Registry,
-    pool: &PoolHandle,
-    pool_name: &str,
-    id: u32,
-) -> Result<(), String> {
+/// Holds thin device `id` for a send (through tables of device `by`), if it exists and no
+/// writable table uses it (see [`PoolHandle::hold_sent`]).
+fn hold_still(pool: &PoolHandle, pool_name: &str, id: u32, by: &str) -> Result<SentHold, String> {
     if pool.device(id).is_none() {
         return Err(format!(
             "thin device {id} does not exist in pool '{pool_name}'"
         ));
     }
-    for user in pool.users_of(id) {
-        if user.starts_with(RECEIVING_PREFIX) {
-            return Err(format!(
-                "thin device {id} is the staging device of a receive into pool '{pool_name}'"
-            ));
-        }
-        if registry.get(&user).is_ok_and(|d| !d.read_only()) {
-            return Err(format!(
-                "thin device {id} is active in '{user}', writable: send a snapshot (udm message \
-                 {pool_name} 0 create_snap NEW {id}), or remove '{user}' or load it read-only"
-            ));
-        }
-    }
-    Ok(())
+    pool.hold_sent(id, by).map_err(|e| e.to_string())
 }
 
 impl Send {
@@ -122,12 +106,16 @@ impl Send {
         from: Option<u32>,
     ) -> Result<Send, String> {
         let pool = replica::pool(pool_name).map_err(|e| e.to_string())?;
-        check_still(registry, &pool, pool_name, id)?;
+        if from == Some(id) {
+            return Err(format!("--from {id} is the snapshot sent"));
+        }
+        let owner = format!(
+            "{SENDING_PREFIX}{pool_name}-{id}-{}",
+            SENDS.fetch_add(1, Ordering::Relaxed)
+        );
+        let mut still = vec![hold_still(&pool, pool_name, id, &owner)?];
         if let Some(from) = from {
-            check_still(registry, &pool, pool_name, from)?;
-            if from == id {
-                return Err(format!("--from {from} is the snapshot sent"));
-            }
+            still.push(hold_still(&pool, pool_name, from, &owner)?);
         }
         // Read before the delta and checked again once the table holds the device: a
         // snapshot deleted and made again meanwhile has another creation time, and the
@@ -166,7 +154,7 @@ impl Send {
                 .sum(),
             source: source_name(pool_name),
         };
-        let table = open_volume(registry, pool_name, &header)?;
+        let table = open_volume(registry, &owner, pool_name, &header)?;
         if (time(id), from.map_or(0, time)) != times {
             return Err(format!(
                 "thin device {id}{} of pool '{pool_name}' was deleted or made again while the \
@@ -179,6 +167,7 @@ impl Send {
             header,
             plan,
             table,
+            _still: still,
         })
     }
 
@@ -286,20 +275,20 @@ impl Send {
     }
 }
 
-/// The thin device being sent, as a table of its own (none for an empty volume).
-fn open_volume(registry: &Registry, pool_name: &str, h: &Header) -> Result<Option<Table>, String> {
+/// The thin device being sent, as a read-only table of device `owner` (none for an empty
+/// volume).
+fn open_volume(
+    registry: &Registry,
+    owner: &str,
+    pool_name: &str,
+    h: &Header,
+) -> Result<Option<Table>, String> {
     if h.volume_bytes == 0 {
         return Ok(None);
     }
-    let owner = format!(
-        "{SENDING_PREFIX}{}-{}-{}",
-        pool_name,
-        h.to_id,
-        SENDS.fetch_add(1, Ordering::Relaxed)
-    );
     let line = format!("0 {} thin {} {}", h.volume_bytes / 512, pool_name, h.to_id);
     registry
-        .build(&owner, &line, &Arc::new(Events::default()))
+        .build(owner, &line, true, &Arc::new(Events::default()))
         .map(Some)
         .map_err(|e| e.to_string())
 }

@@ -36,3 +36,13 @@ pub fn wait_for_signal(signals: &libc::sigset_t, timeout: Option<Duration>) -> O
     };
     (signal > 0).then_some(signal)
 }
+
+/// Kills the daemon here, as `kill -9` would, when `UDM_CRASH_AT` names `point`: for the tests
+/// of what the next start finds after a crash at that very point, which a kill from outside
+/// cannot aim at.
+pub fn crash_point(point: &str) {
+    if std::env::var_os("UDM_CRASH_AT").is_some_and(|at| at == point) {
+        // SAFETY: kill(2) on our own pid; SIGKILL cannot be caught, so nothing runs after it.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+}

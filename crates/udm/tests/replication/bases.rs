@@ -167,6 +167,71 @@ fn a_snapshot_being_sent_is_not_deleted_and_the_refusal_says_why() {
     );
 }
 
+/// A snapshot being sent is not written until the send ends: a writable table on it, made
+/// or loaded onto a read-only device of it, is refused naming the send; a read-only one is
+/// served, and another send of it runs.
+#[test]
+fn a_snapshot_being_sent_takes_no_writable_table() {
+    let (a, _b, _) = two_daemons("write-sent");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0xa2 0 64M"]);
+    snapshot(&a, 2);
+    let table = format!("0 {} thin pool 2", VOLUME / 512);
+    a.udm(&["create", "reader", "--readonly", "--table", &table]);
+    let mut send = Command::new(UDM)
+        .args(["send", "pool", "2"])
+        .env("UDM_CONTROL", a.control())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(
+        || a.udm(&["thin", "ls", "pool"]).contains(".send-"),
+        "the send to hold the snapshot",
+    );
+    for args in [
+        &["create", "writer", "--table", &table][..],
+        &["load", "reader", "--table", &table],
+    ] {
+        let err = a.udm_err(args);
+        assert!(
+            err.contains("thin device 2 of pool 'pool' is being sent (.send-pool-2-")
+                && err.trim_end().lines().count() == 1,
+            "{args:?}: {err}"
+        );
+    }
+    a.udm(&["create", "peek", "--readonly", "--table", &table]);
+    a.udm(&["remove", "peek"]);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+    send.kill().unwrap();
+    let _ = send.wait();
+    wait_for(
+        || {
+            a.run_udm(&["create", "writer", "--table", &table])
+                .status
+                .success()
+        },
+        "a writable table once the send is gone",
+    );
+}
+
+/// A send is refused while a writable table is loaded on its snapshot to go live, even on a
+/// device read-only until then: its resume would write under the send.
+#[test]
+fn a_snapshot_with_a_writable_table_loaded_is_not_sent() {
+    let (a, _b, _) = two_daemons("loaded-writable");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0xa3 0 1M"]);
+    snapshot(&a, 2);
+    let table = format!("0 {} thin pool 2", VOLUME / 512);
+    a.udm(&["create", "reader", "--readonly", "--table", &table]);
+    a.udm(&["load", "reader", "--table", &table]);
+    let err = a.udm_err(&["send", "pool", "2"]);
+    assert!(
+        err.contains("thin device 2 of pool 'pool' is used by reader, writable"),
+        "{err}"
+    );
+    a.udm(&["clear", "reader"]);
+    send_to_file(&a, 2, None, &a.dir.path("full"));
+}
+
 /// A pool a send reads or a receive writes is not removed from under them: they hold it as
 /// a client does (the daemon's own tables on it are no device's, so nothing else counted).
 #[test]

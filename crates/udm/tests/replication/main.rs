@@ -28,6 +28,8 @@ const B_PORT: u16 = 10900;
 
 struct Pool {
     meta: PathBuf,
+    /// Its table, to make it again.
+    table: String,
 }
 
 /// A pool "pool" of 2 GiB of 64 KiB blocks on fresh files in the daemon's directory.
@@ -41,7 +43,7 @@ fn make_pool(daemon: &Daemon) -> Pool {
         data.display()
     );
     daemon.udm(&["create", "pool", "--table", &table]);
-    Pool { meta }
+    Pool { meta, table }
 }
 
 /// Snapshot `id` of thin device 1 (served as `vol`), suspended meanwhile.

@@ -256,3 +256,56 @@ fn a_staging_device_that_cannot_be_deleted_stays_named_until_it_can() {
     assert_eq!(devices(&b).as_array().unwrap().len(), 1);
     thin_check(&b, &b_pool);
 }
+
+#[test]
+fn a_receiver_killed_as_it_publishes_knows_what_it_received_after_the_restart() {
+    let (a, mut b, b_pool) = two_daemons("kill-publish");
+    let inc = base_received_and_increment(&a, &b, "write -P 0x58 0 1M", "write -P 0x59 8M 8M");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x5a 20M 1M"]);
+    snapshot(&a, 4);
+    send_to_file(&a, 4, Some(3), &a.dir.path("inc2"));
+    // Killed right after the publish's metadata commit, before anything else is written.
+    b.stop(libc::SIGTERM);
+    b.set_env("UDM_CRASH_AT", "published");
+    b.launch();
+    assert!(!receive(&b, 3, &inc, &[]).status.success());
+    b.stop(libc::SIGKILL);
+    b.set_env("UDM_CRASH_AT", "");
+    b.launch();
+    assert!(state(&b)["received"]["3"].is_object(), "{}", state(&b));
+    assert!(state(&b)["partial"].as_object().unwrap().is_empty());
+    same_snapshot(&a, &b, 3);
+    // The next increment finds its base.
+    let inc2 = std::fs::read(a.dir.path("inc2")).unwrap();
+    succeeded(receive(&b, 4, &inc2, &[]), "the next incremental receive");
+    same_snapshot(&a, &b, 4);
+    thin_check(&b, &b_pool);
+}
+
+#[test]
+fn the_staging_device_of_a_kept_receive_takes_no_table_after_a_restart_or_a_new_pool_table() {
+    let (a, mut b, b_pool) = two_daemons("staging-restart");
+    let inc = base_received_and_increment(&a, &b, "write -P 0x5b 0 1M", "write -P 0x5c 8M 64M");
+    let cut = receive(&b, 3, &inc[..inc.len() / 2], &["--resume"]);
+    assert!(!cut.status.success());
+    assert!(kept_records(&b, 3) > 0, "{}", state(&b));
+    let staging = state(&b)["partial"]["3"]["staging"].to_string();
+    let table = format!("0 {} thin pool {staging}", VOLUME / 512);
+    let refused = |b: &Daemon, after: &str| {
+        let err = b.udm_err(&["create", "peek", "--table", &table]);
+        assert!(
+            err.contains("is the staging device of a receive"),
+            "{after}: {err}"
+        );
+    };
+    b.stop(libc::SIGKILL);
+    b.launch();
+    refused(&b, "a restart");
+    // The pool device made again (or first made after the daemon's start).
+    b.udm(&["remove", "pool"]);
+    b.udm(&["create", "pool", "--table", &b_pool.table]);
+    refused(&b, "the pool made again");
+    succeeded(receive(&b, 3, &inc, &["--resume"]), "resumed receive");
+    same_snapshot(&a, &b, 3);
+    thin_check(&b, &b_pool);
+}

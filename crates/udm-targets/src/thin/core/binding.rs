@@ -9,7 +9,7 @@ use parking_lot::MutexGuard;
 use udm_block::BlockDevice;
 use udm_metadata::thin::{DeviceInfo, ThinError, ThinMetadata, MAX_METADATA_BLOCKS};
 
-use super::{Bound, Meta, Pool, ThinUse};
+use super::{Bound, Hold, Meta, Pool, ThinUse};
 use crate::target::TargetError;
 use crate::thin::status::{metadata_low_water, Mode, PoolStatus};
 
@@ -107,19 +107,26 @@ impl Pool {
         }
     }
 
-    /// Registers a thin target of device `id` in the table of device `owner`, if the pool
-    /// has that device: checked with the users held, as `delete` holds them, so that the
-    /// device cannot go between the check and the registration (the kernel counts opens
-    /// under its metadata lock).
-    pub fn register_thin(&self, id: u32, owner: &str) -> std::result::Result<u64, Unregistered> {
+    /// Registers a thin target of device `id` in the table of device `owner` (`writable`
+    /// or not), if the pool has that device and takes the table: checked with the users
+    /// held, as `delete` holds them, so that the device cannot go between the check and the
+    /// registration (the kernel counts opens under its metadata lock).
+    pub fn register_thin(
+        &self,
+        id: u32,
+        owner: &str,
+        writable: bool,
+    ) -> std::result::Result<u64, Unregistered> {
         let mut thins = self.thins.lock();
         if self.device(id).is_none() {
             return Err(Unregistered::NoDevice);
         }
-        if let Some((only, what)) = self.private.lock().get(&id) {
-            if only != owner {
-                return Err(Unregistered::Private(what.clone()));
+        match self.holds.lock().get(&id) {
+            Some(Hold::Private { owner: only, what }) if only != owner => {
+                return Err(Unregistered::Private(what.clone()))
             }
+            Some(Hold::Sent(sends)) if writable => return Err(Unregistered::Sent(sends.clone())),
+            _ => {}
         }
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
         thins.push(ThinUse {
@@ -127,6 +134,7 @@ impl Pool {
             id,
             owner: owner.to_string(),
             live: false,
+            writable,
         });
         Ok(token)
     }
@@ -134,10 +142,56 @@ impl Pool {
     /// Keeps thin device `id` for the tables of device `owner` alone, saying to others what
     /// it is (`what`); None: for any table again.
     pub fn set_private(&self, id: u32, owner: Option<(&str, &str)>) {
-        let mut private = self.private.lock();
+        let mut holds = self.holds.lock();
         match owner {
-            Some((owner, what)) => drop(private.insert(id, (owner.into(), what.into()))),
-            None => drop(private.remove(&id)),
+            Some((owner, what)) => {
+                let (owner, what) = (owner.into(), what.into());
+                drop(holds.insert(id, Hold::Private { owner, what }))
+            }
+            None => drop(holds.remove(&id)),
+        }
+    }
+
+    /// Keeps thin device `id` from writable tables while send `by` reads it, if none uses it
+    /// now and it is not another device's alone (checked with the users held, as in
+    /// [`Pool::register_thin`]): a snapshot being written is no consistent point, and a base
+    /// that changes no longer matches what the receiver holds.
+    pub fn hold_sent(&self, id: u32, by: &str) -> std::result::Result<(), TargetError> {
+        let users = self.users();
+        let mut holds = self.holds.lock();
+        match holds.get_mut(&id) {
+            Some(Hold::Private { what, .. }) => {
+                return Err(TargetError::new(format!(
+                    "thin device {id} of pool '{}' is {what}",
+                    self.name
+                )))
+            }
+            Some(Hold::Sent(sends)) => sends.push(by.to_string()),
+            None => {
+                let writers = users.writers(id);
+                if let Some(first) = writers.first() {
+                    return Err(TargetError::new(format!(
+                        "thin device {id} of pool '{pool}' is used by {}, writable: send a \
+                         snapshot (udm message {pool} 0 create_snap NEW {id}), or remove \
+                         '{first}' or load it read-only",
+                        writers.join(", "),
+                        pool = self.name
+                    )));
+                }
+                holds.insert(id, Hold::Sent(vec![by.to_string()]));
+            }
+        }
+        Ok(())
+    }
+
+    /// Send `by` no longer reads thin device `id` (see [`Pool::hold_sent`]).
+    pub fn end_sent(&self, id: u32, by: &str) {
+        let mut holds = self.holds.lock();
+        if let Some(Hold::Sent(sends)) = holds.get_mut(&id) {
+            sends.retain(|s| s != by);
+            if sends.is_empty() {
+                holds.remove(&id);
+            }
         }
     }
 
@@ -252,6 +306,8 @@ pub enum Unregistered {
     NoDevice,
     /// The device is kept for another device's tables: what it is.
     Private(String),
+    /// The device is being sent (by these sends) and the table would write.
+    Sent(Vec<String>),
 }
 
 /// The thin targets of a pool, held (see [`Pool::users`]).
@@ -268,5 +324,16 @@ impl Users<'_> {
             }
         }
         users
+    }
+
+    /// The devices whose writable tables use thin device `id`.
+    pub fn writers(&self, id: u32) -> Vec<String> {
+        let mut writers: Vec<String> = Vec::new();
+        for thin in self.0.iter().filter(|t| t.id == id && t.writable) {
+            if !writers.contains(&thin.owner) {
+                writers.push(thin.owner.clone());
+            }
+        }
+        writers
     }
 }

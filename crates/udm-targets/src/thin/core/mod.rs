@@ -73,6 +73,16 @@ struct ThinUse {
     owner: String,
     /// Resumed and not suspended: I/O may be running.
     live: bool,
+    /// Its device is writable (or will be, once the table is live).
+    writable: bool,
+}
+
+/// Which tables a thin device takes (see [`Pool::register_thin`]).
+enum Hold {
+    /// Only those of device `owner`: to others it is `what` (a receive's staging device).
+    Private { owner: String, what: String },
+    /// No writable one: the tables of the sends reading it (a snapshot being sent).
+    Sent(Vec<String>),
 }
 
 pub struct Pool {
@@ -92,9 +102,8 @@ pub struct Pool {
     maps: MapCache,
     pub space: Space,
     thins: Mutex<Vec<ThinUse>>,
-    /// Thin devices only one device's tables may use: that device, and what the thin device
-    /// is (taken under `thins`).
-    private: Mutex<std::collections::BTreeMap<u32, (String, String)>>,
+    /// Thin devices that take only some tables (taken under `thins`).
+    holds: Mutex<std::collections::BTreeMap<u32, Hold>>,
     /// Thin devices that lost acknowledged writes when a transaction was aborted: their
     /// flushes fail, so that no client takes them for durable, while a table uses them (the
     /// kernel's aborted_with_changes, which lasts as long as the device is open).
@@ -243,7 +252,7 @@ impl Pool {
             maps: MapCache::default(),
             space: Space::default(),
             thins: Mutex::new(Vec::new()),
-            private: Mutex::default(),
+            holds: Mutex::default(),
             lost: Mutex::new(BTreeSet::new()),
             next_token: AtomicU64::new(0),
             low_water_triggered: AtomicBool::new(false),

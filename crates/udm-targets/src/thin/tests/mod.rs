@@ -41,6 +41,19 @@ impl Resolver for Rig {
     }
 }
 
+/// The rig's devices, opened for the tables of read-only devices.
+struct ReadOnly<'a>(&'a Rig);
+
+impl Resolver for ReadOnly<'_> {
+    fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        self.0.open(reference, mode)
+    }
+
+    fn read_only(&self) -> bool {
+        true
+    }
+}
+
 impl Rig {
     /// A rig with a metadata device `meta` and a data device `data` of these sizes.
     fn new(meta_size: u64, data_size: u64) -> Rig {
@@ -69,6 +82,16 @@ impl Rig {
     }
 
     fn build(&self, owner: &str, text: &str) -> Result<Table, TargetError> {
+        self.build_with(self, owner, text)
+    }
+
+    /// [`Rig::build`], opening devices with `resolver`.
+    fn build_with(
+        &self,
+        resolver: &dyn Resolver,
+        owner: &str,
+        text: &str,
+    ) -> Result<Table, TargetError> {
         let events = self.events.clone();
         let text: Vec<String> = text
             .split(' ')
@@ -82,7 +105,7 @@ impl Rig {
         Table::build(
             owner,
             &text.join(" "),
-            self,
+            resolver,
             Arc::new(move || {
                 events.fetch_add(1, Ordering::SeqCst);
             }),
@@ -105,7 +128,17 @@ impl Rig {
     }
 
     fn thin(&self, len: u64, id: u32) -> Result<Table, TargetError> {
-        let table = self.build(
+        self.thin_with(self, len, id)
+    }
+
+    /// [`Rig::thin`] of a read-only device.
+    fn thin_read_only(&self, len: u64, id: u32) -> Result<Table, TargetError> {
+        self.thin_with(&ReadOnly(self), len, id)
+    }
+
+    fn thin_with(&self, resolver: &dyn Resolver, len: u64, id: u32) -> Result<Table, TargetError> {
+        let table = self.build_with(
+            resolver,
             &unique("vol"),
             &format!("0 {} thin {} {id}", len / 512, self.name),
         )?;

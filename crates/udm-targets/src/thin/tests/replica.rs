@@ -66,3 +66,32 @@ fn a_private_device_deleted_by_message_is_private_no_more() {
     rig.message(&pool, "create_thin 5").unwrap();
     rig.thin(BLOCK, 5).unwrap();
 }
+
+/// A device held by a send takes read-only tables and other sends, no writable table, until
+/// the last hold goes; a device a writable table uses is not held.
+#[test]
+fn a_device_held_by_a_send_takes_no_writable_table() {
+    let (rig, _pool) = pool_with_thin(64, "");
+    let handle = replica::pool(&rig.name).unwrap();
+    handle.create_thin(5).unwrap();
+    let first = handle.hold_sent(5, ".send-x-5-0").unwrap();
+    let second = handle.hold_sent(5, ".send-x-5-1").unwrap();
+    let refused = rig.thin(BLOCK, 5).err().unwrap().to_string();
+    assert!(
+        refused.contains("is being sent (.send-x-5-0, .send-x-5-1)"),
+        "{refused}"
+    );
+    let reader = rig.thin_read_only(BLOCK, 5).unwrap();
+    drop(first);
+    assert!(rig.thin(BLOCK, 5).is_err(), "a send still holds it");
+    drop((second, reader));
+    let writer = rig.thin(BLOCK, 5).unwrap();
+    let refused = handle
+        .hold_sent(5, ".send-x-5-2")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(refused.contains("is used by"), "{refused}");
+    drop(writer);
+    handle.hold_sent(5, ".send-x-5-3").unwrap();
+}

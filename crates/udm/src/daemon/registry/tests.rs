@@ -100,7 +100,7 @@ fn replacing_the_live_table_keeps_the_inactive_one() {
     let r = Registry::in_scratch(&dir);
     let device = r.must_create("vol", "0 8 zero");
     r.load("vol", "0 8 error", false, true).unwrap();
-    device.replace_live(r.build("vol", "0 16 zero", device.events()).unwrap());
+    device.replace_live(r.build("vol", "0 16 zero", false, device.events()).unwrap());
     assert_eq!(device.live().lines(), ["0 16 zero"]);
     assert_eq!(device.inactive().unwrap().lines(), ["0 8 error"]);
     assert!(device.inactive_read_only() && !device.read_only());
