@@ -137,6 +137,33 @@ fn a_slow_target_does_not_stall_remapped_io_on_the_same_loop() {
     }
 }
 
+/// `udm info` names what remapped I/O reaches: a `linear` over a remote export goes out
+/// through the NBD client from the event loop, not onto files, which the line used to say for
+/// both; a `zero` reaches neither, and the line claims no destination for it.
+#[test]
+fn info_names_what_remapped_io_reaches() {
+    let _serial = serial();
+    let daemon = uring_daemon_with_vol("engine-reaches", 8 << 20, &[]);
+    let socket = daemon.dir.path("nbdkit.sock");
+    let _peer = Peer::start(
+        "nbdkit",
+        &["-f", "-U", socket.to_str().unwrap(), "memory", "8M"],
+        &socket,
+    );
+    let remote = format!("nbd+unix:///?socket={}", socket.display());
+    daemon.create("remote", &format!("0 16384 linear {remote} 0"));
+    daemon.create("nothing", "0 16384 zero");
+    for (device, data_path) in [
+        ("vol", "remapped onto files (io_uring)"),
+        ("remote", "remapped onto remote exports (io_uring)"),
+        ("nothing", "remapped (io_uring)"),
+    ] {
+        let info = daemon.udm(&["info", device]);
+        let line = format!("Data path:         {data_path}");
+        assert!(info.lines().any(|l| l == line), "{device}: {info}");
+    }
+}
+
 #[test]
 fn both_engines_serve_the_same_bytes_to_real_clients() {
     let _serial = serial();

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde_json::{json, Value};
-use udm_block::{BlockDevice, MapOp, SECTOR_SIZE};
+use udm_block::{BlockDevice, MapOp, Mapping, Place, SECTOR_SIZE};
 use udm_targets::Table;
 
 use super::device::Device;
@@ -215,24 +215,42 @@ fn device_info(registry: &Registry, device: &Device, exports: &Exports) -> (Stri
 }
 
 /// Whether the io_uring engines (NBD's event loops, FUSE over io_uring) can send this
-/// device's I/O straight to files, or its targets take requests themselves on worker threads;
-/// without such an engine (io_uring disabled) every request takes the second way, and the
-/// line says so rather than promise what does not run.
+/// device's I/O straight to where it lives (files, remote exports), or its targets take
+/// requests themselves on worker threads; without such an engine (io_uring disabled) every
+/// request takes the second way, and the line says so rather than promise what does not run.
 /// (The probe's mappings are dropped unused, so they count in no statistics.)
-fn data_path(device: &Device, engine: bool) -> &'static str {
+fn data_path(device: &Device, engine: bool) -> String {
     let probe = device.size().min(4096);
     if probe == 0 {
-        return "empty";
+        return "empty".into();
     }
-    let reads = device.map(MapOp::Read, 0, probe).is_some();
+    let reads = device.map(MapOp::Read, 0, probe);
     let writes = device.read_only() || device.map(MapOp::Write { fua: false }, 0, probe).is_some();
-    match (reads, writes, engine) {
-        (true, true, true) => "remapped onto files (io_uring)",
-        (true, false, true) => "reads remapped onto files (io_uring), writes through the targets",
-        (true, _, false) => {
-            "through the targets (worker threads): no export runs on io_uring to remap onto"
-        }
-        (false, _, _) => "through the targets (worker threads)",
+    let Some(reads) = reads else {
+        return "through the targets (worker threads)".into();
+    };
+    if !engine {
+        return "through the targets (worker threads): no export runs on io_uring to remap onto"
+            .into();
+    }
+    let onto = destinations(&reads).map_or(String::new(), |d| format!(" onto {d}"));
+    if writes {
+        format!("remapped{onto} (io_uring)")
+    } else {
+        format!("reads remapped{onto} (io_uring), writes through the targets")
+    }
+}
+
+/// What the probe's mapping reaches, in words: a `linear` over a remote export is sent by
+/// the NBD client from the event loop, not through files. None where it reaches neither
+/// (`zero`, or a thin device's unprovisioned first block): that says nothing of the rest.
+fn destinations(mapping: &Mapping) -> Option<&'static str> {
+    let files = (mapping.pieces.iter()).any(|p| matches!(p.place, Place::File { .. }));
+    match (files, !mapping.transfers.is_empty()) {
+        (true, false) => Some("files"),
+        (false, true) => Some("remote exports"),
+        (true, true) => Some("files and remote exports"),
+        (false, false) => None,
     }
 }
 
