@@ -96,6 +96,14 @@ pub struct TransferBuf {
 unsafe impl Send for TransferBuf {}
 
 impl TransferBuf {
+    /// No buffer: a flush's, or one a device starts itself.
+    pub fn empty() -> Self {
+        TransferBuf {
+            ptr: std::ptr::null_mut(),
+            len: 0,
+        }
+    }
+
     pub fn as_mut_ptr(&self) -> *mut u8 {
         self.ptr
     }

@@ -19,6 +19,7 @@ type Entry = (Arc<dyn BlockDevice>, bool);
 pub struct Devices {
     entries: Mutex<BTreeMap<String, Entry>>,
     opens: Arc<AtomicUsize>,
+    opened: AtomicUsize,
 }
 
 /// Counts an open of the catalog until dropped.
@@ -74,6 +75,11 @@ impl Devices {
         self.opens.load(Ordering::SeqCst)
     }
 
+    /// Opens handed out as a catalog so far (each NBD connection takes one).
+    pub fn opened(&self) -> usize {
+        self.opened.load(Ordering::SeqCst)
+    }
+
     /// Waits (up to 10 s, then panics) for every open to be released: a FUSE RELEASE, for
     /// one, arrives after the close that caused it.
     pub fn wait_closed(&self) {
@@ -89,6 +95,7 @@ impl ExportCatalog for Devices {
     fn open(&self, name: &str) -> Option<Export> {
         let (device, read_only) = self.entries.lock().get(name).cloned()?;
         self.opens.fetch_add(1, Ordering::SeqCst);
+        self.opened.fetch_add(1, Ordering::SeqCst);
         Some(Export {
             device,
             read_only,

@@ -114,6 +114,19 @@ impl InFlight {
     }
 }
 
+impl Conn {
+    /// With nothing in flight and writes no flush has covered, how many writes the
+    /// connection has had acknowledged (which tells a later look whether any came since).
+    /// None from a server that takes no flush.
+    pub(super) fn quiet_and_owing(&self) -> Option<u64> {
+        if !self.info.has(TF_SEND_FLUSH) {
+            return None;
+        }
+        let in_flight = self.in_flight.lock();
+        (in_flight.slots.is_empty() && in_flight.unflushed()).then_some(in_flight.writes_done)
+    }
+}
+
 /// A mapped request waiting in its connection's outbox for the end of the executor's batch
 /// (see [`udm_block::batch`]): its header, and a write's data.
 pub(super) struct Outgoing {

@@ -21,6 +21,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use log::warn;
 use udm_block::{BlockError, Done, MapOp, Mapping, Transfer, TransferBuf};
 
 use super::connection::{finish_send, Conn, Dest, Outcome, Outgoing, Slot, SlotState};
@@ -116,6 +117,36 @@ impl Shared {
                 return done.retry(BlockError::Io(why));
             }
         };
+        self.send_mapped(conn, command, flags, offset, buf, done);
+    }
+
+    /// Flushes, with nobody waiting, the writes no flush has covered on a connection that has
+    /// gone quiet (see `Shared::wait_lost`). A flush of this that fails leaves the writes in
+    /// doubt, so the next flush reports them lost.
+    pub(super) fn flush_quiet(self: &Arc<Self>, conn: Arc<Conn>) {
+        let shared = self.clone();
+        let done = Done::new(move |result| {
+            if let Err(e) = result {
+                warn!(
+                    "nbd: flushing the writes of a quiet connection to {} failed: {e}",
+                    shared.target.address
+                );
+                shared.writes_lost.store(true, Ordering::Release);
+            }
+        });
+        self.clone()
+            .send_mapped(conn, CMD_FLUSH, 0, 0, TransferBuf::empty(), done);
+    }
+
+    fn send_mapped(
+        self: Arc<Self>,
+        conn: Arc<Conn>,
+        command: u16,
+        flags: u16,
+        offset: u64,
+        buf: TransferBuf,
+        done: Done,
+    ) {
         let len = buf.len() as u32;
         let cookie = self.next_cookie.fetch_add(1, Ordering::Relaxed);
         let replies_before = conn.replies.load(Ordering::Acquire);

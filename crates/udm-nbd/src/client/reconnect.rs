@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use log::{debug, error, info, warn};
+use log::{debug, error, info};
 use udm_block::BlockError;
 
 use super::connection::{disconnect, settle, Conn, Outcome};
@@ -19,6 +19,10 @@ use crate::stream::Stream;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// A connection with nothing in flight at two looks this far apart, owing the same writes,
+/// has them flushed (see `Shared::wait_lost`): 2 to 4 s after its last write, far inside
+/// any server's idle timeout, and at most one flush per quiet spell.
+const QUIET_FLUSH: Duration = Duration::from_secs(2);
 
 pub(super) struct State {
     pub(super) conn: Option<Arc<Conn>>,
@@ -64,16 +68,17 @@ impl Shared {
     /// later), tells every request in flight to resend, and wakes the reconnect loop.
     /// Idempotent.
     pub(super) fn connection_lost(&self, conn: &Arc<Conn>, why: &str) {
-        let slots = {
+        let (slots, owed) = {
             let mut in_flight = conn.in_flight.lock();
             if in_flight.broken {
                 return;
             }
             in_flight.broken = true;
-            if in_flight.unflushed() {
+            let owed = in_flight.unflushed();
+            if owed {
                 self.writes_lost.store(true, Ordering::Release);
             }
-            std::mem::take(&mut in_flight.slots)
+            (std::mem::take(&mut in_flight.slots), owed)
         };
         conn.control.abort();
         // Out of service before its requests hear of it, so that none is sent on it again.
@@ -81,8 +86,16 @@ impl Shared {
             let mut state = self.state.lock();
             if state.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
                 state.conn = None;
+                // A server closing a connection that neither waits for a reply nor owes
+                // writes (an idle timeout) loses nothing: no warning for that.
+                let level = if slots.is_empty() && !owed {
+                    log::Level::Info
+                } else {
+                    log::Level::Warn
+                };
                 if !state.closing {
-                    warn!(
+                    log::log!(
+                        level,
                         "nbd: connection to {} lost: {why}; reconnecting",
                         self.target.address
                     );
@@ -132,11 +145,31 @@ impl Shared {
 
     /// Sleeps until `conn` is out of service (see [`Shared::connection_lost`]); false once
     /// the client is closing, whose connection the reader ends by itself.
-    fn wait_lost(&self, conn: &Arc<Conn>) -> bool {
+    ///
+    /// Meanwhile it flushes the writes of a connection quiet for [`QUIET_FLUSH`] that no
+    /// flush covered: a server may close a quiet connection (udm's own after
+    /// `--nbd-idle-timeout`, 5 minutes by default), and a connection that ends owing writes
+    /// makes the next flush fail, for want of knowing whether the server kept them. Left
+    /// owing, a write followed by a quiet spell and a flush failed with EIO though nothing
+    /// was lost.
+    fn wait_lost(self: &Arc<Self>, conn: &Arc<Conn>) -> bool {
+        let in_service =
+            |s: &State| !s.closing && s.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn));
+        // The writes the connection owed, quiet, at the last look.
+        let mut owing = None;
         let mut state = self.state.lock();
-        self.changed.wait_while(&mut state, |s| {
-            !s.closing && s.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn))
-        });
+        while in_service(&state) {
+            if !self.changed.wait_for(&mut state, QUIET_FLUSH).timed_out() {
+                continue;
+            }
+            let now_owing = conn.quiet_and_owing();
+            if now_owing.is_some() && now_owing == owing && in_service(&state) {
+                drop(state);
+                self.flush_quiet(conn.clone());
+                state = self.state.lock();
+            }
+            owing = now_owing;
+        }
         !state.closing
     }
 

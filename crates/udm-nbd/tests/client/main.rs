@@ -217,9 +217,19 @@ fn map(dev: &dyn BlockDevice, offset: u64, len: u64) -> Vec<Extent> {
 
 /// udm's server in this process, serving `device` as `vol`; returns the export's URI.
 fn udm_server(dir: &TempDir, device: Arc<dyn BlockDevice>) -> String {
-    let devices = Devices::default();
+    udm_server_with(dir, device, ServerConfig::default()).0
+}
+
+/// [`udm_server`] with its settings; also returns its catalog, which counts connections.
+fn udm_server_with(
+    dir: &TempDir,
+    device: Arc<dyn BlockDevice>,
+    config: ServerConfig,
+) -> (String, Arc<Devices>) {
+    let devices = Arc::new(Devices::default());
     devices.add("vol", device, false);
-    let server = NbdServer::new(Arc::new(devices), ServerConfig::default()).unwrap();
+    let server = NbdServer::new(devices.clone(), config).unwrap();
     server.listen_unix(&socket(dir)).unwrap();
-    format!("nbd+unix:///vol?socket={}", socket(dir).display())
+    let uri = format!("nbd+unix:///vol?socket={}", socket(dir).display());
+    (uri, devices)
 }

@@ -295,6 +295,55 @@ fn a_flush_after_the_server_lost_acknowledged_writes_fails() {
     client.flush().unwrap();
 }
 
+/// A server that closes quiet connections (udm's own, after `--nbd-idle-timeout`) ended the
+/// connection of a client whose last writes no flush had covered, and the client took that
+/// for a crash: the next flush failed with EIO though nothing was lost (found by hand: a
+/// `linear` over another daemon's export, a write, a quiet spell, a flush). A quiet client
+/// flushes such writes itself now, before an idle timeout can come.
+#[test]
+fn a_server_closing_a_quiet_connection_fails_no_flush() {
+    let dir = scratch("idle-close");
+    let config = ServerConfig {
+        idle_timeout: Some(Duration::from_secs(5)),
+        ..ServerConfig::default()
+    };
+    let (uri, catalog) = udm_server_with(&dir, Arc::new(MemoryDevice::new(4 * MIB)), config);
+    let client = connect(&uri, options(Duration::from_secs(10)));
+    let connected = catalog.opened();
+    client
+        .write(0, &pattern(4096, 18), WriteFlags::default())
+        .unwrap();
+    // Quiet for longer than the server's idle timeout: the server closes the connection, and
+    // the client connects again.
+    std::thread::sleep(Duration::from_secs(11));
+    assert!(
+        catalog.opened() > connected,
+        "the server closed no connection"
+    );
+    client.flush().unwrap();
+    assert!(read(&client, 0, 4096)[..] == pattern(4096, 18)[..]);
+}
+
+/// The flush a quiet client sends itself makes its writes durable: a server with a writeback
+/// cache killed after the quiet spell has them (before, they were lost, and the next flush
+/// said so).
+#[test]
+fn a_quiet_client_has_its_writes_flushed() {
+    let dir = scratch("quiet-flush");
+    let (_, file_arg) = patterned_image(&dir, 19);
+    let args = writeback_cache(&file_arg);
+    let server = nbdkit(&dir, &args);
+    let client = connect(&uri(&dir), options(Duration::from_secs(10)));
+    client
+        .write(MIB, &pattern(4096, 20), WriteFlags::default())
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(6));
+    kill_server(server, &client);
+    let _server = nbdkit(&dir, &args);
+    client.flush().unwrap();
+    assert!(read(&client, MIB, 4096)[..] == pattern(4096, 20)[..]);
+}
+
 /// A fail-fast client (a multipath's path) reports the lost writes to a flush that finds no
 /// connection too, as a kind of error of its own: a multipath would take "not connected" for
 /// a path failure and cover the flush down another path, which never had these writes.
