@@ -61,6 +61,16 @@ impl Pool {
         if let Err(e) = self.commit_locked(&mut meta) {
             warn!("thin-pool '{}': commit at resume failed: {e}", self.name);
         }
+        // Opened read-only without an identity, and writable now: it gets one (see
+        // `Pool::open`), after the commit above, so that nothing else rides on its commit.
+        if self.mode() == Mode::Write {
+            if let Err(e) = meta.md.identify() {
+                warn!(
+                    "thin-pool '{}': giving the pool an identity: {e}",
+                    self.name
+                );
+            }
+        }
         // Reopened (or reloaded) with its metadata as full as it was: read-only at once.
         self.short_of_metadata(&meta);
         drop(meta);
