@@ -20,7 +20,7 @@ use udm_targets::replica::{self, PoolHandle};
 use udm_targets::Table;
 
 use super::device::Events;
-use super::received::{Mark, Partial, PoolState, Snapshot};
+use super::received::{identity_of, Mark, Partial, PoolState, Snapshot};
 use super::registry::Registry;
 use super::signals;
 use crate::replication::stream::{Event, Header, Kind, Layout, Place, Reader, StreamError};
@@ -106,6 +106,7 @@ pub type Outcome = Result<serde_json::Value, String>;
 pub fn receive(registry: &Registry, req: &Request, input: &mut dyn Read) -> Outcome {
     let _busy = Busy::take(&req.pool, req.id)?;
     let pool = replica::pool(&req.pool).map_err(|e| e.to_string())?;
+    identity_of(&req.pool, &pool).map_err(|e| e.to_string())?;
     if pool.device(req.id).is_some() {
         return Err(format!(
             "thin device {} exists in pool '{}': receive into a new id (or delete it first)",
