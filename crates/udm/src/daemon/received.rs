@@ -10,7 +10,7 @@
 //! its identity (its metadata's uuid): the file of an older pool of that name is set aside
 //! (`POOL.json.stale-UUID`), never taken for the new pool's.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::path::{Path, PathBuf};
 
@@ -110,6 +110,9 @@ pub struct PoolState {
 /// Serialises changes to the files (receives into different devices of a pool may run at once).
 static WRITING: Mutex<()> = Mutex::new(());
 
+/// The pools (by identity) seen in this run of the daemon (see [`settle`]).
+static SETTLED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
 fn path(state_dir: &Path, pool: &str) -> PathBuf {
     state_dir.join("replication").join(format!("{pool}.json"))
 }
@@ -125,6 +128,33 @@ pub fn identity_of(pool_name: &str, pool: &PoolHandle) -> io::Result<String> {
         ))
     })?;
     Ok(uuid.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// At the first use of a pool in this run of the daemon (its first table, at the start or
+/// made later, or a receive into it), before any receive into it runs: a publish still
+/// recorded as under way did not commit (its staging device is there, and a later loss of
+/// that device must not pass for its commit), and one that did is recorded as received for
+/// good (`id` deleted and made again would not be the device published). The file of an
+/// older pool of its name is set aside then. A pool without an identity yet is left until it
+/// has one.
+pub fn settle(state_dir: &Path, pool_name: &str, pool: &PoolHandle) -> io::Result<()> {
+    let Ok(identity) = identity_of(pool_name, pool) else {
+        return Ok(());
+    };
+    // Seen once: later, a publish recorded as under way may be a receive's that runs.
+    if !SETTLED.lock().insert(identity.clone()) || !path(state_dir, pool_name).exists() {
+        return Ok(());
+    }
+    let settled = PoolState::update(state_dir, pool_name, pool, |s| {
+        for p in s.partial.values_mut() {
+            p.publishing = None;
+        }
+    });
+    if settled.is_err() {
+        // Tried again at the pool's next use.
+        SETTLED.lock().remove(&identity);
+    }
+    settled
 }
 
 impl PoolState {
