@@ -178,6 +178,12 @@ impl PoolState {
         let identity = identity_of(pool_name, pool)?;
         match state.pool_uuid.replace(identity.clone()) {
             Some(older) if older != identity => {
+                // It names the file the state is set aside as.
+                if older.is_empty() || !older.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(io::Error::other(format!(
+                        "pool_uuid {older:?} is not a uuid in hex"
+                    )));
+                }
                 let state = PoolState {
                     pool_uuid: Some(identity),
                     ..Default::default()
