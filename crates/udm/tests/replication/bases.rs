@@ -63,10 +63,7 @@ fn a_received_device_deleted_and_its_id_made_again_is_no_base() {
 #[test]
 fn a_pool_device_is_not_renamed_from_under_its_replicas() {
     let (a, b, _) = two_daemons("rename-pool");
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x81 0 1M"]);
-    snapshot(&a, 2);
-    send_to_file(&a, 2, None, &a.dir.path("full"));
-    let full = std::fs::read(a.dir.path("full")).unwrap();
+    let full = first_snapshot_stream(&a, "write -P 0x81 0 1M");
     succeeded(receive(&b, 2, &full, &[]), "full receive");
     let err = b.udm_err(&["rename", "pool", "pool2"]);
     assert!(err.contains("thin-pool"), "{err}");
@@ -341,9 +338,7 @@ fn a_pool_made_again_on_new_metadata_does_not_take_the_old_ones_replicas_for_its
 #[test]
 fn a_kept_receive_of_an_old_pool_neither_hides_nor_deletes_a_device_of_the_new_one() {
     let (a, mut b, b_pool) = two_daemons("kept-again");
-    let inc = base_received_and_increment(&a, &b, "write -P 0x67 0 1M", "write -P 0x68 8M 64M");
-    let cut = receive(&b, 3, &inc[..inc.len() / 2], &["--resume"]);
-    assert!(!cut.status.success());
+    increment_half_received(&a, &b, "write -P 0x67 0 1M", "write -P 0x68 8M 64M");
     let kept = state(&b)["partial"]["3"].clone();
     let staging = u32::try_from(kept["staging"].as_u64().unwrap()).unwrap();
     pool_made_again(&b, &b_pool, &[2, 4, staging]);
@@ -385,10 +380,7 @@ fn a_state_file_without_a_pool_identity_is_taken_for_the_open_pool() {
 #[test]
 fn a_read_only_pool_without_a_uuid_takes_no_receive_until_opened_writable() {
     let (a, b, b_pool) = two_daemons("no-uuid");
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x6b 0 1M"]);
-    snapshot(&a, 2);
-    send_to_file(&a, 2, None, &a.dir.path("full"));
-    let full = std::fs::read(a.dir.path("full")).unwrap();
+    let full = first_snapshot_stream(&a, "write -P 0x6b 0 1M");
     b.udm(&["remove", "pool"]);
     let (meta, xml) = (b_pool.meta.to_str().unwrap(), b.dir.path("pool.xml"));
     std::fs::write(&xml, tool("thin_dump", &[meta])).unwrap();

@@ -164,10 +164,7 @@ fn a_receive_without_resume_whose_daemon_was_killed_leaves_nothing_after_the_res
 #[test]
 fn the_staging_device_of_a_kept_receive_takes_no_table() {
     let (a, b, b_pool) = two_daemons("staging-table");
-    let inc = base_received_and_increment(&a, &b, "write -P 0x55 0 1M", "write -P 0x56 8M 64M");
-    let cut = receive(&b, 3, &inc[..inc.len() / 2], &["--resume"]);
-    assert!(!cut.status.success());
-    assert!(kept_records(&b, 3) > 0, "{}", state(&b));
+    let inc = increment_half_received(&a, &b, "write -P 0x55 0 1M", "write -P 0x56 8M 64M");
     // A table there would write into the replica under the records kept, or stop the
     // publish: refused, writable or not.
     let staging = state(&b)["partial"]["3"]["staging"].to_string();
@@ -199,10 +196,7 @@ fn the_staging_device_of_a_kept_receive_takes_no_table() {
 #[test]
 fn a_staging_device_that_cannot_be_deleted_stays_named_until_it_can() {
     let (a, mut b, b_pool) = two_daemons("undeletable-staging");
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x57 0 32M"]);
-    snapshot(&a, 2);
-    send_to_file(&a, 2, None, &a.dir.path("full"));
-    let full = std::fs::read(a.dir.path("full")).unwrap();
+    let full = first_snapshot_stream(&a, "write -P 0x57 0 32M");
     let cut = receive(&b, 2, &full[..full.len() / 2], &["--resume"]);
     assert!(!cut.status.success());
     assert!(kept_records(&b, 2) > 0, "{}", state(&b));
@@ -316,10 +310,7 @@ fn a_publish_killed_after_its_commit_is_recorded_when_its_pool_comes_after_the_r
 #[test]
 fn the_staging_device_of_a_kept_receive_takes_no_table_after_a_restart_or_a_new_pool_table() {
     let (a, mut b, b_pool) = two_daemons("staging-restart");
-    let inc = base_received_and_increment(&a, &b, "write -P 0x5b 0 1M", "write -P 0x5c 8M 64M");
-    let cut = receive(&b, 3, &inc[..inc.len() / 2], &["--resume"]);
-    assert!(!cut.status.success());
-    assert!(kept_records(&b, 3) > 0, "{}", state(&b));
+    let inc = increment_half_received(&a, &b, "write -P 0x5b 0 1M", "write -P 0x5c 8M 64M");
     let staging = state(&b)["partial"]["3"]["staging"].to_string();
     let table = format!("0 {} thin pool {staging}", VOLUME / 512);
     let refused = |b: &Daemon, after: &str| {
