@@ -356,8 +356,22 @@ fn a_kept_receive_of_an_old_pool_neither_hides_nor_deletes_a_device_of_the_new_o
     thin_check(&b, &b_pool);
 }
 
-/// A state file written before files named their pool is the open pool's: its bases count,
-/// and it names the pool from its next change on.
+/// What [`uuid_of`] says of metadata without a uuid.
+const NO_UUID: &str = "00000000000000000000000000000000";
+
+/// Removes `daemon`'s pool and writes its metadata again with thin_dump and thin_restore,
+/// which leave the uuid out: as udm left a pool's metadata before it gave pools an identity.
+fn remade_without_uuid(daemon: &Daemon, pool: &Pool) {
+    daemon.udm(&["remove", "pool"]);
+    let (meta, xml) = (pool.meta.to_str().unwrap(), daemon.dir.path("pool.xml"));
+    std::fs::write(&xml, tool("thin_dump", &[meta])).unwrap();
+    tool("thin_restore", &["-i", xml.to_str().unwrap(), "-o", meta]);
+    assert_eq!(uuid_of(pool), NO_UUID);
+}
+
+/// A pool and its state file from before pools had an identity (no uuid in the metadata, no
+/// pool_uuid in the file): opened writable, the pool gets one, and the file is taken for its
+/// own (the bases it records count) and names it.
 #[test]
 fn a_state_file_without_a_pool_identity_is_taken_for_the_open_pool() {
     let (a, b, b_pool) = two_daemons("legacy-state");
@@ -366,6 +380,9 @@ fn a_state_file_without_a_pool_identity_is_taken_for_the_open_pool() {
     legacy.as_object_mut().unwrap().remove("pool_uuid");
     let file = b.dir.path("state/replication/pool.json");
     std::fs::write(file, legacy.to_string()).unwrap();
+    remade_without_uuid(&b, &b_pool);
+    b.create("pool", &b_pool.table);
+    assert_ne!(uuid_of(&b_pool), NO_UUID);
     succeeded(
         receive(&b, 3, &inc, &[]),
         "an increment onto the base it records",
@@ -381,12 +398,7 @@ fn a_state_file_without_a_pool_identity_is_taken_for_the_open_pool() {
 fn a_read_only_pool_without_a_uuid_takes_no_receive_until_opened_writable() {
     let (a, b, b_pool) = two_daemons("no-uuid");
     let full = first_snapshot_stream(&a, "write -P 0x6b 0 1M");
-    b.udm(&["remove", "pool"]);
-    let (meta, xml) = (b_pool.meta.to_str().unwrap(), b.dir.path("pool.xml"));
-    std::fs::write(&xml, tool("thin_dump", &[meta])).unwrap();
-    tool("thin_restore", &["-i", xml.to_str().unwrap(), "-o", meta]);
-    let none = "0".repeat(32);
-    assert_eq!(uuid_of(&b_pool), none);
+    remade_without_uuid(&b, &b_pool);
     b.create("pool", &format!("{} 1 read_only", b_pool.table));
     let err = refused(
         &b,
@@ -402,11 +414,11 @@ fn a_read_only_pool_without_a_uuid_takes_no_receive_until_opened_writable() {
     );
     assert_eq!(
         uuid_of(&b_pool),
-        none,
+        NO_UUID,
         "a read-only pool's metadata was written"
     );
     b.reload("pool", &b_pool.table);
-    assert_ne!(uuid_of(&b_pool), none);
+    assert_ne!(uuid_of(&b_pool), NO_UUID);
     succeeded(
         receive(&b, 2, &full, &[]),
         "a receive into the pool made writable",
