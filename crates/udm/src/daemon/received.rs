@@ -110,8 +110,9 @@ pub struct PoolState {
 /// Serialises changes to the files (receives into different devices of a pool may run at once).
 static WRITING: Mutex<()> = Mutex::new(());
 
-/// The pools (by identity) seen in this run of the daemon (see [`settle`]).
-static SETTLED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+/// The pools (by name and identity: a copy of a pool's metadata has its identity) seen in this
+/// run of the daemon (see [`settle`]).
+static SETTLED: Mutex<BTreeSet<(String, String)>> = Mutex::new(BTreeSet::new());
 
 fn path(state_dir: &Path, pool: &str) -> PathBuf {
     state_dir.join("replication").join(format!("{pool}.json"))
@@ -141,8 +142,9 @@ pub fn settle(state_dir: &Path, pool_name: &str, pool: &PoolHandle) -> io::Resul
     let Ok(identity) = identity_of(pool_name, pool) else {
         return Ok(());
     };
+    let seen = (pool_name.to_string(), identity);
     // Seen once: later, a publish recorded as under way may be a receive's that runs.
-    if !SETTLED.lock().insert(identity.clone()) || !path(state_dir, pool_name).exists() {
+    if !SETTLED.lock().insert(seen.clone()) || !path(state_dir, pool_name).exists() {
         return Ok(());
     }
     let settled = PoolState::update(state_dir, pool_name, pool, |s| {
@@ -152,7 +154,7 @@ pub fn settle(state_dir: &Path, pool_name: &str, pool: &PoolHandle) -> io::Resul
     });
     if settled.is_err() {
         // Tried again at the pool's next use.
-        SETTLED.lock().remove(&identity);
+        SETTLED.lock().remove(&seen);
     }
     settled
 }
