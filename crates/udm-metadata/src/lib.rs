@@ -10,6 +10,7 @@
 pub mod block;
 mod clone;
 pub mod log;
+mod random;
 pub mod snapshot;
 pub mod thin;
 

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use udm_block::{AlignedBuf, BlockDevice, WriteFlags};
 
 use crate::block::{read_u64, seal, verify, write_u64, BlockType, MetadataError, BLOCK_SIZE};
+use crate::random::random_bytes;
 
 const MAGIC: &[u8; 8] = b"udmlogwr";
 const VERSION: u32 = 1;
@@ -296,16 +297,7 @@ impl LogWriter {
 }
 
 fn random_id() -> u64 {
-    let mut id = [0u8; 8];
-    // SAFETY: getrandom fills the buffer we own; failure leaves a time-based id.
-    let n = unsafe { libc::getrandom(id.as_mut_ptr().cast(), 8, 0) };
-    if n == 8 {
-        u64::from_le_bytes(id)
-    } else {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64)
-    }
+    u64::from_le_bytes(random_bytes())
 }
 
 /// Reads a log back, entry by entry, with the data of writes.

@@ -12,7 +12,9 @@ use super::cache::NumberMap;
 use super::error::corrupt;
 use super::mapping::{u64_of, MAX_DATA_BLOCKS};
 use super::space_map::{disk, metadata};
-use super::superblock::{Superblock, METADATA_BLOCK_SECTORS, SUPERBLOCK_LOCATION, VERSION};
+use super::superblock::{
+    random_uuid, Superblock, METADATA_BLOCK_SECTORS, SUPERBLOCK_LOCATION, VERSION,
+};
 use super::transaction::Tm;
 use super::{
     DeviceInfo, Result, ThinError, ThinMetadata, MAX_DATA_BLOCK_SECTORS, MAX_METADATA_BLOCKS,
@@ -87,7 +89,26 @@ impl ThinMetadata {
         Ok(meta)
     }
 
-    /// Writes a new, empty pool (K:`__format_metadata`).
+    /// The pool's identity, as last committed (None: its metadata has none yet; see
+    /// [`ThinMetadata::identify`]). A pool made again on new metadata has another one, where
+    /// its device ids and creation times start over as the old pool's did.
+    pub fn identity(&self) -> Option<[u8; 16]> {
+        (self.committed.uuid != [0; 16]).then_some(self.committed.uuid)
+    }
+
+    /// Gives metadata without an identity (written before udm gave pools one, or by
+    /// thin_restore) a random one, committed at once; the caller opens the pool writable and
+    /// has nothing else to commit. Metadata that needs checking is not changed.
+    pub fn identify(&mut self) -> Result<()> {
+        if self.identity().is_some() || self.needs_check() {
+            return Ok(());
+        }
+        self.usable()?;
+        self.sb.uuid = random_uuid();
+        self.commit()
+    }
+
+    /// Writes a new, empty pool (K:`__format_metadata`), with an identity of its own.
     fn format(mut tm: Tm, data_block_sectors: u32, nr_data_blocks: u64) -> Result<Self> {
         let nr_blocks = tm.cache.dev_blocks().min(MAX_METADATA_BLOCKS);
         tm.set_committing(true);
@@ -100,7 +121,7 @@ impl ThinMetadata {
             tm.dsm.extend(nr_data_blocks);
             Ok(Superblock {
                 flags: 0,
-                uuid: [0; 16],
+                uuid: random_uuid(),
                 version: VERSION,
                 time: 0,
                 trans_id: 0,

@@ -5,6 +5,7 @@
 use super::checksum::{seal, verify, Kind};
 use super::error::{corrupt, Result, ThinError};
 use crate::block::{read_u64, write_u64};
+use crate::random::random_bytes;
 use crate::BLOCK_SIZE;
 
 pub const SUPERBLOCK_LOCATION: u64 = 0;
@@ -47,6 +48,8 @@ impl SmRoot {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
     pub flags: u32,
+    /// The pool's identity: random, written when udm formats the metadata or first opens it
+    /// writable (zeroes until then: the kernel and thin_restore write none).
     pub uuid: [u8; 16],
     pub version: u32,
     pub time: u32,
@@ -62,6 +65,14 @@ pub struct Superblock {
     pub compat_flags: u32,
     pub compat_ro_flags: u32,
     pub incompat_flags: u32,
+}
+
+/// A random uuid (version 4, RFC 9562), never all zeroes, which stand for none.
+pub fn random_uuid() -> [u8; 16] {
+    let mut uuid: [u8; 16] = random_bytes();
+    uuid[6] = (uuid[6] & 0x0f) | 0x40;
+    uuid[8] = (uuid[8] & 0x3f) | 0x80;
+    uuid
 }
 
 fn u32_at(block: &[u8], at: usize) -> u32 {

@@ -257,6 +257,45 @@ fn needs_check_is_written_at_once_and_flagged_metadata_opens_but_never_changes()
     meta.commit().unwrap();
 }
 
+/// Metadata as the kernel or thin_restore leaves it: committed with no identity.
+fn without_identity(dev: Arc<Counting>, meta: &mut ThinMetadata) -> ThinMetadata {
+    meta.sb.uuid = [0; 16];
+    meta.commit().unwrap();
+    ThinMetadata::open(dev, 128, 1000).unwrap()
+}
+
+#[test]
+fn a_pool_has_an_identity_from_its_format_or_its_first_writable_open_and_keeps_it() {
+    let (dev, mut meta) = pool(1000);
+    let formatted = meta.identity().expect("formatted metadata has an identity");
+    assert_ne!(
+        pool(1000).1.identity(),
+        Some(formatted),
+        "two pools, one identity"
+    );
+    let mut meta = without_identity(dev.clone(), &mut meta);
+    // Opening writes none: a pool opened read-only stays as it is.
+    assert_eq!(meta.identity(), None);
+    let writes = dev.1.load(Ordering::SeqCst);
+    meta.identify().unwrap();
+    let given = meta.identity().expect("identified");
+    assert!(dev.1.load(Ordering::SeqCst) > writes, "not committed");
+    // Committed once, and kept: opened again, it is the same, and writes nothing.
+    let mut meta = ThinMetadata::open(dev.clone(), 128, 1000).unwrap();
+    let writes = dev.1.load(Ordering::SeqCst);
+    meta.identify().unwrap();
+    assert_eq!(meta.identity(), Some(given));
+    assert_eq!(dev.1.load(Ordering::SeqCst), writes);
+    // Metadata that needs checking gets none.
+    let mut meta = without_identity(dev.clone(), &mut meta);
+    meta.set_needs_check().unwrap();
+    let mut meta = ThinMetadata::open(dev.clone(), 128, 1000).unwrap();
+    let writes = dev.1.load(Ordering::SeqCst);
+    meta.identify().unwrap();
+    assert_eq!(meta.identity(), None);
+    assert_eq!(dev.1.load(Ordering::SeqCst), writes);
+}
+
 #[test]
 fn the_pool_grows_with_its_devices() {
     let (dev, mut meta) = pool(1000);

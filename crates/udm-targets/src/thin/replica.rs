@@ -22,6 +22,12 @@ pub fn pool(name: &str) -> Result<PoolHandle, TargetError> {
 }
 
 impl PoolHandle {
+    /// The pool's identity (its metadata's uuid), which a pool made again under the same
+    /// name on new metadata does not share; None while a pool without one is read-only.
+    pub fn identity(&self) -> Option<[u8; 16]> {
+        self.0.meta().md.identity()
+    }
+
     pub fn block_bytes(&self) -> u64 {
         self.0.block_bytes()
     }

@@ -20,7 +20,7 @@ use udm_targets::replica::{self, PoolHandle};
 use udm_targets::Table;
 
 use super::device::Events;
-use super::received::{Mark, Partial, PoolState, Snapshot};
+use super::received::{identity_of, settle, Mark, Partial, PoolState, Snapshot};
 use super::registry::Registry;
 use super::signals;
 use crate::replication::stream::{Event, Header, Kind, Layout, Place, Reader, StreamError};
@@ -106,6 +106,9 @@ pub type Outcome = Result<serde_json::Value, String>;
 pub fn receive(registry: &Registry, req: &Request, input: &mut dyn Read) -> Outcome {
     let _busy = Busy::take(&req.pool, req.id)?;
     let pool = replica::pool(&req.pool).map_err(|e| e.to_string())?;
+    identity_of(&req.pool, &pool).map_err(|e| e.to_string())?;
+    settle(&registry.state_dir, &req.pool, &pool)
+        .map_err(|e| format!("replication state of pool '{}': {e}", req.pool))?;
     if pool.device(req.id).is_some() {
         return Err(format!(
             "thin device {} exists in pool '{}': receive into a new id (or delete it first)",
@@ -559,14 +562,18 @@ impl Batch {
     }
 }
 
-/// At each table of pool device `pool_name` built: the staging devices its replication state
-/// names are kept private again, which a pool opened anew (at the daemon's start, or made
-/// again) knows nothing of.
+/// At each table of pool device `pool_name` built: its replication state is settled if this
+/// is the pool's first table in this run of the daemon (see [`settle`]), and the staging
+/// devices it names are kept private again, which a pool opened anew (at the daemon's start,
+/// or made again) knows nothing of.
 pub fn pool_built(registry: &Registry, pool_name: &str) {
     let Ok(pool) = replica::pool(pool_name) else {
         return;
     };
-    match PoolState::load(&registry.state_dir, pool_name, &pool) {
+    let state_dir = &registry.state_dir;
+    let state = settle(state_dir, pool_name, &pool)
+        .and_then(|()| PoolState::load(state_dir, pool_name, &pool));
+    match state {
         Ok(state) => {
             for (id, partial) in &state.partial {
                 keep_private(&pool, pool_name, *id, partial.staging);
@@ -576,11 +583,10 @@ pub fn pool_built(registry: &Registry, pool_name: &str) {
     }
 }
 
-/// At the daemon's start, after its devices are restored: the receives a crash stopped that
-/// were not to be kept for resuming lose their staging devices (which hold the space of what
-/// they had applied), as they would have had they been refused. The publishes a crash cut
-/// short after their commit are recorded as received (see [`PoolState::load`]), for good:
-/// `id` deleted and made again would not be the device published.
+/// At the daemon's start, after its devices are restored (which settled their pools'
+/// replication state, see [`settle`]): the receives a crash stopped that were not to be kept
+/// for resuming lose their staging devices (which hold the space of what they had applied),
+/// as they would have had they been refused.
 pub fn recover(registry: &Registry) {
     let dir = registry.state_dir.join("replication");
     let Ok(files) = std::fs::read_dir(&dir) else {
@@ -594,16 +600,7 @@ pub fn recover(registry: &Registry) {
         let Ok(pool) = replica::pool(pool_name) else {
             continue;
         };
-        // No receive runs yet: a publish still recorded did not commit (its staging device
-        // is there), and a later loss of that device must not pass for its commit.
-        let stopped = |s: &mut PoolState| {
-            for p in s.partial.values_mut() {
-                p.publishing = None;
-            }
-        };
-        let state = PoolState::update(&registry.state_dir, pool_name, &pool, stopped)
-            .and_then(|()| PoolState::load(&registry.state_dir, pool_name, &pool));
-        let state = match state {
+        let state = match PoolState::load(&registry.state_dir, pool_name, &pool) {
             Ok(state) => state,
             Err(e) => {
                 warn!("replication state of pool '{pool_name}': {e}");

@@ -5,11 +5,16 @@
 //! holds durably).
 //!
 //! Entries name local thin devices by id and creation time: one whose device was deleted, or
-//! whose id was reused since, no longer counts.
+//! whose id was reused since, no longer counts. A pool made again under the same name on new
+//! metadata reuses ids and creation times from the start, so the file also names the pool by
+//! its identity (its metadata's uuid): the file of an older pool of that name is set aside
+//! (`POOL.json.stale-UUID`), never taken for the new pool's.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
 use std::path::{Path, PathBuf};
 
+use log::warn;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use udm_targets::replica::PoolHandle;
@@ -92,6 +97,10 @@ fn kept() -> bool {
 
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct PoolState {
+    /// The identity of the pool this is the state of (see [`identity_of`]). None: written
+    /// before files named their pool, and taken for the open pool's (named at the next update).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_uuid: Option<String>,
     #[serde(default)]
     pub received: BTreeMap<u32, Mark>,
     #[serde(default)]
@@ -101,18 +110,90 @@ pub struct PoolState {
 /// Serialises changes to the files (receives into different devices of a pool may run at once).
 static WRITING: Mutex<()> = Mutex::new(());
 
+/// The pools (by name and identity: a copy of a pool's metadata has its identity) seen in this
+/// run of the daemon (see [`settle`]).
+static SETTLED: Mutex<BTreeSet<(String, String)>> = Mutex::new(BTreeSet::new());
+
 fn path(state_dir: &Path, pool: &str) -> PathBuf {
     state_dir.join("replication").join(format!("{pool}.json"))
 }
 
+/// The identity of `pool` (its metadata's uuid, in hex). A pool without one (kept read-only
+/// since before pools had one, or restored by thin_restore) cannot be told from an older pool
+/// of its name.
+pub fn identity_of(pool_name: &str, pool: &PoolHandle) -> io::Result<String> {
+    let uuid = pool.identity().ok_or_else(|| {
+        io::Error::other(format!(
+            "pool '{pool_name}' has no identity yet: open it writable once before receiving \
+             into it"
+        ))
+    })?;
+    Ok(uuid.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// At the first use of a pool in this run of the daemon (its first table, at the start or
+/// made later, or a receive into it), before any receive into it runs: a publish still
+/// recorded as under way did not commit (its staging device is there, and a later loss of
+/// that device must not pass for its commit), and one that did is recorded as received for
+/// good (`id` deleted and made again would not be the device published). The file of an
+/// older pool of its name is set aside then. A pool without an identity yet is left until it
+/// has one.
+pub fn settle(state_dir: &Path, pool_name: &str, pool: &PoolHandle) -> io::Result<()> {
+    let Ok(identity) = identity_of(pool_name, pool) else {
+        return Ok(());
+    };
+    let seen = (pool_name.to_string(), identity);
+    // Seen once: later, a publish recorded as under way may be a receive's that runs.
+    if !SETTLED.lock().insert(seen.clone()) || !path(state_dir, pool_name).exists() {
+        return Ok(());
+    }
+    let settled = PoolState::update(state_dir, pool_name, pool, |s| {
+        for p in s.partial.values_mut() {
+            p.publishing = None;
+        }
+    });
+    if settled.is_err() {
+        // Tried again at the pool's next use.
+        SETTLED.lock().remove(&seen);
+    }
+    settled
+}
+
 impl PoolState {
     /// The pool's state, without entries whose local devices are gone or were made again.
-    pub fn load(state_dir: &Path, pool_name: &str, pool: &PoolHandle) -> std::io::Result<Self> {
+    pub fn load(state_dir: &Path, pool_name: &str, pool: &PoolHandle) -> io::Result<Self> {
+        Ok(Self::load_with_older(state_dir, pool_name, pool)?.0)
+    }
+
+    /// [`PoolState::load`]; if the file is of an older pool of this name, an empty state and
+    /// that pool's identity.
+    fn load_with_older(
+        state_dir: &Path,
+        pool_name: &str,
+        pool: &PoolHandle,
+    ) -> io::Result<(Self, Option<String>)> {
         let mut state: PoolState = match std::fs::read(path(state_dir, pool_name)) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(std::io::Error::other)?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => PoolState::default(),
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(io::Error::other)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Default::default()),
             Err(e) => return Err(e),
         };
+        let identity = identity_of(pool_name, pool)?;
+        match state.pool_uuid.replace(identity.clone()) {
+            Some(older) if older != identity => {
+                // It names the file the state is set aside as.
+                if older.is_empty() || !older.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(io::Error::other(format!(
+                        "pool_uuid {older:?} is not a uuid in hex"
+                    )));
+                }
+                let state = PoolState {
+                    pool_uuid: Some(identity),
+                    ..Default::default()
+                };
+                return Ok((state, Some(older)));
+            }
+            _ => {}
+        }
         let created = |id: u32| pool.device(id).map(|d| d.creation_time);
         // A publish a crash cut short after its commit: the staging device is gone, and `id`
         // was made after it (the publish's snapshot moves the pool's time on). Received.
@@ -147,21 +228,27 @@ impl PoolState {
         state
             .partial
             .retain(|_, p| p.staging_time.is_some() && created(p.staging) == p.staging_time);
-        Ok(state)
+        Ok((state, None))
     }
 
     /// Changes the pool's state on disk with `change` (read again under the lock, so that
-    /// concurrent receives into other devices are kept).
+    /// concurrent receives into other devices are kept). The file of an older pool of this
+    /// name is set aside first.
     pub fn update(
         state_dir: &Path,
         pool_name: &str,
         pool: &PoolHandle,
         change: impl FnOnce(&mut PoolState),
-    ) -> std::io::Result<()> {
+    ) -> io::Result<()> {
+        let identity = identity_of(pool_name, pool)?;
         let _writing = WRITING.lock();
-        let mut state = Self::load(state_dir, pool_name, pool)?;
-        change(&mut state);
+        let (mut state, older) = Self::load_with_older(state_dir, pool_name, pool)?;
         let file = path(state_dir, pool_name);
+        if let Some(older) = older {
+            set_aside(&file, pool_name, &older, &identity)?;
+        }
+        state.pool_uuid = Some(identity);
+        change(&mut state);
         std::fs::create_dir_all(file.parent().expect("in a directory"))?;
         write_durably(
             &file,
@@ -176,4 +263,17 @@ impl PoolState {
             .find(|(_, mark)| mark.snapshot == *snapshot)
             .map(|(id, _)| *id)
     }
+}
+
+/// Keeps `file`, the state of an older pool of this name, beside it (a user may want what it
+/// names) and out of this pool's way.
+fn set_aside(file: &Path, pool_name: &str, older: &str, identity: &str) -> io::Result<()> {
+    let aside = file.with_file_name(format!("{pool_name}.json.stale-{older}"));
+    std::fs::rename(file, &aside)?;
+    warn!(
+        "replication state of pool '{pool_name}' is of an older pool of that name (uuid \
+         {older}; this one's is {identity}): kept as {}, and this pool starts with none",
+        aside.display()
+    );
+    Ok(())
 }

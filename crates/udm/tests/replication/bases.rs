@@ -63,10 +63,7 @@ fn a_received_device_deleted_and_its_id_made_again_is_no_base() {
 #[test]
 fn a_pool_device_is_not_renamed_from_under_its_replicas() {
     let (a, b, _) = two_daemons("rename-pool");
-    qemu_io_ok(&a.uri("vol"), &["write -P 0x81 0 1M"]);
-    snapshot(&a, 2);
-    send_to_file(&a, 2, None, &a.dir.path("full"));
-    let full = std::fs::read(a.dir.path("full")).unwrap();
+    let full = first_snapshot_stream(&a, "write -P 0x81 0 1M");
     succeeded(receive(&b, 2, &full, &[]), "full receive");
     let err = b.udm_err(&["rename", "pool", "pool2"]);
     assert!(err.contains("thin-pool"), "{err}");
@@ -274,4 +271,157 @@ fn a_pool_is_not_removed_while_a_send_or_a_receive_uses_it() {
         "the removal once the send is gone",
     );
     b.udm(&["remove", "pool"]);
+}
+
+/// Removes `daemon`'s pool and makes it again under its name on zeroed metadata, a new pool,
+/// with thin device 1 and snapshots of it at `snapshots`, in order: the n-th is made at the
+/// pool's time n, as the old pool's devices were made at theirs.
+fn pool_made_again(daemon: &Daemon, pool: &Pool, snapshots: &[u32]) {
+    daemon.udm(&["remove", "pool"]);
+    daemon.sparse("pool.meta", 16 * MIB);
+    daemon.create("pool", &pool.table);
+    daemon.udm(&["message", "pool", "0", "create_thin", "1"]);
+    for id in snapshots {
+        daemon.udm(&["message", "pool", "0", "create_snap", &id.to_string(), "1"]);
+    }
+}
+
+/// The creation time of thin device `id` of the pool (what the replication state names it by).
+fn creation_time(daemon: &Daemon, id: u32) -> Value {
+    let devices = devices(daemon);
+    let device = devices.as_array().unwrap().iter().find(|d| d["id"] == id);
+    device.unwrap_or_else(|| panic!("no thin device {id}: {devices}"))["creation_time"].clone()
+}
+
+/// The pool's identity: the uuid in its metadata's superblock, in hex.
+fn uuid_of(pool: &Pool) -> String {
+    let superblock = std::fs::read(&pool.meta).unwrap();
+    superblock[16..32]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A pool made again under its name on new metadata numbers its devices and times from the
+/// start, as the old one did: its device 2, made at the time the received one was, is no base
+/// for the next snapshot of the old one's replica (applied onto it, the increment would leave
+/// a silently wrong replica). The old pool's state is kept aside, not taken for the new one's.
+#[test]
+fn a_pool_made_again_on_new_metadata_does_not_take_the_old_ones_replicas_for_its_own() {
+    let (a, b, b_pool) = two_daemons("pool-again");
+    let inc = base_received_and_increment(&a, &b, "write -P 0x65 0 2M", "write -P 0x66 1M 2M");
+    let old = state(&b);
+    pool_made_again(&b, &b_pool, &[2]);
+    assert_eq!(creation_time(&b, 2), old["received"]["2"]["local_time"]);
+    let err = refused(&b, 3, &inc, "an increment onto the new pool's device 2");
+    assert!(err.contains("wrong base"), "{err}");
+    // The new pool receives as any new pool does.
+    let full = std::fs::read(a.dir.path("full")).unwrap();
+    succeeded(
+        receive(&b, 4, &full, &[]),
+        "a full receive into the new pool",
+    );
+    assert_eq!(state(&b)["pool_uuid"], uuid_of(&b_pool).as_str());
+    assert_ne!(state(&b)["pool_uuid"], old["pool_uuid"]);
+    let aside = format!(
+        "state/replication/pool.json.stale-{}",
+        old["pool_uuid"].as_str().unwrap()
+    );
+    let kept: Value = serde_json::from_slice(&std::fs::read(b.dir.path(&aside)).unwrap()).unwrap();
+    assert_eq!(kept, old, "the old pool's state, kept aside");
+    thin_check(&b, &b_pool);
+}
+
+/// A receive kept for resuming into the old pool names its staging device by id and time:
+/// the new pool's device of that id and time is neither kept from tables as that staging
+/// device, nor deleted by the next receive into the id the kept one was into.
+#[test]
+fn a_kept_receive_of_an_old_pool_neither_hides_nor_deletes_a_device_of_the_new_one() {
+    let (a, mut b, b_pool) = two_daemons("kept-again");
+    increment_half_received(&a, &b, "write -P 0x67 0 1M", "write -P 0x68 8M 64M");
+    let kept = state(&b)["partial"]["3"].clone();
+    let staging = u32::try_from(kept["staging"].as_u64().unwrap()).unwrap();
+    pool_made_again(&b, &b_pool, &[2, 4, staging]);
+    assert_eq!(creation_time(&b, staging), kept["staging_time"]);
+    // The daemon's next start reads the state again for the pool it restores.
+    b.stop(libc::SIGTERM);
+    b.launch();
+    let table = format!("0 {} thin pool {staging}", VOLUME / 512);
+    b.udm(&["create", "mine", "--readonly", "--table", &table]);
+    b.udm(&["remove", "mine"]);
+    send_to_file(&a, 3, None, &a.dir.path("three"));
+    let three = std::fs::read(a.dir.path("three")).unwrap();
+    succeeded(receive(&b, 3, &three, &[]), "a full receive into 3");
+    assert_eq!(creation_time(&b, staging), kept["staging_time"]);
+    thin_check(&b, &b_pool);
+}
+
+/// What [`uuid_of`] says of metadata without a uuid.
+const NO_UUID: &str = "00000000000000000000000000000000";
+
+/// Removes `daemon`'s pool and writes its metadata again with thin_dump and thin_restore,
+/// which leave the uuid out: as udm left a pool's metadata before it gave pools an identity.
+fn remade_without_uuid(daemon: &Daemon, pool: &Pool) {
+    daemon.udm(&["remove", "pool"]);
+    let (meta, xml) = (pool.meta.to_str().unwrap(), daemon.dir.path("pool.xml"));
+    std::fs::write(&xml, tool("thin_dump", &[meta])).unwrap();
+    tool("thin_restore", &["-i", xml.to_str().unwrap(), "-o", meta]);
+    assert_eq!(uuid_of(pool), NO_UUID);
+}
+
+/// A pool and its state file from before pools had an identity (no uuid in the metadata, no
+/// pool_uuid in the file): opened writable, the pool gets one, and the file is taken for its
+/// own (the bases it records count) and names it.
+#[test]
+fn a_state_file_without_a_pool_identity_is_taken_for_the_open_pool() {
+    let (a, b, b_pool) = two_daemons("legacy-state");
+    let inc = base_received_and_increment(&a, &b, "write -P 0x69 0 1M", "write -P 0x6a 2M 1M");
+    let mut legacy = state(&b);
+    legacy.as_object_mut().unwrap().remove("pool_uuid");
+    let file = b.dir.path("state/replication/pool.json");
+    std::fs::write(file, legacy.to_string()).unwrap();
+    remade_without_uuid(&b, &b_pool);
+    b.create("pool", &b_pool.table);
+    assert_ne!(uuid_of(&b_pool), NO_UUID);
+    succeeded(
+        receive(&b, 3, &inc, &[]),
+        "an increment onto the base it records",
+    );
+    same_snapshot(&a, &b, 3);
+    assert_eq!(state(&b)["pool_uuid"], uuid_of(&b_pool).as_str());
+}
+
+/// A pool whose metadata has no uuid (as thin_restore writes it) and that is opened read-only
+/// cannot be told from an older pool of its name: receives into it are refused, saying so,
+/// and its metadata is not written; opened writable, it gets its identity and receives.
+#[test]
+fn a_read_only_pool_without_a_uuid_takes_no_receive_until_opened_writable() {
+    let (a, b, b_pool) = two_daemons("no-uuid");
+    let full = first_snapshot_stream(&a, "write -P 0x6b 0 1M");
+    remade_without_uuid(&b, &b_pool);
+    b.create("pool", &format!("{} 1 read_only", b_pool.table));
+    let err = refused(
+        &b,
+        2,
+        &full,
+        "a receive into a read-only pool without a uuid",
+    );
+    assert!(
+        err.contains(
+            "pool 'pool' has no identity yet: open it writable once before receiving into it"
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        uuid_of(&b_pool),
+        NO_UUID,
+        "a read-only pool's metadata was written"
+    );
+    b.reload("pool", &b_pool.table);
+    assert_ne!(uuid_of(&b_pool), NO_UUID);
+    succeeded(
+        receive(&b, 2, &full, &[]),
+        "a receive into the pool made writable",
+    );
+    assert_eq!(state(&b)["pool_uuid"], uuid_of(&b_pool).as_str());
 }

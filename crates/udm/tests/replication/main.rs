@@ -199,6 +199,25 @@ fn base_received_and_increment(a: &Daemon, b: &Daemon, first: &str, then: &str) 
     std::fs::read(a.dir.path("inc")).unwrap()
 }
 
+/// [`base_received_and_increment`], then the first half of the increment received into 3
+/// with `--resume`: cut, and kept with durable progress. Returns the whole increment.
+fn increment_half_received(a: &Daemon, b: &Daemon, first: &str, then: &str) -> Vec<u8> {
+    let inc = base_received_and_increment(a, b, first, then);
+    let cut = receive(b, 3, &inc[..inc.len() / 2], &["--resume"]);
+    assert!(!cut.status.success());
+    assert!(kept_records(b, 3) > 0, "{}", state(b));
+    inc
+}
+
+/// Snapshot 2 of `a`'s volume, taken after the qemu-io command `write`; returns its full
+/// stream.
+fn first_snapshot_stream(a: &Daemon, write: &str) -> Vec<u8> {
+    qemu_io_ok(&a.uri("vol"), &[write]);
+    snapshot(a, 2);
+    send_to_file(a, 2, None, &a.dir.path("full"));
+    std::fs::read(a.dir.path("full")).unwrap()
+}
+
 fn two_daemons(tag: &str) -> (Daemon, Daemon, Pool) {
     let a = Daemon::start(&format!("repl-{tag}-a"));
     let mut b = Daemon::start(&format!("repl-{tag}-b"));

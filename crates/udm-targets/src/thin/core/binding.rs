@@ -58,8 +58,20 @@ impl Pool {
         self.low_water_triggered.store(false, Ordering::Release);
         self.metadata_low_triggered.store(false, Ordering::Release);
         self.space.reset();
-        if let Err(e) = self.commit_locked(&mut meta) {
-            warn!("thin-pool '{}': commit at resume failed: {e}", self.name);
+        match self.commit_locked(&mut meta) {
+            Err(e) => warn!("thin-pool '{}': commit at resume failed: {e}", self.name),
+            // Opened read-only without an identity, and writable now: it gets one (see
+            // `Pool::open`), once the commit above went through, so that nothing else (no
+            // mapping whose data was not flushed) rides on its commit.
+            Ok(()) if self.mode() == Mode::Write => {
+                if let Err(e) = meta.md.identify() {
+                    warn!(
+                        "thin-pool '{}': giving the pool an identity: {e}",
+                        self.name
+                    );
+                }
+            }
+            Ok(()) => {}
         }
         // Reopened (or reloaded) with its metadata as full as it was: read-only at once.
         self.short_of_metadata(&meta);

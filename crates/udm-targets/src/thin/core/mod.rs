@@ -208,7 +208,7 @@ impl Pool {
                 opening.metadata_name
             ));
         }
-        let md = ThinMetadata::open(
+        let mut md = ThinMetadata::open(
             opening.metadata.clone(),
             opening.block_sectors as u32,
             opening.nr_blocks,
@@ -219,6 +219,13 @@ impl Pool {
         } else {
             Mode::Write
         };
+        // Replication tells pools apart by their identity (one made again under the same
+        // name reuses the old one's device ids and creation times): metadata without one
+        // gets it at its first writable open; read-only, it is not written.
+        if mode == Mode::Write {
+            md.identify()
+                .map_err(|e| format!("metadata device '{}': {e}", opening.metadata_name))?;
+        }
         info!(
             "thin-pool '{}': opened, {} thin device(s), {}/{} data blocks of {} sectors used",
             opening.owner,
