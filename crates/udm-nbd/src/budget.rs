@@ -14,6 +14,7 @@
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_block::AlignedBuf;
@@ -29,6 +30,9 @@ pub struct BufferBudget {
     limit: usize,
     state: Mutex<State>,
     changed: Condvar,
+    /// Requests told to wait for room so far: event loops look whether it moved to tell
+    /// whether anyone waits for memory that a stalled client holds (see `event_loop`).
+    refusals: AtomicU64,
 }
 
 #[derive(Default)]
@@ -82,7 +86,13 @@ impl BufferBudget {
             limit: limit.max(PAGE),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
+            refusals: AtomicU64::new(0),
         }
+    }
+
+    /// How many requests have been told to wait for room so far.
+    pub fn refusals(&self) -> u64 {
+        self.refusals.load(Ordering::Relaxed)
     }
 
     /// Bytes of buffers that exist now, lent out or pooled.
@@ -121,6 +131,7 @@ impl BufferBudget {
                 }
             }
             st.waiting += 1;
+            self.refusals.fetch_add(1, Ordering::Relaxed);
             self.changed.wait(&mut st);
             st.waiting -= 1;
         };
@@ -142,6 +153,7 @@ impl BufferBudget {
         let mut evicted = Vec::new();
         let mut st = self.lock();
         if st.waiting > 0 {
+            self.refusals.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         let pooled = match class_of(size).and_then(|c| st.pool[c].pop()) {
@@ -159,7 +171,10 @@ impl BufferBudget {
                 st.allocated += size;
                 None
             }
-            None => return None,
+            None => {
+                self.refusals.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
         };
         drop(st);
         drop(evicted);
@@ -258,6 +273,7 @@ mod tests {
             budget.try_take(4 << 20).is_none(),
             "no room: no wait either"
         );
+        assert_eq!(budget.refusals(), 1, "each refusal is counted");
         let small = budget.try_take(4096).expect("room for a small one");
         drop(small);
         std::thread::scope(|scope| {
@@ -273,6 +289,7 @@ mod tests {
                 budget.try_take(4096).is_none(),
                 "a blocked taker goes first"
             );
+            assert_eq!(budget.refusals(), 3, "the wait and the refusal are counted");
             drop(held);
             rx.recv_timeout(Duration::from_secs(5)).unwrap();
         });

@@ -547,6 +547,46 @@ fn clients_that_vanish_with_a_full_queue_give_back_their_slots_and_buffers() {
     assert_rss_near(&daemon, rss);
 }
 
+/// Clients stopped in the middle of large writes (a paused VM, a hostile peer) held the
+/// buffer budget for good: a dozen connections, each sending the header of a 32 MiB write
+/// and 4 KiB of its data, took the whole 256 MiB, and every other client of the daemon
+/// waited behind them (found by hand: a qemu-io read of 4 KiB hung). Such a connection is
+/// ended once a second passes without its data while others wait for room.
+#[test]
+fn clients_stalled_in_the_middle_of_large_writes_hold_nobody_up() {
+    let daemon = Daemon::start("hostile-stalled-writes");
+    daemon.create_linear("vol", "disk.img", 64 << 20);
+    let mut stalled: Vec<RawClient> = (0..12u64)
+        .map(|cookie| {
+            let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
+            let header = request_header(0, NBD_CMD_WRITE, cookie, 0, 32 << 20);
+            client.stream.write_all(&header).unwrap();
+            client.stream.write_all(&[7u8; 4096]).unwrap();
+            client
+        })
+        .collect();
+    // Its requests wait for room a moment, and then go through (the 10 s read timeout fails
+    // the test if they do not).
+    let mut bystander = RawClient::connect(&daemon.nbd_socket(), "vol");
+    check_bystander(&mut bystander, 1);
+    let ended = (stalled.iter_mut())
+        .map(|c| {
+            let short = Some(Duration::from_millis(200));
+            c.stream.set_read_timeout(short).unwrap();
+            closed(&mut c.stream)
+        })
+        .filter(|&ended| ended)
+        .count();
+    assert!(ended >= 8, "{ended} stalled connections ended");
+    assert!(
+        daemon
+            .log()
+            .contains("the client sent none of the rest of a write's data"),
+        "{}",
+        daemon.log()
+    );
+}
+
 #[test]
 fn a_client_that_never_reads_its_replies_is_held_back_and_others_are_served() {
     let daemon = daemon_with_volume("hostile-unread");

@@ -58,6 +58,11 @@ const IO_WORKERS: u32 = 4;
 const TICK: Duration = Duration::from_millis(200);
 /// How soon a connection waiting for buffer room looks again.
 const BUDGET_RETRY: Duration = Duration::from_millis(2);
+/// A connection that sends none of the rest of a write's data for this long while other
+/// requests wait for buffer room is ended, and its buffer given to them: a client stopped in
+/// the middle of large writes (a paused VM, a hostile peer) held the budget for good, and
+/// every other connection of the daemon waited behind it.
+const STALLED_PAYLOAD: Duration = Duration::from_secs(1);
 /// The rest of a write payload at least this long is received straight into the request's
 /// buffer instead of through the receive buffer and a copy.
 const DIRECT_RECEIVE: usize = 16 << 10;
@@ -134,6 +139,7 @@ impl Loops {
                 idle_timeout,
                 write_timeout,
                 last_tick: Instant::now(),
+                refusals_seen: 0,
             };
             std::thread::Builder::new()
                 .name(format!("nbd-loop-{i}"))
@@ -304,6 +310,8 @@ struct EventLoop {
     idle_timeout: Option<Duration>,
     write_timeout: Duration,
     last_tick: Instant,
+    /// The budget's refusals at the last tick.
+    refusals_seen: u64,
 }
 
 impl EventLoop {
@@ -445,9 +453,18 @@ impl EventLoop {
             other => warn!("nbd: event loop: completion of unknown kind {other}"),
         }
     }
-    /// Closes idle connections and those whose client stopped reading its replies.
+    /// Closes idle connections, those whose client stopped reading its replies, and those
+    /// whose client stopped sending a write's data for long, or for [`STALLED_PAYLOAD`] while
+    /// others wait for buffer room.
     fn tick(&mut self) {
         self.last_tick = Instant::now();
+        let refusals = self.budget.refusals();
+        let pressed = std::mem::replace(&mut self.refusals_seen, refusals) != refusals;
+        let payload_timeout = if pressed {
+            STALLED_PAYLOAD
+        } else {
+            self.write_timeout
+        };
         for index in 0..self.conns.len() {
             let stalled = self.conns[index].as_ref().is_some_and(|c| {
                 !c.dead
@@ -457,6 +474,22 @@ impl EventLoop {
             });
             if stalled {
                 let why = format!("the client read no reply for {:?}", self.write_timeout);
+                self.abort(index, &why);
+                continue;
+            }
+            // While a write's data arrives, every byte received is its (see `received`).
+            let payload_stalled = self.conns[index].as_ref().is_some_and(|c| {
+                !c.dead && c.writing.is_some() && c.last_active.elapsed() > payload_timeout
+            });
+            if payload_stalled {
+                let why = format!(
+                    "the client sent none of the rest of a write's data for {payload_timeout:?}{}",
+                    if pressed {
+                        ", while other requests waited for its buffer's room"
+                    } else {
+                        ""
+                    }
+                );
                 self.abort(index, &why);
                 continue;
             }
