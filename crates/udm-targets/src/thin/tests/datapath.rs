@@ -220,6 +220,50 @@ fn provisioned_blocks_remap_onto_the_data_file() {
     assert!(thin.map(MapOp::Write { fua: false }, 0, 4096).is_none());
 }
 
+/// A FUA write is remapped only onto blocks whose mappings are committed: its completion
+/// says it survives a crash, and a block mapped since the last commit does not. The write
+/// that provisions the block races the FUA write's map(); a map() that took the pool for clean
+/// before the block was inserted, and found the block once it was, let the FUA write complete
+/// onto a mapping a crash would drop.
+#[test]
+fn a_fua_write_never_lands_on_a_mapping_provisioned_after_the_commit_check() {
+    let dir = udm_testkit::TempDir::new("thin-fua-race");
+    let path = dir.sparse("data.img", 16 * BLOCK);
+    let rig = Rig::new(4 * MIB, MIB);
+    rig.add(
+        "data",
+        Arc::new(FileDevice::open(&path, OpenMode::ReadWrite).unwrap()),
+    );
+    let pool = rig.pool(16 * BLOCK / 512, "128 0");
+    rig.message(&pool, "create_thin 1").unwrap();
+    let thin = rig.thin(16 * BLOCK, 1).unwrap();
+    let fua = MapOp::Write { fua: true };
+    for round in 0..1000u64 {
+        let at = round % 16 * BLOCK;
+        let provisioned = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                write(&thin, at, &filled(4096, 1));
+                provisioned.store(true, std::sync::atomic::Ordering::Release);
+            });
+            while !provisioned.load(std::sync::atomic::Ordering::Acquire) {
+                let Some(mapping) = thin.map(fua, at + 8192, 4096) else {
+                    continue;
+                };
+                // Its block is held (the mapping holds the cell) and nothing else writes:
+                // metadata left to commit is that block's mapping.
+                assert!(
+                    thin.map(MapOp::Flush, 0, 0).is_some(),
+                    "round {round}: a FUA write was remapped onto an uncommitted mapping"
+                );
+                drop(mapping);
+            }
+        });
+        thin.discard(at, BLOCK).unwrap();
+        thin.flush().unwrap();
+    }
+}
+
 /// Random writes, zeroings (unmapping or not), discards, flushes and snapshots, on a thin
 /// device and on a plain memory device side by side: every read must agree, and every
 /// snapshot must still hold what the device held when it was taken (a discard of whole blocks reads
