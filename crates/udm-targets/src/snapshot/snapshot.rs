@@ -171,9 +171,16 @@ impl BlockDevice for Snapshot {
             snap.chunk,
             offset,
             buf.len() as u64,
-            |chunk, at, _, range| match snap.settle(chunk, true) {
-                (Some(new), _held) => snap.cow.write(snap.cow_offset(new, at), &buf[range], flags),
-                (None, _held) => self.write_new_chunk(chunk, at, &buf[range]),
+            |chunk, at, _, range| {
+                let (saved, held) = snap.settle(chunk, true);
+                // A saved chunk is held too (shared) while the write lands, and the snapshot
+                // checked again under the hold: see `map`.
+                let _held = held.unwrap_or_else(|| snap.locks.shared(chunk));
+                self.check_usable()?;
+                match saved {
+                    Some(new) => snap.cow.write(snap.cow_offset(new, at), &buf[range], flags),
+                    None => self.write_new_chunk(chunk, at, &buf[range]),
+                }
             },
         )
     }
@@ -205,6 +212,18 @@ impl BlockDevice for Snapshot {
         each_chunk(snap.chunk, offset, len, |chunk, at, n, range| {
             let none = || BlockError::Io(String::new());
             let lower = match snap.exceptions.get(chunk) {
+                // A write holds its chunk until it has landed, and finds the snapshot still
+                // its own under the hold: a merge may take the COW device over from a live
+                // snapshot device, and copies a chunk back only once nobody holds it, so a
+                // write under way lands first, and one that comes after fails rather than
+                // complete into a chunk merged already (and lost).
+                Some(new) if op.is_write() => {
+                    let held = snap.locks.try_shared(chunk).ok_or_else(none)?;
+                    self.check_usable().map_err(|_| none())?;
+                    snap.cow
+                        .map(op, snap.cow_offset(new, at), n)
+                        .map(|m| m.hold(held))
+                }
                 Some(new) => snap.cow.map(op, snap.cow_offset(new, at), n),
                 None if op == MapOp::Read => {
                     let held = snap.locks.try_shared(chunk).ok_or_else(none)?;
