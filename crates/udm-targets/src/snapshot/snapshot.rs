@@ -124,8 +124,10 @@ impl BlockDevice for Snapshot {
         if !discards.zeroes_cow {
             return Ok(());
         }
-        self.check_usable()?;
         let snap = self.snap();
+        // It changes the COW device too: inside the gate, as a write.
+        let _writing = snap.writes.enter();
+        self.check_usable()?;
         let origin = &*self.args.origin;
         each_chunk(snap.chunk, offset, len, |chunk, at, n, _| {
             if discards.passdown_origin {
@@ -160,8 +162,10 @@ impl BlockDevice for Snapshot {
     }
 
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
-        self.check_usable()?;
         let snap = self.snap();
+        // Checked inside the gate: a merge takes the COW device over between writes.
+        let _writing = snap.writes.enter();
+        self.check_usable()?;
         if snap.is_overflowed() {
             return Err(BlockError::Io(
                 "the snapshot overflowed: its COW device is full".into(),
@@ -171,16 +175,9 @@ impl BlockDevice for Snapshot {
             snap.chunk,
             offset,
             buf.len() as u64,
-            |chunk, at, _, range| {
-                let (saved, held) = snap.settle(chunk, true);
-                // A saved chunk is held too (shared) while the write lands, and the snapshot
-                // checked again under the hold: see `map`.
-                let _held = held.unwrap_or_else(|| snap.locks.shared(chunk));
-                self.check_usable()?;
-                match saved {
-                    Some(new) => snap.cow.write(snap.cow_offset(new, at), &buf[range], flags),
-                    None => self.write_new_chunk(chunk, at, &buf[range]),
-                }
+            |chunk, at, _, range| match snap.settle(chunk, true) {
+                (Some(new), _held) => snap.cow.write(snap.cow_offset(new, at), &buf[range], flags),
+                (None, _held) => self.write_new_chunk(chunk, at, &buf[range]),
             },
         )
     }
@@ -199,6 +196,12 @@ impl BlockDevice for Snapshot {
             return None;
         }
         let snap = self.snap();
+        // A write holds its place among the snapshot's writes until it has landed, and checks
+        // the snapshot inside: a merge takes the COW device over between writes.
+        let writing = match op.is_write() {
+            true => Some(snap.writes.try_enter()?),
+            false => None,
+        };
         if self.check_usable().is_err() {
             return None;
         }
@@ -212,18 +215,6 @@ impl BlockDevice for Snapshot {
         each_chunk(snap.chunk, offset, len, |chunk, at, n, range| {
             let none = || BlockError::Io(String::new());
             let lower = match snap.exceptions.get(chunk) {
-                // A write holds its chunk until it has landed, and finds the snapshot still
-                // its own under the hold: a merge may take the COW device over from a live
-                // snapshot device, and copies a chunk back only once nobody holds it, so a
-                // write under way lands first, and one that comes after fails rather than
-                // complete into a chunk merged already (and lost).
-                Some(new) if op.is_write() => {
-                    let held = snap.locks.try_shared(chunk).ok_or_else(none)?;
-                    self.check_usable().map_err(|_| none())?;
-                    snap.cow
-                        .map(op, snap.cow_offset(new, at), n)
-                        .map(|m| m.hold(held))
-                }
                 Some(new) => snap.cow.map(op, snap.cow_offset(new, at), n),
                 None if op == MapOp::Read => {
                     let held = snap.locks.try_shared(chunk).ok_or_else(none)?;
@@ -239,7 +230,10 @@ impl BlockDevice for Snapshot {
             Ok(())
         })
         .ok()?;
-        Some(mapping)
+        Some(match writing {
+            Some(writing) => mapping.hold(writing),
+            None => mapping,
+        })
     }
 }
 

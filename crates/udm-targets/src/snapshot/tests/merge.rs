@@ -140,21 +140,26 @@ fn a_snapshot_write_under_way_at_the_handover_lands_before_its_chunk_is_merged()
     let op = MapOp::Write { fua: false };
     let under_way = snap.map(op, 0, 4096).expect("a saved chunk remaps");
     drop(origin);
-    let merge = rig.table("origin-dev", &format!("snapshot-merge {o} {cow} P 8"));
     let mut data = pattern(4096, 3);
-    std::thread::scope(|s| {
+    let merge = std::thread::scope(|s| {
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(200));
             execute(op, under_way, &mut data);
         });
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while target(&merge).status_details().unwrap()["progress"]["complete"] != true {
-            assert!(Instant::now() < deadline, "the merge did not finish");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        rig.table("origin-dev", &format!("snapshot-merge {o} {cow} P 8"))
     });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while target(&merge).status_details().unwrap()["progress"]["complete"] != true {
+        assert!(Instant::now() < deadline, "the merge did not finish");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert!(
         read(&merge, 0, 4096)[..] == pattern(4096, 3)[..],
         "the write the snapshot completed is not in the merged origin"
+    );
+    assert!(
+        snap.write(0, &pattern(4096, 4), WriteFlags::default())
+            .is_err(),
+        "a write after the handover lands nowhere and must fail"
     );
 }
