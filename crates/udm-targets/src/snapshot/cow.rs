@@ -12,7 +12,7 @@ use udm_metadata::snapshot::{ExceptionStore, Record, StoreError};
 
 use super::chunk_locks::{ChunkGuard, ChunkLocks};
 use super::exceptions::ExceptionTable;
-use super::hub::Hub;
+use super::hub::{Hub, WriteGate};
 use super::stages::Stages;
 use crate::rendezvous::Rendezvous;
 use crate::target::EventSink;
@@ -39,6 +39,9 @@ pub struct Snap {
     pub chunk: u64,
     pub exceptions: ExceptionTable,
     pub locks: Arc<ChunkLocks>,
+    /// The snapshot device's writes in flight (mapped ones until they land): a merge takes
+    /// the COW device over between them ([`Snap::set_merging`]).
+    pub writes: Arc<WriteGate>,
     /// Where the asynchronous copy-outs' time goes.
     pub stages: Stages,
     valid: AtomicBool,
@@ -93,6 +96,7 @@ impl SnapHandle {
                     chunk,
                     exceptions: ExceptionTable::new(&records),
                     locks: Arc::default(),
+                    writes: Arc::default(),
                     stages: Stages::default(),
                     valid: AtomicBool::new(valid),
                     overflow: AtomicBool::new(false),
@@ -147,7 +151,13 @@ impl Snap {
         self.active.store(true, Ordering::Release);
     }
 
+    /// Gives the COW device to a merge once the snapshot device's writes under way have
+    /// landed; later ones find it merging and fail. The snapshot device may still be live
+    /// (the kernel asks for its suspend first, udm does not): a write landing in a COW chunk
+    /// the merge had copied back already would complete, and be in neither the origin nor
+    /// any exception.
     pub fn set_merging(&self) {
+        let _frozen = self.writes.freeze();
         self.merging.store(true, Ordering::Release);
     }
 

@@ -225,8 +225,10 @@ impl Hub {
     }
 }
 
-/// Counts origin writes in flight, so that a snapshot becomes active between writes: one
-/// that sees part of a write it was not told about would change under its reader.
+/// Counts writes in flight, so that a change happens between them: a snapshot becomes
+/// active between origin writes (one that sees part of a write it was not told about would
+/// change under its reader), and a merge takes a COW device over between the snapshot's own
+/// writes.
 #[derive(Default)]
 pub struct WriteGate {
     in_flight: AtomicU64,
@@ -240,13 +242,13 @@ pub struct GateGuard(Arc<WriteGate>);
 pub struct Frozen<'a>(&'a WriteGate);
 
 impl WriteGate {
-    fn try_enter(self: &Arc<Self>) -> Option<GateGuard> {
+    pub fn try_enter(self: &Arc<Self>) -> Option<GateGuard> {
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         let guard = GateGuard(self.clone());
         (!self.frozen.load(Ordering::SeqCst)).then_some(guard)
     }
 
-    fn enter(self: &Arc<Self>) -> GateGuard {
+    pub fn enter(self: &Arc<Self>) -> GateGuard {
         loop {
             if let Some(guard) = self.try_enter() {
                 return guard;
@@ -258,7 +260,7 @@ impl WriteGate {
         }
     }
 
-    fn freeze(&self) -> Frozen<'_> {
+    pub fn freeze(&self) -> Frozen<'_> {
         let mut lock = self.lock.lock();
         // One activation at a time; a second waits for the first to thaw.
         while self.frozen.swap(true, Ordering::SeqCst) {

@@ -124,8 +124,10 @@ impl BlockDevice for Snapshot {
         if !discards.zeroes_cow {
             return Ok(());
         }
-        self.check_usable()?;
         let snap = self.snap();
+        // It changes the COW device too: inside the gate, as a write.
+        let _writing = snap.writes.enter();
+        self.check_usable()?;
         let origin = &*self.args.origin;
         each_chunk(snap.chunk, offset, len, |chunk, at, n, _| {
             if discards.passdown_origin {
@@ -160,8 +162,10 @@ impl BlockDevice for Snapshot {
     }
 
     fn write(&self, offset: u64, buf: &[u8], flags: WriteFlags) -> Result<()> {
-        self.check_usable()?;
         let snap = self.snap();
+        // Checked inside the gate: a merge takes the COW device over between writes.
+        let _writing = snap.writes.enter();
+        self.check_usable()?;
         if snap.is_overflowed() {
             return Err(BlockError::Io(
                 "the snapshot overflowed: its COW device is full".into(),
@@ -192,6 +196,12 @@ impl BlockDevice for Snapshot {
             return None;
         }
         let snap = self.snap();
+        // A write holds its place among the snapshot's writes until it has landed, and checks
+        // the snapshot inside: a merge takes the COW device over between writes.
+        let writing = match op.is_write() {
+            true => Some(snap.writes.try_enter()?),
+            false => None,
+        };
         if self.check_usable().is_err() {
             return None;
         }
@@ -220,7 +230,10 @@ impl BlockDevice for Snapshot {
             Ok(())
         })
         .ok()?;
-        Some(mapping)
+        Some(match writing {
+            Some(writing) => mapping.hold(writing),
+            None => mapping,
+        })
     }
 }
 

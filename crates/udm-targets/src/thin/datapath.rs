@@ -456,11 +456,16 @@ impl BlockDevice for Thin {
                 Some(pool.data().map(op, 0, 0)?.hold(in_flight))
             }
             // A FUA write is durable once its mapping is: only when nothing is uncommitted,
-            // and it fails (the synchronous way) after lost writes, as a flush does.
-            MapOp::Write { fua: true }
-                if self.pool.is_dirty() || self.pool.check_lost_writes(self.id()).is_err() =>
-            {
-                None
+            // and it fails (the synchronous way) after lost writes, as a flush does. Checked
+            // once the mapping holds the blocks' cells, so that their mappings can no longer
+            // change: checked before, a block provisioned in between was found mapped but
+            // not committed.
+            MapOp::Write { fua: true } => {
+                let mapping = self.map_blocks(op, offset, len)?;
+                if self.pool.is_dirty() || self.pool.check_lost_writes(self.id()).is_err() {
+                    return None;
+                }
+                Some(mapping)
             }
             _ => self.map_blocks(op, offset, len),
         }

@@ -121,3 +121,45 @@ fn parse_status(status: &str) -> (u64, u64) {
     let allocated = used.split_once('/').unwrap().0;
     (allocated.parse().unwrap(), metadata.parse().unwrap())
 }
+
+/// The merge takes the COW device over from a snapshot device that is still live (the kernel
+/// asks for its suspend first; udm does not): a write to the snapshot remapped onto a saved
+/// chunk and still under way then must land before the merge copies that chunk back. It
+/// landed after, in a COW chunk already merged: completed, and lost.
+#[test]
+fn a_snapshot_write_under_way_at_the_handover_lands_before_its_chunk_is_merged() {
+    use udm_block::MapOp;
+    let dir = udm_testkit::TempDir::new("merge-handover");
+    let rig = Rig::new(MIB);
+    rig.file_origin(&dir, MIB);
+    let cow = rig.add("cow", file_device(&dir.path("cow.img"), 4 * MIB));
+    let o = rig.origin.clone();
+    let origin = rig.origin_table();
+    let snap = rig.snapshot(&cow, "P 8");
+    write(&origin, 0, 4096, 2);
+    let op = MapOp::Write { fua: false };
+    let under_way = snap.map(op, 0, 4096).expect("a saved chunk remaps");
+    drop(origin);
+    let mut data = pattern(4096, 3);
+    let merge = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            execute(op, under_way, &mut data);
+        });
+        rig.table("origin-dev", &format!("snapshot-merge {o} {cow} P 8"))
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while target(&merge).status_details().unwrap()["progress"]["complete"] != true {
+        assert!(Instant::now() < deadline, "the merge did not finish");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        read(&merge, 0, 4096)[..] == pattern(4096, 3)[..],
+        "the write the snapshot completed is not in the merged origin"
+    );
+    assert!(
+        snap.write(0, &pattern(4096, 4), WriteFlags::default())
+            .is_err(),
+        "a write after the handover lands nowhere and must fail"
+    );
+}

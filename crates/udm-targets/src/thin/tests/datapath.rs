@@ -156,17 +156,24 @@ fn an_external_origin_fills_what_is_not_provisioned() {
     assert_eq!(rig.status(&thin), "128 255");
 }
 
-#[test]
-fn provisioned_blocks_remap_onto_the_data_file() {
-    let dir = udm_testkit::TempDir::new("thin-map");
-    let path = dir.sparse("data.img", 16 * BLOCK);
+/// A pool of `blocks` blocks whose data device is a file in `dir` (which the hot path
+/// remaps onto), with thin device 1.
+fn pool_on_a_file(dir: &udm_testkit::TempDir, blocks: u64, features: &str) -> (Rig, Arc<Table>) {
+    let path = dir.sparse("data.img", blocks * BLOCK);
     let rig = Rig::new(4 * MIB, MIB);
     rig.add(
         "data",
         Arc::new(FileDevice::open(&path, OpenMode::ReadWrite).unwrap()),
     );
-    let pool = rig.pool(16 * BLOCK / 512, "128 0");
+    let pool = rig.pool(blocks * BLOCK / 512, &format!("128 0 {features}"));
     rig.message(&pool, "create_thin 1").unwrap();
+    (rig, pool)
+}
+
+#[test]
+fn provisioned_blocks_remap_onto_the_data_file() {
+    let dir = udm_testkit::TempDir::new("thin-map");
+    let (rig, pool) = pool_on_a_file(&dir, 16, "");
     rig.message(&pool, "create_thin 2").unwrap();
     let thin = rig.thin(MIB, 1).unwrap();
     let other = rig.thin(MIB, 2).unwrap();
@@ -218,6 +225,52 @@ fn provisioned_blocks_remap_onto_the_data_file() {
     thin.resume();
     assert!(thin.map(MapOp::Read, 0, 4096).is_some());
     assert!(thin.map(MapOp::Write { fua: false }, 0, 4096).is_none());
+}
+
+/// A FUA write is remapped only onto blocks whose mappings are committed: its completion
+/// says it survives a crash, and a block mapped since the last commit does not. The write
+/// that provisions the block races the FUA write's map(); a map() that took the pool for clean
+/// before the block was allocated, and found the block once it was inserted (its thread
+/// descheduled in between, on a loaded machine), let the FUA write complete onto a mapping a
+/// crash would drop.
+#[test]
+fn a_fua_write_never_lands_on_a_mapping_provisioned_after_the_commit_check() {
+    let dir = udm_testkit::TempDir::new("thin-fua-race");
+    const BLOCKS: u64 = 2048;
+    let (rig, _pool) = pool_on_a_file(&dir, BLOCKS, "1 skip_block_zeroing");
+    let thin = rig.thin(BLOCKS * BLOCK, 1).unwrap();
+    // Every block but the last provisioned (4 KiB each, unzeroed: quick) and committed; the
+    // writer provisions the last each round. The FUA write spans them all, which gives the
+    // race room: map() takes every block's cell before it looks any of them up.
+    for block in 0..BLOCKS - 1 {
+        write(&thin, block * BLOCK, &filled(4096, 1));
+    }
+    thin.flush().unwrap();
+    let last = (BLOCKS - 1) * BLOCK;
+    let fua = MapOp::Write { fua: true };
+    for round in 0..200u64 {
+        let provisioned = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                write(&thin, last, &filled(4096, 2));
+                provisioned.store(true, std::sync::atomic::Ordering::Release);
+            });
+            while !provisioned.load(std::sync::atomic::Ordering::Acquire) {
+                let Some(mapping) = thin.map(fua, 0, BLOCKS * BLOCK) else {
+                    continue;
+                };
+                // Its blocks are held (the mapping holds their cells) and nothing else
+                // writes: metadata left to commit is the last block's mapping.
+                assert!(
+                    thin.map(MapOp::Flush, 0, 0).is_some(),
+                    "round {round}: a FUA write was remapped onto an uncommitted mapping"
+                );
+                drop(mapping);
+            }
+        });
+        thin.discard(last, BLOCK).unwrap();
+        thin.flush().unwrap();
+    }
 }
 
 /// Random writes, zeroings (unmapping or not), discards, flushes and snapshots, on a thin
