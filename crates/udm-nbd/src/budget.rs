@@ -30,8 +30,8 @@ pub struct BufferBudget {
     limit: usize,
     state: Mutex<State>,
     changed: Condvar,
-    /// Requests told to wait for room so far: event loops look whether it moved to tell
-    /// whether anyone waits for memory that a stalled client holds (see `event_loop`).
+    /// Requests told to wait for room so far: whether it moved tells whether anyone waits
+    /// for memory that a stalled client holds (see `stall`).
     refusals: AtomicU64,
 }
 
@@ -93,6 +93,11 @@ impl BufferBudget {
     /// How many requests have been told to wait for room so far.
     pub fn refusals(&self) -> u64 {
         self.refusals.load(Ordering::Relaxed)
+    }
+
+    /// Whether a request waits for room now, blocked in [`BufferBudget::take`].
+    pub fn waiting(&self) -> bool {
+        self.lock().waiting > 0
     }
 
     /// Bytes of buffers that exist now, lent out or pooled.

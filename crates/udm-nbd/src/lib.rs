@@ -20,6 +20,7 @@ mod commands;
 mod event_loop;
 pub mod handshake;
 mod server;
+mod stall;
 mod stream;
 mod tls;
 mod transmission;

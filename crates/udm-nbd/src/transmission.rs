@@ -1,7 +1,7 @@
 //! The transmission phase: requests in, replies out, many in flight.
 
 use parking_lot::Mutex;
-use std::io::{self, BufRead, BufReader, Read};
+use std::io::{self, BufRead, BufReader, IoSlice, Read, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,6 +12,7 @@ use crate::budget::{BufferBudget, Payload};
 use crate::commands::Session;
 use crate::handshake::{Negotiated, MAX_PAYLOAD};
 use crate::protocol::*;
+use crate::stall;
 use crate::stream::Stream;
 use crate::ServerConfig;
 
@@ -26,6 +27,9 @@ struct Connection<'a> {
     closing: AtomicBool,
     budget: &'a Arc<BufferBudget>,
     idle_timeout: Option<Duration>,
+    /// How long a client may send none of a write's data, or read none of a reply, while
+    /// nobody waits for buffer room (see [`stall`]).
+    write_timeout: Duration,
     /// Requests read and not yet answered: a connection with any is never idle.
     in_flight: AtomicUsize,
     started: Instant,
@@ -43,6 +47,8 @@ pub fn serve(
     let (session, open_guard) = Session::start(negotiated);
     // The idle timeout is the socket's: a read waiting for the next request wakes up then.
     stream.set_read_timeout(config.idle_timeout)?;
+    // A reply's send looks this often whether its client has stalled (see `send`).
+    stream.set_write_timeout(Some(stall::LOOK_EVERY))?;
     let conn = Connection {
         writer: Mutex::new(stream.try_clone()?),
         reader: Mutex::new(BufReader::with_capacity(READ_BUFFER, stream)),
@@ -50,6 +56,7 @@ pub fn serve(
         closing: AtomicBool::new(false),
         budget,
         idle_timeout: config.idle_timeout,
+        write_timeout: config.handshake_timeout,
         in_flight: AtomicUsize::new(0),
         started: Instant::now(),
         last_active: AtomicU64::new(0),
@@ -222,7 +229,7 @@ impl<'c> Connection<'c> {
             // Waits for room in the budget while holding the reader: this connection's
             // next request could not be buffered either.
             let buf = payload.insert(self.budget.take(request.length as usize));
-            reader.read_exact(buf)?;
+            self.read_payload(reader, buf)?;
         }
         if request.command == CMD_DISC {
             return Ok(Next::Disconnect);
@@ -247,6 +254,38 @@ impl<'c> Connection<'c> {
             self.session.execute(&r, payload.as_deref_mut())
         });
         let reply = self.session.reply(&r, result, payload);
-        self.writer.lock().write_all_vectored(&mut reply.slices())
+        self.send(reply.slices())
+    }
+
+    /// Receives a write's data, ending the connection if its client stalls (see [`stall`]).
+    fn read_payload(&self, reader: &mut BufReader<Stream>, buf: &mut [u8]) -> io::Result<()> {
+        if reader.buffer().len() >= buf.len() {
+            return reader.read_exact(buf);
+        }
+        // Blocked reads look every so often whether the client has stalled.
+        reader.get_ref().set_read_timeout(Some(stall::LOOK_EVERY))?;
+        let what = "sent none of the rest of a write's data";
+        let mut got = 0;
+        let received = stall::move_all(self.budget, self.write_timeout, what, buf.len(), || {
+            let n = reader.read(&mut buf[got..])?;
+            got += n;
+            Ok(n)
+        });
+        reader.get_ref().set_read_timeout(self.idle_timeout)?;
+        received
+    }
+
+    /// Sends a reply, ending the connection if its client stalls (see [`stall`]); the
+    /// socket's write timeout is [`stall::LOOK_EVERY`].
+    fn send(&self, mut slices: Vec<IoSlice<'_>>) -> io::Result<()> {
+        let mut writer = self.writer.lock();
+        let mut slices = &mut slices[..];
+        let len = slices.iter().map(|s| s.len()).sum();
+        let what = "read none of its replies";
+        stall::move_all(self.budget, self.write_timeout, what, len, || {
+            let n = writer.write_vectored(slices)?;
+            IoSlice::advance_slices(&mut slices, n);
+            Ok(n)
+        })
     }
 }

@@ -30,6 +30,7 @@ use crate::budget::{BufferBudget, Payload};
 use crate::commands::{map_op, Outcome, Reply, Session};
 use crate::handshake::{Negotiated, MAX_PAYLOAD};
 use crate::protocol::*;
+use crate::stall::Pressure;
 use crate::stream::Stream;
 use crate::ServerConfig;
 
@@ -58,11 +59,6 @@ const IO_WORKERS: u32 = 4;
 const TICK: Duration = Duration::from_millis(200);
 /// How soon a connection waiting for buffer room looks again.
 const BUDGET_RETRY: Duration = Duration::from_millis(2);
-/// A connection that sends none of the rest of a write's data for this long while other
-/// requests wait for buffer room is ended, and its buffer given to them: a client stopped in
-/// the middle of large writes (a paused VM, a hostile peer) held the budget for good, and
-/// every other connection of the daemon waited behind it.
-const STALLED_PAYLOAD: Duration = Duration::from_secs(1);
 /// The rest of a write payload at least this long is received straight into the request's
 /// buffer instead of through the receive buffer and a copy.
 const DIRECT_RECEIVE: usize = 16 << 10;
@@ -122,6 +118,7 @@ impl Loops {
             let (mailbox_here, budget, pool) = (mailbox.clone(), budget.clone(), pool.clone());
             let (queue_depth, idle_timeout) = (config.queue_depth.max(1), config.idle_timeout);
             let write_timeout = config.handshake_timeout;
+            let pressure = Pressure::new(&budget);
             // Built on its thread: a loop holds raw pointers (in-flight buffers) it never shares.
             let event_loop = move || EventLoop {
                 ring,
@@ -139,7 +136,7 @@ impl Loops {
                 idle_timeout,
                 write_timeout,
                 last_tick: Instant::now(),
-                refusals_seen: 0,
+                pressure,
             };
             std::thread::Builder::new()
                 .name(format!("nbd-loop-{i}"))
@@ -310,8 +307,8 @@ struct EventLoop {
     idle_timeout: Option<Duration>,
     write_timeout: Duration,
     last_tick: Instant,
-    /// The budget's refusals at the last tick.
-    refusals_seen: u64,
+    /// Whether others waited for buffer room since the last tick.
+    pressure: Pressure,
 }
 
 impl EventLoop {
@@ -453,43 +450,27 @@ impl EventLoop {
             other => warn!("nbd: event loop: completion of unknown kind {other}"),
         }
     }
-    /// Closes idle connections, those whose client stopped reading its replies, and those
-    /// whose client stopped sending a write's data for long, or for [`STALLED_PAYLOAD`] while
-    /// others wait for buffer room.
+    /// Closes idle connections, and those whose client stopped in the middle of a request
+    /// (see [`crate::stall`]): it reads none of its replies, or sends none of the rest of a
+    /// write's data.
     fn tick(&mut self) {
         self.last_tick = Instant::now();
-        let refusals = self.budget.refusals();
-        let pressed = std::mem::replace(&mut self.refusals_seen, refusals) != refusals;
-        let payload_timeout = if pressed {
-            STALLED_PAYLOAD
-        } else {
-            self.write_timeout
-        };
+        let patience = self.pressure.patience(&self.budget, self.write_timeout);
         for index in 0..self.conns.len() {
-            let stalled = self.conns[index].as_ref().is_some_and(|c| {
-                !c.dead
-                    && c.sending
-                        .as_ref()
-                        .is_some_and(|s| s.since.elapsed() > self.write_timeout)
-            });
-            if stalled {
-                let why = format!("the client read no reply for {:?}", self.write_timeout);
-                self.abort(index, &why);
+            let Some(conn) = self.conns[index].as_ref().filter(|c| !c.dead) else {
                 continue;
-            }
+            };
+            let sending = conn.sending.as_ref().map(|s| s.since.elapsed());
             // While a write's data arrives, every byte received is its (see `received`).
-            let payload_stalled = self.conns[index].as_ref().is_some_and(|c| {
-                !c.dead && c.writing.is_some() && c.last_active.elapsed() > payload_timeout
+            let receiving = conn.writing.as_ref().map(|_| conn.last_active.elapsed());
+            let why = (sending
+                .and_then(|quiet| patience.exceeded(quiet, "read none of its replies")))
+            .or_else(|| {
+                receiving.and_then(|quiet| {
+                    patience.exceeded(quiet, "sent none of the rest of a write's data")
+                })
             });
-            if payload_stalled {
-                let why = format!(
-                    "the client sent none of the rest of a write's data for {payload_timeout:?}{}",
-                    if pressed {
-                        ", while other requests waited for its buffer's room"
-                    } else {
-                        ""
-                    }
-                );
+            if let Some(why) = why {
                 self.abort(index, &why);
                 continue;
             }
