@@ -209,6 +209,15 @@ impl<'c> Connection<'c> {
         let mut header = [0u8; REQUEST_HEADER_LEN];
         match reader.read_exact(&mut header) {
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(Next::Disconnect),
+            // Part of a header and no more of it for the idle timeout is no request.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) && self.in_flight.load(Ordering::Acquire) == 0 =>
+            {
+                return Ok(Next::Idle)
+            }
             other => other?,
         }
         let request = parse_request(&header)

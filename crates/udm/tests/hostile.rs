@@ -393,6 +393,15 @@ fn idle_connections_are_closed_and_busy_ones_are_not() {
         "closed after {took:?}; the daemon's log:\n{}",
         daemon.log()
     );
+    // Part of a request's header, and then nothing, is as idle: on io_uring such a connection
+    // stayed open for good.
+    let mut partial = RawClient::connect(&daemon.nbd_socket(), "slow");
+    let header = request_header(0, NBD_CMD_READ, 1, 0, 512);
+    partial.stream.write_all(&header[..20]).unwrap();
+    assert!(
+        partial.is_closed(),
+        "a connection with part of a header stayed open"
+    );
     // A request in flight for 2.5 s is not idleness: its reply arrives.
     let mut busy = RawClient::connect(&daemon.nbd_socket(), "slow");
     busy.send(0, NBD_CMD_READ, 1, 0, 512, &[]);

@@ -480,11 +480,13 @@ impl EventLoop {
             let Some(conn) = self.conns[index].as_mut().filter(|c| !c.dead) else {
                 continue;
             };
+            // Part of a header is no request: a client that sends a few bytes of one and
+            // stops is as idle as one that sends none (it kept its connection for good).
             let quiet = conn.in_flight == 0
                 && conn.replies.is_empty()
                 && conn.sending.is_none()
                 && conn.writing.is_none()
-                && conn.start == conn.end;
+                && conn.end - conn.start < REQUEST_HEADER_LEN;
             if !conn.closing && quiet && conn.last_active.elapsed() >= idle {
                 info!(
                     "nbd export '{}': closing a connection idle for {idle:?}",
