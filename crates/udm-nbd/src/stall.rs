@@ -11,9 +11,45 @@ use std::time::{Duration, Instant};
 use crate::budget::BufferBudget;
 
 /// A connection that makes no progress for this long while other requests wait for buffer
-/// room is ended, and its buffers given to them. A client that keeps moving data, however
-/// slowly, is not: it is served, and it gives its buffers back as its requests complete.
+/// room is ended, and its buffers given to them.
 pub(crate) const UNDER_PRESSURE: Duration = Duration::from_secs(1);
+
+/// Progress is this many bytes of a request's data moved (or the rest of it): a client that
+/// sent a byte of a write every half second held its 32 MiB buffer for good, as one that
+/// sends none did. So while others wait for room, a client must move at least 64 KiB a
+/// second; slower than that, it gives its buffers to them. A reader that slow looks stalled
+/// anyway: its socket's buffer takes what it reads, and the server moves nothing until about
+/// half of that buffer is free (100 KiB of a Unix socket's).
+pub(crate) const PROGRESS: usize = 64 << 10;
+
+/// When a request's data last moved [`PROGRESS`] bytes.
+pub(crate) struct Progress {
+    since: Instant,
+    moved: usize,
+}
+
+impl Progress {
+    pub fn new() -> Self {
+        Progress {
+            since: Instant::now(),
+            moved: 0,
+        }
+    }
+
+    /// Counts `n` bytes moved.
+    pub fn moved(&mut self, n: usize) {
+        self.moved += n;
+        if self.moved >= PROGRESS {
+            self.moved = 0;
+            self.since = Instant::now();
+        }
+    }
+
+    /// How long since the data last made progress.
+    pub fn quiet(&self) -> Duration {
+        self.since.elapsed()
+    }
+}
 
 /// How often the threaded engine's blocked reads and writes of a request's data look whether
 /// their client has stalled (their socket's timeout while they move it).
@@ -84,13 +120,13 @@ pub(crate) fn move_all(
     mut step: impl FnMut() -> io::Result<usize>,
 ) -> io::Result<()> {
     let mut pressure = Pressure::new(budget);
-    let mut progress = Instant::now();
+    let mut progress = Progress::new();
     while len > 0 {
         match step() {
             Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
             Ok(n) => {
                 len -= n;
-                progress = Instant::now();
+                progress.moved(n);
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e)
@@ -100,7 +136,7 @@ pub(crate) fn move_all(
                 ) =>
             {
                 let patience = pressure.patience(budget, timeout);
-                if let Some(why) = patience.exceeded(progress.elapsed(), what) {
+                if let Some(why) = patience.exceeded(progress.quiet(), what) {
                     return Err(io::Error::new(io::ErrorKind::TimedOut, why));
                 }
             }
@@ -108,4 +144,45 @@ pub(crate) fn move_all(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn a_byte_now_and_then_is_no_progress_and_pressure_shortens_the_patience() {
+        let mut progress = Progress::new();
+        let start = progress.since;
+        progress.moved(1);
+        progress.moved(PROGRESS - 2);
+        assert_eq!(progress.since, start, "a byte short of a piece");
+        progress.moved(1);
+        assert!(progress.since > start, "a whole piece");
+
+        let budget = Arc::new(BufferBudget::new(8192));
+        let mut pressure = Pressure::new(&budget);
+        let timeout = Duration::from_secs(30);
+        let quiet = Duration::from_secs(2);
+        assert_eq!(
+            pressure.patience(&budget, timeout).exceeded(quiet, "x"),
+            None
+        );
+        let held = budget.try_take(8192).expect("room");
+        assert!(budget.try_take(4096).is_none(), "refused");
+        let why = pressure
+            .patience(&budget, timeout)
+            .exceeded(quiet, "moved nothing");
+        assert_eq!(
+            why.as_deref(),
+            Some("the client moved nothing for 1s, while other requests waited for buffer room")
+        );
+        // Refused once, long ago: no pressure now.
+        assert_eq!(
+            pressure.patience(&budget, timeout).exceeded(quiet, "x"),
+            None
+        );
+        drop(held);
+    }
 }

@@ -617,6 +617,25 @@ fn clients_stalled_in_the_middle_of_large_writes_hold_nobody_up() {
     stalled_clients_hold_nobody_up("hostile-stalled-writes", stall, 5, why);
 }
 
+/// The same with clients that send a byte of the rest every 300 ms: each byte counted as
+/// progress, and they held the budget as surely (found by hand: a 4 KiB write waited 35 s).
+#[test]
+fn clients_trickling_large_writes_hold_nobody_up() {
+    let stall = |client: &mut RawClient, cookie| {
+        let header = request_header(0, NBD_CMD_WRITE, cookie, 0, 32 << 20);
+        client.stream.write_all(&header).unwrap();
+        let mut stream = client.stream.try_clone().unwrap();
+        // Until the connection ends (the daemon's, at the latest).
+        std::thread::spawn(move || {
+            while stream.write_all(&[7u8]).is_ok() {
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        });
+    };
+    let why = "the client sent none of the rest of a write's data for 1s, while other requests";
+    stalled_clients_hold_nobody_up("hostile-trickled-writes", stall, 5, why);
+}
+
 /// The same with reads whose replies the client never reads: each held its 32 MiB until the
 /// write timeout (30 s), and every other client waited as long (found by hand: a 4 KiB read
 /// took 29.6 s on io_uring; on threads it waited over a minute).

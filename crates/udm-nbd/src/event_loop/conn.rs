@@ -68,8 +68,10 @@ impl EventLoop {
             n if n > 0 => {
                 let n = n as usize;
                 let to_payload = n.min(into_payload);
-                if let Some((_, _, got)) = conn.writing.as_mut() {
-                    *got += to_payload;
+                // While a write's data arrives, every byte received is its.
+                if let Some(writing) = conn.writing.as_mut() {
+                    writing.got += to_payload;
+                    writing.progress.moved(n);
                 }
                 conn.end += n - to_payload;
                 conn.last_active = Instant::now();
@@ -117,7 +119,7 @@ impl EventLoop {
                 sending.first += 1;
             }
         }
-        sending.since = Instant::now();
+        sending.progress.moved(result as usize);
         if sending.first < sending.iovecs.len() {
             let entry = send_entry(index, &conn.stream, sending);
             self.queued.push(entry);
@@ -207,7 +209,7 @@ impl EventLoop {
                 iovecs,
                 header,
                 first: 0,
-                since: Instant::now(),
+                progress: Progress::new(),
             };
             let entry = send_entry(index, &conn.stream, &mut sending);
             conn.sending = Some(sending);

@@ -30,7 +30,7 @@ use crate::budget::{BufferBudget, Payload};
 use crate::commands::{map_op, Outcome, Reply, Session};
 use crate::handshake::{Negotiated, MAX_PAYLOAD};
 use crate::protocol::*;
-use crate::stall::Pressure;
+use crate::stall::{Pressure, Progress};
 use crate::stream::Stream;
 use crate::ServerConfig;
 
@@ -171,7 +171,7 @@ struct Sending {
     header: Box<libc::msghdr>,
     /// First iovec not yet sent in full.
     first: usize,
-    since: Instant,
+    progress: Progress,
 }
 
 /// How much of the next receive goes straight into a write's payload, and how much room of
@@ -189,6 +189,15 @@ fn receive_plan(room: usize, buffered: usize, owed: usize, large_writes: bool) -
     }
     let wanted = (owed - direct + REQUEST_HEADER_LEN).saturating_sub(buffered);
     (direct, room.min(wanted.max(1)))
+}
+
+/// A write whose payload is arriving.
+struct Writing {
+    request: Request,
+    payload: Payload,
+    /// Bytes of it received so far.
+    got: usize,
+    progress: Progress,
 }
 
 /// A receive's iovecs and the header recvmsg reads, kept until the receive completes.
@@ -210,9 +219,9 @@ struct Conn {
     /// land in `buf`).
     receiving_payload: usize,
     receive: Box<Receive>,
-    /// A write whose payload is still arriving: bytes of it received so far. Kept while a
-    /// receive into it is in flight, even if the connection is aborted.
-    writing: Option<(Request, Payload, usize)>,
+    /// A write whose payload is still arriving. Kept while a receive into it is in flight,
+    /// even if the connection is aborted.
+    writing: Option<Writing>,
     /// The last request parsed was a write of at least [`DIRECT_RECEIVE`] bytes: the next
     /// receive into `buf` asks for no more than the rest of its payload and one header, so
     /// that the payload of a large write following it lands straight in its own buffer.
@@ -244,7 +253,7 @@ impl Conn {
     /// unparsed bytes (all of its room or, after a large write, just enough for the rest of
     /// that write and the next header).
     fn receive_entry(&mut self, index: usize) -> squeue::Entry {
-        let owed = self.writing.as_ref().map_or(0, |(_, p, got)| p.len() - got);
+        let owed = self.writing.as_ref().map_or(0, |w| w.payload.len() - w.got);
         let (direct, room) = receive_plan(
             self.buf.len() - self.end,
             self.end - self.start,
@@ -252,7 +261,7 @@ impl Conn {
             self.large_writes,
         );
         let payload = match self.writing.as_mut() {
-            Some((_, payload, got)) if direct > 0 => payload[*got..].as_mut_ptr(),
+            Some(w) if direct > 0 => w.payload[w.got..].as_mut_ptr(),
             _ => std::ptr::null_mut(),
         };
         let receive = &mut *self.receive;
@@ -460,9 +469,8 @@ impl EventLoop {
             let Some(conn) = self.conns[index].as_ref().filter(|c| !c.dead) else {
                 continue;
             };
-            let sending = conn.sending.as_ref().map(|s| s.since.elapsed());
-            // While a write's data arrives, every byte received is its (see `received`).
-            let receiving = conn.writing.as_ref().map(|_| conn.last_active.elapsed());
+            let sending = conn.sending.as_ref().map(|s| s.progress.quiet());
+            let receiving = conn.writing.as_ref().map(|w| w.progress.quiet());
             let why = (sending
                 .and_then(|quiet| patience.exceeded(quiet, "read none of its replies")))
             .or_else(|| {

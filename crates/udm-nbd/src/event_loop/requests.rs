@@ -13,15 +13,17 @@ impl EventLoop {
             if conn.closing || conn.in_flight + conn.replies.len() >= self.queue_depth {
                 return;
             }
-            if let Some((_, payload, got)) = conn.writing.as_mut() {
-                let n = (payload.len() - *got).min(conn.end - conn.start);
-                payload[*got..*got + n].copy_from_slice(&conn.buf[conn.start..conn.start + n]);
-                *got += n;
+            if let Some(w) = conn.writing.as_mut() {
+                let n = (w.payload.len() - w.got).min(conn.end - conn.start);
+                w.payload[w.got..w.got + n].copy_from_slice(&conn.buf[conn.start..conn.start + n]);
+                w.got += n;
                 conn.start += n;
-                if *got < payload.len() {
+                if w.got < w.payload.len() {
                     return;
                 }
-                let (request, payload, _) = conn.writing.take().expect("checked above");
+                let Writing {
+                    request, payload, ..
+                } = conn.writing.take().expect("checked above");
                 self.dispatch(index, request, Some(payload));
                 continue;
             }
@@ -70,7 +72,12 @@ impl EventLoop {
             conn.large_writes =
                 request.command == CMD_WRITE && request.length as usize >= DIRECT_RECEIVE;
             if request.command == CMD_WRITE {
-                conn.writing = Some((request, payload.expect("taken above"), 0));
+                conn.writing = Some(Writing {
+                    request,
+                    payload: payload.expect("taken above"),
+                    got: 0,
+                    progress: Progress::new(),
+                });
                 continue;
             }
             self.dispatch(index, request, payload);
