@@ -108,6 +108,14 @@ impl Patience {
     }
 }
 
+/// Whether a blocking socket's read or write ended because its timeout expired.
+pub(crate) fn timed_out(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
 /// Moves a request's data with a blocking socket whose timeout is [`LOOK_EVERY`] (the
 /// threaded engine): `step` moves some of it and says how many bytes, until `len` have moved.
 /// Fails with why once the client makes no progress for longer than [`Pressure`] allows
@@ -129,12 +137,7 @@ pub(crate) fn move_all(
                 progress.moved(n);
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
+            Err(e) if timed_out(&e) => {
                 let patience = pressure.patience(budget, timeout);
                 if let Some(why) = patience.exceeded(progress.quiet(), what) {
                     return Err(io::Error::new(io::ErrorKind::TimedOut, why));

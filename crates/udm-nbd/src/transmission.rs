@@ -172,12 +172,7 @@ impl<'c> Connection<'c> {
             match reader.fill_buf() {
                 Ok(buffered) => break !buffered.is_empty(),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
+                Err(e) if stall::timed_out(&e) => {
                     let Some(idle) = self.idle_timeout else {
                         return Err(e);
                     };
@@ -210,12 +205,7 @@ impl<'c> Connection<'c> {
         match reader.read_exact(&mut header) {
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(Next::Disconnect),
             // Part of a header and no more of it for the idle timeout is no request.
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) && self.in_flight.load(Ordering::Acquire) == 0 =>
-            {
+            Err(e) if stall::timed_out(&e) && self.in_flight.load(Ordering::Acquire) == 0 => {
                 return Ok(Next::Idle)
             }
             other => other?,

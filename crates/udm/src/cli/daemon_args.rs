@@ -59,7 +59,8 @@ pub struct DaemonArgs {
     pub nbd_threads: usize,
     /// Memory all NBD connections together may hold in request buffers (K, M, G suffixes);
     /// requests wait for room. One larger than the budget waits until it can be served
-    /// alone.
+    /// alone. A client that moves under 64 KiB of a request's data (a write's, a reply's)
+    /// in 1 s while others wait for room, or in 30 s otherwise, is disconnected.
     #[arg(long, default_value = "256M", value_parser = parse_size, value_name = "SIZE")]
     pub nbd_buffer_budget: usize,
     /// NBD connections one client may have open (a Unix socket peer's uid, a TCP peer's
