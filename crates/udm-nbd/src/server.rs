@@ -2,12 +2,13 @@
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::io::{Read, Write};
 use std::net::{TcpListener, ToSocketAddrs};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::{debug, info, warn};
 
@@ -317,16 +318,20 @@ impl NbdServer {
     }
 
     fn connection(&self, mut stream: Stream, slot: Slot) {
-        let _ = stream.set_read_timeout(Some(self.config.handshake_timeout));
         // A client that stops reading its replies must not hold workers forever.
         let _ = stream.set_write_timeout(Some(self.config.handshake_timeout));
         let tls = self.tls.as_ref();
-        let upgrade = |s: &mut Stream| tls.expect("offered only with TLS").upgrade(s);
+        let upgrade = |s: &mut Deadline| tls.expect("offered only with TLS").upgrade(s.stream);
         let offer = tls.map(|t| StartTls {
             required: t.required(),
             upgrade: &upgrade,
         });
-        let negotiated = match negotiate_with_tls(&mut stream, &*self.catalog, offer) {
+        let mut handshake = Deadline {
+            stream: &mut stream,
+            until: Instant::now() + self.config.handshake_timeout,
+            timeout: self.config.handshake_timeout,
+        };
+        let negotiated = match negotiate_with_tls(&mut handshake, &*self.catalog, offer) {
             Ok(n) => n,
             Err(HandshakeEnd::Closed) => return,
             Err(HandshakeEnd::Violation(why)) => return warn!("nbd: handshake refused: {why}"),
@@ -347,6 +352,42 @@ impl NbdServer {
             warn!("nbd: connection to '{name}' failed: {e}");
         }
         debug!("nbd: client detached from '{name}'");
+    }
+}
+
+/// The handshake's stream: a read waits no longer than what is left of the handshake timeout,
+/// which bounds the whole handshake. As each read's own timeout, it did not: a client that
+/// sent a byte of an option every few seconds stayed in the handshake for good, with its
+/// thread and its connection slot.
+struct Deadline<'a> {
+    stream: &'a mut Stream,
+    until: Instant,
+    timeout: Duration,
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the client took longer than {:?} over the handshake",
+                    self.timeout
+                ),
+            ));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
     }
 }
 
@@ -476,6 +517,40 @@ mod tests {
         until(vec![2, 1]);
         drop((long, path, other));
         until(vec![0, 0]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_client_trickling_its_handshake_is_dropped_at_the_handshake_timeout() {
+        let dir = std::env::temp_dir().join(format!("udm-nbd-trickle-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("nbd.sock");
+        let catalog = Devices::default();
+        catalog.add("vol", Arc::new(PanicsOnRead), false);
+        let config = ServerConfig {
+            handshake_timeout: Duration::from_secs(1),
+            ..ServerConfig::default()
+        };
+        let server = NbdServer::new(Arc::new(catalog), config).unwrap();
+        server.listen_unix(&socket).unwrap();
+        let mut client = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+        client.read_exact(&mut [0u8; 18]).unwrap();
+        client.write_all(&3u32.to_be_bytes()).unwrap();
+        // An option of 100 bytes, sent a byte every 100 ms: each read gets one in time.
+        let started = Instant::now();
+        let head = [&b"IHAVEOPT"[..], &1u32.to_be_bytes(), &100u32.to_be_bytes()].concat();
+        client.write_all(&head).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        while client.write_all(b"x").is_ok() {
+            if matches!(client.read(&mut [0u8; 1]), Ok(0)) {
+                break;
+            }
+            assert!(started.elapsed() < Duration::from_secs(5), "never dropped");
+        }
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(900), "dropped after {took:?}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
