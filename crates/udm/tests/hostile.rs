@@ -612,8 +612,8 @@ fn clients_stalled_in_the_middle_of_large_writes_hold_nobody_up() {
         client.stream.write_all(&[7u8; 4096]).unwrap();
     };
     let why = "the client sent none of the rest of a write's data for 1s, while other requests";
-    // Of the 8 that held buffers, at least the 5 whose room the 4 waiting for it and the
-    // bystander needed (the rest may have made it through before they stalled in turn).
+    // 8 of them hold buffers, and 4 wait for room ahead of the bystander: 5 are ended before
+    // it is served. Then nobody waits, and the others may be left to the 30 s rule.
     stalled_clients_hold_nobody_up("hostile-stalled-writes", stall, 5, why);
 }
 
