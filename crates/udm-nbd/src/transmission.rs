@@ -247,6 +247,8 @@ impl<'c> Connection<'c> {
             self.session.execute(&r, payload.as_deref_mut())
         });
         let reply = self.session.reply(&r, result, payload);
-        self.writer.lock().write_all_vectored(&mut reply.slices())
+        self.writer
+            .lock()
+            .write_all_vectored(&mut reply.slices().collect::<Vec<_>>())
     }
 }
