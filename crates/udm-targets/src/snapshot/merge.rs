@@ -58,6 +58,8 @@ pub struct Merge {
     inner: Arc<Inner>,
     /// The background merge, from the first resume on.
     worker: Mutex<Option<JoinHandle<()>>>,
+    /// The device whose table this is.
+    owner: String,
     _role: RoleGuard,
 }
 
@@ -102,6 +104,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     Ok(Arc::new(Merge {
         inner,
         worker: Mutex::new(None),
+        owner: ctx.owner.to_string(),
         _role: role,
     }))
 }
@@ -347,6 +350,26 @@ impl Target for Merge {
 
     fn suspend(&self) {
         self.inner.pause(true);
+    }
+
+    /// The kernel's refusal (snapshot_preresume): the COW device is taken over from the
+    /// snapshot device only once it is suspended, its I/O drained, as the documented
+    /// procedure does. The snapshot's table in this very device is suspended by the resume.
+    fn preresume(&self) -> Result<(), TargetError> {
+        let snap = self.inner.snap();
+        let source = match snap.is_merging() {
+            true => None,
+            false => snap.live_source(&self.owner),
+        };
+        match source {
+            Some(device) => Err(TargetError::new(format!(
+                "snapshot-merge: unable to perform snapshot handover until source is \
+                 suspended: device '{device}' serves COW device '{}' (udm suspend {device} \
+                 first)",
+                self.inner.args.cow_ref
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The first resume hands the snapshot over to the merge: origin writes stop saving

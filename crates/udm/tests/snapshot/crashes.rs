@@ -68,6 +68,52 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     std::fs::remove_file(&cow).unwrap();
 }
 
+/// dmsetup's habit the kernel refuses: a merge that would take the COW device over from a
+/// snapshot device still live, by `udm resume` of the origin device with the merge loaded or
+/// by `udm create`. udm took it over (the snapshot's I/O failing from then on); now it is
+/// refused as by the kernel's snapshot_preresume, naming the device, and nothing changes.
+/// The documented procedure (suspend the snapshot device first) goes ahead.
+#[test]
+fn a_merge_is_refused_while_its_snapshot_device_is_live_and_nothing_changes() {
+    let daemon = Daemon::start("snap-merge-live");
+    let (origin, original) = origin_of(&daemon, 4 * MIB);
+    let cow = snapshot(&daemon, "snap", &origin, 8 * MIB, "P 8");
+    qemu_io(&daemon.uri("base"), &["write -P 5 0 1M"]);
+    let cow_before = std::fs::read(&cow).unwrap();
+    let merge = format!(
+        "0 {} snapshot-merge {} {} P 8",
+        4 * MIB / 512,
+        origin.display(),
+        cow.display()
+    );
+    let refused = "unable to perform snapshot handover until source is suspended: device \
+                   'snap' serves COW device";
+    // Nothing changed: the tables, the data of both devices, the COW device.
+    let unchanged = |origin_device: Option<&str>| {
+        assert!(!status(&daemon, "snap").contains("Invalid"));
+        same_content(original.to_str().unwrap(), &daemon.uri("snap"));
+        if let Some(name) = origin_device {
+            assert!(daemon.udm(&["table", name]).contains("snapshot-origin"));
+            qemu_io(&daemon.uri(name), &["read -P 5 0 1M"]);
+        }
+        assert!(std::fs::read(&cow).unwrap() == cow_before, "the COW device changed");
+    };
+    daemon.udm(&["load", "base", "--table", &merge]);
+    let err = daemon.udm_err(&["resume", "base"]);
+    assert!(err.contains(refused), "{err}");
+    unchanged(Some("base"));
+    daemon.udm(&["remove", "base"]);
+    let err = daemon.udm_err(&["create", "merged", "--table", &merge]);
+    assert!(err.contains(refused), "{err}");
+    unchanged(None);
+    daemon.udm(&["suspend", "snap"]);
+    daemon.create("base", &merge);
+    assert_eq!(status(&daemon, "snap"), "Invalid");
+    daemon.udm(&["remove", "snap"]);
+    daemon.udm(&["wait", "base", "--progress"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("base"));
+}
+
 #[test]
 fn snapshots_come_back_after_a_restart_and_a_transient_one_comes_back_invalid() {
     let mut daemon = Daemon::start("snap-restart");
