@@ -3,8 +3,8 @@
 //! every table of the device that uses it (a reload keeps the same one, as the kernel's
 //! exception handover does), found through a [`Rendezvous`] keyed by the COW device.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use log::{error, warn};

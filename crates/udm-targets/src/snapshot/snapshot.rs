@@ -307,6 +307,12 @@ impl Target for Snapshot {
         vec![self.args.origin_ref.clone(), self.args.cow_ref.clone()]
     }
 
+    /// A table built before a merge into the origin began is refused when it would become
+    /// the snapshot's point in time during it.
+    fn preresume(&self) -> std::result::Result<(), TargetError> {
+        check_no_merge(&self.args).map_err(|e| TargetError::new(format!("snapshot: {e}")))
+    }
+
     /// No longer a source a merge may take the COW device over from while it is live.
     fn suspend(&self) {
         self.snap().set_source_live(self.table, &self.owner, false);

@@ -96,7 +96,10 @@ fn a_merge_is_refused_while_its_snapshot_device_is_live_and_nothing_changes() {
             assert!(daemon.udm(&["table", name]).contains("snapshot-origin"));
             qemu_io(&daemon.uri(name), &["read -P 5 0 1M"]);
         }
-        assert!(std::fs::read(&cow).unwrap() == cow_before, "the COW device changed");
+        assert!(
+            std::fs::read(&cow).unwrap() == cow_before,
+            "the COW device changed"
+        );
     };
     daemon.udm(&["load", "base", "--table", &merge]);
     let err = daemon.udm_err(&["resume", "base"]);
@@ -112,6 +115,57 @@ fn a_merge_is_refused_while_its_snapshot_device_is_live_and_nothing_changes() {
     daemon.udm(&["remove", "snap"]);
     daemon.udm(&["wait", "base", "--progress"]);
     same_content(original.to_str().unwrap(), &daemon.uri("base"));
+}
+
+/// A snapshot is refused while a merge rolls its origin back, but one loaded (built) before
+/// the merge began and resumed during it was accepted: its point in time was the origin file
+/// half rolled back, which no reader of the origin device ever saw (chunks merged already as
+/// the snapshot, the rest as before the merge), and origin writes to chunks merged before it
+/// went on unsaved. Its first resume is now refused until the merge is finalized.
+#[test]
+fn a_snapshot_loaded_before_a_merge_cannot_become_active_during_it() {
+    let daemon = Daemon::start("snap-merge-late");
+    let (origin, original) = origin_of(&daemon, 32 * MIB);
+    let cow = snapshot(&daemon, "snap", &origin, 40 * MIB, "P 8");
+    qemu_io(&daemon.uri("base"), &["write -P 5 0 32M"]);
+    let late_cow = daemon.sparse("late.cow", 40 * MIB);
+    daemon.create("late", &format!("0 {} zero", 32 * MIB / 512));
+    let late = format!(
+        "0 {} snapshot {} {} P 8",
+        32 * MIB / 512,
+        origin.display(),
+        late_cow.display()
+    );
+    daemon.udm(&["load", "late", "--table", &late]);
+    daemon.udm(&["suspend", "snap"]);
+    daemon.udm(&[
+        "load",
+        "base",
+        "--table",
+        &format!(
+            "0 {} snapshot-merge {} {} P 8",
+            32 * MIB / 512,
+            origin.display(),
+            cow.display()
+        ),
+    ]);
+    daemon.udm(&["resume", "base"]);
+    daemon.udm(&["message", "base", "0", "max_merge_rate", "256"]);
+    daemon.udm(&["remove", "snap"]);
+    assert!(exceptions(&daemon, "base") > 0, "still merging");
+    let err = daemon.udm_err(&["resume", "late"]);
+    assert!(
+        err.contains("origin '") && err.contains("is being merged into by device 'base'"),
+        "{err}"
+    );
+    assert!(daemon.udm(&["table", "late"]).contains(" zero"));
+    daemon.udm(&["message", "base", "0", "max_merge_rate", "0"]);
+    daemon.udm(&["wait", "base", "--progress"]);
+    daemon.udm(&["finalize", "base"]);
+    // Once the merge is done, it is a snapshot of the origin rolled back.
+    daemon.udm(&["resume", "late"]);
+    qemu_io(&daemon.uri("base"), &["write -P 6 0 32M"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("late"));
 }
 
 #[test]
