@@ -255,6 +255,12 @@ impl BlockDevice for Merge {
                             .map(|m| m.hold(held))
                     }
                     Some(new) => snap.cow.map(op, snap.cow_offset(new, at), n),
+                    // A write finds no exception here only when its chunk was merged since
+                    // it was counted; straight to the origin without the hub's gate or a
+                    // copy-out, which is safe: the batch that merged it landed its copy
+                    // first and saved the chunk into every snapshot taking copy-outs, and no
+                    // snapshot becomes active while a merge runs (refused when built and
+                    // when first resumed), the one thing the gate holds writes off for.
                     None => s.args.origin.map(op, at, n),
                 };
                 mapping.append(range.start as u64, lower.ok_or_else(none)?);
