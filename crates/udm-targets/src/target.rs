@@ -166,4 +166,8 @@ pub trait Target: BlockDevice {
     /// the first resume, never while they sit in an inactive table.
     fn suspend(&self) {}
     fn resume(&self) {}
+
+    /// The device whose table this is is now called `new` (`udm rename`): a target that
+    /// others find by its device's name follows.
+    fn renamed(&self, _new: &str) {}
 }

@@ -156,13 +156,23 @@ impl Snap {
         self.active.store(true, Ordering::Release);
     }
 
-    /// Whether `snapshot` table `table` of device `owner` serves I/O (resumed, not suspended
-    /// since).
-    pub fn set_source_live(&self, table: u64, owner: &str, live: bool) {
+    /// `snapshot` table `table` of device `owner` serves I/O: resumed.
+    pub fn source_resumed(&self, table: u64, owner: &str) {
         let mut sources = self.live_sources.lock();
         sources.retain(|(t, _)| *t != table);
-        if live {
-            sources.push((table, owner.to_string()));
+        sources.push((table, owner.to_string()));
+    }
+
+    /// `snapshot` table `table` no longer serves I/O: suspended, or gone.
+    pub fn source_suspended(&self, table: u64) {
+        self.live_sources.lock().retain(|(t, _)| *t != table);
+    }
+
+    /// The device of `snapshot` table `table` is now called `new`.
+    pub fn rename_source(&self, table: u64, new: &str) {
+        let mut sources = self.live_sources.lock();
+        for source in sources.iter_mut().filter(|(t, _)| *t == table) {
+            source.1 = new.to_string();
         }
     }
 

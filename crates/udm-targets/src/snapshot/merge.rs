@@ -58,9 +58,7 @@ pub struct Merge {
     inner: Arc<Inner>,
     /// The background merge, from the first resume on.
     worker: Mutex<Option<JoinHandle<()>>>,
-    /// The device whose table this is.
-    owner: String,
-    _role: RoleGuard,
+    role: RoleGuard,
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
@@ -104,8 +102,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     Ok(Arc::new(Merge {
         inner,
         worker: Mutex::new(None),
-        owner: ctx.owner.to_string(),
-        _role: role,
+        role,
     }))
 }
 
@@ -358,6 +355,10 @@ impl Target for Merge {
         self.inner.pause(true);
     }
 
+    fn renamed(&self, new: &str) {
+        self.role.rename(new);
+    }
+
     /// The kernel's refusal (snapshot_preresume): the COW device is taken over from the
     /// snapshot device only once it is suspended, its I/O drained, as the documented
     /// procedure does. The snapshot's table in this very device is suspended by the resume.
@@ -365,7 +366,7 @@ impl Target for Merge {
         let snap = self.inner.snap();
         let source = match snap.is_merging() {
             true => None,
-            false => snap.live_source(&self.owner),
+            false => snap.live_source(&self.role.owner()),
         };
         match source {
             Some(device) => Err(TargetError::new(format!(

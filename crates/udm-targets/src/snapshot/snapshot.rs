@@ -4,6 +4,7 @@
 //! saving it waits for the read). Writes go to the COW device: into the chunk's exception, or
 //! a new one, which copies the origin chunk first unless the write covers all of it.
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -30,8 +31,8 @@ pub struct Snapshot {
     len: u64,
     /// This table, among the tables on the COW device.
     table: u64,
-    /// The device whose table this is.
-    owner: String,
+    /// The device whose table this is, as it is called now.
+    owner: Mutex<String>,
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
@@ -49,7 +50,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         args: parsed,
         len: ctx.len,
         table: NEXT_TABLE.fetch_add(1, Ordering::Relaxed),
-        owner: ctx.owner.to_string(),
+        owner: Mutex::new(ctx.owner.to_string()),
     }))
 }
 
@@ -315,12 +316,17 @@ impl Target for Snapshot {
 
     /// No longer a source a merge may take the COW device over from while it is live.
     fn suspend(&self) {
-        self.snap().set_source_live(self.table, &self.owner, false);
+        self.snap().source_suspended(self.table);
+    }
+
+    fn renamed(&self, new: &str) {
+        *self.owner.lock() = new.to_string();
+        self.snap().rename_source(self.table, new);
     }
 
     /// The first resume of any table on this COW device is the snapshot's point in time.
     fn resume(&self) {
-        self.snap().set_source_live(self.table, &self.owner, true);
+        self.snap().source_resumed(self.table, &self.owner.lock());
         let handle = &self.args.handle;
         if !handle.snap.is_active() {
             handle
@@ -332,6 +338,6 @@ impl Target for Snapshot {
 
 impl Drop for Snapshot {
     fn drop(&mut self) {
-        self.snap().set_source_live(self.table, &self.owner, false);
+        self.snap().source_suspended(self.table);
     }
 }

@@ -168,6 +168,45 @@ fn a_snapshot_loaded_before_a_merge_cannot_become_active_during_it() {
     same_content(original.to_str().unwrap(), &daemon.uri("late"));
 }
 
+/// `udm rename` (LVM renames the devices of a volume) of the devices a merge involves: the
+/// origin's roles and the snapshot devices were known by the name the device had when its
+/// table was built. Renamed, the merging device was refused its own merge table again
+/// ("already being merged by device 'base'", a device that no longer existed), and a new
+/// device under the old name was let serve the origin with snapshot-origin beside the merge:
+/// its writes went straight to chunks the merge had yet to copy back, and were overwritten.
+#[test]
+fn renamed_devices_keep_their_places_in_a_merge() {
+    let daemon = Daemon::start("snap-merge-rename");
+    let (origin, original) = origin_of(&daemon, 32 * MIB);
+    let cow = snapshot(&daemon, "snap", &origin, 40 * MIB, "P 8");
+    qemu_io(&daemon.uri("base"), &["write -P 5 0 32M"]);
+    let merge = format!(
+        "0 {} snapshot-merge {} {} P 8",
+        32 * MIB / 512,
+        origin.display(),
+        cow.display()
+    );
+    daemon.udm(&["rename", "snap", "snap-renamed"]);
+    daemon.udm(&["load", "base", "--table", &merge]);
+    let err = daemon.udm_err(&["resume", "base"]);
+    assert!(err.contains("device 'snap-renamed' serves"), "{err}");
+    daemon.udm(&["suspend", "snap-renamed"]);
+    daemon.udm(&["resume", "base"]);
+    daemon.udm(&["message", "base", "0", "max_merge_rate", "256"]);
+    daemon.udm(&["rename", "base", "merging"]);
+    let err = daemon.udm_err(&[
+        "create",
+        "base",
+        "--table",
+        &format!("0 {} snapshot-origin {}", 32 * MIB / 512, origin.display()),
+    ]);
+    assert!(err.contains("being merged by device 'merging'"), "{err}");
+    daemon.reload("merging", &merge);
+    daemon.udm(&["message", "merging", "0", "max_merge_rate", "0"]);
+    daemon.udm(&["wait", "merging", "--progress"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("merging"));
+}
+
 #[test]
 fn snapshots_come_back_after_a_restart_and_a_transient_one_comes_back_invalid() {
     let mut daemon = Daemon::start("snap-restart");
