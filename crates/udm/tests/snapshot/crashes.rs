@@ -18,12 +18,8 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     // the origin device's place (it takes the COW device over), resume, then drop the
     // snapshot device, whose I/O fails from the merge's resume on.
     daemon.udm(&["suspend", "snap"]);
-    let merge_table = format!(
-        "0 131072 snapshot-merge {} {} P 8",
-        origin.display(),
-        cow.display()
-    );
-    daemon.udm(&["load", "base", "--table", &merge_table]);
+    let merge = merge_table(&origin, &cow);
+    daemon.udm(&["load", "base", "--table", &merge]);
     daemon.udm(&["resume", "base"]);
     assert_eq!(status(&daemon, "snap"), "Invalid");
     daemon.udm(&["resume", "snap"]);
@@ -31,7 +27,7 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     assert!(!read && said.contains("Input/output error"), "{said}");
     daemon.udm(&["remove", "snap"]);
     daemon.udm(&["message", "base", "0", "max_merge_rate", "4096"]);
-    assert_eq!(daemon.udm(&["table", "base"]), merge_table);
+    assert_eq!(daemon.udm(&["table", "base"]), merge);
     // At once the device reads as the snapshot did, while the merge copies in the
     // background and fio writes and verifies its own region.
     same_content(view.to_str().unwrap(), &daemon.uri("base"));
@@ -76,16 +72,9 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
 #[test]
 fn a_merge_is_refused_while_its_snapshot_device_is_live_and_nothing_changes() {
     let daemon = Daemon::start("snap-merge-live");
-    let (origin, original) = origin_of(&daemon, 4 * MIB);
-    let cow = snapshot(&daemon, "snap", &origin, 8 * MIB, "P 8");
-    qemu_io(&daemon.uri("base"), &["write -P 5 0 1M"]);
+    let (origin, original, cow) = changed_since_snapshot(&daemon, 4 * MIB, MIB);
     let cow_before = std::fs::read(&cow).unwrap();
-    let merge = format!(
-        "0 {} snapshot-merge {} {} P 8",
-        4 * MIB / 512,
-        origin.display(),
-        cow.display()
-    );
+    let merge = merge_table(&origin, &cow);
     let refused = "unable to perform snapshot handover until source is suspended: device \
                    'snap' serves COW device";
     // Nothing changed: the tables, the data of both devices, the COW device.
@@ -120,14 +109,12 @@ fn a_merge_is_refused_while_its_snapshot_device_is_live_and_nothing_changes() {
 /// A snapshot is refused while a merge rolls its origin back, but one loaded (built) before
 /// the merge began and resumed during it was accepted: its point in time was the origin file
 /// half rolled back, which no reader of the origin device ever saw (chunks merged already as
-/// the snapshot, the rest as before the merge), and origin writes to chunks merged before it
-/// went on unsaved. Its first resume is now refused until the merge is finalized.
+/// the snapshot, the rest as before the merge). Its first resume is now refused until the
+/// merge is finalized.
 #[test]
 fn a_snapshot_loaded_before_a_merge_cannot_become_active_during_it() {
     let daemon = Daemon::start("snap-merge-late");
-    let (origin, original) = origin_of(&daemon, 32 * MIB);
-    let cow = snapshot(&daemon, "snap", &origin, 40 * MIB, "P 8");
-    qemu_io(&daemon.uri("base"), &["write -P 5 0 32M"]);
+    let (origin, original, cow) = changed_since_snapshot(&daemon, 32 * MIB, 32 * MIB);
     let late_cow = daemon.sparse("late.cow", 40 * MIB);
     daemon.create("late", &format!("0 {} zero", 32 * MIB / 512));
     let late = format!(
@@ -138,17 +125,7 @@ fn a_snapshot_loaded_before_a_merge_cannot_become_active_during_it() {
     );
     daemon.udm(&["load", "late", "--table", &late]);
     daemon.udm(&["suspend", "snap"]);
-    daemon.udm(&[
-        "load",
-        "base",
-        "--table",
-        &format!(
-            "0 {} snapshot-merge {} {} P 8",
-            32 * MIB / 512,
-            origin.display(),
-            cow.display()
-        ),
-    ]);
+    daemon.udm(&["load", "base", "--table", &merge_table(&origin, &cow)]);
     daemon.udm(&["resume", "base"]);
     daemon.udm(&["message", "base", "0", "max_merge_rate", "256"]);
     daemon.udm(&["remove", "snap"]);
@@ -177,15 +154,8 @@ fn a_snapshot_loaded_before_a_merge_cannot_become_active_during_it() {
 #[test]
 fn renamed_devices_keep_their_places_in_a_merge() {
     let daemon = Daemon::start("snap-merge-rename");
-    let (origin, original) = origin_of(&daemon, 32 * MIB);
-    let cow = snapshot(&daemon, "snap", &origin, 40 * MIB, "P 8");
-    qemu_io(&daemon.uri("base"), &["write -P 5 0 32M"]);
-    let merge = format!(
-        "0 {} snapshot-merge {} {} P 8",
-        32 * MIB / 512,
-        origin.display(),
-        cow.display()
-    );
+    let (origin, original, cow) = changed_since_snapshot(&daemon, 32 * MIB, 32 * MIB);
+    let merge = merge_table(&origin, &cow);
     daemon.udm(&["rename", "snap", "snap-renamed"]);
     daemon.udm(&["load", "base", "--table", &merge]);
     let err = daemon.udm_err(&["resume", "base"]);
@@ -249,12 +219,7 @@ fn sibling_snapshots_of_a_merge_come_back_after_a_restart_and_stay_exact() {
         })
         .collect();
     daemon.udm(&["suspend", "rollback"]);
-    let merge = format!(
-        "0 {} snapshot-merge {} {} P 8",
-        4 * MIB / 512,
-        origin.display(),
-        cow.display()
-    );
+    let merge = merge_table(&origin, &cow);
     daemon.udm(&["load", "base", "--table", &merge]);
     // Killed with the merge loaded, then with it running.
     for round in 0..2 {
