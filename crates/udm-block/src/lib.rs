@@ -29,7 +29,9 @@ pub use device::{
 pub use error::{BlockError, Result};
 pub use export::{Export, ExportCatalog, MetaContext};
 pub use file::{FileDevice, OpenMode};
-pub use map::{Completed, MapOp, MappedFile, Mapping, OnComplete, Piece, Place};
+pub use map::{
+    Callbacks, Completed, Holds, MapOp, MappedFile, Mapping, OnComplete, Piece, Pieces, Place,
+};
 pub use memory::MemoryDevice;
 pub use pending::{Done, Pending, Ready, Transfer, TransferBuf};
 pub use pool::{Job, WorkerPool};

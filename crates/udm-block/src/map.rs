@@ -11,6 +11,7 @@
 //! Mapping is an optimisation, never a change of meaning: whatever a mapping does must be
 //! what the synchronous call would have done.
 
+use smallvec::SmallVec;
 use std::any::Any;
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
@@ -148,17 +149,30 @@ pub enum Completed<'a> {
 /// multipath's path failure).
 pub type OnComplete = Box<dyn FnOnce(Completed<'_>) + Send>;
 
+/// A mapping's pieces: inline for two, as most requests land in one place (a stripe
+/// boundary or a thin block boundary makes two); more spill to the heap.
+pub type Pieces = SmallVec<[Piece; 2]>;
+/// A mapping's holds.
+pub type Holds = SmallVec<[Box<dyn Any + Send>; 4]>;
+/// A mapping's completion callbacks.
+pub type Callbacks = SmallVec<[OnComplete; 4]>;
+
 /// Where a whole request lives, and what must be held until every piece has completed.
+///
+/// Every mapped request builds one, and stacked devices add to it: its lists keep their
+/// first few entries inline (a device's gate hold and statistics callback, a multipath's
+/// path load and path-failure callback), so mapping a request allocates only what the
+/// entries themselves box.
 #[derive(Default)]
 pub struct Mapping {
-    pub pieces: Vec<Piece>,
+    pub pieces: Pieces,
     /// Dropped when the request completes: a device's place in its suspend gate, so that
     /// suspend waits for mapped I/O as it waits for synchronous I/O.
-    pub holds: Vec<Box<dyn Any + Send>>,
+    pub holds: Holds,
     /// Called by whoever executes the mapping once the request has completed, before the
     /// holds are released. A mapping dropped unused (a probe, a request that went the
     /// synchronous way after all) calls none of them.
-    pub on_complete: Vec<OnComplete>,
+    pub on_complete: Callbacks,
     /// Steps the pieces wait for (a timer, a copy into a snapshot), started by the executor
     /// through [`Mapping::when_ready`]; see [`crate::pending`].
     pub waits: Vec<Pending>,
@@ -184,7 +198,7 @@ impl Mapping {
     /// A mapping of `len` bytes to one place.
     pub fn single(len: u64, place: Place) -> Self {
         Mapping {
-            pieces: vec![Piece { at: 0, len, place }],
+            pieces: smallvec::smallvec![Piece { at: 0, len, place }],
             ..Mapping::default()
         }
     }

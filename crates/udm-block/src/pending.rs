@@ -149,6 +149,9 @@ impl Transfer {
 }
 
 /// What an executor gets back from [`Mapping::when_ready_with`].
+// A mapping keeps its first entries inline (see [`Mapping`]); it moves here once per
+// request, and boxing it would cost the allocation those inline entries save.
+#[allow(clippy::large_enum_variant)]
 pub enum Ready {
     /// Every step and transfer is done: submit the pieces (there may be none).
     Go(Mapping),

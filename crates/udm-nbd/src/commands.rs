@@ -7,6 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use log::warn;
+use smallvec::SmallVec;
 use udm_block::{
     merge_extents, BlockDevice, BlockError, Checked, Extent, MapOp, WriteFlags, ZeroFlags,
 };
@@ -36,9 +37,13 @@ pub(crate) enum Outcome {
     Extents(Vec<(u32, Vec<Extent>)>),
 }
 
+/// A reply's header and any small payload. Inline up to 32 bytes, which holds a simple reply
+/// and a structured read's data or hole chunk header: most replies allocate nothing.
+type Head = SmallVec<[u8; 32]>;
+
 /// A reply ready to send: its header (and any small payload), then the read data.
 pub(crate) struct Reply {
-    head: Vec<u8>,
+    head: Head,
     data: Option<Payload>,
 }
 
@@ -48,12 +53,10 @@ impl Reply {
         self.head.len() + self.data.as_ref().map_or(0, |d| d.len())
     }
 
-    pub fn slices(&self) -> Vec<IoSlice<'_>> {
-        let mut slices = vec![IoSlice::new(&self.head)];
-        if let Some(data) = &self.data {
-            slices.push(IoSlice::new(data));
-        }
-        slices
+    /// The header, then the read data if any.
+    pub fn slices(&self) -> impl Iterator<Item = IoSlice<'_>> {
+        let data = self.data.as_deref().map(IoSlice::new);
+        std::iter::once(IoSlice::new(&self.head)).chain(data)
     }
 }
 
@@ -218,7 +221,7 @@ impl Session {
             Ok(Outcome::Read) => self.reply_read(r, payload.expect("a read has its buffer")),
             Ok(Outcome::Extents(extents)) => self.reply_block_status(r, &extents),
             Ok(Outcome::Done) => Reply {
-                head: simple_reply(r.cookie, 0).to_vec(),
+                head: Head::from_slice(&simple_reply(r.cookie, 0)),
                 data: None,
             },
             Err(e) => {
@@ -235,11 +238,11 @@ impl Session {
     fn reply_read(&self, r: &Request, data: Payload) -> Reply {
         if !self.structured {
             return Reply {
-                head: simple_reply(r.cookie, 0).to_vec(),
+                head: Head::from_slice(&simple_reply(r.cookie, 0)),
                 data: Some(data),
             };
         }
-        let mut head = Vec::with_capacity(CHUNK_HEADER_LEN + 12);
+        let mut head = Head::new();
         if is_zero(&data) {
             // A hole chunk tells the client the range is zero without sending the zeroes.
             head.extend_from_slice(&chunk_header(
@@ -268,7 +271,7 @@ impl Session {
 
     /// One chunk per meta context, the last one marked done.
     fn reply_block_status(&self, r: &Request, contexts: &[(u32, Vec<Extent>)]) -> Reply {
-        let mut head = Vec::new();
+        let mut head = Head::new();
         for (i, (id, extents)) in contexts.iter().enumerate() {
             let mut payload = id.to_be_bytes().to_vec();
             for e in extents {
@@ -295,7 +298,7 @@ impl Session {
         let error = nbd_error(e.errno());
         if !(self.structured && matches!(r.command, CMD_READ | CMD_BLOCK_STATUS)) {
             return Reply {
-                head: simple_reply(r.cookie, error).to_vec(),
+                head: Head::from_slice(&simple_reply(r.cookie, error)),
                 data: None,
             };
         }
@@ -312,8 +315,12 @@ impl Session {
         let mut payload = error.to_be_bytes().to_vec();
         payload.extend_from_slice(&(message.len() as u16).to_be_bytes());
         payload.extend_from_slice(message);
-        let mut head =
-            chunk_header(CHUNK_FLAG_DONE, CHUNK_ERROR, r.cookie, payload.len() as u32).to_vec();
+        let mut head = Head::from_slice(&chunk_header(
+            CHUNK_FLAG_DONE,
+            CHUNK_ERROR,
+            r.cookie,
+            payload.len() as u32,
+        ));
         head.extend_from_slice(&payload);
         Reply { head, data: None }
     }

@@ -253,7 +253,7 @@ impl<'c> Connection<'c> {
             self.session.execute(&r, payload.as_deref_mut())
         });
         let reply = self.session.reply(&r, result, payload);
-        self.send(reply.slices())
+        self.send(reply.slices().collect())
     }
 
     /// Receives a write's data, ending the connection if its client stalls (see [`stall`]).

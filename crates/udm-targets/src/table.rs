@@ -215,6 +215,16 @@ impl Table {
             .for_each(|s| s.target.presuspend(noflush));
     }
 
+    /// [`Target::renamed`] of every target.
+    pub fn renamed(&self, new: &str) {
+        self.segments.iter().for_each(|s| s.target.renamed(new));
+    }
+
+    /// [`Target::preresume`] of every target: the first refusal.
+    pub fn preresume(&self) -> Result<(), TargetError> {
+        self.segments.iter().try_for_each(|s| s.target.preresume())
+    }
+
     pub fn suspend(&self) {
         self.segments.iter().for_each(|s| s.target.suspend());
     }

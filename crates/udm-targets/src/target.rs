@@ -154,9 +154,20 @@ pub trait Target: BlockDevice {
     /// false). `resume` undoes it.
     fn presuspend(&self, _noflush: bool) {}
 
+    /// Asked before a table loaded by the user goes live (dm's preresume): an error refuses
+    /// the resume, and nothing changes. Not asked when a restart brings a device back: it
+    /// was accepted before.
+    fn preresume(&self) -> Result<(), TargetError> {
+        Ok(())
+    }
+
     /// Called when the device is suspended (I/O already drained) and when the table is
     /// resumed, which includes first becoming live. Targets with background work start it at
     /// the first resume, never while they sit in an inactive table.
     fn suspend(&self) {}
     fn resume(&self) {}
+
+    /// The device whose table this is is now called `new` (`udm rename`): a target that
+    /// others find by its device's name follows.
+    fn renamed(&self, _new: &str) {}
 }

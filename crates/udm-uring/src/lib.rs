@@ -21,13 +21,13 @@
 //!   the one before is unsupported; with FUA, either is followed by an fdatasync of the file;
 //! - zero pieces are filled (reads) or dropped (writes) without a submission.
 
-use std::any::Any;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
+use smallvec::SmallVec;
 use udm_block::{
-    zero_chunk, BlockError, Completed, MapOp, MappedFile, Mapping, OnComplete, Piece, Place,
+    zero_chunk, BlockError, Callbacks, Completed, Holds, MapOp, MappedFile, Mapping, Pieces, Place,
 };
 
 mod limit;
@@ -141,17 +141,20 @@ fn is_unsupported(errno: i32) -> bool {
 struct Request {
     op: MapOp,
     buf: *mut u8,
-    pieces: Vec<FilePiece>,
+    pieces: FilePieces,
     remaining: usize,
     error: Option<BlockError>,
     owner: u64,
     /// Told the outcome when the request completes (the device's I/O statistics).
-    on_complete: Vec<OnComplete>,
+    on_complete: Callbacks,
     /// A failure goes back to the owner as [`Outcome::Retry`].
     retry_on_error: bool,
     /// Released (the suspend gate, a clone's user I/O count) when the request completes.
-    holds: Vec<Box<dyn Any + Send>>,
+    holds: Holds,
 }
+
+/// A request's pieces on files, inline for two as the mapping's are.
+type FilePieces = SmallVec<[FilePiece; 2]>;
 
 /// The requests one ring has in flight.
 #[derive(Default)]
@@ -321,8 +324,8 @@ enum Step {
 ///
 /// # Safety
 /// `buf` must be valid for writes over every zero piece of a read.
-unsafe fn file_pieces(op: MapOp, mapping_pieces: Vec<Piece>, buf: *mut u8) -> Vec<FilePiece> {
-    let mut pieces = Vec::with_capacity(mapping_pieces.len());
+unsafe fn file_pieces(op: MapOp, mapping_pieces: Pieces, buf: *mut u8) -> FilePieces {
+    let mut pieces = FilePieces::with_capacity(mapping_pieces.len());
     for piece in mapping_pieces {
         match piece.place {
             Place::Zero => {

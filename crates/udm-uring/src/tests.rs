@@ -6,6 +6,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
 use io_uring::IoUring;
+use smallvec::smallvec;
 use udm_block::{AlignedBuf, Piece};
 
 use super::*;
@@ -125,7 +126,7 @@ fn pieces_on_two_files_and_a_zero_run_read_and_write_as_one_request() {
     let (a, b) = (TempFile::new("a", 1 << 20), TempFile::new("b", 1 << 20));
     let (fa, fb) = (a.mapped(), b.mapped());
     let mapping = || Mapping {
-        pieces: vec![
+        pieces: smallvec![
             on(&fa, 0, 4096, 8192),
             Piece {
                 at: 4096,
@@ -180,7 +181,7 @@ fn a_write_o_direct_refuses_goes_through_the_buffered_descriptor() {
     let mut data = AlignedBuf::zeroed(4096);
     data.fill(0x5a);
     let mapping = Mapping {
-        pieces: vec![on(&mapped, 0, 4096, 4096)],
+        pieces: smallvec![on(&mapped, 0, 4096, 4096)],
         ..Mapping::default()
     };
     run(MapOp::Write { fua: false }, mapping, &mut data).unwrap();
@@ -201,7 +202,7 @@ fn a_read_past_the_end_of_a_shrunk_file_fails_naming_the_file() {
     let mapped = file.mapped();
     let mut buf = AlignedBuf::zeroed(8192);
     let mapping = Mapping {
-        pieces: vec![on(&mapped, 0, 8192, 0)],
+        pieces: smallvec![on(&mapped, 0, 8192, 0)],
         ..Mapping::default()
     };
     let err = run(MapOp::Read, mapping, &mut buf).unwrap_err();
@@ -212,7 +213,7 @@ fn a_read_past_the_end_of_a_shrunk_file_fails_naming_the_file() {
 
     // Inside what is left, reads go on working.
     let mapping = Mapping {
-        pieces: vec![on(&mapped, 0, 4096, 0)],
+        pieces: smallvec![on(&mapped, 0, 4096, 0)],
         ..Mapping::default()
     };
     run(MapOp::Read, mapping, &mut buf[..4096]).unwrap();
@@ -226,7 +227,7 @@ fn a_failed_piece_fails_the_request_with_the_file_named() {
     let mapped = Arc::new(MappedFile::new(file.path.clone(), None, read_only));
     let mut data = AlignedBuf::zeroed(4096);
     let mapping = Mapping {
-        pieces: vec![on(&mapped, 0, 4096, 0)],
+        pieces: smallvec![on(&mapped, 0, 4096, 0)],
         ..Mapping::default()
     };
     let err = run(MapOp::Write { fua: false }, mapping, &mut data).unwrap_err();
@@ -244,8 +245,8 @@ fn a_flush_syncs_each_file_once_and_releases_its_holds_at_completion() {
     let held = Arc::new(());
     let flush = |file: &Arc<MappedFile>| on(file, 0, 0, 0);
     let mapping = Mapping {
-        pieces: vec![flush(&fa), flush(&fb), flush(&fa)],
-        holds: vec![Box::new(held.clone())],
+        pieces: smallvec![flush(&fa), flush(&fb), flush(&fa)],
+        holds: smallvec![Box::new(held.clone()) as Box<dyn std::any::Any + Send>],
         ..Mapping::default()
     };
     let mut ring = IoUring::new(8).unwrap();
@@ -309,7 +310,7 @@ fn the_completion_callbacks_hear_how_the_request_went() {
     let good = Mapping::single(4096, Place::Zero).when_complete(record());
     run(MapOp::Read, good, &mut AlignedBuf::zeroed(4096)).unwrap();
     let mapping = Mapping {
-        pieces: vec![on(&a.mapped(), 0, 4096, 0)],
+        pieces: smallvec![on(&a.mapped(), 0, 4096, 0)],
         ..Mapping::default()
     };
     run(
@@ -322,7 +323,7 @@ fn the_completion_callbacks_hear_how_the_request_went() {
     let write_only = OpenOptions::new().write(true).open(&a.path).unwrap();
     let file = Arc::new(MappedFile::new(a.path.clone(), None, write_only));
     let bad = || Mapping {
-        pieces: vec![on(&file, 0, 4096, 0)],
+        pieces: smallvec![on(&file, 0, 4096, 0)],
         ..Mapping::default()
     };
     run(
@@ -353,7 +354,7 @@ fn discard_punches_a_hole_and_write_zeroes_zeroes_each_way_it_is_asked() {
     file.filled(64 << 10);
     let f = file.mapped();
     let one = |offset| Mapping {
-        pieces: vec![on(&f, 0, 4096, offset)],
+        pieces: smallvec![on(&f, 0, 4096, offset)],
         ..Mapping::default()
     };
     run(MapOp::Discard { fua: false }, one(8192), &mut []).unwrap();
@@ -394,7 +395,7 @@ fn write_zeroes_where_the_file_cannot_zero_a_range_writes_zeroes_unless_only_fas
     let f = file.mapped();
     // Longer than the shared zero buffer: written in several pieces.
     let range = || Mapping {
-        pieces: vec![on(&f, 0, (2 << 20) + 4096, 4096)],
+        pieces: smallvec![on(&f, 0, (2 << 20) + 4096, 4096)],
         ..Mapping::default()
     };
     let fast = MapOp::WriteZeroes {

@@ -47,6 +47,9 @@ pub(crate) fn run(session: Arc<Session>, jobs: Jobs) {
 }
 
 /// What comes back to a queue from other threads.
+// `Ready` carries a mapping, whose first entries are inline (see `udm_block::Mapping`):
+// boxing it would cost the allocation they save.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Posted {
     /// The pool served the request in this slot; its reply is in the slot.
     Served(u16),

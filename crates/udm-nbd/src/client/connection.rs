@@ -3,6 +3,7 @@
 //! down, and what a slot holds once its reply is in.
 
 use parking_lot::{Condvar, Mutex};
+use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,6 +37,10 @@ pub(super) enum Outcome {
     Expired,
 }
 
+/// The parts of a read's buffer that chunks have filled. Inline for two: a read's reply is
+/// most often one chunk, and a vector would cost an allocation per read.
+pub(super) type Covered = SmallVec<[(usize, usize); 2]>;
+
 #[derive(Default)]
 pub(super) struct SlotState {
     /// The cookie of the attempt in flight; 0 when none (not sent yet, or abandoned after a
@@ -47,7 +52,7 @@ pub(super) struct SlotState {
     pub(super) received: u64,
     /// The parts of the read's buffer chunks have filled, sorted and joined: overlapping
     /// chunks could add up to `received` with some of the buffer never written.
-    pub(super) covered: Vec<(usize, usize)>,
+    pub(super) covered: Covered,
     pub(super) extents: Vec<Extent>,
     pub(super) error: Option<BlockError>,
     pub(super) outcome: Option<Outcome>,

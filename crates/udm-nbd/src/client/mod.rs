@@ -5,8 +5,10 @@
 //! a fresh cookie and sleep on a slot of their own; one thread for the whole process (the
 //! reply reader, `poller`) waits on every client's socket at once, reads the replies, copies
 //! read data into the caller's buffer, and wakes the slot: a burst of replies over several
-//! connections (a multipath's paths) wakes one thread once. Each client's own thread only
-//! redials: it sleeps while connected and, when the connection breaks, redials with backoff.
+//! connections (a multipath's paths) wakes one thread once. Each client's own thread
+//! redials: while connected it only wakes to flush writes left owing on a quiet connection
+//! (which a server's idle timeout would otherwise turn into a failed flush), and when the
+//! connection breaks it redials with backoff.
 //! Requests in flight then are not failed: their callers resend them once the connection is
 //! back (reads, writes, flushes and the rest are all idempotent), and only a request older
 //! than `io_timeout` fails, so nothing waits forever on a server that stays away. With

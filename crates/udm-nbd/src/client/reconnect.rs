@@ -113,9 +113,9 @@ impl Shared {
     }
 
     /// The client's thread: hands each connection to the reply reader (see `poller`) and
-    /// sleeps until it breaks, then reconnects, until the client is dropped or the device
-    /// fails. A client made disconnected starts by dialling. While connected it never wakes:
-    /// replies are none of its business.
+    /// waits until it breaks (see `wait_lost`), then reconnects, until the client is dropped
+    /// or the device fails. A client made disconnected starts by dialling. Replies are none
+    /// of its business.
     pub(super) fn run(self: Arc<Self>, mut current: Option<(Arc<Conn>, Stream)>) {
         let mut delay = FIRST_BACKOFF;
         loop {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use thiserror::Error;
 use udm_block::{BlockError, Extent, EXTENT_HOLE, EXTENT_ZERO};
 
-use super::connection::{settle, Conn, Dest, Outcome, Slot};
+use super::connection::{settle, Conn, Covered, Dest, Outcome, Slot};
 use super::reconnect::take_writes_lost;
 use crate::protocol::*;
 
@@ -242,7 +242,7 @@ fn payload(r: &mut impl Read, len: u32) -> Result<Vec<u8>, ReplyError> {
 
 /// Records that chunk `at..at + len` of a read's buffer is filled; false if some of it
 /// already was. The server must not send overlapping chunks.
-fn cover(covered: &mut Vec<(usize, usize)>, at: usize, len: usize) -> bool {
+fn cover(covered: &mut Covered, at: usize, len: usize) -> bool {
     let end = at + len;
     // The first filled part that ends after `at`: the chunk must end before it starts.
     let i = covered.partition_point(|&(_, e)| e <= at);
@@ -516,17 +516,17 @@ mod tests {
 
     #[test]
     fn overlapping_chunks_are_refused_in_any_order() {
-        let mut covered = Vec::new();
+        let mut covered = Covered::new();
         assert!(cover(&mut covered, 1024, 512));
         assert!(cover(&mut covered, 0, 512));
         assert!(!cover(&mut covered, 1000, 100));
         assert!(!cover(&mut covered, 256, 512));
         assert!(cover(&mut covered, 512, 512));
-        assert_eq!(covered, vec![(0, 1536)]);
+        assert_eq!(covered[..], [(0, 1536)]);
         assert!(!cover(&mut covered, 1535, 1));
         assert!(cover(&mut covered, 2048, 512));
         assert!(cover(&mut covered, 1536, 512));
-        assert_eq!(covered, vec![(0, 2560)]);
+        assert_eq!(covered[..], [(0, 2560)]);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! every table of the device that uses it (a reload keeps the same one, as the kernel's
 //! exception handover does), found through a [`Rendezvous`] keyed by the COW device.
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -50,6 +51,9 @@ pub struct Snap {
     overflow: AtomicBool,
     merging: AtomicBool,
     active: AtomicBool,
+    /// The `snapshot` tables on this COW device that are live and not suspended, by id, with
+    /// their device: a merge takes the device over only once they are suspended.
+    live_sources: Mutex<Vec<(u64, String)>>,
     raise_event: EventSink,
 }
 
@@ -102,6 +106,7 @@ impl SnapHandle {
                     overflow: AtomicBool::new(false),
                     merging: AtomicBool::new(false),
                     active: AtomicBool::new(false),
+                    live_sources: Mutex::default(),
                     raise_event: using.raise_event.clone(),
                 }),
                 hub: using.hub.clone(),
@@ -151,11 +156,41 @@ impl Snap {
         self.active.store(true, Ordering::Release);
     }
 
+    /// `snapshot` table `table` of device `owner` serves I/O: resumed.
+    pub fn source_resumed(&self, table: u64, owner: &str) {
+        let mut sources = self.live_sources.lock();
+        sources.retain(|(t, _)| *t != table);
+        sources.push((table, owner.to_string()));
+    }
+
+    /// `snapshot` table `table` no longer serves I/O: suspended, or gone.
+    pub fn source_suspended(&self, table: u64) {
+        self.live_sources.lock().retain(|(t, _)| *t != table);
+    }
+
+    /// The device of `snapshot` table `table` is now called `new`.
+    pub fn rename_source(&self, table: u64, new: &str) {
+        let mut sources = self.live_sources.lock();
+        for source in sources.iter_mut().filter(|(t, _)| *t == table) {
+            source.1 = new.to_string();
+        }
+    }
+
+    /// A device other than `except` whose `snapshot` table on this COW device serves I/O.
+    pub fn live_source(&self, except: &str) -> Option<String> {
+        let sources = self.live_sources.lock();
+        sources
+            .iter()
+            .find(|(_, owner)| owner != except)
+            .map(|(_, owner)| owner.clone())
+    }
+
     /// Gives the COW device to a merge once the snapshot device's writes under way have
-    /// landed; later ones find it merging and fail. The snapshot device may still be live
-    /// (the kernel asks for its suspend first, udm does not): a write landing in a COW chunk
-    /// the merge had copied back already would complete, and be in neither the origin nor
-    /// any exception.
+    /// landed; later ones find it merging and fail. The merge's preresume has found the
+    /// snapshot device suspended, but a restart resumes the devices it restores before it
+    /// suspends them, and a resume of the snapshot device may come between that check and
+    /// this: a write landing in a COW chunk the merge had copied back already would
+    /// complete, and be in neither the origin nor any exception.
     pub fn set_merging(&self) {
         let _frozen = self.writes.freeze();
         self.merging.store(true, Ordering::Release);

@@ -47,6 +47,23 @@ pub struct RoleGuard {
     id: u64,
 }
 
+impl RoleGuard {
+    /// The device holding the role, as it is called now.
+    pub fn owner(&self) -> String {
+        let roles = self.hub.roles.lock();
+        let role = roles.iter().find(|r| r.id == self.id);
+        role.map(|r| r.owner.clone()).unwrap_or_default()
+    }
+
+    /// The device holding the role is now called `new`.
+    pub fn rename(&self, new: &str) {
+        let mut roles = self.hub.roles.lock();
+        for role in roles.iter_mut().filter(|r| r.id == self.id) {
+            role.owner = new.to_string();
+        }
+    }
+}
+
 impl Drop for RoleGuard {
     fn drop(&mut self) {
         self.hub.roles.lock().retain(|r| r.id != self.id);

@@ -58,7 +58,7 @@ pub struct Merge {
     inner: Arc<Inner>,
     /// The background merge, from the first resume on.
     worker: Mutex<Option<JoinHandle<()>>>,
-    _role: RoleGuard,
+    role: RoleGuard,
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
@@ -102,7 +102,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
     Ok(Arc::new(Merge {
         inner,
         worker: Mutex::new(None),
-        _role: role,
+        role,
     }))
 }
 
@@ -252,6 +252,12 @@ impl BlockDevice for Merge {
                             .map(|m| m.hold(held))
                     }
                     Some(new) => snap.cow.map(op, snap.cow_offset(new, at), n),
+                    // A write finds no exception here only when its chunk was merged since
+                    // it was counted; straight to the origin without the hub's gate or a
+                    // copy-out, which is safe: the batch that merged it landed its copy
+                    // first and saved the chunk into every snapshot taking copy-outs, and no
+                    // snapshot becomes active while a merge runs (refused when built and
+                    // when first resumed), the one thing the gate holds writes off for.
                     None => s.args.origin.map(op, at, n),
                 };
                 mapping.append(range.start as u64, lower.ok_or_else(none)?);
@@ -347,6 +353,30 @@ impl Target for Merge {
 
     fn suspend(&self) {
         self.inner.pause(true);
+    }
+
+    fn renamed(&self, new: &str) {
+        self.role.rename(new);
+    }
+
+    /// The kernel's refusal (snapshot_preresume): the COW device is taken over from the
+    /// snapshot device only once it is suspended, its I/O drained, as the documented
+    /// procedure does. The snapshot's table in this very device is suspended by the resume.
+    fn preresume(&self) -> Result<(), TargetError> {
+        let snap = self.inner.snap();
+        let source = match snap.is_merging() {
+            true => None,
+            false => snap.live_source(&self.role.owner()),
+        };
+        match source {
+            Some(device) => Err(TargetError::new(format!(
+                "snapshot-merge: unable to perform snapshot handover until source is \
+                 suspended: device '{device}' serves COW device '{}' (udm suspend {device} \
+                 first)",
+                self.inner.args.cow_ref
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The first resume hands the snapshot over to the merge: origin writes stop saving

@@ -21,7 +21,7 @@ pub struct Origin {
     origin: Arc<dyn BlockDevice>,
     origin_ref: String,
     len: u64,
-    _role: RoleGuard,
+    role: RoleGuard,
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
@@ -35,7 +35,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         origin,
         origin_ref,
         len: ctx.len,
-        _role: role,
+        role,
     }))
 }
 
@@ -104,5 +104,9 @@ impl Target for Origin {
 
     fn references(&self) -> Vec<String> {
         vec![self.origin_ref.clone()]
+    }
+
+    fn renamed(&self, new: &str) {
+        self.role.rename(new);
     }
 }

@@ -4,6 +4,8 @@
 //! saving it waits for the read). Writes go to the COW device: into the chunk's exception, or
 //! a new one, which copies the origin chunk first unless the write covers all of it.
 
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_block::{
@@ -21,9 +23,16 @@ thread_local! {
     static CHUNK: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AlignedBuf::new());
 }
 
+/// Numbers tables, so that the COW device knows which of its tables serve I/O.
+static NEXT_TABLE: AtomicU64 = AtomicU64::new(0);
+
 pub struct Snapshot {
     args: SnapshotArgs,
     len: u64,
+    /// This table, among the tables on the COW device.
+    table: u64,
+    /// The device whose table this is, as it is called now.
+    owner: Mutex<String>,
 }
 
 pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>, TargetError> {
@@ -36,19 +45,29 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             parsed.handle.hub.merged_by().unwrap_or_default()
         )));
     }
-    if !parsed.snap().is_active() {
-        if let Some(merger) = parsed.handle.hub.merged_by() {
-            return Err(args.error(format!(
-                "origin '{}' is being merged into by device '{merger}'; take snapshots of it \
-                 once the merge is done",
-                parsed.origin_ref
-            )));
-        }
-    }
+    check_no_merge(&parsed).map_err(|e| args.error(e))?;
     Ok(Arc::new(Snapshot {
         args: parsed,
         len: ctx.len,
+        table: NEXT_TABLE.fetch_add(1, Ordering::Relaxed),
+        owner: Mutex::new(ctx.owner.to_string()),
     }))
+}
+
+/// A new snapshot (one not active yet) is refused while a merge rolls its origin back: the
+/// origin file is then half rolled back, no moment to take a snapshot of.
+fn check_no_merge(args: &SnapshotArgs) -> std::result::Result<(), String> {
+    if args.snap().is_active() {
+        return Ok(());
+    }
+    match args.handle.hub.merged_by() {
+        Some(merger) => Err(format!(
+            "origin '{}' is being merged into by device '{merger}'; take snapshots of it once \
+             the merge is done",
+            args.origin_ref
+        )),
+        None => Ok(()),
+    }
 }
 
 impl Snapshot {
@@ -289,13 +308,36 @@ impl Target for Snapshot {
         vec![self.args.origin_ref.clone(), self.args.cow_ref.clone()]
     }
 
+    /// A table built before a merge into the origin began is refused when it would become
+    /// the snapshot's point in time during it.
+    fn preresume(&self) -> std::result::Result<(), TargetError> {
+        check_no_merge(&self.args).map_err(|e| TargetError::new(format!("snapshot: {e}")))
+    }
+
+    /// No longer a source a merge may take the COW device over from while it is live.
+    fn suspend(&self) {
+        self.snap().source_suspended(self.table);
+    }
+
+    fn renamed(&self, new: &str) {
+        *self.owner.lock() = new.to_string();
+        self.snap().rename_source(self.table, new);
+    }
+
     /// The first resume of any table on this COW device is the snapshot's point in time.
     fn resume(&self) {
+        self.snap().source_resumed(self.table, &self.owner.lock());
         let handle = &self.args.handle;
         if !handle.snap.is_active() {
             handle
                 .hub
                 .activate(&handle.snap, || handle.snap.set_active());
         }
+    }
+}
+
+impl Drop for Snapshot {
+    fn drop(&mut self) {
+        self.snap().source_suspended(self.table);
     }
 }

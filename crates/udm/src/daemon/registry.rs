@@ -291,6 +291,9 @@ impl Registry {
         }
         let events = Arc::new(Events::default());
         let table = self.build_as(name, text, read_only, &events, restoring)?;
+        if !restoring {
+            table.preresume()?;
+        }
         before_live(&table);
         Ok(Arc::new(Device::new(
             name.to_string(),
@@ -401,10 +404,11 @@ impl Registry {
         // A swap drains the old table's I/O first, which may be parked at a suspended device
         // below: drained without the lock, which that device's resume needs (the swap under
         // the lock then finds the device suspended and drained). Only once the change is
-        // recorded: a change that cannot be saved is not made.
-        if device.inactive().is_some() {
+        // recorded: a change that cannot be saved is not made, nor one the new table refuses.
+        if let Some(inactive) = device.inactive() {
             {
                 let _changes = self.changes.lock();
+                inactive.preresume()?;
                 self.save_ahead(&device, Some(Change::Resume))?;
             }
             device.suspend(noflush);

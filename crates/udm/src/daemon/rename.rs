@@ -48,6 +48,9 @@ impl Registry {
             return Err(RegistryError::Persist(new_name.into(), e));
         }
         self.claims.rename_owner(name, new_name);
+        for table in [Some(device.live()), device.inactive()].iter().flatten() {
+            table.renamed(new_name);
+        }
         let mut map = self.map();
         map.remove(name);
         map.insert(new_name.to_string(), device);

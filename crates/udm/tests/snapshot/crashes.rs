@@ -18,12 +18,8 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     // the origin device's place (it takes the COW device over), resume, then drop the
     // snapshot device, whose I/O fails from the merge's resume on.
     daemon.udm(&["suspend", "snap"]);
-    let merge_table = format!(
-        "0 131072 snapshot-merge {} {} P 8",
-        origin.display(),
-        cow.display()
-    );
-    daemon.udm(&["load", "base", "--table", &merge_table]);
+    let merge = merge_table(&origin, &cow);
+    daemon.udm(&["load", "base", "--table", &merge]);
     daemon.udm(&["resume", "base"]);
     assert_eq!(status(&daemon, "snap"), "Invalid");
     daemon.udm(&["resume", "snap"]);
@@ -31,7 +27,7 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     assert!(!read && said.contains("Input/output error"), "{said}");
     daemon.udm(&["remove", "snap"]);
     daemon.udm(&["message", "base", "0", "max_merge_rate", "4096"]);
-    assert_eq!(daemon.udm(&["table", "base"]), merge_table);
+    assert_eq!(daemon.udm(&["table", "base"]), merge);
     // At once the device reads as the snapshot did, while the merge copies in the
     // background and fio writes and verifies its own region.
     same_content(view.to_str().unwrap(), &daemon.uri("base"));
@@ -66,6 +62,119 @@ fn a_merge_rolls_back_under_fio_and_resumes_after_kill_9() {
     daemon.udm(&["finalize", "base"]);
     assert!(daemon.udm(&["table", "base"]).contains("snapshot-origin"));
     std::fs::remove_file(&cow).unwrap();
+}
+
+/// dmsetup's habit the kernel refuses: a merge that would take the COW device over from a
+/// snapshot device still live, by `udm resume` of the origin device with the merge loaded or
+/// by `udm create`. udm took it over (the snapshot's I/O failing from then on); now it is
+/// refused as by the kernel's snapshot_preresume, naming the device, and nothing changes.
+/// The documented procedure (suspend the snapshot device first) goes ahead.
+#[test]
+fn a_merge_is_refused_while_its_snapshot_device_is_live_and_nothing_changes() {
+    let daemon = Daemon::start("snap-merge-live");
+    let (origin, original, cow) = changed_since_snapshot(&daemon, 4 * MIB, MIB);
+    let cow_before = std::fs::read(&cow).unwrap();
+    let merge = merge_table(&origin, &cow);
+    let refused = "unable to perform snapshot handover until source is suspended: device \
+                   'snap' serves COW device";
+    // Nothing changed: the tables, the data of both devices, the COW device.
+    let unchanged = |origin_device: Option<&str>| {
+        assert!(!status(&daemon, "snap").contains("Invalid"));
+        same_content(original.to_str().unwrap(), &daemon.uri("snap"));
+        if let Some(name) = origin_device {
+            assert!(daemon.udm(&["table", name]).contains("snapshot-origin"));
+            qemu_io(&daemon.uri(name), &["read -P 5 0 1M"]);
+        }
+        assert!(
+            std::fs::read(&cow).unwrap() == cow_before,
+            "the COW device changed"
+        );
+    };
+    daemon.udm(&["load", "base", "--table", &merge]);
+    let err = daemon.udm_err(&["resume", "base"]);
+    assert!(err.contains(refused), "{err}");
+    unchanged(Some("base"));
+    daemon.udm(&["remove", "base"]);
+    let err = daemon.udm_err(&["create", "merged", "--table", &merge]);
+    assert!(err.contains(refused), "{err}");
+    unchanged(None);
+    daemon.udm(&["suspend", "snap"]);
+    daemon.create("base", &merge);
+    assert_eq!(status(&daemon, "snap"), "Invalid");
+    daemon.udm(&["remove", "snap"]);
+    daemon.udm(&["wait", "base", "--progress"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("base"));
+}
+
+/// A snapshot is refused while a merge rolls its origin back, but one loaded (built) before
+/// the merge began and resumed during it was accepted: its point in time was the origin file
+/// half rolled back, which no reader of the origin device ever saw (chunks merged already as
+/// the snapshot, the rest as before the merge). Its first resume is now refused until the
+/// merge is finalized.
+#[test]
+fn a_snapshot_loaded_before_a_merge_cannot_become_active_during_it() {
+    let daemon = Daemon::start("snap-merge-late");
+    let (origin, original, cow) = changed_since_snapshot(&daemon, 32 * MIB, 32 * MIB);
+    let late_cow = daemon.sparse("late.cow", 40 * MIB);
+    daemon.create("late", &format!("0 {} zero", 32 * MIB / 512));
+    let late = format!(
+        "0 {} snapshot {} {} P 8",
+        32 * MIB / 512,
+        origin.display(),
+        late_cow.display()
+    );
+    daemon.udm(&["load", "late", "--table", &late]);
+    daemon.udm(&["suspend", "snap"]);
+    daemon.udm(&["load", "base", "--table", &merge_table(&origin, &cow)]);
+    daemon.udm(&["resume", "base"]);
+    daemon.udm(&["message", "base", "0", "max_merge_rate", "256"]);
+    daemon.udm(&["remove", "snap"]);
+    assert!(exceptions(&daemon, "base") > 0, "still merging");
+    let err = daemon.udm_err(&["resume", "late"]);
+    assert!(
+        err.contains("origin '") && err.contains("is being merged into by device 'base'"),
+        "{err}"
+    );
+    assert!(daemon.udm(&["table", "late"]).contains(" zero"));
+    daemon.udm(&["message", "base", "0", "max_merge_rate", "0"]);
+    daemon.udm(&["wait", "base", "--progress"]);
+    daemon.udm(&["finalize", "base"]);
+    // Once the merge is done, it is a snapshot of the origin rolled back.
+    daemon.udm(&["resume", "late"]);
+    qemu_io(&daemon.uri("base"), &["write -P 6 0 32M"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("late"));
+}
+
+/// `udm rename` (LVM renames the devices of a volume) of the devices a merge involves: the
+/// origin's roles and the snapshot devices were known by the name the device had when its
+/// table was built. Renamed, the merging device was refused its own merge table again
+/// ("already being merged by device 'base'", a device that no longer existed), and a new
+/// device under the old name was let serve the origin with snapshot-origin beside the merge:
+/// its writes went straight to chunks the merge had yet to copy back, and were overwritten.
+#[test]
+fn renamed_devices_keep_their_places_in_a_merge() {
+    let daemon = Daemon::start("snap-merge-rename");
+    let (origin, original, cow) = changed_since_snapshot(&daemon, 32 * MIB, 32 * MIB);
+    let merge = merge_table(&origin, &cow);
+    daemon.udm(&["rename", "snap", "snap-renamed"]);
+    daemon.udm(&["load", "base", "--table", &merge]);
+    let err = daemon.udm_err(&["resume", "base"]);
+    assert!(err.contains("device 'snap-renamed' serves"), "{err}");
+    daemon.udm(&["suspend", "snap-renamed"]);
+    daemon.udm(&["resume", "base"]);
+    daemon.udm(&["message", "base", "0", "max_merge_rate", "256"]);
+    daemon.udm(&["rename", "base", "merging"]);
+    let err = daemon.udm_err(&[
+        "create",
+        "base",
+        "--table",
+        &format!("0 {} snapshot-origin {}", 32 * MIB / 512, origin.display()),
+    ]);
+    assert!(err.contains("being merged by device 'merging'"), "{err}");
+    daemon.reload("merging", &merge);
+    daemon.udm(&["message", "merging", "0", "max_merge_rate", "0"]);
+    daemon.udm(&["wait", "merging", "--progress"]);
+    same_content(original.to_str().unwrap(), &daemon.uri("merging"));
 }
 
 #[test]
@@ -110,12 +219,7 @@ fn sibling_snapshots_of_a_merge_come_back_after_a_restart_and_stay_exact() {
         })
         .collect();
     daemon.udm(&["suspend", "rollback"]);
-    let merge = format!(
-        "0 {} snapshot-merge {} {} P 8",
-        4 * MIB / 512,
-        origin.display(),
-        cow.display()
-    );
+    let merge = merge_table(&origin, &cow);
     daemon.udm(&["load", "base", "--table", &merge]);
     // Killed with the merge loaded, then with it running.
     for round in 0..2 {

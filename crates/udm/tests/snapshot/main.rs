@@ -51,6 +51,28 @@ fn snapshot(daemon: &Daemon, name: &str, origin: &Path, cow_size: u64, args: &st
     cow
 }
 
+/// The `snapshot-merge` table of the origin file `origin` with the COW device `cow`, over
+/// all of the origin.
+fn merge_table(origin: &Path, cow: &Path) -> String {
+    let size = std::fs::metadata(origin).unwrap().len();
+    format!(
+        "0 {} snapshot-merge {} {} P 8",
+        size / 512,
+        origin.display(),
+        cow.display()
+    )
+}
+
+/// `base` over an origin of `size` bytes, a snapshot device `snap` of it, then pattern 5
+/// written over the first `changed` bytes of `base`: (origin file, its original bytes,
+/// the snapshot's COW file).
+fn changed_since_snapshot(daemon: &Daemon, size: u64, changed: u64) -> (PathBuf, PathBuf, PathBuf) {
+    let (origin, original) = origin_of(daemon, size);
+    let cow = snapshot(daemon, "snap", &origin, size + 8 * MIB, "P 8");
+    qemu_io(&daemon.uri("base"), &[format!("write -P 5 0 {changed}")]);
+    (origin, original, cow)
+}
+
 fn qemu_io(uri: &str, commands: &[impl AsRef<str>]) -> String {
     let mut args = vec!["-f", "raw"];
     for c in commands {

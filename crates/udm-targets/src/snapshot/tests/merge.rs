@@ -122,10 +122,12 @@ fn parse_status(status: &str) -> (u64, u64) {
     (allocated.parse().unwrap(), metadata.parse().unwrap())
 }
 
-/// The merge takes the COW device over from a snapshot device that is still live (the kernel
-/// asks for its suspend first; udm does not): a write to the snapshot remapped onto a saved
-/// chunk and still under way then must land before the merge copies that chunk back. It
-/// landed after, in a COW chunk already merged: completed, and lost.
+/// The merge takes the COW device over from a snapshot device that is still live (refused
+/// when the user resumes the merge, but a restart resumes what it restores before it
+/// suspends it, and a resume of the snapshot device may race the merge's; this table is
+/// resumed without the preresume check, as a restart's): a write to the snapshot remapped
+/// onto a saved chunk and still under way then must land before the merge copies that chunk
+/// back. It landed after, in a COW chunk already merged: completed, and lost.
 #[test]
 fn a_snapshot_write_under_way_at_the_handover_lands_before_its_chunk_is_merged() {
     use udm_block::MapOp;
