@@ -449,6 +449,7 @@ mod tests {
         assert!(!e.contains("SUN_LEN"), "{e}");
         socket_path_fits(std::path::Path::new(&"x".repeat(107))).unwrap();
     }
+    use std::path::PathBuf;
     use std::time::Instant;
     use udm_block::{BlockDevice, BlockError, WriteFlags};
     use udm_testkit::Devices;
@@ -473,21 +474,29 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_connection_goes_to_its_partys_loop_or_the_one_serving_the_fewest() {
-        let dir = std::env::temp_dir().join(format!("udm-nbd-loops-{}", std::process::id()));
+    /// A server with `config` listening on a socket in a directory of its own (named after
+    /// `tag`), exporting `exports`: (the directory, the socket, the server).
+    fn serving(tag: &str, exports: &[&str], config: ServerConfig) -> (PathBuf, PathBuf, NbdServer) {
+        let dir = std::env::temp_dir().join(format!("udm-nbd-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("nbd.sock");
         let catalog = Devices::default();
-        catalog.add("vol", Arc::new(PanicsOnRead), false);
-        catalog.add("other", Arc::new(PanicsOnRead), false);
+        for name in exports {
+            catalog.add(name, Arc::new(PanicsOnRead), false);
+        }
+        let server = NbdServer::new(Arc::new(catalog), config).unwrap();
+        server.listen_unix(&socket).unwrap();
+        (dir, socket, server)
+    }
+
+    #[test]
+    fn a_connection_goes_to_its_partys_loop_or_the_one_serving_the_fewest() {
         let config = ServerConfig {
             engine: Engine::Uring,
             loop_threads: 2,
             ..ServerConfig::default()
         };
-        let server = NbdServer::new(Arc::new(catalog), config).unwrap();
-        server.listen_unix(&socket).unwrap();
+        let (dir, socket, server) = serving("loops", &["vol", "other"], config);
         let connect = |export: &str| {
             let uri = format!("nbd+unix:///{export}?socket={}", socket.display());
             let client = NbdClient::connect(&uri, ClientOptions::default()).unwrap();
@@ -522,17 +531,11 @@ mod tests {
 
     #[test]
     fn a_client_trickling_its_handshake_is_dropped_at_the_handshake_timeout() {
-        let dir = std::env::temp_dir().join(format!("udm-nbd-trickle-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let socket = dir.join("nbd.sock");
-        let catalog = Devices::default();
-        catalog.add("vol", Arc::new(PanicsOnRead), false);
         let config = ServerConfig {
             handshake_timeout: Duration::from_secs(1),
             ..ServerConfig::default()
         };
-        let server = NbdServer::new(Arc::new(catalog), config).unwrap();
-        server.listen_unix(&socket).unwrap();
+        let (dir, socket, _server) = serving("trickle", &["vol"], config);
         let mut client = std::os::unix::net::UnixStream::connect(&socket).unwrap();
         client.read_exact(&mut [0u8; 18]).unwrap();
         client.write_all(&3u32.to_be_bytes()).unwrap();
@@ -561,22 +564,12 @@ mod tests {
     }
 
     fn panicking_request_with(engine: Engine) {
-        let dir =
-            std::env::temp_dir().join(format!("udm-nbd-panic-{}-{engine:?}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let socket = dir.join("nbd.sock");
-        let catalog = Devices::default();
-        catalog.add("vol", Arc::new(PanicsOnRead), false);
-        let server = NbdServer::new(
-            Arc::new(catalog),
-            ServerConfig {
-                engine,
-                max_connections: 1,
-                ..ServerConfig::default()
-            },
-        )
-        .unwrap();
-        server.listen_unix(&socket).unwrap();
+        let config = ServerConfig {
+            engine,
+            max_connections: 1,
+            ..ServerConfig::default()
+        };
+        let (dir, socket, server) = serving(&format!("panic-{engine:?}"), &["vol"], config);
         let uri = format!("nbd+unix:///vol?socket={}", socket.display());
         let options = ClientOptions {
             io_timeout: Duration::from_secs(5),
