@@ -268,11 +268,8 @@ fn a_read_only_client_does_not_wait_for_a_dead_server_to_flush() {
 /// hand). It fails now, once; the next flush covers what was written since.
 #[test]
 fn a_flush_after_the_server_lost_acknowledged_writes_fails() {
-    let dir = scratch("lost-writes");
-    let (data, file_arg) = patterned_image(&dir, 13);
-    let args = writeback_cache(&file_arg);
-    let server = nbdkit(&dir, &args);
-    let client = connect(&uri(&dir), options(Duration::from_secs(10)));
+    let mut cached = WritebackCache::start("lost-writes", 13, options(Duration::from_secs(10)));
+    let client = &cached.client;
     client
         .write(0, &pattern(4096, 14), WriteFlags::default())
         .unwrap();
@@ -280,15 +277,15 @@ fn a_flush_after_the_server_lost_acknowledged_writes_fails() {
     client
         .write(MIB, &pattern(4096, 15), WriteFlags::default())
         .unwrap();
-    kill_server(server, &client);
-    let _server = nbdkit(&dir, &args);
+    cached.crash_and_restart();
+    let (client, data) = (&cached.client, &cached.data);
     let err = client
         .flush()
         .expect_err("a flush vouched for a write the server lost");
     assert_eq!(err.errno(), libc::EIO, "{err}");
     // The flushed write survived the crash; the other did not, as the failed flush said.
-    assert!(read(&client, 0, 4096)[..] == pattern(4096, 14)[..]);
-    assert!(read(&client, MIB, 4096)[..] == data[MIB as usize..][..4096]);
+    assert!(read(client, 0, 4096)[..] == pattern(4096, 14)[..]);
+    assert!(read(client, MIB, 4096)[..] == data[MIB as usize..][..4096]);
     client
         .write(MIB, &pattern(4096, 15), WriteFlags::default())
         .unwrap();
@@ -329,19 +326,15 @@ fn a_server_closing_a_quiet_connection_fails_no_flush() {
 /// said so).
 #[test]
 fn a_quiet_client_has_its_writes_flushed() {
-    let dir = scratch("quiet-flush");
-    let (_, file_arg) = patterned_image(&dir, 19);
-    let args = writeback_cache(&file_arg);
-    let server = nbdkit(&dir, &args);
-    let client = connect(&uri(&dir), options(Duration::from_secs(10)));
-    client
+    let mut cached = WritebackCache::start("quiet-flush", 19, options(Duration::from_secs(10)));
+    cached
+        .client
         .write(MIB, &pattern(4096, 20), WriteFlags::default())
         .unwrap();
     std::thread::sleep(Duration::from_secs(6));
-    kill_server(server, &client);
-    let _server = nbdkit(&dir, &args);
-    client.flush().unwrap();
-    assert!(read(&client, MIB, 4096)[..] == pattern(4096, 20)[..]);
+    cached.crash_and_restart();
+    cached.client.flush().unwrap();
+    assert!(read(&cached.client, MIB, 4096)[..] == pattern(4096, 20)[..]);
 }
 
 /// A fail-fast client (a multipath's path) reports the lost writes to a flush that finds no
@@ -349,15 +342,17 @@ fn a_quiet_client_has_its_writes_flushed() {
 /// a path failure and cover the flush down another path, which never had these writes.
 #[test]
 fn a_fail_fast_flush_without_a_connection_reports_lost_writes() {
-    let dir = scratch("lost-writes-fail-fast");
-    let (_, file_arg) = patterned_image(&dir, 16);
-    let args = writeback_cache(&file_arg);
-    let server = nbdkit(&dir, &args);
-    let client = connect(&uri(&dir), fail_fast(Duration::from_secs(10)));
+    let mut cached = WritebackCache::start(
+        "lost-writes-fail-fast",
+        16,
+        fail_fast(Duration::from_secs(10)),
+    );
+    let client = &cached.client;
     client
         .write(0, &pattern(4096, 17), WriteFlags::default())
         .unwrap();
-    kill_server(server, &client);
+    cached.crash();
+    let client = &cached.client;
     let err = client.flush().expect_err("no connection");
     assert!(matches!(err, BlockError::WritesLost(_)), "{err}");
     assert_eq!(err.errno(), libc::EIO);
@@ -366,10 +361,47 @@ fn a_fail_fast_flush_without_a_connection_reports_lost_writes() {
     assert!(matches!(err, BlockError::Io(_)), "{err}");
 }
 
-/// nbdkit's arguments for `file_arg` behind a writeback cache: a write lives in nbdkit's
-/// memory until a flush, so killing nbdkit loses the writes since the last one.
-fn writeback_cache(file_arg: &str) -> [&str; 4] {
-    ["--filter=cache", "file", file_arg, "cache=writeback"]
+/// nbdkit serving a patterned image behind a writeback cache, and a client of it: a write
+/// lives in nbdkit's memory until a flush, so killing nbdkit loses the writes since the last
+/// one, as a server's crash would.
+struct WritebackCache {
+    client: NbdClient,
+    server: Option<Server>,
+    /// The image as it was written before the client's first write.
+    data: AlignedBuf,
+    file_arg: String,
+    dir: TempDir,
+}
+
+impl WritebackCache {
+    fn start(name: &str, seed: u64, options: ClientOptions) -> Self {
+        let dir = scratch(name);
+        let (data, file_arg) = patterned_image(&dir, seed);
+        let server = nbdkit(&dir, &Self::args(&file_arg));
+        let client = connect(&uri(&dir), options);
+        Self {
+            client,
+            server: Some(server),
+            data,
+            file_arg,
+            dir,
+        }
+    }
+
+    fn args(file_arg: &str) -> [&str; 4] {
+        ["--filter=cache", "file", file_arg, "cache=writeback"]
+    }
+
+    /// Kills nbdkit and waits until the client has seen it go.
+    fn crash(&mut self) {
+        kill_server(self.server.take().expect("a server"), &self.client);
+    }
+
+    /// Kills nbdkit and starts it again on the image as the crash left it.
+    fn crash_and_restart(&mut self) {
+        self.crash();
+        self.server = Some(nbdkit(&self.dir, &Self::args(&self.file_arg)));
+    }
 }
 
 /// Kills the server and waits until `client` has seen it go.
