@@ -28,6 +28,13 @@ mod thin_ls;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// A request's boxes (its mapping's transfers and completions, the NBD client's slot) are
+/// made on the event loop that read it and freed on the thread that read its reply; glibc's
+/// malloc took its arena's lock for most of those frees and allocations, and the two threads
+/// met on it (a futex call every ten requests of a round-robin multipath).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::{bail, Context};
 use clap::Parser;
 use serde_json::Value;

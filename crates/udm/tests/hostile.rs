@@ -418,7 +418,6 @@ fn idle_connections_are_closed_and_busy_ones_are_not() {
     assert!(daemon.log().contains("closing a connection idle for 1s"));
 }
 
-/// VmHWM (peak) and VmRSS of a process, in bytes.
 /// Asserts that the daemon's resident memory has not grown more than 64 MiB past `rss`.
 fn assert_rss_near(daemon: &Daemon, rss: u64) {
     let (_, now) = memory_of(daemon.pid());
@@ -430,6 +429,7 @@ fn assert_rss_near(daemon: &Daemon, rss: u64) {
     );
 }
 
+/// VmHWM (peak) and VmRSS of a process, in bytes.
 fn memory_of(pid: u32) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let field = |name: &str| {
