@@ -220,18 +220,19 @@ fn execute(
             }
             Request::Message {
                 name,
-                sector: _,
-                words,
-            } if words.len() == 1 && words[0] == CANCEL_DEFERRED_REMOVE => {
-                registry.cancel_deferred_remove(&named(&name)?).map(done)?
-            }
-            Request::Message {
-                name,
                 sector,
                 words,
             } => {
-                let words: Vec<&str> = words.iter().map(String::as_str).collect();
-                Response::text(registry.message(&named(&name)?, sector, &words)?)
+                // dmsetup joins its arguments with spaces and the kernel splits the message at
+                // whitespace, so `message pool 0 "create_thin 0"` (as the kernel's
+                // documentation writes it) is two words, as `message pool 0 create_thin 0` is.
+                let line = words.join(" ");
+                let words: Vec<&str> = line.split_whitespace().collect();
+                if words == [CANCEL_DEFERRED_REMOVE] {
+                    registry.cancel_deferred_remove(&named(&name)?).map(done)?
+                } else {
+                    Response::text(registry.message(&named(&name)?, sector, &words)?)
+                }
             }
             Request::Status { name, target } => {
                 report::status(registry, name.as_deref(), target.as_deref())?

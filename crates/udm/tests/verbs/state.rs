@@ -29,6 +29,14 @@ fn verbs_report_state_tables_and_status() {
         daemon.udm(&["message", "vol", "4096", "addbadblock", "3"]),
         "dust_add_block: badblock added at block 3"
     );
+    // Quoted as one argument, as the kernel's documentation writes them (`dmsetup message
+    // /dev/mapper/pool 0 "create_thin 0"`): dmsetup joins its arguments with spaces and the
+    // kernel splits the message at whitespace. udm took "removebadblock 3" for one word.
+    assert_eq!(
+        daemon.udm(&["message", "vol", "4096", "removebadblock 3"]),
+        "dust_remove_block: badblock removed at block 3"
+    );
+    daemon.udm(&["message", "vol", "4096", "addbadblock", " 3 "]);
     daemon.udm(&["message", "vol", "4096", "enable"]);
     let err = daemon.udm_err(&["message", "vol", "0", "frobnicate"]);
     assert!(
