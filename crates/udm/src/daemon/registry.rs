@@ -18,7 +18,7 @@ use super::device::{Device, Events};
 use super::loopback::OwnExports;
 use super::persist::Change;
 use super::remotes::Remotes;
-use super::resolver::TableResolver;
+use super::resolver::{mapper_node_name, mapper_nodes_as_names, TableResolver};
 
 #[derive(Debug, Error)]
 pub enum RegistryError {
@@ -141,9 +141,11 @@ impl Registry {
 
     /// The device called `name_or_uuid`, or else the one with that UUID (names and UUIDs
     /// never collide: `create` and `rename` see to it).
+    /// `/dev/mapper/NAME` is device NAME, as for dmsetup (see [`mapper_node_name`]).
     pub fn resolve(&self, name_or_uuid: &str) -> Result<Arc<Device>> {
         let map = self.map();
-        if let Some(device) = map.get(name_or_uuid) {
+        let word = mapper_node_name(name_or_uuid).unwrap_or(name_or_uuid);
+        if let Some(device) = map.get(word) {
             return Ok(device.clone());
         }
         map.values()
@@ -243,8 +245,9 @@ impl Registry {
             read_only,
         };
         let events = events.clone();
+        let text = mapper_nodes_as_names(text, |name| self.map().contains_key(name));
         let _building = super::device::no_waiting_while_building();
-        let table = Table::build(owner, text, &resolver, Arc::new(move || events.raise()))?;
+        let table = Table::build(owner, &text, &resolver, Arc::new(move || events.raise()))?;
         // Before the table goes live: a new pool's thin devices take no table until then.
         super::receive::pool_built(self, owner);
         Ok(table)

@@ -2,6 +2,7 @@
 //! devices, each claimed in the name of the device whose table it is, and no device that
 //! would depend on itself.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -15,6 +16,44 @@ use udm_targets::{Reference, Resolver, TargetError};
 
 use super::claims::Claimed;
 use super::registry::Registry;
+
+/// Where dmsetup users find a device-mapper device: they name it so in verbs and tables.
+const MAPPER_NODES: &str = "/dev/mapper/";
+
+/// The udm device a `/dev/mapper/NAME` node names: udm makes no such nodes, so one that does
+/// not exist on this host means udm's device NAME (the kernel's documentation and dmsetup
+/// users write `dmsetup message /dev/mapper/pool 0 …` and `thin /dev/mapper/pool 0`). One that
+/// exists is the kernel's device (an LVM volume udm is stacked on) and stays a path.
+pub(super) fn mapper_node_name(word: &str) -> Option<&str> {
+    let name = word.strip_prefix(MAPPER_NODES)?;
+    (!name.is_empty() && !Path::new(word).exists()).then_some(name)
+}
+
+/// `text` with each `/dev/mapper/NAME` that names a udm device written as `NAME`, the way the
+/// kernel's table shows a device by its number rather than the path it was given as.
+pub(super) fn mapper_nodes_as_names<'t>(
+    text: &'t str,
+    is_device: impl Fn(&str) -> bool,
+) -> Cow<'t, str> {
+    if !text.contains(MAPPER_NODES) {
+        return Cow::Borrowed(text);
+    }
+    let word = |w: &'t str| {
+        mapper_node_name(w)
+            .filter(|name| is_device(name))
+            .unwrap_or(w)
+    };
+    let lines: Vec<String> = text
+        .lines()
+        .map(|line| {
+            line.split_whitespace()
+                .map(word)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    Cow::Owned(lines.join("\n"))
+}
 
 /// A file as one table opened it: (device, inode, read-only).
 type OpenedKey = (u64, u64, bool);

@@ -53,3 +53,46 @@ fn a_table_larger_than_a_request_may_be_is_refused_saying_why() {
     assert!(err.contains("request too long"), "{err}");
     assert!(daemon.udm(&["ls"]).contains("No devices found"));
 }
+
+/// The kernel's thin-provisioning walkthrough as its documentation writes it: devices named
+/// by their `/dev/mapper/` nodes, in verbs and in tables, and messages quoted as one argument.
+/// udm answered "device '/dev/mapper/pool' does not exist" and "cannot open <pool dev>
+/// '/dev/mapper/pool'".
+#[test]
+fn mapper_nodes_name_udm_devices_in_verbs_and_tables() {
+    let daemon = Daemon::start("mapper-nodes");
+    let meta = daemon.sparse("meta.img", 16 * MIB);
+    let data = daemon.sparse("data.img", 64 * MIB);
+    let (meta, data) = (meta.display(), data.display());
+    daemon.create(
+        "pool",
+        &format!("0 131072 thin-pool {meta} {data} 128 1024"),
+    );
+    daemon.udm(&["message", "/dev/mapper/pool", "0", "create_thin 0"]);
+    daemon.create("thin", "0 65536 thin /dev/mapper/pool 0");
+    daemon.udm(&["suspend", "/dev/mapper/thin"]);
+    daemon.udm(&["message", "/dev/mapper/pool", "0", "create_snap 1 0"]);
+    daemon.udm(&["resume", "/dev/mapper/thin"]);
+    daemon.create("snap", "0 65536 thin /dev/mapper/pool 1");
+    // Shown by name, as the kernel shows a device by its number, not the path it was given.
+    assert_eq!(daemon.udm(&["table", "snap"]), "0 65536 thin pool 1");
+    qemu_io_ok(
+        &daemon.uri("snap"),
+        &["write -P 7 0 64k", "read -P 7 0 64k"],
+    );
+    daemon.udm(&["remove", "/dev/mapper/snap"]);
+    daemon.udm(&["message", "/dev/mapper/pool", "0", "delete 1"]);
+    // A node that names no udm device is still a path that does not exist.
+    let err = daemon.udm_err(&[
+        "create",
+        "x",
+        "--table",
+        "0 65536 thin /dev/mapper/nopool 0",
+    ]);
+    assert!(err.contains("'/dev/mapper/nopool'"), "{err}");
+    let err = daemon.udm_err(&["info", "/dev/mapper/nothing"]);
+    assert!(
+        err.contains("'/dev/mapper/nothing' does not exist"),
+        "{err}"
+    );
+}
