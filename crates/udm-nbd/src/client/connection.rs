@@ -54,6 +54,8 @@ pub(super) struct SlotState {
     /// chunks could add up to `received` with some of the buffer never written.
     pub(super) covered: Covered,
     pub(super) extents: Vec<Extent>,
+    /// The `base:allocation` chunk of a block status reply came: a second one is an error.
+    pub(super) described: bool,
     pub(super) error: Option<BlockError>,
     pub(super) outcome: Option<Outcome>,
     /// A mapped request: nobody waits in `wait_reply`; the slot settles by calling this

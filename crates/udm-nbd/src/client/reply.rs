@@ -173,6 +173,13 @@ pub(super) fn read_reply(
             if Some(context) == conn.info.base_allocation {
                 let mut st = slot.state.lock();
                 if st.cookie == chunk.cookie {
+                    // One chunk per context: a second one would be taken for the runs after
+                    // the first one's, describing part of the range twice (data as a hole).
+                    if std::mem::replace(&mut st.described, true) {
+                        return Err(ReplyError::Protocol(
+                            "a second block status chunk for base:allocation".into(),
+                        ));
+                    }
                     st.extents
                         .extend(descriptors.into_iter().filter(|(len, _)| *len > 0).map(
                             |(len, flags)| Extent {

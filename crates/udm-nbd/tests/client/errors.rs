@@ -134,6 +134,10 @@ enum First {
     OverlappingChunks,
     /// With a reply header and half the read's data, and then nothing.
     HalfReply,
+    /// With structured replies and `base:allocation` negotiated (on that connection only),
+    /// with two block status chunks for the context: data for the first half of the range,
+    /// then a hole for the second half.
+    TwoStatusChunks,
 }
 
 impl MinimalServer {
@@ -178,7 +182,16 @@ impl MinimalServer {
             let len = u32::from_be_bytes(header[12..16].try_into().unwrap());
             let mut data = vec![0u8; len as usize];
             s.read_exact(&mut data).unwrap();
-            if option == OPT_STRUCTURED_REPLY && first == First::OverlappingChunks {
+            let structured = matches!(first, First::OverlappingChunks | First::TwoStatusChunks);
+            if option == OPT_STRUCTURED_REPLY && structured {
+                s.write_all(&option_reply(option, REP_ACK, &[])).unwrap();
+                continue;
+            }
+            if option == OPT_SET_META_CONTEXT && first == First::TwoStatusChunks {
+                let mut context = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+                context.extend_from_slice(BASE_ALLOCATION.as_bytes());
+                s.write_all(&option_reply(option, REP_META_CONTEXT, &context))
+                    .unwrap();
                 s.write_all(&option_reply(option, REP_ACK, &[])).unwrap();
                 continue;
             }
@@ -211,6 +224,17 @@ impl MinimalServer {
                         chunks.extend(chunk_header(flags, CHUNK_OFFSET_DATA, r.cookie, half + 8));
                         chunks.extend(r.offset.to_be_bytes());
                         chunks.extend(&data);
+                    }
+                    Some(chunks)
+                }
+                First::TwoStatusChunks => {
+                    let half = r.length / 2;
+                    let mut chunks = Vec::new();
+                    for (flags, extent) in [(0, 0), (CHUNK_FLAG_DONE, EXTENT_HOLE | EXTENT_ZERO)] {
+                        chunks.extend(chunk_header(flags, CHUNK_BLOCK_STATUS, r.cookie, 12));
+                        chunks.extend(BASE_ALLOCATION_ID.to_be_bytes());
+                        chunks.extend(half.to_be_bytes());
+                        chunks.extend(extent.to_be_bytes());
                     }
                     Some(chunks)
                 }
@@ -330,6 +354,24 @@ fn a_reply_under_a_cookie_never_sent_means_reconnect_and_resend() {
 #[test]
 fn overlapping_read_chunks_are_a_protocol_error() {
     read_again_after("overlap", First::OverlappingChunks, 9);
+}
+
+/// One block status chunk per context, says the protocol. A second one for `base:allocation`
+/// was taken for the runs after the first's: a server that sent data for the first half and
+/// then a hole for the same first half had the second half, data, described as a hole, and a
+/// copy by the map (nbdcopy through udm's export, a clone probing for zeroes) would have
+/// written zeroes over it (found by reading the reply code). It is a protocol error now: the
+/// client hangs up and asks again on a new connection.
+#[test]
+fn a_second_block_status_chunk_for_a_context_is_a_protocol_error() {
+    let dir = scratch("two-status-chunks");
+    let (server, thread) = MinimalServer::start(&dir, First::TwoStatusChunks);
+    let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
+    // The second connection has no block status: all data.
+    assert_eq!(client.block_status(0, MIB).unwrap(), vec![Extent::data(MIB)]);
+    assert_eq!(server.connections.load(Ordering::Acquire), 2);
+    drop(client);
+    thread.join().unwrap();
 }
 
 /// One thread reads every client's replies, and it waits on no single server: one that
