@@ -89,9 +89,11 @@ impl NbdClient {
                 }
                 (CMD_WRITE, if fua { CMD_FLAG_FUA } else { 0 })
             }
-            // Nothing to make durable (see `flush`): done at once.
-            MapOp::Flush if !info.has(TF_SEND_FLUSH) || self.read_only(&info) => {
-                return Some(Mapping::new())
+            // Nothing to make durable (see `flush`): done at once, unless there are lost
+            // writes to report, which the synchronous way does.
+            MapOp::Flush if self.flush_sends_nothing(&info) => {
+                let lost = self.shared.writes_lost.load(Ordering::Acquire);
+                return (!lost).then(Mapping::new);
             }
             MapOp::Flush => (CMD_FLUSH, 0),
             _ => return None,
