@@ -404,9 +404,9 @@ impl BlockDevice for NbdClient {
         self.shared.changed.notify_all();
         if let Some(conn) = conn {
             // A writer stuck on a server that stopped reading must not hold us up: the goodbye
-            // is skipped then.
-            if let Some(mut writer) = conn.writer.try_lock() {
-                disconnect(&mut writer);
+            // is skipped then, and when a request is part-written (it would end inside it).
+            if let Some(mut writer) = conn.writer.try_lock().filter(|w| w.idle()) {
+                disconnect(&mut writer.stream);
             }
             // The reply reader sees the socket end and marks the connection lost; the
             // requests it had in flight are then resent, find the client closing and fail.
