@@ -294,7 +294,10 @@ fn a_remote_that_stops_reading_holds_up_no_other_device() {
         slowest < Duration::from_secs(2),
         "a read of another device took {slowest:?} ({reads} reads)"
     );
-    assert!(!writer.is_finished(), "the write did not wait for the remote");
+    assert!(
+        !writer.is_finished(),
+        "the write did not wait for the remote"
+    );
     let (ok, out) = writer.join().unwrap();
     assert!(ok, "{out}");
     qemu_io_ok(&daemon.uri("stalled"), &["read -P 0x11 0 8M"]);

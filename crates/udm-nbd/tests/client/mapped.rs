@@ -330,8 +330,13 @@ fn starting_a_mapped_write_to_a_server_that_stopped_reading_does_not_wait() {
     let took = started.elapsed();
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGCONT) };
-    assert!(took < Duration::from_millis(500), "starting the write took {took:?}");
-    let done = rx.recv_timeout(Duration::from_secs(10)).expect("the write ends");
+    assert!(
+        took < Duration::from_millis(500),
+        "starting the write took {took:?}"
+    );
+    let done = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the write ends");
     assert!(done, "the write failed once the server read again");
     assert!(read(&client, MIB, data.len())[..] == data[..]);
 }

@@ -414,7 +414,10 @@ fn lost_writes_are_reported_by_a_server_back_read_only_or_without_flush() {
         let err = client
             .flush()
             .expect_err("a flush vouched for a write the server lost");
-        assert!(matches!(err, BlockError::WritesLost(_)), "{successor}: {err}");
+        assert!(
+            matches!(err, BlockError::WritesLost(_)),
+            "{successor}: {err}"
+        );
         assert!(read(&client, MIB, 4096)[..] == data[MIB as usize..][..4096]);
         // Said once.
         client.flush().unwrap();
