@@ -368,7 +368,10 @@ fn a_second_block_status_chunk_for_a_context_is_a_protocol_error() {
     let (server, thread) = MinimalServer::start(&dir, First::TwoStatusChunks);
     let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
     // The second connection has no block status: all data.
-    assert_eq!(client.block_status(0, MIB).unwrap(), vec![Extent::data(MIB)]);
+    assert_eq!(
+        client.block_status(0, MIB).unwrap(),
+        vec![Extent::data(MIB)]
+    );
     assert_eq!(server.connections.load(Ordering::Acquire), 2);
     drop(client);
     thread.join().unwrap();
@@ -428,4 +431,64 @@ fn a_server_that_never_greets_is_reported_as_such() {
         .expect("a second client was served");
     let text = err.to_string();
     assert!(text.contains("no greeting within 500ms"), "{text}");
+}
+
+/// The connect timeout bounded each read of the handshake, not the handshake: a server that
+/// answered NBD_OPT_GO with information without end (or trickled its replies a byte at a
+/// time) held the dial for ever, and `udm create` with it the daemon's verbs (found by
+/// reading `dial`). The whole handshake has the connect timeout now.
+#[test]
+fn a_server_that_never_ends_its_handshake_is_given_up_at_the_connect_timeout() {
+    let dir = scratch("endless-handshake");
+    go_server(&dir, |s| {
+        let mut name = INFO_NAME.to_be_bytes().to_vec();
+        name.extend_from_slice(b"more to come");
+        while s.write_all(&option_reply(OPT_GO, REP_INFO, &name)).is_ok() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let options = ClientOptions {
+        connect_timeout: Duration::from_secs(1),
+        ..ClientOptions::default()
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let uri = uri(&dir);
+    std::thread::spawn(move || {
+        let started = Instant::now();
+        let result = NbdClient::connect(&uri, options).map(drop);
+        let _ = tx.send((result, started.elapsed()));
+    });
+    let (result, took) = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the dial was still going after 5 s");
+    let err = result.expect_err("an endless handshake was accepted");
+    assert!(matches!(err, ClientError::Handshake { .. }), "{err}");
+    assert!(took < Duration::from_secs(2), "given up after {took:?}");
+}
+
+/// A server for one connection on the directory's socket that refuses every option until
+/// NBD_OPT_GO, then has `answer` reply to it.
+fn go_server(dir: &TempDir, answer: impl FnOnce(&mut UnixStream) + Send + 'static) {
+    let listener = UnixListener::bind(socket(dir)).unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut greeting = NBDMAGIC.to_be_bytes().to_vec();
+        greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        greeting.extend_from_slice(&FLAG_FIXED_NEWSTYLE.to_be_bytes());
+        s.write_all(&greeting).unwrap();
+        let mut word = [0u8; 4];
+        s.read_exact(&mut word).unwrap();
+        loop {
+            let mut header = [0u8; 16];
+            s.read_exact(&mut header).unwrap();
+            let option = u32::from_be_bytes(header[8..12].try_into().unwrap());
+            let len = u32::from_be_bytes(header[12..16].try_into().unwrap());
+            s.read_exact(&mut vec![0u8; len as usize]).unwrap();
+            if option == OPT_GO {
+                return answer(&mut s);
+            }
+            s.write_all(&option_reply(option, REP_ERR_UNSUP, &[]))
+                .unwrap();
+        }
+    });
 }
