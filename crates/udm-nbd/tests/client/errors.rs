@@ -459,11 +459,11 @@ fn a_server_that_never_ends_its_handshake_is_given_up_at_the_connect_timeout() {
         let _ = tx.send((result, started.elapsed()));
     });
     let (result, took) = rx
-        .recv_timeout(Duration::from_secs(5))
-        .expect("the dial was still going after 5 s");
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the dial was still going after 20 s");
     let err = result.expect_err("an endless handshake was accepted");
     assert!(matches!(err, ClientError::Handshake { .. }), "{err}");
-    assert!(took < Duration::from_secs(2), "given up after {took:?}");
+    assert!(took < Duration::from_secs(5), "given up after {took:?}");
 }
 
 /// A server for one connection on the directory's socket that refuses every option until
