@@ -303,9 +303,9 @@ impl Session {
             };
         }
         let mut message = e.to_string();
-        if message.len() > 1024 {
+        if message.len() > MAX_ERROR_MESSAGE {
             // Cut on a character boundary: the protocol wants valid UTF-8.
-            let cut = (0..=1024)
+            let cut = (0..=MAX_ERROR_MESSAGE)
                 .rev()
                 .find(|&i| message.is_char_boundary(i))
                 .unwrap_or(0);
@@ -325,6 +325,11 @@ impl Session {
         Reply { head, data: None }
     }
 }
+
+/// The most of an error's words an error chunk carries: its payload (the error, the length
+/// and the words) then stays within the 1,000 bytes qemu's client takes. A longer one it
+/// refused, and the request failed with EINVAL instead of the error sent.
+const MAX_ERROR_MESSAGE: usize = 1000 - 4 - 2;
 
 /// How a command can be remapped (see [`udm_block::map`]); `None` for the commands that
 /// always go the synchronous way.

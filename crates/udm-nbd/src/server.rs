@@ -2,20 +2,19 @@
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::io::{Read, Write};
 use std::net::{TcpListener, ToSocketAddrs};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use log::{debug, info, warn};
 
 use crate::budget::BufferBudget;
 use crate::event_loop::{Attach, Loops};
 use crate::handshake::{negotiate_with_tls, refuse, HandshakeEnd, StartTls};
-use crate::stream::{ClientKey, Stream};
+use crate::stream::{ClientKey, Deadline, Stream};
 use crate::tls::TlsServer;
 use crate::transmission;
 use crate::ExportCatalog;
@@ -326,11 +325,7 @@ impl NbdServer {
             required: t.required(),
             upgrade: &upgrade,
         });
-        let mut handshake = Deadline {
-            stream: &mut stream,
-            until: Instant::now() + self.config.handshake_timeout,
-            timeout: self.config.handshake_timeout,
-        };
+        let mut handshake = Deadline::new(&mut stream, self.config.handshake_timeout, "client");
         let negotiated = match negotiate_with_tls(&mut handshake, &*self.catalog, offer) {
             Ok(n) => n,
             Err(HandshakeEnd::Closed) => return,
@@ -352,42 +347,6 @@ impl NbdServer {
             warn!("nbd: connection to '{name}' failed: {e}");
         }
         debug!("nbd: client detached from '{name}'");
-    }
-}
-
-/// The handshake's stream: a read waits no longer than what is left of the handshake timeout,
-/// which bounds the whole handshake. As each read's own timeout, it did not: a client that
-/// sent a byte of an option every few seconds stayed in the handshake for good, with its
-/// thread and its connection slot.
-struct Deadline<'a> {
-    stream: &'a mut Stream,
-    until: Instant,
-    timeout: Duration,
-}
-
-impl Read for Deadline<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self.until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!(
-                    "the client took longer than {:?} over the handshake",
-                    self.timeout
-                ),
-            ));
-        }
-        self.stream.set_read_timeout(Some(left))?;
-        self.stream.read(buf)
-    }
-}
-
-impl Write for Deadline<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.stream.write(buf)
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.stream.flush()
     }
 }
 
@@ -440,6 +399,7 @@ pub fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
 mod tests {
     use super::*;
     use crate::{ClientOptions, NbdClient};
+    use std::io::{Read, Write};
 
     #[test]
     fn a_socket_path_too_long_is_refused_in_bytes() {

@@ -5,7 +5,7 @@ use std::io::{self, IoSlice, Read, Write};
 use std::net::{IpAddr, Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub enum Stream {
     Unix(UnixStream),
@@ -192,5 +192,54 @@ impl Write for Stream {
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+/// A handshake's stream: a read waits no longer than what is left of the handshake's
+/// timeout, which bounds the whole handshake. As each read's own timeout, it did not: a peer
+/// that sent a byte now and then stayed in the handshake for good (a client of our server,
+/// with a thread and a connection slot; a server we dial, with the verb that dials it).
+pub(crate) struct Deadline<'a> {
+    pub(crate) stream: &'a mut Stream,
+    until: Instant,
+    timeout: Duration,
+    /// Who the other end is, for the error: "client" or "server".
+    peer: &'static str,
+}
+
+impl<'a> Deadline<'a> {
+    pub(crate) fn new(stream: &'a mut Stream, timeout: Duration, peer: &'static str) -> Self {
+        Deadline {
+            stream,
+            until: Instant::now() + timeout,
+            timeout,
+            peer,
+        }
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "the {} took longer than {:?} over the handshake",
+                    self.peer, self.timeout
+                ),
+            ));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
     }
 }

@@ -139,6 +139,29 @@ fn shrinking_a_device_under_another_is_refused_or_fails_its_io() {
     assert!(daemon.log().contains("cannot restore device 'top'"));
 }
 
+/// An error reaches a structured-reply client as an error chunk with the error's words.
+/// Words of more than 994 bytes (a path of 1,000 characters in "past the end of the file")
+/// made a chunk payload over qemu's limit of 1,000 bytes: qemu refused the reply, and the
+/// read failed with EINVAL instead of EIO (found with a remote whose error messages were
+/// 64 KiB long; libnbd, without that limit, saw EIO). The words are cut to fit now.
+#[test]
+fn a_long_error_message_still_reaches_qemu_as_eio() {
+    let daemon = Daemon::start("long-error-message");
+    let part = "d".repeat(200);
+    let deep = daemon.dir.path(&[part.as_str(); 5].join("/"));
+    std::fs::create_dir_all(&deep).unwrap();
+    let file = deep.join("f.img");
+    std::fs::File::create(&file).unwrap().set_len(MIB).unwrap();
+    daemon.create("long", &linear_table(&file, MIB));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(64 << 10)
+        .unwrap();
+    qemu_io_eio(&daemon.uri("long"), "read 512k 4k");
+}
+
 /// Someone truncates a clone's source file while it hydrates (an operator's slip, a script
 /// reusing the name). What is gone must not come back as zeroes: reads of it fail, and the
 /// hydration never marks those regions copied, so restoring the file lets it finish right.

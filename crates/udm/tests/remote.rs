@@ -256,3 +256,49 @@ fn a_source_that_fails_for_good_is_retried_with_a_growing_backoff() {
     let retries = log.matches("will retry").count();
     assert!(retries <= 10, "{retries} copy retries in 4 s:\n{log}");
 }
+
+/// A remote that stops reading (its process hung; here stopped with SIGSTOP) held the NBD
+/// event loop that started a write to it: the write's send waited for room in the socket,
+/// up to the remote timeout, and so did every other device that loop served (found by
+/// reading the client's send path). What the socket cannot take is now sent by a thread of
+/// its own. One loop, so that the other device is on the loop the write starts on.
+#[test]
+fn a_remote_that_stops_reading_holds_up_no_other_device() {
+    let daemon = Daemon::start_with(
+        "remote-stops-reading",
+        &["--remote-timeout", "10", "--nbd-loops", "1"],
+    );
+    let socket = daemon.dir.path("nbdkit.sock");
+    let args = ["-f", "-U", socket.to_str().unwrap(), "memory", "64M"];
+    let peer = Peer::start("nbdkit", &args, &socket);
+    let table = format!("0 {} linear {} 0", 64 * MIB / 512, remote(&socket));
+    daemon.create("stalled", &table);
+    daemon.create_linear("other", "other.img", 16 * MIB);
+    let pid = peer.0.id() as libc::pid_t;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let stalled = daemon.uri("stalled");
+    let writer = std::thread::spawn(move || qemu_io(&stalled, "write -P 0x11 0 8M"));
+    // Reads of the other device for 3 s, while the write waits for the stopped remote.
+    let started = Instant::now();
+    let (mut reads, mut slowest) = (0, Duration::ZERO);
+    while started.elapsed() < Duration::from_secs(3) {
+        let read = Instant::now();
+        qemu_io_ok(&daemon.uri("other"), &["read 0 64k"]);
+        slowest = slowest.max(read.elapsed());
+        reads += 1;
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(
+        slowest < Duration::from_secs(2),
+        "a read of another device took {slowest:?} ({reads} reads)"
+    );
+    assert!(
+        !writer.is_finished(),
+        "the write did not wait for the remote"
+    );
+    let (ok, out) = writer.join().unwrap();
+    assert!(ok, "{out}");
+    qemu_io_ok(&daemon.uri("stalled"), &["read -P 0x11 0 8M"]);
+}

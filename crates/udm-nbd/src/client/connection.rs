@@ -6,7 +6,8 @@ use parking_lot::{Condvar, Mutex};
 use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_block::{BlockError, Extent};
@@ -54,6 +55,8 @@ pub(super) struct SlotState {
     /// chunks could add up to `received` with some of the buffer never written.
     pub(super) covered: Covered,
     pub(super) extents: Vec<Extent>,
+    /// The `base:allocation` chunk of a block status reply came: a second one is an error.
+    pub(super) described: bool,
     pub(super) error: Option<BlockError>,
     pub(super) outcome: Option<Outcome>,
     /// A mapped request: nobody waits in `wait_reply`; the slot settles by calling this
@@ -163,7 +166,7 @@ const SLICES_PER_WRITE: usize = 512;
 /// One established connection.
 pub(super) struct Conn {
     pub(super) info: ExportInfo,
-    pub(super) writer: Mutex<Stream>,
+    pub(super) writer: Mutex<Writer>,
     /// A second handle used only to shut the socket down, which must work while a writer
     /// holds `writer`.
     pub(super) control: Stream,
@@ -177,6 +180,9 @@ pub(super) struct Conn {
     pub(super) partial: AtomicU64,
     /// Mapped requests to send together (see [`Conn::queue`]).
     outbox: Mutex<Vec<Outgoing>>,
+    /// A thread is sending the outbox and backlog, waiting for the socket (see
+    /// `Shared::send_outbox`); whatever is queued meanwhile it sends too.
+    pub(super) sender: AtomicBool,
 }
 
 impl Conn {
@@ -186,11 +192,12 @@ impl Conn {
         let conn = Conn {
             info,
             control: stream.try_clone()?,
-            writer: Mutex::new(stream),
+            writer: Mutex::new(Writer::new(stream)),
             in_flight: Mutex::new(InFlight::default()),
             replies: AtomicU64::new(0),
             partial: AtomicU64::new(0),
             outbox: Mutex::new(Vec::new()),
+            sender: AtomicBool::new(false),
         };
         Ok((Arc::new(conn), reader))
     }
@@ -218,13 +225,22 @@ impl Conn {
         self.in_flight.lock().slots.get(&cookie).cloned()
     }
 
+    /// Sends a request, waiting for the socket (up to its send timeout): after what the
+    /// outbox left unsent (see [`Conn::send_outbox`]), which must go first.
     pub(super) fn send(&self, header: &[u8; REQUEST_HEADER_LEN], data: &[u8]) -> io::Result<()> {
         let mut writer = self.writer.lock();
-        if data.is_empty() {
-            writer.write_all(header)
-        } else {
-            writer.write_all_vectored(&mut [IoSlice::new(header), IoSlice::new(data)])
-        }
+        let (backlog, sent) = writer.write_backlog(true);
+        let result = sent.and_then(|_| {
+            if data.is_empty() {
+                writer.stream.write_all(header)
+            } else {
+                let mut slices = [IoSlice::new(header), IoSlice::new(data)];
+                writer.stream.write_all_vectored(&mut slices)
+            }
+        });
+        drop(writer);
+        backlog.iter().for_each(|slot| finish_send(slot));
+        result
     }
 
     /// Puts a mapped request in the outbox. True when the outbox was empty: the caller is
@@ -235,12 +251,72 @@ impl Conn {
         outbox.len() == 1
     }
 
-    /// Writes every request in the outbox, as few writes as there are [`SLICES_PER_WRITE`]s
-    /// in it; returns how that went and their slots, whose sends are then over.
-    pub(super) fn send_outbox(&self) -> (io::Result<()>, Vec<Arc<Slot>>) {
+    /// Whether requests wait in the outbox.
+    pub(super) fn has_outbox(&self) -> bool {
+        !self.outbox.lock().is_empty()
+    }
+
+    /// Writes the backlog and then every request in the outbox, in as few writes as there
+    /// are [`SLICES_PER_WRITE`]s in them. With `wait` false it never waits, neither for the
+    /// writer nor for room in the socket (it runs on the executor's thread, which serves
+    /// other connections too): what the socket cannot take now stays in the backlog, or in
+    /// the outbox when another thread holds the writer, and `Ok(false)` says that someone
+    /// must send it waiting. Returns the slots whose sends are over (written, or failed with
+    /// the connection).
+    pub(super) fn send_outbox(&self, wait: bool) -> (io::Result<bool>, Vec<Arc<Slot>>) {
+        let mut writer = match wait {
+            true => self.writer.lock(),
+            false => match self.writer.try_lock() {
+                Some(writer) => writer,
+                None => return (Ok(false), Vec::new()),
+            },
+        };
         let outbox = std::mem::take(&mut *self.outbox.lock());
-        let mut slices = Vec::with_capacity(2 * outbox.len());
-        for outgoing in &outbox {
+        writer.backlog.extend(outbox);
+        let (slots, result) = writer.write_backlog(wait);
+        (result, slots)
+    }
+}
+
+/// A connection's writing side: the socket, and the requests of an outbox that a send which
+/// was not to wait left unsent, or sent in part.
+pub(super) struct Writer {
+    pub(super) stream: Stream,
+    /// Nothing else may be written before these, the first `sent` bytes of which are out.
+    backlog: Vec<Outgoing>,
+    sent: usize,
+}
+
+impl Writer {
+    fn new(stream: Stream) -> Writer {
+        Writer {
+            stream,
+            backlog: Vec::new(),
+            sent: 0,
+        }
+    }
+
+    /// Whether a request written now would start at a request's boundary.
+    pub(super) fn idle(&self) -> bool {
+        self.backlog.is_empty()
+    }
+
+    /// Writes the backlog, waiting for room in the socket if `wait`. Returns the slots whose
+    /// sends are over (all of them, or none if the socket took only part: `Ok(false)`); on an
+    /// error the backlog is dropped, and its slots are lost with the connection.
+    fn write_backlog(&mut self, wait: bool) -> (Vec<Arc<Slot>>, io::Result<bool>) {
+        let result = self.write_out(wait);
+        if matches!(result, Ok(false)) {
+            return (Vec::new(), result);
+        }
+        self.sent = 0;
+        let slots = self.backlog.drain(..).map(|o| o.slot).collect();
+        (slots, result)
+    }
+
+    fn write_out(&mut self, wait: bool) -> io::Result<bool> {
+        let mut slices = Vec::with_capacity(2 * self.backlog.len());
+        for outgoing in &self.backlog {
             slices.push(IoSlice::new(&outgoing.header));
             if outgoing.len > 0 {
                 // SAFETY: see `Outgoing::new`; the slot's send is not over before this returns.
@@ -248,15 +324,39 @@ impl Conn {
                 slices.push(IoSlice::new(data));
             }
         }
-        let result = {
-            let mut writer = self.writer.lock();
-            slices
-                .chunks_mut(SLICES_PER_WRITE)
-                .try_for_each(|chunk| writer.write_all_vectored(chunk))
-        };
-        drop(slices);
-        (result, outbox.into_iter().map(|o| o.slot).collect())
+        let mut left = &mut slices[..];
+        IoSlice::advance_slices(&mut left, self.sent);
+        while !left.is_empty() {
+            let n = left.len().min(SLICES_PER_WRITE);
+            match send_slices(&self.stream, &left[..n], wait) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(written) => {
+                    self.sent += written;
+                    IoSlice::advance_slices(&mut left, written);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && !wait => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
     }
+}
+
+/// One sendmsg of `slices`; without `wait`, it takes what the socket has room for now.
+fn send_slices(stream: &Stream, slices: &[IoSlice<'_>], wait: bool) -> io::Result<usize> {
+    // SAFETY: an all-zero msghdr is a valid empty one.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // IoSlice is an iovec on Unix, by its documentation.
+    msg.msg_iov = slices.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = slices.len();
+    let flags = libc::MSG_NOSIGNAL | if wait { 0 } else { libc::MSG_DONTWAIT };
+    // SAFETY: the iovecs point into live buffers for the call.
+    let n = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, flags) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
 }
 
 /// A polite goodbye (the server may already be gone; nothing depends on it arriving).

@@ -10,7 +10,7 @@ use log::{debug, warn};
 
 use super::{ClientError, ClientOptions, MAX_REQUEST, SECTOR};
 use crate::protocol::*;
-use crate::stream::Stream;
+use crate::stream::{Deadline, Stream};
 use crate::uri::{NbdAddress, NbdUri};
 
 /// Option replies are small (info, context names, messages of at most 4 KiB); anything
@@ -122,7 +122,8 @@ impl Target {
             .and_then(|()| stream.set_write_timeout(timeout))
             .map_err(|e| self.handshake_io(e))?;
         let mut stream = stream;
-        let info = self.handshake(&mut stream)?;
+        let timeout = self.options.connect_timeout;
+        let info = self.handshake(&mut Deadline::new(&mut stream, timeout, "server"))?;
         // The reply reader never blocks on the socket (see `poller`); a writer stuck on a
         // server that stopped reading gives up after io_timeout.
         stream
@@ -157,7 +158,7 @@ impl Target {
         }
     }
 
-    fn handshake(&self, s: &mut Stream) -> Result<ExportInfo, ClientError> {
+    fn handshake(&self, s: &mut Deadline<'_>) -> Result<ExportInfo, ClientError> {
         let mut greeting = [0u8; 18];
         s.read_exact(&mut greeting).map_err(|e| {
             if !is_timeout(&e) {
@@ -215,13 +216,22 @@ impl Target {
         })
     }
 
-    fn send_option(&self, s: &mut Stream, option: u32, data: &[u8]) -> Result<(), ClientError> {
+    fn send_option(
+        &self,
+        s: &mut Deadline<'_>,
+        option: u32,
+        data: &[u8],
+    ) -> Result<(), ClientError> {
         s.write_all(&encode_option(option, data))
             .map_err(|e| self.handshake_io(e))
     }
 
     /// Reads one reply to `option`: its type and data.
-    fn option_reply(&self, s: &mut Stream, option: u32) -> Result<(u32, Vec<u8>), ClientError> {
+    fn option_reply(
+        &self,
+        s: &mut Deadline<'_>,
+        option: u32,
+    ) -> Result<(u32, Vec<u8>), ClientError> {
         let mut header = [0u8; OPTION_REPLY_HEADER_LEN];
         s.read_exact(&mut header)
             .map_err(|e| self.handshake_io(e))?;
@@ -249,7 +259,7 @@ impl Target {
         }
     }
 
-    fn negotiate_structured_replies(&self, s: &mut Stream) -> Result<bool, ClientError> {
+    fn negotiate_structured_replies(&self, s: &mut Deadline<'_>) -> Result<bool, ClientError> {
         self.send_option(s, OPT_STRUCTURED_REPLY, &[])?;
         match self.option_reply(s, OPT_STRUCTURED_REPLY)? {
             (REP_ACK, _) => Ok(true),
@@ -268,7 +278,7 @@ impl Target {
         }
     }
 
-    fn negotiate_base_allocation(&self, s: &mut Stream) -> Result<Option<u32>, ClientError> {
+    fn negotiate_base_allocation(&self, s: &mut Deadline<'_>) -> Result<Option<u32>, ClientError> {
         let data = encode_meta_context_request(&self.export, &[BASE_ALLOCATION]);
         self.send_option(s, OPT_SET_META_CONTEXT, &data)?;
         let mut id = None;
@@ -300,7 +310,7 @@ impl Target {
     }
 
     /// NBD_OPT_GO; `None` if the server does not know it (then NBD_OPT_EXPORT_NAME is the way).
-    fn go(&self, s: &mut Stream) -> Result<Option<Selected>, ClientError> {
+    fn go(&self, s: &mut Deadline<'_>) -> Result<Option<Selected>, ClientError> {
         let data = encode_info_request(&self.export, &[INFO_BLOCK_SIZE]);
         self.send_option(s, OPT_GO, &data)?;
         let mut export = None;
@@ -331,7 +341,7 @@ impl Target {
     }
 
     /// The old way to pick an export; a server that does not have it just hangs up.
-    fn export_name(&self, s: &mut Stream, no_zeroes: bool) -> Result<Selected, ClientError> {
+    fn export_name(&self, s: &mut Deadline<'_>, no_zeroes: bool) -> Result<Selected, ClientError> {
         self.send_option(s, OPT_EXPORT_NAME, self.export.as_bytes())?;
         let mut reply = vec![0u8; if no_zeroes { 10 } else { 134 }];
         match s.read_exact(&mut reply) {

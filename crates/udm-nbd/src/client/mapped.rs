@@ -17,6 +17,7 @@
 //! methods, which wait for the connection (or, with `fail_fast`, fail at once, for a
 //! multipath to send the request down another path).
 
+use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -89,9 +90,11 @@ impl NbdClient {
                 }
                 (CMD_WRITE, if fua { CMD_FLAG_FUA } else { 0 })
             }
-            // Nothing to make durable (see `flush`): done at once.
-            MapOp::Flush if !info.has(TF_SEND_FLUSH) || self.read_only(&info) => {
-                return Some(Mapping::new())
+            // Nothing to make durable (see `flush`): done at once, unless there are lost
+            // writes to report, which the synchronous way does.
+            MapOp::Flush if self.flush_sends_nothing(&info) => {
+                let lost = self.shared.writes_lost.load(Ordering::Acquire);
+                return (!lost).then(Mapping::new);
             }
             MapOp::Flush => (CMD_FLUSH, 0),
             _ => return None,
@@ -189,16 +192,62 @@ impl Shared {
         }
     }
 
-    /// Writes the connection's outbox; every request in it has been sent (or is lost, with
-    /// the connection, when the write fails) and may settle.
-    fn send_outbox(&self, conn: &Arc<Conn>) {
-        let (result, slots) = conn.send_outbox();
-        if let Err(e) = result {
+    /// Writes the connection's outbox without waiting (this is the executor's thread, which
+    /// serves other connections too): what the socket cannot take now, or all of it when
+    /// another thread is writing, is left to a sender thread, which waits for the socket.
+    /// Every request written (or lost, with the connection, when the write fails) may settle.
+    fn send_outbox(self: &Arc<Self>, conn: &Arc<Conn>) {
+        // A sender at work takes what was queued since, as it ends.
+        if conn.sender.load(Ordering::SeqCst) {
+            return;
+        }
+        if !self.settle_sends(conn, conn.send_outbox(false)) {
+            self.start_sender(conn);
+        }
+    }
+
+    /// Settles the slots whose sends are over; false when some requests are still to be
+    /// sent, waiting.
+    fn settle_sends(&self, conn: &Arc<Conn>, sent: (io::Result<bool>, Vec<Arc<Slot>>)) -> bool {
+        let (result, slots) = sent;
+        let all = result.unwrap_or_else(|e| {
             // Breaking the connection marks these slots lost too: they settle once sent.
             self.connection_lost(conn, &format!("sending a request: {e}"));
-        }
+            true
+        });
         for slot in slots {
             finish_send(&slot);
+        }
+        all
+    }
+
+    /// Starts the thread that sends, waiting, what the outbox and backlog hold, unless one
+    /// is at work. One at a time per connection; it ends when nothing is left.
+    fn start_sender(self: &Arc<Self>, conn: &Arc<Conn>) {
+        if conn.sender.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (shared, sent) = (self.clone(), conn.clone());
+        let spawned = std::thread::Builder::new()
+            .name("nbd-sender".into())
+            .spawn(move || shared.send_waiting(&sent));
+        if let Err(e) = spawned {
+            // Sending here, waiting, beats leaving the requests unsent for ever.
+            warn!("nbd: cannot start a sender thread: {e}");
+            self.send_waiting(conn);
+        }
+    }
+
+    /// The sender thread's work: until the outbox stays empty. The flag is cleared before
+    /// the outbox is looked at, and a queuer fills the outbox before looking at the flag,
+    /// so one of them sees the other's request.
+    fn send_waiting(&self, conn: &Arc<Conn>) {
+        loop {
+            self.settle_sends(conn, conn.send_outbox(true));
+            conn.sender.store(false, Ordering::SeqCst);
+            if !conn.has_outbox() || conn.sender.swap(true, Ordering::SeqCst) {
+                return;
+            }
         }
     }
 }

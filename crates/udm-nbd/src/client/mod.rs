@@ -212,6 +212,13 @@ impl NbdClient {
         self.shared.target.options.read_only || info.has(TF_READ_ONLY)
     }
 
+    /// A server without FLUSH writes through, and a read-only client writes nothing: either
+    /// way a flush has nothing to make durable, and no reason to wait for a server that is
+    /// down.
+    fn flush_sends_nothing(&self, info: &ExportInfo) -> bool {
+        !info.has(TF_SEND_FLUSH) || self.read_only(info)
+    }
+
     fn check_writable(&self, info: &ExportInfo) -> udm_block::Result<()> {
         if self.read_only(info) {
             return Err(BlockError::ReadOnly(format!(
@@ -305,12 +312,11 @@ impl BlockDevice for NbdClient {
     }
 
     fn flush(&self) -> udm_block::Result<()> {
-        // A server without FLUSH writes through, and a read-only client wrote nothing: either
-        // way there is nothing to make durable, and no reason to wait for a server that is
-        // down.
         let info = self.info();
-        if !info.has(TF_SEND_FLUSH) || self.read_only(&info) {
-            return Ok(());
+        if self.flush_sends_nothing(&info) {
+            // Writes an earlier connection's server acknowledged and may have lost are still
+            // reported: that server may have come back read-only, or without FLUSH.
+            return reconnect::take_writes_lost(&self.shared.writes_lost).map_or(Ok(()), Err);
         }
         // A flush that fails (no connection, with `fail_fast`) reports lost writes all the
         // same: its caller may be a multipath that would take a connection error for its
@@ -398,9 +404,9 @@ impl BlockDevice for NbdClient {
         self.shared.changed.notify_all();
         if let Some(conn) = conn {
             // A writer stuck on a server that stopped reading must not hold us up: the goodbye
-            // is skipped then.
-            if let Some(mut writer) = conn.writer.try_lock() {
-                disconnect(&mut writer);
+            // is skipped then, and when a request is part-written (it would end inside it).
+            if let Some(mut writer) = conn.writer.try_lock().filter(|w| w.idle()) {
+                disconnect(&mut writer.stream);
             }
             // The reply reader sees the socket end and marks the connection lost; the
             // requests it had in flight are then resent, find the client closing and fail.

@@ -228,7 +228,7 @@ impl Shared {
         if state.closing || state.failed.is_some() {
             drop(state);
             self.changed.notify_all();
-            disconnect(&mut conn.writer.lock());
+            disconnect(&mut conn.writer.lock().stream);
             return None;
         }
         state.conn = Some(conn.clone());

@@ -16,6 +16,9 @@ use crate::protocol::*;
 
 /// Block status and error chunks are buffered; a sane one is far smaller.
 const MAX_CHUNK_PAYLOAD: u32 = 16 << 20;
+/// The most separate pieces a read's reply may be in, while it comes (see `cover`): servers
+/// send a read's chunks in order, each joining the last, so a reply is most often one.
+const MAX_PIECES: usize = 1024;
 
 /// How a connection ended, from the reader's side.
 #[derive(Debug, Error)]
@@ -173,6 +176,13 @@ pub(super) fn read_reply(
             if Some(context) == conn.info.base_allocation {
                 let mut st = slot.state.lock();
                 if st.cookie == chunk.cookie {
+                    // One chunk per context: a second one would be taken for the runs after
+                    // the first one's, describing part of the range twice (data as a hole).
+                    if std::mem::replace(&mut st.described, true) {
+                        return Err(ReplyError::Protocol(
+                            "a second block status chunk for base:allocation".into(),
+                        ));
+                    }
                     st.extents
                         .extend(descriptors.into_iter().filter(|(len, _)| *len > 0).map(
                             |(len, flags)| Extent {
@@ -309,6 +319,13 @@ fn begin_fill(slot: &Slot, cookie: u64, at: usize, len: usize) -> Result<Option<
                     slot.offset + at as u64,
                     slot.len,
                     slot.offset
+                )));
+            }
+            // Each separate piece costs memory until the gaps are filled.
+            if st.covered.len() > MAX_PIECES {
+                return Err(ReplyError::Protocol(format!(
+                    "the reply to the read of {} at {} in more than {MAX_PIECES} pieces",
+                    slot.len, slot.offset
                 )));
             }
             debug_assert!(at + len <= dest.len);
@@ -527,6 +544,35 @@ mod tests {
         assert!(cover(&mut covered, 2048, 512));
         assert!(cover(&mut covered, 1536, 512));
         assert_eq!(covered[..], [(0, 2560)]);
+    }
+
+    /// Each separate piece of a read's reply costs an entry in its `covered` list: a server
+    /// that sent a 32 MiB read as a byte at every other offset made 16 million of them, 256
+    /// MiB, for each read in flight (found by reading `cover`). A reply in more pieces than
+    /// [`MAX_PIECES`] is a protocol error now.
+    #[test]
+    fn a_read_reply_in_too_many_separate_pieces_is_refused() {
+        let mut buf = vec![0u8; 1 << 20];
+        let dest = Dest {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        };
+        let state = SlotState {
+            cookie: 7,
+            dest: Some(dest),
+            ..SlotState::default()
+        };
+        let slot = Slot::new(CMD_READ, 0, buf.len() as u32, state);
+        let piece = |i: usize| begin_fill(&slot, 7, 2 * i, 1);
+        for i in 0..MAX_PIECES {
+            assert!(piece(i).unwrap().is_some(), "piece {i}");
+            end_fill(&slot, true, 1);
+        }
+        assert!(
+            piece(MAX_PIECES).is_err(),
+            "{} pieces taken",
+            MAX_PIECES + 1
+        );
     }
 
     #[test]

@@ -134,6 +134,10 @@ enum First {
     OverlappingChunks,
     /// With a reply header and half the read's data, and then nothing.
     HalfReply,
+    /// With structured replies and `base:allocation` negotiated (on that connection only),
+    /// with two block status chunks for the context: data for the first half of the range,
+    /// then a hole for the second half.
+    TwoStatusChunks,
 }
 
 impl MinimalServer {
@@ -178,7 +182,16 @@ impl MinimalServer {
             let len = u32::from_be_bytes(header[12..16].try_into().unwrap());
             let mut data = vec![0u8; len as usize];
             s.read_exact(&mut data).unwrap();
-            if option == OPT_STRUCTURED_REPLY && first == First::OverlappingChunks {
+            let structured = matches!(first, First::OverlappingChunks | First::TwoStatusChunks);
+            if option == OPT_STRUCTURED_REPLY && structured {
+                s.write_all(&option_reply(option, REP_ACK, &[])).unwrap();
+                continue;
+            }
+            if option == OPT_SET_META_CONTEXT && first == First::TwoStatusChunks {
+                let mut context = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+                context.extend_from_slice(BASE_ALLOCATION.as_bytes());
+                s.write_all(&option_reply(option, REP_META_CONTEXT, &context))
+                    .unwrap();
                 s.write_all(&option_reply(option, REP_ACK, &[])).unwrap();
                 continue;
             }
@@ -211,6 +224,17 @@ impl MinimalServer {
                         chunks.extend(chunk_header(flags, CHUNK_OFFSET_DATA, r.cookie, half + 8));
                         chunks.extend(r.offset.to_be_bytes());
                         chunks.extend(&data);
+                    }
+                    Some(chunks)
+                }
+                First::TwoStatusChunks => {
+                    let half = r.length / 2;
+                    let mut chunks = Vec::new();
+                    for (flags, extent) in [(0, 0), (CHUNK_FLAG_DONE, EXTENT_HOLE | EXTENT_ZERO)] {
+                        chunks.extend(chunk_header(flags, CHUNK_BLOCK_STATUS, r.cookie, 12));
+                        chunks.extend(BASE_ALLOCATION_ID.to_be_bytes());
+                        chunks.extend(half.to_be_bytes());
+                        chunks.extend(extent.to_be_bytes());
                     }
                     Some(chunks)
                 }
@@ -332,6 +356,27 @@ fn overlapping_read_chunks_are_a_protocol_error() {
     read_again_after("overlap", First::OverlappingChunks, 9);
 }
 
+/// One block status chunk per context, says the protocol. A second one for `base:allocation`
+/// was taken for the runs after the first's: a server that sent data for the first half and
+/// then a hole for the same first half had the second half, data, described as a hole, and a
+/// copy by the map (nbdcopy through udm's export, a clone probing for zeroes) would have
+/// written zeroes over it (found by reading the reply code). It is a protocol error now: the
+/// client hangs up and asks again on a new connection.
+#[test]
+fn a_second_block_status_chunk_for_a_context_is_a_protocol_error() {
+    let dir = scratch("two-status-chunks");
+    let (server, thread) = MinimalServer::start(&dir, First::TwoStatusChunks);
+    let client = NbdClient::connect(&uri(&dir), options(Duration::from_secs(5))).unwrap();
+    // The second connection has no block status: all data.
+    assert_eq!(
+        client.block_status(0, MIB).unwrap(),
+        vec![Extent::data(MIB)]
+    );
+    assert_eq!(server.connections.load(Ordering::Acquire), 2);
+    drop(client);
+    thread.join().unwrap();
+}
+
 /// One thread reads every client's replies, and it waits on no single server: one that
 /// sends half a reply and stalls holds up no other client's reads. Its own read fails after
 /// `io_timeout`, the connection dropped as a stalled one: the next read goes on a new one.
@@ -386,4 +431,64 @@ fn a_server_that_never_greets_is_reported_as_such() {
         .expect("a second client was served");
     let text = err.to_string();
     assert!(text.contains("no greeting within 500ms"), "{text}");
+}
+
+/// The connect timeout bounded each read of the handshake, not the handshake: a server that
+/// answered NBD_OPT_GO with information without end (or trickled its replies a byte at a
+/// time) held the dial for ever, and `udm create` with it the daemon's verbs (found by
+/// reading `dial`). The whole handshake has the connect timeout now.
+#[test]
+fn a_server_that_never_ends_its_handshake_is_given_up_at_the_connect_timeout() {
+    let dir = scratch("endless-handshake");
+    go_server(&dir, |s| {
+        let mut name = INFO_NAME.to_be_bytes().to_vec();
+        name.extend_from_slice(b"more to come");
+        while s.write_all(&option_reply(OPT_GO, REP_INFO, &name)).is_ok() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let options = ClientOptions {
+        connect_timeout: Duration::from_secs(1),
+        ..ClientOptions::default()
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let uri = uri(&dir);
+    std::thread::spawn(move || {
+        let started = Instant::now();
+        let result = NbdClient::connect(&uri, options).map(drop);
+        let _ = tx.send((result, started.elapsed()));
+    });
+    let (result, took) = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the dial was still going after 20 s");
+    let err = result.expect_err("an endless handshake was accepted");
+    assert!(matches!(err, ClientError::Handshake { .. }), "{err}");
+    assert!(took < Duration::from_secs(5), "given up after {took:?}");
+}
+
+/// A server for one connection on the directory's socket that refuses every option until
+/// NBD_OPT_GO, then has `answer` reply to it.
+fn go_server(dir: &TempDir, answer: impl FnOnce(&mut UnixStream) + Send + 'static) {
+    let listener = UnixListener::bind(socket(dir)).unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut greeting = NBDMAGIC.to_be_bytes().to_vec();
+        greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        greeting.extend_from_slice(&FLAG_FIXED_NEWSTYLE.to_be_bytes());
+        s.write_all(&greeting).unwrap();
+        let mut word = [0u8; 4];
+        s.read_exact(&mut word).unwrap();
+        loop {
+            let mut header = [0u8; 16];
+            s.read_exact(&mut header).unwrap();
+            let option = u32::from_be_bytes(header[8..12].try_into().unwrap());
+            let len = u32::from_be_bytes(header[12..16].try_into().unwrap());
+            s.read_exact(&mut vec![0u8; len as usize]).unwrap();
+            if option == OPT_GO {
+                return answer(&mut s);
+            }
+            s.write_all(&option_reply(option, REP_ERR_UNSUP, &[]))
+                .unwrap();
+        }
+    });
 }

@@ -300,3 +300,43 @@ fn a_batch_whose_server_dies_while_it_is_written_has_every_request_retried() {
         started.elapsed()
     );
 }
+
+/// A mapped request is started on the executor's thread (an NBD event loop serving many
+/// connections), which must never wait. Its send waited for the socket: to a server that
+/// stopped reading (a hung process, a full TCP window), a 4 MiB write held the starting
+/// thread until the socket's send timeout, `io_timeout`, and with it every other connection
+/// of that event loop (found by reading `send_outbox`). What the socket cannot take at once
+/// is now left to a thread of its own.
+#[test]
+fn starting_a_mapped_write_to_a_server_that_stopped_reading_does_not_wait() {
+    let dir = scratch("mapped-stopped-reading");
+    let server = nbdkit(&dir, &["memory", "64M"]);
+    let client = connect(&uri(&dir), options(Duration::from_secs(5)));
+    let pid = server.0.id() as libc::pid_t;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let mut data = pattern(4 << 20, 23);
+    let mapping = client
+        .map(MapOp::Write { fua: false }, MIB, data.len() as u64)
+        .expect("mapped");
+    let (tx, rx) = mpsc::channel();
+    let started = Instant::now();
+    // SAFETY: `data` is not touched until the transfer has ended (the wait below).
+    unsafe {
+        mapping.when_ready_with(data.as_mut_ptr(), move |ready| {
+            tx.send(matches!(ready, Ready::Go(_))).unwrap()
+        })
+    };
+    let took = started.elapsed();
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(
+        took < Duration::from_millis(500),
+        "starting the write took {took:?}"
+    );
+    let done = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the write ends");
+    assert!(done, "the write failed once the server read again");
+    assert!(read(&client, MIB, data.len())[..] == data[..]);
+}

@@ -413,3 +413,56 @@ fn kill_server(server: Server, client: &NbdClient) {
         || !client.is_connected(),
     );
 }
+
+/// A server that lost acknowledged writes may come back read-only, or without FLUSH (a
+/// write-through server, by the protocol): the flush after had nothing to send, succeeded,
+/// and the loss was never told, on the synchronous way and as a mapped flush alike (found by
+/// reading `flush`). Both report it now, once.
+#[test]
+fn lost_writes_are_reported_by_a_server_back_read_only_or_without_flush() {
+    for successor in ["read-only", "no-flush"] {
+        let dir = scratch(&format!("lost-writes-{successor}"));
+        let (data, file_arg) = patterned_image(&dir, 21);
+        let server = nbdkit(&dir, &writeback_cache(&file_arg));
+        let client = connect(&uri(&dir), options(Duration::from_secs(10)));
+        client
+            .write(MIB, &pattern(4096, 22), WriteFlags::default())
+            .unwrap();
+        kill_server(server, &client);
+        let args = match successor {
+            "read-only" => vec!["-r".into(), "file".into(), file_arg],
+            _ => without_flush(&dir.path("disk.img")),
+        };
+        let _server = nbdkit(&dir, &args.iter().map(String::as_str).collect::<Vec<_>>());
+        wait_until("the client is back", Duration::from_secs(10), || {
+            client.is_connected()
+        });
+        // A mapped flush must not be done at once: the executor would answer it as a success.
+        let mapped = client.map(udm_block::MapOp::Flush, 0, 0);
+        assert!(
+            mapped.is_none_or(|m| !m.is_ready()),
+            "{successor}: a mapped flush vouched for a write the server lost"
+        );
+        let err = client
+            .flush()
+            .expect_err("a flush vouched for a write the server lost");
+        assert!(
+            matches!(err, BlockError::WritesLost(_)),
+            "{successor}: {err}"
+        );
+        assert!(read(&client, MIB, 4096)[..] == data[MIB as usize..][..4096]);
+        // Said once.
+        client.flush().unwrap();
+    }
+}
+
+/// nbdkit's arguments for a writable export of `image` that does not advertise FLUSH.
+fn without_flush(image: &std::path::Path) -> Vec<String> {
+    let image = image.display();
+    vec![
+        "eval".into(),
+        format!("get_size=stat -c %s {image}"),
+        format!("pread=dd if={image} iflag=skip_bytes,count_bytes skip=$4 count=$3 status=none"),
+        format!("pwrite=dd of={image} oflag=seek_bytes conv=notrunc seek=$4 status=none"),
+    ]
+}
