@@ -421,19 +421,20 @@ fn kill_server(server: Server, client: &NbdClient) {
 #[test]
 fn lost_writes_are_reported_by_a_server_back_read_only_or_without_flush() {
     for successor in ["read-only", "no-flush"] {
-        let dir = scratch(&format!("lost-writes-{successor}"));
-        let (data, file_arg) = patterned_image(&dir, 21);
-        let server = nbdkit(&dir, &writeback_cache(&file_arg));
-        let client = connect(&uri(&dir), options(Duration::from_secs(10)));
-        client
+        let name = format!("lost-writes-{successor}");
+        let mut cached = WritebackCache::start(&name, 21, options(Duration::from_secs(10)));
+        cached
+            .client
             .write(MIB, &pattern(4096, 22), WriteFlags::default())
             .unwrap();
-        kill_server(server, &client);
+        cached.crash();
         let args = match successor {
-            "read-only" => vec!["-r".into(), "file".into(), file_arg],
-            _ => without_flush(&dir.path("disk.img")),
+            "read-only" => vec!["-r".into(), "file".into(), cached.file_arg.clone()],
+            _ => without_flush(&cached.dir.path("disk.img")),
         };
-        let _server = nbdkit(&dir, &args.iter().map(String::as_str).collect::<Vec<_>>());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let _server = nbdkit(&cached.dir, &args);
+        let (client, data) = (&cached.client, &cached.data);
         wait_until("the client is back", Duration::from_secs(10), || {
             client.is_connected()
         });
@@ -450,7 +451,7 @@ fn lost_writes_are_reported_by_a_server_back_read_only_or_without_flush() {
             matches!(err, BlockError::WritesLost(_)),
             "{successor}: {err}"
         );
-        assert!(read(&client, MIB, 4096)[..] == data[MIB as usize..][..4096]);
+        assert!(read(client, MIB, 4096)[..] == data[MIB as usize..][..4096]);
         // Said once.
         client.flush().unwrap();
     }
