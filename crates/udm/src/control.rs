@@ -71,6 +71,9 @@ pub enum Request {
     Ls {
         #[serde(default)]
         tree: bool,
+        /// Only devices with a target of this type.
+        #[serde(default)]
+        target: Option<String>,
     },
     /// Without a name: every device.
     Deps {

@@ -1,6 +1,7 @@
 //! The command line: verbs, their arguments and their help. Every positional argument and
 //! flag says what it is, since `udm VERB --help` is where an admin looks first.
 
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -63,27 +64,45 @@ fn control_socket(after_verb: Option<&Path>, before_verb: Option<&Path>) -> Path
         .unwrap_or_else(|| PathBuf::from(DEFAULT_CONTROL))
 }
 
+/// Where a table comes from: `--table` lines, a file, or standard input, as dmsetup takes it
+/// (`dmsetup create NAME FILE`, `echo TABLE | dmsetup create NAME`).
 #[derive(Args)]
 pub struct TableSource {
     /// A table line `START LEN TARGET ARGS…` in 512-byte sectors (repeat for more lines).
-    #[arg(long = "table", value_name = "LINE", conflicts_with = "table_file")]
+    #[arg(long = "table", value_name = "LINE", conflicts_with_all = ["table_file", "file"])]
     lines: Vec<String>,
     /// A file with the table, one line per segment (`-` for standard input).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "file")]
     table_file: Option<PathBuf>,
+    /// The same as --table-file FILE. Without any of the three, the table is read from
+    /// standard input (unless it is a terminal).
+    #[arg(value_name = "TABLE_FILE")]
+    file: Option<PathBuf>,
 }
 
 impl TableSource {
     pub fn text(&self) -> anyhow::Result<String> {
-        let text = match &self.table_file {
-            Some(path) if path.as_os_str() == "-" => std::io::read_to_string(std::io::stdin())?,
+        let text = match self.table_file.as_ref().or(self.file.as_ref()) {
+            Some(path) if path.as_os_str() == "-" => read_stdin()?,
             Some(path) => std::fs::read_to_string(path)
                 .with_context(|| format!("reading table file {}", path.display()))?,
-            None if self.lines.is_empty() => bail!("give the table with --table or --table-file"),
-            None => self.lines.join("\n"),
+            None if !self.lines.is_empty() => self.lines.join("\n"),
+            None if std::io::stdin().is_terminal() => {
+                bail!("give the table with --table, --table-file or a file, or on standard input")
+            }
+            None => read_stdin()?,
         };
         client::absolutize_table(&text)
     }
+}
+
+/// The table on standard input: at least one line.
+fn read_stdin() -> anyhow::Result<String> {
+    let text = std::io::read_to_string(std::io::stdin()).context("reading the table")?;
+    if text.trim().is_empty() {
+        bail!("no table on standard input: give it there, or with --table or --table-file");
+    }
+    Ok(text)
 }
 
 #[derive(Subcommand)]
@@ -224,6 +243,9 @@ pub enum Command {
         /// Show what each device is built on.
         #[arg(long)]
         tree: bool,
+        /// Only devices with at least one target of this type.
+        #[arg(long, value_name = "TYPE")]
+        target: Option<String>,
         /// Print the list as JSON.
         #[arg(long)]
         json: bool,

@@ -157,9 +157,14 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
         } => (control, Request::Deps { name }, Print::json_or_text(json)),
         Command::Ls {
             tree,
+            target,
             json,
             control,
-        } => (control, Request::Ls { tree }, Print::json_or_text(json)),
+        } => (
+            control,
+            Request::Ls { tree, target },
+            Print::json_or_text(json),
+        ),
         Command::Wait {
             name,
             event_nr,

@@ -244,7 +244,7 @@ fn execute(
             } => report::table(registry, name.as_deref(), target.as_deref(), inactive)?,
             Request::Info { name } => report::info(registry, name.as_deref(), exports)?,
             Request::Deps { name } => report::deps(registry, name.as_deref())?,
-            Request::Ls { tree } => report::ls(registry, tree),
+            Request::Ls { tree, target } => report::ls(registry, tree, target.as_deref()),
             Request::Wait { name, event_nr } => wait(registry, &name, event_nr, client)?,
             Request::Rename {
                 name,

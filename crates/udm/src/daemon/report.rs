@@ -270,8 +270,16 @@ pub fn deps(registry: &Registry, name: Option<&str>) -> Result<Response> {
     Ok(listing(name, &devices, out, data))
 }
 
-pub fn ls(registry: &Registry, tree: bool) -> Response {
-    let devices = registry.all();
+/// `target`: only devices whose live table has a target of that type (dmsetup ls --target).
+pub fn ls(registry: &Registry, tree: bool, target: Option<&str>) -> Response {
+    let mut devices = registry.all();
+    if let Some(target) = target {
+        devices.retain(|d| {
+            let table = d.live();
+            let mut segments = table.segments().iter();
+            segments.any(|s| s.target.type_name() == target)
+        });
+    }
     if devices.is_empty() {
         return Response {
             data: Some(json!([])),

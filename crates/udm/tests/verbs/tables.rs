@@ -96,3 +96,49 @@ fn mapper_nodes_name_udm_devices_in_verbs_and_tables() {
         "{err}"
     );
 }
+
+/// dmsetup takes a table from a file named after the device or from standard input
+/// (`echo TABLE | dmsetup create NAME`, the form of most scripts), and lists the devices with a
+/// target of one type (`ls --target`). udm wanted --table or --table-file.
+#[test]
+fn tables_come_from_a_file_argument_or_standard_input_as_with_dmsetup() {
+    use std::io::Write;
+    let daemon = Daemon::start("table-stdin");
+    let disk = daemon.sparse("disk.img", 4 * MIB);
+    let piped = |args: &[&str], table: &str| {
+        let mut child = std::process::Command::new(UDM)
+            .args(args)
+            .env("UDM_CONTROL", daemon.control())
+            .stdin(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(table.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let line = format!("0 8192 linear {} 0\n", disk.display());
+    assert!(piped(&["create", "piped"], &line).status.success());
+    assert_eq!(daemon.udm(&["table", "piped"]), line.trim_end());
+    assert!(piped(&["load", "piped"], "0 4096 zero").status.success());
+    daemon.udm(&["resume", "piped"]);
+    assert_eq!(daemon.udm(&["table", "piped"]), "0 4096 zero");
+    let file = daemon.dir.path("named.table");
+    std::fs::write(&file, &line).unwrap();
+    daemon.udm(&["create", "named", file.to_str().unwrap()]);
+    assert_eq!(
+        daemon.udm(&["ls", "--target", "linear"]),
+        "named\t(8192 sectors)"
+    );
+    // Nothing on standard input says so, in one line.
+    let out = piped(&["create", "empty"], "");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no table on standard input"),
+        "{err}"
+    );
+}
