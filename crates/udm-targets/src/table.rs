@@ -304,7 +304,7 @@ impl BlockDevice for Table {
     }
 
     fn flush(&self) -> Result<()> {
-        self.segments.iter().try_for_each(|s| s.target.flush())
+        udm_block::flush_every(self.segments.iter().map(|s| &*s.target))
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
@@ -370,7 +370,8 @@ impl BlockDevice for Table {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{build, memory_resolver};
+    use crate::testing::{build, memory_resolver, Devices, Switchable};
+    use std::sync::atomic::Ordering;
     use udm_testkit::conformance;
 
     #[test]
@@ -492,6 +493,36 @@ mod tests {
         assert!(table.block_status(table.size() - 512, 1024).is_err());
     }
 
+    /// An `error` segment masks a bad region of a disk, as in dm ("useful for bringing up
+    /// LVs that have holes in them"): it has nothing to make durable, so a flush of the table
+    /// succeeds and reaches the other segments.
+    #[test]
+    fn a_flush_of_a_table_with_an_error_segment_syncs_the_rest() {
+        let resolver = Devices::default();
+        let disk = Arc::new(Switchable::new(4 << 20));
+        resolver.add("disk", disk.clone(), false);
+        let table = build(&resolver, "0 2048 error\n2048 2048 linear disk 2048").unwrap();
+        table.flush().unwrap();
+        assert_eq!(disk.flushes.load(Ordering::SeqCst), 1);
+    }
+
+    /// One segment whose flush fails fails the flush, but the other segments' writes are
+    /// still made durable: dm sends the flush to every target.
+    #[test]
+    fn a_failing_segment_does_not_keep_the_flush_from_the_others() {
+        let resolver = Devices::default();
+        let (a, b) = (
+            Arc::new(Switchable::new(1 << 20)),
+            Arc::new(Switchable::new(1 << 20)),
+        );
+        resolver.add("a", a.clone(), false);
+        resolver.add("b", b.clone(), false);
+        let table = build(&resolver, "0 2048 linear a 0\n2048 2048 linear b 0").unwrap();
+        a.fail_writes.store(true, Ordering::SeqCst);
+        assert_eq!(table.flush().unwrap_err().errno(), libc::EIO);
+        assert_eq!(b.flushes.load(Ordering::SeqCst), 1, "b was never synced");
+    }
+
     #[test]
     fn message_goes_to_the_segment_at_the_sector() {
         let resolver = memory_resolver(&[("a", 4 << 20)]);
@@ -514,6 +545,28 @@ mod map_tests {
         let path = dir.sparse(name, 1 << 20);
         let dev = Arc::new(FileDevice::open(&path, OpenMode::ReadWrite).unwrap());
         (path, dev)
+    }
+
+    /// On the io_uring way too: the error segment adds nothing to sync, the file is synced.
+    #[test]
+    fn a_flush_of_a_table_with_an_error_segment_stays_mapped() {
+        let dir = udm_testkit::TempDir::new("table-map-error");
+        let (a_path, a) = file(&dir, "a.img");
+        let files = Devices::default();
+        files.add("a", a, false);
+        let table = build(&files, "0 8 error\n8 8 linear a 0").unwrap();
+        let flush = table
+            .map(MapOp::Flush, 0, 0)
+            .expect("the flush went the slow way");
+        let synced: Vec<_> = flush
+            .pieces
+            .iter()
+            .map(|p| match &p.place {
+                Place::File { file, .. } => Some(file.path().to_path_buf()),
+                Place::Zero => None,
+            })
+            .collect();
+        assert_eq!(synced, [Some(a_path)]);
     }
 
     #[test]
