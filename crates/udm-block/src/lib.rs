@@ -31,6 +31,7 @@ pub use export::{Export, ExportCatalog, MetaContext};
 pub use file::{FileDevice, OpenMode};
 pub use map::{
     Callbacks, Completed, Holds, MapOp, MappedFile, Mapping, OnComplete, Piece, Pieces, Place,
+    MAX_MAPPED_PIECES,
 };
 pub use memory::MemoryDevice;
 pub use pending::{Done, Pending, Ready, Transfer, TransferBuf};

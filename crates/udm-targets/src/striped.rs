@@ -170,6 +170,10 @@ impl BlockDevice for Striped {
         }
         for p in self.pieces(offset, len) {
             mapping.append(p.done, self.stripes[p.stripe].dev.map(op, p.at, p.len)?);
+            // Stripes over fragmented devices multiply the pieces (see MAX_MAPPED_PIECES).
+            if mapping.is_too_large() {
+                return None;
+            }
         }
         Some(mapping)
     }

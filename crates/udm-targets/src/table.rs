@@ -346,7 +346,8 @@ impl BlockDevice for Table {
     }
 
     /// The segments' mappings joined; one segment that must handle its piece itself sends
-    /// the whole request the synchronous way.
+    /// the whole request the synchronous way, and so do too many pieces (see
+    /// [`udm_block::MAX_MAPPED_PIECES`]).
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
         let mut mapping = Mapping::new();
         if op == MapOp::Flush {
@@ -360,6 +361,9 @@ impl BlockDevice for Table {
                 .map(op, at, range.len() as u64)
                 .ok_or(BlockError::NotSupported("not mapped".into()))?;
             mapping.append(range.start as u64, piece);
+            if mapping.is_too_large() {
+                return Err(BlockError::NotSupported("too many pieces to map".into()));
+            }
             Ok(())
         })
         .ok()?;
@@ -537,7 +541,7 @@ mod tests {
 mod map_tests {
     use std::sync::Arc;
 
-    use udm_block::{BlockDevice, FileDevice, MapOp, OpenMode, Place};
+    use udm_block::{BlockDevice, FileDevice, MapOp, OpenMode, Place, MAX_MAPPED_PIECES};
 
     use crate::testing::{build, Devices};
 
@@ -567,6 +571,36 @@ mod map_tests {
             })
             .collect();
         assert_eq!(synced, [Some(a_path)]);
+    }
+
+    /// A discard has no payload to bound it (up to 4 GiB): over stacked fragmented tables
+    /// each level multiplies the pieces. 64 segments over a device of 2048 one-sector
+    /// segments made 131,072 pieces for one request; 8,389 such segments, 8.6 million (a
+    /// gigabyte of pieces, past the 2^20 the engine can address, whose completions then went
+    /// to other requests). Past the bound the request goes the synchronous way.
+    #[test]
+    fn a_fill_over_stacked_fragmented_tables_maps_a_bounded_number_of_pieces() {
+        let dir = udm_testkit::TempDir::new("table-map-fragments");
+        let (_, a) = file(&dir, "a.img");
+        let files = Devices::default();
+        files.add("a", a, false);
+        let fragments: Vec<_> = (0..2048).map(|s| format!("{s} 1 linear a {s}")).collect();
+        let lower = build(&files, &fragments.join("\n")).unwrap();
+        let stacked = Devices::default();
+        stacked.add("lower", Arc::new(lower), false);
+        let segments: Vec<_> = (0..64)
+            .map(|i| format!("{} 2048 linear lower 0", i * 2048))
+            .collect();
+        let top = build(&stacked, &segments.join("\n")).unwrap();
+        let discard = MapOp::Discard { fua: false };
+        let mapped = top.map(discard, 0, top.size()).map(|m| m.pieces.len());
+        assert!(
+            mapped.is_none_or(|pieces| pieces <= MAX_MAPPED_PIECES),
+            "{mapped:?} pieces"
+        );
+        // What a largest read or write can need is still mapped.
+        let most = top.map(MapOp::Read, 0, 32 << 20).map(|m| m.pieces.len());
+        assert_eq!(most, Some(65536));
     }
 
     #[test]
