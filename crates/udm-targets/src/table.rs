@@ -1,5 +1,6 @@
 //! Tables: parsing and printing lines, and the device made of their segments.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use udm_block::{
@@ -81,8 +82,24 @@ pub struct Segment {
 /// A constructed table: contiguous segments from 0, each served by its target.
 pub struct Table {
     segments: Vec<Segment>,
+    /// The segments a flush goes to (see [`flushed_segments`]).
+    flushed: Vec<usize>,
     size: u64,
     capabilities: Capabilities,
+}
+
+/// The segments a flush must go to: every one, but of the segments whose flush is only
+/// their lower device's ([`Target::flush_key`]), one per lower device.
+fn flushed_segments(segments: &[Segment]) -> Vec<usize> {
+    let mut seen = HashSet::new();
+    (0..segments.len())
+        .filter(|&i| {
+            segments[i]
+                .target
+                .flush_key()
+                .is_none_or(|key| seen.insert(key))
+        })
+        .collect()
 }
 
 /// The largest device: NBD clients and Linux address bytes with signed 64-bit offsets, so
@@ -138,10 +155,16 @@ impl Table {
         }
         let capabilities = Capabilities::weakest(segments.iter().map(|s| s.target.capabilities()));
         Ok(Table {
+            flushed: flushed_segments(&segments),
             segments,
             size: next * SECTOR_SIZE,
             capabilities,
         })
+    }
+
+    /// The targets a flush goes to.
+    fn flushed(&self) -> impl Iterator<Item = &Arc<dyn Target>> {
+        self.flushed.iter().map(|&i| &self.segments[i].target)
     }
 
     pub fn segments(&self) -> &[Segment] {
@@ -304,7 +327,7 @@ impl BlockDevice for Table {
     }
 
     fn flush(&self) -> Result<()> {
-        udm_block::flush_every(self.segments.iter().map(|s| &*s.target))
+        udm_block::flush_every(self.flushed().map(|t| &**t))
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
@@ -351,8 +374,8 @@ impl BlockDevice for Table {
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
         let mut mapping = Mapping::new();
         if op == MapOp::Flush {
-            for segment in &self.segments {
-                mapping.append(0, segment.target.map(op, 0, 0)?);
+            for target in self.flushed() {
+                mapping.append(0, target.map(op, 0, 0)?);
             }
             return Some(mapping);
         }
@@ -510,6 +533,24 @@ mod tests {
         assert_eq!(disk.flushes.load(Ordering::SeqCst), 1);
     }
 
+    /// A device stacked over a fragmented one has a segment per fragment, each a `linear`
+    /// onto it: its flush reached the lower device once per segment, and each of those
+    /// flushed every lower segment again (segments × segments syncs: 2,000 over 2,000 made a
+    /// FLUSH take 424 ms on the io_uring engine). A lower device is flushed once per flush.
+    #[test]
+    fn a_flush_reaches_a_lower_device_once_however_many_segments_lead_to_it() {
+        let resolver = Devices::default();
+        let disk = Arc::new(Switchable::new(1 << 20));
+        resolver.add("disk", disk.clone(), false);
+        let fragments = (0..50).map(|i| format!("{} 8 linear disk {}", i * 8, (49 - i) * 8));
+        let lower = build(&resolver, &fragments.collect::<Vec<_>>().join("\n")).unwrap();
+        resolver.add("frag", Arc::new(lower), false);
+        let segments = (0..50).map(|i| format!("{} 8 linear frag {}", i * 8, (49 - i) * 8));
+        let top = build(&resolver, &segments.collect::<Vec<_>>().join("\n")).unwrap();
+        top.flush().unwrap();
+        assert_eq!(disk.flushes.load(Ordering::SeqCst), 1);
+    }
+
     /// One segment whose flush fails fails the flush, but the other segments' writes are
     /// still made durable: dm sends the flush to every target.
     #[test]
@@ -549,6 +590,22 @@ mod map_tests {
         let path = dir.sparse(name, 1 << 20);
         let dev = Arc::new(FileDevice::open(&path, OpenMode::ReadWrite).unwrap());
         (path, dev)
+    }
+
+    /// Mapped, the same stack's flush names the file once, not once per pair of segments.
+    #[test]
+    fn a_flush_of_a_stack_over_a_fragmented_device_maps_each_file_once() {
+        let dir = udm_testkit::TempDir::new("table-map-flush-fragments");
+        let (_, a) = file(&dir, "a.img");
+        let files = Devices::default();
+        files.add("a", a, false);
+        let fragments = (0..50).map(|i| format!("{} 8 linear a {}", i * 8, (49 - i) * 8));
+        let lower = build(&files, &fragments.collect::<Vec<_>>().join("\n")).unwrap();
+        files.add("frag", Arc::new(lower), false);
+        let segments = (0..50).map(|i| format!("{} 8 linear frag {}", i * 8, (49 - i) * 8));
+        let top = build(&files, &segments.collect::<Vec<_>>().join("\n")).unwrap();
+        let flush = top.map(MapOp::Flush, 0, 0).unwrap();
+        assert_eq!(flush.pieces.len(), 1);
     }
 
     /// On the io_uring way too: the error segment adds nothing to sync, the file is synced.
