@@ -267,6 +267,18 @@ pub fn zero_chunk() -> &'static [u8] {
     ZEROES.get_or_init(|| crate::AlignedBuf::zeroed(ZERO_CHUNK))
 }
 
+/// Flushes every one of several lower devices, even after one fails, and returns the first
+/// error: a flush that stopped at a failing device left the others' acknowledged writes
+/// unsynced, as dm sends a flush to every target and device of a table.
+pub fn flush_every<'a, D: BlockDevice + ?Sized + 'a>(
+    devices: impl IntoIterator<Item = &'a D>,
+) -> Result<()> {
+    devices
+        .into_iter()
+        .map(|device| device.flush())
+        .fold(Ok(()), Result::and)
+}
+
 /// Zeroes a range by writing zero buffers: the fallback for devices with no cheap way.
 pub fn write_zeroes_by_writing<D: BlockDevice + ?Sized>(
     dev: &D,

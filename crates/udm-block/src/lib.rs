@@ -22,7 +22,7 @@ pub use batch::{at_batch_end, Batch};
 pub use buffer::AlignedBuf;
 pub use checked::{check_request, Checked, SECTOR_SIZE};
 pub use device::{
-    align_extents, clamp_extents, clip_extents, merge_extents, push_extent,
+    align_extents, clamp_extents, clip_extents, flush_every, merge_extents, push_extent,
     write_zeroes_by_writing, zero_chunk, BlockDevice, Capabilities, Extent, WriteFlags, ZeroFlags,
     EXTENT_HOLE, EXTENT_ZERO,
 };
@@ -31,6 +31,7 @@ pub use export::{Export, ExportCatalog, MetaContext};
 pub use file::{FileDevice, OpenMode};
 pub use map::{
     Callbacks, Completed, Holds, MapOp, MappedFile, Mapping, OnComplete, Piece, Pieces, Place,
+    MAX_MAPPED_PIECES,
 };
 pub use memory::MemoryDevice;
 pub use pending::{Done, Pending, Ready, Transfer, TransferBuf};

@@ -152,6 +152,12 @@ pub type OnComplete = Box<dyn FnOnce(Completed<'_>) + Send>;
 /// A mapping's pieces: inline for two, as most requests land in one place (a stripe
 /// boundary or a thin block boundary makes two); more spill to the heap.
 pub type Pieces = SmallVec<[Piece; 2]>;
+/// The most pieces a mapping may have: one per sector of the largest NBD request (32 MiB).
+/// Devices that add pieces in a loop (tables, stripes) stop past it and let the request go
+/// the synchronous way: a discard or write-zeroes has no payload to bound it, and over
+/// stacked fragmented tables every level multiplies the pieces. Well below the 2^20 pieces
+/// per request the io_uring engine can address.
+pub const MAX_MAPPED_PIECES: usize = 65536;
 /// A mapping's holds.
 pub type Holds = SmallVec<[Box<dyn Any + Send>; 4]>;
 /// A mapping's completion callbacks.
@@ -242,6 +248,11 @@ impl Mapping {
 
     pub fn is_empty(&self) -> bool {
         self.pieces.is_empty()
+    }
+
+    /// Past [`MAX_MAPPED_PIECES`]: the request should go the synchronous way.
+    pub fn is_too_large(&self) -> bool {
+        self.pieces.len() > MAX_MAPPED_PIECES
     }
 }
 

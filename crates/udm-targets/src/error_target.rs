@@ -1,8 +1,8 @@
-//! `error`: every request fails with EIO.
+//! `error`: every request fails with EIO, except a flush, which has nothing to make durable.
 
 use std::sync::Arc;
 
-use udm_block::{BlockDevice, BlockError, Extent, Result, WriteFlags, ZeroFlags};
+use udm_block::{BlockDevice, BlockError, Extent, MapOp, Mapping, Result, WriteFlags, ZeroFlags};
 
 use crate::args::Args;
 use crate::target::{Target, TargetContext, TargetError};
@@ -29,8 +29,11 @@ impl BlockDevice for ErrorTarget {
     fn write(&self, _offset: u64, _buf: &[u8], _flags: WriteFlags) -> Result<()> {
         fail()
     }
+    /// Nothing was written here, so nothing is owed: dm sends an error target no flush. A
+    /// table masking a bad region with one (dm's "LVs that have holes in them") must still
+    /// flush, or a filesystem on it takes every failed flush for a dead disk.
     fn flush(&self) -> Result<()> {
-        fail()
+        Ok(())
     }
     fn discard(&self, _offset: u64, _len: u64) -> Result<()> {
         fail()
@@ -40,6 +43,10 @@ impl BlockDevice for ErrorTarget {
     }
     fn block_status(&self, _offset: u64, _len: u64) -> Result<Vec<Extent>> {
         fail()
+    }
+    /// A flush has no file to sync here, so the rest of the table's flush stays mapped.
+    fn map(&self, op: MapOp, _offset: u64, _len: u64) -> Option<Mapping> {
+        (op == MapOp::Flush).then(Mapping::new)
     }
 }
 

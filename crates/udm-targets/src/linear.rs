@@ -6,6 +6,7 @@ use udm_block::OpenMode;
 
 use crate::args::Args;
 use crate::filter::{Filter, Filtered, Lower};
+use crate::rendezvous::device_key;
 use crate::target::{Target, TargetContext, TargetError};
 
 /// The filter that changes nothing.
@@ -37,6 +38,10 @@ impl Target for Filtered<Linear> {
     }
     fn references(&self) -> Vec<String> {
         vec![self.0 .0.reference.clone()]
+    }
+    fn flush_key(&self) -> Option<String> {
+        let lower = &self.0 .0;
+        Some(device_key(&lower.reference, &*lower.dev))
     }
 }
 

@@ -153,7 +153,7 @@ impl BlockDevice for Striped {
         })
     }
     fn flush(&self) -> Result<()> {
-        self.stripes.iter().try_for_each(|s| s.dev.flush())
+        udm_block::flush_every(self.stripes.iter().map(|s| &*s.dev))
     }
     fn map(&self, op: MapOp, offset: u64, len: u64) -> Option<Mapping> {
         // A discard may span up to 4 GiB: one piece per chunk would be millions of pieces
@@ -170,6 +170,10 @@ impl BlockDevice for Striped {
         }
         for p in self.pieces(offset, len) {
             mapping.append(p.done, self.stripes[p.stripe].dev.map(op, p.at, p.len)?);
+            // Stripes over fragmented devices multiply the pieces (see MAX_MAPPED_PIECES).
+            if mapping.is_too_large() {
+                return None;
+            }
         }
         Some(mapping)
     }

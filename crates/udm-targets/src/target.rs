@@ -144,6 +144,15 @@ pub trait Target: BlockDevice {
         Vec::new()
     }
 
+    /// When this target's flush is its lower device's flush and nothing else (a `linear`),
+    /// that device's key ([`crate::rendezvous::device_key`]): a table flushes such a device
+    /// once however many of its segments lead there. A device stacked over a fragmented one
+    /// has a segment per fragment, and flushing the lower device once per segment, each
+    /// time all of its own segments, cost segments × segments syncs per flush.
+    fn flush_key(&self) -> Option<String> {
+        None
+    }
+
     /// Called when a suspend begins, before the requests in flight are waited for: a target
     /// holding requests that wait for something that may never come (a multipath queueing
     /// with no usable path) lets them fail now, as the kernel's presuspend does, so that the

@@ -448,3 +448,32 @@ fn settings_suspension_and_inactive_tables_survive_a_crash() {
     daemon.udm(&["resume", "other"]);
     assert_eq!(daemon.udm(&["table", "other"]), "0 8192 zero");
 }
+
+/// A bad region masked with an `error` segment, as dm users bring up volumes with holes:
+/// writes to the rest must be flushable on both engines. Every FLUSH failed with EIO, so a
+/// filesystem on such a device took its first journal commit for a dead disk.
+#[test]
+fn a_device_with_an_error_segment_flushes_its_writes_on_both_engines() {
+    for engine in ["uring", "threads"] {
+        let daemon = Daemon::start_with(&format!("error-hole-{engine}"), &["--nbd-engine", engine]);
+        let disk = daemon.sparse("disk.img", 2 * MIB);
+        let table = format!(
+            "0 2048 linear {disk} 0\n2048 8 error\n2056 2040 linear {disk} 2056",
+            disk = disk.display()
+        );
+        daemon.create("vol", &table);
+        let mut client = RawClient::connect(&daemon.nbd_socket(), "vol");
+        client.send(0, NBD_CMD_WRITE, 1, 1536 * 512, 4096, &[0x5a; 4096]);
+        assert_eq!(client.reply().unwrap(), (0, 1), "{engine}: the write");
+        client.send(0, NBD_CMD_FLUSH, 2, 0, 0, &[]);
+        assert_eq!(client.reply().unwrap(), (0, 2), "{engine}: the flush");
+        // The hole itself still fails.
+        client.send(0, NBD_CMD_WRITE, 3, 2048 * 512, 512, &[0; 512]);
+        assert_eq!(
+            client.reply().unwrap(),
+            (EIO, 3),
+            "{engine}: a write to the hole"
+        );
+        assert_eq!(read_file_at(&disk, 1536 * 512, 4096), vec![0x5a; 4096]);
+    }
+}
