@@ -26,7 +26,9 @@ pub(super) enum Answer {
 
 /// What the engine must do for a READ, WRITE, FSYNC or FALLOCATE, if its device maps it; None
 /// sends the request to the synchronous path (which also answers everything a mapping cannot
-/// express: ranges at or past the end, partial sectors, zero lengths, errors).
+/// express: ranges at or past the end, zero lengths, a fallocate of part of a sector, errors).
+/// A read or write of part of a sector is mapped like any other: the engine writes those
+/// bytes through the file's buffered descriptor when O_DIRECT refuses their alignment.
 pub(super) fn plan(fs: &Fs, req: &Request) -> Option<(MapOp, Mapping, Mapped)> {
     let unique = req.header.unique;
     let (map_op, device, offset, len, answer) = match req.header.opcode {
