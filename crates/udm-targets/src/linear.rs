@@ -6,7 +6,6 @@ use udm_block::OpenMode;
 
 use crate::args::Args;
 use crate::filter::{Filter, Filtered, Lower};
-use crate::rendezvous::device_key;
 use crate::target::{Target, TargetContext, TargetError};
 
 /// The filter that changes nothing.
@@ -40,8 +39,14 @@ impl Target for Filtered<Linear> {
         vec![self.0 .0.reference.clone()]
     }
     fn flush_key(&self) -> Option<String> {
-        let lower = &self.0 .0;
-        Some(device_key(&lower.reference, &*lower.dev))
+        // By identity only: two handles that know none may be two NBD connections to one
+        // export, and a server without multi-conn syncs on a flush only its connection's
+        // writes. A name is no key either: each handle is flushed on its own.
+        let dev = &self.0 .0.dev;
+        Some(
+            dev.identity()
+                .unwrap_or_else(|| format!("handle:{:p}", Arc::as_ptr(dev))),
+        )
     }
 }
 

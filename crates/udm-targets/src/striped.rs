@@ -273,6 +273,9 @@ impl Target for Striped {
 }
 
 #[cfg(test)]
+mod power_cut;
+
+#[cfg(test)]
 mod tests {
     use crate::testing::{assert_refused, build, memory_resolver};
     use udm_block::{BlockDevice, Extent};

@@ -551,6 +551,45 @@ mod tests {
         assert_eq!(disk.flushes.load(Ordering::SeqCst), 1);
     }
 
+    /// Opens every reference as a new handle of its own, as the daemon opens an `nbd://`
+    /// reference: one connection per segment, each with writes only its own flush covers.
+    #[derive(Default)]
+    struct Connections(parking_lot::Mutex<Vec<Arc<Switchable>>>);
+
+    impl Resolver for Connections {
+        fn open(
+            &self,
+            _: &str,
+            _: udm_block::OpenMode,
+        ) -> std::result::Result<Arc<dyn BlockDevice>, TargetError> {
+            let connection = Arc::new(Switchable::new(1 << 20));
+            self.0.lock().push(connection.clone());
+            Ok(connection)
+        }
+    }
+
+    /// Two segments on one remote export are two connections, and a server that does not
+    /// advertise multi-conn makes a flush durable only for its own connection's writes: a
+    /// flush goes to each handle that knows no identity, however it was named.
+    #[test]
+    fn a_flush_reaches_every_connection_to_one_remote() {
+        let resolver = Connections::default();
+        let uri = "nbd://server/disk";
+        let table = build(
+            &resolver,
+            &format!("0 8 linear {uri} 0\n8 8 linear {uri} 8"),
+        )
+        .unwrap();
+        table.flush().unwrap();
+        let flushes: Vec<u64> = resolver
+            .0
+            .lock()
+            .iter()
+            .map(|c| c.flushes.load(Ordering::SeqCst))
+            .collect();
+        assert_eq!(flushes, [1, 1], "a connection's writes were never flushed");
+    }
+
     /// One segment whose flush fails fails the flush, but the other segments' writes are
     /// still made durable: dm sends the flush to every target.
     #[test]

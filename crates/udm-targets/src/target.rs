@@ -145,7 +145,8 @@ pub trait Target: BlockDevice {
     }
 
     /// When this target's flush is its lower device's flush and nothing else (a `linear`),
-    /// that device's key ([`crate::rendezvous::device_key`]): a table flushes such a device
+    /// that device's identity ([`BlockDevice::identity`]), else a key of the handle itself
+    /// (two NBD connections to one export are two devices to flush): a table flushes such a device
     /// once however many of its segments lead there. A device stacked over a fragmented one
     /// has a segment per fragment, and flushing the lower device once per segment, each
     /// time all of its own segments, cost segments × segments syncs per flush.

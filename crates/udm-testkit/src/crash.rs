@@ -93,6 +93,19 @@ impl CrashDevice {
         Ok(())
     }
 
+    /// Writes `buf` over the parts of unflushed writes it covers: a disk never lets an older
+    /// cached write land over a newer FUA one, so a cut must not bring their sectors back.
+    fn supersede_volatile(&self, offset: u64, buf: &[u8]) {
+        let end = offset + buf.len() as u64;
+        for (at, data) in self.volatile.lock().iter_mut() {
+            let (start, stop) = ((*at).max(offset), (*at + data.len() as u64).min(end));
+            if start < stop {
+                data[(start - *at) as usize..(stop - *at) as usize]
+                    .copy_from_slice(&buf[(start - offset) as usize..(stop - offset) as usize]);
+            }
+        }
+    }
+
     /// The image after the power cut (or now): durable data plus, sector by sector, a
     /// pseudo-random half of what was written and not flushed. The result has no cut pending.
     pub fn after_power_cut(&self) -> CrashDevice {
@@ -160,7 +173,9 @@ impl BlockDevice for CrashDevice {
             return Err(BlockError::Io("power cut".into()));
         }
         if flags.fua {
-            self.durable.write(offset, buf, flags)
+            self.durable.write(offset, buf, flags)?;
+            self.supersede_volatile(offset, buf);
+            Ok(())
         } else {
             self.volatile.lock().push((offset, buf.to_vec()));
             Ok(())
@@ -191,6 +206,20 @@ impl BlockDevice for CrashDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unflushed_write_never_lands_over_a_newer_fua_one() {
+        let dev = CrashDevice::new(1 << 20, 0, 7);
+        dev.write(0, &[1u8; 8192], WriteFlags::default()).unwrap();
+        dev.write(0, &[2u8; 4096], WriteFlags { fua: true })
+            .unwrap();
+        let mut buf = vec![0u8; 8192];
+        dev.after_power_cut().read(0, &mut buf).unwrap();
+        assert!(
+            buf[..4096].iter().all(|&b| b == 2),
+            "the FUA write was undone"
+        );
+    }
 
     #[test]
     fn flushed_data_survives_and_unflushed_data_may_not() {

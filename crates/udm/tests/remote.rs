@@ -302,3 +302,57 @@ fn a_remote_that_stops_reading_holds_up_no_other_device() {
     assert!(ok, "{out}");
     qemu_io_ok(&daemon.uri("stalled"), &["read -P 0x11 0 8M"]);
 }
+
+/// The connections in nbdkit's log filter output that took a write after their last flush.
+fn connections_with_unflushed_writes(log: &str) -> Vec<String> {
+    let mut unflushed = std::collections::BTreeSet::new();
+    for line in log.lines() {
+        let Some((_, rest)) = line.split_once(" connection=") else {
+            continue;
+        };
+        let mut words = rest.split_whitespace();
+        let (Some(id), Some(request)) = (words.next(), words.next()) else {
+            continue;
+        };
+        match request {
+            "Write" | "Zero" | "Trim" => unflushed.insert(id.to_string()),
+            "Flush" => unflushed.remove(id),
+            _ => false,
+        };
+    }
+    unflushed.into_iter().collect()
+}
+
+/// Two segments on one export are two connections to it; a server that does not advertise
+/// multi-conn (qemu-nbd) makes a FLUSH durable only for its own connection's writes, so the
+/// device's flush must go down both. Before, both had the URI as flush key and only the
+/// first connection was flushed.
+#[test]
+fn a_flush_goes_down_every_connection_to_a_remote() {
+    let daemon = Daemon::start("remote-flush");
+    let image = daemon.sparse("remote.img", 8 * MIB);
+    let socket = daemon.dir.path("nbdkit.sock");
+    let log = daemon.dir.path("nbdkit.log");
+    let logfile = format!("logfile={}", log.display());
+    let args = ["-f", "-U", socket.to_str().unwrap(), "--filter=log"];
+    let plugin = ["file", image.to_str().unwrap(), &logfile];
+    let _peer = Peer::start("nbdkit", &[&args[..], &plugin[..]].concat(), &socket);
+    let uri = remote(&socket);
+    daemon.create(
+        "vol",
+        &format!("0 8192 linear {uri} 0\n8192 8192 linear {uri} 8192"),
+    );
+    qemu_io_ok_with(
+        &daemon.uri("vol"),
+        &["-t", "writeback"],
+        &["write -P 1 0 4k", "write -P 2 4M 4k", "flush"],
+    );
+    // Before nbdkit goes: the stop would wait for it to time out.
+    daemon.udm(&["remove", "vol"]);
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(
+        connections_with_unflushed_writes(&log),
+        Vec::<String>::new(),
+        "acknowledged flushes never reached these connections:\n{log}"
+    );
+}
