@@ -193,6 +193,8 @@ fn run_here(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::
             ..
         } => progress::show(&control.socket(before_verb), &name),
         Command::Version { control } => version(&control.socket(before_verb)),
+        // dmsetup's releases udev cookies; udm takes none, so there is nothing to release.
+        Command::UdevcompleteAll { .. } => Ok(()),
         Command::Stop { control } => background::stop(&control.socket(before_verb)),
         Command::Thin {
             command:
@@ -245,7 +247,7 @@ fn ask(control: &std::path::Path, request: Request, print: Print) -> anyhow::Res
             }
         }
         Print::Text if !response.output.is_empty() => outln!("{}", response.output),
-        Print::Text => {}
+        Print::Text | Print::Nothing => {}
     }
     Ok(())
 }

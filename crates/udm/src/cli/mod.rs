@@ -33,8 +33,33 @@ pub struct Cli {
     /// The control socket, given before the verb as older versions of udm took it.
     #[arg(long = "control", value_name = "PATH", hide = true)]
     pub control: Option<PathBuf>,
+    #[command(flatten)]
+    pub udev: UdevOptions,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// dmsetup's options for udev and its prompts, which scripts pass to every verb out of habit
+/// (`dmsetup remove -y --noudevsync vol`). udm makes no device nodes, so it sends no udev
+/// events to wait for or verify, asks nothing to say yes to, and prints the same however
+/// verbose: each is accepted, before or after the verb, and changes nothing.
+#[derive(Args)]
+pub struct UdevOptions {
+    /// Ignored (dmsetup's: do not wait for udev; udm makes no device nodes).
+    #[arg(long, global = true, hide = true)]
+    noudevsync: bool,
+    /// Ignored (dmsetup's: check udev made the nodes; udm makes none).
+    #[arg(long, global = true, hide = true)]
+    verifyudev: bool,
+    /// Ignored (dmsetup's: tell udev not to run its rules; udm sends it nothing).
+    #[arg(long, global = true, hide = true)]
+    noudevrules: bool,
+    /// Ignored (dmsetup's: answer yes to prompts; udm asks none).
+    #[arg(short = 'y', long, global = true, hide = true)]
+    yes: bool,
+    /// Ignored (dmsetup's: more detail; udm prints the same).
+    #[arg(short = 'v', long, global = true, hide = true, action = clap::ArgAction::Count)]
+    verbose: u8,
 }
 
 /// Where the daemon answers the verbs.
@@ -117,7 +142,7 @@ pub enum Command {
         #[command(flatten)]
         table: TableSource,
         /// Refuse writes to the device.
-        #[arg(long)]
+        #[arg(long, short = 'r')]
         readonly: bool,
         /// A unique identifier that names the device as well as its name does (up to 128
         /// printable characters).
@@ -135,7 +160,7 @@ pub enum Command {
         table: TableSource,
         /// Make the device read-only when this table goes live (without it, the device is
         /// writable then, as with dmsetup).
-        #[arg(long)]
+        #[arg(long, short = 'r')]
         readonly: bool,
         /// Load a smaller table even though devices built on this one reach past its end
         /// (their I/O there then fails with EIO).
@@ -160,6 +185,11 @@ pub enum Command {
         /// multipathd's reloads).
         #[arg(long)]
         noflush: bool,
+        /// Accepted and ignored: dmsetup's, for not freezing a filesystem mounted on the
+        /// device; udm's devices hold none of their own (one on a loop device over the FUSE
+        /// file is the loop device's), so the suspend is the same.
+        #[arg(long)]
+        nolockfs: bool,
         #[command(flatten)]
         control: Control,
     },
@@ -195,6 +225,10 @@ pub enum Command {
         /// Only segments of this target type.
         #[arg(long, value_name = "TYPE")]
         target: Option<String>,
+        /// Accepted and ignored: dmsetup's, for a thin pool's status without a metadata
+        /// commit; udm's status never commits.
+        #[arg(long)]
+        noflush: bool,
         /// Print the status as JSON, with details (hydration progress, rate, ETA).
         #[arg(long)]
         json: bool,
@@ -211,6 +245,10 @@ pub enum Command {
         /// The inactive table (loaded, not yet resumed) instead of the live one.
         #[arg(long)]
         inactive: bool,
+        /// Accepted and ignored: dmsetup's, to show crypt keys; no udm target has keys, so
+        /// every table is shown whole.
+        #[arg(long)]
+        showkeys: bool,
         #[command(flatten)]
         control: Control,
     },
@@ -328,6 +366,20 @@ pub enum Command {
     Targets {
         #[command(flatten)]
         control: Control,
+    },
+    /// Check the devices exist (dmsetup's makes their /dev/mapper nodes; udm has none to make,
+    /// and its devices are reached over NBD or FUSE by name).
+    Mknodes {
+        /// The device's name or UUID; every device without it.
+        name: Option<String>,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Does nothing: dmsetup's, to release udev cookies a crashed run left; udm takes none.
+    #[command(name = "udevcomplete_all", visible_alias = "udevcomplete-all")]
+    UdevcompleteAll {
+        /// Ignored (dmsetup's: only cookies older than AGE_IN_MINUTES).
+        age_in_minutes: Option<u64>,
     },
     /// Stop the daemon (as SIGTERM does: every device flushed) and wait until it has exited.
     Stop {

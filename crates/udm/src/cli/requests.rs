@@ -14,6 +14,8 @@ pub enum Print {
     Json,
     /// `info -c`: columns drawn from the data.
     Columns(ColumnsArgs),
+    /// Nothing: only whether the request succeeded (`mknodes`).
+    Nothing,
 }
 
 impl Print {
@@ -92,6 +94,7 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
         Command::Suspend {
             name,
             noflush,
+            nolockfs: _,
             control,
         } => (control, Request::Suspend { name, noflush }, Print::Text),
         Command::Resume {
@@ -116,6 +119,7 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
         Command::Status {
             name,
             target,
+            noflush: _,
             json,
             control,
         } => (
@@ -127,6 +131,7 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
             name,
             target,
             inactive,
+            showkeys: _,
             control,
         } => (
             control,
@@ -212,6 +217,8 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
         }
         Command::Finalize { name, control } => (control, Request::Finalize { name }, Print::Text),
         Command::Targets { control } => (control, Request::Targets, Print::Text),
+        // Only whether the device exists; every device (the daemon answering) without one.
+        Command::Mknodes { name, control } => (control, Request::Info { name }, Print::Nothing),
         local => return Ok(Verb::Local(local)),
     };
     Ok(Verb::Request(control, request, print))

@@ -1,0 +1,34 @@
+//! The command lines dmsetup users type, options and all, as scripts pass them.
+
+use super::*;
+
+/// Scripts pass dmsetup's udev options to every verb, and `--nolockfs`, `--showkeys`, `-r`,
+/// `status --noflush`, `mknodes` and `udevcomplete_all` where dmsetup takes them: none of
+/// them means anything without kernel device nodes, and udm refused each as an unexpected
+/// argument (or an unknown verb).
+#[test]
+fn dmsetup_options_for_udev_and_the_kernel_are_accepted() {
+    let daemon = Daemon::start("udev-options");
+    daemon.udm(&[
+        "create",
+        "-r",
+        "--noudevsync",
+        "z",
+        "--table",
+        "0 2048 zero",
+    ]);
+    assert!(
+        daemon.udm(&["info", "z"]).contains("ACTIVE (READ-ONLY)"),
+        "-r"
+    );
+    daemon.udm(&["-v", "--verifyudev", "suspend", "--nolockfs", "z"]);
+    daemon.udm(&["resume", "-y", "z"]);
+    assert_eq!(daemon.udm(&["table", "--showkeys", "z"]), "0 2048 zero");
+    assert_eq!(daemon.udm(&["status", "--noflush", "z"]), "0 2048 zero");
+    assert_eq!(daemon.udm(&["mknodes", "z"]), "");
+    assert_eq!(daemon.udm(&["mknodes"]), "");
+    let err = daemon.udm_err(&["mknodes", "nothing"]);
+    assert!(err.contains("'nothing'"), "{err}");
+    daemon.udm(&["udevcomplete_all"]);
+    daemon.udm(&["remove", "--noudevsync", "-v", "z"]);
+}
