@@ -602,6 +602,23 @@ mod tests {
         Cli::try_parse_from(["udm", "--control", "/a", "detach", "/dev/loop0"]).unwrap();
     }
 
+    /// The options every verb takes for dmsetup's sake parse beside a verb's own arguments of
+    /// the same name: replay-log's --verbose read as dmsetup's -v count made udm panic.
+    #[test]
+    fn dmsetup_options_parse_before_and_after_every_verb() {
+        for line in [
+            "udm -v -y --noudevsync ls",
+            "udm ls -vv --verifyudev --noudevrules --yes",
+            "udm replay-log --log l --replay r --verbose",
+            "udm -v replay-log --log l --replay r",
+            "udm replay-log --log l --replay r",
+            "udm daemon --state-dir s -v",
+        ] {
+            let cli = Cli::try_parse_from(line.split_whitespace());
+            assert!(cli.is_ok(), "{line}");
+        }
+    }
+
     #[test]
     fn a_bad_command_line_is_one_line_naming_the_verb() {
         for (args, expected) in [
