@@ -168,7 +168,9 @@ fn daemon(args: DaemonArgs, control: PathBuf) -> anyhow::Result<()> {
 /// `before_verb`: a `--control` given before the verb.
 fn run(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Result<()> {
     match cli::verb(command)? {
-        Verb::Request(control, request, print) => ask(&control.socket(before_verb), request, print),
+        Verb::Requests(control, requests, print) => {
+            ask_each(&control.socket(before_verb), requests, &print)
+        }
         Verb::Local(command) => run_here(command, before_verb),
     }
 }
@@ -230,8 +232,26 @@ fn run_here(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::
     }
 }
 
+/// Sends each request in turn, as dmsetup goes through the devices it is given: one that
+/// fails does not stop the others. Each failure is one line; the last is the verb's error.
+fn ask_each(
+    control: &std::path::Path,
+    requests: Vec<Request>,
+    print: &Print,
+) -> anyhow::Result<()> {
+    let mut failed = None;
+    for request in requests {
+        if let Err(error) = ask(control, request, print) {
+            if let Some(earlier) = failed.replace(error) {
+                eprintln!("udm: {}", error_line(&earlier));
+            }
+        }
+    }
+    failed.map_or(Ok(()), Err)
+}
+
 /// Sends `request` to the daemon at `control` and prints its answer as `print` says.
-fn ask(control: &std::path::Path, request: Request, print: Print) -> anyhow::Result<()> {
+fn ask(control: &std::path::Path, request: Request, print: &Print) -> anyhow::Result<()> {
     let response = client::call(control, request)?;
     let data = response.data.unwrap_or_default();
     match print {

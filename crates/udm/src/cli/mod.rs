@@ -178,8 +178,9 @@ pub enum Command {
     },
     /// Hold new I/O and wait for I/O in flight.
     Suspend {
-        /// The device's name or UUID.
-        name: String,
+        /// The devices' names or UUIDs, suspended in turn.
+        #[arg(required = true)]
+        names: Vec<String>,
         /// Push the requests a multipath holds for a path back to the device, to run after
         /// the resume on the table live then, instead of failing them (dmsetup's, for
         /// multipathd's reloads).
@@ -195,8 +196,9 @@ pub enum Command {
     },
     /// Make the inactive table live (if loaded) and let I/O flow.
     Resume {
-        /// The device's name or UUID.
-        name: String,
+        /// The devices' names or UUIDs, resumed in turn.
+        #[arg(required = true)]
+        names: Vec<String>,
         /// For a swap without a `suspend` before it (load, then resume): suspend with
         /// `--noflush` (multipathd's reload).
         #[arg(long)]
@@ -315,10 +317,12 @@ pub enum Command {
         #[command(flatten)]
         control: Control,
     },
-    /// Remove a device.
+    /// Remove devices.
     Remove {
-        /// The device's name or UUID.
-        name: String,
+        /// The devices' names or UUIDs, removed in turn (one that fails leaves the others
+        /// going, as with dmsetup).
+        #[arg(required = true)]
+        names: Vec<String>,
         /// Remove even while clients have it open (their I/O then fails).
         #[arg(long, short = 'f')]
         force: bool,
@@ -370,8 +374,8 @@ pub enum Command {
     /// Check the devices exist (dmsetup's makes their /dev/mapper nodes; udm has none to make,
     /// and its devices are reached over NBD or FUSE by name).
     Mknodes {
-        /// The device's name or UUID; every device without it.
-        name: Option<String>,
+        /// The devices' names or UUIDs; every device without them.
+        names: Vec<String>,
         #[command(flatten)]
         control: Control,
     },

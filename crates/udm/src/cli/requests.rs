@@ -30,8 +30,9 @@ impl Print {
 
 /// A verb read from the command line.
 pub enum Verb {
-    /// One control request to the daemon at `control`.
-    Request(Control, Request, Print),
+    /// Control requests to the daemon at `control`, sent in turn: one, or one per device named
+    /// (`remove a b c`).
+    Requests(Control, Vec<Request>, Print),
     /// A verb that runs in the client.
     Local(Command),
 }
@@ -39,6 +40,10 @@ pub enum Verb {
 /// What `command` asks of the daemon. One arm per verb, each only the verb's arguments moved
 /// into its request: a flat table, long because there are many verbs (reason for its length).
 pub fn verb(command: Command) -> anyhow::Result<Verb> {
+    let command = match per_device(command) {
+        Ok(verb) => return Ok(verb),
+        Err(command) => command,
+    };
     let (control, request, print) = match command {
         Command::Thin {
             command:
@@ -91,17 +96,6 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
             Print::Text,
         ),
         Command::Clear { name, control } => (control, Request::Clear { name }, Print::Text),
-        Command::Suspend {
-            name,
-            noflush,
-            nolockfs: _,
-            control,
-        } => (control, Request::Suspend { name, noflush }, Print::Text),
-        Command::Resume {
-            name,
-            noflush,
-            control,
-        } => (control, Request::Resume { name, noflush }, Print::Text),
         Command::Message {
             name,
             sector,
@@ -196,32 +190,74 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
                 Print::Text,
             )
         }
+        Command::RemoveAll { force, control } => {
+            (control, Request::RemoveAll { force }, Print::Text)
+        }
+        Command::Finalize { name, control } => (control, Request::Finalize { name }, Print::Text),
+        Command::Targets { control } => (control, Request::Targets, Print::Text),
+        // Without names: only whether the daemon answers (per_device took those with names).
+        Command::Mknodes { names: _, control } => {
+            (control, Request::Info { name: None }, Print::Nothing)
+        }
+        local => return Ok(Verb::Local(local)),
+    };
+    Ok(Verb::Requests(control, vec![request], print))
+}
+
+/// The verbs dmsetup takes a list of devices for (`dmsetup remove a b c`): one request per
+/// device, or the command back if it is none of them.
+fn per_device(command: Command) -> Result<Verb, Command> {
+    type Each = Box<dyn Fn(String) -> Request>;
+    let (control, names, each, print): (_, _, Each, _) = match command {
+        Command::Suspend {
+            names,
+            noflush,
+            nolockfs: _,
+            control,
+        } => (
+            control,
+            names,
+            Box::new(move |name| Request::Suspend { name, noflush }),
+            Print::Text,
+        ),
+        Command::Resume {
+            names,
+            noflush,
+            control,
+        } => (
+            control,
+            names,
+            Box::new(move |name| Request::Resume { name, noflush }),
+            Print::Text,
+        ),
         Command::Remove {
-            name,
+            names,
             force,
             retry,
             deferred,
             control,
         } => (
             control,
-            Request::Remove {
+            names,
+            Box::new(move |name| Request::Remove {
                 name,
                 force,
                 retry,
                 deferred,
-            },
+            }),
             Print::Text,
         ),
-        Command::RemoveAll { force, control } => {
-            (control, Request::RemoveAll { force }, Print::Text)
-        }
-        Command::Finalize { name, control } => (control, Request::Finalize { name }, Print::Text),
-        Command::Targets { control } => (control, Request::Targets, Print::Text),
-        // Only whether the device exists; every device (the daemon answering) without one.
-        Command::Mknodes { name, control } => (control, Request::Info { name }, Print::Nothing),
-        local => return Ok(Verb::Local(local)),
+        // Only whether each device exists: there are no nodes to make.
+        Command::Mknodes { names, control } if !names.is_empty() => (
+            control,
+            names,
+            Box::new(|name| Request::Info { name: Some(name) }),
+            Print::Nothing,
+        ),
+        other => return Err(other),
     };
-    Ok(Verb::Request(control, request, print))
+    let requests = names.into_iter().map(each).collect();
+    Ok(Verb::Requests(control, requests, print))
 }
 
 #[cfg(test)]
@@ -257,10 +293,10 @@ mod tests {
             ("udm info vol -c", "Info"),
             ("udm rename vol --setuuid u-1", "Rename"),
         ] {
-            let Verb::Request(_, request, _) = verb_of(line) else {
+            let Verb::Requests(_, requests, _) = verb_of(line) else {
                 panic!("{line} ran here");
             };
-            let sent = format!("{request:?}");
+            let sent = format!("{requests:?}");
             assert!(sent.contains(expected), "{line}: {sent}");
         }
     }

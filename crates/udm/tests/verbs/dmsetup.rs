@@ -32,3 +32,25 @@ fn dmsetup_options_for_udev_and_the_kernel_are_accepted() {
     daemon.udm(&["udevcomplete_all"]);
     daemon.udm(&["remove", "--noudevsync", "-v", "z"]);
 }
+
+/// dmsetup takes a list of devices for `suspend`, `resume`, `remove` and `mknodes` (`dmsetup
+/// remove a b c`, what teardown scripts run), and goes on past one that fails. udm took one
+/// name and refused the second as an unexpected argument.
+#[test]
+fn suspend_resume_and_remove_take_a_list_of_devices_as_with_dmsetup() {
+    let daemon = Daemon::start("device-lists");
+    for name in ["a", "b", "c"] {
+        daemon.create(name, "0 2048 zero");
+    }
+    daemon.udm(&["suspend", "a", "b"]);
+    for name in ["a", "b"] {
+        assert!(daemon.udm(&["info", name]).contains("SUSPENDED"), "{name}");
+    }
+    daemon.udm(&["resume", "a", "b"]);
+    assert!(daemon.udm(&["info", "a"]).contains("ACTIVE"));
+    daemon.udm(&["mknodes", "a", "b"]);
+    // The device that is not there fails alone, in one line naming it; the others go.
+    let err = daemon.udm_err(&["remove", "a", "nothing", "b"]);
+    assert!(err.contains("'nothing'"), "{err}");
+    assert_eq!(daemon.udm(&["ls"]), "c\t(2048 sectors)");
+}
