@@ -171,6 +171,9 @@ fn run(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Resul
         Verb::Requests(control, requests, print) => {
             ask_each(&control.socket(before_verb), requests, &print)
         }
+        Verb::Listing(control, requests, print) => {
+            ask_listing(&control.socket(before_verb), requests, &print)
+        }
         Verb::Local(command) => run_here(command, before_verb),
     }
 }
@@ -242,18 +245,57 @@ fn ask_each(
     let mut failed = None;
     for request in requests {
         if let Err(error) = ask(control, request, print) {
-            if let Some(earlier) = failed.replace(error) {
-                eprintln!("udm: {}", error_line(&earlier));
-            }
+            keep_last(&mut failed, error);
         }
     }
+    failed.map_or(Ok(()), Err)
+}
+
+/// Keeps `error` as the one to return, printing the one kept before as its line.
+fn keep_last(failed: &mut Option<anyhow::Error>, error: anyhow::Error) {
+    if let Some(earlier) = failed.replace(error) {
+        eprintln!("udm: {}", error_line(&earlier));
+    }
+}
+
+/// `info`, `status`, `table` and `deps` of several devices, as dmsetup prints them: each text
+/// line prefixed with `NAME: ` (info's blocks set apart by a blank line instead), the data
+/// gathered into one list (one heading for `info -c`). One that fails stops none of the others.
+fn ask_listing(
+    control: &std::path::Path,
+    requests: Vec<(String, Request)>,
+    print: &Print,
+) -> anyhow::Result<()> {
+    let info = matches!(requests.first(), Some((_, Request::Info { .. })));
+    let (mut texts, mut data, mut failed) = (Vec::new(), Vec::new(), None);
+    for (name, request) in requests {
+        let response = match client::call(control, request) {
+            Ok(response) => response,
+            Err(error) => {
+                keep_last(&mut failed, error);
+                continue;
+            }
+        };
+        if info {
+            texts.push(response.output);
+        } else {
+            texts.extend(response.output.lines().map(|l| format!("{name}: {l}")));
+        }
+        data.push(response.data.unwrap_or_default());
+    }
+    let separator = if info { "\n\n" } else { "\n" };
+    show(&texts.join(separator), Value::Array(data), print)?;
     failed.map_or(Ok(()), Err)
 }
 
 /// Sends `request` to the daemon at `control` and prints its answer as `print` says.
 fn ask(control: &std::path::Path, request: Request, print: &Print) -> anyhow::Result<()> {
     let response = client::call(control, request)?;
-    let data = response.data.unwrap_or_default();
+    show(&response.output, response.data.unwrap_or_default(), print)
+}
+
+/// Prints a verb's answer, its text `output` or its `data`, as `print` says.
+fn show(output: &str, data: Value, print: &Print) -> anyhow::Result<()> {
     match print {
         Print::Json => outln!("{}", serde_json::to_string_pretty(&data)?),
         Print::Columns(columns) => {
@@ -266,7 +308,7 @@ fn ask(control: &std::path::Path, request: Request, print: &Print) -> anyhow::Re
                 outln!("{report}");
             }
         }
-        Print::Text if !response.output.is_empty() => outln!("{}", response.output),
+        Print::Text if !output.is_empty() => outln!("{output}"),
         Print::Text | Print::Nothing => {}
     }
     Ok(())

@@ -222,8 +222,8 @@ pub enum Command {
     /// Print the status line of each target (of every device without NAME, each line
     /// prefixed with `NAME: `).
     Status {
-        /// The device's name or UUID; every device without it.
-        name: Option<String>,
+        /// The devices' names or UUIDs; every device without them.
+        names: Vec<String>,
         /// Only segments of this target type.
         #[arg(long, value_name = "TYPE")]
         target: Option<String>,
@@ -239,8 +239,8 @@ pub enum Command {
     },
     /// Print the live table (of every device without NAME, each line prefixed with `NAME: `).
     Table {
-        /// The device's name or UUID; every device without it.
-        name: Option<String>,
+        /// The devices' names or UUIDs; every device without them.
+        names: Vec<String>,
         /// Only segments of this target type.
         #[arg(long, value_name = "TYPE")]
         target: Option<String>,
@@ -257,8 +257,8 @@ pub enum Command {
     /// Print the state, tables present, open count, event number and UUID (of every device
     /// without NAME).
     Info {
-        /// The device's name or UUID; every device without it.
-        name: Option<String>,
+        /// The devices' names or UUIDs; every device without them.
+        names: Vec<String>,
         #[command(flatten)]
         columns: ColumnsArgs,
         /// Print the information as JSON.
@@ -270,8 +270,8 @@ pub enum Command {
     /// Print what each device is built on, as `dmsetup deps -o devname` does: files, remote
     /// exports and other devices in parentheses.
     Deps {
-        /// The device's name or UUID; every device without it.
-        name: Option<String>,
+        /// The devices' names or UUIDs; every device without them.
+        names: Vec<String>,
         /// Print the dependencies as JSON.
         #[arg(long)]
         json: bool,

@@ -26,6 +26,19 @@ impl Print {
             Print::Text
         }
     }
+
+    fn info(json: bool, columns: ColumnsArgs) -> Print {
+        match (json, columns.wanted()) {
+            (true, _) => Print::Json,
+            (false, true) => Print::Columns(columns),
+            (false, false) => Print::Text,
+        }
+    }
+}
+
+/// The one device named, or none for every device (per_device took lists of several).
+fn only(names: Vec<String>) -> Option<String> {
+    names.into_iter().next()
 }
 
 /// A verb read from the command line.
@@ -33,6 +46,9 @@ pub enum Verb {
     /// Control requests to the daemon at `control`, sent in turn: one, or one per device named
     /// (`remove a b c`).
     Requests(Control, Vec<Request>, Print),
+    /// A listing of several devices named (`status a b`): one request per device, the answers
+    /// printed as one listing, each text line marked with its device's name.
+    Listing(Control, Vec<(String, Request)>, Print),
     /// A verb that runs in the client.
     Local(Command),
 }
@@ -111,18 +127,21 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
             Print::Text,
         ),
         Command::Status {
-            name,
+            names,
             target,
             noflush: _,
             json,
             control,
         } => (
             control,
-            Request::Status { name, target },
+            Request::Status {
+                name: only(names),
+                target,
+            },
             Print::json_or_text(json),
         ),
         Command::Table {
-            name,
+            names,
             target,
             inactive,
             showkeys: _,
@@ -130,30 +149,31 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
         } => (
             control,
             Request::Table {
-                name,
+                name: only(names),
                 target,
                 inactive,
             },
             Print::Text,
         ),
         Command::Info {
-            name,
+            names,
             columns,
             json,
             control,
-        } => {
-            let print = match (json, columns.wanted()) {
-                (true, _) => Print::Json,
-                (false, true) => Print::Columns(columns),
-                (false, false) => Print::Text,
-            };
-            (control, Request::Info { name }, print)
-        }
+        } => (
+            control,
+            Request::Info { name: only(names) },
+            Print::info(json, columns),
+        ),
         Command::Deps {
-            name,
+            names,
             json,
             control,
-        } => (control, Request::Deps { name }, Print::json_or_text(json)),
+        } => (
+            control,
+            Request::Deps { name: only(names) },
+            Print::json_or_text(json),
+        ),
         Command::Ls {
             tree,
             target,
@@ -207,6 +227,10 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
 /// The verbs dmsetup takes a list of devices for (`dmsetup remove a b c`): one request per
 /// device, or the command back if it is none of them.
 fn per_device(command: Command) -> Result<Verb, Command> {
+    let command = match listing(command) {
+        Ok(verb) => return Ok(verb),
+        Err(command) => command,
+    };
     type Each = Box<dyn Fn(String) -> Request>;
     let (control, names, each, print): (_, _, Each, _) = match command {
         Command::Suspend {
@@ -258,6 +282,71 @@ fn per_device(command: Command) -> Result<Verb, Command> {
     };
     let requests = names.into_iter().map(each).collect();
     Ok(Verb::Requests(control, requests, print))
+}
+
+/// `info`, `status`, `table` and `deps` of more than one device, or the command back.
+fn listing(command: Command) -> Result<Verb, Command> {
+    type Each = Box<dyn Fn(Option<String>) -> Request>;
+    let (control, names, each, print): (_, _, Each, _) = match command {
+        Command::Status {
+            names,
+            target,
+            noflush: _,
+            json,
+            control,
+        } if names.len() > 1 => (
+            control,
+            names,
+            Box::new(move |name| Request::Status {
+                name,
+                target: target.clone(),
+            }),
+            Print::json_or_text(json),
+        ),
+        Command::Table {
+            names,
+            target,
+            inactive,
+            showkeys: _,
+            control,
+        } if names.len() > 1 => (
+            control,
+            names,
+            Box::new(move |name| Request::Table {
+                name,
+                target: target.clone(),
+                inactive,
+            }),
+            Print::Text,
+        ),
+        Command::Info {
+            names,
+            columns,
+            json,
+            control,
+        } if names.len() > 1 => (
+            control,
+            names,
+            Box::new(|name| Request::Info { name }),
+            Print::info(json, columns),
+        ),
+        Command::Deps {
+            names,
+            json,
+            control,
+        } if names.len() > 1 => (
+            control,
+            names,
+            Box::new(|name| Request::Deps { name }),
+            Print::json_or_text(json),
+        ),
+        other => return Err(other),
+    };
+    let requests = names
+        .into_iter()
+        .map(|name| (name.clone(), each(Some(name))))
+        .collect();
+    Ok(Verb::Listing(control, requests, print))
 }
 
 #[cfg(test)]

@@ -54,3 +54,42 @@ fn suspend_resume_and_remove_take_a_list_of_devices_as_with_dmsetup() {
     assert!(err.contains("'nothing'"), "{err}");
     assert_eq!(daemon.udm(&["ls"]), "c\t(2048 sectors)");
 }
+
+/// dmsetup takes a list of devices for `info`, `status`, `table` and `deps` too, and marks each
+/// device's lines with `NAME: ` (info's blocks set apart by a blank line; `info -c` under one
+/// heading). udm refused the second name as an unexpected argument.
+#[test]
+fn listings_take_a_list_of_devices_as_with_dmsetup() {
+    let daemon = Daemon::start("listing-lists");
+    daemon.create("a", "0 2048 zero");
+    daemon.create("b", "0 4096 error");
+    daemon.create("c", "0 2048 zero");
+    assert_eq!(
+        daemon.udm(&["table", "b", "a"]),
+        "b: 0 4096 error\na: 0 2048 zero"
+    );
+    assert_eq!(
+        daemon.udm(&["status", "a", "b", "--target", "zero"]),
+        "a: 0 2048 zero"
+    );
+    assert_eq!(
+        daemon.udm(&["deps", "a", "b"]),
+        "a: 0 dependencies\t:\nb: 0 dependencies\t:"
+    );
+    let info = daemon.udm(&["info", "a", "b"]);
+    assert!(info.starts_with("Name:              a\n"), "{info}");
+    assert!(info.contains("\n\nName:              b\n"), "{info}");
+    assert_eq!(
+        daemon.udm(&["info", "-c", "-o", "name,sectors", "--noheadings", "a", "c"]),
+        "a:2048\nc:2048"
+    );
+    assert_eq!(
+        daemon
+            .udm(&["info", "--json", "a", "c"])
+            .matches("\"name\"")
+            .count(),
+        2
+    );
+    let err = daemon.udm_err(&["table", "a", "nothing"]);
+    assert!(err.contains("'nothing'"), "{err}");
+}
