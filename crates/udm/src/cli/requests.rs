@@ -57,8 +57,8 @@ pub enum Verb {
 /// into its request: a flat table, long because there are many verbs (reason for its length).
 pub fn verb(command: Command) -> anyhow::Result<Verb> {
     let command = match per_device(command) {
-        Ok(verb) => return Ok(verb),
-        Err(command) => command,
+        Verb::Local(command) => command,
+        verb => return Ok(verb),
     };
     let (control, request, print) = match command {
         Command::Thin {
@@ -225,11 +225,11 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
 }
 
 /// The verbs dmsetup takes a list of devices for (`dmsetup remove a b c`): one request per
-/// device, or the command back if it is none of them.
-fn per_device(command: Command) -> Result<Verb, Command> {
+/// device, or the command back as `Local` if it is none of them.
+fn per_device(command: Command) -> Verb {
     let command = match listing(command) {
-        Ok(verb) => return Ok(verb),
-        Err(command) => command,
+        Verb::Local(command) => command,
+        verb => return verb,
     };
     type Each = Box<dyn Fn(String) -> Request>;
     let (control, names, each, print): (_, _, Each, _) = match command {
@@ -278,14 +278,15 @@ fn per_device(command: Command) -> Result<Verb, Command> {
             Box::new(|name| Request::Info { name: Some(name) }),
             Print::Nothing,
         ),
-        other => return Err(other),
+        other => return Verb::Local(other),
     };
     let requests = names.into_iter().map(each).collect();
-    Ok(Verb::Requests(control, requests, print))
+    Verb::Requests(control, requests, print)
 }
 
-/// `info`, `status`, `table` and `deps` of more than one device, or the command back.
-fn listing(command: Command) -> Result<Verb, Command> {
+/// `info`, `status`, `table` and `deps` of more than one device, or the command back as
+/// `Local`.
+fn listing(command: Command) -> Verb {
     type Each = Box<dyn Fn(Option<String>) -> Request>;
     let (control, names, each, print): (_, _, Each, _) = match command {
         Command::Status {
@@ -340,13 +341,13 @@ fn listing(command: Command) -> Result<Verb, Command> {
             Box::new(|name| Request::Deps { name }),
             Print::json_or_text(json),
         ),
-        other => return Err(other),
+        other => return Verb::Local(other),
     };
     let requests = names
         .into_iter()
         .map(|name| (name.clone(), each(Some(name))))
         .collect();
-    Ok(Verb::Listing(control, requests, print))
+    Verb::Listing(control, requests, print)
 }
 
 #[cfg(test)]
