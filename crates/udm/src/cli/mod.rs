@@ -148,6 +148,10 @@ pub enum Command {
         /// printable characters).
         #[arg(long, short = 'u', value_name = "UUID")]
         uuid: Option<String>,
+        /// Refused: dmsetup's, to make a device without a table and load one later; a udm
+        /// device is made with its table.
+        #[arg(long, short = 'n')]
+        notable: bool,
         #[command(flatten)]
         control: Control,
     },
@@ -298,6 +302,10 @@ pub enum Command {
         name: String,
         /// The event number to wait past.
         event_nr: Option<u64>,
+        /// Accepted and ignored: dmsetup's, for a thin pool's status without a metadata
+        /// commit; udm's status never commits.
+        #[arg(long)]
+        noflush: bool,
         /// Instead, show the progress (rate, ETA) of the background copies (clone hydration,
         /// snapshot merge) until they are done.
         #[arg(long, conflicts_with = "event_nr")]

@@ -2,6 +2,7 @@
 //! printed. The verbs that run in the client (the daemon, send and receive, loop devices,
 //! progress bars…) are answered in main.rs.
 
+use anyhow::bail;
 use udm::control::Request;
 
 use super::{ColumnsArgs, Command, Control, ThinCommand};
@@ -79,11 +80,16 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
             },
             Print::json_or_text(json),
         ),
+        Command::Create { notable: true, .. } => bail!(
+            "create --notable: a udm device is made with its table (give it with --table, a \
+             file or standard input)"
+        ),
         Command::Create {
             name,
             table,
             readonly,
             uuid,
+            notable: false,
             control,
         } => (
             control,
@@ -188,6 +194,7 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
             name,
             event_nr,
             progress: false,
+            noflush: _,
             control,
         } => (control, Request::Wait { name, event_nr }, Print::Text),
         Command::Rename {

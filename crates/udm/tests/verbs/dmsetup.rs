@@ -93,3 +93,27 @@ fn listings_take_a_list_of_devices_as_with_dmsetup() {
     let err = daemon.udm_err(&["table", "a", "nothing"]);
     assert!(err.contains("'nothing'"), "{err}");
 }
+
+/// `dmsetup create --notable NAME` (`-n`) makes a device to load a table into later; a udm
+/// device is made with its table, and says so in one line (udm answered "unexpected argument
+/// '--notable' (a similar argument exists: '--table')"). `wait --noflush`, which asks for a
+/// thin pool's status without a commit, is accepted: udm's status commits nothing.
+#[test]
+fn create_notable_is_refused_saying_why_and_wait_takes_noflush() {
+    let daemon = Daemon::start("notable");
+    for flag in ["--notable", "-n"] {
+        let err = daemon.udm_err(&["create", flag, "x"]);
+        assert!(err.contains("is made with its table"), "{err}");
+    }
+    assert_eq!(daemon.udm(&["ls"]), "No devices found");
+    let path = daemon.sparse("path.img", MIB);
+    let path = path.to_str().unwrap();
+    daemon.create(
+        "mp",
+        &format!("0 2048 multipath 0 0 1 1 round-robin 0 1 1 {path} 1"),
+    );
+    daemon.udm(&["message", "mp", "0", "fail_path", path]);
+    let event = daemon.event_nr("mp");
+    assert!(event > 0);
+    daemon.udm(&["wait", "--noflush", "mp", &(event - 1).to_string()]);
+}
