@@ -45,7 +45,7 @@ use udm::daemon;
 
 fn main() -> ExitCode {
     logger::init();
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::try_parse_from(cli::uuid_as_name(std::env::args_os().collect())) {
         Ok(cli) => cli,
         // --help and --version are not errors.
         Err(e) if !e.use_stderr() => {

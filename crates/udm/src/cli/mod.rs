@@ -1,6 +1,7 @@
 //! The command line: verbs, their arguments and their help. Every positional argument and
 //! flag says what it is, since `udm VERB --help` is where an admin looks first.
 
+use std::ffi::OsString;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
@@ -60,6 +61,49 @@ pub struct UdevOptions {
     /// Ignored (dmsetup's: more detail; udm prints the same).
     #[arg(short = 'v', long, global = true, hide = true, action = clap::ArgAction::Count)]
     verbose: u8,
+}
+
+/// The verbs whose device dmsetup's `-u UUID` may name: those that name an existing device.
+const NAMED_BY_UUID: &[&str] = &[
+    "info", "status", "table", "deps", "remove", "suspend", "resume", "message", "load", "reload",
+    "clear", "wait", "rename", "mknodes", "attach", "finalize",
+];
+
+/// dmsetup names a device by its UUID with `-u UUID` (`dmsetup remove -u LVM-…`). udm takes a
+/// UUID wherever it takes a name, so in the verbs that name a device, `-u UUID`, `--uuid UUID`
+/// and `--uuid=UUID` become that argument, where they stand (in `create`, -u stays the new
+/// device's UUID).
+pub fn uuid_as_name(args: Vec<OsString>) -> Vec<OsString> {
+    let Some(verb) = verb_position(&args).filter(|&i| NAMED_BY_UUID.iter().any(|v| args[i] == *v))
+    else {
+        return args;
+    };
+    let mut out = args[..=verb].to_vec();
+    let mut rest = args.into_iter().skip(verb + 1);
+    while let Some(arg) = rest.next() {
+        if arg == "-u" || arg == "--uuid" {
+            out.extend(rest.next());
+        } else if let Some(uuid) = arg.to_str().and_then(|a| a.strip_prefix("--uuid=")) {
+            out.push(uuid.into());
+        } else {
+            out.push(arg);
+        }
+    }
+    out
+}
+
+/// Where the verb is: the first argument after the program's that is not an option (the
+/// `--control PATH` before a verb takes a value).
+fn verb_position(args: &[OsString]) -> Option<usize> {
+    let mut i = 1;
+    while i < args.len() {
+        match args[i].to_str() {
+            Some("--control") => i += 2,
+            Some(arg) if arg.starts_with('-') => i += 1,
+            _ => return Some(i),
+        }
+    }
+    None
 }
 
 /// Where the daemon answers the verbs.
@@ -612,6 +656,24 @@ mod tests {
         );
         // Detach and replay-log talk to no daemon: one given before them is ignored.
         Cli::try_parse_from(["udm", "--control", "/a", "detach", "/dev/loop0"]).unwrap();
+    }
+
+    #[test]
+    fn dash_u_names_the_device_except_in_create() {
+        let rewritten = |line: &str| {
+            let args = line.split_whitespace().map(OsString::from).collect();
+            let out: Vec<_> = uuid_as_name(args);
+            out.join(" ".as_ref()).into_string().unwrap()
+        };
+        assert_eq!(
+            rewritten("udm --control /c info -c -u U-1"),
+            "udm --control /c info -c U-1"
+        );
+        assert_eq!(rewritten("udm remove --uuid=U-1 -f"), "udm remove U-1 -f");
+        assert_eq!(
+            rewritten("udm create -u U-1 vol --table x"),
+            "udm create -u U-1 vol --table x"
+        );
     }
 
     /// The options every verb takes for dmsetup's sake parse beside a verb's own arguments of

@@ -117,3 +117,26 @@ fn create_notable_is_refused_saying_why_and_wait_takes_noflush() {
     assert!(event > 0);
     daemon.udm(&["wait", "--noflush", "mp", &(event - 1).to_string()]);
 }
+
+/// dmsetup names a device by its UUID with `-u UUID` in every verb (`dmsetup remove -u
+/// LVM-…`), as scripts that keep UUIDs do; udm refused `-u` outside `create`.
+#[test]
+fn dash_u_names_a_device_by_its_uuid_in_every_verb() {
+    let daemon = Daemon::start("dash-u");
+    daemon.udm(&["create", "-u", "UDM-z-1", "z", "--table", "0 2048 zero"]);
+    assert!(daemon
+        .udm(&["info", "-u", "UDM-z-1"])
+        .contains("Name:              z"));
+    assert_eq!(daemon.udm(&["table", "--uuid=UDM-z-1"]), "0 2048 zero");
+    daemon.udm(&["suspend", "--uuid", "UDM-z-1"]);
+    daemon.udm(&["resume", "-u", "UDM-z-1"]);
+    daemon.udm(&[
+        "--control",
+        daemon.control().to_str().unwrap(),
+        "remove",
+        "-f",
+        "-u",
+        "UDM-z-1",
+    ]);
+    assert_eq!(daemon.udm(&["ls"]), "No devices found");
+}
