@@ -198,6 +198,21 @@ fn run_here(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::
             ..
         } => progress::show(&control.socket(before_verb), &name),
         Command::Version { control } => version(&control.socket(before_verb)),
+        Command::WipeTable {
+            names,
+            noflush,
+            control,
+            ..
+        } => {
+            let control = control.socket(before_verb);
+            let mut failed = None;
+            for name in names {
+                if let Err(error) = wipe_table(&control, name, noflush) {
+                    keep_last(&mut failed, error);
+                }
+            }
+            failed.map_or(Ok(()), Err)
+        }
         // dmsetup's releases udev cookies; udm takes none, so there is nothing to release.
         Command::UdevcompleteAll { .. } => Ok(()),
         Command::Stop { control } => background::stop(&control.socket(before_verb)),
@@ -311,6 +326,29 @@ fn show(output: &str, data: Value, print: &Print) -> anyhow::Result<()> {
         Print::Text if !output.is_empty() => outln!("{output}"),
         Print::Text | Print::Nothing => {}
     }
+    Ok(())
+}
+
+/// dmsetup's wipe_table: loads an `error` table as large as the device and resumes it (a
+/// resume after a load suspends first, as the kernel's does).
+fn wipe_table(control: &std::path::Path, name: String, noflush: bool) -> anyhow::Result<()> {
+    let info = client::call(
+        control,
+        Request::Info {
+            name: Some(name.clone()),
+        },
+    )?;
+    let sectors = info.data.as_ref().and_then(|d| d["sectors"].as_u64());
+    let sectors = sectors.context("the daemon's info on the device gave no size")?;
+    let table = format!("0 {sectors} error");
+    let load = Request::Load {
+        name: name.clone(),
+        table,
+        force: false,
+        read_only: false,
+    };
+    client::call(control, load)?;
+    client::call(control, Request::Resume { name, noflush })?;
     Ok(())
 }
 

@@ -65,8 +65,23 @@ pub struct UdevOptions {
 
 /// The verbs whose device dmsetup's `-u UUID` may name: those that name an existing device.
 const NAMED_BY_UUID: &[&str] = &[
-    "info", "status", "table", "deps", "remove", "suspend", "resume", "message", "load", "reload",
-    "clear", "wait", "rename", "mknodes", "attach", "finalize",
+    "info",
+    "status",
+    "table",
+    "deps",
+    "remove",
+    "suspend",
+    "resume",
+    "message",
+    "load",
+    "reload",
+    "clear",
+    "wait",
+    "rename",
+    "mknodes",
+    "attach",
+    "finalize",
+    "wipe_table",
 ];
 
 /// dmsetup names a device by its UUID with `-u UUID` (`dmsetup remove -u LVM-…`). udm takes a
@@ -213,6 +228,26 @@ pub enum Command {
         /// Load a smaller table even though devices built on this one reach past its end
         /// (their I/O there then fails with EIO).
         #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Make an `error` table as large as the device live (load, then resume): new I/O fails,
+    /// and the files and devices the old table used are let go.
+    #[command(name = "wipe_table", visible_alias = "wipe-table")]
+    WipeTable {
+        /// The devices' names or UUIDs, wiped in turn.
+        #[arg(required = true)]
+        names: Vec<String>,
+        /// Push the requests a multipath holds back to the device rather than failing them,
+        /// as `suspend --noflush` (they then fail on the error table).
+        #[arg(long)]
+        noflush: bool,
+        /// Accepted and ignored, as for `suspend`.
+        #[arg(long)]
+        nolockfs: bool,
+        /// Accepted and ignored: the table is replaced whoever has the device open.
+        #[arg(long, short = 'f')]
         force: bool,
         #[command(flatten)]
         control: Control,

@@ -140,3 +140,24 @@ fn dash_u_names_a_device_by_its_uuid_in_every_verb() {
     ]);
     assert_eq!(daemon.udm(&["ls"]), "No devices found");
 }
+
+/// `dmsetup wipe_table NAME…`, what teardown scripts run before `remove`: an `error` table as
+/// large as the device goes live, failing new I/O and letting go of the files the old table
+/// used. udm had no such verb.
+#[test]
+fn wipe_table_makes_an_error_table_live_as_with_dmsetup() {
+    let daemon = Daemon::start("wipe-table");
+    daemon.create_linear("a", "a.img", MIB);
+    daemon.create("b", "0 4096 zero");
+    daemon.udm(&["create", "-u", "UDM-c", "c", "--table", "0 8 zero"]);
+    daemon.udm(&["wipe_table", "a", "b", "--noflush", "--nolockfs"]);
+    daemon.udm(&["wipe_table", "-u", "UDM-c"]);
+    assert_eq!(
+        daemon.udm(&["table", "a", "b", "c"]),
+        "a: 0 2048 error\nb: 0 4096 error\nc: 0 8 error"
+    );
+    assert_eq!(daemon.udm(&["deps", "a"]), "0 dependencies\t:");
+    qemu_io_eio(&daemon.uri("b"), "read 0 4k");
+    let err = daemon.udm_err(&["wipe_table", "nothing"]);
+    assert!(err.contains("'nothing'"), "{err}");
+}
