@@ -45,7 +45,15 @@ use udm::daemon;
 
 fn main() -> ExitCode {
     logger::init();
-    let cli = match Cli::try_parse_from(cli::uuid_as_name(std::env::args_os().collect())) {
+    let args = cli::uuid_as_name(std::env::args_os().collect());
+    if let Some(option) = cli::device_number_option(&args) {
+        eprintln!(
+            "udm: {option}: udm devices have no major and minor numbers; name the device by \
+             its name or UUID"
+        );
+        return ExitCode::FAILURE;
+    }
+    let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         // --help and --version are not errors.
         Err(e) if !e.use_stderr() => {

@@ -55,6 +55,16 @@ pub struct UdevOptions {
     /// Ignored (dmsetup's: tell udev not to run its rules; udm sends it nothing).
     #[arg(long, global = true, hide = true)]
     noudevrules: bool,
+    /// Ignored (dmsetup's: make the /dev/mapper node at create; udm makes none).
+    #[arg(long, global = true, hide = true)]
+    addnodeoncreate: bool,
+    /// Ignored (dmsetup's: make the /dev/mapper node at resume; udm makes none).
+    #[arg(long, global = true, hide = true)]
+    addnodeonresume: bool,
+    /// Ignored (dmsetup's: a kernel block device's read-ahead; the NBD or loop device a udm
+    /// device is used through has its own).
+    #[arg(long, global = true, hide = true, value_name = "SECTORS")]
+    readahead: Option<String>,
     /// Ignored (dmsetup's: answer yes to prompts; udm asks none).
     #[arg(short = 'y', long, global = true, hide = true)]
     yes: bool,
@@ -105,6 +115,21 @@ pub fn uuid_as_name(args: Vec<OsString>) -> Vec<OsString> {
         }
     }
     out
+}
+
+/// dmsetup's `-j MAJOR -m MINOR` (`--major`, `--minor`), which name a device by its number or
+/// give a new one its number: the first found after the verb. Looked for before clap checks
+/// the verb's arguments, so that `remove -j 253 -m 0` hears why rather than that NAME is
+/// missing.
+pub fn device_number_option(args: &[OsString]) -> Option<String> {
+    let verb = verb_position(args)?;
+    let is_one = |arg: &&str| {
+        matches!(*arg, "-j" | "-m" | "--major" | "--minor")
+            || arg.starts_with("--major=")
+            || arg.starts_with("--minor=")
+    };
+    let after = args[verb + 1..].iter().filter_map(|a| a.to_str());
+    after.into_iter().find(is_one).map(str::to_string)
 }
 
 /// Where the verb is: the first argument after the program's that is not an option (the

@@ -161,3 +161,31 @@ fn wipe_table_makes_an_error_table_live_as_with_dmsetup() {
     let err = daemon.udm_err(&["wipe_table", "nothing"]);
     assert!(err.contains("'nothing'"), "{err}");
 }
+
+/// `create --readahead auto --addnodeoncreate` and `resume --addnodeonresume`, as LVM-era
+/// scripts pass them, set what only a kernel block device has, and are accepted; a device
+/// named by `-j MAJOR -m MINOR` cannot be, and the error says why instead of udm's
+/// "unexpected argument '-j'".
+#[test]
+fn block_device_options_are_accepted_and_device_numbers_refused_saying_why() {
+    let daemon = Daemon::start("block-device-options");
+    daemon.udm(&[
+        "create",
+        "--readahead",
+        "auto",
+        "--addnodeoncreate",
+        "z",
+        "--table",
+        "0 8 zero",
+    ]);
+    daemon.udm(&["suspend", "z"]);
+    daemon.udm(&["resume", "--addnodeonresume", "--readahead", "256", "z"]);
+    for args in [
+        &["info", "-j", "253", "-m", "0"][..],
+        &["remove", "--major", "253"],
+    ] {
+        let err = daemon.udm_err(args);
+        assert!(err.contains("no major and minor numbers"), "{err}");
+    }
+    assert_eq!(daemon.udm(&["ls"]), "z\t(8 sectors)");
+}
