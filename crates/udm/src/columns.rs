@@ -6,7 +6,10 @@ use anyhow::bail;
 use serde_json::Value;
 
 /// dmsetup's default without major and minor: udm devices have no device numbers.
-const DEFAULT_FIELDS: &str = "name,attr,open,segments,events,uuid";
+pub const DEFAULT_FIELDS: &str = "name,attr,open,segments,events,uuid";
+
+/// `splitname`'s default: the parts of an LVM name.
+pub const SPLITNAME_FIELDS: &str = "vg_name,lv_name,lv_layer";
 
 struct Field {
     id: &'static str,
@@ -106,7 +109,58 @@ const FIELDS: &[Field] = &[
         numeric: true,
         value: |d| text(&d["sectors"]),
     },
+    Field {
+        id: "vg_name",
+        heading: "VG",
+        width: 2,
+        numeric: false,
+        value: |d| lvm_part(d, 0),
+    },
+    Field {
+        id: "lv_name",
+        heading: "LV",
+        width: 2,
+        numeric: false,
+        value: |d| lvm_part(d, 1),
+    },
+    Field {
+        id: "lv_layer",
+        heading: "LVLayer",
+        width: 7,
+        numeric: false,
+        value: |d| lvm_part(d, 2),
+    },
 ];
+
+/// LVM's split of a device-mapper name into volume group, volume and layer, as libdevmapper's
+/// dm_split_lvm_name: a single `-` ends a part (one after the layer ends the split), a doubled
+/// one stands for `-`, and one at the very end is kept.
+pub fn lvm_parts(name: &str) -> [String; 3] {
+    let mut parts: [String; 3] = Default::default();
+    let mut part = 0;
+    let mut chars = name.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (c, chars.peek()) {
+            ('-', Some('-')) => {
+                chars.next();
+            }
+            ('-', Some(_)) if part == 2 => break,
+            ('-', Some(_)) => {
+                part += 1;
+                continue;
+            }
+            _ => {}
+        }
+        parts[part].push(c);
+    }
+    parts
+}
+
+/// One part of the device's name split as LVM's.
+fn lvm_part(d: &Value, part: usize) -> String {
+    let mut parts = lvm_parts(&text(&d["name"]));
+    std::mem::take(&mut parts[part])
+}
 
 /// Kernel-only fields, refused with a reason rather than as unknown.
 const KERNEL_FIELDS: &[&str] = &["major", "minor", "devno", "blkdevname", "read_ahead"];
@@ -140,6 +194,8 @@ fn attr(d: &Value) -> String {
 pub struct Layout<'a> {
     /// `-o`: a list, or `+LIST` to add to the default.
     pub fields: Option<&'a str>,
+    /// The fields without `-o`.
+    pub default: &'static str,
     pub headings: bool,
     /// Fields joined with this instead of aligned.
     pub separator: Option<&'a str>,
@@ -148,8 +204,8 @@ pub struct Layout<'a> {
 impl Layout<'_> {
     fn fields(&self) -> anyhow::Result<Vec<&'static Field>> {
         let list = match self.fields {
-            None => DEFAULT_FIELDS.to_string(),
-            Some(extra) if extra.starts_with('+') => format!("{DEFAULT_FIELDS},{}", &extra[1..]),
+            None => self.default.to_string(),
+            Some(extra) if extra.starts_with('+') => format!("{},{}", self.default, &extra[1..]),
             Some(list) => list.to_string(),
         };
         list.split(',')
@@ -229,6 +285,17 @@ impl Layout<'_> {
 mod tests {
     use serde_json::json;
 
+    #[test]
+    fn lvm_names_split_as_libdevmapper_splits_them() {
+        let parts = lvm_parts;
+        assert_eq!(parts("vg-lv"), ["vg", "lv", ""]);
+        assert_eq!(parts("my--vg-lv--1-tpool"), ["my-vg", "lv-1", "tpool"]);
+        // A `-` at the very end is kept; one after the layer ends the split.
+        assert_eq!(parts("vg-"), ["vg-", "", ""]);
+        assert_eq!(parts("a-b-c-d"), ["a", "b", "c"]);
+        assert_eq!(parts("plain"), ["plain", "", ""]);
+    }
+
     use super::*;
 
     fn devices() -> Vec<Value> {
@@ -245,6 +312,7 @@ mod tests {
     #[test]
     fn the_default_report_is_dmsetups_without_device_numbers() {
         let layout = Layout {
+            default: DEFAULT_FIELDS,
             fields: None,
             headings: true,
             separator: None,
@@ -260,6 +328,7 @@ mod tests {
     #[test]
     fn noheadings_is_colon_separated_as_in_dmsetup() {
         let layout = Layout {
+            default: DEFAULT_FIELDS,
             fields: Some("name,open,attr"),
             headings: false,
             separator: Some(":"),
@@ -269,6 +338,7 @@ mod tests {
             "fast:1:L--w\nvol:0:LIsr"
         );
         let layout = Layout {
+            default: DEFAULT_FIELDS,
             fields: Some("+sectors"),
             headings: true,
             separator: Some(";"),
@@ -283,6 +353,7 @@ mod tests {
     #[test]
     fn unknown_and_kernel_only_fields_are_refused_by_name() {
         let layout = |fields| Layout {
+            default: DEFAULT_FIELDS,
             fields: Some(fields),
             headings: true,
             separator: None,

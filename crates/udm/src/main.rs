@@ -221,6 +221,11 @@ fn run_here(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::
             }
             failed.map_or(Ok(()), Err)
         }
+        Command::Splitname {
+            name,
+            subsystem,
+            columns,
+        } => splitname(&name, subsystem.as_deref(), &columns),
         // dmsetup's releases udev cookies; udm takes none, so there is nothing to release.
         Command::UdevcompleteAll { .. } => Ok(()),
         Command::Stop { control } => background::stop(&control.socket(before_verb)),
@@ -334,6 +339,20 @@ fn show(output: &str, data: Value, print: &Print) -> anyhow::Result<()> {
         Print::Text if !output.is_empty() => outln!("{output}"),
         Print::Text | Print::Nothing => {}
     }
+    Ok(())
+}
+
+/// dmsetup's splitname: the parts of an LVM name, in columns as `info -c` draws them.
+fn splitname(
+    name: &str,
+    subsystem: Option<&str>,
+    columns: &cli::ColumnsArgs,
+) -> anyhow::Result<()> {
+    if let Some(other) = subsystem.filter(|s| *s != "LVM") {
+        bail!("splitname: subsystem '{other}': only LVM names are split");
+    }
+    let layout = columns.layout_of(columns::SPLITNAME_FIELDS);
+    outln!("{}", layout.render(&[serde_json::json!({ "name": name })])?);
     Ok(())
 }
 

@@ -491,6 +491,15 @@ pub enum Command {
         #[command(flatten)]
         control: Control,
     },
+    /// Split an LVM device name into volume group, volume and layer (no daemon needed).
+    Splitname {
+        /// The device-mapper name, e.g. vg00-lv--home (a doubled `-` stands for `-`).
+        name: String,
+        /// The subsystem whose names these are: only LVM's are split, as with dmsetup.
+        subsystem: Option<String>,
+        #[command(flatten)]
+        columns: ColumnsArgs,
+    },
     /// Does nothing: dmsetup's, to release udev cookies a crashed run left; udm takes none.
     #[command(name = "udevcomplete_all", visible_alias = "udevcomplete-all")]
     UdevcompleteAll {
@@ -605,12 +614,12 @@ pub enum ThinCommand {
 /// `info -c` and its options, as dmsetup's.
 #[derive(Args)]
 pub struct ColumnsArgs {
-    /// One line per device in columns, as `dmsetup info -c`.
+    /// One line per device in columns, as `dmsetup info -c` (`splitname` always prints them).
     #[arg(short = 'c', short_alias = 'C', long)]
     columns: bool,
     /// The columns (implies -c): name, uuid, attr, tables_loaded, suspended, readonly,
-    /// open, segments, events, sectors; `+FIELDS` adds to the default
-    /// name,attr,open,segments,events,uuid.
+    /// open, segments, events, sectors, vg_name, lv_name, lv_layer; `+FIELDS` adds to the
+    /// default name,attr,open,segments,events,uuid (splitname's: vg_name,lv_name,lv_layer).
     #[arg(short = 'o', long = "options", value_name = "FIELDS")]
     fields: Option<String>,
     /// No heading line; fields separated by `:` and not aligned (as dmsetup; implies -c).
@@ -628,8 +637,14 @@ impl ColumnsArgs {
     }
 
     pub fn layout(&self) -> columns::Layout<'_> {
+        self.layout_of(columns::DEFAULT_FIELDS)
+    }
+
+    /// The layout with `default` as the fields without `-o`.
+    pub fn layout_of(&self, default: &'static str) -> columns::Layout<'_> {
         columns::Layout {
             fields: self.fields.as_deref(),
+            default,
             headings: !self.noheadings,
             separator: self.separator.as_deref().or(self.noheadings.then_some(":")),
         }

@@ -189,3 +189,28 @@ fn block_device_options_are_accepted_and_device_numbers_refused_saying_why() {
     }
     assert_eq!(daemon.udm(&["ls"]), "z\t(8 sectors)");
 }
+
+/// `dmsetup splitname VG-LV` splits an LVM name into its volume group, volume and layer (a
+/// doubled `-` stands for `-`), as LVM's scripts run it, and `info -c -o vg_name,lv_name`
+/// shows the same of each device. udm had no such verb and suggested `rename`.
+#[test]
+fn splitname_splits_lvm_names_as_dmsetup_does() {
+    let daemon = Daemon::start("splitname");
+    assert_eq!(
+        daemon.udm(&["splitname", "vg00-lv--home-real"]),
+        "VG   LV      LVLayer\nvg00 lv-home real"
+    );
+    let fields = ["-o", "lv_name,vg_name", "--noheadings", "--separator", ":"];
+    assert_eq!(
+        daemon.udm(&[&["splitname", "a--b-c"][..], &fields].concat()),
+        "c:a-b"
+    );
+    daemon.create("vg-lv", "0 8 zero");
+    let fields = "name,vg_name,lv_name,lv_layer";
+    assert_eq!(
+        daemon.udm(&["info", "-c", "--noheadings", "-o", fields]),
+        "vg-lv:vg:lv:"
+    );
+    let err = daemon.udm_err(&["splitname", "x-y", "MD"]);
+    assert!(err.contains("'MD'"), "{err}");
+}
