@@ -380,6 +380,10 @@ pub enum Command {
     Deps {
         /// The devices' names or UUIDs; every device without them.
         names: Vec<String>,
+        /// dmsetup's `devname`, which is what udm prints anyway (`devno` and `blkdevname`, a
+        /// kernel block device's, are refused).
+        #[arg(short = 'o', long = "options", value_name = "devname", value_parser = parse_deps_option)]
+        options: Option<String>,
         /// Print the dependencies as JSON.
         #[arg(long)]
         json: bool,

@@ -173,6 +173,7 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
         ),
         Command::Deps {
             names,
+            options: _,
             json,
             control,
         } => (
@@ -340,6 +341,7 @@ fn listing(command: Command) -> Verb {
         ),
         Command::Deps {
             names,
+            options: _,
             json,
             control,
         } if names.len() > 1 => (

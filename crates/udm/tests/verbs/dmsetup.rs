@@ -214,3 +214,21 @@ fn splitname_splits_lvm_names_as_dmsetup_does() {
     let err = daemon.udm_err(&["splitname", "x-y", "MD"]);
     assert!(err.contains("'MD'"), "{err}");
 }
+
+/// `dmsetup deps -o devname`, how scripts find the disks under a device, prints what udm's
+/// `deps` prints (names, not numbers); `-o devno` and `-o blkdevname` ask for kernel device
+/// numbers and names, and are refused saying so. udm refused `-o` as an unexpected argument.
+#[test]
+fn deps_takes_dmsetups_o_devname() {
+    let daemon = Daemon::start("deps-devname");
+    daemon.create("z", "0 8 zero");
+    daemon.create("top", "0 8 linear z 0");
+    assert_eq!(
+        daemon.udm(&["deps", "-o", "devname", "top"]),
+        "1 dependencies\t: (z)"
+    );
+    for kernel in ["devno", "blkdevname"] {
+        let err = daemon.udm_err(&["deps", "-o", kernel, "top"]);
+        assert!(err.contains("not kernel block devices"), "{err}");
+    }
+}
