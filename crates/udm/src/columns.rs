@@ -199,6 +199,8 @@ pub struct Layout<'a> {
     pub headings: bool,
     /// Fields joined with this instead of aligned.
     pub separator: Option<&'a str>,
+    /// Each field as `DM_FIELD='value'`, for a shell to eval (dmsetup's --nameprefixes).
+    pub name_prefixes: bool,
 }
 
 impl Layout<'_> {
@@ -223,12 +225,23 @@ impl Layout<'_> {
             .collect()
     }
 
+    /// One field of one device, as `--nameprefixes` says.
+    fn cell(&self, field: &Field, device: &Value) -> String {
+        let value = (field.value)(device);
+        if !self.name_prefixes {
+            return value;
+        }
+        // Quoted for the shell: a `'` in a UUID closes, escapes and reopens the quote.
+        let quoted = value.replace('\'', r"'\''");
+        format!("DM_{}='{quoted}'", field.id.to_uppercase())
+    }
+
     /// The report for `devices` (the daemon's `info` data for each).
     pub fn render(&self, devices: &[Value]) -> anyhow::Result<String> {
         let fields = self.fields()?;
         let rows: Vec<Vec<String>> = devices
             .iter()
-            .map(|d| fields.iter().map(|f| (f.value)(d)).collect())
+            .map(|d| fields.iter().map(|f| self.cell(f, d)).collect())
             .collect();
         let mut lines = Vec::new();
         if let Some(separator) = self.separator {
@@ -286,6 +299,22 @@ mod tests {
     use serde_json::json;
 
     #[test]
+    fn nameprefixes_quote_each_value_for_the_shell() {
+        let layout = Layout {
+            fields: Some("name,uuid"),
+            default: DEFAULT_FIELDS,
+            headings: false,
+            separator: Some(":"),
+            name_prefixes: true,
+        };
+        let device = json!({"name": "v", "uuid": "it's"});
+        assert_eq!(
+            layout.render(&[device]).unwrap(),
+            r"DM_NAME='v':DM_UUID='it'\''s'"
+        );
+    }
+
+    #[test]
     fn lvm_names_split_as_libdevmapper_splits_them() {
         let parts = lvm_parts;
         assert_eq!(parts("vg-lv"), ["vg", "lv", ""]);
@@ -313,6 +342,7 @@ mod tests {
     fn the_default_report_is_dmsetups_without_device_numbers() {
         let layout = Layout {
             default: DEFAULT_FIELDS,
+            name_prefixes: false,
             fields: None,
             headings: true,
             separator: None,
@@ -329,6 +359,7 @@ mod tests {
     fn noheadings_is_colon_separated_as_in_dmsetup() {
         let layout = Layout {
             default: DEFAULT_FIELDS,
+            name_prefixes: false,
             fields: Some("name,open,attr"),
             headings: false,
             separator: Some(":"),
@@ -339,6 +370,7 @@ mod tests {
         );
         let layout = Layout {
             default: DEFAULT_FIELDS,
+            name_prefixes: false,
             fields: Some("+sectors"),
             headings: true,
             separator: Some(";"),
@@ -354,6 +386,7 @@ mod tests {
     fn unknown_and_kernel_only_fields_are_refused_by_name() {
         let layout = |fields| Layout {
             default: DEFAULT_FIELDS,
+            name_prefixes: false,
             fields: Some(fields),
             headings: true,
             separator: None,

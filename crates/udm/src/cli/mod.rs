@@ -632,12 +632,19 @@ pub struct ColumnsArgs {
     /// Separate the fields with SEP instead of aligning them (implies -c).
     #[arg(long, value_name = "SEP")]
     separator: Option<String>,
+    /// Each field as DM_FIELD='value', for a shell to eval (implies -c).
+    #[arg(long)]
+    nameprefixes: bool,
 }
 
 impl ColumnsArgs {
     /// Whether the columns were asked for at all.
     pub fn wanted(&self) -> bool {
-        self.columns || self.fields.is_some() || self.noheadings || self.separator.is_some()
+        self.columns
+            || self.fields.is_some()
+            || self.noheadings
+            || self.separator.is_some()
+            || self.nameprefixes
     }
 
     pub fn layout(&self) -> columns::Layout<'_> {
@@ -649,6 +656,7 @@ impl ColumnsArgs {
         columns::Layout {
             fields: self.fields.as_deref(),
             default,
+            name_prefixes: self.nameprefixes,
             headings: !self.noheadings,
             separator: self.separator.as_deref().or(self.noheadings.then_some(":")),
         }

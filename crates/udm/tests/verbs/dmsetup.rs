@@ -232,3 +232,21 @@ fn deps_takes_dmsetups_o_devname() {
         assert!(err.contains("not kernel block devices"), "{err}");
     }
 }
+
+/// `--nameprefixes` makes each field `DM_FIELD='value'`, for scripts to `eval` (`eval $(dmsetup
+/// splitname --nameprefixes --noheadings NAME)`, `dmsetup info -c --nameprefixes …`). udm
+/// refused it as an unexpected argument.
+#[test]
+fn nameprefixes_give_each_field_its_shell_name_as_dmsetup_does() {
+    let daemon = Daemon::start("nameprefixes");
+    daemon.udm(&["create", "-u", "U-1", "vg-lv", "--table", "0 8 zero"]);
+    let prefixed = ["--nameprefixes", "--noheadings"];
+    assert_eq!(
+        daemon.udm(&[&["info", "-o", "name,uuid,open"][..], &prefixed].concat()),
+        "DM_NAME='vg-lv':DM_UUID='U-1':DM_OPEN='0'"
+    );
+    assert_eq!(
+        daemon.udm(&[&["splitname", "my--vg-lv"][..], &prefixed].concat()),
+        "DM_VG_NAME='my-vg':DM_LV_NAME='lv':DM_LV_LAYER=''"
+    );
+}
