@@ -45,7 +45,8 @@ use udm::daemon;
 
 fn main() -> ExitCode {
     logger::init();
-    let args = cli::uuid_as_name(std::env::args_os().collect());
+    let args = cli::options_after_verb(std::env::args_os().collect());
+    let args = cli::uuid_as_name(args);
     if let Some(option) = cli::device_number_option(&args) {
         eprintln!(
             "udm: {option}: udm devices have no major and minor numbers; name the device by \

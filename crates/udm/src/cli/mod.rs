@@ -117,6 +117,53 @@ pub fn uuid_as_name(args: Vec<OsString>) -> Vec<OsString> {
     out
 }
 
+/// dmsetup reads its options anywhere, before the verb too (`dmsetup -f remove vol`, `dmsetup
+/// -c info`), as getopt does: what stands before the verb, but the `--control` udm takes there,
+/// moves to just after it. The verb is the first argument that names one and is not the
+/// value of an option before it (`--target thin status`).
+pub fn options_after_verb(args: Vec<OsString>) -> Vec<OsString> {
+    use clap::CommandFactory;
+    let udm = Cli::command();
+    let is_verb = |arg: &OsString| arg.to_str().and_then(|a| udm.find_subcommand(a)).is_some();
+    let verb = (1..args.len()).find(|&i| is_verb(&args[i]) && !takes_value(&udm, &args[i - 1]));
+    let Some(verb) = verb else {
+        return args;
+    };
+    let (mut out, mut moved) = (vec![args[0].clone()], Vec::new());
+    let mut before = args[1..verb].iter().cloned();
+    while let Some(arg) = before.next() {
+        if arg == "--control" {
+            out.push(arg);
+            out.extend(before.next());
+        } else if arg.to_str().is_some_and(|a| a.starts_with("--control=")) {
+            out.push(arg);
+        } else {
+            moved.push(arg);
+        }
+    }
+    out.push(args[verb].clone());
+    out.extend(moved);
+    out.extend(args[verb + 1..].iter().cloned());
+    out
+}
+
+/// Whether `arg` is an option that takes a value, in any verb or before them.
+fn takes_value(udm: &clap::Command, arg: &OsString) -> bool {
+    let Some(arg) = arg.to_str() else {
+        return false;
+    };
+    let names = |option: &clap::Arg| {
+        let long = arg
+            .strip_prefix("--")
+            .is_some_and(|l| option.get_long() == Some(l));
+        let short = arg.strip_prefix('-').and_then(|s| s.parse::<char>().ok());
+        long || (short.is_some() && option.get_short() == short)
+    };
+    let verbs = udm.get_subcommands().chain([udm]);
+    let mut options = verbs.flat_map(|verb| verb.get_arguments());
+    options.any(|option| option.get_action().takes_values() && names(option))
+}
+
 /// dmsetup's `-j MAJOR -m MINOR` (`--major`, `--minor`), which name a device by its number or
 /// give a new one its number: the first found after the verb. Looked for before clap checks
 /// the verb's arguments, so that `remove -j 253 -m 0` hears why rather than that NAME is
@@ -743,6 +790,29 @@ mod tests {
         );
         // Detach and replay-log talk to no daemon: one given before them is ignored.
         Cli::try_parse_from(["udm", "--control", "/a", "detach", "/dev/loop0"]).unwrap();
+    }
+
+    #[test]
+    fn options_before_the_verb_move_after_it_but_control() {
+        let rewritten = |line: &str| {
+            let args = line.split_whitespace().map(OsString::from).collect();
+            let out: Vec<_> = options_after_verb(args);
+            out.join(" ".as_ref()).into_string().unwrap()
+        };
+        assert_eq!(
+            rewritten("udm -f --control /c remove vol"),
+            "udm --control /c remove -f vol"
+        );
+        assert_eq!(rewritten("udm -o name info -c"), "udm info -o name -c");
+        assert_eq!(
+            rewritten("udm --control /a detach /dev/loop0"),
+            "udm --control /a detach /dev/loop0"
+        );
+        assert_eq!(rewritten("udm --help"), "udm --help");
+        assert_eq!(
+            rewritten("udm --target thin status pool"),
+            "udm status --target thin pool"
+        );
     }
 
     #[test]

@@ -250,3 +250,19 @@ fn nameprefixes_give_each_field_its_shell_name_as_dmsetup_does() {
         "DM_VG_NAME='my-vg':DM_LV_NAME='lv':DM_LV_LAYER=''"
     );
 }
+
+/// dmsetup reads its options anywhere, before the verb too (`dmsetup -f remove vol`, `dmsetup
+/// -c info`, `dmsetup -u UUID info`); udm refused a verb's option before the verb.
+#[test]
+fn a_verbs_options_may_come_before_it_as_with_dmsetup() {
+    let daemon = Daemon::start("options-first");
+    daemon.udm(&["-u", "U-1", "create", "z", "--table", "0 8 zero"]);
+    assert_eq!(
+        daemon.udm(&["-o", "name,uuid", "--noheadings", "info", "z"]),
+        "z:U-1"
+    );
+    assert_eq!(daemon.udm(&["-u", "U-1", "table"]), "0 8 zero");
+    let _client = RawClient::connect(&daemon.nbd_socket(), "z");
+    daemon.udm(&["-f", "remove", "z"]);
+    assert_eq!(daemon.udm(&["ls"]), "No devices found");
+}
