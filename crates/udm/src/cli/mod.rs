@@ -119,14 +119,10 @@ pub fn uuid_as_name(args: Vec<OsString>) -> Vec<OsString> {
 
 /// dmsetup reads its options anywhere, before the verb too (`dmsetup -f remove vol`, `dmsetup
 /// -c info`), as getopt does: what stands before the verb, but the `--control` udm takes there,
-/// moves to just after it. The verb is the first argument that names one and is not the
-/// value of an option before it (`--target thin status`).
+/// moves to just after it. Only options and their values may stand before the verb (`udm
+/// frobnicate info` stays an unknown verb, not info on device frobnicate).
 pub fn options_after_verb(args: Vec<OsString>) -> Vec<OsString> {
-    use clap::CommandFactory;
-    let udm = Cli::command();
-    let is_verb = |arg: &OsString| arg.to_str().and_then(|a| udm.find_subcommand(a)).is_some();
-    let verb = (1..args.len()).find(|&i| is_verb(&args[i]) && !takes_value(&udm, &args[i - 1]));
-    let Some(verb) = verb else {
+    let Some(verb) = verb_after_options(&args) else {
         return args;
     };
     let (mut out, mut moved) = (vec![args[0].clone()], Vec::new());
@@ -145,6 +141,21 @@ pub fn options_after_verb(args: Vec<OsString>) -> Vec<OsString> {
     out.extend(moved);
     out.extend(args[verb + 1..].iter().cloned());
     out
+}
+
+/// Where the verb is if only options and their values stand before it (`--target thin
+/// status`: thin is --target's value).
+fn verb_after_options(args: &[OsString]) -> Option<usize> {
+    use clap::CommandFactory;
+    let udm = Cli::command();
+    let mut i = 1;
+    while let Some(arg) = args.get(i).and_then(|a| a.to_str()) {
+        if !arg.starts_with('-') {
+            return udm.find_subcommand(arg).is_some().then_some(i);
+        }
+        i += if takes_value(&udm, &args[i]) { 2 } else { 1 };
+    }
+    None
 }
 
 /// Whether `arg` is an option that takes a value, in any verb or before them.
@@ -809,6 +820,10 @@ mod tests {
             "udm --control /a detach /dev/loop0"
         );
         assert_eq!(rewritten("udm --help"), "udm --help");
+        assert_eq!(
+            rewritten("udm frobnicate -f info"),
+            "udm frobnicate -f info"
+        );
         assert_eq!(
             rewritten("udm --target thin status pool"),
             "udm status --target thin pool"
