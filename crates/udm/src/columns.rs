@@ -6,7 +6,10 @@ use anyhow::bail;
 use serde_json::Value;
 
 /// dmsetup's default without major and minor: udm devices have no device numbers.
-const DEFAULT_FIELDS: &str = "name,attr,open,segments,events,uuid";
+pub const DEFAULT_FIELDS: &str = "name,attr,open,segments,events,uuid";
+
+/// `splitname`'s default: the parts of an LVM name.
+pub const SPLITNAME_FIELDS: &str = "vg_name,lv_name,lv_layer";
 
 struct Field {
     id: &'static str,
@@ -106,7 +109,58 @@ const FIELDS: &[Field] = &[
         numeric: true,
         value: |d| text(&d["sectors"]),
     },
+    Field {
+        id: "vg_name",
+        heading: "VG",
+        width: 2,
+        numeric: false,
+        value: |d| lvm_part(d, 0),
+    },
+    Field {
+        id: "lv_name",
+        heading: "LV",
+        width: 2,
+        numeric: false,
+        value: |d| lvm_part(d, 1),
+    },
+    Field {
+        id: "lv_layer",
+        heading: "LVLayer",
+        width: 7,
+        numeric: false,
+        value: |d| lvm_part(d, 2),
+    },
 ];
+
+/// LVM's split of a device-mapper name into volume group, volume and layer, as libdevmapper's
+/// dm_split_lvm_name: a single `-` ends a part (one after the layer ends the split), a doubled
+/// one stands for `-`, and one at the very end is kept.
+pub fn lvm_parts(name: &str) -> [String; 3] {
+    let mut parts: [String; 3] = Default::default();
+    let mut part = 0;
+    let mut chars = name.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (c, chars.peek()) {
+            ('-', Some('-')) => {
+                chars.next();
+            }
+            ('-', Some(_)) if part == 2 => break,
+            ('-', Some(_)) => {
+                part += 1;
+                continue;
+            }
+            _ => {}
+        }
+        parts[part].push(c);
+    }
+    parts
+}
+
+/// One part of the device's name split as LVM's.
+fn lvm_part(d: &Value, part: usize) -> String {
+    let mut parts = lvm_parts(&text(&d["name"]));
+    std::mem::take(&mut parts[part])
+}
 
 /// Kernel-only fields, refused with a reason rather than as unknown.
 const KERNEL_FIELDS: &[&str] = &["major", "minor", "devno", "blkdevname", "read_ahead"];
@@ -140,16 +194,20 @@ fn attr(d: &Value) -> String {
 pub struct Layout<'a> {
     /// `-o`: a list, or `+LIST` to add to the default.
     pub fields: Option<&'a str>,
+    /// The fields without `-o`.
+    pub default: &'static str,
     pub headings: bool,
     /// Fields joined with this instead of aligned.
     pub separator: Option<&'a str>,
+    /// Each field as `DM_FIELD='value'`, for a shell to eval (dmsetup's --nameprefixes).
+    pub name_prefixes: bool,
 }
 
 impl Layout<'_> {
     fn fields(&self) -> anyhow::Result<Vec<&'static Field>> {
         let list = match self.fields {
-            None => DEFAULT_FIELDS.to_string(),
-            Some(extra) if extra.starts_with('+') => format!("{DEFAULT_FIELDS},{}", &extra[1..]),
+            None => self.default.to_string(),
+            Some(extra) if extra.starts_with('+') => format!("{},{}", self.default, &extra[1..]),
             Some(list) => list.to_string(),
         };
         list.split(',')
@@ -167,12 +225,23 @@ impl Layout<'_> {
             .collect()
     }
 
+    /// One field of one device, as `--nameprefixes` says.
+    fn cell(&self, field: &Field, device: &Value) -> String {
+        let value = (field.value)(device);
+        if !self.name_prefixes {
+            return value;
+        }
+        // Quoted for the shell: a `'` in a UUID closes, escapes and reopens the quote.
+        let quoted = value.replace('\'', r"'\''");
+        format!("DM_{}='{quoted}'", field.id.to_uppercase())
+    }
+
     /// The report for `devices` (the daemon's `info` data for each).
     pub fn render(&self, devices: &[Value]) -> anyhow::Result<String> {
         let fields = self.fields()?;
         let rows: Vec<Vec<String>> = devices
             .iter()
-            .map(|d| fields.iter().map(|f| (f.value)(d)).collect())
+            .map(|d| fields.iter().map(|f| self.cell(f, d)).collect())
             .collect();
         let mut lines = Vec::new();
         if let Some(separator) = self.separator {
@@ -229,6 +298,33 @@ impl Layout<'_> {
 mod tests {
     use serde_json::json;
 
+    #[test]
+    fn nameprefixes_quote_each_value_for_the_shell() {
+        let layout = Layout {
+            fields: Some("name,uuid"),
+            default: DEFAULT_FIELDS,
+            headings: false,
+            separator: Some(":"),
+            name_prefixes: true,
+        };
+        let device = json!({"name": "v", "uuid": "it's"});
+        assert_eq!(
+            layout.render(&[device]).unwrap(),
+            r"DM_NAME='v':DM_UUID='it'\''s'"
+        );
+    }
+
+    #[test]
+    fn lvm_names_split_as_libdevmapper_splits_them() {
+        let parts = lvm_parts;
+        assert_eq!(parts("vg-lv"), ["vg", "lv", ""]);
+        assert_eq!(parts("my--vg-lv--1-tpool"), ["my-vg", "lv-1", "tpool"]);
+        // A `-` at the very end is kept; one after the layer ends the split.
+        assert_eq!(parts("vg-"), ["vg-", "", ""]);
+        assert_eq!(parts("a-b-c-d"), ["a", "b", "c"]);
+        assert_eq!(parts("plain"), ["plain", "", ""]);
+    }
+
     use super::*;
 
     fn devices() -> Vec<Value> {
@@ -245,6 +341,8 @@ mod tests {
     #[test]
     fn the_default_report_is_dmsetups_without_device_numbers() {
         let layout = Layout {
+            default: DEFAULT_FIELDS,
+            name_prefixes: false,
             fields: None,
             headings: true,
             separator: None,
@@ -260,6 +358,8 @@ mod tests {
     #[test]
     fn noheadings_is_colon_separated_as_in_dmsetup() {
         let layout = Layout {
+            default: DEFAULT_FIELDS,
+            name_prefixes: false,
             fields: Some("name,open,attr"),
             headings: false,
             separator: Some(":"),
@@ -269,6 +369,8 @@ mod tests {
             "fast:1:L--w\nvol:0:LIsr"
         );
         let layout = Layout {
+            default: DEFAULT_FIELDS,
+            name_prefixes: false,
             fields: Some("+sectors"),
             headings: true,
             separator: Some(";"),
@@ -283,6 +385,8 @@ mod tests {
     #[test]
     fn unknown_and_kernel_only_fields_are_refused_by_name() {
         let layout = |fields| Layout {
+            default: DEFAULT_FIELDS,
+            name_prefixes: false,
             fields: Some(fields),
             headings: true,
             separator: None,

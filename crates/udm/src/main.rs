@@ -67,7 +67,16 @@ use udm::daemon;
 
 fn main() -> ExitCode {
     logger::init();
-    let cli = match Cli::try_parse() {
+    let args = cli::options_after_verb(std::env::args_os().collect());
+    let args = cli::uuid_as_name(args);
+    if let Some(option) = cli::device_number_option(&args) {
+        eprintln!(
+            "udm: {option}: udm devices have no major and minor numbers; name the device by \
+             its name or UUID"
+        );
+        return ExitCode::FAILURE;
+    }
+    let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         // --help and --version are not errors.
         Err(e) if !e.use_stderr() => {
@@ -190,7 +199,12 @@ fn daemon(args: DaemonArgs, control: PathBuf) -> anyhow::Result<()> {
 /// `before_verb`: a `--control` given before the verb.
 fn run(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::Result<()> {
     match cli::verb(command)? {
-        Verb::Request(control, request, print) => ask(&control.socket(before_verb), request, print),
+        Verb::Requests(control, requests, print) => {
+            ask_each(&control.socket(before_verb), requests, &print)
+        }
+        Verb::Listing(control, requests, print) => {
+            ask_listing(&control.socket(before_verb), requests, &print)
+        }
         Verb::Local(command) => run_here(command, before_verb),
     }
 }
@@ -215,6 +229,28 @@ fn run_here(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::
             ..
         } => progress::show(&control.socket(before_verb), &name),
         Command::Version { control } => version(&control.socket(before_verb)),
+        Command::WipeTable {
+            names,
+            noflush,
+            control,
+            ..
+        } => {
+            let control = control.socket(before_verb);
+            let mut failed = None;
+            for name in names {
+                if let Err(error) = wipe_table(&control, name, noflush) {
+                    keep_last(&mut failed, error);
+                }
+            }
+            failed.map_or(Ok(()), Err)
+        }
+        Command::Splitname {
+            name,
+            subsystem,
+            columns,
+        } => splitname(&name, subsystem.as_deref(), &columns),
+        // dmsetup's releases udev cookies; udm takes none, so there is nothing to release.
+        Command::UdevcompleteAll { .. } => Ok(()),
         Command::Stop { control } => background::stop(&control.socket(before_verb)),
         Command::Thin {
             command:
@@ -250,10 +286,67 @@ fn run_here(command: Command, before_verb: Option<&std::path::Path>) -> anyhow::
     }
 }
 
+/// Sends each request in turn, as dmsetup goes through the devices it is given: one that
+/// fails does not stop the others. Each failure is one line; the last is the verb's error.
+fn ask_each(
+    control: &std::path::Path,
+    requests: Vec<Request>,
+    print: &Print,
+) -> anyhow::Result<()> {
+    let mut failed = None;
+    for request in requests {
+        if let Err(error) = ask(control, request, print) {
+            keep_last(&mut failed, error);
+        }
+    }
+    failed.map_or(Ok(()), Err)
+}
+
+/// Keeps `error` as the one to return, printing the one kept before as its line.
+fn keep_last(failed: &mut Option<anyhow::Error>, error: anyhow::Error) {
+    if let Some(earlier) = failed.replace(error) {
+        eprintln!("udm: {}", error_line(&earlier));
+    }
+}
+
+/// `info`, `status`, `table` and `deps` of several devices, as dmsetup prints them: each text
+/// line prefixed with `NAME: ` (info's blocks set apart by a blank line instead), the data
+/// gathered into one list (one heading for `info -c`). One that fails stops none of the others.
+fn ask_listing(
+    control: &std::path::Path,
+    requests: Vec<(String, Request)>,
+    print: &Print,
+) -> anyhow::Result<()> {
+    let info = matches!(requests.first(), Some((_, Request::Info { .. })));
+    let (mut texts, mut data, mut failed) = (Vec::new(), Vec::new(), None);
+    for (name, request) in requests {
+        let response = match client::call(control, request) {
+            Ok(response) => response,
+            Err(error) => {
+                keep_last(&mut failed, error);
+                continue;
+            }
+        };
+        if info {
+            texts.push(response.output);
+        } else {
+            texts.extend(response.output.lines().map(|l| format!("{name}: {l}")));
+        }
+        data.push(response.data.unwrap_or_default());
+    }
+    let separator = if info { "\n\n" } else { "\n" };
+    show(&texts.join(separator), Value::Array(data), print)?;
+    failed.map_or(Ok(()), Err)
+}
+
 /// Sends `request` to the daemon at `control` and prints its answer as `print` says.
-fn ask(control: &std::path::Path, request: Request, print: Print) -> anyhow::Result<()> {
+fn ask(control: &std::path::Path, request: Request, print: &Print) -> anyhow::Result<()> {
     let response = client::call(control, request)?;
-    let data = response.data.unwrap_or_default();
+    show(&response.output, response.data.unwrap_or_default(), print)
+}
+
+/// Prints a verb's answer, its text `output` or its `data`, as `print` says.
+fn show(output: &str, data: Value, print: &Print) -> anyhow::Result<()> {
     match print {
         Print::Json => outln!("{}", serde_json::to_string_pretty(&data)?),
         Print::Columns(columns) => {
@@ -266,9 +359,46 @@ fn ask(control: &std::path::Path, request: Request, print: Print) -> anyhow::Res
                 outln!("{report}");
             }
         }
-        Print::Text if !response.output.is_empty() => outln!("{}", response.output),
-        Print::Text => {}
+        Print::Text if !output.is_empty() => outln!("{output}"),
+        Print::Text | Print::Nothing => {}
     }
+    Ok(())
+}
+
+/// dmsetup's splitname: the parts of an LVM name, in columns as `info -c` draws them.
+fn splitname(
+    name: &str,
+    subsystem: Option<&str>,
+    columns: &cli::ColumnsArgs,
+) -> anyhow::Result<()> {
+    if let Some(other) = subsystem.filter(|s| *s != "LVM") {
+        bail!("splitname: subsystem '{other}': only LVM names are split");
+    }
+    let layout = columns.layout_of(columns::SPLITNAME_FIELDS);
+    outln!("{}", layout.render(&[serde_json::json!({ "name": name })])?);
+    Ok(())
+}
+
+/// dmsetup's wipe_table: loads an `error` table as large as the device and resumes it (a
+/// resume after a load suspends first, as the kernel's does).
+fn wipe_table(control: &std::path::Path, name: String, noflush: bool) -> anyhow::Result<()> {
+    let info = client::call(
+        control,
+        Request::Info {
+            name: Some(name.clone()),
+        },
+    )?;
+    let sectors = info.data.as_ref().and_then(|d| d["sectors"].as_u64());
+    let sectors = sectors.context("the daemon's info on the device gave no size")?;
+    let table = format!("0 {sectors} error");
+    let load = Request::Load {
+        name: name.clone(),
+        table,
+        force: false,
+        read_only: false,
+    };
+    client::call(control, load)?;
+    client::call(control, Request::Resume { name, noflush })?;
     Ok(())
 }
 

@@ -45,9 +45,10 @@ pub struct ReplayOptions {
     /// that there is no filesystem to check).
     #[arg(long, requires = "check")]
     check_after_mark: Option<String>,
-    /// Print every entry.
-    #[arg(long)]
-    verbose: bool,
+    /// Print every entry. A count, as the `-v` every verb takes for dmsetup's sake is: the
+    /// two are one argument, and clap reads them as one type.
+    #[arg(short = 'v', long, action = clap::ArgAction::Count)]
+    verbose: u8,
 }
 
 /// Whether the log holds a mark with this text. Looked for before replaying anything, so that
@@ -132,7 +133,7 @@ pub fn run(o: ReplayOptions) -> anyhow::Result<()> {
             to_the_end = false;
             break;
         }
-        if o.verbose {
+        if o.verbose > 0 {
             outln!("{}", describe(&entry));
         }
         apply(&target, &entry, &data)?;

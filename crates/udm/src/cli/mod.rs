@@ -1,6 +1,7 @@
 //! The command line: verbs, their arguments and their help. Every positional argument and
 //! flag says what it is, since `udm VERB --help` is where an admin looks first.
 
+use std::ffi::OsString;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
@@ -33,8 +34,174 @@ pub struct Cli {
     /// The control socket, given before the verb as older versions of udm took it.
     #[arg(long = "control", value_name = "PATH", hide = true)]
     pub control: Option<PathBuf>,
+    #[command(flatten)]
+    pub udev: UdevOptions,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// dmsetup's options for udev and its prompts, which scripts pass to every verb out of habit
+/// (`dmsetup remove -y --noudevsync vol`). udm makes no device nodes, so it sends no udev
+/// events to wait for or verify, asks nothing to say yes to, and prints the same however
+/// verbose: each is accepted, before or after the verb, and changes nothing.
+#[derive(Args)]
+pub struct UdevOptions {
+    /// Ignored (dmsetup's: do not wait for udev; udm makes no device nodes).
+    #[arg(long, global = true, hide = true)]
+    noudevsync: bool,
+    /// Ignored (dmsetup's: check udev made the nodes; udm makes none).
+    #[arg(long, global = true, hide = true)]
+    verifyudev: bool,
+    /// Ignored (dmsetup's: tell udev not to run its rules; udm sends it nothing).
+    #[arg(long, global = true, hide = true)]
+    noudevrules: bool,
+    /// Ignored (dmsetup's: make the /dev/mapper node at create; udm makes none).
+    #[arg(long, global = true, hide = true)]
+    addnodeoncreate: bool,
+    /// Ignored (dmsetup's: make the /dev/mapper node at resume; udm makes none).
+    #[arg(long, global = true, hide = true)]
+    addnodeonresume: bool,
+    /// Ignored (dmsetup's: a kernel block device's read-ahead; the NBD or loop device a udm
+    /// device is used through has its own).
+    #[arg(long, global = true, hide = true, value_name = "SECTORS")]
+    readahead: Option<String>,
+    /// Ignored (dmsetup's: answer yes to prompts; udm asks none).
+    #[arg(short = 'y', long, global = true, hide = true)]
+    yes: bool,
+    /// Ignored (dmsetup's: more detail; udm prints the same).
+    #[arg(short = 'v', long, global = true, hide = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+}
+
+/// The verbs whose device dmsetup's `-u UUID` may name: those that name an existing device.
+const NAMED_BY_UUID: &[&str] = &[
+    "info",
+    "status",
+    "table",
+    "deps",
+    "remove",
+    "suspend",
+    "resume",
+    "message",
+    "load",
+    "reload",
+    "clear",
+    "wait",
+    "rename",
+    "mknodes",
+    "attach",
+    "finalize",
+    "wipe_table",
+];
+
+/// dmsetup names a device by its UUID with `-u UUID` (`dmsetup remove -u LVM-…`). udm takes a
+/// UUID wherever it takes a name, so in the verbs that name a device, `-u UUID`, `--uuid UUID`
+/// and `--uuid=UUID` become that argument, where they stand (in `create`, -u stays the new
+/// device's UUID).
+pub fn uuid_as_name(args: Vec<OsString>) -> Vec<OsString> {
+    let Some(verb) = verb_position(&args).filter(|&i| NAMED_BY_UUID.iter().any(|v| args[i] == *v))
+    else {
+        return args;
+    };
+    let mut out = args[..=verb].to_vec();
+    let mut rest = args.into_iter().skip(verb + 1);
+    while let Some(arg) = rest.next() {
+        if arg == "-u" || arg == "--uuid" {
+            out.extend(rest.next());
+        } else if let Some(uuid) = arg.to_str().and_then(|a| a.strip_prefix("--uuid=")) {
+            out.push(uuid.into());
+        } else {
+            out.push(arg);
+        }
+    }
+    out
+}
+
+/// dmsetup reads its options anywhere, before the verb too (`dmsetup -f remove vol`, `dmsetup
+/// -c info`), as getopt does: what stands before the verb, but the `--control` udm takes there,
+/// moves to just after it. Only options and their values may stand before the verb (`udm
+/// frobnicate info` stays an unknown verb, not info on device frobnicate).
+pub fn options_after_verb(args: Vec<OsString>) -> Vec<OsString> {
+    let Some(verb) = verb_after_options(&args) else {
+        return args;
+    };
+    let (mut out, mut moved) = (vec![args[0].clone()], Vec::new());
+    let mut before = args[1..verb].iter().cloned();
+    while let Some(arg) = before.next() {
+        if arg == "--control" {
+            out.push(arg);
+            out.extend(before.next());
+        } else if arg.to_str().is_some_and(|a| a.starts_with("--control=")) {
+            out.push(arg);
+        } else {
+            moved.push(arg);
+        }
+    }
+    out.push(args[verb].clone());
+    out.extend(moved);
+    out.extend(args[verb + 1..].iter().cloned());
+    out
+}
+
+/// Where the verb is if only options and their values stand before it (`--target thin
+/// status`: thin is --target's value).
+fn verb_after_options(args: &[OsString]) -> Option<usize> {
+    use clap::CommandFactory;
+    let udm = Cli::command();
+    let mut i = 1;
+    while let Some(arg) = args.get(i).and_then(|a| a.to_str()) {
+        if !arg.starts_with('-') {
+            return udm.find_subcommand(arg).is_some().then_some(i);
+        }
+        i += if takes_value(&udm, &args[i]) { 2 } else { 1 };
+    }
+    None
+}
+
+/// Whether `arg` is an option that takes a value, in any verb or before them.
+fn takes_value(udm: &clap::Command, arg: &OsString) -> bool {
+    let Some(arg) = arg.to_str() else {
+        return false;
+    };
+    let names = |option: &clap::Arg| {
+        let long = arg
+            .strip_prefix("--")
+            .is_some_and(|l| option.get_long() == Some(l));
+        let short = arg.strip_prefix('-').and_then(|s| s.parse::<char>().ok());
+        long || (short.is_some() && option.get_short() == short)
+    };
+    let verbs = udm.get_subcommands().chain([udm]);
+    let mut options = verbs.flat_map(|verb| verb.get_arguments());
+    options.any(|option| option.get_action().takes_values() && names(option))
+}
+
+/// dmsetup's `-j MAJOR -m MINOR` (`--major`, `--minor`), which name a device by its number or
+/// give a new one its number: the first found after the verb. Looked for before clap checks
+/// the verb's arguments, so that `remove -j 253 -m 0` hears why rather than that NAME is
+/// missing.
+pub fn device_number_option(args: &[OsString]) -> Option<String> {
+    let verb = verb_position(args)?;
+    let is_one = |arg: &&str| {
+        matches!(*arg, "-j" | "-m" | "--major" | "--minor")
+            || arg.starts_with("--major=")
+            || arg.starts_with("--minor=")
+    };
+    let after = args[verb + 1..].iter().filter_map(|a| a.to_str());
+    after.into_iter().find(is_one).map(str::to_string)
+}
+
+/// Where the verb is: the first argument after the program's that is not an option (the
+/// `--control PATH` before a verb takes a value).
+fn verb_position(args: &[OsString]) -> Option<usize> {
+    let mut i = 1;
+    while i < args.len() {
+        match args[i].to_str() {
+            Some("--control") => i += 2,
+            Some(arg) if arg.starts_with('-') => i += 1,
+            _ => return Some(i),
+        }
+    }
+    None
 }
 
 /// Where the daemon answers the verbs.
@@ -117,12 +284,16 @@ pub enum Command {
         #[command(flatten)]
         table: TableSource,
         /// Refuse writes to the device.
-        #[arg(long)]
+        #[arg(long, short = 'r')]
         readonly: bool,
         /// A unique identifier that names the device as well as its name does (up to 128
         /// printable characters).
         #[arg(long, short = 'u', value_name = "UUID")]
         uuid: Option<String>,
+        /// Refused: dmsetup's, to make a device without a table and load one later; a udm
+        /// device is made with its table.
+        #[arg(long, short = 'n')]
+        notable: bool,
         #[command(flatten)]
         control: Control,
     },
@@ -135,11 +306,31 @@ pub enum Command {
         table: TableSource,
         /// Make the device read-only when this table goes live (without it, the device is
         /// writable then, as with dmsetup).
-        #[arg(long)]
+        #[arg(long, short = 'r')]
         readonly: bool,
         /// Load a smaller table even though devices built on this one reach past its end
         /// (their I/O there then fails with EIO).
         #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Make an `error` table as large as the device live (load, then resume): new I/O fails,
+    /// and the files and devices the old table used are let go.
+    #[command(name = "wipe_table", visible_alias = "wipe-table")]
+    WipeTable {
+        /// The devices' names or UUIDs, wiped in turn.
+        #[arg(required = true)]
+        names: Vec<String>,
+        /// Push the requests a multipath holds back to the device rather than failing them,
+        /// as `suspend --noflush` (they then fail on the error table).
+        #[arg(long)]
+        noflush: bool,
+        /// Accepted and ignored, as for `suspend`.
+        #[arg(long)]
+        nolockfs: bool,
+        /// Accepted and ignored: the table is replaced whoever has the device open.
+        #[arg(long, short = 'f')]
         force: bool,
         #[command(flatten)]
         control: Control,
@@ -153,20 +344,27 @@ pub enum Command {
     },
     /// Hold new I/O and wait for I/O in flight.
     Suspend {
-        /// The device's name or UUID.
-        name: String,
+        /// The devices' names or UUIDs, suspended in turn.
+        #[arg(required = true)]
+        names: Vec<String>,
         /// Push the requests a multipath holds for a path back to the device, to run after
         /// the resume on the table live then, instead of failing them (dmsetup's, for
         /// multipathd's reloads).
         #[arg(long)]
         noflush: bool,
+        /// Accepted and ignored: dmsetup's, for not freezing a filesystem mounted on the
+        /// device; udm's devices hold none of their own (one on a loop device over the FUSE
+        /// file is the loop device's), so the suspend is the same.
+        #[arg(long)]
+        nolockfs: bool,
         #[command(flatten)]
         control: Control,
     },
     /// Make the inactive table live (if loaded) and let I/O flow.
     Resume {
-        /// The device's name or UUID.
-        name: String,
+        /// The devices' names or UUIDs, resumed in turn.
+        #[arg(required = true)]
+        names: Vec<String>,
         /// For a swap without a `suspend` before it (load, then resume): suspend with
         /// `--noflush` (multipathd's reload).
         #[arg(long)]
@@ -190,11 +388,15 @@ pub enum Command {
     /// Print the status line of each target (of every device without NAME, each line
     /// prefixed with `NAME: `).
     Status {
-        /// The device's name or UUID; every device without it.
-        name: Option<String>,
+        /// The devices' names or UUIDs; every device without them.
+        names: Vec<String>,
         /// Only segments of this target type.
         #[arg(long, value_name = "TYPE")]
         target: Option<String>,
+        /// Accepted and ignored: dmsetup's, for a thin pool's status without a metadata
+        /// commit; udm's status never commits.
+        #[arg(long)]
+        noflush: bool,
         /// Print the status as JSON, with details (hydration progress, rate, ETA).
         #[arg(long)]
         json: bool,
@@ -203,22 +405,26 @@ pub enum Command {
     },
     /// Print the live table (of every device without NAME, each line prefixed with `NAME: `).
     Table {
-        /// The device's name or UUID; every device without it.
-        name: Option<String>,
+        /// The devices' names or UUIDs; every device without them.
+        names: Vec<String>,
         /// Only segments of this target type.
         #[arg(long, value_name = "TYPE")]
         target: Option<String>,
         /// The inactive table (loaded, not yet resumed) instead of the live one.
         #[arg(long)]
         inactive: bool,
+        /// Accepted and ignored: dmsetup's, to show crypt keys; no udm target has keys, so
+        /// every table is shown whole.
+        #[arg(long)]
+        showkeys: bool,
         #[command(flatten)]
         control: Control,
     },
     /// Print the state, tables present, open count, event number and UUID (of every device
     /// without NAME).
     Info {
-        /// The device's name or UUID; every device without it.
-        name: Option<String>,
+        /// The devices' names or UUIDs; every device without them.
+        names: Vec<String>,
         #[command(flatten)]
         columns: ColumnsArgs,
         /// Print the information as JSON.
@@ -230,8 +436,12 @@ pub enum Command {
     /// Print what each device is built on, as `dmsetup deps -o devname` does: files, remote
     /// exports and other devices in parentheses.
     Deps {
-        /// The device's name or UUID; every device without it.
-        name: Option<String>,
+        /// The devices' names or UUIDs; every device without them.
+        names: Vec<String>,
+        /// dmsetup's `devname`, which is what udm prints anyway (`devno` and `blkdevname`, a
+        /// kernel block device's, are refused).
+        #[arg(short = 'o', long = "options", value_name = "devname", value_parser = parse_deps_option)]
+        options: Option<String>,
         /// Print the dependencies as JSON.
         #[arg(long)]
         json: bool,
@@ -258,6 +468,10 @@ pub enum Command {
         name: String,
         /// The event number to wait past.
         event_nr: Option<u64>,
+        /// Accepted and ignored: dmsetup's, for a thin pool's status without a metadata
+        /// commit; udm's status never commits.
+        #[arg(long)]
+        noflush: bool,
         /// Instead, show the progress (rate, ETA) of the background copies (clone hydration,
         /// snapshot merge) until they are done.
         #[arg(long, conflicts_with = "event_nr")]
@@ -277,10 +491,12 @@ pub enum Command {
         #[command(flatten)]
         control: Control,
     },
-    /// Remove a device.
+    /// Remove devices.
     Remove {
-        /// The device's name or UUID.
-        name: String,
+        /// The devices' names or UUIDs, removed in turn (one that fails leaves the others
+        /// going, as with dmsetup).
+        #[arg(required = true)]
+        names: Vec<String>,
         /// Remove even while clients have it open (their I/O then fails).
         #[arg(long, short = 'f')]
         force: bool,
@@ -328,6 +544,29 @@ pub enum Command {
     Targets {
         #[command(flatten)]
         control: Control,
+    },
+    /// Check the devices exist (dmsetup's makes their /dev/mapper nodes; udm has none to make,
+    /// and its devices are reached over NBD or FUSE by name).
+    Mknodes {
+        /// The devices' names or UUIDs; every device without them.
+        names: Vec<String>,
+        #[command(flatten)]
+        control: Control,
+    },
+    /// Split an LVM device name into volume group, volume and layer (no daemon needed).
+    Splitname {
+        /// The device-mapper name, e.g. vg00-lv--home (a doubled `-` stands for `-`).
+        name: String,
+        /// The subsystem whose names these are: only LVM's are split, as with dmsetup.
+        subsystem: Option<String>,
+        #[command(flatten)]
+        columns: ColumnsArgs,
+    },
+    /// Does nothing: dmsetup's, to release udev cookies a crashed run left; udm takes none.
+    #[command(name = "udevcomplete_all", visible_alias = "udevcomplete-all")]
+    UdevcompleteAll {
+        /// Ignored (dmsetup's: only cookies older than AGE_IN_MINUTES).
+        age_in_minutes: Option<u64>,
     },
     /// Stop the daemon (as SIGTERM does: every device flushed) and wait until it has exited.
     Stop {
@@ -437,12 +676,12 @@ pub enum ThinCommand {
 /// `info -c` and its options, as dmsetup's.
 #[derive(Args)]
 pub struct ColumnsArgs {
-    /// One line per device in columns, as `dmsetup info -c`.
+    /// One line per device in columns, as `dmsetup info -c` (`splitname` always prints them).
     #[arg(short = 'c', short_alias = 'C', long)]
     columns: bool,
     /// The columns (implies -c): name, uuid, attr, tables_loaded, suspended, readonly,
-    /// open, segments, events, sectors; `+FIELDS` adds to the default
-    /// name,attr,open,segments,events,uuid.
+    /// open, segments, events, sectors, vg_name, lv_name, lv_layer; `+FIELDS` adds to the
+    /// default name,attr,open,segments,events,uuid (splitname's: vg_name,lv_name,lv_layer).
     #[arg(short = 'o', long = "options", value_name = "FIELDS")]
     fields: Option<String>,
     /// No heading line; fields separated by `:` and not aligned (as dmsetup; implies -c).
@@ -451,17 +690,31 @@ pub struct ColumnsArgs {
     /// Separate the fields with SEP instead of aligning them (implies -c).
     #[arg(long, value_name = "SEP")]
     separator: Option<String>,
+    /// Each field as DM_FIELD='value', for a shell to eval (implies -c).
+    #[arg(long)]
+    nameprefixes: bool,
 }
 
 impl ColumnsArgs {
     /// Whether the columns were asked for at all.
     pub fn wanted(&self) -> bool {
-        self.columns || self.fields.is_some() || self.noheadings || self.separator.is_some()
+        self.columns
+            || self.fields.is_some()
+            || self.noheadings
+            || self.separator.is_some()
+            || self.nameprefixes
     }
 
     pub fn layout(&self) -> columns::Layout<'_> {
+        self.layout_of(columns::DEFAULT_FIELDS)
+    }
+
+    /// The layout with `default` as the fields without `-o`.
+    pub fn layout_of(&self, default: &'static str) -> columns::Layout<'_> {
         columns::Layout {
             fields: self.fields.as_deref(),
+            default,
+            name_prefixes: self.nameprefixes,
             headings: !self.noheadings,
             separator: self.separator.as_deref().or(self.noheadings.then_some(":")),
         }
@@ -548,6 +801,68 @@ mod tests {
         );
         // Detach and replay-log talk to no daemon: one given before them is ignored.
         Cli::try_parse_from(["udm", "--control", "/a", "detach", "/dev/loop0"]).unwrap();
+    }
+
+    #[test]
+    fn options_before_the_verb_move_after_it_but_control() {
+        let rewritten = |line: &str| {
+            let args = line.split_whitespace().map(OsString::from).collect();
+            let out: Vec<_> = options_after_verb(args);
+            out.join(" ".as_ref()).into_string().unwrap()
+        };
+        assert_eq!(
+            rewritten("udm -f --control /c remove vol"),
+            "udm --control /c remove -f vol"
+        );
+        assert_eq!(rewritten("udm -o name info -c"), "udm info -o name -c");
+        assert_eq!(
+            rewritten("udm --control /a detach /dev/loop0"),
+            "udm --control /a detach /dev/loop0"
+        );
+        assert_eq!(rewritten("udm --help"), "udm --help");
+        assert_eq!(
+            rewritten("udm frobnicate -f info"),
+            "udm frobnicate -f info"
+        );
+        assert_eq!(
+            rewritten("udm --target thin status pool"),
+            "udm status --target thin pool"
+        );
+    }
+
+    #[test]
+    fn dash_u_names_the_device_except_in_create() {
+        let rewritten = |line: &str| {
+            let args = line.split_whitespace().map(OsString::from).collect();
+            let out: Vec<_> = uuid_as_name(args);
+            out.join(" ".as_ref()).into_string().unwrap()
+        };
+        assert_eq!(
+            rewritten("udm --control /c info -c -u U-1"),
+            "udm --control /c info -c U-1"
+        );
+        assert_eq!(rewritten("udm remove --uuid=U-1 -f"), "udm remove U-1 -f");
+        assert_eq!(
+            rewritten("udm create -u U-1 vol --table x"),
+            "udm create -u U-1 vol --table x"
+        );
+    }
+
+    /// The options every verb takes for dmsetup's sake parse beside a verb's own arguments of
+    /// the same name: replay-log's --verbose read as dmsetup's -v count made udm panic.
+    #[test]
+    fn dmsetup_options_parse_before_and_after_every_verb() {
+        for line in [
+            "udm -v -y --noudevsync ls",
+            "udm ls -vv --verifyudev --noudevrules --yes",
+            "udm replay-log --log l --replay r --verbose",
+            "udm -v replay-log --log l --replay r",
+            "udm replay-log --log l --replay r",
+            "udm daemon --state-dir s -v",
+        ] {
+            let cli = Cli::try_parse_from(line.split_whitespace());
+            assert!(cli.is_ok(), "{line}");
+        }
     }
 
     #[test]

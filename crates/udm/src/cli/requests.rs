@@ -2,6 +2,7 @@
 //! printed. The verbs that run in the client (the daemon, send and receive, loop devices,
 //! progress bars…) are answered in main.rs.
 
+use anyhow::bail;
 use udm::control::Request;
 
 use super::{ColumnsArgs, Command, Control, ThinCommand};
@@ -14,6 +15,8 @@ pub enum Print {
     Json,
     /// `info -c`: columns drawn from the data.
     Columns(ColumnsArgs),
+    /// Nothing: only whether the request succeeded (`mknodes`).
+    Nothing,
 }
 
 impl Print {
@@ -24,12 +27,29 @@ impl Print {
             Print::Text
         }
     }
+
+    fn info(json: bool, columns: ColumnsArgs) -> Print {
+        match (json, columns.wanted()) {
+            (true, _) => Print::Json,
+            (false, true) => Print::Columns(columns),
+            (false, false) => Print::Text,
+        }
+    }
+}
+
+/// The one device named, or none for every device (per_device took lists of several).
+fn only(names: Vec<String>) -> Option<String> {
+    names.into_iter().next()
 }
 
 /// A verb read from the command line.
 pub enum Verb {
-    /// One control request to the daemon at `control`.
-    Request(Control, Request, Print),
+    /// Control requests to the daemon at `control`, sent in turn: one, or one per device named
+    /// (`remove a b c`).
+    Requests(Control, Vec<Request>, Print),
+    /// A listing of several devices named (`status a b`): one request per device, the answers
+    /// printed as one listing, each text line marked with its device's name.
+    Listing(Control, Vec<(String, Request)>, Print),
     /// A verb that runs in the client.
     Local(Command),
 }
@@ -37,6 +57,10 @@ pub enum Verb {
 /// What `command` asks of the daemon. One arm per verb, each only the verb's arguments moved
 /// into its request: a flat table, long because there are many verbs (reason for its length).
 pub fn verb(command: Command) -> anyhow::Result<Verb> {
+    let command = match per_device(command) {
+        Verb::Local(command) => command,
+        verb => return Ok(verb),
+    };
     let (control, request, print) = match command {
         Command::Thin {
             command:
@@ -56,11 +80,16 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
             },
             Print::json_or_text(json),
         ),
+        Command::Create { notable: true, .. } => bail!(
+            "create --notable: a udm device is made with its table (give it with --table, a \
+             file or standard input)"
+        ),
         Command::Create {
             name,
             table,
             readonly,
             uuid,
+            notable: false,
             control,
         } => (
             control,
@@ -89,16 +118,6 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
             Print::Text,
         ),
         Command::Clear { name, control } => (control, Request::Clear { name }, Print::Text),
-        Command::Suspend {
-            name,
-            noflush,
-            control,
-        } => (control, Request::Suspend { name, noflush }, Print::Text),
-        Command::Resume {
-            name,
-            noflush,
-            control,
-        } => (control, Request::Resume { name, noflush }, Print::Text),
         Command::Message {
             name,
             sector,
@@ -114,47 +133,54 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
             Print::Text,
         ),
         Command::Status {
-            name,
+            names,
             target,
+            noflush: _,
             json,
             control,
         } => (
             control,
-            Request::Status { name, target },
+            Request::Status {
+                name: only(names),
+                target,
+            },
             Print::json_or_text(json),
         ),
         Command::Table {
-            name,
+            names,
             target,
             inactive,
+            showkeys: _,
             control,
         } => (
             control,
             Request::Table {
-                name,
+                name: only(names),
                 target,
                 inactive,
             },
             Print::Text,
         ),
         Command::Info {
-            name,
+            names,
             columns,
             json,
             control,
-        } => {
-            let print = match (json, columns.wanted()) {
-                (true, _) => Print::Json,
-                (false, true) => Print::Columns(columns),
-                (false, false) => Print::Text,
-            };
-            (control, Request::Info { name }, print)
-        }
+        } => (
+            control,
+            Request::Info { name: only(names) },
+            Print::info(json, columns),
+        ),
         Command::Deps {
-            name,
+            names,
+            options: _,
             json,
             control,
-        } => (control, Request::Deps { name }, Print::json_or_text(json)),
+        } => (
+            control,
+            Request::Deps { name: only(names) },
+            Print::json_or_text(json),
+        ),
         Command::Ls {
             tree,
             target,
@@ -169,6 +195,7 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
             name,
             event_nr,
             progress: false,
+            noflush: _,
             control,
         } => (control, Request::Wait { name, event_nr }, Print::Text),
         Command::Rename {
@@ -191,30 +218,145 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
                 Print::Text,
             )
         }
+        Command::RemoveAll { force, control } => {
+            (control, Request::RemoveAll { force }, Print::Text)
+        }
+        Command::Finalize { name, control } => (control, Request::Finalize { name }, Print::Text),
+        Command::Targets { control } => (control, Request::Targets, Print::Text),
+        // Without names: only whether the daemon answers (per_device took those with names).
+        Command::Mknodes { names: _, control } => {
+            (control, Request::Info { name: None }, Print::Nothing)
+        }
+        local => return Ok(Verb::Local(local)),
+    };
+    Ok(Verb::Requests(control, vec![request], print))
+}
+
+/// The verbs dmsetup takes a list of devices for (`dmsetup remove a b c`): one request per
+/// device, or the command back as `Local` if it is none of them.
+fn per_device(command: Command) -> Verb {
+    let command = match listing(command) {
+        Verb::Local(command) => command,
+        verb => return verb,
+    };
+    type Each = Box<dyn Fn(String) -> Request>;
+    let (control, names, each, print): (_, _, Each, _) = match command {
+        Command::Suspend {
+            names,
+            noflush,
+            nolockfs: _,
+            control,
+        } => (
+            control,
+            names,
+            Box::new(move |name| Request::Suspend { name, noflush }),
+            Print::Text,
+        ),
+        Command::Resume {
+            names,
+            noflush,
+            control,
+        } => (
+            control,
+            names,
+            Box::new(move |name| Request::Resume { name, noflush }),
+            Print::Text,
+        ),
         Command::Remove {
-            name,
+            names,
             force,
             retry,
             deferred,
             control,
         } => (
             control,
-            Request::Remove {
+            names,
+            Box::new(move |name| Request::Remove {
                 name,
                 force,
                 retry,
                 deferred,
-            },
+            }),
             Print::Text,
         ),
-        Command::RemoveAll { force, control } => {
-            (control, Request::RemoveAll { force }, Print::Text)
-        }
-        Command::Finalize { name, control } => (control, Request::Finalize { name }, Print::Text),
-        Command::Targets { control } => (control, Request::Targets, Print::Text),
-        local => return Ok(Verb::Local(local)),
+        // Only whether each device exists: there are no nodes to make.
+        Command::Mknodes { names, control } if !names.is_empty() => (
+            control,
+            names,
+            Box::new(|name| Request::Info { name: Some(name) }),
+            Print::Nothing,
+        ),
+        other => return Verb::Local(other),
     };
-    Ok(Verb::Request(control, request, print))
+    let requests = names.into_iter().map(each).collect();
+    Verb::Requests(control, requests, print)
+}
+
+/// `info`, `status`, `table` and `deps` of more than one device, or the command back as
+/// `Local`.
+fn listing(command: Command) -> Verb {
+    type Each = Box<dyn Fn(Option<String>) -> Request>;
+    let (control, names, each, print): (_, _, Each, _) = match command {
+        Command::Status {
+            names,
+            target,
+            noflush: _,
+            json,
+            control,
+        } if names.len() > 1 => (
+            control,
+            names,
+            Box::new(move |name| Request::Status {
+                name,
+                target: target.clone(),
+            }),
+            Print::json_or_text(json),
+        ),
+        Command::Table {
+            names,
+            target,
+            inactive,
+            showkeys: _,
+            control,
+        } if names.len() > 1 => (
+            control,
+            names,
+            Box::new(move |name| Request::Table {
+                name,
+                target: target.clone(),
+                inactive,
+            }),
+            Print::Text,
+        ),
+        Command::Info {
+            names,
+            columns,
+            json,
+            control,
+        } if names.len() > 1 => (
+            control,
+            names,
+            Box::new(|name| Request::Info { name }),
+            Print::info(json, columns),
+        ),
+        Command::Deps {
+            names,
+            options: _,
+            json,
+            control,
+        } if names.len() > 1 => (
+            control,
+            names,
+            Box::new(|name| Request::Deps { name }),
+            Print::json_or_text(json),
+        ),
+        other => return Verb::Local(other),
+    };
+    let requests = names
+        .into_iter()
+        .map(|name| (name.clone(), each(Some(name))))
+        .collect();
+    Verb::Listing(control, requests, print)
 }
 
 #[cfg(test)]
@@ -250,10 +392,10 @@ mod tests {
             ("udm info vol -c", "Info"),
             ("udm rename vol --setuuid u-1", "Rename"),
         ] {
-            let Verb::Request(_, request, _) = verb_of(line) else {
+            let Verb::Requests(_, requests, _) = verb_of(line) else {
                 panic!("{line} ran here");
             };
-            let sent = format!("{request:?}");
+            let sent = format!("{requests:?}");
             assert!(sent.contains(expected), "{line}: {sent}");
         }
     }

@@ -72,3 +72,15 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
         _ => Err(format!("'{s}': expected a time such as 300s, 5m or 500ms")),
     }
 }
+
+/// `deps -o`: dmsetup's `devname` is what udm's `deps` prints; its `devno` and `blkdevname`
+/// are a kernel block device's numbers and name, which udm devices do not have.
+pub fn parse_deps_option(s: &str) -> Result<String, String> {
+    match s {
+        "devname" => Ok(s.to_string()),
+        "devno" | "blkdevname" => {
+            Err("udm devices are not kernel block devices: deps names them (devname)".into())
+        }
+        _ => Err(format!("unknown '{s}' (deps shows devname)")),
+    }
+}

@@ -4,6 +4,7 @@
 mod clients;
 #[path = "../common/mod.rs"]
 mod common;
+mod dmsetup;
 mod errors;
 mod stacks;
 mod state;
