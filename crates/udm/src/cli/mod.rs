@@ -803,13 +803,15 @@ mod tests {
         Cli::try_parse_from(["udm", "--control", "/a", "detach", "/dev/loop0"]).unwrap();
     }
 
+    /// `line` as a command line rewritten by `rewrite`, joined again.
+    fn rewritten_by(rewrite: fn(Vec<OsString>) -> Vec<OsString>, line: &str) -> String {
+        let args = line.split_whitespace().map(OsString::from).collect();
+        rewrite(args).join(" ".as_ref()).into_string().unwrap()
+    }
+
     #[test]
     fn options_before_the_verb_move_after_it_but_control() {
-        let rewritten = |line: &str| {
-            let args = line.split_whitespace().map(OsString::from).collect();
-            let out: Vec<_> = options_after_verb(args);
-            out.join(" ".as_ref()).into_string().unwrap()
-        };
+        let rewritten = |line| rewritten_by(options_after_verb, line);
         assert_eq!(
             rewritten("udm -f --control /c remove vol"),
             "udm --control /c remove -f vol"
@@ -832,11 +834,7 @@ mod tests {
 
     #[test]
     fn dash_u_names_the_device_except_in_create() {
-        let rewritten = |line: &str| {
-            let args = line.split_whitespace().map(OsString::from).collect();
-            let out: Vec<_> = uuid_as_name(args);
-            out.join(" ".as_ref()).into_string().unwrap()
-        };
+        let rewritten = |line| rewritten_by(uuid_as_name, line);
         assert_eq!(
             rewritten("udm --control /c info -c -u U-1"),
             "udm --control /c info -c U-1"

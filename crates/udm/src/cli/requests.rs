@@ -132,55 +132,6 @@ pub fn verb(command: Command) -> anyhow::Result<Verb> {
             },
             Print::Text,
         ),
-        Command::Status {
-            names,
-            target,
-            noflush: _,
-            json,
-            control,
-        } => (
-            control,
-            Request::Status {
-                name: only(names),
-                target,
-            },
-            Print::json_or_text(json),
-        ),
-        Command::Table {
-            names,
-            target,
-            inactive,
-            showkeys: _,
-            control,
-        } => (
-            control,
-            Request::Table {
-                name: only(names),
-                target,
-                inactive,
-            },
-            Print::Text,
-        ),
-        Command::Info {
-            names,
-            columns,
-            json,
-            control,
-        } => (
-            control,
-            Request::Info { name: only(names) },
-            Print::info(json, columns),
-        ),
-        Command::Deps {
-            names,
-            options: _,
-            json,
-            control,
-        } => (
-            control,
-            Request::Deps { name: only(names) },
-            Print::json_or_text(json),
-        ),
         Command::Ls {
             tree,
             target,
@@ -292,8 +243,8 @@ fn per_device(command: Command) -> Verb {
     Verb::Requests(control, requests, print)
 }
 
-/// `info`, `status`, `table` and `deps` of more than one device, or the command back as
-/// `Local`.
+/// `info`, `status`, `table` and `deps`: one request for one device or none (every device),
+/// a listing of several; or the command back as `Local`.
 fn listing(command: Command) -> Verb {
     type Each = Box<dyn Fn(Option<String>) -> Request>;
     let (control, names, each, print): (_, _, Each, _) = match command {
@@ -303,7 +254,7 @@ fn listing(command: Command) -> Verb {
             noflush: _,
             json,
             control,
-        } if names.len() > 1 => (
+        } => (
             control,
             names,
             Box::new(move |name| Request::Status {
@@ -318,7 +269,7 @@ fn listing(command: Command) -> Verb {
             inactive,
             showkeys: _,
             control,
-        } if names.len() > 1 => (
+        } => (
             control,
             names,
             Box::new(move |name| Request::Table {
@@ -333,7 +284,7 @@ fn listing(command: Command) -> Verb {
             columns,
             json,
             control,
-        } if names.len() > 1 => (
+        } => (
             control,
             names,
             Box::new(|name| Request::Info { name }),
@@ -344,7 +295,7 @@ fn listing(command: Command) -> Verb {
             options: _,
             json,
             control,
-        } if names.len() > 1 => (
+        } => (
             control,
             names,
             Box::new(|name| Request::Deps { name }),
@@ -352,6 +303,9 @@ fn listing(command: Command) -> Verb {
         ),
         other => return Verb::Local(other),
     };
+    if names.len() <= 1 {
+        return Verb::Requests(control, vec![each(only(names))], print);
+    }
     let requests = names
         .into_iter()
         .map(|name| (name.clone(), each(Some(name))))
