@@ -168,13 +168,7 @@ impl MinimalServer {
 
     /// Serves one connection; true when it ended with NBD_CMD_DISC.
     fn serve(&self, mut s: UnixStream, first: First) -> bool {
-        let mut greeting = NBDMAGIC.to_be_bytes().to_vec();
-        greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        greeting.extend_from_slice(&FLAG_FIXED_NEWSTYLE.to_be_bytes());
-        s.write_all(&greeting).unwrap();
-        let mut word = [0u8; 4];
-        s.read_exact(&mut word).unwrap();
-        assert_eq!(u32::from_be_bytes(word), CLIENT_FIXED_NEWSTYLE);
+        assert_eq!(greet(&mut s), CLIENT_FIXED_NEWSTYLE);
         loop {
             let mut header = [0u8; 16];
             s.read_exact(&mut header).unwrap();
@@ -466,18 +460,24 @@ fn a_server_that_never_ends_its_handshake_is_given_up_at_the_connect_timeout() {
     assert!(took < Duration::from_secs(5), "given up after {took:?}");
 }
 
+/// A fixed-newstyle server's greeting; returns the client's flags.
+fn greet(s: &mut UnixStream) -> u32 {
+    let mut greeting = NBDMAGIC.to_be_bytes().to_vec();
+    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    greeting.extend_from_slice(&FLAG_FIXED_NEWSTYLE.to_be_bytes());
+    s.write_all(&greeting).unwrap();
+    let mut word = [0u8; 4];
+    s.read_exact(&mut word).unwrap();
+    u32::from_be_bytes(word)
+}
+
 /// A server for one connection on the directory's socket that refuses every option until
 /// NBD_OPT_GO, then has `answer` reply to it.
 fn go_server(dir: &TempDir, answer: impl FnOnce(&mut UnixStream) + Send + 'static) {
     let listener = UnixListener::bind(socket(dir)).unwrap();
     std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        let mut greeting = NBDMAGIC.to_be_bytes().to_vec();
-        greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        greeting.extend_from_slice(&FLAG_FIXED_NEWSTYLE.to_be_bytes());
-        s.write_all(&greeting).unwrap();
-        let mut word = [0u8; 4];
-        s.read_exact(&mut word).unwrap();
+        greet(&mut s);
         loop {
             let mut header = [0u8; 16];
             s.read_exact(&mut header).unwrap();
