@@ -307,10 +307,23 @@ impl Device {
         if self.is_suspended() || replaced.is_some() {
             live.resume();
         }
+        self.open_gate();
+        replaced
+    }
+
+    /// Lets I/O flow again on the live table, leaving an inactive table where it is: a
+    /// suspend undone because it could not be recorded.
+    pub fn undo_suspend(&self) {
+        if self.is_suspended() {
+            self.live().resume();
+            self.open_gate();
+        }
+    }
+
+    fn open_gate(&self) {
         let _sleep = self.gate.sleep.lock();
         self.gate.suspended.store(false, Ordering::SeqCst);
         self.gate.wake.notify_all();
-        replaced
     }
 
     /// Fills the inactive slot (dm's load); the live table is untouched until resume, which

@@ -218,9 +218,11 @@ pub(super) enum Change<'a> {
         read_only: bool,
     },
     ClearInactive,
-    Suspend,
     /// The inactive table, if any, goes live; the device is no longer suspended.
     Resume,
+    /// The daemon swaps the live table itself (finalize): it suspends the device for the
+    /// swap and resumes it after, so the record says not suspended whatever the device is
+    /// while the record is written (a finalized clone came back suspended, its I/O hanging).
     ReplaceLive(&'a Table),
 }
 
@@ -239,14 +241,16 @@ fn record(device: &Device, change: Option<Change>) -> Vec<u8> {
             inactive_read_only = read_only;
         }
         Some(Change::ClearInactive) => inactive = None,
-        Some(Change::Suspend) => suspended = true,
         Some(Change::Resume) => {
             if let Some(table) = inactive.take() {
                 (live, read_only) = (table, inactive_read_only);
             }
             suspended = false;
         }
-        Some(Change::ReplaceLive(table)) => live = table,
+        Some(Change::ReplaceLive(table)) => {
+            live = table;
+            suspended = false;
+        }
     }
     if inactive.is_none() {
         inactive_read_only = false;
@@ -375,6 +379,37 @@ mod tests {
         let restarted = Registry::in_scratch(&dir);
         restarted.restore().unwrap();
         assert_eq!(describe(&restarted, "vol"), now);
+    }
+
+    fn recorded_suspended(r: &Registry, name: &str) -> bool {
+        let saved: SavedDevice =
+            serde_json::from_slice(&std::fs::read(r.state_path(name)).unwrap()).unwrap();
+        saved.suspended
+    }
+
+    /// A daemon that dies while a suspend waits for in-flight I/O brings the device back
+    /// active: its admin was never told it was suspended. The record said suspended from the
+    /// start of the drain, and the device came back held.
+    #[test]
+    fn a_suspend_is_recorded_only_once_its_drain_is_over() {
+        let dir = TempDir::new("suspend-record");
+        let r = Registry::in_scratch(&dir);
+        r.must_create("base", "0 2048 zero");
+        let slow = r.must_create("slow", "0 2048 delay base 0 1500");
+        let reader = std::thread::spawn(move || {
+            slow.read(0, &mut AlignedBuf::zeroed(4096)).unwrap();
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let suspender = {
+            let r = r.clone();
+            std::thread::spawn(move || r.suspend("slow", false).unwrap())
+        };
+        std::thread::sleep(Duration::from_millis(400));
+        assert!(!suspender.is_finished(), "the read was not in flight");
+        assert!(!recorded_suspended(&r, "slow"), "recorded before the drain");
+        suspender.join().unwrap();
+        reader.join().unwrap();
+        assert!(recorded_suspended(&r, "slow"));
     }
 
     #[test]

@@ -377,20 +377,25 @@ impl Registry {
     /// Holds new I/O and waits for what is in flight. `noflush` is dmsetup's: requests a
     /// multipath holds for a path are pushed back to the device, to run on the table live
     /// after the resume (a reload that adds a path), instead of failing.
+    ///
+    /// The record says suspended only once the drain is over, just before the answer: a
+    /// daemon that dies while a suspend drains brings the device back active, as its admin
+    /// was never told it was suspended. A record that cannot be saved undoes the suspend.
     pub fn suspend(&self, name: &str, noflush: bool) -> Result<()> {
         let device = self.get(name)?;
         let was = device.is_suspended();
         let started = Instant::now();
         // The drain is waited for without the lock, so that a device slow to drain does not
-        // hold up every other verb; the record is saved ahead, and again after, in case a
-        // resume came in between.
-        {
-            let _changes = self.changes.lock();
-            self.save_ahead(&device, Some(Change::Suspend))?;
-        }
+        // hold up every other verb; the record is saved after it, as the device is then (a
+        // resume may have come in between).
         device.suspend(noflush);
         let _changes = self.changes.lock();
-        self.save(&device)?;
+        if let Err(e) = self.save(&device) {
+            if !was {
+                device.undo_suspend();
+            }
+            return Err(e);
+        }
         if !was {
             info!(
                 "device '{name}': suspended{} (in-flight I/O drained in {} ms)",
