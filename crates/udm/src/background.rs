@@ -31,7 +31,9 @@ pub fn fork() -> anyhow::Result<ExitCode> {
         .args(args)
         .env("NOTIFY_SOCKET", &notify)
         .env(udm::daemon::notify::READY_ONLY, "1")
-        .stdin(Stdio::null());
+        .stdin(Stdio::null())
+        // It never writes there, and `out=$(udm daemon --fork)` would wait for it to exit.
+        .stdout(Stdio::null());
     // SAFETY: setsid is async-signal-safe; it detaches the daemon from the terminal's session
     // so that closing the terminal does not stop it.
     unsafe {

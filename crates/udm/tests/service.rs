@@ -350,3 +350,32 @@ fn fork_returns_when_ready_and_stop_when_stopped() {
     let log = std::fs::read_to_string(dir.path("daemon.log")).unwrap();
     assert!(!log.contains("warning"), "{log}");
 }
+
+/// `out=$(udm daemon --fork)` returns once the daemon is ready: the daemon keeps neither the
+/// caller's stdout nor a piped stderr open (it waited for the daemon to exit, 10 min measured).
+#[test]
+fn fork_lets_go_of_the_callers_stdout_and_a_piped_stderr() {
+    let dir = TempDir::new("fork-pipes");
+    let control = dir.path("control.sock");
+    let (done, finished) = std::sync::mpsc::channel();
+    let mut command = Command::new(UDM);
+    command
+        .args(["daemon", "--fork", "--state-dir"])
+        .arg(dir.path("state"))
+        .arg("--control")
+        .arg(&control);
+    std::thread::spawn(move || done.send(command.output().unwrap()));
+    let output = finished
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("udm daemon --fork kept its caller's pipes open");
+    assert!(output.status.success());
+    assert!(output.stdout.is_empty());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(err.contains("stderr is a pipe"), "{err}");
+    let stop = Command::new(UDM)
+        .arg("stop")
+        .env("UDM_CONTROL", &control)
+        .status()
+        .unwrap();
+    assert!(stop.success());
+}

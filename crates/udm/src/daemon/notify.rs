@@ -26,6 +26,27 @@ pub fn notify(state: &str) {
     if let Err(e) = send(&socket, state) {
         warn!("telling systemd {state:?} through NOTIFY_SOCKET={socket}: {e}");
     }
+    if std::env::var_os(READY_ONLY).is_some() {
+        let_go_of_a_piped_stderr();
+    }
+}
+
+/// A daemon started by `udm daemon --fork` with its stderr on a pipe (`out=$(… 2>&1)`,
+/// `… | tee`) would hold that pipe for its whole life and the caller's shell would wait for
+/// it. Errors before readiness reach the caller that way; once ready, the log goes.
+fn let_go_of_a_piped_stderr() {
+    // SAFETY: fstat on descriptor 2 into a zeroed stat of our own.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    let piped =
+        unsafe { libc::fstat(2, &mut stat) } == 0 && stat.st_mode & libc::S_IFMT == libc::S_IFIFO;
+    if !piped {
+        return;
+    }
+    warn!("stderr is a pipe, which a daemon would keep open: the log ends here; give 2>FILE");
+    if let Ok(null) = std::fs::File::options().write(true).open("/dev/null") {
+        // SAFETY: dup2 onto descriptor 2 from a descriptor we own; nothing else owns fd 2.
+        unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 2) };
+    }
 }
 
 fn send(socket: &str, state: &str) -> std::io::Result<()> {
