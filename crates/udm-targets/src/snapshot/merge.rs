@@ -379,19 +379,11 @@ impl Target for Merge {
     /// procedure does. The snapshot's table in this very device is suspended by the resume.
     fn preresume(&self) -> Result<(), TargetError> {
         let snap = self.inner.snap();
-        let source = match snap.is_merging() {
-            true => None,
-            false => snap.live_source(&self.role.owner()),
-        };
-        match source {
-            Some(device) => Err(TargetError::new(format!(
-                "snapshot-merge: unable to perform snapshot handover until source is \
-                 suspended: device '{device}' serves COW device '{}' (udm suspend {device} \
-                 first)",
-                self.inner.args.cow_ref
-            ))),
-            None => Ok(()),
+        if snap.is_merging() {
+            return Ok(());
         }
+        snap.check_handover(&self.role.owner(), "snapshot-merge")
+            .map_err(TargetError::new)
     }
 
     /// The first resume hands the snapshot over to the merge: origin writes stop saving
