@@ -185,6 +185,21 @@ impl Snap {
             .map(|(_, owner)| owner.clone())
     }
 
+    /// The kernel's refusal (snapshot_preresume) of a table of device `owner` taking this COW
+    /// device over while another device's `snapshot` table on it is live: two live tables
+    /// would write one store as aliases. The COW device changes hands once that table is
+    /// suspended, its I/O drained. `target` names the refused table's type.
+    pub fn check_handover(&self, owner: &str, target: &str) -> Result<(), String> {
+        match self.live_source(owner) {
+            Some(device) => Err(format!(
+                "{target}: unable to perform snapshot handover until source is suspended: \
+                 device '{device}' serves COW device '{}' (udm suspend {device} first)",
+                self.cow_name
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Gives the COW device to a merge once the snapshot device's writes under way have
     /// landed; later ones find it merging and fail. The merge's preresume has found the
     /// snapshot device suspended, but a restart resumes the devices it restores before it

@@ -45,7 +45,8 @@ struct Inner {
     control: Mutex<Control>,
     wake: Condvar,
     failed: AtomicBool,
-    complete: AtomicBool,
+    /// The end of the merge was logged and its event raised.
+    announced: AtomicBool,
     /// Chunks the snapshot held when the merge became active (after a restart: what was
     /// left), the 100 % of the progress bar.
     total_chunks: AtomicU64,
@@ -93,7 +94,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
         }),
         wake: Condvar::new(),
         failed: AtomicBool::new(false),
-        complete: AtomicBool::new(false),
+        announced: AtomicBool::new(false),
         total_chunks: AtomicU64::new(0),
         activity: Arc::default(),
         progress: Throughput::default(),
@@ -109,6 +110,20 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
 impl Inner {
     fn snap(&self) -> &Snap {
         self.args.snap()
+    }
+
+    /// Whether the merge is done: the store on the COW device holds no record any more. The
+    /// one measure behind the status line (whose allocated sectors fall to the metadata's
+    /// at that commit, what lvm polls for), the progress and `udm finalize`: a flag set by
+    /// the worker's next round came up to a second later, refusing the finalize the status
+    /// had announced.
+    fn is_complete(&self) -> bool {
+        !self.failed.load(Ordering::Acquire)
+            && self
+                .snap()
+                .store
+                .merge_batch(1)
+                .is_ok_and(|left| left.is_empty())
     }
 
     fn merged_bytes(&self) -> u64 {
@@ -293,7 +308,7 @@ impl Target for Merge {
             done,
             total,
             &s.progress,
-            s.complete.load(Ordering::Acquire),
+            s.is_complete(),
             s.failed
                 .load(Ordering::Acquire)
                 .then_some("the merge failed (see the daemon's log)"),
@@ -341,7 +356,7 @@ impl Target for Merge {
     /// lets the COW device go.
     fn replacement(&self) -> Option<Result<String, TargetError>> {
         let s = &self.inner;
-        Some(if s.complete.load(Ordering::Acquire) {
+        Some(if s.is_complete() {
             Ok(format!("snapshot-origin {}", s.args.origin_ref))
         } else {
             Err(TargetError::new(format!(
@@ -364,19 +379,11 @@ impl Target for Merge {
     /// procedure does. The snapshot's table in this very device is suspended by the resume.
     fn preresume(&self) -> Result<(), TargetError> {
         let snap = self.inner.snap();
-        let source = match snap.is_merging() {
-            true => None,
-            false => snap.live_source(&self.role.owner()),
-        };
-        match source {
-            Some(device) => Err(TargetError::new(format!(
-                "snapshot-merge: unable to perform snapshot handover until source is \
-                 suspended: device '{device}' serves COW device '{}' (udm suspend {device} \
-                 first)",
-                self.inner.args.cow_ref
-            ))),
-            None => Ok(()),
+        if snap.is_merging() {
+            return Ok(());
         }
+        snap.check_handover(&self.role.owner(), "snapshot-merge")
+            .map_err(TargetError::new)
     }
 
     /// The first resume hands the snapshot over to the merge: origin writes stop saving

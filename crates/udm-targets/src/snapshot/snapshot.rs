@@ -309,9 +309,14 @@ impl Target for Snapshot {
     }
 
     /// A table built before a merge into the origin began is refused when it would become
-    /// the snapshot's point in time during it.
+    /// the snapshot's point in time during it; a table on a COW device another device's
+    /// `snapshot` table serves is refused until that one is suspended (a handover, as the
+    /// kernel's), so that the store has one live table at a time.
     fn preresume(&self) -> std::result::Result<(), TargetError> {
-        check_no_merge(&self.args).map_err(|e| TargetError::new(format!("snapshot: {e}")))
+        check_no_merge(&self.args).map_err(|e| TargetError::new(format!("snapshot: {e}")))?;
+        self.snap()
+            .check_handover(&self.owner.lock(), "snapshot")
+            .map_err(TargetError::new)
     }
 
     /// No longer a source a merge may take the COW device over from while it is live.

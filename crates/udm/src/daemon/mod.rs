@@ -12,6 +12,7 @@ mod claims;
 mod control;
 mod delta_context;
 mod device;
+mod held_origins;
 mod listener;
 pub mod loopback;
 mod metrics;

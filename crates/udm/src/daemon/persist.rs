@@ -164,6 +164,11 @@ impl Registry {
                 },
             );
         }
+        self.hold_origins_of(
+            pending
+                .iter()
+                .map(|s| (s.name.as_str(), s.table.as_slice())),
+        );
         for (device, _) in restored.iter().filter(|(d, _)| d.deferred_remove()) {
             self.watch_deferred(device.clone());
         }

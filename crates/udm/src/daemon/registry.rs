@@ -423,6 +423,11 @@ impl Registry {
         }
         let _changes = self.changes.lock();
         let device = self.get(name)?;
+        // The table going live again is asked too, as the kernel asks at every resume: a
+        // snapshot whose COW device another device has taken over must not serve it beside it.
+        if device.is_suspended() && device.inactive().is_none() {
+            device.live().preresume()?;
+        }
         self.save_ahead(&device, Some(Change::Resume))?;
         match device.resume() {
             Some(_) => info!(

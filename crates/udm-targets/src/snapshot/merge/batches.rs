@@ -38,7 +38,7 @@ impl Inner {
                     }
                     let idle = control.paused
                         || self.failed.load(Ordering::Acquire)
-                        || self.complete.load(Ordering::Acquire);
+                        || self.announced.load(Ordering::Acquire);
                     let wait = if idle {
                         Some(Duration::from_secs(1))
                     } else {
@@ -74,8 +74,10 @@ impl Inner {
                 last_sample = Instant::now();
             }
             match result {
-                Ok(0) => {
-                    self.complete.store(true, Ordering::Release);
+                // Announced by the batch that left nothing, not by a next round after its
+                // pause: the status says merged from that commit on.
+                Ok(_) if self.is_complete() => {
+                    self.announced.store(true, Ordering::Release);
                     info!(
                         "snapshot-merge: '{}' is merged into '{}'",
                         self.args.cow_ref, self.args.origin_ref

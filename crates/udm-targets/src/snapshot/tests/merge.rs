@@ -116,6 +116,48 @@ fn a_merge_rolls_the_origin_back_while_writes_go_on_and_resumes_after_a_restart(
     );
 }
 
+/// lvm polls the status line until the allocated sectors are the metadata's, then asks for
+/// the merge's end at once. The worker found the merge done only at its next round, which a
+/// pause (a rate cap here, the user's I/O in the attack) put off by up to a second: finalize
+/// refused "the merge is not complete (0 chunks left)" while the status said merged.
+#[test]
+fn the_merge_is_finalizable_as_soon_as_its_status_says_merged() {
+    let rig = Rig::new(4 * MIB);
+    let cow = rig.cow(8 * MIB);
+    let o = rig.origin.clone();
+    let origin = rig.origin_table();
+    let snap = rig.snapshot(&cow, "P 8");
+    for i in 0..64u64 {
+        write(&origin, i * 16 * 4096, 4096, 10 + i);
+    }
+    drop(snap);
+    drop(origin);
+    let merge = rig
+        .try_load("origin-dev", &format!("snapshot-merge {o} {cow} P 8"))
+        .unwrap();
+    // 512 KiB/s: batches of 32 chunks, a quarter of a second apart; the 64 chunks are
+    // merged by the second batch, and the worker's next round is a quarter of a second on.
+    target(&merge).message(&["max_merge_rate", "512"]).unwrap();
+    merge.resume();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = target(&merge).status();
+        let (allocated, metadata) = parse_status(&status);
+        if allocated == metadata {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the merge did not finish: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let finalized = target(&merge).replacement().unwrap();
+    assert_eq!(finalized.unwrap(), format!("snapshot-origin {o}"));
+    let details = target(&merge).status_details().unwrap();
+    assert_eq!(details["progress"]["complete"], true, "{details}");
+}
+
 fn parse_status(status: &str) -> (u64, u64) {
     let (used, metadata) = status.split_once(' ').unwrap();
     let allocated = used.split_once('/').unwrap().0;

@@ -73,10 +73,11 @@ impl Rig {
         self.device(&self.origin).size()
     }
 
-    fn try_table(&self, owner: &str, line: &str) -> Result<Table, String> {
+    /// Table `line` of device `owner`, built but not resumed (a table loaded).
+    fn try_load(&self, owner: &str, line: &str) -> Result<Table, String> {
         let events = self.events.clone();
         let text = format!("0 {} {line}", self.origin_size() / 512);
-        let table = Table::build(
+        Table::build(
             owner,
             &text,
             &self.devices,
@@ -84,7 +85,11 @@ impl Rig {
                 events.fetch_add(1, Ordering::SeqCst);
             }),
         )
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| e.to_string())
+    }
+
+    fn try_table(&self, owner: &str, line: &str) -> Result<Table, String> {
+        let table = self.try_load(owner, line)?;
         table.resume();
         Ok(table)
     }

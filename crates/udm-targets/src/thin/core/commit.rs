@@ -11,15 +11,21 @@ use super::{Meta, Pool};
 use crate::thin::status::{metadata_low_water, Mode};
 
 /// Metadata blocks a running pool keeps free beyond the reserve for commits: 64, or a
-/// sixteenth of a smaller device. Down to these, it commits, and goes read-only if that made
-/// no room (the kernel's alloc_data_block: "commit before we use up the metadata reserve"),
-/// so that a full metadata device stops the pool cleanly rather than failing an operation
-/// half way, which aborts the transaction and drops the writes acknowledged since the last
-/// commit. They are for the changes under way at that moment: at most an insert per thread
-/// writing, each a few blocks.
+/// sixteenth of a smaller device, and never fewer than [`MOST_BLOCKS_PER_CHANGE`]. Down to
+/// these, it commits before a change, and goes read-only if that made no room (the kernel's
+/// alloc_data_block: "commit before we use up the metadata reserve"), so that a full
+/// metadata device stops the pool cleanly rather than failing a change half way, which
+/// aborts the transaction and drops the writes acknowledged since the last commit. Every
+/// change checks (a block handed out, its insert, an unmap, a message), one at a time under
+/// the metadata lock, so the headroom is for one change.
 fn metadata_headroom(meta: &Meta) -> u64 {
-    (meta.md.metadata_usage().total / 16).min(64)
+    (meta.md.metadata_usage().total / 16).clamp(MOST_BLOCKS_PER_CHANGE, 64)
 }
+
+/// The most metadata blocks one change may take in a transaction: an insert shadows each
+/// level of the two mapping trees, splits a node or two, and updates both space maps. A
+/// sixteenth of a 128 KiB device was 2 blocks, and an insert there ran out half way.
+const MOST_BLOCKS_PER_CHANGE: u64 = 16;
 
 impl Pool {
     /// After a metadata operation failed: the transaction is dropped and the pool goes

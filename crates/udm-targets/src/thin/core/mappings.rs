@@ -29,10 +29,13 @@ impl Pool {
     /// Takes back a block whose data write failed (unless the transaction that allocated
     /// it was rolled back since, which took it back already).
     pub fn give_back(&self, block: u64, epoch: u64) {
-        let mut meta = self.meta();
+        self.give_back_locked(&mut self.meta(), block, epoch);
+    }
+
+    fn give_back_locked(&self, meta: &mut Meta, block: u64, epoch: u64) {
         if meta.epoch == epoch {
             if let Err(e) = meta.md.release_data_block(block) {
-                self.metadata_failed(&mut meta, "release_data_block", e);
+                self.metadata_failed(meta, "release_data_block", e);
             }
         }
     }
@@ -48,6 +51,13 @@ impl Pool {
             )));
         }
         self.check_writable()?;
+        // Room is checked again here, not only when the block was handed out: the writes
+        // under way since have taken theirs. Refused now, the write fails unacknowledged and
+        // its block goes back; run out half way, the insert would abort the transaction.
+        if let Err(e) = self.make_metadata_room(&mut meta) {
+            self.give_back_locked(&mut meta, block, epoch);
+            return Err(e);
+        }
         match meta.md.insert(id, vblock, block) {
             Ok(()) => {
                 self.mark_dirty();

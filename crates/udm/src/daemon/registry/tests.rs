@@ -118,3 +118,44 @@ fn names_are_checked() {
     let e = error(r.create("ok_1.2+3-4:5@6", "0 8 zero", false, None));
     assert!(e.contains("already exists"), "{e}");
 }
+
+/// Two devices' `snapshot` tables on one COW device were both let live, writing one store as
+/// aliases. As the kernel, the second is a handover: `create` and `resume` are refused while
+/// the first is live; once it is suspended the second takes over, and the first cannot come
+/// back beside it.
+#[test]
+fn a_second_snapshot_table_on_a_live_cow_device_waits_for_a_handover() {
+    let dir = TempDir::new("snapshot-handover");
+    let (origin, cow) = (
+        dir.sparse("origin.img", 1 << 22),
+        dir.sparse("cow.img", 1 << 22),
+    );
+    let r = Registry::in_scratch(&dir);
+    r.must_create(
+        "base",
+        &format!("0 8192 snapshot-origin {}", origin.display()),
+    );
+    let line = format!("0 8192 snapshot {} {} P 8", origin.display(), cow.display());
+    r.must_create("snap", &line);
+    let refused = "unable to perform snapshot handover until source is suspended: device 'snap'";
+    let e = error(r.create("twin", &line, false, None));
+    assert!(e.contains(refused), "{e}");
+    assert!(r.get("twin").is_err());
+    // Loading the table is allowed; its resume waits for the handover.
+    r.must_create("twin", "0 8192 zero");
+    r.load("twin", &line, false, false).unwrap();
+    let e = error(r.resume("twin", false));
+    assert!(e.contains(refused), "{e}");
+    r.suspend("snap", false).unwrap();
+    r.resume("twin", false).unwrap();
+    let twin = r.get("twin").unwrap();
+    twin.write(0, &AlignedBuf::zeroed(4096), Default::default())
+        .unwrap();
+    // The old table does not come back beside the new owner.
+    let e = error(r.resume("snap", false));
+    assert!(
+        e.contains("until source is suspended: device 'twin'"),
+        "{e}"
+    );
+    assert!(r.get("snap").unwrap().is_suspended());
+}
