@@ -171,6 +171,20 @@ impl Send {
         })
     }
 
+    /// Refuses a stream from record `start_at` past the end of this one (the trailer is
+    /// "record" `records`, the last place a stream may start).
+    pub fn check_start(&self, start_at: u64) -> Result<(), String> {
+        let records = self.header.records;
+        if start_at > records {
+            return Err(format!(
+                "cannot start the stream of thin device {} at record {start_at}: it has \
+                 {records} records (resume at record {records} or before)",
+                self.header.to_id
+            ));
+        }
+        Ok(())
+    }
+
     /// The layout checksum of the records before `start_at`.
     fn layout_before(&self, start_at: u64) -> Layout {
         let mut layout = Layout::default();

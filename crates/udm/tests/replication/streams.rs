@@ -108,6 +108,25 @@ fn cut_corrupt_truncated_reordered_and_wrong_base_streams_leave_the_replica_as_i
     thin_check(&b, &b_pool);
 }
 
+/// A stream starts at most at its trailer (after its last record): a start past it is
+/// refused by the sender, naming how many records there are.
+#[test]
+fn a_send_from_past_its_last_record_is_refused_naming_the_record_count() {
+    let (a, _b, _) = two_daemons("resume-past");
+    let full = first_snapshot_stream(&a, "write -P 0x5f 0 3M");
+    // The starts of the records and the trailer, and the end.
+    let records = record_starts(&full).len() as u64 - 2;
+    for past in [records + 1, u64::MAX] {
+        let err = a.udm_err(&["send", "pool", "2", "--resume-at", &past.to_string()]);
+        assert!(
+            err.contains(&format!("at record {past}: it has {records} records")),
+            "{err}"
+        );
+    }
+    let at_trailer = a.run_udm(&["send", "pool", "2", "--resume-at", &records.to_string()]);
+    assert!(at_trailer.status.success(), "{at_trailer:?}");
+}
+
 #[test]
 fn a_receiver_killed_mid_stream_keeps_its_pool_and_resumes() {
     let (a, mut b, b_pool) = two_daemons("kill");
