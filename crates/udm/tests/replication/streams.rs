@@ -1,6 +1,8 @@
 //! Hostile streams (cut, corrupt, reordered, on the wrong base) and a receiver killed mid-stream:
 //! the replica stays as it was, and resumes.
 
+use std::io::Read;
+
 use super::*;
 
 /// Copies of `stream` damaged one way each: (what, the copy, what the receiver must say).
@@ -63,6 +65,14 @@ fn cut_corrupt_truncated_reordered_and_wrong_base_streams_leave_the_replica_as_i
         .iter()
         .map(|(what, stream, expected)| (*what, &stream[..], &[][..], *expected))
         .collect();
+    // `cat inc inc2`, and the stream followed by 5 MiB of garbage.
+    let appended = [&inc[..], &inc2].concat();
+    let mut garbage = inc.clone();
+    let urandom = std::fs::File::open("/dev/urandom").unwrap();
+    urandom.take(5 << 20).read_to_end(&mut garbage).unwrap();
+    let after_trailer = "after its trailer";
+    cases.push(("another stream appended", &appended, &[], after_trailer));
+    cases.push(("garbage appended", &garbage, &[], after_trailer));
     cases.push(("an unknown base", &inc2, &[], "wrong base"));
     cases.push(("the wrong base", &inc2, &["--base", "2"], "wrong base"));
     for (what, stream, args, expected) in cases {

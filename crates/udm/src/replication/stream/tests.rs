@@ -138,6 +138,26 @@ fn reordered_dropped_and_appended_records_are_refused() {
     assert!(err.contains("promises 4 records"), "{err}");
 }
 
+/// A stream goes on to its trailer and ends there: whatever follows (another stream after it,
+/// as `cat inc12 inc13` makes, or garbage) is not a stream this reader checked.
+#[test]
+fn bytes_after_the_trailer_are_refused() {
+    let (bytes, _) = stream(0);
+    let garbage: Vec<u8> = (0..5 << 20)
+        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    for (what, tail) in [
+        ("a stream", &bytes[..]),
+        ("garbage", &garbage),
+        ("a byte", &[0][..]),
+    ] {
+        let err = read(&[&bytes[..], tail].concat(), 0, Layout::default())
+            .expect_err(what)
+            .to_string();
+        assert!(err.contains("after its trailer"), "{what}: {err}");
+    }
+}
+
 #[test]
 fn a_resumed_stream_continues_where_the_receiver_stopped() {
     let (full, _) = stream(0);
