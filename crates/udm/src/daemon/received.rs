@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use udm_targets::replica::PoolHandle;
 
 use super::state_dir::write_durably;
-use crate::replication::stream::Header;
+use crate::replication::stream::{Header, Stamp};
 
 /// A source snapshot: the source pool, and the snapshot's id and creation time there.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,6 +58,16 @@ impl std::fmt::Display for Snapshot {
     }
 }
 
+/// What thin device `id` of `pool` holds, as its metadata tells (see [`Stamp`]).
+pub fn stamp_of(pool: &PoolHandle, id: u32) -> Result<Stamp, String> {
+    let mapped_blocks = pool.device(id).map_or(0, |d| d.mapped_blocks);
+    let newest_mapping = pool.newest_mapping_time(id).map_err(|e| e.to_string())?;
+    Ok(Stamp {
+        newest_mapping,
+        mapped_blocks,
+    })
+}
+
 /// A local thin device that holds a received snapshot.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Mark {
@@ -65,6 +75,14 @@ pub struct Mark {
     /// The local device's creation time when it was received.
     pub local_time: u32,
     pub volume_bytes: u64,
+    /// What the source snapshot held when it was sent, and what the local device held when
+    /// it was received: an increment onto it must find both unchanged (a base written on
+    /// either side since is not the snapshot the increment goes from). None: received by a
+    /// udm that did not record them, and taken as it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sent: Option<Stamp>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<Stamp>,
 }
 
 /// A receive in progress into thin device `id` (the map's key).
@@ -212,6 +230,9 @@ impl PoolState {
                 snapshot: p.to,
                 local_time: created(id).expect("listed above"),
                 volume_bytes: p.publishing.expect("listed above"),
+                sent: None,
+                // Not written since: the pool has had no table in this run of the daemon.
+                local: stamp_of(pool, id).ok(),
             };
             state.received.insert(id, mark);
         }

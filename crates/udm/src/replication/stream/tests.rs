@@ -7,8 +7,16 @@ fn header(records: u64) -> Header {
         block_bytes: 65536,
         to_id: 5,
         to_time: 9,
+        to_stamp: Stamp {
+            newest_mapping: Some(8),
+            mapped_blocks: 17,
+        },
         from_id: 3,
         from_time: 4,
+        from_stamp: Stamp {
+            newest_mapping: None,
+            mapped_blocks: 0,
+        },
         volume_bytes: 1 << 20,
         records,
         changed_bytes: 8192,
@@ -159,6 +167,15 @@ fn bytes_after_the_trailer_are_refused() {
 }
 
 #[test]
+fn a_stream_of_version_1_is_refused_saying_to_send_it_again() {
+    let mut b = header(1).encode();
+    b[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let err = Header::read(&mut &b[..]).unwrap_err();
+    assert!(matches!(err, StreamError::Version(1)), "{err}");
+    assert!(err.to_string().contains("send it again"), "{err}");
+}
+
+#[test]
 fn a_resumed_stream_continues_where_the_receiver_stopped() {
     let (full, _) = stream(0);
     // The receiver committed records 0 and 1 of the full stream.
@@ -191,8 +208,8 @@ fn a_resumed_stream_continues_where_the_receiver_stopped() {
 #[test]
 fn hostile_headers_are_refused_before_anything_is_allocated() {
     let mut b = header(1).encode();
-    b[64] = 0xff;
-    b[65] = 0xff;
+    b[88] = 0xff;
+    b[89] = 0xff;
     assert!(Header::read(&mut &b[..]).is_err());
     let err = Header::read(
         &mut &b"not a stream at all, really no no no no no no no no no no no no no"[..],
