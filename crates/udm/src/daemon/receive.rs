@@ -20,7 +20,7 @@ use udm_targets::replica::{self, PoolHandle};
 use udm_targets::Table;
 
 use super::device::Events;
-use super::received::{identity_of, settle, stamp_of, Mark, Partial, PoolState, Snapshot};
+use super::received::{identity_of, settle, stamp_of, Mark, Partial, Plan, PoolState, Snapshot};
 use super::registry::Registry;
 use super::signals;
 use crate::replication::stream::{Event, Header, Kind, Layout, Place, Reader, StreamError};
@@ -210,14 +210,25 @@ impl<'a> Receive<'a> {
         if let (Some(from), Some(base)) = (&from, base) {
             unchanged_base(&pool, req, &state.received[&base], base, from, &header)?;
         }
+        let plan = Plan::of(&header);
         let kept = state.partial.get(&req.id).cloned();
         let partial = match kept {
-            Some(p) if req.resume && p.to == to && p.from == from => p,
+            Some(p) if req.resume && p.to == to && p.from == from => match &p.plan {
+                Some(kept) if *kept != plan => {
+                    return Err(format!(
+                        "the source of {to} changed since the kept receive into thin device {} \
+                         began: this stream has {plan}, the kept one {kept}; a receive without \
+                         --resume starts again",
+                        req.id
+                    ))
+                }
+                _ => p,
+            },
             other => {
                 if let Some(old) = other {
                     drop_staging(registry, &pool, &req.pool, req.id, &old)?;
                 }
-                new_staging(registry, &pool, req, to.clone(), from, base)?
+                new_staging(registry, &pool, req, to.clone(), from, base, plan)?
             }
         };
         let table = match header.volume_bytes {
@@ -500,6 +511,7 @@ fn new_staging(
     to: Snapshot,
     from: Option<Snapshot>,
     base: Option<u32>,
+    plan: Plan,
 ) -> Result<Partial, String> {
     let _choosing = CHOOSING.lock();
     let io = |e: std::io::Error| format!("replication state of pool '{}': {e}", req.pool);
@@ -512,6 +524,7 @@ fn new_staging(
         layout: 0,
         resume: req.resume,
         publishing: None,
+        plan: Some(plan),
     };
     let record = |p: &Partial| {
         let p = p.clone();

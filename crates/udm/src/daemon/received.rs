@@ -85,6 +85,40 @@ pub struct Mark {
     pub local: Option<Stamp>,
 }
 
+/// What fixes a stream's records besides its snapshots' names: a kept receive continues
+/// only a stream of the same plan (a snapshot written on the sender since, or a sending pool
+/// made again under its name, has the same name and other records).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    pub block_bytes: u32,
+    pub records: u64,
+    pub changed_bytes: u64,
+    pub to_stamp: Stamp,
+    pub from_stamp: Stamp,
+}
+
+impl Plan {
+    pub fn of(h: &Header) -> Plan {
+        Plan {
+            block_bytes: h.block_bytes,
+            records: h.records,
+            changed_bytes: h.changed_bytes,
+            to_stamp: h.to_stamp,
+            from_stamp: h.from_stamp,
+        }
+    }
+}
+
+impl std::fmt::Display for Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} records of {} changed bytes, the snapshot with {}",
+            self.records, self.changed_bytes, self.to_stamp
+        )
+    }
+}
+
 /// A receive in progress into thin device `id` (the map's key).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Partial {
@@ -107,6 +141,10 @@ pub struct Partial {
     /// before the record of what was received leaves what to complete it with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub publishing: Option<u64>,
+    /// The plan of the stream being received. None: kept by a udm that did not record it,
+    /// and continued without that check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<Plan>,
 }
 
 fn kept() -> bool {
@@ -230,7 +268,7 @@ impl PoolState {
                 snapshot: p.to,
                 local_time: created(id).expect("listed above"),
                 volume_bytes: p.publishing.expect("listed above"),
-                sent: None,
+                sent: p.plan.map(|plan| plan.to_stamp),
                 // Not written since: the pool has had no table in this run of the daemon.
                 local: stamp_of(pool, id).ok(),
             };
