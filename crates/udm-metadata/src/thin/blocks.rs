@@ -133,6 +133,30 @@ impl ThinMetadata {
         self.tm.dsm.count(data_block, &mut self.tm.cache)
     }
 
+    /// The newest time among `id`'s mappings (None: it maps nothing). A write that maps a
+    /// block anew (a first write, or one that breaks sharing with a snapshot) records the
+    /// pool's time then, so a device whose every mapping was shared is seen to be written
+    /// since: replication names a snapshot's content by this and its mapped blocks. Reads
+    /// every leaf of the device's tree.
+    pub fn newest_mapping_time(&mut self, id: u32) -> Result<Option<u32>> {
+        self.usable()?;
+        self.info(id)?;
+        let root = self.root_of(id)?;
+        let mut newest = None;
+        walk(
+            &mut self.tm.cache,
+            root,
+            ValueKind::Mapping,
+            0,
+            None,
+            &mut |_, v| {
+                newest = newest.max(Some(unpack(u64_of(v)).1));
+                Ok(())
+            },
+        )?;
+        Ok(newest)
+    }
+
     /// The highest mapped virtual block of `id`, if any.
     pub fn highest_mapped(&mut self, id: u32) -> Result<Option<u64>> {
         self.usable()?;

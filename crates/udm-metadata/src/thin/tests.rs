@@ -189,6 +189,23 @@ fn sharing_follows_snapshot_time_and_blocks_free_when_the_last_user_goes() {
 }
 
 #[test]
+fn the_newest_mapping_time_shows_a_snapshot_written_since_it_was_made() {
+    let mut meta = pool(1000).1;
+    meta.create_thin(1).unwrap();
+    assert_eq!(meta.newest_mapping_time(1).unwrap(), None);
+    for vb in 0..300 {
+        map_new(&mut meta, 1, vb);
+    }
+    meta.create_snap(2, 1).unwrap();
+    let made = meta.device(2).unwrap().creation_time;
+    assert_eq!(meta.newest_mapping_time(2).unwrap(), Some(made - 1));
+    // Overwritten, a shared block is mapped anew at the pool's time: newer than the snapshot.
+    map_new(&mut meta, 2, 250);
+    assert_eq!(meta.newest_mapping_time(2).unwrap(), Some(made));
+    assert_eq!(meta.newest_mapping_time(1).unwrap(), Some(made - 1));
+}
+
+#[test]
 fn released_and_aborted_blocks_come_back() {
     let mut meta = pool(1000).1;
     meta.create_thin(1).unwrap();

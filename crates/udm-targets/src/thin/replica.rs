@@ -55,6 +55,16 @@ impl PoolHandle {
             .map_err(|e| self.error(e))
     }
 
+    /// The newest time among `id`'s mappings (see
+    /// [`udm_metadata::ThinMetadata::newest_mapping_time`]).
+    pub fn newest_mapping_time(&self, id: u32) -> Result<Option<u32>, TargetError> {
+        self.0
+            .meta()
+            .md
+            .newest_mapping_time(id)
+            .map_err(|e| self.error(e))
+    }
+
     /// The devices whose tables use thin device `id`.
     pub fn users_of(&self, id: u32) -> Vec<String> {
         self.0

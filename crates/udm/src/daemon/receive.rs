@@ -20,7 +20,7 @@ use udm_targets::replica::{self, PoolHandle};
 use udm_targets::Table;
 
 use super::device::Events;
-use super::received::{identity_of, settle, Mark, Partial, PoolState, Snapshot};
+use super::received::{identity_of, settle, stamp_of, Mark, Partial, Plan, PoolState, Snapshot};
 use super::registry::Registry;
 use super::signals;
 use crate::replication::stream::{Event, Header, Kind, Layout, Place, Reader, StreamError};
@@ -207,14 +207,28 @@ impl<'a> Receive<'a> {
                 )
             })?),
         };
+        if let (Some(from), Some(base)) = (&from, base) {
+            unchanged_base(&pool, req, &state.received[&base], base, from, &header)?;
+        }
+        let plan = Plan::of(&header);
         let kept = state.partial.get(&req.id).cloned();
         let partial = match kept {
-            Some(p) if req.resume && p.to == to && p.from == from => p,
+            Some(p) if req.resume && p.to == to && p.from == from => match &p.plan {
+                Some(kept) if *kept != plan => {
+                    return Err(format!(
+                        "the source of {to} changed since the kept receive into thin device {} \
+                         began: this stream has {plan}, the kept one {kept}; a receive without \
+                         --resume starts again",
+                        req.id
+                    ))
+                }
+                _ => p,
+            },
             other => {
                 if let Some(old) = other {
                     drop_staging(registry, &pool, &req.pool, req.id, &old)?;
                 }
-                new_staging(registry, &pool, req, to.clone(), from, base)?
+                new_staging(registry, &pool, req, to.clone(), from, base, plan)?
             }
         };
         let table = match header.volume_bytes {
@@ -402,6 +416,8 @@ impl<'a> Receive<'a> {
             snapshot: self.to.clone(),
             local_time: self.pool.device(self.req.id).map_or(0, |d| d.creation_time),
             volume_bytes: self.header.volume_bytes,
+            sent: Some(self.header.to_stamp),
+            local: Some(stamp_of(&self.pool, self.req.id).map_err(Failure::Local)?),
         };
         PoolState::update(&self.registry.state_dir, &self.req.pool, &self.pool, |s| {
             s.partial.remove(&self.req.id);
@@ -437,6 +453,40 @@ impl<'a> Receive<'a> {
     }
 }
 
+/// Refuses an increment onto local device `base` (which holds the stream's base `from`, as
+/// `mark` says) if the base is not the snapshot it was when it was sent and received: written
+/// on the sender since (the increment would leave out those writes), or here (the replica
+/// would hold them). A mark of a udm that recorded neither stamp is taken as it is.
+fn unchanged_base(
+    pool: &PoolHandle,
+    req: &Request,
+    mark: &Mark,
+    base: u32,
+    from: &Snapshot,
+    header: &Header,
+) -> Result<(), String> {
+    if let Some(sent) = mark.sent.filter(|sent| *sent != header.from_stamp) {
+        return Err(format!(
+            "the stream's base, {from}, was written on the sender since it was sent (it had \
+             {sent}, now {}): an increment from it would not make the snapshot; send a full \
+             stream, or one from a snapshot not written since it was sent",
+            header.from_stamp
+        ));
+    }
+    let Some(local) = mark.local else {
+        return Ok(());
+    };
+    let now = stamp_of(pool, base)?;
+    if now != local {
+        return Err(format!(
+            "thin device {base} of pool '{}', the stream's base ({from}), was written here \
+             since it was received (it had {local}, now {now}): receive a full stream instead",
+            req.pool
+        ));
+    }
+    Ok(())
+}
+
 /// The name of the private table of a receive into thin device `id` of `pool`.
 fn receiving(pool: &str, id: u32) -> String {
     format!("{RECEIVING_PREFIX}{pool}-{id}")
@@ -461,6 +511,7 @@ fn new_staging(
     to: Snapshot,
     from: Option<Snapshot>,
     base: Option<u32>,
+    plan: Plan,
 ) -> Result<Partial, String> {
     let _choosing = CHOOSING.lock();
     let io = |e: std::io::Error| format!("replication state of pool '{}': {e}", req.pool);
@@ -473,6 +524,7 @@ fn new_staging(
         layout: 0,
         resume: req.resume,
         publishing: None,
+        plan: Some(plan),
     };
     let record = |p: &Partial| {
         let p = p.clone();

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use udm_targets::replica::PoolHandle;
 
 use super::state_dir::write_durably;
-use crate::replication::stream::Header;
+use crate::replication::stream::{Header, Stamp};
 
 /// A source snapshot: the source pool, and the snapshot's id and creation time there.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,6 +58,16 @@ impl std::fmt::Display for Snapshot {
     }
 }
 
+/// What thin device `id` of `pool` holds, as its metadata tells (see [`Stamp`]).
+pub fn stamp_of(pool: &PoolHandle, id: u32) -> Result<Stamp, String> {
+    let mapped_blocks = pool.device(id).map_or(0, |d| d.mapped_blocks);
+    let newest_mapping = pool.newest_mapping_time(id).map_err(|e| e.to_string())?;
+    Ok(Stamp {
+        newest_mapping,
+        mapped_blocks,
+    })
+}
+
 /// A local thin device that holds a received snapshot.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Mark {
@@ -65,6 +75,48 @@ pub struct Mark {
     /// The local device's creation time when it was received.
     pub local_time: u32,
     pub volume_bytes: u64,
+    /// What the source snapshot held when it was sent, and what the local device held when
+    /// it was received: an increment onto it must find both unchanged (a base written on
+    /// either side since is not the snapshot the increment goes from). None: received by a
+    /// udm that did not record them, and taken as it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sent: Option<Stamp>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<Stamp>,
+}
+
+/// What fixes a stream's records besides its snapshots' names: a kept receive continues
+/// only a stream of the same plan (a snapshot written on the sender since, or a sending pool
+/// made again under its name, has the same name and other records).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    pub block_bytes: u32,
+    pub records: u64,
+    pub changed_bytes: u64,
+    pub to_stamp: Stamp,
+    pub from_stamp: Stamp,
+}
+
+impl Plan {
+    pub fn of(h: &Header) -> Plan {
+        Plan {
+            block_bytes: h.block_bytes,
+            records: h.records,
+            changed_bytes: h.changed_bytes,
+            to_stamp: h.to_stamp,
+            from_stamp: h.from_stamp,
+        }
+    }
+}
+
+impl std::fmt::Display for Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} records of {} changed bytes, the snapshot with {}",
+            self.records, self.changed_bytes, self.to_stamp
+        )
+    }
 }
 
 /// A receive in progress into thin device `id` (the map's key).
@@ -89,6 +141,10 @@ pub struct Partial {
     /// before the record of what was received leaves what to complete it with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub publishing: Option<u64>,
+    /// The plan of the stream being received. None: kept by a udm that did not record it,
+    /// and continued without that check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<Plan>,
 }
 
 fn kept() -> bool {
@@ -212,6 +268,9 @@ impl PoolState {
                 snapshot: p.to,
                 local_time: created(id).expect("listed above"),
                 volume_bytes: p.publishing.expect("listed above"),
+                sent: p.plan.map(|plan| plan.to_stamp),
+                // Not written since: the pool has had no table in this run of the daemon.
+                local: stamp_of(pool, id).ok(),
             };
             state.received.insert(id, mark);
         }

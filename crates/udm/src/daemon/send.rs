@@ -15,6 +15,7 @@ use udm_targets::replica::{self, PoolHandle, SentHold};
 use udm_targets::Table;
 
 use super::device::Events;
+use super::received::stamp_of;
 use super::registry::Registry;
 use crate::replication::stream::{
     Header, Kind, Layout, Place, Writer, MAX_DATA, MAX_EMPTY, NO_BASE,
@@ -122,6 +123,10 @@ impl Send {
         // stream would name the one and carry the other.
         let time = |id: u32| pool.device(id).map_or(0, |d| d.creation_time);
         let times = (time(id), from.map_or(0, time));
+        // Taken while the holds keep both from writes: what the receiver records of the
+        // snapshot, and what it checks its copy of the base against.
+        let to_stamp = stamp_of(&pool, id)?;
+        let from_stamp = from.map(|f| stamp_of(&pool, f)).transpose()?;
         let block = pool.block_bytes();
         let runs = pool.delta(from, id).map_err(|e| e.to_string())?;
         let plan = plan(&runs, block);
@@ -143,8 +148,10 @@ impl Send {
             block_bytes: block as u32,
             to_id: id,
             to_time: times.0,
+            to_stamp,
             from_id: from.unwrap_or(NO_BASE),
             from_time: times.1,
+            from_stamp: from_stamp.unwrap_or_default(),
             volume_bytes: mapped_end.max(plan_end).max(used_as),
             records: plan.len() as u64,
             changed_bytes: plan
@@ -169,6 +176,20 @@ impl Send {
             table,
             _still: still,
         })
+    }
+
+    /// Refuses a stream from record `start_at` past the end of this one (the trailer is
+    /// "record" `records`, the last place a stream may start).
+    pub fn check_start(&self, start_at: u64) -> Result<(), String> {
+        let records = self.header.records;
+        if start_at > records {
+            return Err(format!(
+                "cannot start the stream of thin device {} at record {start_at}: it has \
+                 {records} records (resume at record {records} or before)",
+                self.header.to_id
+            ));
+        }
+        Ok(())
     }
 
     /// The layout checksum of the records before `start_at`.

@@ -55,7 +55,8 @@ pub fn send(registry: &Registry, request: Request, out: &mut dyn Write) {
         Err(e) => return drop(answer(out, &Response::error(e))),
     };
     let _open = device.open(false);
-    let prepared = Send::prepare(registry, &device.name(), id, from);
+    let prepared = Send::prepare(registry, &device.name(), id, from)
+        .and_then(|p| p.check_start(start_at).map(|()| p));
     let prepared = match prepared {
         Ok(p) => p,
         Err(e) => return drop(answer(out, &Response::error(e))),

@@ -44,6 +44,54 @@ fn a_receive_onto_a_base_that_a_writable_table_uses_is_refused_a_read_only_one_i
     thin_check(&b, &b_pool);
 }
 
+/// A base is the snapshot it was when it was sent and received: one written since on the
+/// sender (then snapshotted, which makes a stream of no record at all, or not) or on the
+/// receiver, through a table removed since, is refused, saying which side wrote it. Applied,
+/// the increment would make a replica that differs from the source's snapshot.
+#[test]
+fn an_increment_from_a_base_written_since_it_was_sent_is_refused_on_either_side() {
+    let (a, b, b_pool) = two_daemons("written-base");
+    let full = first_snapshot_stream(&a, "write -P 0x6c 0 2M");
+    succeeded(receive(&b, 2, &full, &[]), "full receive");
+    written_through_a_table(&a, 2, "write -P 0x6d 1M 1M");
+    a.udm(&["message", "pool", "0", "create_snap", "3", "2"]);
+    snapshot(&a, 4);
+    for (id, what) in [
+        (3, "a snapshot of the base written on the sender"),
+        (4, "a later snapshot of the volume"),
+    ] {
+        send_to_file(&a, id, Some(2), &a.dir.path("inc"));
+        let err = refused(&b, id, &std::fs::read(a.dir.path("inc")).unwrap(), what);
+        assert!(
+            err.contains("the stream's base, snapshot 2 ")
+                && err.contains("was written on the sender since it was sent"),
+            "{what}: {err}"
+        );
+    }
+    // The receiver's copy written: 4 received whole, written on b, then 5 from 4.
+    send_to_file(&a, 4, None, &a.dir.path("four"));
+    succeeded(
+        receive(&b, 4, &std::fs::read(a.dir.path("four")).unwrap(), &[]),
+        "full receive of 4",
+    );
+    written_through_a_table(&b, 4, "write -P 0x6e 3M 64k");
+    snapshot(&a, 5);
+    send_to_file(&a, 5, Some(4), &a.dir.path("inc"));
+    let inc = std::fs::read(a.dir.path("inc")).unwrap();
+    let err = refused(
+        &b,
+        5,
+        &inc,
+        "an increment onto a base written on the receiver",
+    );
+    assert!(
+        err.contains("thin device 4 of pool 'pool', the stream's base")
+            && err.contains("was written here since it was received"),
+        "{err}"
+    );
+    thin_check(&b, &b_pool);
+}
+
 /// A received device deleted and its id made again is no base, although `create_thin` gives
 /// the new device the pool's current time, which was the received device's creation time.
 #[test]

@@ -209,6 +209,15 @@ fn increment_half_received(a: &Daemon, b: &Daemon, first: &str, then: &str) -> V
     inc
 }
 
+/// Writes into thin device `id` of `daemon`'s pool with the qemu-io command `write` through
+/// a writable table, removed after: writes that no table shows any more.
+fn written_through_a_table(daemon: &Daemon, id: u32, write: &str) {
+    let table = format!("0 {} thin pool {id}", VOLUME / 512);
+    daemon.udm(&["create", "writer", "--table", &table]);
+    qemu_io_ok(&daemon.uri("writer"), &[write]);
+    daemon.udm(&["remove", "writer"]);
+}
+
 /// Snapshot 2 of `a`'s volume, taken after the qemu-io command `write`; returns its full
 /// stream.
 fn first_snapshot_stream(a: &Daemon, write: &str) -> Vec<u8> {

@@ -1,6 +1,8 @@
 //! Hostile streams (cut, corrupt, reordered, on the wrong base) and a receiver killed mid-stream:
 //! the replica stays as it was, and resumes.
 
+use std::io::Read;
+
 use super::*;
 
 /// Copies of `stream` damaged one way each: (what, the copy, what the receiver must say).
@@ -63,6 +65,14 @@ fn cut_corrupt_truncated_reordered_and_wrong_base_streams_leave_the_replica_as_i
         .iter()
         .map(|(what, stream, expected)| (*what, &stream[..], &[][..], *expected))
         .collect();
+    // `cat inc inc2`, and the stream followed by 5 MiB of garbage.
+    let appended = [&inc[..], &inc2].concat();
+    let mut garbage = inc.clone();
+    let urandom = std::fs::File::open("/dev/urandom").unwrap();
+    urandom.take(5 << 20).read_to_end(&mut garbage).unwrap();
+    let after_trailer = "after its trailer";
+    cases.push(("another stream appended", &appended, &[], after_trailer));
+    cases.push(("garbage appended", &garbage, &[], after_trailer));
     cases.push(("an unknown base", &inc2, &[], "wrong base"));
     cases.push(("the wrong base", &inc2, &["--base", "2"], "wrong base"));
     for (what, stream, args, expected) in cases {
@@ -106,6 +116,54 @@ fn cut_corrupt_truncated_reordered_and_wrong_base_streams_leave_the_replica_as_i
         });
     }
     thin_check(&b, &b_pool);
+}
+
+/// A kept receive continues only its own stream: the snapshot written on the sender since
+/// (its name the same, its records others) is refused at the header, the kept records stay,
+/// and a receive without --resume starts again.
+#[test]
+fn a_kept_receive_refuses_at_the_header_a_stream_whose_source_changed() {
+    let (a, b, b_pool) = two_daemons("changed-source");
+    let full = first_snapshot_stream(&a, "write -P 0x5d 0 32M");
+    let cut = receive(&b, 2, &full[..full.len() / 2], &["--resume"]);
+    assert!(!cut.status.success());
+    let kept = state(&b)["partial"]["2"].clone();
+    assert!(kept["next_record"].as_u64().unwrap() > 0, "{kept}");
+    written_through_a_table(&a, 2, "write -P 0x5e 0 96M");
+    send_to_file(&a, 2, None, &a.dir.path("again"));
+    let again = std::fs::read(a.dir.path("again")).unwrap();
+    let out = receive(&b, 2, &again, &["--resume"]);
+    let err = String::from_utf8_lossy(&out.stderr).trim_end().to_string();
+    assert!(!out.status.success(), "the changed stream was received");
+    assert!(
+        err.contains("changed since the kept receive into thin device 2 began")
+            && err.contains("a receive without --resume starts again")
+            && err.lines().count() == 1,
+        "{err}"
+    );
+    assert_eq!(state(&b)["partial"]["2"], kept, "the kept receive changed");
+    succeeded(receive(&b, 2, &again, &[]), "a receive without --resume");
+    same_snapshot(&a, &b, 2);
+    thin_check(&b, &b_pool);
+}
+
+/// A stream starts at most at its trailer (after its last record): a start past it is
+/// refused by the sender, naming how many records there are.
+#[test]
+fn a_send_from_past_its_last_record_is_refused_naming_the_record_count() {
+    let (a, _b, _) = two_daemons("resume-past");
+    let full = first_snapshot_stream(&a, "write -P 0x5f 0 3M");
+    // The starts of the records and the trailer, and the end.
+    let records = record_starts(&full).len() as u64 - 2;
+    for past in [records + 1, u64::MAX] {
+        let err = a.udm_err(&["send", "pool", "2", "--resume-at", &past.to_string()]);
+        assert!(
+            err.contains(&format!("at record {past}: it has {records} records")),
+            "{err}"
+        );
+    }
+    let at_trailer = a.run_udm(&["send", "pool", "2", "--resume-at", &records.to_string()]);
+    assert!(at_trailer.status.success(), "{at_trailer:?}");
 }
 
 #[test]

@@ -8,19 +8,22 @@ mod reader;
 
 use std::io::{Read, Write};
 
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 pub use reader::{Event, Reader};
 
 pub const MAGIC: [u8; 8] = *b"udm-send";
-pub const VERSION: u32 = 1;
+/// Version 2 names what the snapshot sent and the base held when the stream was made (their
+/// [`Stamp`]s); version 1 streams did not, and are refused (see [`StreamError::Version`]).
+pub const VERSION: u32 = 2;
 /// Data records carry at most this many bytes (so a reader needs no more memory than this).
 pub const MAX_DATA: u32 = 1 << 20;
 /// Zero and unmapped records cover at most this many bytes.
 pub const MAX_EMPTY: u32 = 1 << 30;
 /// `from_id` of a full stream.
 pub const NO_BASE: u32 = u32::MAX;
-const FIXED_HEADER: usize = 66;
+const FIXED_HEADER: usize = 90;
 const MAX_SOURCE: usize = 1024;
 /// A record's (and the trailer's) frame before its payload.
 pub const FRAME: usize = 28;
@@ -33,13 +36,45 @@ pub enum StreamError {
     Cut(String),
     #[error("not a udm replication stream (magic {0:02x?})")]
     NotAStream([u8; 8]),
-    #[error("stream version {0} is not supported (this udm reads version {VERSION})")]
+    /// A version 1 stream does not say what its base held when it was sent, so an increment
+    /// onto a base written since would pass; the sender still holds the snapshot, and a
+    /// newer udm there sends it again.
+    #[error(
+        "stream version {0} is not supported (this udm reads version {VERSION}; send it again \
+         with the same udm version on both hosts)"
+    )]
     Version(u32),
     #[error("{0}")]
     Corrupt(String),
 }
 
 type Result<T, E = StreamError> = std::result::Result<T, E>;
+
+/// What a thin device held, as far as its metadata tells: the newest time among its mappings
+/// (None: it maps nothing) and how many blocks it maps. A snapshot whose blocks are all shared
+/// (all mapped before it was last snapshotted) gets a newer mapping at any write, and fewer
+/// mapped blocks at a discard: a snapshot written since changes its stamp.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stamp {
+    pub newest_mapping: Option<u32>,
+    pub mapped_blocks: u64,
+}
+
+impl std::fmt::Display for Stamp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.newest_mapping {
+            Some(time) => write!(
+                f,
+                "{} blocks mapped, the newest at time {time}",
+                self.mapped_blocks
+            ),
+            None => write!(f, "no block mapped"),
+        }
+    }
+}
+
+/// `newest_mapping` in the header of a device that maps nothing (mapping times have 24 bits).
+const NO_MAPPING: u32 = u32::MAX;
 
 /// What a stream holds: the source volume, the snapshots it goes from and to, and its size.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,9 +85,14 @@ pub struct Header {
     /// with the source, names it even if the id is reused later).
     pub to_id: u32,
     pub to_time: u32,
+    /// What the snapshot sent held: the receiver records it, and an increment from this
+    /// snapshot later must carry the same stamp as its base's.
+    pub to_stamp: Stamp,
     /// The snapshot the receiver must already hold (`NO_BASE`: a full stream).
     pub from_id: u32,
     pub from_time: u32,
+    /// What the base holds now (a full stream: the default).
+    pub from_stamp: Stamp,
     pub volume_bytes: u64,
     /// Records in the whole stream (a resumed stream starts later, but counts them all).
     pub records: u64,
@@ -86,6 +126,13 @@ impl Header {
         for v in [self.volume_bytes, self.records, self.changed_bytes] {
             b.extend_from_slice(&v.to_le_bytes());
         }
+        for stamp in [self.to_stamp, self.from_stamp] {
+            let newest = stamp.newest_mapping.unwrap_or(NO_MAPPING);
+            b.extend_from_slice(&newest.to_le_bytes());
+        }
+        for stamp in [self.to_stamp, self.from_stamp] {
+            b.extend_from_slice(&stamp.mapped_blocks.to_le_bytes());
+        }
         b.extend_from_slice(&(self.source.len() as u16).to_le_bytes());
         b.extend_from_slice(self.source.as_bytes());
         let crc = crc32c::crc32c(&b);
@@ -94,7 +141,8 @@ impl Header {
     }
 
     pub fn read(r: &mut (impl Read + ?Sized)) -> Result<Header> {
-        let mut b = vec![0u8; FIXED_HEADER];
+        // The magic and version first: another version's header may be shorter.
+        let mut b = vec![0u8; 12];
         fill(r, &mut b, "inside the header")?;
         let magic: [u8; 8] = b[..8].try_into().unwrap();
         if magic != MAGIC {
@@ -104,7 +152,9 @@ impl Header {
         if version != VERSION {
             return Err(StreamError::Version(version));
         }
-        let source_len = u16::from_le_bytes([b[64], b[65]]) as usize;
+        b.resize(FIXED_HEADER, 0);
+        fill(r, &mut b[12..], "inside the header")?;
+        let source_len = u16::from_le_bytes([b[88], b[89]]) as usize;
         if source_len > MAX_SOURCE || u32_at(&b, 12) as usize != FIXED_HEADER + source_len + 4 {
             return Err(corrupt("the header's length fields disagree"));
         }
@@ -118,8 +168,10 @@ impl Header {
             block_bytes: u32_at(&b, 16),
             to_id: u32_at(&b, 20),
             to_time: u32_at(&b, 24),
+            to_stamp: stamp_at(&b, 64, 72),
             from_id: u32_at(&b, 28),
             from_time: u32_at(&b, 32),
+            from_stamp: stamp_at(&b, 68, 80),
             volume_bytes: u64_at(&b, 40),
             records: u64_at(&b, 48),
             changed_bytes: u64_at(&b, 56),
@@ -231,6 +283,14 @@ fn corrupt(what: impl Into<String>) -> StreamError {
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+}
+
+/// A stamp whose newest mapping time is at `newest`, its mapped blocks at `mapped`.
+fn stamp_at(b: &[u8], newest: usize, mapped: usize) -> Stamp {
+    Stamp {
+        newest_mapping: Some(u32_at(b, newest)).filter(|&t| t != NO_MAPPING),
+        mapped_blocks: u64_at(b, mapped),
+    }
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {

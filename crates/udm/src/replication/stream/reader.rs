@@ -61,6 +61,7 @@ impl<R: Read> Reader<R> {
         self.check_order(&frame)?;
         if frame.kind == END {
             self.check_trailer(&frame)?;
+            self.check_ended()?;
             return Ok(Event::End);
         }
         let seq = frame.seq;
@@ -165,6 +166,23 @@ impl<R: Read> Reader<R> {
             ));
         }
         Ok(())
+    }
+
+    /// Nothing follows the trailer: a stream with another one appended (or garbage) would
+    /// otherwise pass for the first one alone.
+    fn check_ended(&mut self) -> Result<()> {
+        let mut byte = [0u8; 1];
+        loop {
+            return match self.input.read(&mut byte) {
+                Ok(0) => Ok(()),
+                Ok(_) => Err(corrupt(
+                    "bytes follow the stream after its trailer (another stream appended, or \
+                     garbage): send one stream per receive",
+                )),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => Err(e.into()),
+            };
+        }
     }
 
     /// The record covers whole sectors inside the volume, and is one the header counted.

@@ -7,8 +7,16 @@ fn header(records: u64) -> Header {
         block_bytes: 65536,
         to_id: 5,
         to_time: 9,
+        to_stamp: Stamp {
+            newest_mapping: Some(8),
+            mapped_blocks: 17,
+        },
         from_id: 3,
         from_time: 4,
+        from_stamp: Stamp {
+            newest_mapping: None,
+            mapped_blocks: 0,
+        },
         volume_bytes: 1 << 20,
         records,
         changed_bytes: 8192,
@@ -138,6 +146,35 @@ fn reordered_dropped_and_appended_records_are_refused() {
     assert!(err.contains("promises 4 records"), "{err}");
 }
 
+/// A stream goes on to its trailer and ends there: whatever follows (another stream after it,
+/// as `cat inc12 inc13` makes, or garbage) is not a stream this reader checked.
+#[test]
+fn bytes_after_the_trailer_are_refused() {
+    let (bytes, _) = stream(0);
+    let garbage: Vec<u8> = (0..5 << 20)
+        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    for (what, tail) in [
+        ("a stream", &bytes[..]),
+        ("garbage", &garbage),
+        ("a byte", &[0][..]),
+    ] {
+        let err = read(&[&bytes[..], tail].concat(), 0, Layout::default())
+            .expect_err(what)
+            .to_string();
+        assert!(err.contains("after its trailer"), "{what}: {err}");
+    }
+}
+
+#[test]
+fn a_stream_of_version_1_is_refused_saying_to_send_it_again() {
+    let mut b = header(1).encode();
+    b[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let err = Header::read(&mut &b[..]).unwrap_err();
+    assert!(matches!(err, StreamError::Version(1)), "{err}");
+    assert!(err.to_string().contains("send it again"), "{err}");
+}
+
 #[test]
 fn a_resumed_stream_continues_where_the_receiver_stopped() {
     let (full, _) = stream(0);
@@ -171,8 +208,8 @@ fn a_resumed_stream_continues_where_the_receiver_stopped() {
 #[test]
 fn hostile_headers_are_refused_before_anything_is_allocated() {
     let mut b = header(1).encode();
-    b[64] = 0xff;
-    b[65] = 0xff;
+    b[88] = 0xff;
+    b[89] = 0xff;
     assert!(Header::read(&mut &b[..]).is_err());
     let err = Header::read(
         &mut &b"not a stream at all, really no no no no no no no no no no no no no"[..],
