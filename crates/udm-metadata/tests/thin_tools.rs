@@ -390,6 +390,58 @@ fn needs_check_is_cleared_by_thin_check() {
     assert!(pool.meta.lookup(1, 0).unwrap().is_some());
 }
 
+/// A device with blocks of its own (written since its last snapshot) would have them written
+/// in place; sealed, each reads as shared, so a write maps a new block at a newer time. The
+/// seal is the details' snapshotted_time and the superblock's time moved on, durable and
+/// thin_check clean; a device already sealed is left as it is; needs_check refuses it.
+#[test]
+fn a_write_after_a_seal_maps_a_new_block_at_a_newer_time() {
+    let scratch = TempDir::new("thin-seal");
+    let mut pool = Pool::new(&scratch, 4 << 20, 1_000);
+    pool.create_written(1, 0..8, "the volume");
+    pool.snap(2, 1);
+    assert!(pool.meta.is_sealed(2).unwrap(), "a snapshot is made sealed");
+    pool.write(2, 3);
+    let own = pool.meta.lookup(2, 3).unwrap().unwrap();
+    assert!(
+        !own.shared,
+        "a block written since the snapshot is the device's own"
+    );
+    let written = pool.meta.newest_mapping_time(2).unwrap();
+    assert!(!pool.meta.is_sealed(2).unwrap());
+    pool.meta.seal(2).unwrap();
+    let sealed = pool.meta.device(2).unwrap().snapshotted_time;
+    assert!(sealed > written.unwrap(), "{sealed} {written:?}");
+    assert!(pool.meta.is_sealed(2).unwrap());
+    assert!(pool.meta.lookup(2, 3).unwrap().unwrap().shared);
+    pool.commit_and_check("sealed");
+    pool.reopen();
+    assert_eq!(pool.meta.device(2).unwrap().snapshotted_time, sealed);
+    pool.meta.seal(2).unwrap();
+    assert_eq!(
+        pool.meta.device(2).unwrap().snapshotted_time,
+        sealed,
+        "sealed twice"
+    );
+    pool.write(2, 3);
+    let after = pool.meta.lookup(2, 3).unwrap().unwrap();
+    assert_ne!(after.data_block, own.data_block);
+    assert_eq!(pool.meta.newest_mapping_time(2).unwrap(), Some(sealed));
+    pool.commit_and_check("written after the seal");
+    // The superblock's time moved with the seal: the next snapshot is made after it.
+    pool.snap(3, 2);
+    assert_eq!(pool.meta.device(3).unwrap().creation_time, sealed + 1);
+    pool.commit_and_check("a snapshot after the seal");
+    pool.write(3, 5);
+    pool.meta.commit().unwrap();
+    pool.meta.set_needs_check().unwrap();
+    pool.reopen();
+    assert_eq!(
+        pool.meta.seal(3).unwrap_err(),
+        udm_metadata::ThinError::NeedsCheck
+    );
+}
+
 #[test]
 fn hundreds_of_devices_split_and_merge_the_top_level_and_details_trees() {
     let scratch = TempDir::new("thin-devices");

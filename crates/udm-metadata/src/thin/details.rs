@@ -32,6 +32,15 @@ impl DeviceInfo {
         v
     }
 
+    /// Whether the device is sealed, its newest mapping made at `newest_mapping` (None: it
+    /// maps nothing): every mapping older than its last snapshot, so that any write to it maps
+    /// a block anew at the pool's time, newer than them all. A write to a block whose mapping
+    /// is newer is made in place and leaves no trace in the metadata. A device made as a
+    /// snapshot is sealed; one written since is not (see [`super::ThinMetadata::seal`]).
+    pub fn is_sealed(&self, newest_mapping: Option<u32>) -> bool {
+        newest_mapping.is_none_or(|newest| newest < self.snapshotted_time)
+    }
+
     pub fn decode(id: u32, v: &[u8]) -> Self {
         DeviceInfo {
             id,

@@ -91,21 +91,56 @@ impl ThinMetadata {
         self.usable()?;
         self.check_new_id(id)?;
         let origin_info = self.info(origin)?;
-        if self.sb.time >= mapping::MAX_TIME {
-            return Err(ThinError::BadArgument(
-                "the pool's snapshot time is exhausted (2^24 snapshots)".into(),
-            ));
-        }
+        self.check_time_left()?;
         self.change(|m| {
             let root = m.root_of(origin)?;
             m.tm.inc(root)?;
             m.sb.time += 1;
             m.add_device(id, root, origin_info.mapped_blocks)?;
-            let time = m.sb.time;
-            m.details.get_mut(&origin).expect("origin").snapshotted_time = time;
-            m.changed.insert(origin);
+            m.mark_snapshotted(origin);
             Ok(())
         })
+    }
+
+    /// Whether `id` is sealed (see [`DeviceInfo::is_sealed`]). Reads every leaf of its tree.
+    pub fn is_sealed(&mut self, id: u32) -> Result<bool> {
+        let info = self.info(id)?;
+        Ok(info.is_sealed(self.newest_mapping_time(id)?))
+    }
+
+    /// Seals `id` (see [`DeviceInfo::is_sealed`]) as a snapshot of it would, without one:
+    /// the pool's time goes up and becomes the device's snapshotted_time, so its every
+    /// mapping reads as shared (K:`__create_snap` does this to the origin). Replication seals
+    /// what it sends, so that a write to it since changes what its mappings say. Costs one
+    /// unit of the pool's time; a device already sealed is left as it is.
+    pub fn seal(&mut self, id: u32) -> Result<()> {
+        self.usable()?;
+        if self.is_sealed(id)? {
+            return Ok(());
+        }
+        self.check_time_left()?;
+        self.change(|m| {
+            m.sb.time += 1;
+            m.mark_snapshotted(id);
+            Ok(())
+        })
+    }
+
+    /// Refuses to move the pool's time on when it has reached its last value.
+    fn check_time_left(&self) -> Result<()> {
+        if self.sb.time >= mapping::MAX_TIME {
+            return Err(ThinError::BadArgument(
+                "the pool's snapshot time is exhausted (2^24 snapshots)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `id` was snapshotted now: its mappings made so far read as shared.
+    fn mark_snapshotted(&mut self, id: u32) {
+        let time = self.sb.time;
+        self.details.get_mut(&id).expect("device").snapshotted_time = time;
+        self.changed.insert(id);
     }
 
     /// Deletes a thin device, dropping every data block only it mapped.

@@ -105,6 +105,13 @@ impl PoolHandle {
             .message(|meta| meta.md.create_snap(id, origin), "create_snap")
     }
 
+    /// Seals thin device `id` (see [`udm_metadata::ThinMetadata::seal`]), committed: a write
+    /// to it from then on maps a new block at a newer time. A pool message, so refused where
+    /// the pool takes none (read-only, failed).
+    pub fn seal(&self, id: u32) -> Result<(), TargetError> {
+        self.0.message(|meta| meta.md.seal(id), "seal")
+    }
+
     /// Keeps thin device `id` for the tables of device `owner` alone (a receive's staging
     /// device): another table is refused, saying that `id` is `what`. Until `id` is deleted
     /// or published.
@@ -142,7 +149,9 @@ impl PoolHandle {
 
     /// Makes `staged` known as `id` in one commit: `id` becomes a snapshot of it, and `staged`
     /// goes. A crash leaves the one or the other, never both half. No device made later has
-    /// `id`'s creation time.
+    /// `id`'s creation time. `id` is sealed, as any snapshot is made (see
+    /// [`udm_metadata::ThinMetadata::seal`]): a write to it later maps a new block and shows
+    /// in its stamp.
     pub fn publish(&self, staged: u32, id: u32) -> Result<(), TargetError> {
         // Held to the end, as in `delete`.
         let users = self.0.users();

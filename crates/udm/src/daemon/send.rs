@@ -18,7 +18,7 @@ use super::device::Events;
 use super::received::stamp_of;
 use super::registry::Registry;
 use crate::replication::stream::{
-    Header, Kind, Layout, Place, Writer, MAX_DATA, MAX_EMPTY, NO_BASE,
+    Header, Kind, Layout, Place, Stamp, Writer, MAX_DATA, MAX_EMPTY, NO_BASE,
 };
 
 /// One record to send: data (read from the snapshot; zeroes become a zero record) or a range
@@ -99,6 +99,29 @@ fn hold_still(pool: &PoolHandle, pool_name: &str, id: u32, by: &str) -> Result<S
     pool.hold_sent(id, by).map_err(|e| e.to_string())
 }
 
+/// The stamp of thin device `id` (held for the send), which is sealed first if it is not: a
+/// later write to a block it holds as its own (written since its last snapshot) would be made
+/// in place and leave its stamp as it was, so that an increment from it would pass at the
+/// receiver and leave that write out. The seal does not change the stamp. A device that
+/// cannot be sealed (the pool read-only) is not sent.
+fn sealed_stamp(pool: &PoolHandle, pool_name: &str, id: u32) -> Result<Stamp, String> {
+    let stamp = stamp_of(pool, id)?;
+    if pool
+        .device(id)
+        .is_some_and(|d| !d.is_sealed(stamp.newest_mapping))
+    {
+        pool.seal(id).map_err(|e| {
+            format!(
+                "cannot send thin device {id} of pool '{pool_name}': it was written since it \
+                 was last snapshotted, and sealing it (so that a later write to it is seen) \
+                 needs a metadata commit, which failed ({e}); send it once the pool is \
+                 writable"
+            )
+        })?;
+    }
+    Ok(stamp)
+}
+
 impl Send {
     pub fn prepare(
         registry: &Registry,
@@ -125,8 +148,10 @@ impl Send {
         let times = (time(id), from.map_or(0, time));
         // Taken while the holds keep both from writes: what the receiver records of the
         // snapshot, and what it checks its copy of the base against.
-        let to_stamp = stamp_of(&pool, id)?;
-        let from_stamp = from.map(|f| stamp_of(&pool, f)).transpose()?;
+        let to_stamp = sealed_stamp(&pool, pool_name, id)?;
+        let from_stamp = from
+            .map(|f| sealed_stamp(&pool, pool_name, f))
+            .transpose()?;
         let block = pool.block_bytes();
         let runs = pool.delta(from, id).map_err(|e| e.to_string())?;
         let plan = plan(&runs, block);

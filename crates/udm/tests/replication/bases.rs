@@ -92,6 +92,106 @@ fn an_increment_from_a_base_written_since_it_was_sent_is_refused_on_either_side(
     thin_check(&b, &b_pool);
 }
 
+/// A base written in place since it was sent is refused like one written anew. dm-thin writes
+/// a block in place when the device's mapping of it is newer than its last snapshot (its own,
+/// written since): no new mapping, no new time, and a stamp that stays as it was. 21 was
+/// written through a table after it was made, so it had such blocks when it was sent; 11 had
+/// only blocks its volume has overwritten since (not shared any more, but older than 11's
+/// snapshot time, so a write still breaks their sharing). Each is written again over those
+/// blocks after it was sent, then snapshotted: the increment from it (no record at all) would
+/// make that snapshot a copy of the base as the receiver holds it. The same on the receiver.
+#[test]
+fn an_increment_from_a_base_overwritten_in_place_since_it_was_sent_is_refused() {
+    let (a, b, b_pool) = two_daemons("in-place-base");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x91 0 2M"]);
+    snapshot(&a, 11);
+    snapshot(&a, 21);
+    qemu_io_ok(&a.uri("vol"), &["write -P 0x92 0 2M"]);
+    written_through_a_table(&a, 21, "write -P 0x93 1M 64k");
+    for (base, overwrite) in [(11, "write -P 0x94 1M 64k"), (21, "write -P 0x95 1M 64k")] {
+        let full = a.dir.path("full");
+        send_to_file(&a, base, None, &full);
+        succeeded(
+            receive(&b, base, &std::fs::read(&full).unwrap(), &[]),
+            "full receive",
+        );
+        same_snapshot(&a, &b, base);
+        written_through_a_table(&a, base, overwrite);
+        let next = base + 1;
+        a.udm(&[
+            "message",
+            "pool",
+            "0",
+            "create_snap",
+            &next.to_string(),
+            &base.to_string(),
+        ]);
+        send_to_file(&a, next, Some(base), &a.dir.path("inc"));
+        let what = format!("an increment from {base}, overwritten since it was sent");
+        let err = refused(&b, next, &std::fs::read(a.dir.path("inc")).unwrap(), &what);
+        assert!(
+            err.contains(&format!("the stream's base, snapshot {base} "))
+                && err.contains("was written on the sender since it was sent"),
+            "{what}: {err}"
+        );
+    }
+    // The receiver's copy is published sealed: overwritten there over blocks it maps, the
+    // increment onto it is refused too.
+    let full = first_snapshot_stream(&a, "write -P 0x96 0 2M");
+    succeeded(receive(&b, 2, &full, &[]), "full receive of 2");
+    written_through_a_table(&b, 2, "write -P 0x97 0 64k");
+    snapshot(&a, 3);
+    send_to_file(&a, 3, Some(2), &a.dir.path("inc"));
+    let what = "an increment onto a base overwritten on the receiver";
+    let err = refused(&b, 3, &std::fs::read(a.dir.path("inc")).unwrap(), what);
+    assert!(
+        err.contains("was written here since it was received"),
+        "{err}"
+    );
+    thin_check(&b, &b_pool);
+}
+
+/// A send seals what it sends, which takes a metadata commit: a read-only pool still sends a
+/// snapshot that needs no seal (not written since it was made), and refuses, in one line
+/// saying why, to send one written since or an increment from it, rather than send it
+/// unsealed; writable again, it sends it.
+#[test]
+fn a_read_only_pool_sends_sealed_snapshots_and_refuses_what_it_cannot_seal() {
+    let (a, b, b_pool) = two_daemons("read-only-send");
+    qemu_io_ok(&a.uri("vol"), &["write -P 0xa1 0 1M"]);
+    snapshot(&a, 2);
+    written_through_a_table(&a, 2, "write -P 0xa2 0 64k");
+    snapshot(&a, 3);
+    a.reload("pool", &pool_table(&a, "1 read_only"));
+    send_to_file(&a, 3, None, &a.dir.path("three"));
+    succeeded(
+        receive(&b, 3, &std::fs::read(a.dir.path("three")).unwrap(), &[]),
+        "a snapshot sent by a read-only pool",
+    );
+    same_snapshot(&a, &b, 3);
+    for args in [
+        &["send", "pool", "2"][..],
+        &["send", "pool", "3", "--from", "2"],
+    ] {
+        let err = a.udm_err(args);
+        assert!(
+            err.contains(
+                "cannot send thin device 2 of pool 'pool': it was written since it was last \
+                 snapshotted"
+            ) && err.contains("read-only"),
+            "{args:?}: {err}"
+        );
+    }
+    a.reload("pool", &pool_table(&a, ""));
+    send_to_file(&a, 2, None, &a.dir.path("two"));
+    succeeded(
+        receive(&b, 2, &std::fs::read(a.dir.path("two")).unwrap(), &[]),
+        "the snapshot sealed once the pool is writable",
+    );
+    same_snapshot(&a, &b, 2);
+    thin_check(&b, &b_pool);
+}
+
 /// A received device deleted and its id made again is no base, although `create_thin` gives
 /// the new device the pool's current time, which was the received device's creation time.
 #[test]

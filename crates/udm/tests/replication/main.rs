@@ -35,15 +35,22 @@ struct Pool {
 /// A pool "pool" of 2 GiB of 64 KiB blocks on fresh files in the daemon's directory.
 fn make_pool(daemon: &Daemon) -> Pool {
     let meta = daemon.sparse("pool.meta", 16 * MIB);
-    let data = daemon.sparse("pool.data", 2 * VOLUME);
-    let table = format!(
-        "0 {} thin-pool {} {} 128 0",
-        2 * VOLUME / 512,
-        meta.display(),
-        data.display()
-    );
+    daemon.sparse("pool.data", 2 * VOLUME);
+    let table = pool_table(daemon, "");
     daemon.udm(&["create", "pool", "--table", &table]);
     Pool { meta, table }
+}
+
+/// The table of `daemon`'s pool (see [`make_pool`]), followed by the feature arguments
+/// `features` ("1 read_only"; "" for none).
+fn pool_table(daemon: &Daemon, features: &str) -> String {
+    let table = format!(
+        "0 {} thin-pool {} {} 128 0 {features}",
+        2 * VOLUME / 512,
+        daemon.dir.path("pool.meta").display(),
+        daemon.dir.path("pool.data").display()
+    );
+    table.trim_end().to_string()
 }
 
 /// Snapshot `id` of thin device 1 (served as `vol`), suspended meanwhile.

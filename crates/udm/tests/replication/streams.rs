@@ -260,20 +260,7 @@ fn a_staging_device_that_cannot_be_deleted_stays_named_until_it_can() {
     assert!(kept_records(&b, 2) > 0, "{}", state(&b));
     // The pool goes read-only (as a full metadata device makes it): a receive without
     // --resume cannot delete the kept one's staging device, and must not forget it.
-    let pool_table = |features: &str| {
-        format!(
-            "0 {} thin-pool {} {} 128 0 {features}",
-            2 * VOLUME / 512,
-            b_pool.meta.display(),
-            b.dir.path("pool.data").display()
-        )
-    };
-    let reload = |table: &str| {
-        b.udm(&["suspend", "pool"]);
-        b.udm(&["load", "pool", "--table", table]);
-        b.udm(&["resume", "pool"]);
-    };
-    reload(&pool_table("1 read_only"));
+    b.reload("pool", &pool_table(&b, "1 read_only"));
     let out = receive(&b, 2, &full, &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
@@ -282,7 +269,7 @@ fn a_staging_device_that_cannot_be_deleted_stays_named_until_it_can() {
             && err.trim_end().lines().count() == 1,
         "{err}"
     );
-    reload(&pool_table("0"));
+    b.reload("pool", &pool_table(&b, ""));
     let named: Vec<String> = state(&b)["partial"]
         .as_object()
         .unwrap()

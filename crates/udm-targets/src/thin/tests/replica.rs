@@ -2,6 +2,8 @@
 
 use std::sync::Barrier;
 
+use udm_block::BlockError;
+
 use super::*;
 use crate::thin::replica;
 
@@ -94,4 +96,30 @@ fn a_device_held_by_a_send_takes_no_writable_table() {
     assert!(refused.contains("is used by"), "{refused}");
     drop(writer);
     handle.hold_sent(5, ".send-x-5-3").unwrap();
+}
+
+/// A send seals the device it sends (a metadata commit, no data block), so a pool out of
+/// data space still sends; from then on a write over a block the device held as its own,
+/// made in place before the seal, needs a new block, and fails at once for want of one.
+#[test]
+fn a_pool_out_of_data_space_seals_and_a_write_after_needs_a_new_block() {
+    let (rig, pool) = pool_with_thin(2, "1 error_if_no_space");
+    let thin = rig.thin(MIB, 1).unwrap();
+    write(&thin, 0, &filled(2 * BLOCK, 1));
+    let full = thin.write(2 * BLOCK, &filled(4 * KIB, 1), WriteFlags::default());
+    assert!(matches!(full, Err(BlockError::NoSpace(_))), "{full:?}");
+    assert!(rig.status(&pool).contains(" out_of_data_space "));
+    write(&thin, 0, &filled(4 * KIB, 2));
+    drop(thin);
+    let handle = replica::pool(&rig.name).unwrap();
+    handle.seal(1).unwrap();
+    let newest = handle.newest_mapping_time(1).unwrap();
+    assert!(handle.device(1).unwrap().is_sealed(newest));
+    let thin = rig.thin(MIB, 1).unwrap();
+    let unshared = thin.write(0, &filled(4 * KIB, 3), WriteFlags::default());
+    assert!(
+        matches!(unshared, Err(BlockError::NoSpace(_))),
+        "{unshared:?}"
+    );
+    assert_eq!(read(&thin, 0, 4 * KIB), filled(4 * KIB, 2));
 }
