@@ -69,6 +69,9 @@ pub struct DaemonOptions {
     pub remote_timeout: Duration,
     /// Where to take replication streams from other hosts (`udm send … --to tcp:…`).
     pub replication: Option<MetricsAddress>,
+    /// How long a stop serves a FUSE mount still in use after its unmount (a copy in another
+    /// mount namespace) before aborting its connection.
+    pub stop_timeout: Duration,
 }
 
 /// Why the daemon could not start; each names what it was setting up, and its `source()` says
@@ -128,9 +131,10 @@ fn raise_descriptor_limit() {
 }
 
 /// Runs the daemon until SIGTERM or SIGINT, then stops in order: waits for the FUSE mount's
-/// users, unmounts, flushes every device, removes the sockets. Under systemd (`Type=notify`)
-/// it says READY=1 once every device is restored and every listener is up, and STOPPING=1
-/// when the stop begins.
+/// users, flushes every device, unmounts (aborting a connection other mount namespaces still
+/// hold after `stop_timeout`), flushes again, removes the sockets.
+/// Under systemd (`Type=notify`) it says READY=1 once every device is restored and every
+/// listener is up, and STOPPING=1 when the stop begins.
 pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
     if options.fuse.is_some() {
         // Serving a mounted filesystem's backing store: memory reclaim must not wait on us
@@ -199,12 +203,21 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
     let signal = signals::wait_for_signal(&signals, None).expect("no timeout");
     info!("signal {signal}: stopping");
     notify::notify("STOPPING=1\nSTATUS=stopping: flushing devices");
-    wait_for_file_users(&registry, &signals, options.fuse.as_deref());
+    let forced = wait_for_file_users(&registry, &signals, options.fuse.as_deref());
     info!("flushing devices and stopping");
-    if let Some(fuse) = fuse {
-        fuse.unmount();
-    }
+    // First, so that every write acknowledged so far is durable whatever the unmount waits for
+    // (and however it ends: systemd's SIGKILL after TimeoutStopSec).
     registry.flush_all();
+    if let Some(fuse) = fuse {
+        let patience = if forced {
+            Duration::ZERO
+        } else {
+            options.stop_timeout
+        };
+        unmount_fuse(fuse, &signals, patience);
+        // What the mount's last users wrote while it was served on.
+        registry.flush_all();
+    }
     remove_socket(&options.control);
     for listener in &options.nbd {
         if let Address::Unix(path) = &listener.address {
@@ -212,6 +225,25 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         }
     }
     Ok(())
+}
+
+/// Unmounts the FUSE export. A copy of the mount in another mount namespace (a container, a
+/// service with PrivateTmp, `unshare -m`) keeps its connection up after our unmount, for as
+/// long as that namespace lives: it is served for up to `patience`, then aborted; a second
+/// SIGTERM or SIGINT aborts it at once.
+fn unmount_fuse(fuse: FuseExport, signals: &libc::sigset_t, patience: Duration) {
+    let mut hinted = false;
+    fuse.unmount_within(patience, || {
+        // First asked right after the export has said whom it waits for.
+        if !std::mem::replace(&mut hinted, true) {
+            info!("send SIGTERM or SIGINT again to abort it now (--stop-timeout {patience:?})");
+        }
+        let signal = signals::wait_for_signal(signals, Some(Duration::ZERO));
+        if let Some(signal) = signal {
+            warn!("signal {signal} again: aborting the FUSE connection now");
+        }
+        signal.is_some()
+    });
 }
 
 fn mount_fuse(
@@ -277,10 +309,15 @@ fn listen_nbd(
 /// files of the FUSE mount are open, the daemon keeps serving, says which devices hold it, and
 /// stops when they are released — or at a second signal, which forces the stop (devices are
 /// still flushed first). NBD clients do not hold it up: their requests in flight complete and
-/// the flush makes them durable; a client that wants to outlive a restart reconnects.
-fn wait_for_file_users(registry: &Registry, signals: &libc::sigset_t, mount: Option<&Path>) {
+/// the flush makes them durable; a client that wants to outlive a restart reconnects. True if
+/// a second signal forced the stop.
+fn wait_for_file_users(
+    registry: &Registry,
+    signals: &libc::sigset_t,
+    mount: Option<&Path>,
+) -> bool {
     let Some(mount) = mount else {
-        return;
+        return false;
     };
     let mut reported = Vec::new();
     loop {
@@ -291,7 +328,7 @@ fn wait_for_file_users(registry: &Registry, signals: &libc::sigset_t, mount: Opt
             .map(|d| d.name().to_string())
             .collect();
         if busy.is_empty() {
-            return;
+            return false;
         }
         if busy != reported {
             warn!(
@@ -305,7 +342,7 @@ fn wait_for_file_users(registry: &Registry, signals: &libc::sigset_t, mount: Opt
         }
         if let Some(signal) = signals::wait_for_signal(signals, Some(Duration::from_millis(500))) {
             warn!("signal {signal} again: stopping with files still open; their users get errors");
-            return;
+            return true;
         }
     }
 }
