@@ -94,6 +94,28 @@ fn the_unit_starts_the_daemon_which_tells_systemd_when_ready_and_when_stopping()
     let log = std::fs::read_to_string(dir.path("daemon.log")).unwrap();
     assert!(log.contains("restored 40 device(s)"), "{log}");
 
+    // `systemctl reload`: the unit's ExecReload, $MAINPID the daemon's; it serves on.
+    let reload: Vec<String> = UNIT
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecReload="))
+        .expect("the unit has an ExecReload")
+        .split_whitespace()
+        .map(|word| word.replace("$MAINPID", &daemon.id().to_string()))
+        .collect();
+    assert!(Command::new(&reload[0])
+        .args(&reload[1..])
+        .status()
+        .unwrap()
+        .success());
+    wait_for(
+        || {
+            let log = std::fs::read_to_string(dir.path("daemon.log")).unwrap();
+            log.contains("SIGHUP: reopened the log file")
+        },
+        "the daemon to reopen its log",
+    );
+    assert_eq!(udm(&dir.0, &["ls"]).lines().count(), 40);
+
     unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
     let stopping = receive(&notify);
     assert!(stopping.starts_with("STOPPING=1\n"), "{stopping}");
@@ -378,4 +400,51 @@ fn fork_lets_go_of_the_callers_stdout_and_a_piped_stderr() {
         .status()
         .unwrap();
     assert!(stop.success());
+}
+
+/// Waits until the daemon's log has `line`, failing at once if the daemon is gone.
+fn wait_for_log_line(daemon: &mut Daemon, line: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !daemon.log().contains(line) {
+        assert!(
+            daemon.is_running(),
+            "the daemon is gone; its log:\n{}",
+            daemon.log()
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {line:?} in the log"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Admins send SIGHUP by habit; it killed the daemon without a stop (a zombie, no log line,
+/// sockets left behind). It reopens the log file, so a log can be rotated by moving it away.
+#[test]
+fn sighup_reopens_the_log_file_and_the_daemon_serves_on() {
+    let mut daemon = Daemon::start("sighup");
+    let hup = |daemon: &Daemon| unsafe { libc::kill(daemon.pid() as i32, libc::SIGHUP) };
+    let reopened = format!(
+        "reopened the log file {}",
+        daemon.dir.path("daemon.log").display()
+    );
+    hup(&daemon);
+    wait_for_log_line(&mut daemon, &reopened);
+    daemon.create("before", "0 8 zero");
+
+    let rotated = daemon.dir.path("daemon.log.1");
+    std::fs::rename(daemon.dir.path("daemon.log"), &rotated).unwrap();
+    hup(&daemon);
+    wait_for_log_line(&mut daemon, &reopened);
+    daemon.create("after", "0 8 zero");
+    let new = daemon.log();
+    assert!(new.contains("created device 'after'"), "{new}");
+    assert!(!new.contains("created device 'before'"), "{new}");
+    let old = std::fs::read_to_string(&rotated).unwrap();
+    assert!(
+        old.contains("created device 'before'") && !old.contains("'after'"),
+        "{old}"
+    );
+    daemon.stop(libc::SIGTERM);
 }

@@ -14,6 +14,7 @@ mod delta_context;
 mod device;
 mod held_origins;
 mod listener;
+mod log_file;
 pub mod loopback;
 mod metrics;
 pub mod notify;
@@ -132,7 +133,7 @@ fn raise_descriptor_limit() {
 
 /// Runs the daemon until SIGTERM or SIGINT, then stops in order: waits for the FUSE mount's
 /// users, flushes every device, unmounts (aborting a connection other mount namespaces still
-/// hold after `stop_timeout`), flushes again, removes the sockets.
+/// hold after `stop_timeout`), flushes again, removes the sockets. SIGHUP reopens the log file.
 /// Under systemd (`Type=notify`) it says READY=1 once every device is restored and every
 /// listener is up, and STOPPING=1 when the stop begins.
 pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
@@ -142,7 +143,8 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         udm_fuse::set_io_flusher();
     }
     raise_descriptor_limit();
-    let signals = signals::block_shutdown_signals();
+    let signals = signals::block_daemon_signals();
+    log_file::remember();
     let _state_lock = lock_state_dir(&options.state_dir)?;
     let registry = Arc::new(
         Registry::new(&options.state_dir, options.remote_timeout).map_err(DaemonError::io(
