@@ -448,3 +448,75 @@ fn sighup_reopens_the_log_file_and_the_daemon_serves_on() {
     );
     daemon.stop(libc::SIGTERM);
 }
+
+/// Relative paths given to the daemon: `udm stop` from another directory looked for the state
+/// dir the daemon named (`st`) in its own directory and failed. The daemon makes its paths
+/// absolute, shows them so, and leaves its start directory for `/`; relative paths in a table
+/// sent straight to the control socket still mean its start directory. The control socket's
+/// missing directory is made.
+#[test]
+fn a_daemon_started_with_relative_paths_is_stopped_from_anywhere() {
+    let dir = TempDir::new("relative");
+    std::fs::File::create(dir.path("a.img"))
+        .unwrap()
+        .set_len(MIB)
+        .unwrap();
+    let mut daemon = Command::new(UDM)
+        .args(["daemon", "--state-dir", "st", "--control", "run/udm/c.sock"])
+        .args(["--nbd", "unix:n.sock", "--fuse", "fuse"])
+        .current_dir(&dir.0)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path("daemon.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let control = dir.path("run/udm/c.sock");
+    wait_for(|| control.exists(), "the control socket");
+    // Its directory was missing (as /run/udm is for a daemon run by hand): made, 0755.
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(dir.path("run/udm"))
+            .unwrap()
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o755);
+    let udm = |args: &[&str]| {
+        let out = Command::new(UDM)
+            .args(args)
+            .env("UDM_CONTROL", &control)
+            .current_dir("/")
+            .output()
+            .unwrap();
+        let log = std::fs::read_to_string(dir.path("daemon.log")).unwrap();
+        assert!(out.status.success(), "udm {args:?}: {out:?}\n{log}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    // Straight to the socket, as a script would: `./a.img` is in the daemon's start directory.
+    let mut stream = std::os::unix::net::UnixStream::connect(&control).unwrap();
+    let create = serde_json::json!({"version": 1, "command": "create", "name": "vol",
+        "table": "0 2048 linear ./a.img 0"});
+    writeln!(stream, "{create}").unwrap();
+    let mut answer = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stream), &mut answer).unwrap();
+    assert!(answer.contains("\"ok\":true"), "{answer}");
+    let info = udm(&["info", "vol"]);
+    assert!(
+        info.contains(&format!(
+            "FUSE file:         {}",
+            dir.path("fuse/vol").display()
+        )),
+        "{info}"
+    );
+    let table = udm(&["table", "vol"]);
+    assert_eq!(
+        table.trim(),
+        format!("0 2048 linear {} 0", dir.path("a.img").display())
+    );
+    let cwd = std::fs::read_link(format!("/proc/{}/cwd", daemon.id())).unwrap();
+    assert_eq!(
+        cwd,
+        Path::new("/"),
+        "the daemon keeps its start directory busy"
+    );
+    udm(&["stop"]);
+    assert!(daemon.wait().unwrap().success());
+    assert!(!control.exists() && !dir.path("n.sock").exists());
+}

@@ -75,6 +75,43 @@ pub struct DaemonOptions {
     pub stop_timeout: Duration,
 }
 
+impl DaemonOptions {
+    /// The options with every path made absolute against the current directory: `udm info`
+    /// and `udm stop` hand them to clients in other directories, and the daemon leaves its own
+    /// for `/` once started.
+    fn with_absolute_paths(mut self) -> std::io::Result<DaemonOptions> {
+        self.state_dir = std::path::absolute(&self.state_dir)?;
+        self.control = std::path::absolute(&self.control)?;
+        if let Some(fuse) = &self.fuse {
+            self.fuse = Some(std::path::absolute(fuse)?);
+        }
+        for listener in &mut self.nbd {
+            if let Address::Unix(path) = &listener.address {
+                listener.address = Address::Unix(std::path::absolute(path)?);
+            }
+        }
+        Ok(self)
+    }
+}
+
+/// Makes the directory of the control socket if it is missing (`/run/udm` by default, which
+/// systemd's RuntimeDirectory makes for the service but nobody makes for a daemon run by
+/// hand), readable by all as /run's directories are: the socket's own mode guards it.
+fn make_socket_dir(socket: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(dir) = socket.parent().filter(|dir| !dir.exists()) else {
+        return Ok(());
+    };
+    std::fs::create_dir_all(dir)?;
+    // 0755 whatever the umask (a root shell with umask 077 would make it 0700).
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    info!(
+        "made the directory {} for the control socket",
+        dir.display()
+    );
+    Ok(())
+}
+
 /// Why the daemon could not start; each names what it was setting up, and its `source()` says
 /// what went wrong there (the binary prints the chain).
 #[derive(Debug, Error)]
@@ -142,6 +179,9 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         // (set before any thread starts, since threads inherit it).
         udm_fuse::set_io_flusher();
     }
+    let options = options
+        .with_absolute_paths()
+        .map_err(DaemonError::io("finding the current directory".into()))?;
     raise_descriptor_limit();
     let signals = signals::block_daemon_signals();
     log_file::remember();
@@ -194,9 +234,14 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         nbd_engine,
         nbd_on_io_uring,
     };
-    control::listen(&options.control, registry.clone(), exports).map_err(DaemonError::io(
-        format!("control socket {}", options.control.display()),
-    ))?;
+    // Every path it holds is absolute, and a daemon left in its start directory would keep
+    // that filesystem busy (no umount) for its whole life. Before the control socket: once a
+    // client reaches the daemon, it is done.
+    std::env::set_current_dir("/").map_err(DaemonError::io("chdir /".into()))?;
+    let control_context = format!("control socket {}", options.control.display());
+    make_socket_dir(&options.control).map_err(DaemonError::io(control_context.clone()))?;
+    control::listen(&options.control, registry.clone(), exports)
+        .map_err(DaemonError::io(control_context))?;
     info!("control socket {}", options.control.display());
     notify::notify(&format!(
         "READY=1\nSTATUS=serving {restored} restored device(s)"
