@@ -520,3 +520,63 @@ fn a_daemon_started_with_relative_paths_is_stopped_from_anywhere() {
     assert!(daemon.wait().unwrap().success());
     assert!(!control.exists() && !dir.path("n.sock").exists());
 }
+
+/// A start that fails after some sockets are made (here a TCP listener whose port is taken)
+/// left them behind; now it removes them, and never one that another live daemon serves.
+#[test]
+fn a_failed_start_removes_its_sockets_and_no_one_elses() {
+    let live = Daemon::start("failed-start-live");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = TempDir::new("failed-start");
+    let start = |control: &Path, nbd: &[String]| {
+        let mut command = Command::new(UDM);
+        command
+            .args(["daemon", "--state-dir"])
+            .arg(dir.path("state"))
+            .arg("--control")
+            .arg(control);
+        for listener in nbd {
+            command.args(["--nbd", listener]);
+        }
+        command.output().unwrap()
+    };
+    let own = dir.path("own.sock");
+    let port = taken.local_addr().unwrap().port();
+    let out = start(
+        &dir.path("control.sock"),
+        &[
+            format!("unix:{}", own.display()),
+            format!("tcp:127.0.0.1:{port}"),
+        ],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Address already in use"), "{err}");
+    assert!(
+        !own.exists(),
+        "the failed start left {} behind",
+        own.display()
+    );
+
+    // Its own NBD socket made, then the control socket of a live daemon: refused, and the live
+    // daemon's socket stays.
+    let out = start(&live.control(), &[format!("unix:{}", own.display())]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use by a running server"), "{err}");
+    assert!(
+        !own.exists(),
+        "the failed start left {} behind",
+        own.display()
+    );
+    assert!(live.control().exists());
+    live.udm(&["ls"]);
+    // And the other way round: the live daemon's NBD socket, refused, stays.
+    let out = start(
+        &dir.path("control.sock"),
+        &[format!("unix:{}", live.nbd_socket().display())],
+    );
+    assert!(!out.status.success());
+    assert!(live.nbd_socket().exists());
+    assert!(!dir.path("control.sock").exists());
+}

@@ -186,6 +186,9 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
     let signals = signals::block_daemon_signals();
     log_file::remember();
     let _state_lock = lock_state_dir(&options.state_dir)?;
+    // Declared after the lock, so dropped before it: a failed start removes the sockets it
+    // made, and `udm stop` (which waits for the lock) finds them gone.
+    let mut sockets = OwnSockets::default();
     let registry = Arc::new(
         Registry::new(&options.state_dir, options.remote_timeout).map_err(DaemonError::io(
             format!("state dir {}", options.state_dir.display()),
@@ -225,7 +228,7 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         }),
         _ => None,
     };
-    let (nbd_engine, nbd_on_io_uring) = match listen_nbd(&options, &registry)? {
+    let (nbd_engine, nbd_on_io_uring) = match listen_nbd(&options, &registry, &mut sockets)? {
         Some((engine, on_io_uring)) => (Some(engine), on_io_uring),
         None => (None, false),
     };
@@ -242,6 +245,7 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
     make_socket_dir(&options.control).map_err(DaemonError::io(control_context.clone()))?;
     control::listen(&options.control, registry.clone(), exports)
         .map_err(DaemonError::io(control_context))?;
+    sockets.made(&options.control);
     info!("control socket {}", options.control.display());
     notify::notify(&format!(
         "READY=1\nSTATUS=serving {restored} restored device(s)"
@@ -265,12 +269,6 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         // What the mount's last users wrote while it was served on.
         registry.flush_all();
     }
-    remove_socket(&options.control);
-    for listener in &options.nbd {
-        if let Address::Unix(path) = &listener.address {
-            remove_socket(path);
-        }
-    }
     Ok(())
 }
 
@@ -291,6 +289,38 @@ fn unmount_fuse(fuse: FuseExport, signals: &libc::sigset_t, patience: Duration) 
         }
         signal.is_some()
     });
+}
+
+/// The socket files this daemon made, removed when it stops or fails to start; each only if it
+/// is still the very file it made (by inode), never one another daemon has put there since.
+#[derive(Default)]
+struct OwnSockets(Vec<(PathBuf, u64, u64)>);
+
+impl OwnSockets {
+    /// Notes the socket just bound at `path`.
+    fn made(&mut self, path: &Path) {
+        use std::os::unix::fs::MetadataExt;
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) => self.0.push((path.to_path_buf(), meta.dev(), meta.ino())),
+            Err(e) => warn!("socket {}: {e}", path.display()),
+        }
+    }
+}
+
+impl Drop for OwnSockets {
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt;
+        for (path, dev, ino) in &self.0 {
+            let ours = std::fs::symlink_metadata(path)
+                .is_ok_and(|meta| (meta.dev(), meta.ino()) == (*dev, *ino));
+            if !ours {
+                continue;
+            }
+            if let Err(e) = std::fs::remove_file(path) {
+                warn!("removing {}: {e}", path.display());
+            }
+        }
+    }
 }
 
 fn mount_fuse(
@@ -327,6 +357,7 @@ fn mount_fuse(
 fn listen_nbd(
     options: &DaemonOptions,
     registry: &Arc<Registry>,
+    sockets: &mut OwnSockets,
 ) -> Result<Option<(String, bool)>, DaemonError> {
     let catalog: Arc<dyn ExportCatalog> = Arc::new(Catalog {
         registry: registry.clone(),
@@ -337,10 +368,13 @@ fn listen_nbd(
     for listener in &options.nbd {
         let catalog = listener.catalog(catalog.clone());
         match &listener.address {
-            Address::Unix(path) => server
-                .for_listener(catalog, None)
-                .listen_unix(path)
-                .map_err(DaemonError::io(format!("NBD socket {}", path.display())))?,
+            Address::Unix(path) => {
+                server
+                    .for_listener(catalog, None)
+                    .listen_unix(path)
+                    .map_err(DaemonError::io(format!("NBD socket {}", path.display())))?;
+                sockets.made(path);
+            }
             Address::Tcp(addr) => {
                 server
                     .for_listener(catalog, options.tls.clone())
@@ -391,11 +425,5 @@ fn wait_for_file_users(
             warn!("signal {signal} again: stopping with files still open; their users get errors");
             return true;
         }
-    }
-}
-
-fn remove_socket(path: &Path) {
-    if let Err(e) = std::fs::remove_file(path) {
-        warn!("removing {}: {e}", path.display());
     }
 }
