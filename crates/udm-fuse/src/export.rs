@@ -21,10 +21,14 @@ use crate::session::{Limits, Session};
 use crate::uring::{self, Queue};
 use crate::worker::Worker;
 
-/// How long a mount detached while still in use (a loop device on one of its files) is served
-/// on before its connection is aborted, so that shutting down cannot hang on a user that never
-/// lets go.
+/// How long [`FuseExport::unmount`] serves a mount still in use after the unmount (a loop
+/// device on one of its files, a copy in another mount namespace) before it aborts the
+/// connection, so that shutting down cannot hang on a user that never lets go.
 const DETACH_GRACE: Duration = Duration::from_secs(3);
+
+/// How long the workers of a connection may take to end once the kernel has ended it; longer,
+/// and something else holds the connection up.
+const ENDING: Duration = Duration::from_millis(200);
 
 /// How long the kernel may take to send INIT after the mount, and the queues to register.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -210,8 +214,10 @@ impl Drop for RunningGuard {
 /// once, so `losetup --direct-io=on` on one gives a block device for mkfs and mount.
 pub struct FuseExport {
     mountpoint: PathBuf,
-    /// The connection's name in the FUSE control filesystem, once known.
-    connection: Option<u64>,
+    /// The mount's device number (`st_dev`), once the handshake has completed: it names the
+    /// connection in the FUSE control filesystem and the mount in other namespaces'
+    /// mountinfo.
+    device: Option<u64>,
     threads: Vec<JoinHandle<()>>,
     running: Arc<Running>,
     stopped: bool,
@@ -265,7 +271,7 @@ impl FuseExport {
         // From here on, dropping the export unmounts again.
         let mut export = FuseExport {
             mountpoint: path,
-            connection: None,
+            device: None,
             threads: Vec::new(),
             running: Arc::new(Running::default()),
             stopped: false,
@@ -296,7 +302,7 @@ impl FuseExport {
                 e,
             )
         })?;
-        export.connection = Some(mount::connection_id(meta.dev()));
+        export.device = Some(meta.dev());
         info!(
             "fuse: serving devices as files in {} over {}",
             export.mountpoint.display(),
@@ -409,26 +415,34 @@ impl FuseExport {
     }
 
     /// Unmounts and waits for the workers. A mount still in use (a loop device or an open file
-    /// on it) is detached lazily and served for a few more seconds; if its users still hold it
-    /// then, its connection is aborted (their I/O fails from then on) so that no request
-    /// reaches a device after this returns.
-    pub fn unmount(mut self) {
-        self.stop();
+    /// on it, a copy in another mount namespace) is served for a few more seconds; if its users
+    /// still hold it then, its connection is aborted (their I/O fails from then on) so that no
+    /// request reaches a device after this returns.
+    pub fn unmount(self) {
+        self.unmount_within(DETACH_GRACE, || false);
     }
 
-    fn stop(&mut self) {
+    /// [`FuseExport::unmount`], serving a mount still in use for up to `limit` (saying in the
+    /// log who holds it), or until `abort_now` (asked a few times a second) says to stop at
+    /// once.
+    pub fn unmount_within(mut self, limit: Duration, abort_now: impl FnMut() -> bool) {
+        self.stop(limit, abort_now);
+    }
+
+    fn stop(&mut self, limit: Duration, abort_now: impl FnMut() -> bool) {
         if std::mem::replace(&mut self.stopped, true) {
             return;
         }
         let path = self.mountpoint.display().to_string();
         let ended = match mount::unmount(&self.mountpoint) {
-            // The kernel ended the connection; every worker is leaving.
-            Ok(Unmounted::Clean) => true,
+            // Gone from this namespace. The kernel ends the connection with the last mount of
+            // it: at once, unless another mount namespace has a copy.
+            Ok(Unmounted::Clean) => self.serve_last_users(limit, abort_now),
             Ok(Unmounted::Detached) => {
                 warn!("fuse: {path} is still in use (a loop device?); detached it lazily");
-                self.running.wait(DETACH_GRACE) || self.abort()
+                self.serve_last_users(limit, abort_now)
             }
-            Ok(Unmounted::NotMounted) => self.running.wait(DETACH_GRACE) || self.abort(),
+            Ok(Unmounted::NotMounted) => self.serve_last_users(limit, abort_now),
             Err(e) => {
                 error!("fuse: {e}");
                 self.abort()
@@ -447,13 +461,56 @@ impl FuseExport {
         }
     }
 
+    /// Waits for the workers to end, which they do once the connection's last mount and user
+    /// are gone; after `limit`, or when `abort_now` says so, aborts the connection. True if
+    /// the workers are on their way out.
+    fn serve_last_users(&self, limit: Duration, mut abort_now: impl FnMut() -> bool) -> bool {
+        if self.running.wait(ENDING) {
+            return true;
+        }
+        let holders = self.device.map(mount::holders).unwrap_or_default();
+        let held = match holders.is_empty() {
+            true => "no other mount namespace has it (an open file or a loop device?)".into(),
+            false => format!(
+                "other mount namespaces have it mounted: {}",
+                holders
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+        };
+        warn!(
+            "fuse: {} is unmounted here but its connection is still in use; {held}; {}: their \
+             I/O fails from then on",
+            self.mountpoint.display(),
+            match limit.is_zero() {
+                true => "aborting it now".to_string(),
+                false => format!("serving it for up to {limit:.0?}, then aborting it"),
+            }
+        );
+        let deadline = Instant::now() + limit;
+        loop {
+            if Instant::now() >= deadline || abort_now() {
+                return self.abort();
+            }
+            if self.running.wait(ENDING) {
+                info!(
+                    "fuse: the last users of {} let go",
+                    self.mountpoint.display()
+                );
+                return true;
+            }
+        }
+    }
+
     /// Aborts the connection; true if the workers are on their way out.
     fn abort(&self) -> bool {
-        let Some(connection) = self.connection else {
+        let Some(device) = self.device else {
             error!("fuse: cannot abort a connection whose handshake never completed");
             return false;
         };
-        match mount::abort_connection(connection) {
+        match mount::abort_connection(mount::connection_id(device)) {
             Ok(()) => {
                 warn!(
                     "fuse: aborted the connection of {}: its remaining users get errors",
@@ -471,6 +528,6 @@ impl FuseExport {
 
 impl Drop for FuseExport {
     fn drop(&mut self) {
-        self.stop();
+        self.stop(DETACH_GRACE, || false);
     }
 }

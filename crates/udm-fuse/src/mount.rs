@@ -132,6 +132,84 @@ pub(crate) fn connection_id(st_dev: u64) -> u64 {
     (u64::from(libc::major(st_dev)) << 20) | u64::from(libc::minor(st_dev))
 }
 
+/// A mount namespace other than ours where the mount is still listed, and the processes in it
+/// (a few of them: what an admin needs to find the container or service).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Holder {
+    /// As /proc/PID/ns/mnt names it: `mnt:[4026532841]`.
+    pub namespace: String,
+    /// (pid, command name)
+    pub processes: Vec<(u32, String)>,
+}
+
+/// Processes shown per namespace; a container has many, one or two name it.
+const PROCESSES_SHOWN: usize = 3;
+
+impl std::fmt::Display for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "{} (", self.namespace)?;
+        for (i, (pid, comm)) in self.processes.iter().take(PROCESSES_SHOWN).enumerate() {
+            let comma = if i > 0 { ", " } else { "" };
+            write!(f, "{comma}pid {pid} {comm}")?;
+        }
+        match self.processes.len().saturating_sub(PROCESSES_SHOWN) {
+            0 => write!(f, ")"),
+            more => write!(f, " and {more} more)"),
+        }
+    }
+}
+
+/// The other mount namespaces whose mountinfo lists the mount of device `st_dev`, found
+/// through /proc (processes we may not inspect are skipped). A namespace no process is in
+/// (kept by a bind mount of its ns file) cannot be found this way.
+pub(crate) fn holders(st_dev: u64) -> Vec<Holder> {
+    let device = format!("{}:{}", libc::major(st_dev), libc::minor(st_dev));
+    let ours = std::fs::read_link("/proc/self/ns/mnt").ok();
+    let Ok(proc) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut pids: Vec<u32> = proc
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    pids.sort_unstable();
+    // Whether each namespace lists the mount: its mountinfo is read once, for its first pid.
+    let mut listed: std::collections::HashMap<PathBuf, bool> = Default::default();
+    let mut holders: Vec<Holder> = Vec::new();
+    for pid in pids {
+        let Ok(namespace) = std::fs::read_link(format!("/proc/{pid}/ns/mnt")) else {
+            continue;
+        };
+        if Some(&namespace) == ours.as_ref() {
+            continue;
+        }
+        let lists_it = *listed.entry(namespace.clone()).or_insert_with(|| {
+            std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+                .is_ok_and(|text| lists_device(&text, &device))
+        });
+        if !lists_it {
+            continue;
+        }
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        let namespace = namespace.display().to_string();
+        let process = (pid, comm.trim_end().to_string());
+        match holders.iter_mut().find(|h| h.namespace == namespace) {
+            Some(holder) => holder.processes.push(process),
+            None => holders.push(Holder {
+                namespace,
+                processes: vec![process],
+            }),
+        }
+    }
+    holders
+}
+
+/// Whether a mountinfo text has a mount of device `major:minor` (its third field).
+fn lists_device(mountinfo: &str, device: &str) -> bool {
+    mountinfo
+        .lines()
+        .any(|line| line.split(' ').nth(2) == Some(device))
+}
+
 /// Fails every request of a connection, pending and future, and wakes the server's readers
 /// with ENODEV: the only way to end a mount that was detached while still in use.
 pub(crate) fn abort_connection(connection: u64) -> Result<(), FuseError> {
@@ -375,6 +453,20 @@ mod tests {
     fn unescape_leaves_lone_backslashes() {
         assert_eq!(unescape("a\\134b\\"), b"a\\b\\");
         assert_eq!(unescape("x\\01"), b"x\\01");
+    }
+
+    #[test]
+    fn mounts_are_found_by_device_number() {
+        assert!(lists_device(MOUNTINFO, "0:41"));
+        assert!(!lists_device(MOUNTINFO, "0:4"));
+        let holder = Holder {
+            namespace: "mnt:[4026532841]".into(),
+            processes: (1..=5).map(|pid| (pid, "sleep".to_string())).collect(),
+        };
+        assert_eq!(
+            holder.to_string(),
+            "mnt:[4026532841] (pid 1 sleep, pid 2 sleep, pid 3 sleep and 2 more)"
+        );
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! How a table line names a device, one rule for the daemon that opens it, the client that
 //! sends it and the targets that share what it names.
 
+use std::path::{Component, Path, PathBuf};
+
 /// A device reference from a table line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reference<'a> {
@@ -28,6 +30,39 @@ impl<'a> Reference<'a> {
     pub fn is_relative_path(reference: &str) -> bool {
         reference.starts_with("./") || reference.starts_with("../")
     }
+
+    /// `table` with every relative path (`./x`, `../x`) made absolute against `base`, its
+    /// words joined by one space and its lines by a newline.
+    pub fn absolute_paths(table: &str, base: &Path) -> String {
+        let lines: Vec<String> = table
+            .lines()
+            .map(|line| {
+                line.split_whitespace()
+                    .map(|word| match Self::is_relative_path(word) {
+                        true => normalize(&base.join(word)).display().to_string(),
+                        false => word.to_string(),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .collect();
+        lines.join("\n")
+    }
+}
+
+/// `path` without `.` and `..` components (textually: symlinks are not followed).
+fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for component in path.components() {
+        match component {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -46,5 +81,19 @@ mod tests {
             assert_eq!(Reference::parse(name), Reference::Device(name));
         }
         assert!(Reference::is_relative_path("./a") && !Reference::is_relative_path("/a"));
+    }
+
+    #[test]
+    fn relative_paths_become_absolute_and_names_stay() {
+        let base = Path::new("/srv/disks");
+        let table = "0 8 linear ./a.img 0\n8 8 linear vol 0\n16 8 linear ../x/./b.img 0";
+        assert_eq!(
+            Reference::absolute_paths(table, base),
+            "0 8 linear /srv/disks/a.img 0\n8 8 linear vol 0\n16 8 linear /srv/x/b.img 0"
+        );
+        assert_eq!(
+            Reference::absolute_paths("0 8  linear /a.img 0\n", base),
+            "0 8 linear /a.img 0"
+        );
     }
 }

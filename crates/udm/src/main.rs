@@ -192,6 +192,7 @@ fn daemon(args: DaemonArgs, control: PathBuf) -> anyhow::Result<()> {
         fuse_queue_reads: args.fuse_queue_reads,
         remote_timeout: std::time::Duration::from_secs(args.remote_timeout),
         replication: args.replication,
+        stop_timeout: args.stop_timeout,
     })?)
 }
 

@@ -94,6 +94,28 @@ fn the_unit_starts_the_daemon_which_tells_systemd_when_ready_and_when_stopping()
     let log = std::fs::read_to_string(dir.path("daemon.log")).unwrap();
     assert!(log.contains("restored 40 device(s)"), "{log}");
 
+    // `systemctl reload`: the unit's ExecReload, $MAINPID the daemon's; it serves on.
+    let reload: Vec<String> = UNIT
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecReload="))
+        .expect("the unit has an ExecReload")
+        .split_whitespace()
+        .map(|word| word.replace("$MAINPID", &daemon.id().to_string()))
+        .collect();
+    assert!(Command::new(&reload[0])
+        .args(&reload[1..])
+        .status()
+        .unwrap()
+        .success());
+    wait_for(
+        || {
+            let log = std::fs::read_to_string(dir.path("daemon.log")).unwrap();
+            log.contains("SIGHUP: reopened the log file")
+        },
+        "the daemon to reopen its log",
+    );
+    assert_eq!(udm(&dir.0, &["ls"]).lines().count(), 40);
+
     unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
     let stopping = receive(&notify);
     assert!(stopping.starts_with("STOPPING=1\n"), "{stopping}");
@@ -378,4 +400,183 @@ fn fork_lets_go_of_the_callers_stdout_and_a_piped_stderr() {
         .status()
         .unwrap();
     assert!(stop.success());
+}
+
+/// Waits until the daemon's log has `line`, failing at once if the daemon is gone.
+fn wait_for_log_line(daemon: &mut Daemon, line: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !daemon.log().contains(line) {
+        assert!(
+            daemon.is_running(),
+            "the daemon is gone; its log:\n{}",
+            daemon.log()
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {line:?} in the log"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Admins send SIGHUP by habit; it killed the daemon without a stop (a zombie, no log line,
+/// sockets left behind). It reopens the log file, so a log can be rotated by moving it away.
+#[test]
+fn sighup_reopens_the_log_file_and_the_daemon_serves_on() {
+    let mut daemon = Daemon::start("sighup");
+    let hup = |daemon: &Daemon| unsafe { libc::kill(daemon.pid() as i32, libc::SIGHUP) };
+    let reopened = format!(
+        "reopened the log file {}",
+        daemon.dir.path("daemon.log").display()
+    );
+    hup(&daemon);
+    wait_for_log_line(&mut daemon, &reopened);
+    daemon.create("before", "0 8 zero");
+
+    let rotated = daemon.dir.path("daemon.log.1");
+    std::fs::rename(daemon.dir.path("daemon.log"), &rotated).unwrap();
+    hup(&daemon);
+    wait_for_log_line(&mut daemon, &reopened);
+    daemon.create("after", "0 8 zero");
+    let new = daemon.log();
+    assert!(new.contains("created device 'after'"), "{new}");
+    assert!(!new.contains("created device 'before'"), "{new}");
+    let old = std::fs::read_to_string(&rotated).unwrap();
+    assert!(
+        old.contains("created device 'before'") && !old.contains("'after'"),
+        "{old}"
+    );
+    daemon.stop(libc::SIGTERM);
+}
+
+/// Relative paths given to the daemon: `udm stop` from another directory looked for the state
+/// dir the daemon named (`st`) in its own directory and failed. The daemon makes its paths
+/// absolute, shows them so, and leaves its start directory for `/`; relative paths in a table
+/// sent straight to the control socket still mean its start directory. The control socket's
+/// missing directory is made.
+#[test]
+fn a_daemon_started_with_relative_paths_is_stopped_from_anywhere() {
+    let dir = TempDir::new("relative");
+    std::fs::File::create(dir.path("a.img"))
+        .unwrap()
+        .set_len(MIB)
+        .unwrap();
+    let mut daemon = Command::new(UDM)
+        .args(["daemon", "--state-dir", "st", "--control", "run/udm/c.sock"])
+        .args(["--nbd", "unix:n.sock", "--fuse", "fuse"])
+        .current_dir(&dir.0)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path("daemon.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let control = dir.path("run/udm/c.sock");
+    wait_for(|| control.exists(), "the control socket");
+    // Its directory was missing (as /run/udm is for a daemon run by hand): made, 0755.
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(dir.path("run/udm"))
+            .unwrap()
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o755);
+    let udm = |args: &[&str]| {
+        let out = Command::new(UDM)
+            .args(args)
+            .env("UDM_CONTROL", &control)
+            .current_dir("/")
+            .output()
+            .unwrap();
+        let log = std::fs::read_to_string(dir.path("daemon.log")).unwrap();
+        assert!(out.status.success(), "udm {args:?}: {out:?}\n{log}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    // Straight to the socket, as a script would: `./a.img` is in the daemon's start directory.
+    let mut stream = std::os::unix::net::UnixStream::connect(&control).unwrap();
+    let create = serde_json::json!({"version": 1, "command": "create", "name": "vol",
+        "table": "0 2048 linear ./a.img 0"});
+    writeln!(stream, "{create}").unwrap();
+    let mut answer = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stream), &mut answer).unwrap();
+    assert!(answer.contains("\"ok\":true"), "{answer}");
+    let info = udm(&["info", "vol"]);
+    assert!(
+        info.contains(&format!(
+            "FUSE file:         {}",
+            dir.path("fuse/vol").display()
+        )),
+        "{info}"
+    );
+    let table = udm(&["table", "vol"]);
+    assert_eq!(
+        table.trim(),
+        format!("0 2048 linear {} 0", dir.path("a.img").display())
+    );
+    let cwd = std::fs::read_link(format!("/proc/{}/cwd", daemon.id())).unwrap();
+    assert_eq!(
+        cwd,
+        Path::new("/"),
+        "the daemon keeps its start directory busy"
+    );
+    udm(&["stop"]);
+    assert!(daemon.wait().unwrap().success());
+    assert!(!control.exists() && !dir.path("n.sock").exists());
+}
+
+/// A start that fails after some sockets are made (here a TCP listener whose port is taken)
+/// left them behind; now it removes them, and never one that another live daemon serves.
+#[test]
+fn a_failed_start_removes_its_sockets_and_no_one_elses() {
+    let live = Daemon::start("failed-start-live");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = TempDir::new("failed-start");
+    let start = |control: &Path, nbd: &[String]| {
+        let mut command = Command::new(UDM);
+        command
+            .args(["daemon", "--state-dir"])
+            .arg(dir.path("state"))
+            .arg("--control")
+            .arg(control);
+        for listener in nbd {
+            command.args(["--nbd", listener]);
+        }
+        command.output().unwrap()
+    };
+    let own = dir.path("own.sock");
+    let port = taken.local_addr().unwrap().port();
+    let out = start(
+        &dir.path("control.sock"),
+        &[
+            format!("unix:{}", own.display()),
+            format!("tcp:127.0.0.1:{port}"),
+        ],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Address already in use"), "{err}");
+    assert!(
+        !own.exists(),
+        "the failed start left {} behind",
+        own.display()
+    );
+
+    // Its own NBD socket made, then the control socket of a live daemon: refused, and the live
+    // daemon's socket stays.
+    let out = start(&live.control(), &[format!("unix:{}", own.display())]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use by a running server"), "{err}");
+    assert!(
+        !own.exists(),
+        "the failed start left {} behind",
+        own.display()
+    );
+    assert!(live.control().exists());
+    live.udm(&["ls"]);
+    // And the other way round: the live daemon's NBD socket, refused, stays.
+    let out = start(
+        &dir.path("control.sock"),
+        &[format!("unix:{}", live.nbd_socket().display())],
+    );
+    assert!(!out.status.success());
+    assert!(live.nbd_socket().exists());
+    assert!(!dir.path("control.sock").exists());
 }

@@ -104,6 +104,12 @@ pub struct DaemonArgs {
     /// no_space_timeout; 0 waits for ever; error_if_no_space fails at once).
     #[arg(long, default_value = "60s", value_parser = parse_duration, value_name = "TIME")]
     pub no_space_timeout: std::time::Duration,
+    /// How long a stop serves the FUSE mount after unmounting it while other mount
+    /// namespaces still have it mounted (containers, services with PrivateTmp, unshare -m),
+    /// before aborting its connection: their I/O fails from then on. Every device is flushed
+    /// before this wait; a second SIGTERM or SIGINT ends it at once.
+    #[arg(long, default_value = "10s", value_parser = parse_duration, value_name = "TIME")]
+    pub stop_timeout: std::time::Duration,
     /// Take replication streams from other hosts' `udm send … --to` here: tcp:PORT (binds
     /// 127.0.0.1) or tcp:HOST:PORT. Anyone who reaches it can add thin devices to pools.
     #[arg(long, value_name = "ADDRESS")]

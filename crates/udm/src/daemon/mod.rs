@@ -14,6 +14,7 @@ mod delta_context;
 mod device;
 mod held_origins;
 mod listener;
+mod log_file;
 pub mod loopback;
 mod metrics;
 pub mod notify;
@@ -69,6 +70,46 @@ pub struct DaemonOptions {
     pub remote_timeout: Duration,
     /// Where to take replication streams from other hosts (`udm send … --to tcp:…`).
     pub replication: Option<MetricsAddress>,
+    /// How long a stop serves a FUSE mount still in use after its unmount (a copy in another
+    /// mount namespace) before aborting its connection.
+    pub stop_timeout: Duration,
+}
+
+impl DaemonOptions {
+    /// The options with every path made absolute against the current directory: `udm info`
+    /// and `udm stop` hand them to clients in other directories, and the daemon leaves its own
+    /// for `/` once started.
+    fn with_absolute_paths(mut self) -> std::io::Result<DaemonOptions> {
+        self.state_dir = std::path::absolute(&self.state_dir)?;
+        self.control = std::path::absolute(&self.control)?;
+        if let Some(fuse) = &self.fuse {
+            self.fuse = Some(std::path::absolute(fuse)?);
+        }
+        for listener in &mut self.nbd {
+            if let Address::Unix(path) = &listener.address {
+                listener.address = Address::Unix(std::path::absolute(path)?);
+            }
+        }
+        Ok(self)
+    }
+}
+
+/// Makes the directory of the control socket if it is missing (`/run/udm` by default, which
+/// systemd's RuntimeDirectory makes for the service but nobody makes for a daemon run by
+/// hand), readable by all as /run's directories are: the socket's own mode guards it.
+fn make_socket_dir(socket: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(dir) = socket.parent().filter(|dir| !dir.exists()) else {
+        return Ok(());
+    };
+    std::fs::create_dir_all(dir)?;
+    // 0755 whatever the umask (a root shell with umask 077 would make it 0700).
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    info!(
+        "made the directory {} for the control socket",
+        dir.display()
+    );
+    Ok(())
 }
 
 /// Why the daemon could not start; each names what it was setting up, and its `source()` says
@@ -128,18 +169,26 @@ fn raise_descriptor_limit() {
 }
 
 /// Runs the daemon until SIGTERM or SIGINT, then stops in order: waits for the FUSE mount's
-/// users, unmounts, flushes every device, removes the sockets. Under systemd (`Type=notify`)
-/// it says READY=1 once every device is restored and every listener is up, and STOPPING=1
-/// when the stop begins.
+/// users, flushes every device, unmounts (aborting a connection other mount namespaces still
+/// hold after `stop_timeout`), flushes again, removes the sockets. SIGHUP reopens the log file.
+/// Under systemd (`Type=notify`) it says READY=1 once every device is restored and every
+/// listener is up, and STOPPING=1 when the stop begins.
 pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
     if options.fuse.is_some() {
         // Serving a mounted filesystem's backing store: memory reclaim must not wait on us
         // (set before any thread starts, since threads inherit it).
         udm_fuse::set_io_flusher();
     }
+    let options = options
+        .with_absolute_paths()
+        .map_err(DaemonError::io("finding the current directory".into()))?;
     raise_descriptor_limit();
-    let signals = signals::block_shutdown_signals();
+    let signals = signals::block_daemon_signals();
+    log_file::remember();
     let _state_lock = lock_state_dir(&options.state_dir)?;
+    // Declared after the lock, so dropped before it: a failed start removes the sockets it
+    // made, and `udm stop` (which waits for the lock) finds them gone.
+    let mut sockets = OwnSockets::default();
     let registry = Arc::new(
         Registry::new(&options.state_dir, options.remote_timeout).map_err(DaemonError::io(
             format!("state dir {}", options.state_dir.display()),
@@ -179,7 +228,7 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         }),
         _ => None,
     };
-    let (nbd_engine, nbd_on_io_uring) = match listen_nbd(&options, &registry)? {
+    let (nbd_engine, nbd_on_io_uring) = match listen_nbd(&options, &registry, &mut sockets)? {
         Some((engine, on_io_uring)) => (Some(engine), on_io_uring),
         None => (None, false),
     };
@@ -188,9 +237,15 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
         nbd_engine,
         nbd_on_io_uring,
     };
-    control::listen(&options.control, registry.clone(), exports).map_err(DaemonError::io(
-        format!("control socket {}", options.control.display()),
-    ))?;
+    // Every path it holds is absolute, and a daemon left in its start directory would keep
+    // that filesystem busy (no umount) for its whole life. Before the control socket: once a
+    // client reaches the daemon, it is done.
+    std::env::set_current_dir("/").map_err(DaemonError::io("chdir /".into()))?;
+    let control_context = format!("control socket {}", options.control.display());
+    make_socket_dir(&options.control).map_err(DaemonError::io(control_context.clone()))?;
+    control::listen(&options.control, registry.clone(), exports)
+        .map_err(DaemonError::io(control_context))?;
+    sockets.made(&options.control);
     info!("control socket {}", options.control.display());
     notify::notify(&format!(
         "READY=1\nSTATUS=serving {restored} restored device(s)"
@@ -199,19 +254,73 @@ pub fn run(options: DaemonOptions) -> Result<(), DaemonError> {
     let signal = signals::wait_for_signal(&signals, None).expect("no timeout");
     info!("signal {signal}: stopping");
     notify::notify("STOPPING=1\nSTATUS=stopping: flushing devices");
-    wait_for_file_users(&registry, &signals, options.fuse.as_deref());
+    let forced = wait_for_file_users(&registry, &signals, options.fuse.as_deref());
     info!("flushing devices and stopping");
-    if let Some(fuse) = fuse {
-        fuse.unmount();
-    }
+    // First, so that every write acknowledged so far is durable whatever the unmount waits for
+    // (and however it ends: systemd's SIGKILL after TimeoutStopSec).
     registry.flush_all();
-    remove_socket(&options.control);
-    for listener in &options.nbd {
-        if let Address::Unix(path) = &listener.address {
-            remove_socket(path);
-        }
+    if let Some(fuse) = fuse {
+        let patience = if forced {
+            Duration::ZERO
+        } else {
+            options.stop_timeout
+        };
+        unmount_fuse(fuse, &signals, patience);
+        // What the mount's last users wrote while it was served on.
+        registry.flush_all();
     }
     Ok(())
+}
+
+/// Unmounts the FUSE export. A copy of the mount in another mount namespace (a container, a
+/// service with PrivateTmp, `unshare -m`) keeps its connection up after our unmount, for as
+/// long as that namespace lives: it is served for up to `patience`, then aborted; a second
+/// SIGTERM or SIGINT aborts it at once.
+fn unmount_fuse(fuse: FuseExport, signals: &libc::sigset_t, patience: Duration) {
+    let mut hinted = false;
+    fuse.unmount_within(patience, || {
+        // First asked right after the export has said whom it waits for.
+        if !std::mem::replace(&mut hinted, true) {
+            info!("send SIGTERM or SIGINT again to abort it now (--stop-timeout {patience:?})");
+        }
+        let signal = signals::wait_for_signal(signals, Some(Duration::ZERO));
+        if let Some(signal) = signal {
+            warn!("signal {signal} again: aborting the FUSE connection now");
+        }
+        signal.is_some()
+    });
+}
+
+/// The socket files this daemon made, removed when it stops or fails to start; each only if it
+/// is still the very file it made (by inode), never one another daemon has put there since.
+#[derive(Default)]
+struct OwnSockets(Vec<(PathBuf, u64, u64)>);
+
+impl OwnSockets {
+    /// Notes the socket just bound at `path`.
+    fn made(&mut self, path: &Path) {
+        use std::os::unix::fs::MetadataExt;
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) => self.0.push((path.to_path_buf(), meta.dev(), meta.ino())),
+            Err(e) => warn!("socket {}: {e}", path.display()),
+        }
+    }
+}
+
+impl Drop for OwnSockets {
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt;
+        for (path, dev, ino) in &self.0 {
+            let ours = std::fs::symlink_metadata(path)
+                .is_ok_and(|meta| (meta.dev(), meta.ino()) == (*dev, *ino));
+            if !ours {
+                continue;
+            }
+            if let Err(e) = std::fs::remove_file(path) {
+                warn!("removing {}: {e}", path.display());
+            }
+        }
+    }
 }
 
 fn mount_fuse(
@@ -248,6 +357,7 @@ fn mount_fuse(
 fn listen_nbd(
     options: &DaemonOptions,
     registry: &Arc<Registry>,
+    sockets: &mut OwnSockets,
 ) -> Result<Option<(String, bool)>, DaemonError> {
     let catalog: Arc<dyn ExportCatalog> = Arc::new(Catalog {
         registry: registry.clone(),
@@ -258,10 +368,13 @@ fn listen_nbd(
     for listener in &options.nbd {
         let catalog = listener.catalog(catalog.clone());
         match &listener.address {
-            Address::Unix(path) => server
-                .for_listener(catalog, None)
-                .listen_unix(path)
-                .map_err(DaemonError::io(format!("NBD socket {}", path.display())))?,
+            Address::Unix(path) => {
+                server
+                    .for_listener(catalog, None)
+                    .listen_unix(path)
+                    .map_err(DaemonError::io(format!("NBD socket {}", path.display())))?;
+                sockets.made(path);
+            }
             Address::Tcp(addr) => {
                 server
                     .for_listener(catalog, options.tls.clone())
@@ -277,10 +390,15 @@ fn listen_nbd(
 /// files of the FUSE mount are open, the daemon keeps serving, says which devices hold it, and
 /// stops when they are released — or at a second signal, which forces the stop (devices are
 /// still flushed first). NBD clients do not hold it up: their requests in flight complete and
-/// the flush makes them durable; a client that wants to outlive a restart reconnects.
-fn wait_for_file_users(registry: &Registry, signals: &libc::sigset_t, mount: Option<&Path>) {
+/// the flush makes them durable; a client that wants to outlive a restart reconnects. True if
+/// a second signal forced the stop.
+fn wait_for_file_users(
+    registry: &Registry,
+    signals: &libc::sigset_t,
+    mount: Option<&Path>,
+) -> bool {
     let Some(mount) = mount else {
-        return;
+        return false;
     };
     let mut reported = Vec::new();
     loop {
@@ -291,7 +409,7 @@ fn wait_for_file_users(registry: &Registry, signals: &libc::sigset_t, mount: Opt
             .map(|d| d.name().to_string())
             .collect();
         if busy.is_empty() {
-            return;
+            return false;
         }
         if busy != reported {
             warn!(
@@ -305,13 +423,7 @@ fn wait_for_file_users(registry: &Registry, signals: &libc::sigset_t, mount: Opt
         }
         if let Some(signal) = signals::wait_for_signal(signals, Some(Duration::from_millis(500))) {
             warn!("signal {signal} again: stopping with files still open; their users get errors");
-            return;
+            return true;
         }
-    }
-}
-
-fn remove_socket(path: &Path) {
-    if let Err(e) = std::fs::remove_file(path) {
-        warn!("removing {}: {e}", path.display());
     }
 }

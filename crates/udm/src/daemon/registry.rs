@@ -49,6 +49,11 @@ pub struct Registry {
     /// cannot race with each other. I/O never takes it.
     pub(super) changes: Mutex<()>,
     pub(super) state_dir: PathBuf,
+    /// The daemon's directory when it started, which relative paths in tables (`./a.img`)
+    /// are made absolute against: the daemon then leaves it for `/`. (The `udm` client makes
+    /// them absolute against its own directory before sending; only a table sent straight to
+    /// the control socket reaches the daemon with them.)
+    start_dir: PathBuf,
     /// Opens remote (NBD) references; knows their sizes for restoring while they are down.
     pub(super) remotes: Remotes,
     pub(super) claims: Arc<Claims>,
@@ -122,6 +127,7 @@ impl Registry {
             devices: Mutex::new(BTreeMap::new()),
             changes: Mutex::new(()),
             state_dir: state_dir.to_path_buf(),
+            start_dir: std::env::current_dir()?,
             remotes: Remotes::new(state_dir, remote_timeout),
             claims: Arc::default(),
             own_exports: OwnExports::default(),
@@ -245,7 +251,8 @@ impl Registry {
             read_only,
         };
         let events = events.clone();
-        let text = mapper_nodes_as_names(text, |name| self.map().contains_key(name));
+        let text = Reference::absolute_paths(text, &self.start_dir);
+        let text = mapper_nodes_as_names(&text, |name| self.map().contains_key(name));
         let _building = super::device::no_waiting_while_building();
         let table = Table::build(owner, &text, &resolver, Arc::new(move || events.raise()))?;
         // Before the table goes live: a new pool's thin devices take no table until then.

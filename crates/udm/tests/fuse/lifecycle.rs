@@ -97,6 +97,111 @@ fn a_stop_waits_for_a_mounted_filesystem_and_a_second_signal_forces_it() {
     ));
 }
 
+/// A process in a mount namespace of its own (`unshare -m`, private propagation), holding a
+/// copy of every mount there was when it started, as a container or a service with
+/// PrivateTmp does; killed on drop.
+struct NamespaceHolder(std::process::Child);
+
+impl NamespaceHolder {
+    /// Starts one once `mountpoint` is mounted, and returns when its copy is there.
+    fn of(mountpoint: &Path) -> NamespaceHolder {
+        let child = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sleep", "1000"])
+            .spawn()
+            .expect("spawn unshare");
+        let holder = NamespaceHolder(child);
+        let mountinfo = format!("/proc/{}/mountinfo", holder.pid());
+        let listed = format!(" {} ", mountpoint.display());
+        wait_for(
+            || {
+                let comm = std::fs::read_to_string(format!("/proc/{}/comm", holder.pid()));
+                comm.is_ok_and(|c| c.trim() == "sleep")
+                    && std::fs::read_to_string(&mountinfo).is_ok_and(|m| m.contains(&listed))
+            },
+            "the new mount namespace to hold a copy of the FUSE mount",
+        );
+        holder
+    }
+
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for NamespaceHolder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Whether `file` (the device's backing file) starts with `len` bytes of `byte`.
+fn starts_with(file: &Path, byte: u8, len: usize) -> bool {
+    let data = std::fs::read(file).unwrap();
+    data[..len].iter().all(|&b| b == byte)
+}
+
+/// A copy of the FUSE mount in another mount namespace keeps its connection up after the
+/// daemon's own unmount: the stop hung for ever after "flushing devices and stopping", deaf to
+/// more signals, until that namespace ended. Now the devices are flushed first, the log names
+/// who holds the mount, and the connection is aborted after --stop-timeout (10 s by default).
+#[test]
+fn a_mount_held_by_another_namespace_is_aborted_after_the_stop_timeout() {
+    let mut daemon = fuse_daemon("fuse-held-elsewhere");
+    let disk = daemon.create_linear("vol", "disk.img", 16 * MIB);
+    std::fs::write(daemon.dir.path("fuse/vol"), vec![0x5au8; 1 << 20]).unwrap();
+    let holder = NamespaceHolder::of(&daemon.dir.path("fuse"));
+
+    let asked = Instant::now();
+    let stopped = signal_and_wait(&mut daemon, libc::SIGTERM, Duration::from_secs(40));
+    let took = asked.elapsed();
+    let log = daemon.log();
+    assert!(
+        stopped,
+        "the stop hangs on the other namespace's mount:\n{log}"
+    );
+    assert!(
+        took >= Duration::from_secs(9),
+        "stopped in {took:?}, before the stop timeout"
+    );
+    assert!(
+        log.contains(&format!("pid {} sleep", holder.pid()))
+            && log.contains("aborted the connection"),
+        "{log}"
+    );
+    // Flushed before the wait, and the file is the same after it.
+    let flushed = log.find("flushing devices").unwrap();
+    assert!(log[flushed..].contains("still in use"), "{log}");
+    assert!(starts_with(&disk, 0x5a, 1 << 20));
+}
+
+/// A second signal does not wait out --stop-timeout.
+#[test]
+fn a_second_signal_aborts_a_mount_held_by_another_namespace_at_once() {
+    let mut daemon = Daemon::start_with(
+        "fuse-held-second-signal",
+        &["--fuse", "{dir}/fuse", "--stop-timeout", "10m"],
+    );
+    daemon.create_linear("vol", "disk.img", 16 * MIB);
+    let holder = NamespaceHolder::of(&daemon.dir.path("fuse"));
+    unsafe { libc::kill(daemon.pid() as i32, libc::SIGTERM) };
+    wait_for(
+        || {
+            daemon
+                .log()
+                .contains(&format!("pid {} sleep", holder.pid()))
+        },
+        "the log to name the namespace that holds the mount",
+    );
+    assert!(daemon.log().contains("up to 600s"), "{}", daemon.log());
+    assert!(
+        signal_and_wait(&mut daemon, libc::SIGINT, Duration::from_secs(10)),
+        "a second signal does not stop the daemon:\n{}",
+        daemon.log()
+    );
+    assert!(daemon.log().contains("aborted the connection"));
+}
+
 #[test]
 fn a_suspended_device_does_not_hold_up_a_stop() {
     let mut daemon = Daemon::start("stop-suspended");
