@@ -60,6 +60,11 @@ impl Registry {
         // the lock, which every other change needs, the resume that ends the wait among them.
         // Out of the map, the device is no longer the registry's to change.
         drop(changes);
+        if error_table.is_some() {
+            // The swap waits for the clients' requests in flight: one waiting on a remote
+            // that stopped answering would hold it for the whole remote timeout.
+            device.live().close_remotes();
+        }
         let retired = error_table.and_then(|t| device.replace_live(t));
         // The flush is owed to the table that took the writes: flushing the error table put
         // in by force only failed ("error target"), and left the real one unflushed.
