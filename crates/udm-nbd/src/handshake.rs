@@ -143,7 +143,10 @@ enum RefusalStage {
     /// An option's 16-byte header.
     OptionHeader,
     /// An option's data, skipped, then answered.
-    Skipping { option: u32, left: u32 },
+    Skipping {
+        option: u32,
+        left: u32,
+    },
     Over,
 }
 
@@ -170,7 +173,11 @@ impl Refusal {
         while !self.is_over() {
             match self.stage {
                 RefusalStage::Flags | RefusalStage::OptionHeader => {
-                    let wanted = if self.stage == RefusalStage::Flags { 4 } else { 16 };
+                    let wanted = if self.stage == RefusalStage::Flags {
+                        4
+                    } else {
+                        16
+                    };
                     let n = (wanted - self.header.len()).min(input.len());
                     self.header.extend_from_slice(&input[..n]);
                     input = &input[n..];

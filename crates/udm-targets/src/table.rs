@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use udm_block::{
-    merge_extents, BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, OpenMode,
-    Result, WriteFlags, ZeroFlags, SECTOR_SIZE,
+    merge_extents, BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, OpenMode, Result,
+    WriteFlags, ZeroFlags, SECTOR_SIZE,
 };
 
 use crate::args::Args;
@@ -114,11 +114,7 @@ impl RemembersRemotes<'_> {
 }
 
 impl Resolver for RemembersRemotes<'_> {
-    fn open(
-        &self,
-        reference: &str,
-        mode: OpenMode,
-    ) -> Result<Arc<dyn BlockDevice>, TargetError> {
+    fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
         self.remember(reference, self.resolver.open(reference, mode))
     }
 

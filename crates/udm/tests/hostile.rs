@@ -402,7 +402,10 @@ fn every_refused_client_is_told_why_however_many_wait() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "a second connection from uid 0 was served");
+    assert!(
+        !out.status.success(),
+        "a second connection from uid 0 was served"
+    );
     assert!(
         err.contains("too many connections from uid 0: the limit is 1 per client"),
         "{err}"

@@ -185,12 +185,19 @@ fn removing_a_clone_by_force_fails_a_read_waiting_on_a_stopped_remote_at_once() 
         let script = format!("h.connect_uri({:?}); h.pread(65536, 0)", daemon.uri("vol"));
         let reader = std::thread::spawn(move || nbdsh(&script));
         wait_for(
-            || daemon.udm(&["info", "vol"]).contains("Open count:        1"),
+            || {
+                daemon
+                    .udm(&["info", "vol"])
+                    .contains("Open count:        1")
+            },
             "the reader's connection",
         );
         // The read goes out as soon as qemu-io is connected; give it time to be waiting.
         std::thread::sleep(Duration::from_secs(1));
-        assert!(!reader.is_finished(), "the read did not wait for the remote");
+        assert!(
+            !reader.is_finished(),
+            "the read did not wait for the remote"
+        );
         let started = Instant::now();
         daemon.udm(&["remove", "--force", "vol"]);
         let took = started.elapsed();
