@@ -9,53 +9,55 @@
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use log::{debug, warn};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::handshake::Refusal;
 use crate::stream::Stream;
 
 /// How long a refused client has to read why.
-pub const REFUSAL_TIMEOUT: Duration = Duration::from_secs(5);
+const REFUSAL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Refusals pending at once: each holds a descriptor until its client has read the answer,
 /// or [`REFUSAL_TIMEOUT`].
 const MAX_REFUSING: usize = 1024;
 
-/// Refused sockets on their way to the thread, and the socket that wakes it.
+/// How often the thread looks for newly refused sockets while it waits on others: it holds
+/// no descriptor of its own to be woken by (a daemon's descriptors are all its clients').
+const ARRIVALS: Duration = Duration::from_millis(50);
+
+/// Refused sockets on their way to the thread.
 struct Inbox {
     arrived: Mutex<Vec<(Stream, Arc<str>)>>,
-    wake: UnixStream,
+    /// Wakes the thread when it has nothing else to wait on.
+    arrival: Condvar,
+    /// The thread started: without it, refused clients are closed without a word.
+    running: bool,
 }
 
-static INBOX: OnceLock<io::Result<Inbox>> = OnceLock::new();
+static INBOX: OnceLock<Inbox> = OnceLock::new();
 
 /// Tells the client on `stream` why it is refused, in the handshake, without waiting.
 pub fn refuse(stream: Stream, why: Arc<str>) {
-    let inbox = INBOX.get_or_init(start);
-    let inbox = match inbox {
-        Ok(inbox) => inbox,
-        Err(e) => return warn!("nbd: cannot answer refused clients: {e}"),
-    };
-    inbox.arrived.lock().push((stream, why));
-    // A full socket already holds a wake-up.
-    let _ = (&inbox.wake).write(&[1]);
-}
-
-fn start() -> io::Result<Inbox> {
-    let (wake, woken) = UnixStream::pair()?;
-    wake.set_nonblocking(true)?;
-    woken.set_nonblocking(true)?;
-    std::thread::Builder::new()
-        .name("nbd-refuse".into())
-        .spawn(move || run(woken))?;
-    Ok(Inbox {
-        arrived: Mutex::default(),
-        wake,
-    })
+    let inbox = INBOX.get_or_init(|| {
+        let started = std::thread::Builder::new()
+            .name("nbd-refuse".into())
+            .spawn(run);
+        if let Err(e) = &started {
+            warn!("nbd: cannot start the thread that answers refused clients: {e}");
+        }
+        Inbox {
+            arrived: Mutex::default(),
+            arrival: Condvar::new(),
+            running: started.is_ok(),
+        }
+    });
+    if inbox.running {
+        inbox.arrived.lock().push((stream, why));
+        inbox.arrival.notify_one();
+    }
 }
 
 /// One refused client.
@@ -104,68 +106,66 @@ fn gone(e: io::Error) -> bool {
 }
 
 /// The thread: takes in refused sockets as they arrive and answers each as it reads.
-fn run(mut woken: UnixStream) {
+fn run() {
+    let inbox = INBOX.wait();
     let mut pending: VecDeque<Pending> = VecDeque::new();
-    let inbox = || INBOX.get().and_then(|i| i.as_ref().ok());
     loop {
-        let mut fds = Vec::with_capacity(pending.len() + 1);
-        fds.push(libc::pollfd {
-            fd: woken.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        });
-        fds.extend(pending.iter().map(|p| libc::pollfd {
-            fd: p.stream.as_raw_fd(),
-            events: if p.out.is_empty() {
-                libc::POLLIN
-            } else {
-                libc::POLLIN | libc::POLLOUT
-            },
-            revents: 0,
-        }));
+        let arrived = {
+            let mut arrived = inbox.arrived.lock();
+            while pending.is_empty() && arrived.is_empty() {
+                inbox.arrival.wait(&mut arrived);
+            }
+            std::mem::take(&mut *arrived)
+        };
+        for (stream, why) in arrived {
+            if let Some(p) = admit(stream, why) {
+                if pending.len() == MAX_REFUSING {
+                    pending.pop_front();
+                }
+                pending.push_back(p);
+            }
+        }
+        if pending.is_empty() {
+            continue;
+        }
+        let mut fds: Vec<libc::pollfd> = pending
+            .iter()
+            .map(|p| libc::pollfd {
+                fd: p.stream.as_raw_fd(),
+                events: if p.out.is_empty() {
+                    libc::POLLIN
+                } else {
+                    libc::POLLIN | libc::POLLOUT
+                },
+                revents: 0,
+            })
+            .collect();
         let now = Instant::now();
         let timeout = pending
             .iter()
             .map(|p| p.deadline.saturating_duration_since(now))
-            .min()
-            .map_or(-1, |d| d.as_millis().min(i32::MAX as u128) as i32 + 1);
+            .fold(ARRIVALS, Duration::min);
+        let timeout = timeout.as_millis() as libc::c_int + 1;
         // SAFETY: `fds` is a live array of `fds.len()` pollfd structures.
         let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
         if ready < 0 {
             let e = io::Error::last_os_error();
             if e.kind() != io::ErrorKind::Interrupted {
                 warn!("nbd: refusals: poll: {e}");
-                std::thread::sleep(Duration::from_millis(100));
+                std::thread::sleep(ARRIVALS);
             }
             continue;
         }
         let now = Instant::now();
-        let mut kept = VecDeque::with_capacity(pending.len());
-        for (mut p, fd) in pending.into_iter().zip(&fds[1..]) {
-            let events = fd.revents;
-            let live = if events == 0 {
-                true
-            } else {
-                p.progress(events & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0)
-            };
-            if live && now < p.deadline {
-                kept.push_back(p);
-            }
-        }
-        pending = kept;
-        if fds[0].revents != 0 {
-            let mut drained = [0u8; 64];
-            while matches!(woken.read(&mut drained), Ok(n) if n > 0) {}
-            let arrived = inbox().map(|i| std::mem::take(&mut *i.arrived.lock()));
-            for (stream, why) in arrived.unwrap_or_default() {
-                if let Some(p) = admit(stream, why) {
-                    if pending.len() == MAX_REFUSING {
-                        pending.pop_front();
-                    }
-                    pending.push_back(p);
-                }
-            }
-        }
+        pending = pending
+            .into_iter()
+            .zip(&fds)
+            .filter_map(|(mut p, fd)| {
+                let readable = fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+                let live = fd.revents == 0 || p.progress(readable);
+                (live && now < p.deadline).then_some(p)
+            })
+            .collect();
     }
 }
 
