@@ -105,11 +105,15 @@ struct Handshake<'a, S> {
 }
 
 fn greet(stream: &mut impl Write) -> io::Result<()> {
+    stream.write_all(&greeting())
+}
+
+fn greeting() -> Vec<u8> {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
     greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
     greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    stream.write_all(&greeting)
+    greeting
 }
 
 /// Options a refused client may send before it is disconnected.
@@ -117,31 +121,119 @@ const MAX_REFUSED_OPTIONS: usize = 16;
 
 /// Tells a client the server will not serve it (too many connections): the greeting, then
 /// NBD_REP_ERR_POLICY with `why` for every option, so that the client's NBD_OPT_GO fails with
-/// the reason whatever it asks first. Ends when the client aborts, or picks an export with
-/// NBD_OPT_EXPORT_NAME, which has no error reply: closing is all the protocol allows.
-pub fn refuse<S: Read + Write>(stream: &mut S, why: &str) -> Result<(), HandshakeEnd> {
-    greet(stream)?;
-    read_u32(stream)?; // the client's flags: nothing is negotiated
-    for _ in 0..MAX_REFUSED_OPTIONS {
-        let magic = read_u64(stream)?;
-        if magic != IHAVEOPT {
-            return Err(HandshakeEnd::Violation(format!(
-                "bad option magic {magic:#x}"
-            )));
-        }
-        let option = read_u32(stream)?;
-        let len = read_u32(stream)?;
-        if option == OPT_EXPORT_NAME || len > MAX_OPTION_LEN {
-            break;
-        }
-        io::copy(&mut (&mut *stream).take(len.into()), &mut io::sink())?;
-        if option == OPT_ABORT {
-            let _ = stream.write_all(&option_reply(option, REP_ACK, &[]));
-            break;
-        }
-        stream.write_all(&option_reply(option, REP_ERR_POLICY, why.as_bytes()))?;
+/// the reason whatever it asks first. Ends when the client aborts, breaks the protocol, or
+/// picks an export with NBD_OPT_EXPORT_NAME, which has no error reply: closing is all the
+/// protocol allows.
+///
+/// Without I/O of its own: one thread answers every refused client on non-blocking sockets
+/// (see `refusals`), feeding each one's bytes in as they come. What it keeps is a
+/// 16-byte header and a count, and what it answers is bounded by [`MAX_REFUSED_OPTIONS`].
+pub struct Refusal {
+    why: Arc<str>,
+    /// The part of the client's flags or of an option header received so far.
+    header: Vec<u8>,
+    stage: RefusalStage,
+    options: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RefusalStage {
+    /// The client's 4 bytes of flags: nothing is negotiated.
+    Flags,
+    /// An option's 16-byte header.
+    OptionHeader,
+    /// An option's data, skipped, then answered.
+    Skipping {
+        option: u32,
+        left: u32,
+    },
+    Over,
+}
+
+impl Refusal {
+    /// A refusal saying `why`, and the greeting to send first.
+    pub fn new(why: Arc<str>) -> (Refusal, Vec<u8>) {
+        let refusal = Refusal {
+            why,
+            header: Vec::with_capacity(16),
+            stage: RefusalStage::Flags,
+            options: 0,
+        };
+        (refusal, greeting())
     }
-    Ok(())
+
+    /// Whether the exchange is over: the connection closes once the answers are sent.
+    pub fn is_over(&self) -> bool {
+        self.stage == RefusalStage::Over
+    }
+
+    /// Takes what the client sent, appending the answers to `out`. Bytes past the end of
+    /// the exchange are ignored.
+    pub fn receive(&mut self, mut input: &[u8], out: &mut Vec<u8>) {
+        while !self.is_over() {
+            match self.stage {
+                RefusalStage::Flags | RefusalStage::OptionHeader => {
+                    let wanted = if self.stage == RefusalStage::Flags {
+                        4
+                    } else {
+                        16
+                    };
+                    let n = (wanted - self.header.len()).min(input.len());
+                    self.header.extend_from_slice(&input[..n]);
+                    input = &input[n..];
+                    if self.header.len() < wanted {
+                        return;
+                    }
+                    if self.stage == RefusalStage::Flags {
+                        self.stage = RefusalStage::OptionHeader;
+                    } else {
+                        self.stage = self.option_header();
+                    }
+                    self.header.clear();
+                }
+                RefusalStage::Skipping { option, left } => {
+                    let n = (left as usize).min(input.len());
+                    input = &input[n..];
+                    let left = left - n as u32;
+                    if left > 0 {
+                        self.stage = RefusalStage::Skipping { option, left };
+                        return;
+                    }
+                    self.stage = self.answer(option, out);
+                }
+                RefusalStage::Over => unreachable!("the loop ends when the refusal is over"),
+            }
+        }
+    }
+
+    /// What follows a complete option header.
+    fn option_header(&self) -> RefusalStage {
+        let magic = u64::from_be_bytes(self.header[..8].try_into().expect("8 bytes"));
+        let option = u32::from_be_bytes(self.header[8..12].try_into().expect("4 bytes"));
+        let left = u32::from_be_bytes(self.header[12..16].try_into().expect("4 bytes"));
+        if magic != IHAVEOPT {
+            debug!("nbd: refused client sent bad option magic {magic:#x}");
+            return RefusalStage::Over;
+        }
+        if option == OPT_EXPORT_NAME || left > MAX_OPTION_LEN {
+            return RefusalStage::Over;
+        }
+        RefusalStage::Skipping { option, left }
+    }
+
+    fn answer(&mut self, option: u32, out: &mut Vec<u8>) -> RefusalStage {
+        if option == OPT_ABORT {
+            out.extend_from_slice(&option_reply(option, REP_ACK, &[]));
+            return RefusalStage::Over;
+        }
+        out.extend_from_slice(&option_reply(option, REP_ERR_POLICY, self.why.as_bytes()));
+        self.options += 1;
+        if self.options == MAX_REFUSED_OPTIONS {
+            RefusalStage::Over
+        } else {
+            RefusalStage::OptionHeader
+        }
+    }
 }
 
 /// Runs the handshake on any byte stream (a socket, or a fuzzer's buffer), without TLS.
@@ -588,5 +680,34 @@ mod tests {
     fn starttls_without_tls_is_unsupported() {
         let (_, replies, _) = run(None, &[(OPT_STARTTLS, &[]), (OPT_ABORT, &[])]);
         assert_eq!(replies[0], (OPT_STARTTLS, REP_ERR_UNSUP));
+    }
+
+    /// A refused client fed one byte at a time: each option is answered with the reason once
+    /// its data is in, and an abort ends the exchange with an ACK.
+    #[test]
+    fn a_refusal_answers_each_option_however_its_bytes_arrive() {
+        let option = |code: u32, data: &[u8]| {
+            let mut bytes = IHAVEOPT.to_be_bytes().to_vec();
+            bytes.extend_from_slice(&code.to_be_bytes());
+            bytes.extend_from_slice(&(data.len() as u32).to_be_bytes());
+            bytes.extend_from_slice(data);
+            bytes
+        };
+        let mut client = 0u32.to_be_bytes().to_vec();
+        client.extend(option(OPT_GO, b"\0\0\0\x03vol\0\0"));
+        client.extend(option(OPT_LIST, &[]));
+        client.extend(option(OPT_ABORT, &[]));
+        let (mut refusal, greeting) = Refusal::new("too many".into());
+        assert_eq!(greeting.len(), 18);
+        let mut out = Vec::new();
+        for byte in &client {
+            assert!(!refusal.is_over());
+            refusal.receive(std::slice::from_ref(byte), &mut out);
+        }
+        assert!(refusal.is_over());
+        let mut expected = option_reply(OPT_GO, REP_ERR_POLICY, b"too many");
+        expected.extend(option_reply(OPT_LIST, REP_ERR_POLICY, b"too many"));
+        expected.extend(option_reply(OPT_ABORT, REP_ACK, &[]));
+        assert_eq!(out, expected);
     }
 }

@@ -19,6 +19,7 @@ mod client;
 mod commands;
 mod event_loop;
 pub mod handshake;
+mod refusals;
 mod server;
 mod stall;
 mod stream;

@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::net::{TcpListener, ToSocketAddrs};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,18 +12,13 @@ use log::{debug, info, warn};
 
 use crate::budget::BufferBudget;
 use crate::event_loop::{Attach, Loops};
-use crate::handshake::{negotiate_with_tls, refuse, HandshakeEnd, StartTls};
+use crate::handshake::{negotiate_with_tls, HandshakeEnd, StartTls};
+use crate::refusals;
 use crate::stream::{ClientKey, Deadline, Stream};
 use crate::tls::TlsServer;
 use crate::transmission;
 use crate::ExportCatalog;
 use udm_block::WorkerPool as Pool;
-
-/// Refused clients are told why in the handshake by threads of their own; beyond this many
-/// at once (a flood), they are closed without a word.
-const MAX_REFUSING: usize = 16;
-/// How long a refused client has to read why.
-const REFUSAL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Which code serves connections once negotiated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,7 +84,6 @@ pub struct NbdServer {
     catalog: Arc<dyn ExportCatalog>,
     config: ServerConfig,
     counts: Arc<Mutex<Counts>>,
-    refusing: Arc<AtomicUsize>,
     budget: Arc<BufferBudget>,
     tls: Option<TlsServer>,
     /// The io_uring event loops; `None` serves with threads.
@@ -116,15 +109,6 @@ impl Drop for Slot {
     }
 }
 
-/// A refusal thread's place in the `refusing` count, given back on drop.
-struct Refusing(Arc<AtomicUsize>);
-
-impl Drop for Refusing {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 impl NbdServer {
     /// A server with the engine `config` asks for; with `Engine::Auto`, io_uring event
     /// loops when io_uring works here (the log says which serves), threads otherwise.
@@ -146,7 +130,6 @@ impl NbdServer {
             budget,
             config,
             counts: Arc::default(),
-            refusing: Arc::default(),
             tls: None,
             loops,
         };
@@ -296,24 +279,10 @@ impl NbdServer {
         }
     }
 
-    /// Answers a refused client's handshake with the reason, on a short-lived thread.
-    fn refuse(&self, mut stream: Stream, why: String) {
+    /// Answers a refused client's handshake with the reason (see `refusals`).
+    fn refuse(&self, stream: Stream, why: String) {
         warn!("nbd: refusing a connection: {why}");
-        if self.refusing.fetch_add(1, Ordering::AcqRel) >= MAX_REFUSING {
-            self.refusing.fetch_sub(1, Ordering::AcqRel);
-            return;
-        }
-        let refusing = Refusing(self.refusing.clone());
-        let _ = std::thread::Builder::new()
-            .name("nbd-refuse".into())
-            .spawn(move || {
-                let _refusing = refusing;
-                let _ = stream.set_read_timeout(Some(REFUSAL_TIMEOUT));
-                let _ = stream.set_write_timeout(Some(REFUSAL_TIMEOUT));
-                if let Err(e) = refuse(&mut stream, &why) {
-                    debug!("nbd: refused handshake ended: {e:?}");
-                }
-            });
+        refusals::refuse(stream, why.into());
     }
 
     fn connection(&self, mut stream: Stream, slot: Slot) {

@@ -2,13 +2,16 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
+use parking_lot::Mutex;
 use udm_block::{
-    merge_extents, BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, Result,
+    merge_extents, BlockDevice, BlockError, Capabilities, Extent, MapOp, Mapping, OpenMode, Result,
     WriteFlags, ZeroFlags, SECTOR_SIZE,
 };
 
 use crate::args::Args;
+use crate::reference::Reference;
 use crate::registry::construct;
 use crate::target::{EventSink, Resolver, Target, TargetContext, TargetError};
 
@@ -86,6 +89,51 @@ pub struct Table {
     flushed: Vec<usize>,
     size: u64,
     capabilities: Capabilities,
+    /// The remote exports the targets opened: each open is a connection of this table's own,
+    /// which [`Table::close_remotes`] may hang up.
+    remotes: Vec<Arc<dyn BlockDevice>>,
+}
+
+/// The resolver a table is built with, keeping what it opens of remote exports.
+struct RemembersRemotes<'a> {
+    resolver: &'a dyn Resolver,
+    remotes: Mutex<Vec<Arc<dyn BlockDevice>>>,
+}
+
+impl RemembersRemotes<'_> {
+    fn remember(
+        &self,
+        reference: &str,
+        opened: Result<Arc<dyn BlockDevice>, TargetError>,
+    ) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        if let (Reference::Remote(_), Ok(device)) = (Reference::parse(reference), &opened) {
+            self.remotes.lock().push(device.clone());
+        }
+        opened
+    }
+}
+
+impl Resolver for RemembersRemotes<'_> {
+    fn open(&self, reference: &str, mode: OpenMode) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        self.remember(reference, self.resolver.open(reference, mode))
+    }
+
+    fn open_path(
+        &self,
+        reference: &str,
+        mode: OpenMode,
+        timeout: Duration,
+    ) -> Result<Arc<dyn BlockDevice>, TargetError> {
+        self.remember(reference, self.resolver.open_path(reference, mode, timeout))
+    }
+
+    fn restoring(&self) -> bool {
+        self.resolver.restoring()
+    }
+
+    fn read_only(&self) -> bool {
+        self.resolver.read_only()
+    }
 }
 
 /// The segments a flush must go to: every one, but of the segments whose flush is only
@@ -115,6 +163,11 @@ impl Table {
         resolver: &dyn Resolver,
         raise_event: EventSink,
     ) -> Result<Table, TargetError> {
+        let remembering = RemembersRemotes {
+            resolver,
+            remotes: Mutex::default(),
+        };
+        let resolver = &remembering;
         let lines = TableLine::parse_all(text)?;
         let mut segments = Vec::with_capacity(lines.len());
         let mut next = 0u64;
@@ -159,7 +212,16 @@ impl Table {
             segments,
             size: next * SECTOR_SIZE,
             capabilities,
+            remotes: remembering.remotes.into_inner(),
         })
+    }
+
+    /// The table is going away with requests in flight (a removal by force): those waiting
+    /// on a remote export that may never answer (a server that stopped) fail now, and so do
+    /// later ones, instead of holding the removal's drain for the whole remote timeout.
+    /// Only for a table that is never resumed again.
+    pub fn close_remotes(&self) {
+        self.remotes.iter().for_each(|remote| remote.close());
     }
 
     /// The targets a flush goes to.

@@ -415,3 +415,23 @@ fn a_finalized_clone_comes_back_active_after_a_restart() {
         assert!(convert.success(), "content after signal {signal}");
     }
 }
+
+/// A clone whose newest metadata superblock is unusable opens from the older one and warns:
+/// the warning came twice for one `create`, once from opening the metadata and again from
+/// the table's first resume, which rereads it.
+#[test]
+fn a_metadata_fallback_is_logged_once_per_open() {
+    let (daemon, _source) = clone_of_pattern("clone-fallback-once", 4 * MIB, 10, 8, "");
+    wait_hydrated(&daemon, "vol");
+    let table = daemon.udm(&["table", "vol"]);
+    daemon.udm(&["remove", "vol"]);
+    // Both superblock slots have been committed to by now; damage the first.
+    let meta = daemon.dir.path("meta.img");
+    let mut bytes = std::fs::read(&meta).unwrap();
+    bytes[100..612].fill(0xff);
+    std::fs::write(&meta, &bytes).unwrap();
+    daemon.create("vol", &table);
+    let log = daemon.log();
+    let warnings = log.matches("clone metadata: ").count();
+    assert_eq!(warnings, 1, "{log}");
+}

@@ -376,6 +376,45 @@ fn one_client_at_its_connection_cap_is_refused_with_an_error_and_others_are_serv
     wait_for(|| nbdinfo(false).0, "uid 0 to be served again");
 }
 
+/// Refused clients were told why by a thread each, at most 16 at once for up to 5 s each:
+/// past 16 refused clients that did not read their answer (a flood, or slow clients), the
+/// next refused client got a bare close and never learned why. One thread now answers every
+/// refusal, each a few hundred bytes of state.
+#[test]
+fn every_refused_client_is_told_why_however_many_wait() {
+    let daemon = Daemon::start_with(
+        "hostile-refusals",
+        &["--nbd-max-connections-per-client", "1"],
+    );
+    daemon.create_linear("vol", "disk.img", 8 << 20);
+    let mut mine = RawClient::connect(&daemon.nbd_socket(), "vol");
+    // Refused clients that never answer the greeting: each keeps its refusal pending.
+    let silent: Vec<UnixStream> = (0..40)
+        .map(|_| UnixStream::connect(daemon.nbd_socket()).unwrap())
+        .collect();
+    wait_for(
+        || daemon.log().matches("nbd: refusing a connection").count() >= silent.len(),
+        "the silent clients' refusals",
+    );
+    let out = std::process::Command::new("nbdinfo")
+        .arg(daemon.uri("vol"))
+        .env("LIBNBD_DEBUG", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a second connection from uid 0 was served"
+    );
+    assert!(
+        err.contains("too many connections from uid 0: the limit is 1 per client"),
+        "{err}"
+    );
+    let refusing = daemon.threads_named("nbd-refuse");
+    assert!(refusing <= 1, "{refusing} threads refuse clients");
+    check_bystander(&mut mine, 1);
+}
+
 #[test]
 fn idle_connections_are_closed_and_busy_ones_are_not() {
     let daemon = Daemon::start_with("hostile-idle", &["--nbd-idle-timeout", "1s"]);

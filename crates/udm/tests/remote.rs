@@ -163,6 +163,60 @@ fn removing_a_clone_whose_remote_is_dead_does_not_wait_for_the_remote_timeout() 
     assert!(!daemon.udm(&["ls"]).contains("vol"));
 }
 
+/// `remove --force` of a clone whose reader waited on a remote that stopped answering (an
+/// nbdkit stopped with SIGSTOP) took the whole remote timeout (9 s of 10, both engines): the
+/// swap to the error table drained the clients' requests, and the remote was closed only when
+/// the table was dropped, after that drain. The table's remotes are now closed first.
+#[test]
+fn removing_a_clone_by_force_fails_a_read_waiting_on_a_stopped_remote_at_once() {
+    for engine in ["uring", "threads"] {
+        let daemon = Daemon::start_with(
+            &format!("remote-force-{engine}"),
+            &["--remote-timeout", "10", "--nbd-engine", engine],
+        );
+        let source = daemon.dir.path("source.img");
+        let socket = daemon.dir.path("nbdkit.sock");
+        pattern_file(&source, 16 * MIB as usize, 64);
+        let peer = nbdkit(&socket, &source, None);
+        create_clone(&daemon, &remote(&socket), 16 * MIB, "1 no_hydration");
+        let pid = peer.0.id() as libc::pid_t;
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        let script = format!("h.connect_uri({:?}); h.pread(65536, 0)", daemon.uri("vol"));
+        let reader = std::thread::spawn(move || nbdsh(&script));
+        wait_for(
+            || {
+                daemon
+                    .udm(&["info", "vol"])
+                    .contains("Open count:        1")
+            },
+            "the reader's connection",
+        );
+        // The read goes out as soon as qemu-io is connected; give it time to be waiting.
+        std::thread::sleep(Duration::from_secs(1));
+        assert!(
+            !reader.is_finished(),
+            "the read did not wait for the remote"
+        );
+        let started = Instant::now();
+        daemon.udm(&["remove", "--force", "vol"]);
+        let took = started.elapsed();
+        let (ok, out) = reader.join().unwrap();
+        let reader_took = started.elapsed();
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        assert!(
+            took < Duration::from_secs(3),
+            "{engine}: remove --force took {took:?}"
+        );
+        assert!(
+            reader_took < Duration::from_secs(3),
+            "{engine}: the reader heard after {reader_took:?}"
+        );
+        assert!(!ok, "{engine}: the read succeeded: {out}");
+    }
+}
+
 /// A table that reads the daemon's own NBD export is that device: reading itself held every
 /// read until the remote timeout (found by hand), so the cycle check refuses it, through
 /// other devices too. Reading another of its own devices over NBD stays allowed.

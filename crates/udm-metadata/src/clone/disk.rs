@@ -142,7 +142,7 @@ impl CloneMetadata {
     /// Reads the last durable commit into memory (at open, and to abort after a failed
     /// commit). Changes since that commit are dropped.
     pub fn load(&self) -> Result<(), MetadataError> {
-        *self.fallback.lock() = None;
+        let reported = self.fallback.lock().take();
         let supers = read_blocks(&*self.dev, 0, SUPERBLOCKS)?;
         let parsed: Vec<_> = (0..SUPERBLOCKS)
             .map(|slot| {
@@ -176,6 +176,13 @@ impl CloneMetadata {
                 self.geometry.region_sectors,
                 self.geometry.target_sectors
             )));
+        }
+        // Said once, not at every load of the same disk: a table's first resume rereads
+        // what its open has just read (and warned about).
+        if let Some(fallback) = self.fallback.lock().as_ref() {
+            if reported.as_ref() != Some(fallback) {
+                log::warn!("clone metadata: {fallback}");
+            }
         }
         let other_valid = parsed[(1 - slot) as usize].is_ok();
         let (words, previous) = self.read_area(slot, other_valid)?;
@@ -262,7 +269,6 @@ impl CloneMetadata {
             bad_slot_claims_transaction: claimed,
             reason: why.to_string(),
         };
-        log::warn!("clone metadata: {fallback}");
         *self.fallback.lock() = Some(fallback);
         current
     }

@@ -5,6 +5,7 @@
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
+use std::time::Duration;
 
 use log::{debug, warn};
 
@@ -112,10 +113,22 @@ impl Target {
 
     /// Connects and negotiates; the stream is ready for transmission.
     pub(super) fn dial(&self) -> Result<(Stream, ExportInfo), ClientError> {
-        let stream = self.open_socket().map_err(|source| ClientError::Connect {
-            address: self.address.to_string(),
-            source,
-        })?;
+        self.dial_within(self.options.connect_timeout)
+    }
+
+    /// [`Target::dial`], giving the TCP connect at most `connect` (and at most the connect
+    /// timeout): a redial is tried again soon anyway, with a fresh first SYN.
+    pub(super) fn dial_within(
+        &self,
+        connect: Duration,
+    ) -> Result<(Stream, ExportInfo), ClientError> {
+        let connect = connect.min(self.options.connect_timeout);
+        let stream = self
+            .open_socket(connect)
+            .map_err(|source| ClientError::Connect {
+                address: self.address.to_string(),
+                source,
+            })?;
         let timeout = Some(self.options.connect_timeout);
         stream
             .set_read_timeout(timeout)
@@ -133,7 +146,7 @@ impl Target {
         Ok((stream, info))
     }
 
-    fn open_socket(&self) -> io::Result<Stream> {
+    fn open_socket(&self, connect: Duration) -> io::Result<Stream> {
         match &self.address {
             NbdAddress::Unix { path } => {
                 crate::socket_path_fits(path)?;
@@ -142,7 +155,7 @@ impl Target {
             NbdAddress::Tcp { host, port } => {
                 let mut last = None;
                 for addr in (host.as_str(), *port).to_socket_addrs()? {
-                    match TcpStream::connect_timeout(&addr, self.options.connect_timeout) {
+                    match TcpStream::connect_timeout(&addr, connect) {
                         Ok(s) => {
                             // Requests are small and latency-bound; don't let Nagle hold them.
                             s.set_nodelay(true)?;

@@ -12,7 +12,9 @@
 //! path may leave a request unanswered before it is failed, default 5) and
 //! `failback immediate|manual` (multipathd's: with `immediate`, I/O goes back to a group
 //! earlier in the table as soon as one of its paths is reinstated; `manual`, the default and
-//! the kernel's behaviour, leaves that to `switch_group`). Hardware handlers
+//! the kernel's behaviour, leaves that to `switch_group`), and `no_path_identity_check`
+//! (paths are taken for one device without comparing their size and first 4 KiB; see
+//! `identity`). Hardware handlers
 //! (`<#hw handler args>` other than 0) are refused: udm's paths are not SCSI devices.
 //!
 //! Counts are bounded as the kernel bounds them, and every count must match what follows.
@@ -28,10 +30,10 @@ const DEFAULT_PATH_TIMEOUT: u64 = 5;
 /// The kernel's bound on every count in the line but the features'.
 const MAX_COUNT: usize = 1024;
 /// Every feature with its value, once each.
-const MAX_FEATURE_WORDS: usize = 10;
+const MAX_FEATURE_WORDS: usize = 11;
 const FEATURES: &str = "queue_if_no_path, no_path_retry <n>, retain_attached_hw_handler, \
                         checker_interval <seconds>, path_timeout <seconds>, \
-                        failback immediate|manual";
+                        failback immediate|manual, no_path_identity_check";
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(super) struct Features {
@@ -43,6 +45,7 @@ pub(super) struct Features {
     pub path_timeout: Option<u64>,
     /// `Some(true)` immediate, `Some(false)` manual (printed back only when given).
     pub failback: Option<bool>,
+    pub no_path_identity_check: bool,
 }
 
 impl Features {
@@ -78,6 +81,7 @@ impl Features {
             match name.as_str() {
                 "queue_if_no_path" => features.queue_if_no_path = true,
                 "retain_attached_hw_handler" => features.retain_attached_hw_handler = true,
+                "no_path_identity_check" => features.no_path_identity_check = true,
                 "no_path_retry" => {
                     value(&mut args)?;
                     features.no_path_retry = Some(args.number("no_path_retry")?);
@@ -132,6 +136,9 @@ impl Features {
         if let Some(immediate) = self.failback {
             let value = if immediate { "immediate" } else { "manual" };
             words.extend(["failback".to_string(), value.to_string()]);
+        }
+        if self.no_path_identity_check {
+            words.push("no_path_identity_check".to_string());
         }
         words
     }
@@ -368,7 +375,7 @@ mod tests {
                 "1",
                 "<#features>: 1 announced but only 0 argument(s) follow",
             ),
-            ("11 a b c d e f g h i j k 0 0 0", "invalid <#features> 11"),
+            ("12 a b c d e f g h i j k l 0 0 0", "invalid <#features> 12"),
             (
                 "2 failback soon 0 0 0",
                 "invalid <failback> 'soon': immediate or manual",

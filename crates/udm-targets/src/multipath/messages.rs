@@ -22,7 +22,11 @@ impl Multipath {
             }
             ("fail_path", [path]) => inner.fail_path(inner.path_named(path)?, "by message"),
             ("reinstate_path", [path]) => {
-                inner.reinstate_path(inner.path_named(path)?, "by message")
+                let path = inner.path_named(path)?;
+                if let Some(why) = inner.identity_mismatch(path) {
+                    return Err(TargetError::new(format!("multipath: {why}")));
+                }
+                inner.reinstate_path(path, "by message")
             }
             ("switch_group" | "enable_group" | "disable_group", [_]) => {
                 let group = self.group_number(words)?;

@@ -29,6 +29,7 @@
 mod args;
 mod checker;
 mod history;
+mod identity;
 mod io;
 mod messages;
 mod paths;
@@ -95,6 +96,7 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             args: path.args,
             load: Arc::new(Load::new(group.selector, group.paths.len())),
             dirty: AtomicBool::new(false),
+            elsewhere: AtomicBool::new(false),
         });
     }
     let mut groups = Vec::with_capacity(spec.groups.len());
@@ -106,6 +108,11 @@ pub fn construct(args: &mut Args, ctx: &TargetContext) -> Result<Arc<dyn Target>
             paths: first..end,
         });
         first = end;
+    }
+    // A device brought back after a restart was accepted before; its paths are checked
+    // again as they are reinstated.
+    if !spec.features.no_path_identity_check && !ctx.restoring {
+        identity::check_paths(&paths, ctx.len).map_err(|e| args.error(e))?;
     }
     let capabilities = Capabilities::weakest(paths.iter().map(|p| p.dev.capabilities()));
     let maps = !paths.is_empty()
@@ -172,6 +179,25 @@ impl Inner {
         }
         self.changed.notify_all();
         (self.raise_event)();
+    }
+
+    /// Why `path` must not be reinstated: it leads to another device than a usable path,
+    /// read now (see `identity`). Nothing to compare with while no other path is usable.
+    fn identity_mismatch(&self, path: usize) -> Option<String> {
+        if self.spec.features.no_path_identity_check {
+            return None;
+        }
+        let known = {
+            let state = self.state.lock();
+            (0..self.paths.len()).find(|&i| i != path && state.is_usable(i))?
+        };
+        let (path, known) = (&self.paths[path], &self.paths[known]);
+        let head = identity::read_head(&*path.dev, self.len).ok()?;
+        let known_head = identity::read_head(&*known.dev, self.len).ok()?;
+        identity::mismatch(
+            &identity::seen(path, &head),
+            &identity::seen(known, &known_head),
+        )
     }
 
     /// The path a message names.

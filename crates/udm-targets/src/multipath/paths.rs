@@ -22,6 +22,8 @@ pub(super) struct Path {
     pub load: Arc<Load>,
     /// Took writes since the last flush: the next flush must reach it.
     pub dirty: AtomicBool,
+    /// The checker found it leading to another device (said once until it no longer does).
+    pub elsewhere: AtomicBool,
 }
 
 pub(super) struct Group {
@@ -282,6 +284,7 @@ mod tests {
                     args: PathArgs::default(),
                     load: Arc::default(),
                     dirty: AtomicBool::new(false),
+                    elsewhere: AtomicBool::new(false),
                 });
             }
             groups.push(Group {

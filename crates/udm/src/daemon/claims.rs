@@ -15,13 +15,15 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use udm_block::{
     BlockDevice, Capabilities, Extent, MapOp, Mapping, OpenMode, Result as IoResult, WriteFlags,
     ZeroFlags,
 };
+
+use super::loopback::{loop_backing, LoopBacking};
 
 /// The byte udm locks in files it opens read-write: 2^63 − 2^16, beyond any real file's end.
 pub const LOCK_BYTE: i64 = i64::MAX - 0xffff;
@@ -75,6 +77,7 @@ impl Claims {
         owner: &str,
         mode: OpenMode,
     ) -> Result<ClaimGuard, String> {
+        let path = &underlying_file(path)?;
         let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
         self.claim(Key::File(meta.dev(), meta.ino()), owner, mode, Some(path))
     }
@@ -159,6 +162,21 @@ impl Claims {
             id,
         })
     }
+}
+
+/// The file whose claims `path` shares: a loop device's backing file (a loop device and its
+/// file are one place to write, and a `linear` over a loop device on a live clone's
+/// destination wrote under the clone), anything else itself. The lock goes on the backing
+/// file too, where another process claiming the file looks.
+fn underlying_file(path: &Path) -> Result<PathBuf, String> {
+    let backing = loop_backing(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(match backing {
+        LoopBacking::File(file) if file.exists() => file,
+        // A loop device whose file was removed (or that has none) is all there is of it.
+        LoopBacking::File(_) | LoopBacking::Detached | LoopBacking::NotALoopDevice => {
+            path.to_path_buf()
+        }
+    })
 }
 
 /// Takes (or strengthens) the entry's OFD lock on `path`.
@@ -387,6 +405,52 @@ mod tests {
         drop((snap, merge));
         let _clone = file.grant("clone", OpenMode::Exclusive);
         file.refuse("base", OpenMode::Handover, "in use by device 'clone'");
+    }
+
+    /// A loop device on the file, detached on drop.
+    struct LoopDevice(PathBuf);
+
+    impl LoopDevice {
+        fn on(file: &Path) -> LoopDevice {
+            let out = std::process::Command::new("losetup")
+                .args(["-f", "--show"])
+                .arg(file)
+                .output()
+                .expect("losetup");
+            assert!(out.status.success(), "losetup: {out:?}");
+            LoopDevice(String::from_utf8(out.stdout).unwrap().trim().into())
+        }
+    }
+
+    impl Drop for LoopDevice {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("losetup")
+                .arg("-d")
+                .arg(&self.0)
+                .status();
+        }
+    }
+
+    /// A `linear` over a loop device on a live clone's destination was granted: the claims
+    /// keyed the loop device by its own inode, not the file it writes.
+    #[test]
+    fn a_loop_device_shares_the_claims_of_its_backing_file() {
+        let file = Scratch::new("loop");
+        let device = LoopDevice::on(&file.path);
+        let _clone = file.grant("clone", OpenMode::Exclusive);
+        refused_with(
+            file.claims
+                .claim_file(&device.0, "linear", OpenMode::ReadWrite),
+            "in use by device 'clone'",
+        );
+        // And the other way round: the loop device claimed first keeps the file.
+        let other = Scratch::new("loop-first");
+        let device = LoopDevice::on(&other.path);
+        let _clone = other
+            .claims
+            .claim_file(&device.0, "clone", OpenMode::Exclusive)
+            .unwrap();
+        other.refuse("linear", OpenMode::ReadWrite, "in use by device 'clone'");
     }
 
     #[test]

@@ -481,6 +481,35 @@ mod tests {
         );
     }
 
+    /// A device that could not be restored is kept in the state dir, but a new device of its
+    /// name silently replaced its record, and with it the only copy of its tables. The name
+    /// is refused while the record holds it, until `remove` discards the record.
+    #[test]
+    fn an_unrestored_record_holds_its_name_until_removed() {
+        let dir = TempDir::new("unrestored");
+        std::fs::create_dir_all(dir.path("state/devices")).unwrap();
+        let orphan = br#"{"name":"orphan","read_only":false,"table":["0 8 linear nowhere 0"]}"#;
+        std::fs::write(dir.path("state/devices/orphan.json"), orphan).unwrap();
+        let r = Registry::in_scratch(&dir);
+        assert_eq!(r.restore().unwrap(), 0);
+        let Err(refused) = r.create("orphan", "0 8 zero", false, None) else {
+            panic!("a device replaced the record of one that could not be restored");
+        };
+        let refused = refused.to_string();
+        assert!(refused.contains("could not be restored"), "{refused}");
+        assert!(refused.contains("udm remove orphan"), "{refused}");
+        r.must_create("other", "0 8 zero");
+        let refused = r.rename("other", "orphan").unwrap_err().to_string();
+        assert!(refused.contains("could not be restored"), "{refused}");
+        assert_eq!(
+            std::fs::read(dir.path("state/devices/orphan.json")).unwrap(),
+            orphan
+        );
+        r.remove("orphan", false, Duration::ZERO).unwrap();
+        assert!(!dir.path("state/devices/orphan.json").exists());
+        r.must_create("orphan", "0 8 zero");
+    }
+
     /// A device is suspended only once everything built on it is back: building a table reads
     /// its lower devices (a clone's metadata here), and a read of a suspended device waits
     /// for a resume that would never come.

@@ -39,6 +39,13 @@ pub enum RegistryError {
     Incomplete(String),
     #[error("cannot save the state of '{0}': {1}")]
     Persist(String, std::io::Error),
+    #[error(
+        "device '{}' could not be restored at the daemon's start and its record {} is kept; \
+         restart the daemon once what its table needs is back, or run `udm remove {}` to \
+         discard the record",
+        shown(.0), .1.display(), shown(.0)
+    )]
+    Unrestored(String, PathBuf),
 }
 
 type Result<T, E = RegistryError> = std::result::Result<T, E>;
@@ -169,6 +176,19 @@ impl Registry {
         Ok(())
     }
 
+    /// Refuses `name` while the state dir keeps the record of a device of that name that
+    /// could not be restored (its table's devices were missing at the start, or the record
+    /// is damaged): a new device of the name would overwrite the only copy of its tables.
+    /// Refused rather than moved aside, because a record moved aside is never restored: the
+    /// user decides, and `remove` discards it ([`Registry::discard_unrestored`]).
+    pub(super) fn check_no_unrestored_record(&self, name: &str) -> Result<()> {
+        let path = self.state_path(name);
+        if !self.map().contains_key(name) && path.exists() {
+            return Err(RegistryError::Unrestored(name.into(), path));
+        }
+        Ok(())
+    }
+
     pub fn all(&self) -> Vec<Arc<Device>> {
         self.map().values().cloned().collect()
     }
@@ -272,6 +292,7 @@ impl Registry {
             check_uuid(uuid)?;
         }
         let _changes = self.changes.lock();
+        self.check_no_unrestored_record(name)?;
         let device = self.build_device(name, uuid, text, read_only, false, |_| {})?;
         self.save(&device)?;
         self.map().insert(name.to_string(), device.clone());

@@ -8,7 +8,7 @@ use log::{info, warn};
 use udm_block::{BlockDevice, SECTOR_SIZE};
 
 use super::device::Device;
-use super::registry::{Registry, RegistryError};
+use super::registry::{check_name, Registry, RegistryError};
 
 type Result<T, E = RegistryError> = std::result::Result<T, E>;
 
@@ -30,7 +30,12 @@ impl Registry {
     /// which first swaps in an all-error table so the clients' I/O fails instead of reaching
     /// the old targets.
     pub fn remove(&self, name: &str, force: bool, wait: Duration) -> Result<()> {
-        let device = self.get(name)?;
+        let device = match self.get(name) {
+            Err(RegistryError::NoSuchDevice(_)) if self.discard_unrestored(name)? => {
+                return Ok(());
+            }
+            found => found?,
+        };
         self.refuse_if_held(name)?;
         if !force && device.open_count() > 0 {
             device.wait_released(wait);
@@ -60,6 +65,11 @@ impl Registry {
         // the lock, which every other change needs, the resume that ends the wait among them.
         // Out of the map, the device is no longer the registry's to change.
         drop(changes);
+        if error_table.is_some() {
+            // The swap waits for the clients' requests in flight: one waiting on a remote
+            // that stopped answering would hold it for the whole remote timeout.
+            device.live().close_remotes();
+        }
         let retired = error_table.and_then(|t| device.replace_live(t));
         // The flush is owed to the table that took the writes: flushing the error table put
         // in by force only failed ("error target"), and left the real one unflushed.
@@ -78,6 +88,26 @@ impl Registry {
             info!("removed device '{name}'");
         }
         Ok(())
+    }
+
+    /// Removes the record of device `name` that could not be restored (see
+    /// [`Registry::check_no_unrestored_record`]); false when there is none.
+    fn discard_unrestored(&self, name: &str) -> Result<bool> {
+        // Only a valid name is a file in the state dir (not `../…`).
+        if check_name(name).is_err() {
+            return Ok(false);
+        }
+        let _changes = self.changes.lock();
+        let path = self.state_path(name);
+        if self.map().contains_key(name) || !path.exists() {
+            return Ok(false);
+        }
+        std::fs::remove_file(&path).map_err(|e| RegistryError::Persist(name.into(), e))?;
+        warn!(
+            "discarded the record of device '{name}', which could not be restored ({})",
+            path.display()
+        );
+        Ok(true)
     }
 
     /// Flushes every device (at shutdown). A suspended device is left alone: its I/O was

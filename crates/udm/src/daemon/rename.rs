@@ -15,6 +15,7 @@ impl Registry {
         let _changes = self.changes.lock();
         let device = self.get(name)?;
         self.check_unused(new_name)?;
+        self.check_no_unrestored_record(new_name)?;
         let holders = self.holders(name);
         if !holders.is_empty() {
             return Err(RegistryError::Busy(

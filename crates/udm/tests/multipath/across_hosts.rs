@@ -129,6 +129,36 @@ impl Lab {
         self.hosts[0].set_link(LINKS[server], !cut).unwrap();
     }
 
+    /// Cuts the link at the server's end, with A knowing the server's hardware address for
+    /// good: A's route and neighbour entry stay, so what A sends is lost on the way, as
+    /// across a router whose far side failed (A's connection attempts then wait for an
+    /// answer, where a route gone, or a neighbour that does not answer, fails them at once).
+    fn cut_far(&self, server: usize, cut: bool) {
+        let host = &self.hosts[server + 1];
+        if cut {
+            let out = Command::new("ip")
+                .args(["-n", host.name(), "-br", "link", "show", "to-a"])
+                .output()
+                .unwrap();
+            let line = String::from_utf8_lossy(&out.stdout).into_owned();
+            let mac = line.split_whitespace().nth(2).expect("a hardware address");
+            self.hosts[0]
+                .ip(&[
+                    "neigh",
+                    "replace",
+                    &server_address(server),
+                    "lladdr",
+                    mac,
+                    "dev",
+                    LINKS[server],
+                    "nud",
+                    "permanent",
+                ])
+                .unwrap();
+        }
+        host.set_link("to-a", !cut).unwrap();
+    }
+
     /// fio on A: 4 KiB random writes over the first 32 MiB at 2000 IOPS (about 4 s), then
     /// every block read back and checked.
     fn fio(&self) -> Child {
@@ -240,6 +270,64 @@ fn fio_verifies_every_write_while_a_link_is_cut() {
     let gap = fio_verified(fio, &lab);
     eprintln!("B's path failed {noticed:?} after the cut; longest write {gap:.1} ms");
     assert!(gap < 4000.0, "a write waited {gap} ms");
+}
+
+/// After a long outage the checker reinstated a path about 10 s after its link returned
+/// (`checker_interval 1`), past the documented checker interval plus at most 5 s of redial
+/// backoff: across a cut link a redial's connect waits for its SYNs to be answered (sent 0,
+/// 1, 3 and 7 s in) up to the 10 s connect timeout, and only then did the 5 s backoff
+/// start, so for up to 8 s no SYN went out. Attempts now start at most 5 s apart, each
+/// connect bounded by that.
+///
+/// The return is timed where it hurt: the backoff is first driven to its ceiling with the
+/// link cut at A's end (no route: each attempt fails at once), then the link is cut at B's
+/// end instead (A's SYNs are lost), and it returns half a second after an attempt gave up
+/// waiting (A's log says when). The old client then slept 5 s before its next SYN.
+#[test]
+fn a_path_is_reinstated_within_the_backoff_after_a_long_outage() {
+    let _serial = SERIAL.lock();
+    let Some(lab) = Lab::new("outage") else {
+        return;
+    };
+    lab.multipath(&["checker_interval", "1", "path_timeout", "1"]);
+    let attempts = |log: &str| -> Vec<String> {
+        log.lines()
+            .filter(|l| l.contains("nbd: reconnect attempt"))
+            .map(String::from)
+            .collect()
+    };
+    lab.cut(0, true);
+    lab.wait_status("B's path fails", |s| path_state(s, 0) == "F 1");
+    // 0.1 + 0.2 + … + 3.2 s: the seventh failure leaves the backoff at 5 s.
+    wait_for(|| attempts(&lab.a.log()).len() >= 7, "seven failed redials");
+    lab.cut_far(0, true);
+    lab.cut(0, false);
+    let before = attempts(&lab.a.log()).len();
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while !attempts(&lab.a.log())[before..]
+        .iter()
+        .any(|a| a.contains("timed out"))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no redial timed out:\n{}",
+            lab.a.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let back = Instant::now();
+    lab.cut_far(0, false);
+    lab.wait_status("the checker reinstates B's path", |s| {
+        path_state(s, 0) == "A 1"
+    });
+    let took = back.elapsed();
+    eprintln!("B's path reinstated {took:?} after its link returned");
+    // The SYN retransmitted a second into the next attempt, then a checker interval.
+    assert!(
+        took < Duration::from_secs(3),
+        "B's path reinstated {took:?} after its link returned"
+    );
 }
 
 #[test]

@@ -45,10 +45,13 @@ impl Rig {
         let cached_server = nbdkit(&sockets[0], &image, true);
         let plain_server = nbdkit(&sockets[1], &image, false);
         let (cached, plain) = (path(&sockets[0]), path(&sockets[1]));
+        // The cached path reads its unflushed writes, the plain one the image: one device
+        // read two ways, which the identity check would take for two devices.
         daemon.create(
             "mp",
             &format!(
-                "0 {} multipath 2 checker_interval 1 0 1 1 round-robin 0 2 1 {cached} 1 {plain} 1",
+                "0 {} multipath 3 checker_interval 1 no_path_identity_check 0 1 1 round-robin 0 \
+                 2 1 {cached} 1 {plain} 1",
                 16 * MIB / 512
             ),
         );

@@ -444,3 +444,42 @@ fn a_noflush_reload_hands_queued_io_to_the_new_table() {
         assert!(written.iter().all(|&b| b == fill), "round {round}");
     }
 }
+
+/// Paths to two exports of different volumes were accepted, and reads alternated between
+/// the two. The load compares the paths' size and first 4 KiB and refuses them in one line
+/// naming both; `no_path_identity_check` takes them as given.
+#[test]
+fn paths_to_two_different_exports_are_refused_naming_both() {
+    let peer = Daemon::start("mp-identity-peer");
+    let one = peer.dir.path("one.img");
+    let two = peer.dir.path("two.img");
+    pattern_file(&one, 16 * MIB as usize, 1);
+    pattern_file(&two, 16 * MIB as usize, 2);
+    for (name, file) in [("one", &one), ("two", &two)] {
+        let table = format!("0 {} linear {} 0", 16 * MIB / 512, file.display());
+        peer.udm(&["create", name, "--table", &table]);
+    }
+    let socket = peer.nbd_socket();
+    let [one, two] = ["one", "two"].map(|n| format!("nbd+unix:///{n}?socket={}", socket.display()));
+    let a = Daemon::start("mp-identity");
+    let table = |features: &str| {
+        format!(
+            "0 {} multipath {features} 0 1 1 round-robin 0 2 1 {one} 1 {two} 1",
+            16 * MIB / 512
+        )
+    };
+    let refused = a.udm_err(&["create", "mp", "--table", &table("0")]);
+    assert!(
+        refused.contains(&format!(
+            "path '{two}' leads to another device than path '{one}'"
+        )),
+        "{refused}"
+    );
+    assert_eq!(refused.trim().lines().count(), 1, "{refused}");
+    a.udm(&[
+        "create",
+        "mp",
+        "--table",
+        &table("1 no_path_identity_check"),
+    ]);
+}

@@ -1,6 +1,6 @@
 //! The multipath target over routes to one in-memory disk that fail on command (or over two
 //! names of one file, for mapped requests). One file per job: `failover` (paths failing,
-//! groups, queueing and its bounds), `checker`, `flush`, `mapped` (requests remapped onto
+//! groups, queueing and its bounds), `checker`, `flush`, `identity` (paths to another device), `mapped` (requests remapped onto
 //! the paths), `table` (the table line, messages, selectors). This file holds the rig they
 //! share.
 
@@ -18,6 +18,7 @@ use crate::Target;
 mod checker;
 mod failover;
 mod flush;
+mod identity;
 mod mapped;
 mod table;
 
@@ -52,8 +53,15 @@ impl Rig {
     }
 
     /// A live multipath of the whole disk with these arguments, and its event count.
+    /// The routes' read counts start after the build, whose reads compare the paths'
+    /// identities.
     fn build(&self, args: &str) -> (Table, Arc<AtomicU64>) {
-        build_counting_events(&self.devices, &format!("0 {SECTORS} multipath {args}")).unwrap()
+        let built =
+            build_counting_events(&self.devices, &format!("0 {SECTORS} multipath {args}")).unwrap();
+        for route in &self.routes {
+            route.reads.store(0, Ordering::SeqCst);
+        }
+        built
     }
 
     /// [`TWO_PATHS`] with these features (`N feature…`) instead of none.
