@@ -114,6 +114,7 @@ impl Walk {
         for f in 0..FILES {
             daemon.sparse(&file_name(f), BLOCK * BLOCKS as u64);
         }
+        daemon.sparse(ORIGIN_FILE, BLOCK * BLOCKS as u64);
         let mut world = World::new();
         for pool in POOLS {
             let meta = daemon.sparse(&format!("{pool}.meta"), 4 * MIB);
@@ -266,7 +267,11 @@ impl Walk {
     /// Reads all of `name` through NBD and compares it with the model, block run by block
     /// run; a read that hangs fails after 30 s.
     pub fn check_data(&self, name: &str) {
-        let expected = self.world.expected(name);
+        self.check_bytes(name, &self.world.expected(name));
+    }
+
+    /// Reads all of `name` through NBD and compares it with `expected`, block by block.
+    pub fn check_bytes(&self, name: &str, expected: &[u8]) {
         let mut runs = Vec::new();
         let mut start = 0;
         for i in 1..=BLOCKS {
