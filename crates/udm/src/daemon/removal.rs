@@ -28,7 +28,8 @@ impl Registry {
     /// Removes a device. A device another device's table uses is never removed; one a client
     /// has open, after waiting up to `wait` for its clients to let go, only with `force`,
     /// which first swaps in an all-error table so the clients' I/O fails instead of reaching
-    /// the old targets.
+    /// the old targets. The table is flushed, unless a device below is suspended (as the
+    /// kernel, which does not flush on removal).
     pub fn remove(&self, name: &str, force: bool, wait: Duration) -> Result<()> {
         let device = self.get(name)?;
         self.refuse_if_held(name)?;
@@ -56,9 +57,9 @@ impl Registry {
         if let Err(e) = std::fs::remove_file(&path) {
             warn!("removing {}: {e}", path.display());
         }
-        // The swap's drain and the flush wait for a suspended device below, if any: not under
-        // the lock, which every other change needs, the resume that ends the wait among them.
-        // Out of the map, the device is no longer the registry's to change.
+        // The swap's drain waits for I/O parked at a suspended device below, if any: not
+        // under the lock, which every other change needs, the resume that ends the wait
+        // among them. Out of the map, the device is no longer the registry's to change.
         drop(changes);
         let retired = error_table.and_then(|t| device.replace_live(t));
         // The flush is owed to the table that took the writes: flushing the error table put
@@ -66,7 +67,15 @@ impl Registry {
         let table = retired.unwrap_or_else(|| device.live());
         // Nothing may wait for a path that never comes back now.
         table.presuspend(false);
-        if let Err(e) = table.flush() {
+        // A flush through a suspended device would wait for its resume, and the removal
+        // with it, for ever if none comes. The kernel's removal does not flush at all
+        // (dm_destroy waits only for I/O in flight): nor does this one then.
+        if let Some(below) = self.suspended_under(&table) {
+            warn!(
+                "removing '{name}': it is built on suspended '{below}': not flushed (writes it \
+                 has not flushed yet may be lost)"
+            );
+        } else if let Err(e) = table.flush() {
             warn!("removing '{name}': flushing: {e}");
         }
         if opens > 0 {
@@ -85,19 +94,16 @@ impl Registry {
     /// gate forever, and it comes back suspended after the restart. So is a device built on
     /// a suspended one: its flush would wait at that gate (and the stop with it) for ever.
     pub fn flush_all(&self) {
-        let all = self.all();
-        let suspended: Vec<_> = all.iter().filter(|d| d.is_suspended()).collect();
-        for device in &all {
+        for device in self.all() {
             let name = device.name();
             if device.is_suspended() {
                 info!("'{name}' is suspended: nothing to flush");
                 continue;
             }
-            if let Some(below) = suspended.iter().find(|s| self.depends_on(&name, &s.name())) {
+            if let Some(below) = self.suspended_under(&device.live()) {
                 warn!(
-                    "'{name}' is built on suspended '{}': not flushed (writes it has not \
-                     flushed yet may be lost)",
-                    below.name()
+                    "'{name}' is built on suspended '{below}': not flushed (writes it has not \
+                     flushed yet may be lost)"
                 );
                 continue;
             }
