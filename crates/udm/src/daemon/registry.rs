@@ -197,6 +197,33 @@ impl Registry {
     pub fn dependencies(&self, device: &Device) -> Vec<String> {
         let mut tables = vec![device.live()];
         tables.extend(device.inactive());
+        self.devices_named_by(&tables)
+    }
+
+    /// The first suspended device that I/O through `table` reaches, through the live tables
+    /// of the devices it is built on: a flush of `table` would wait at that device's gate
+    /// until it is resumed.
+    pub(super) fn suspended_under(&self, table: &Arc<Table>) -> Option<String> {
+        let mut stack = self.devices_named_by(std::slice::from_ref(table));
+        let mut seen = Vec::new();
+        while let Some(name) = stack.pop() {
+            if seen.contains(&name) {
+                continue;
+            }
+            let Ok(below) = self.get(&name) else {
+                continue;
+            };
+            if below.is_suspended() {
+                return Some(name);
+            }
+            stack.extend(self.devices_named_by(&[below.live()]));
+            seen.push(name);
+        }
+        None
+    }
+
+    /// Device names `tables` use.
+    fn devices_named_by(&self, tables: &[Arc<Table>]) -> Vec<String> {
         let map = self.map();
         let mut deps: Vec<String> = Vec::new();
         for table in tables {

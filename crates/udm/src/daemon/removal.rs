@@ -28,7 +28,8 @@ impl Registry {
     /// Removes a device. A device another device's table uses is never removed; one a client
     /// has open, after waiting up to `wait` for its clients to let go, only with `force`,
     /// which first swaps in an all-error table so the clients' I/O fails instead of reaching
-    /// the old targets.
+    /// the old targets. The table is flushed, unless a device below is suspended (as the
+    /// kernel, which does not flush on removal).
     pub fn remove(&self, name: &str, force: bool, wait: Duration) -> Result<()> {
         let device = match self.get(name) {
             Err(RegistryError::NoSuchDevice(_)) if self.discard_unrestored(name)? => {
@@ -61,9 +62,9 @@ impl Registry {
         if let Err(e) = std::fs::remove_file(&path) {
             warn!("removing {}: {e}", path.display());
         }
-        // The swap's drain and the flush wait for a suspended device below, if any: not under
-        // the lock, which every other change needs, the resume that ends the wait among them.
-        // Out of the map, the device is no longer the registry's to change.
+        // The swap's drain waits for I/O parked at a suspended device below, if any: not
+        // under the lock, which every other change needs, the resume that ends the wait
+        // among them. Out of the map, the device is no longer the registry's to change.
         drop(changes);
         if error_table.is_some() {
             // The swap waits for the clients' requests in flight: one waiting on a remote
@@ -76,7 +77,15 @@ impl Registry {
         let table = retired.unwrap_or_else(|| device.live());
         // Nothing may wait for a path that never comes back now.
         table.presuspend(false);
-        if let Err(e) = table.flush() {
+        // A flush through a suspended device would wait for its resume, and the removal
+        // with it, for ever if none comes. The kernel's removal does not flush at all
+        // (dm_destroy waits only for I/O in flight): nor does this one then.
+        if let Some(below) = self.suspended_under(&table) {
+            warn!(
+                "removing '{name}': it is built on suspended '{below}': not flushed (writes it \
+                 has not flushed yet may be lost)"
+            );
+        } else if let Err(e) = table.flush() {
             warn!("removing '{name}': flushing: {e}");
         }
         if opens > 0 {
@@ -115,19 +124,16 @@ impl Registry {
     /// gate forever, and it comes back suspended after the restart. So is a device built on
     /// a suspended one: its flush would wait at that gate (and the stop with it) for ever.
     pub fn flush_all(&self) {
-        let all = self.all();
-        let suspended: Vec<_> = all.iter().filter(|d| d.is_suspended()).collect();
-        for device in &all {
+        for device in self.all() {
             let name = device.name();
             if device.is_suspended() {
                 info!("'{name}' is suspended: nothing to flush");
                 continue;
             }
-            if let Some(below) = suspended.iter().find(|s| self.depends_on(&name, &s.name())) {
+            if let Some(below) = self.suspended_under(&device.live()) {
                 warn!(
-                    "'{name}' is built on suspended '{}': not flushed (writes it has not \
-                     flushed yet may be lost)",
-                    below.name()
+                    "'{name}' is built on suspended '{below}': not flushed (writes it has not \
+                     flushed yet may be lost)"
                 );
                 continue;
             }

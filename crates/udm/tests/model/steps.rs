@@ -10,18 +10,19 @@ use crate::Walk;
 pub fn random_step(walk: &mut Walk) -> String {
     let roll = walk.rng.below(100);
     match roll {
-        0..=11 => create(walk),
-        12..=18 => load(walk),
-        19..=21 => clear(walk),
-        22..=28 => suspend(walk),
-        29..=37 => resume(walk),
-        38..=41 => rename(walk),
-        42..=47 => remove(walk),
-        48..=59 => write(walk),
-        60..=65 => clone_message(walk),
-        66..=72 => finalize(walk),
-        73..=83 => thin_message(walk),
-        84..=89 => send_receive(walk),
+        0..=9 => create(walk),
+        10..=15 => load(walk),
+        16..=18 => clear(walk),
+        19..=24 => suspend(walk),
+        25..=32 => resume(walk),
+        33..=36 => rename(walk),
+        37..=41 => remove(walk),
+        42..=51 => write(walk),
+        52..=56 => clone_message(walk),
+        57..=62 => finalize(walk),
+        63..=71 => thin_message(walk),
+        72..=79 => send_receive(walk),
+        80..=89 => classic(walk),
         90..=94 => {
             walk.restart(false);
             "restart (SIGTERM)".into()
@@ -185,19 +186,18 @@ fn remove(walk: &mut Walk) -> String {
         walk.fails(&["remove", &name], "does not exist");
         return format!("remove {name}: refused, no such device");
     }
-    if !walk.world.flows_below(&name) {
-        // A removal flushes the device's table, and that flush waits for the suspended
-        // device below it to be resumed (removal.rs: by design, outside the lock so that
-        // the resume can come); the walk has one thread to resume it with.
-        return format!("remove {name}: skipped, it would wait for a device below to resume");
-    }
     let holders = walk.world.holders(&name);
     if !holders.is_empty() {
         walk.fails(&["remove", &name], &holders[0]);
         return format!("remove {name}: refused, used by {holders:?}");
     }
+    // Over a suspended device, the removal does not wait to flush (as the kernel's).
+    let over_suspended = !walk.world.flows_below(&name);
     walk.ok(&["remove", &name]);
     walk.world.devices.remove(&name);
+    if over_suspended {
+        return format!("remove {name} (over a suspended device)");
+    }
     format!("remove {name}")
 }
 
@@ -208,12 +208,19 @@ fn write(walk: &mut Walk) -> String {
     if !walk.world.exists(&name) || !walk.world.flows(&name) {
         return format!("write {name}: skipped, missing or suspended");
     }
+    write_somewhere(walk, &name)
+}
+
+/// Writes a random pattern over a few random blocks of `name`, where I/O flows.
+fn write_somewhere(walk: &mut Walk, name: &str) -> String {
+    let name = name.to_string();
     let first = walk.rng.below(BLOCKS as u64) as usize;
     let blocks = 1 + walk.rng.below((BLOCKS - first).min(8) as u64) as usize;
     let byte = 1 + walk.rng.below(255) as u8;
     walk.write(&name, first, blocks, byte);
     if let Content::Store(store) = walk.world.content(&name) {
         walk.world.stores.get_mut(&store).unwrap()[first..first + blocks].fill(byte);
+        walk.world.written(&store);
     }
     if let Some(n) = clone_of(walk, &name) {
         walk.world.clones.get_mut(&n).unwrap().written[first..first + blocks].fill(true);
@@ -365,26 +372,10 @@ fn thin_message(walk: &mut Walk) -> String {
                 .thin_exists(pool, id)
                 .then(|| "already exists".to_string()),
         ),
-        1 => {
-            let active = world
-                .thin_users(pool, origin, true)
-                .into_iter()
-                .filter(|user| !world.devices[user].suspended)
-                .collect::<Vec<_>>();
-            let refusal = if world.thin_exists(pool, id) {
-                Some("already exists".to_string())
-            } else if !world.thin_exists(pool, origin) {
-                Some("does not exist".to_string())
-            } else if !active.is_empty() {
-                Some("is active as".to_string())
-            } else {
-                None
-            };
-            (
-                vec!["create_snap".into(), id.to_string(), origin.to_string()],
-                refusal,
-            )
-        }
+        1 => (
+            vec!["create_snap".into(), id.to_string(), origin.to_string()],
+            world.snapshot_refusal(pool, id, origin).map(String::from),
+        ),
         _ => {
             let users = world.thin_users(pool, id, false);
             let refusal = if !world.thin_exists(pool, id) {
@@ -415,40 +406,89 @@ fn thin_message(walk: &mut Walk) -> String {
         }
         _ => {
             stores.remove(&thin_store(pool, id));
+            if let Some(replica) = walk.world.replicas.get_mut(&id) {
+                *replica = Replica::Unknown;
+            }
         }
     }
     format!("message {pool} {words:?}")
 }
 
-/// `udm send pool ID | udm receive pool2 ID`: the snapshot arrives whole in the second pool.
+/// `udm send pool ID [--from BASE] | udm receive pool2 ID`: a full stream, or an increment
+/// from a snapshot received before, arrives whole in the second pool and is read back there;
+/// an increment from a base written since it was sent (on either side) is refused.
 fn send_receive(walk: &mut Walk) -> String {
     let id = walk.rng.below(*THIN_IDS.end() as u64) as u32 + 1;
     let (from, to) = (POOLS[0], POOLS[1]);
     if walk.world.devices[from].suspended || walk.world.devices[to].suspended {
         return format!("send {from} {id}: skipped, a pool is suspended");
     }
-    let id_text = id.to_string();
-    let send = ["send", from, &id_text];
-    if !walk.world.thin_exists(from, id) {
-        walk.fails(&send, "does not exist");
-        return format!("send {from} {id}: refused, no such thin device");
+    if walk.rng.chance(50) {
+        return replication_round(walk);
     }
-    let writers = walk.world.thin_users(from, id, true);
-    if !writers.is_empty() {
-        walk.fails(&send, "writable");
-        return format!("send {from} {id}: refused, used by {writers:?}");
+    // Bases the sender still has, mostly.
+    let received: Vec<u32> = walk
+        .world
+        .replicas
+        .keys()
+        .copied()
+        .filter(|b| walk.world.thin_exists(from, *b) || walk.rng.chance(20))
+        .collect();
+    let base = match walk.rng.below(10) {
+        0..=3 => None,
+        4..=8 if !received.is_empty() => Some(walk.rng.pick(&received)),
+        _ => Some(walk.rng.below(*THIN_IDS.end() as u64) as u32 + 1),
+    };
+    // Mostly a device of the pool, often a snapshot taken for the send (as a replication
+    // round does), else any id.
+    let existing: Vec<u32> = THIN_IDS
+        .filter(|id| walk.world.thin_exists(from, *id))
+        .collect();
+    let (id, took) = match walk.rng.below(10) {
+        0..=3 => fresh_snapshot(walk, from).unwrap_or((id, String::new())),
+        4..=7 if !existing.is_empty() => (walk.rng.pick(&existing), String::new()),
+        _ => (id, String::new()),
+    };
+    send_and_receive(walk, id, base, took)
+}
+
+/// `udm send pool ID [--from BASE] | udm receive pool2 ID` (neither pool suspended), checked
+/// against the model; `took` says what the step did before.
+fn send_and_receive(walk: &mut Walk, id: u32, base: Option<u32>, took: String) -> String {
+    let (from, to) = (POOLS[0], POOLS[1]);
+    let (id_text, base_text) = (id.to_string(), base.map(|b| b.to_string()));
+    let mut send = vec!["send", from, &id_text];
+    if let Some(base) = &base_text {
+        send.extend(["--from", base]);
+    }
+    let what = format!("{took}send {}", send[1..].join(" "));
+    if base == Some(id) {
+        walk.fails(&send, "is the snapshot sent");
+        return format!("{what}: refused, its own base");
+    }
+    // The sender's refusals, in the order it checks: the snapshot, then the base.
+    for sent in std::iter::once(id).chain(base) {
+        if !walk.world.thin_exists(from, sent) {
+            walk.fails(&send, "does not exist");
+            return format!("{what}: refused, no thin device {sent}");
+        }
+        let writers = walk.world.thin_users(from, sent, true);
+        if !writers.is_empty() {
+            walk.fails(&send, "writable");
+            return format!("{what}: refused, {sent} used by {writers:?}");
+        }
     }
     let stream = walk.daemon.dir.path("stream");
     let out = Command::new("timeout")
         .args(["30", crate::common::UDM])
-        .args(send)
+        .args(&send)
         .env("UDM_CONTROL", walk.daemon.control())
         .stdout(std::fs::File::create(&stream).unwrap())
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "udm send {from} {id}: {}",
+        "udm {send:?}: {}",
         udm_testkit::printed(&out)
     );
     let receive = Command::new("timeout")
@@ -458,15 +498,290 @@ fn send_receive(walk: &mut Walk) -> String {
         .output()
         .unwrap();
     let text = udm_testkit::printed(&receive);
-    if walk.world.thin_exists(to, id) {
+    let what = format!("{what} | receive {to} {id}");
+    let refusal = if walk.world.thin_exists(to, id) {
+        Some("exists")
+    } else {
+        base.and_then(|base| match walk.world.replicas.get(&base) {
+            None => Some("wrong base"),
+            Some(Replica::WrittenOnSender) => Some("written on the sender since it was sent"),
+            Some(Replica::WrittenOnReceiver) => Some("was written here since it was received"),
+            Some(Replica::Exact) if !walk.world.thin_users(to, base, true).is_empty() => {
+                Some("writable")
+            }
+            Some(Replica::Exact) => None,
+            Some(Replica::Unknown) if !receive.status.success() => Some(""),
+            Some(Replica::Unknown) => None,
+        })
+    };
+    if let Some(refusal) = refusal {
         assert!(
-            !receive.status.success() && text.contains("exists"),
-            "udm receive {to} {id} over an existing thin device: {text}"
+            !receive.status.success() && text.contains(refusal) && text.trim().lines().count() == 1,
+            "udm {what} must be refused in one line naming {refusal:?}: {text}"
         );
-        return format!("send {from} {id} | receive {to} {id}: refused, it exists");
+        return format!("{what}: refused ({})", text.trim());
     }
-    assert!(receive.status.success(), "udm receive {to} {id}: {text}");
+    assert!(receive.status.success(), "udm {what}: {text}");
     let content = walk.world.stores[&thin_store(from, id)].clone();
-    walk.world.stores.insert(thin_store(to, id), content);
-    format!("send {from} {id} | receive {to} {id}")
+    walk.world
+        .stores
+        .insert(thin_store(to, id), content.clone());
+    walk.world.replicas.insert(id, Replica::Exact);
+    // The replica, read back through a table of its own.
+    let table = Table::Thin { pool: to, id }.text(&walk.daemon.dir.0);
+    walk.ok(&["create", RECEIVED, "--readonly", "--table", &table]);
+    walk.check_bytes(RECEIVED, &content);
+    walk.ok(&["remove", RECEIVED]);
+    what
+}
+
+/// A step of replication as it is done: volume `v` (thin device `VOLUME` of the first pool)
+/// written, snapshotted (suspended around the `create_snap`) and each snapshot sent, in full
+/// or as an increment from the last one received; now and then a sent base written through
+/// a table of its own on either side, after which an increment from it must be refused.
+fn replication_round(walk: &mut Walk) -> String {
+    let pool = POOLS[0];
+    if !walk.world.thin_exists(pool, VOLUME) {
+        walk.ok(&["message", pool, "0", "create_thin", &VOLUME.to_string()]);
+        walk.world
+            .stores
+            .insert(thin_store(pool, VOLUME), vec![0; BLOCKS]);
+        let table = Table::Thin { pool, id: VOLUME };
+        return format!(
+            "message {pool} 0 create_thin {VOLUME}; {}",
+            create_classic(walk, REPLICATED, table)
+        );
+    }
+    let bases: Vec<u32> = SNAPSHOT_IDS
+        .filter(|b| walk.world.replicas.contains_key(b) && walk.world.thin_exists(pool, *b))
+        .collect();
+    match walk.rng.below(10) {
+        0..=3 => write_somewhere(walk, REPLICATED),
+        8 | 9 if !bases.is_empty() => {
+            let (base, side) = (walk.rng.pick(&bases), walk.rng.pick(&POOLS));
+            if !walk.world.thin_exists(side, base) {
+                return format!("write {side}:{base}: skipped, deleted");
+            }
+            create_classic(
+                walk,
+                WRITER,
+                Table::Thin {
+                    pool: side,
+                    id: base,
+                },
+            );
+            let wrote = write_somewhere(walk, WRITER);
+            walk.ok(&["remove", WRITER]);
+            walk.world.devices.remove(WRITER);
+            format!("{wrote} (thin device {base} of {side}, sent)")
+        }
+        _ => {
+            // A snapshot id free in both pools: the oldest snapshot goes from both if need be.
+            let id = walk.rng.pick(&SNAPSHOT_IDS.collect::<Vec<_>>());
+            let mut took = String::new();
+            for side in POOLS {
+                if walk.world.thin_exists(side, id) {
+                    walk.ok(&["message", side, "0", "delete", &id.to_string()]);
+                    walk.world.stores.remove(&thin_store(side, id));
+                    walk.world.replicas.insert(id, Replica::Unknown);
+                    took += &format!("message {side} 0 delete {id}; ");
+                }
+            }
+            walk.ok(&["suspend", REPLICATED]);
+            walk.ok(&[
+                "message",
+                pool,
+                "0",
+                "create_snap",
+                &id.to_string(),
+                &VOLUME.to_string(),
+            ]);
+            walk.ok(&["resume", REPLICATED]);
+            let now = walk.world.stores[&thin_store(pool, VOLUME)].clone();
+            walk.world.stores.insert(thin_store(pool, id), now);
+            took += &format!("message {pool} 0 create_snap {id} {VOLUME}; ");
+            // Mostly an increment from a snapshot received before.
+            let bases: Vec<u32> = bases.into_iter().filter(|b| *b != id).collect();
+            let base = (!bases.is_empty() && walk.rng.chance(80)).then(|| walk.rng.pick(&bases));
+            send_and_receive(walk, id, base, took)
+        }
+    }
+}
+
+/// Takes a snapshot of a device of `pool` into a free id, if one may be taken; returns its id
+/// and what was done.
+fn fresh_snapshot(walk: &mut Walk, pool: &'static str) -> Option<(u32, String)> {
+    let world = &walk.world;
+    // Free in the receiving pool too, where there is such an id, so that it can be received.
+    let free_in = |pools: &[&str]| -> Vec<u32> {
+        THIN_IDS
+            .filter(|id| pools.iter().all(|pool| !world.thin_exists(pool, *id)))
+            .collect()
+    };
+    let free = match free_in(&POOLS) {
+        both if !both.is_empty() => both,
+        _ => free_in(&[pool]),
+    };
+    let origins: Vec<u32> = THIN_IDS
+        .filter(|origin| {
+            free.first()
+                .is_some_and(|id| world.snapshot_refusal(pool, *id, *origin).is_none())
+        })
+        .collect();
+    if origins.is_empty() {
+        return None;
+    }
+    let (id, origin) = (walk.rng.pick(&free), walk.rng.pick(&origins));
+    let (id_text, origin_text) = (id.to_string(), origin.to_string());
+    walk.ok(&["message", pool, "0", "create_snap", &id_text, &origin_text]);
+    let content = walk.world.stores[&thin_store(pool, origin)].clone();
+    walk.world.stores.insert(thin_store(pool, id), content);
+    Some((id, format!("message {pool} 0 create_snap {id} {origin}; ")))
+}
+
+/// One step in the life of a classic snapshot, chosen by where that life is: the origin
+/// device made, a snapshot of it taken, both written (the snapshot must keep the origin as it
+/// was at its first resume), the snapshot suspended and merged back into the origin, the
+/// snapshot device removed, the merge waited for and finalized. The walk's restarts and
+/// `kill -9`s fall between any two of these steps, in the middle of a merge among them.
+fn classic(walk: &mut Walk) -> String {
+    let Some(origin) = walk.world.devices.get(ORIGIN) else {
+        return create_classic(walk, ORIGIN, Table::Origin);
+    };
+    if let Table::Merge { cow } = origin.live {
+        return if walk.world.exists(SNAPSHOT) {
+            // The snapshot device's I/O fails from the merge's resume on: LVM drops it.
+            walk.ok(&["remove", SNAPSHOT]);
+            walk.world.devices.remove(SNAPSHOT);
+            format!("remove {SNAPSHOT} (merging)")
+        } else if walk.rng.chance(40) {
+            write_classic(walk, ORIGIN)
+        } else {
+            finish_merge(walk, cow)
+        };
+    }
+    let Some(snapshot) = walk.world.devices.get(SNAPSHOT) else {
+        return match walk.rng.below(10) {
+            0..=1 => write_classic(walk, ORIGIN),
+            2 => {
+                walk.ok(&["remove", ORIGIN]);
+                walk.world.devices.remove(ORIGIN);
+                format!("remove {ORIGIN}")
+            }
+            _ => take_snapshot(walk),
+        };
+    };
+    let Table::Snapshot { cow } = snapshot.live else {
+        unreachable!("only the classic steps make {SNAPSHOT}")
+    };
+    let handover_refused = format!(
+        "unable to perform snapshot handover until source is suspended: device '{SNAPSHOT}'"
+    );
+    if !snapshot.suspended {
+        return match walk.rng.below(10) {
+            0..=1 => write_classic(walk, ORIGIN),
+            2..=3 => write_classic(walk, SNAPSHOT),
+            4 => {
+                // Two live tables on one COW device would write one store as aliases.
+                let table = Table::Snapshot { cow }.text(&walk.daemon.dir.0);
+                walk.fails(&["create", TWIN, "--table", &table], &handover_refused);
+                format!("create {TWIN} on {SNAPSHOT}'s COW device: refused, {SNAPSHOT} is live")
+            }
+            5 => {
+                // The merge takes the COW device over, so the snapshot device must be
+                // suspended first (the kernel's snapshot_preresume): the resume is refused,
+                // and the merge table stays loaded until cleared.
+                let table = Table::Merge { cow };
+                walk.ok(&["load", ORIGIN, "--table", &table.text(&walk.daemon.dir.0)]);
+                walk.fails(&["resume", ORIGIN], &handover_refused);
+                walk.ok(&["clear", ORIGIN]);
+                format!("merge into {ORIGIN}: refused, {SNAPSHOT} is live")
+            }
+            _ => {
+                walk.ok(&["suspend", SNAPSHOT]);
+                walk.world.devices.get_mut(SNAPSHOT).unwrap().suspended = true;
+                format!("suspend {SNAPSHOT}")
+            }
+        };
+    }
+    match walk.rng.below(10) {
+        0..=1 => {
+            walk.ok(&["resume", SNAPSHOT]);
+            walk.world.devices.get_mut(SNAPSHOT).unwrap().suspended = false;
+            walk.check_data(SNAPSHOT);
+            format!("resume {SNAPSHOT}")
+        }
+        2..=3 => write_classic(walk, ORIGIN),
+        _ => start_merge(walk, cow),
+    }
+}
+
+fn create_classic(walk: &mut Walk, name: &str, table: Table) -> String {
+    walk.ok(&["create", name, "--table", &table.text(&walk.daemon.dir.0)]);
+    walk.world.devices.insert(
+        name.to_string(),
+        Device {
+            live: table.clone(),
+            inactive: None,
+            suspended: false,
+            event_nr: None,
+        },
+    );
+    walk.check_data(name);
+    format!("create {name} {table:?}")
+}
+
+/// A snapshot on a fresh COW device: it reads as the origin does now.
+fn take_snapshot(walk: &mut Walk) -> String {
+    let cow = walk.world.next_cow;
+    walk.world.next_cow += 1;
+    walk.daemon.sparse(&cow_file(cow), COW_BYTES);
+    let now = walk.world.stores[ORIGIN_FILE].clone();
+    walk.world.stores.insert(cow_file(cow), now);
+    create_classic(walk, SNAPSHOT, Table::Snapshot { cow })
+}
+
+/// A write to the origin or the snapshot; both are read back (the other must not change).
+fn write_classic(walk: &mut Walk, name: &str) -> String {
+    let done = write_somewhere(walk, name);
+    for other in [ORIGIN, SNAPSHOT] {
+        if other != name && walk.world.exists(other) && walk.world.flows(other) {
+            walk.check_data(other);
+        }
+    }
+    done
+}
+
+/// The merge of suspended snapshot `cow` into the origin: the origin reads as the snapshot
+/// at once, and copies it back in the background, slowly, so that restarts come mid-merge.
+fn start_merge(walk: &mut Walk, cow: usize) -> String {
+    let table = Table::Merge { cow };
+    walk.ok(&["load", ORIGIN, "--table", &table.text(&walk.daemon.dir.0)]);
+    walk.ok(&["resume", ORIGIN]);
+    walk.ok(&["message", ORIGIN, "0", "max_merge_rate", "256"]);
+    let view = walk.world.stores[&cow_file(cow)].clone();
+    walk.world.stores.insert(ORIGIN_FILE.into(), view);
+    walk.world.devices.get_mut(ORIGIN).unwrap().live = table.clone();
+    walk.check_data(ORIGIN);
+    format!("merge {SNAPSHOT} into {ORIGIN} {table:?}")
+}
+
+/// The end of a merge: waited for (a stall is a failure), then finalized back to
+/// `snapshot-origin`, the origin reading as the snapshot did.
+fn finish_merge(walk: &mut Walk, cow: usize) -> String {
+    walk.ok(&["message", ORIGIN, "0", "max_merge_rate", "0"]);
+    let out = Command::new("timeout")
+        .args(["60", crate::common::UDM, "wait", ORIGIN, "--progress"])
+        .env("UDM_CONTROL", walk.daemon.control())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "udm wait {ORIGIN} --progress: {}",
+        udm_testkit::printed(&out)
+    );
+    walk.ok(&["finalize", ORIGIN]);
+    walk.world.devices.get_mut(ORIGIN).unwrap().live = Table::Origin;
+    walk.check_data(ORIGIN);
+    format!("finalize {ORIGIN} (merged {})", cow_file(cow))
 }

@@ -13,8 +13,27 @@ pub const NAMES: [&str; 5] = ["a", "b", "c", "d", "e"];
 /// the second); thin device ids are picked from `THIN_IDS`.
 pub const POOLS: [&str; 2] = ["pool", "pool2"];
 pub const THIN_IDS: std::ops::RangeInclusive<u32> = 1..=6;
+/// The replicated volume, device `v`, is thin device `VOLUME` of the first pool; its
+/// snapshots, sent to the second pool under the same ids, take ids from `SNAPSHOT_IDS`; a
+/// sent snapshot is written through device `w`. Out of the other verbs' way.
+pub const VOLUME: u32 = 7;
+pub const SNAPSHOT_IDS: std::ops::RangeInclusive<u32> = 8..=10;
+pub const REPLICATED: &str = "v";
+pub const WRITER: &str = "w";
 /// Plain backing files linear tables map.
 pub const FILES: usize = 3;
+/// Classic snapshots have devices of their own, out of the way of the other verbs: `o`
+/// serves the origin file, `s` is a snapshot of it, and `t` a second snapshot table on `s`'s
+/// COW device (a handover, refused while `s` is live).
+pub const ORIGIN: &str = "o";
+pub const SNAPSHOT: &str = "s";
+pub const TWIN: &str = "t";
+/// A received thin device is read back through a read-only device of this name, at once
+/// removed.
+pub const RECEIVED: &str = "r";
+pub const ORIGIN_FILE: &str = "origin.img";
+/// A COW device holds every chunk of the origin and its metadata with room to spare.
+pub const COW_BYTES: u64 = 2 * BLOCK * BLOCKS as u64;
 
 /// A source file every clone copies from; never written, so its blocks are these.
 pub fn source_byte(block: usize) -> u8 {
@@ -42,6 +61,16 @@ pub enum Table {
         pool: &'static str,
         id: u32,
     },
+    /// `snapshot-origin` over the origin file.
+    Origin,
+    /// A `snapshot` of the origin file on COW file `cow_file(cow)`, in chunks of 4 KiB.
+    Snapshot {
+        cow: usize,
+    },
+    /// `snapshot-merge` of COW file `cow_file(cow)` back into the origin file.
+    Merge {
+        cow: usize,
+    },
 }
 
 impl Table {
@@ -64,12 +93,29 @@ impl Table {
                 path("source.img")
             ),
             Table::Thin { pool, id } => format!("0 {SECTORS} thin {pool} {id}"),
+            Table::Origin => format!("0 {SECTORS} snapshot-origin {}", path(ORIGIN_FILE)),
+            Table::Snapshot { cow } => format!(
+                "0 {SECTORS} snapshot {} {} P 8",
+                path(ORIGIN_FILE),
+                path(&cow_file(*cow))
+            ),
+            Table::Merge { cow } => format!(
+                "0 {SECTORS} snapshot-merge {} {} P 8",
+                path(ORIGIN_FILE),
+                path(&cow_file(*cow))
+            ),
         }
     }
 }
 
 pub fn clone_dest(n: usize) -> String {
     format!("clone{n}.dest")
+}
+
+/// A COW file; in the model's stores, the snapshot's view: the origin as it was at the
+/// snapshot's first resume, with the snapshot's own writes.
+pub fn cow_file(n: usize) -> String {
+    format!("cow{n}.img")
 }
 
 pub fn thin_store(pool: &str, id: u32) -> String {
@@ -101,6 +147,22 @@ pub enum Content {
     Store(String),
 }
 
+/// What the second pool's copy of a thin device is to an increment from it (the walk
+/// receives the first pool's device ID as the second pool's device ID).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Replica {
+    /// Received, and neither copy written since: an increment from it must be received.
+    Exact,
+    /// Written on the sender since it was sent: an increment from it must be refused.
+    WrittenOnSender,
+    /// Written on the receiver since it was received (and not on the sender): refused.
+    WrittenOnReceiver,
+    /// Deleted on either side since, perhaps made again: whether the stamps and creation
+    /// times tell is not the model's to know. An increment from it may be refused, but one
+    /// received must make the snapshot.
+    Unknown,
+}
+
 #[derive(Default)]
 pub struct World {
     pub devices: BTreeMap<String, Device>,
@@ -109,6 +171,10 @@ pub struct World {
     /// Settings of each clone by number (kept after it is finalized: harmless).
     pub clones: BTreeMap<usize, CloneSettings>,
     pub next_clone: usize,
+    /// The number of the next snapshot's COW file (each snapshot gets a fresh one).
+    pub next_cow: usize,
+    /// The second pool's received copies of the first pool's thin devices, by id.
+    pub replicas: BTreeMap<u32, Replica>,
 }
 
 impl World {
@@ -117,6 +183,7 @@ impl World {
         for f in 0..FILES {
             world.stores.insert(file_name(f), vec![0; BLOCKS]);
         }
+        world.stores.insert(ORIGIN_FILE.into(), vec![0; BLOCKS]);
         world
     }
 
@@ -139,6 +206,24 @@ impl World {
             })
             .map(|(n, _)| n.clone())
             .collect()
+    }
+
+    /// Why `create_snap id origin` must be refused in `pool` now: what its error says.
+    pub fn snapshot_refusal(&self, pool: &str, id: u32, origin: u32) -> Option<&'static str> {
+        let active = self
+            .thin_users(pool, origin, true)
+            .into_iter()
+            .any(|user| !self.devices[&user].suspended);
+        // The pool asks about an active origin first (pool.rs), the metadata the rest.
+        if active {
+            Some("is active as")
+        } else if self.thin_exists(pool, id) {
+            Some("already exists")
+        } else if !self.thin_exists(pool, origin) {
+            Some("does not exist")
+        } else {
+            None
+        }
     }
 
     /// Devices whose live or inactive table maps thin device `id` of `pool`.
@@ -197,6 +282,10 @@ impl World {
             Table::Over { below } => self.content(below),
             Table::Clone { n, .. } => Content::Store(clone_dest(*n)),
             Table::Thin { pool, id } => Content::Store(thin_store(pool, *id)),
+            // A merge reads as the snapshot at once: the model copies the snapshot's view
+            // onto the origin's when the merge is resumed.
+            Table::Origin | Table::Merge { .. } => Content::Store(ORIGIN_FILE.into()),
+            Table::Snapshot { cow } => Content::Store(cow_file(*cow)),
         }
     }
 
@@ -220,6 +309,23 @@ impl World {
             Content::Zero => vec![0; BLOCKS],
             Content::Store(store) => self.stores[&store].clone(),
         }
+    }
+
+    /// A write has reached backing store `store`: a thin device's copy, sent or received,
+    /// is then no base for an increment.
+    pub fn written(&mut self, store: &str) {
+        let Some((pool, id)) = store.split_once(':') else {
+            return;
+        };
+        let Some(replica) = self.replicas.get_mut(&id.parse().unwrap()) else {
+            return;
+        };
+        *replica = match (*replica, pool == POOLS[0]) {
+            (Replica::Unknown, _) => Replica::Unknown,
+            // The receiver checks the sender's stamp first.
+            (_, true) | (Replica::WrittenOnSender, false) => Replica::WrittenOnSender,
+            (_, false) => Replica::WrittenOnReceiver,
+        };
     }
 
     /// A new clone's number, its settings and destination as the model sees them.
